@@ -1,0 +1,50 @@
+# ddpflow developer commands. `make demo` and `make test` are the README's two.
+VENV    ?= .venv
+PYTHON  ?= python3
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.ddpflow-installed
+
+# Prefect and MLflow keep their state inside the project, never in ~.
+export PREFECT_HOME ?= $(CURDIR)/.ddpflow/prefect
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 90
+
+.PHONY: venv demo test test-fast bench bench-quick stack-up stack-down stack-status clean
+
+venv: $(STAMP)
+
+# torch==2.13.0 first: a CPU build from the local wheel. Installing the project
+# first would let pip resolve `torch>=2.4` to a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+demo: venv
+	$(VENV)/bin/ddpflow run --config configs/demo.yaml
+
+test: venv
+	$(PY) -m pytest
+
+test-fast: venv
+	$(PY) -m pytest -m "not slow"
+
+bench: venv
+	$(PY) -m bench
+
+bench-quick: venv
+	$(PY) -m bench --quick
+
+stack-up: venv
+	$(VENV)/bin/ddpflow stack up
+
+stack-down: venv
+	$(VENV)/bin/ddpflow stack down
+
+stack-status: venv
+	$(VENV)/bin/ddpflow stack status
+
+clean:
+	rm -rf $(VENV) .ddpflow data/shards runs mlflow.db mlartifacts .pytest_cache

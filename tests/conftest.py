@@ -1,0 +1,35 @@
+"""Suite-wide settings: every store lives in a temp dir, nothing in ~ or the repo."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+# Set before any test module imports Prefect or MLflow.
+_SUITE_HOME = Path(tempfile.mkdtemp(prefix="ddpflow-tests-"))
+os.environ.setdefault("PREFECT_HOME", str(_SUITE_HOME / "prefect"))
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+os.environ.setdefault("PREFECT_LOGGING_TO_API_BATCH_INTERVAL", "0.5")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("PYTHONUNBUFFERED", "1")
+os.environ.pop("MLFLOW_TRACKING_URI", None)
+os.environ.pop("PREFECT_API_URL", None)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO_ROOT
+
+
+@pytest.fixture
+def mlflow_store(tmp_path):
+    """A real SQLite-backed MLflow store in a temp dir: (tracking_uri, artifact_root)."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    artifacts = (tmp_path / "mlartifacts").as_uri()
+    return uri, artifacts

@@ -1,0 +1,230 @@
+"""The one configuration every stage shares: ``PipelineConfig``.
+
+It is a pydantic v2 model so that the same object validates a YAML file, a
+``--set`` override on the command line and a Prefect flow parameter (Prefect
+renders it as a form). It imports neither Prefect nor torch, so ranks and the
+CLI load it fast.
+
+    cfg = load_config("configs/demo.yaml", ["train.epochs=3"])
+    cfg.model_dump_json()
+
+Bad values are rejected before anything runs, and the error names the field by
+its dotted path (``train.epochs: Input should be greater than or equal to 1``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A user's configuration is wrong; the message names the field."""
+
+
+class _Section(BaseModel):
+    # Unknown keys are typos in a user's YAML: reject them instead of ignoring.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(_Section):
+    source: str = Field(
+        "synthetic://classification?rows=20000&features=16&classes=4&seed=0",
+        description="Parquet/CSV file, directory, glob, fsspec URL (s3://...) or synthetic://classification|regression?rows=N&features=F&classes=C&seed=S",
+    )
+    format: Literal["auto", "parquet", "csv"] = Field("auto", description="Source file format; auto uses the file extension.")
+    label: str = Field("label", description="Name of the label column.")
+    features: list[str] | None = Field(None, description="Feature columns; default: every numeric column except label and key.")
+    key: str | None = Field(None, description="Optional stable row id; the split hashes it (else the row's content).")
+    task: Literal["classification", "regression"] | None = Field(None, description="Inferred from the label when not given.")
+    on_invalid: Literal["error", "drop"] = Field("error", description="What to do with rows holding NaN, inf or null.")
+    root: str = Field("data/shards", description="Where prepared shards live: <root>/<fingerprint>/{train,val,test}/.")
+    val_fraction: float = Field(0.1, ge=0.0, lt=1.0)
+    test_fraction: float = Field(0.1, ge=0.0, lt=1.0)
+    rows_per_shard: int = Field(262_144, ge=1)
+    row_group_size: int = Field(65_536, ge=1)
+    read_batch_rows: int = Field(131_072, ge=1, description="Rows per record batch while streaming the source.")
+
+    @model_validator(mode="after")
+    def _fractions_leave_room_for_train(self) -> DataConfig:
+        if self.val_fraction + self.test_fraction >= 1.0:
+            raise ValueError(
+                f"val_fraction ({self.val_fraction}) + test_fraction ({self.test_fraction}) must sum to less than 1, "
+                "so that the train split is not empty"
+            )
+        if self.features is not None and len(self.features) == 0:
+            raise ValueError("features, when given, must list at least one column")
+        return self
+
+
+class TrainConfig(_Section):
+    epochs: int = Field(5, ge=1)
+    batch_size: int = Field(512, ge=1, description="Per rank.")
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.01, ge=0)
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    grad_clip: float | None = Field(None, gt=0, description="Max global grad norm; none disables clipping.")
+    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step (no_sync accumulation); changes the effective batch.")
+    seed: int = 0
+    model: str = Field("mlp", description="'mlp' or a user factory 'package.module:factory' called as factory(n_features, n_outputs, **model_kwargs).")
+    model_kwargs: dict[str, Any] = Field(default_factory=dict)
+    nproc_per_node: int | Literal["auto"] = Field("auto", description="Ranks per node; auto: one per GPU, or 1 on CPU (see docs).")
+    nnodes: int = Field(1, ge=1)
+    node_rank: int = Field(0, ge=0)
+    rdzv_endpoint: str | None = Field(None, description="host:port of the c10d rendezvous, required when nnodes > 1.")
+    rdzv_id: str | None = None
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    max_restarts: int = Field(1, ge=0, description="torchrun restarts of the worker group; each resumes from last.pt.")
+    timeout_s: float = Field(3600.0, gt=0, description="Wall-clock limit for the whole torchrun launch, enforced by the task.")
+    collective_timeout_s: float = Field(300.0, gt=0, description="Process-group timeout: a stalled collective fails after this.")
+    stall_timeout_s: float | None = Field(None, gt=0, description="Kill the run when no rank-0 output arrives for this long.")
+    run_root: str = Field("runs", description="Every run gets its own directory under here.")
+    init_from: str | None = Field(None, description="Warm start: 'champion' (the registry alias) or a model.pt path.")
+    num_threads: int | None = Field(None, ge=1, description="Torch threads per rank; default cores // local ranks.")
+    cpu_affinity: bool = Field(True, description="Pin each CPU rank to its own cores.")
+    bf16: bool = Field(True, description="bf16 autocast on CUDA.")
+    tf32: bool = Field(True, description="Allow TF32 matmuls on CUDA.")
+    pin_memory: bool = True
+    progress_interval_s: float = Field(5.0, gt=0)
+
+    @model_validator(mode="after")
+    def _multi_node_needs_rendezvous(self) -> TrainConfig:
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError("rdzv_endpoint (host:port) is required when nnodes > 1")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank ({self.node_rank}) must be below nnodes ({self.nnodes})")
+        return self
+
+    @field_validator("nproc_per_node")
+    @classmethod
+    def _positive_nproc(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("must be >= 1 or 'auto'")
+        return value
+
+    @field_validator("model")
+    @classmethod
+    def _model_name_or_import_path(cls, value: str) -> str:
+        if value != "mlp" and (":" not in value or not all(value.split(":", 1))):
+            raise ValueError(f"{value!r} is neither 'mlp' nor an import path 'package.module:factory'")
+        return value
+
+
+class EvalConfig(_Section):
+    batch_size: int = Field(65_536, ge=1, description="Rows per inference batch while streaming the test split.")
+
+
+class RegistryConfig(_Section):
+    model_name: str = Field("ddpflow-model", min_length=1)
+    metric: str | None = Field(None, description="Gate metric; default test_accuracy (classification) or test_rmse (regression).")
+    greater_is_better: bool | None = Field(None, description="Default: inferred from the metric name.")
+    min_delta: float = Field(0.0, ge=0, description="The candidate must beat the champion by more than this.")
+    min_metric: float | None = Field(None, description="Floor a model must reach to be registered at all.")
+
+    def gate_metric(self, task: str) -> str:
+        return self.metric or ("test_accuracy" if task == "classification" else "test_rmse")
+
+    def higher_is_better(self, task: str) -> bool:
+        if self.greater_is_better is not None:
+            return self.greater_is_better
+        metric = self.gate_metric(task)
+        return not any(word in metric for word in ("loss", "rmse", "mae", "error"))
+
+
+class MlflowConfig(_Section):
+    tracking_uri: str | None = Field(None, description="Default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db.")
+    experiment: str = Field("ddpflow", min_length=1)
+    artifact_location: str | None = Field(None, description="Artifact root for a new experiment; default ./mlartifacts.")
+
+
+class PipelineConfig(_Section):
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    registry: RegistryConfig = Field(default_factory=RegistryConfig)
+    mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
+
+    def flat(self) -> dict[str, Any]:
+        """Dotted keys to scalar values, for MLflow params."""
+        return _flatten(self.model_dump(mode="json"))
+
+    def write_json(self, path: str | os.PathLike) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.model_dump_json(indent=2))
+        return path
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and value and not dotted.endswith("model_kwargs"):
+            flat.update(_flatten(value, dotted + "."))
+        else:
+            flat[dotted] = json.dumps(value) if isinstance(value, (dict, list)) else value
+    return flat
+
+
+def format_validation_error(error: ValidationError) -> str:
+    """One line per problem, each naming the field by its dotted path."""
+    lines = []
+    for problem in error.errors():
+        path = ".".join(str(part) for part in problem["loc"]) or "config"
+        message = problem["msg"].removeprefix("Value error, ")
+        lines.append(f"{path}: {message} (got {problem.get('input')!r})" if "input" in problem and not isinstance(problem["input"], dict) else f"{path}: {message}")
+    return "invalid configuration: " + "; ".join(lines)
+
+
+def validate_config(raw: dict[str, Any]) -> PipelineConfig:
+    try:
+        return PipelineConfig.model_validate(raw)
+    except ValidationError as error:
+        raise ConfigError(format_validation_error(error)) from None
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``train.epochs=3`` -> (['train', 'epochs'], 3). The value is parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.key=value")
+    dotted, _, value = text.partition("=")
+    path = [part for part in dotted.strip().split(".") if part]
+    if len(path) < 2:
+        raise ConfigError(f"override {text!r} must name a section and a key, e.g. train.epochs=3")
+    return path, yaml.safe_load(value) if value.strip() else None
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = raw
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {text!r}: {part!r} is not a section")
+        node[path[-1]] = value
+    return raw
+
+
+def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"config file {path} is not valid YAML: {error}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections, not {type(raw).__name__}")
+    return raw
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> PipelineConfig:
+    """YAML file (optional) plus ``section.key=value`` overrides, validated."""
+    raw = read_yaml(path) if path else {}
+    return validate_config(apply_overrides(raw, list(overrides or [])))

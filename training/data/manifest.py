@@ -1,0 +1,117 @@
+"""The manifest: the prepared dataset's table of contents, written last.
+
+``manifest.json`` sits at ``<data.root>/<fingerprint>/manifest.json``. Its
+presence is what marks a prepared dataset complete: prepare writes it last and
+atomically, so a crash mid-way never leaves a directory that looks done.
+
+Shard files hold the feature columns (float32, in ``features`` order), the
+label column under its own name (int64 class index for classification,
+float32 for regression) and the key column when ``data.key`` is set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from training.layout import MANIFEST, SPLITS
+
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    file: str  # relative to the dataset directory, e.g. "train/part-00000.parquet"
+    rows: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class SplitInfo:
+    rows: int
+    shards: list[ShardInfo]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    fingerprint: str
+    source: str
+    task: str  # "classification" | "regression"
+    label: str
+    key: str | None
+    features: list[str]
+    # Class index -> original label value (as it appeared in the source); None for regression.
+    label_mapping: list[Any] | None
+    feature_mean: list[float]  # train split, per feature
+    feature_std: list[float]  # train split, per feature; 0 replaced by 1
+    splits: dict[str, SplitInfo]
+    schema: list[dict[str, str]]  # the source columns used: [{"name": ..., "type": ...}]
+    config: dict[str, Any]  # the data config that produced it
+    created_at: str
+    versions: dict[str, str]
+    dropped_rows: int = 0
+    format_version: int = FORMAT_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def n_features(self) -> int:
+        return len(self.features)
+
+    @property
+    def n_outputs(self) -> int:
+        return len(self.label_mapping) if self.task == "classification" else 1
+
+    def split_files(self, dataset_dir: str | Path, split: str) -> list[Path]:
+        return [Path(dataset_dir) / shard.file for shard in self.splits[split].shards]
+
+    def rows(self, split: str) -> int:
+        return self.splits[split].rows
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Manifest:
+        raw = dict(raw)
+        raw["splits"] = {
+            name: SplitInfo(rows=split["rows"], shards=[ShardInfo(**shard) for shard in split["shards"]])
+            for name, split in raw["splits"].items()
+        }
+        return cls(**raw)
+
+
+def write_manifest(dataset_dir: str | Path, manifest: Manifest) -> Path:
+    """Atomic: a temp file in the same directory, fsynced, then ``os.replace``."""
+    dataset_dir = Path(dataset_dir)
+    target = dataset_dir / MANIFEST
+    fd, tmp = tempfile.mkstemp(dir=dataset_dir, prefix=".manifest-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(manifest.to_dict(), handle, indent=2)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def read_manifest(path: str | Path) -> Manifest:
+    """Accepts the manifest file or its dataset directory."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / MANIFEST
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no manifest at {path}: the dataset was never prepared, or preparing it did not finish") from None
+    manifest = Manifest.from_dict(raw)
+    missing = [split for split in SPLITS if split not in manifest.splits]
+    if missing:
+        raise ValueError(f"{path}: manifest lacks splits {missing}")
+    return manifest

@@ -1,0 +1,33 @@
+"""Where each stage reads and writes: the on-disk contract between stages.
+
+A prepared dataset:   <data.root>/<fingerprint>/manifest.json
+                      <data.root>/<fingerprint>/{train,val,test}/part-NNNNN.parquet
+A training run:       <train.run_root>/<run name>/
+                          config.json          the PipelineConfig of the run
+                          train_config.json    the job every rank reads (TrainJob)
+                          metrics.jsonl        one line per epoch, from rank 0
+                          checkpoints/last.pt  resumable state, after every epoch
+                          model.pt             final weights + what inference needs
+                          eval/metrics.json    the evaluate stage's metrics
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SPLITS = ("train", "val", "test")
+MANIFEST = "manifest.json"
+CONFIG = "config.json"
+TRAIN_JOB = "train_config.json"
+METRICS = "metrics.jsonl"
+LAST_CHECKPOINT = "checkpoints/last.pt"
+FINAL_MODEL = "model.pt"
+EVAL_METRICS = "eval/metrics.json"
+
+
+def manifest_path(dataset_dir: str | Path) -> Path:
+    return Path(dataset_dir) / MANIFEST
+
+
+def run_file(run_dir: str | Path, name: str) -> Path:
+    return Path(run_dir) / name
