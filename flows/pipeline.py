@@ -1,0 +1,130 @@
+"""The training pipeline: prepare -> train (torchrun + DDP) -> evaluate -> register.
+
+Deployed as flow ``train-pipeline`` from entrypoint ``flows/pipeline.py:train_pipeline``.
+
+Parameters (see flows/params.py for how they combine):
+    config: PipelineConfig | None   the validated config; the UI renders it as a form
+    config_file: str | None         e.g. "configs/demo.yaml", read where the flow runs
+    overrides: list[str] | None     "section.key=value" strings, like `ddpflow run --set`
+
+Returns a summary dict: model name and version, the gate's decision, test
+metrics, the MLflow run id and URL, the run directory.
+
+On any failure after the MLflow run exists, the run is ended FAILED, the run
+directory (checkpoints, metrics.jsonl) stays on disk, the champion alias is
+never touched, and the original error is re-raised so its root cause shows.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.runtime import deployment, flow_run
+
+from flows.params import resolve_config, run_label
+from tasks.evaluate import evaluate_model
+from tasks.prepare import prepare_data
+from tasks.register import register_model
+from tasks.rundirs import find_resumable_run, new_run_dir
+from tasks.tracking import champion_checkpoint, check_tracking_reachable, end_pipeline_run, resolve_tracking_uri, run_url, start_pipeline_run
+from tasks.train import train_model
+from training.config import PipelineConfig
+from training.preflight import check_fits_dataset, check_runnable
+
+
+def _flow_run_name() -> str:
+    """``<model>-<data>`` from the run's parameters; Prefect calls this with none."""
+    params = flow_run.parameters or {}
+    try:
+        return run_label(resolve_config(params.get("config"), params.get("config_file"), params.get("overrides")))
+    except Exception:  # a bad config is reported by the flow itself, with the field's name
+        return "invalid-config"
+
+
+@flow(name="train-pipeline", flow_run_name=_flow_run_name, log_prints=True)
+def train_pipeline(
+    config: PipelineConfig | None = None,
+    config_file: str | None = None,
+    overrides: list[str] | None = None,
+) -> dict[str, Any]:
+    """Prepare the data, train with DDP, evaluate on the test split, register in MLflow behind a gate."""
+    logger = get_run_logger()
+    config = resolve_config(config, config_file, overrides)
+    # Everything that can be checked without data is checked before anything starts.
+    check_runnable(config)
+    tracking_uri = resolve_tracking_uri(config)
+    check_tracking_reachable(tracking_uri)
+
+    prepared = prepare_data(config)
+    check_fits_dataset(config, prepared.manifest)
+
+    run_name = flow_run.name or run_label(config)
+    run_dir = find_resumable_run(config.train.run_root, prepared.manifest.fingerprint, config)
+    if run_dir is not None:
+        logger.info("Resuming the unfinished run in %s", run_dir)
+    else:
+        run_dir = new_run_dir(config.train.run_root, run_name)
+    init_weights = _warm_start_weights(config, logger)
+
+    run_id = start_pipeline_run(
+        config,
+        run_name=Path(run_dir).name,
+        prefect_context=_prefect_context(),
+        fingerprint=prepared.manifest.fingerprint,
+        manifest=prepared.manifest,
+        ddp=_ddp_params(config),
+    )
+    try:
+        trained = train_model(config, str(prepared.dataset_dir), str(run_dir), mlflow_run_id=run_id, tracking_uri=tracking_uri, init_weights=init_weights)
+        test_metrics = evaluate_model(trained.model_path, str(prepared.dataset_dir), run_id, tracking_uri, config)
+        decision = register_model(config, run_id, trained.model_path, str(prepared.dataset_dir), test_metrics, tracking_uri)
+    except BaseException:
+        end_pipeline_run(run_id, tracking_uri, status="FAILED")
+        raise
+    end_pipeline_run(run_id, tracking_uri, status="FINISHED")
+    return {
+        "flow_run": run_name,
+        "model_name": config.registry.model_name,
+        "model_version": decision.get("version"),
+        "decision": decision.get("decision"),
+        "reason": decision.get("reason"),
+        "test_metrics": test_metrics,
+        "mlflow_run_id": run_id,
+        "mlflow_run_url": run_url(tracking_uri, run_id),
+        "tracking_uri": tracking_uri,
+        "run_dir": str(run_dir),
+        "dataset_dir": str(prepared.dataset_dir),
+        "cache_hit": prepared.cache_hit,
+        "restarts": trained.restarts,
+    }
+
+
+def _warm_start_weights(config: PipelineConfig, logger: Any) -> str | None:
+    """``train.init_from``: 'champion' (the registry alias) or a model.pt path; None: fresh start."""
+    if config.train.init_from is None:
+        return None
+    if config.train.init_from != "champion":
+        return config.train.init_from
+    checkpoint = champion_checkpoint(config)
+    if checkpoint is None:
+        logger.warning("train.init_from=champion, but %r has no champion yet: starting from fresh weights", config.registry.model_name)
+        return None
+    logger.info("Warm start from the champion's weights: %s", checkpoint)
+    return str(checkpoint)
+
+
+def _prefect_context() -> dict[str, Any]:
+    return {
+        "flow_run_id": flow_run.id,
+        "flow_run_name": flow_run.name,
+        "flow_run_url": flow_run.ui_url,
+        "deployment_name": deployment.name,
+        "deployment_id": deployment.id,
+    }
+
+
+def _ddp_params(config: PipelineConfig) -> dict[str, Any]:
+    train = config.train
+    return {"nproc_per_node": train.nproc_per_node, "nnodes": train.nnodes, "backend": train.backend, "max_restarts": train.max_restarts}
