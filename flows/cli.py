@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from flows.environment import set_local_defaults
 from training.config import ConfigError, PipelineConfig, load_config
 
 # Errors that are the user's to fix: print the message, not a traceback.
@@ -64,6 +65,7 @@ def _print_summary(summary: dict[str, Any], as_json: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    set_local_defaults()  # before anything imports Prefect: it reads its settings once
     _load_extra_commands()
     args = build_parser().parse_args(argv)
     try:
