@@ -1,0 +1,35 @@
+"""The prepared dataset's fingerprint: what the source is and how it is prepared.
+
+    sha256(json({"prepare_version", "source": identity, "prep": the data fields that change the output}))[:16]
+
+The source identity is its files' paths, sizes and modification times (or
+fsspec ETags), or the synthetic spec; so editing, adding or removing a file
+gives a new fingerprint. ``data.root`` (where the output goes) and
+``data.read_batch_rows`` (how fast it is read) do not change the output and are
+left out, so the same data prepared under another root or batch size hashes
+alike.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from training.config import DataConfig
+
+# Bump when prepare's output changes for the same input (layout, dtypes, split rule).
+PREPARE_VERSION = 1
+# DataConfig fields that do not change the prepared output.
+_NOT_OUTPUT_FIELDS = frozenset({"root", "read_batch_rows", "source"})
+
+
+def prep_fields(data: DataConfig) -> dict[str, Any]:
+    """The data config minus what does not change the output (the source enters via its identity)."""
+    return {name: value for name, value in data.model_dump(mode="json").items() if name not in _NOT_OUTPUT_FIELDS}
+
+
+def dataset_fingerprint(source_identity: dict[str, Any], data: DataConfig) -> str:
+    payload = {"prepare_version": PREPARE_VERSION, "source": source_identity, "prep": prep_fields(data)}
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -1,0 +1,54 @@
+"""Deterministic train/val/test assignment by a hash of each row.
+
+A row's split depends only on the row itself (its key, or its content when
+there is no key) and the two fractions, never on its position, the file it
+came from or the rows around it. So appending rows never moves an old row to
+another split, and a row in test can never land in train on a later run.
+
+The hash is pandas' ``hash_array`` (SipHash with a fixed key for strings, a
+fixed integer mix for numbers): stable across processes, runs and machines,
+unlike Python's ``hash``. Numbers are widened first (ints to int64, floats to
+float64) so that ``3`` read from CSV and ``3`` read from Parquet as int32 hash
+alike.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+
+TRAIN, VAL, TEST = 0, 1, 2
+_TOP_53_BITS = np.float64(2.0**-53)
+
+
+def hash_values(array: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """One stable uint64 per value of a key or label column."""
+    if pa.types.is_dictionary(array.type):
+        array = pc.cast(array, array.type.value_type)
+    if pa.types.is_integer(array.type) or pa.types.is_boolean(array.type):
+        values = pc.cast(array, pa.int64()).to_numpy(zero_copy_only=False)
+    elif pa.types.is_floating(array.type) or pa.types.is_decimal(array.type):
+        values = pc.cast(array, pa.float64()).to_numpy(zero_copy_only=False)
+    else:
+        values = np.asarray(array.to_numpy(zero_copy_only=False), dtype=object)
+    return pd.util.hash_array(values, categorize=False)
+
+
+def hash_rows(features: np.ndarray, label_hash: np.ndarray) -> np.ndarray:
+    """One stable uint64 per row of a float64 feature matrix plus the label's hashes."""
+    # -0.0 and 0.0 are the same value: hash them alike.
+    features = features + 0.0
+    frame = pd.DataFrame(features, copy=False)
+    frame["__label__"] = label_hash
+    return pd.util.hash_pandas_object(frame, index=False, categorize=False).to_numpy()
+
+
+def assign_splits(hashes: np.ndarray, val_fraction: float, test_fraction: float) -> np.ndarray:
+    """TRAIN/VAL/TEST code per row: the hash's top 53 bits as a uniform number in [0, 1)."""
+    uniform = (hashes >> np.uint64(11)).astype(np.float64) * _TOP_53_BITS
+    codes = np.full(hashes.shape, TRAIN, dtype=np.int8)
+    codes[uniform < test_fraction + val_fraction] = VAL
+    codes[uniform < test_fraction] = TEST
+    return codes
