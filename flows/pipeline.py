@@ -20,10 +20,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from mlflow import MlflowClient
 from prefect import flow, get_run_logger
 from prefect.runtime import deployment, flow_run
 
 from flows.params import resolve_config, run_label
+from flows.registration import DATASET_DIR_TAG, RUN_DIR_TAG
 from tasks.evaluate import evaluate_model
 from tasks.prepare import prepare_data
 from tasks.register import register_model
@@ -32,6 +34,8 @@ from tasks.tracking import champion_checkpoint, check_tracking_reachable, end_pi
 from tasks.train import train_model
 from training.config import PipelineConfig
 from training.preflight import check_fits_dataset, check_runnable
+
+LOCAL_MLFLOW_UI = "http://127.0.0.1:5000"  # `mlflow ui --backend-store-uri sqlite:///...` serves here
 
 
 def _flow_run_name() -> str:
@@ -75,8 +79,11 @@ def train_pipeline(
         fingerprint=prepared.manifest.fingerprint,
         manifest=prepared.manifest,
         ddp=_ddp_params(config),
+        dataset_dir=prepared.dataset_dir,
     )
     try:
+        # Where model.pt will be, so `ddpflow register --run-id` can find it later.
+        _tag_run(tracking_uri, run_id, {RUN_DIR_TAG: str(run_dir), DATASET_DIR_TAG: str(prepared.dataset_dir)})
         trained = train_model(config, str(prepared.dataset_dir), str(run_dir), mlflow_run_id=run_id, tracking_uri=tracking_uri, init_weights=init_weights)
         test_metrics = evaluate_model(trained.model_path, str(prepared.dataset_dir), run_id, tracking_uri, config)
         decision = register_model(config, run_id, trained.model_path, str(prepared.dataset_dir), test_metrics, tracking_uri)
@@ -86,13 +93,14 @@ def train_pipeline(
     end_pipeline_run(run_id, tracking_uri, status="FINISHED")
     return {
         "flow_run": run_name,
+        "flow_run_id": str(flow_run.id),
         "model_name": config.registry.model_name,
         "model_version": decision.get("version"),
         "decision": decision.get("decision"),
         "reason": decision.get("reason"),
         "test_metrics": test_metrics,
         "mlflow_run_id": run_id,
-        "mlflow_run_url": run_url(tracking_uri, run_id),
+        "mlflow_run_url": _mlflow_ui_url(tracking_uri, run_id),
         "tracking_uri": tracking_uri,
         "run_dir": str(run_dir),
         "dataset_dir": str(prepared.dataset_dir),
@@ -113,6 +121,21 @@ def _warm_start_weights(config: PipelineConfig, logger: Any) -> str | None:
         return None
     logger.info("Warm start from the champion's weights: %s", checkpoint)
     return str(checkpoint)
+
+
+def _tag_run(tracking_uri: str, run_id: str, tags: dict[str, str]) -> None:
+    client = MlflowClient(tracking_uri=tracking_uri)
+    for key, value in tags.items():
+        client.set_tag(run_id, key, value)
+
+
+def _mlflow_ui_url(tracking_uri: str, run_id: str) -> str:
+    """The run's page: on the tracking server, or where `mlflow ui` serves a local store by default."""
+    url = run_url(tracking_uri, run_id)
+    if url:
+        return url
+    experiment_id = MlflowClient(tracking_uri=tracking_uri).get_run(run_id).info.experiment_id
+    return f"{LOCAL_MLFLOW_UI}/#/experiments/{experiment_id}/runs/{run_id}"
 
 
 def _prefect_context() -> dict[str, Any]:

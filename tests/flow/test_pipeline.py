@@ -1,0 +1,138 @@
+"""The real pipeline under a Prefect test harness: 2 gloo ranks, tiny data, a real SQLite MLflow store."""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from training.layout import EVAL_METRICS, FINAL_MODEL, METRICS, TRAIN_JOB
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def two_runs(prefect_harness, make_config):
+    """The same config twice: the second run hits the shard cache and meets the first's champion."""
+    from flows.pipeline import train_pipeline
+
+    config = make_config()
+    first = train_pipeline(config=config)
+    second = train_pipeline(config=config)
+    return config, first, second
+
+
+def per_epoch_keys(run_dir: str) -> set[str]:
+    lines = [json.loads(line) for line in (Path(run_dir) / METRICS).read_text().splitlines() if line.strip()]
+    return {key for line in lines for key, value in line.items() if isinstance(value, (int, float)) and key != "epoch"}
+
+
+def test_first_run_trains_evaluates_and_becomes_champion(two_runs):
+    config, first, _ = two_runs
+    name = config["registry"]["model_name"]
+    assert first["model_name"] == name
+    assert first["decision"] == "champion"
+    assert str(first["model_version"]) == "1"
+    assert first["cache_hit"] is False
+    assert 0.0 <= first["test_metrics"]["test_accuracy"] <= 1.0
+    assert first["test_metrics"]["test_accuracy"] > 0.5, "3 learnable classes: a trained model beats chance clearly"
+
+    run_dir = Path(first["run_dir"])
+    assert run_dir.parent == Path(config["train"]["run_root"]).resolve()
+    assert run_dir.name.endswith("mlp-synthetic-classification"), "run dir is <time>-<flow run name>"
+    for name_on_disk in (FINAL_MODEL, METRICS, EVAL_METRICS, TRAIN_JOB):
+        assert (run_dir / name_on_disk).is_file(), name_on_disk
+
+    client = MlflowClient(config["mlflow"]["tracking_uri"])
+    champion = client.get_model_version_by_alias(name, "champion")
+    assert champion.version == "1"
+    assert champion.run_id == first["mlflow_run_id"]
+
+
+def test_mlflow_run_records_params_tags_and_one_point_per_epoch(two_runs):
+    config, first, _ = two_runs
+    client = MlflowClient(config["mlflow"]["tracking_uri"])
+    run = client.get_run(first["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["train.epochs"] == str(config["train"]["epochs"])
+    assert run.data.params["data.source"] == config["data"]["source"]
+    assert run.data.tags["data.fingerprint"] == Path(first["dataset_dir"]).name
+    assert first["mlflow_run_id"] in first["mlflow_run_url"]
+
+    keys = per_epoch_keys(first["run_dir"]) & set(run.data.metrics)
+    assert keys, "rank 0 logs its per-epoch metrics into the pipeline's MLflow run"
+    for key in keys:
+        history = client.get_metric_history(first["mlflow_run_id"], key)
+        # Exactly one point per epoch: rank 1 never logged, nothing was logged twice.
+        assert len(history) == config["train"]["epochs"], (key, history)
+
+
+def test_second_run_hits_the_cache_and_the_gate_decides(two_runs):
+    config, first, second = two_runs
+    name = config["registry"]["model_name"]
+    assert second["cache_hit"] is True
+    assert second["dataset_dir"] == first["dataset_dir"]
+    assert second["run_dir"] != first["run_dir"]
+    assert second["mlflow_run_id"] != first["mlflow_run_id"]
+
+    client = MlflowClient(config["mlflow"]["tracking_uri"])
+    experiment = client.get_experiment_by_name(config["mlflow"]["experiment"])
+    runs = client.search_runs([experiment.experiment_id])
+    assert len(runs) == 2, "one MLflow run per pipeline run, none from the ranks"
+
+    # The gate: the candidate must beat the champion's test accuracy by more than min_delta (0).
+    beats = second["test_metrics"]["test_accuracy"] > first["test_metrics"]["test_accuracy"]
+    champion = client.get_model_version_by_alias(name, "champion")
+    if beats:
+        assert second["decision"] == "champion"
+        assert champion.run_id == second["mlflow_run_id"]
+    else:
+        assert second["decision"] == "challenger"
+        assert champion.run_id == first["mlflow_run_id"], "a challenger never moves the champion alias"
+
+
+def flow_run_logs(flow_run_id: str, deadline_s: float = 30.0) -> str:
+    """The flow run's log lines as the Prefect server holds them (what the UI shows)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    text = ""
+    stop = time.monotonic() + deadline_s
+    while time.monotonic() < stop:
+        with get_client(sync_client=True) as client:
+            logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200)
+        text = "\n".join(log.message for log in logs)
+        if "Finished in state" in text or "finished" in text.lower():
+            break
+        time.sleep(0.5)  # logs reach the server in batches
+    return text
+
+
+def test_warm_start_from_the_champion(two_runs):
+    from flows.pipeline import train_pipeline
+
+    config, first, second = two_runs
+    warm = copy.deepcopy(config)
+    warm["train"]["init_from"] = "champion"
+    summary = train_pipeline(config=warm)
+    job = json.loads((Path(summary["run_dir"]) / TRAIN_JOB).read_text())
+    assert job["init_weights"], "the champion's weights were handed to the ranks"
+    assert Path(job["init_weights"]).is_file()
+    assert summary["decision"] in ("champion", "challenger")
+
+
+def test_warm_start_with_another_architecture_starts_fresh_with_a_message(two_runs):
+    from flows.pipeline import train_pipeline
+
+    config, _, _ = two_runs
+    other = copy.deepcopy(config)
+    other["train"]["init_from"] = "champion"
+    other["train"]["model_kwargs"] = {"hidden": [16, 16]}
+    summary = train_pipeline(config=other)
+    assert (Path(summary["run_dir"]) / FINAL_MODEL).is_file(), "a mismatch is not fatal: training starts fresh"
+    logs = flow_run_logs(summary["flow_run_id"])
+    assert "architecture" in logs.lower() and "fresh" in logs.lower(), logs[-3000:]

@@ -1,0 +1,113 @@
+"""Failures through the real flow: bad data, a killed rank, restarts exhausted, then a resume.
+
+One model name for the module: the first run (a rank killed once, then restarted)
+makes the champion, and every later failure must leave that alias where it is.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from training.data.errors import DataError
+from training.layout import FINAL_MODEL, LAST_CHECKPOINT
+
+pytestmark = pytest.mark.slow
+
+# Helper B's fault hook: rank 1 SIGKILLs itself at epoch 1, step 2, on the first attempt only.
+KILL_RANK_1 = "kill:rank=1:epoch=1:step=2"
+
+
+@pytest.fixture(scope="module")
+def config(make_config):
+    return make_config(**{"train.max_restarts": 1})
+
+
+@pytest.fixture(scope="module")
+def client(config) -> MlflowClient:
+    return MlflowClient(config["mlflow"]["tracking_uri"])
+
+
+@pytest.fixture(scope="module")
+def champion_run(prefect_harness, config):
+    """A rank is killed mid-epoch; torchrun restarts the group, which resumes from last.pt."""
+    from flows.pipeline import train_pipeline
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DDPFLOW_FAULT", KILL_RANK_1)
+        return train_pipeline(config=config)
+
+
+def runs_in(client: MlflowClient, config) -> list:
+    experiment = client.get_experiment_by_name(config["mlflow"]["experiment"])
+    return client.search_runs([experiment.experiment_id]) if experiment else []
+
+
+def champion_version(client: MlflowClient, config) -> str:
+    return client.get_model_version_by_alias(config["registry"]["model_name"], "champion").version
+
+
+def test_a_killed_rank_is_restarted_and_the_restart_is_recorded(champion_run, config, client):
+    assert champion_run["restarts"] >= 1
+    assert champion_run["decision"] == "champion"
+    run = client.get_run(champion_run["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    recorded = {**run.data.params, **run.data.tags, **{k: str(int(v)) for k, v in run.data.metrics.items() if "restart" in k}}
+    assert any("restart" in key and value not in ("0", "") for key, value in recorded.items() if key != "train.max_restarts"), recorded
+    # Epoch 1 was interrupted and re-run: still exactly one point per epoch.
+    for key in run.data.metrics:
+        history = client.get_metric_history(champion_run["mlflow_run_id"], key)
+        if len(history) > 1:
+            assert len(history) == config["train"]["epochs"], (key, [(p.step, p.value) for p in history])
+
+
+def test_bad_data_fails_at_prepare_and_registers_nothing(champion_run, config, client, tmp_path):
+    from flows.pipeline import train_pipeline
+
+    csv = tmp_path / "bad.csv"
+    csv.write_text("f0,f1,label\n1.0,2.0,0\nnan,3.0,1\n" + "".join(f"{i}.0,{i}.5,{i % 2}\n" for i in range(200)))
+    bad = copy.deepcopy(config)
+    bad["data"]["source"] = str(csv)
+    runs_before = len(runs_in(client, config))
+    versions_before = len(client.search_model_versions(f"name='{config['registry']['model_name']}'"))
+
+    with pytest.raises(DataError) as failure:
+        train_pipeline(config=bad)
+    message = str(failure.value)
+    assert "bad.csv" in message and "f0" in message, message
+
+    assert len(runs_in(client, config)) == runs_before, "prepare fails before any MLflow run exists"
+    assert len(client.search_model_versions(f"name='{config['registry']['model_name']}'")) == versions_before
+    assert champion_version(client, config) == str(champion_run["model_version"])
+
+
+def test_restarts_exhausted_fail_with_the_root_cause_then_the_same_config_resumes(champion_run, config, client):
+    from flows.pipeline import train_pipeline
+
+    fragile = copy.deepcopy(config)
+    fragile["train"]["max_restarts"] = 0
+    run_root = Path(config["train"]["run_root"]).resolve()
+    dirs_before = set(run_root.iterdir())
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DDPFLOW_FAULT", KILL_RANK_1)
+        with pytest.raises(Exception) as failure:
+            train_pipeline(config=fragile)
+    message = str(failure.value)
+    assert "rank 1" in message.lower() or "local_rank: 1" in message.lower() or "signal" in message.lower(), message
+
+    failed_dirs = set(run_root.iterdir()) - dirs_before
+    assert len(failed_dirs) == 1
+    failed_dir = failed_dirs.pop()
+    assert (failed_dir / LAST_CHECKPOINT).is_file(), "the finished epoch's checkpoint stays on disk"
+    assert not (failed_dir / FINAL_MODEL).exists()
+    failed_run = max(runs_in(client, config), key=lambda run: run.info.start_time)
+    assert failed_run.info.status == "FAILED"
+    assert champion_version(client, config) == str(champion_run["model_version"]), "a failed run never moves the champion"
+
+    resumed = train_pipeline(config=fragile)
+    assert Path(resumed["run_dir"]) == failed_dir, "the same config resumes the unfinished run instead of starting over"
+    assert (failed_dir / FINAL_MODEL).is_file()
