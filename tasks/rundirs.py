@@ -1,0 +1,88 @@
+"""Run directories: one fresh, confined directory per run, and finding a run to resume.
+
+``new_run_dir(run_root, name)`` -> ``<run_root>/<UTC YYYYmmdd-HHMMSS>-<sanitised name>``,
+created atomically (``mkdir`` without ``exist_ok``), so two runs never share one;
+a clash (same second, same name) gets a ``-2``, ``-3``... suffix.
+Names come from flow parameters: anything but letters, digits, ``.``, ``_`` and ``-``
+becomes ``-``, leading dots and dashes are dropped, so ``../x`` or ``/etc`` cannot leave run_root.
+
+Resume rule (``find_resumable_run``): the most recent run directory under run_root
+  * whose train_config.json names a dataset with the same fingerprint,
+  * whose config.json has the same ``data`` section and the same ``train`` section,
+    apart from fields that do not change what is trained (RESUME_IGNORED_FIELDS),
+  * whose training did not finish: ``checkpoints/last.pt`` exists and ``model.pt`` does not,
+  * and that no live launch holds (its ``.launch.lock`` flock is free).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from tasks.torchrun import is_locked
+from training.config import PipelineConfig
+from training.layout import CONFIG, FINAL_MODEL, LAST_CHECKPOINT, TRAIN_JOB
+
+# Operational knobs: changing them between two launches still trains the same model.
+RESUME_IGNORED_FIELDS = frozenset(
+    {"timeout_s", "stall_timeout_s", "max_restarts", "progress_interval_s", "collective_timeout_s", "run_root", "init_from"}
+)
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+_MAX_NAME = 80
+
+
+def sanitise_run_name(name: str) -> str:
+    cleaned = _UNSAFE.sub("-", name).lstrip(".-")[:_MAX_NAME].rstrip(".-")
+    return cleaned or "run"
+
+
+def new_run_dir(run_root: str | os.PathLike, run_name: str) -> Path:
+    """Create and return a new, unique directory for one run, inside run_root."""
+    root = Path(run_root).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    stem = f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{sanitise_run_name(run_name)}"
+    for attempt in range(1, 1000):
+        candidate = root / (stem if attempt == 1 else f"{stem}-{attempt}")
+        if candidate.parent != root:  # belt and braces: sanitising already prevents this
+            raise ValueError(f"run name {run_name!r} would leave run_root {root}")
+        try:
+            candidate.mkdir()
+        except FileExistsError:
+            continue
+        return candidate
+    raise RuntimeError(f"could not create a unique run directory for {stem!r} under {root}")
+
+
+def _training_identity(config: dict[str, Any]) -> dict[str, Any]:
+    train = {k: v for k, v in config.get("train", {}).items() if k not in RESUME_IGNORED_FIELDS}
+    return {"data": config.get("data"), "train": train}
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def find_resumable_run(run_root: str | os.PathLike, fingerprint: str, config: PipelineConfig) -> Path | None:
+    """The run directory a new launch of this config should resume, or None (see module doc)."""
+    root = Path(run_root)
+    if not root.is_dir():
+        return None
+    wanted = _training_identity(config.model_dump(mode="json"))
+    for run_dir in sorted((p for p in root.iterdir() if p.is_dir()), key=lambda p: p.name, reverse=True):
+        if not (run_dir / LAST_CHECKPOINT).is_file() or (run_dir / FINAL_MODEL).exists():
+            continue
+        job = _read_json(run_dir / TRAIN_JOB)
+        saved = _read_json(run_dir / CONFIG)
+        if job is None or saved is None or Path(str(job.get("dataset_dir", ""))).name != fingerprint:
+            continue
+        if _training_identity(saved) != wanted or is_locked(run_dir):
+            continue
+        return run_dir
+    return None

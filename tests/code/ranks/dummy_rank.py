@@ -1,0 +1,62 @@
+"""A stand-in rank for launcher tests: prints, sleeps, raises, hangs or spawns children.
+
+    dummy_rank.py --mode ok|raise|flaky|hang|spawn|stubborn [--lines N] [--interval S] [--fail-rank R]
+
+Defaults come from DUMMY_RANK_* environment variables, so the Prefect task (which always
+passes only ``--config RUN_DIR/train_config.json``) can drive it too. It writes
+RUN_DIR/metrics.jsonl and RUN_DIR/model.pt markers when run with --config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    env = os.environ.get
+    parser.add_argument("--mode", default=env("DUMMY_RANK_MODE", "ok"), choices=["ok", "raise", "flaky", "hang", "spawn", "stubborn"])
+    parser.add_argument("--lines", type=int, default=int(env("DUMMY_RANK_LINES", "3")))
+    parser.add_argument("--interval", type=float, default=float(env("DUMMY_RANK_INTERVAL", "0.1")))
+    parser.add_argument("--fail-rank", type=int, default=int(env("DUMMY_RANK_FAIL_RANK", "1")))
+    parser.add_argument("--config", default=None)
+    args = parser.parse_args()
+    rank = int(os.environ["RANK"])
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if args.mode == "flaky" and rank == args.fail_rank and attempt == 0:
+        raise RuntimeError(f"flaky failure on rank {rank}, attempt {attempt}")
+    print(f"rank {rank} started pid={os.getpid()}", flush=True)
+
+    if args.mode == "spawn":
+        # A grandchild in its own session, like a data-loader worker or a helper daemon.
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+        print(f"rank {rank} spawned a child", flush=True)
+    if args.mode == "stubborn":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only SIGKILL stops this rank
+        print(f"rank {rank} ignores SIGTERM", flush=True)
+
+    for step in range(args.lines):
+        print(f"rank {rank} step {step}", flush=True)
+        time.sleep(args.interval)
+        if args.mode == "raise" and rank == args.fail_rank:
+            raise ValueError(f"dummy failure on rank {rank} at step {step}")
+
+    if args.mode in ("hang", "spawn", "stubborn"):
+        time.sleep(600)  # silent: only a kill ends it
+    if args.config and rank == 0:
+        import json
+        from pathlib import Path
+
+        run_dir = Path(json.loads(Path(args.config).read_text())["run_dir"])
+        (run_dir / "metrics.jsonl").write_text(json.dumps({"epoch": 1, "val_loss": 0.5}) + "\n")
+        (run_dir / "model.pt").write_bytes(b"stand-in")
+    print(f"rank {rank} done", flush=True)
+
+
+if __name__ == "__main__":
+    main()

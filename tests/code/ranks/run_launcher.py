@@ -1,0 +1,45 @@
+"""Runs tasks.torchrun.launch on the dummy rank in its own process, for signal tests.
+
+    run_launcher.py RUN_DIR [--thread] -- <dummy_rank args>
+
+Prints every line, and "LAUNCH-ERROR: <message>" when launch raises.
+--thread: call launch() from a worker thread (as a Prefect task submitted to a thread pool would).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the project root
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from launch_helpers import dummy_rank_argv  # noqa: E402
+
+from tasks.torchrun import LaunchError, launch  # noqa: E402
+
+
+def run(run_dir: Path, rank_args: list[str]) -> None:
+    try:
+        launch(dummy_rank_argv(run_dir, *rank_args), run_dir, on_line=lambda line: print(line, flush=True), grace_s=2)
+    except LaunchError as error:
+        print(f"LAUNCH-ERROR: {error}", flush=True)
+        raise
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    split = argv.index("--")
+    options, rank_args = argv[:split], argv[split + 1 :]
+    run_dir = Path(options[0])
+    if "--thread" in options:
+        worker = threading.Thread(target=run, args=(run_dir, rank_args))
+        worker.start()
+        worker.join()
+    else:
+        run(run_dir, rank_args)
+
+
+if __name__ == "__main__":
+    main()

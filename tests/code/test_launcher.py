@@ -1,0 +1,209 @@
+"""tasks/torchrun.py with real torchrun launches of a stand-in rank (tests/code/ranks/dummy_rank.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from launch_helpers import DUMMY_RANK, dummy_rank_argv, make_manifest
+
+from tasks.torchrun import (
+    LaunchStalled,
+    LaunchTimeout,
+    RankFailed,
+    launch,
+    launch_env,
+    preflight,
+    torchrun_command,
+)
+from training.config import PipelineConfig
+
+RUN_LAUNCHER = Path(__file__).parent / "ranks" / "run_launcher.py"
+
+
+def config(**train) -> PipelineConfig:
+    return PipelineConfig.model_validate({"train": train})
+
+
+# ----------------------------------------------------------------------------- argv, env, preflight
+
+
+def test_one_node_argv_is_a_list_with_standalone_and_the_rank_module(tmp_path):
+    argv = torchrun_command(config(max_restarts=2), tmp_path / "train_config.json", gpus=0)
+    assert argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert "--standalone" in argv and "--rdzv-endpoint" not in argv
+    assert argv[argv.index("--nproc-per-node") + 1] == "1"  # auto on CPU: one rank
+    assert argv[argv.index("--max-restarts") + 1] == "2"
+    assert argv[-4:] == ["-m", "training.train", "--config", str(tmp_path / "train_config.json")]
+    assert all(isinstance(part, str) for part in argv)
+
+
+def test_several_nodes_argv_names_the_rendezvous(tmp_path):
+    cfg = config(nnodes=3, node_rank=2, rdzv_endpoint="head:29400", rdzv_id="job-7", nproc_per_node="auto", backend="nccl")
+    argv = torchrun_command(cfg, tmp_path / "job.json", gpus=4)
+    assert "--standalone" not in argv
+    pairs = {argv[i]: argv[i + 1] for i in range(3, len(argv) - 1) if argv[i].startswith("--")}
+    assert pairs["--nnodes"] == "3" and pairs["--node-rank"] == "2"
+    assert pairs["--rdzv-backend"] == "c10d" and pairs["--rdzv-endpoint"] == "head:29400" and pairs["--rdzv-id"] == "job-7"
+    assert pairs["--nproc-per-node"] == "4"  # auto: one per GPU
+
+
+def test_environment_sets_threads_unbuffered_mlflow_and_error_file(tmp_path):
+    env = launch_env(config(nproc_per_node=1), tmp_path, tracking_uri="sqlite:///x.db", mlflow_run_id="abc", gpus=0, base={})
+    assert env["PYTHONUNBUFFERED"] == "1"
+    assert int(env["OMP_NUM_THREADS"]) >= 1
+    assert env["MLFLOW_TRACKING_URI"] == "sqlite:///x.db" and env["DDPFLOW_MLFLOW_RUN_ID"] == "abc"
+    assert Path(env["TORCHELASTIC_ERROR_FILE"]).parent == tmp_path
+    assert int(launch_env(config(num_threads=3), tmp_path, gpus=0, base={})["OMP_NUM_THREADS"]) == 3
+
+
+@pytest.mark.parametrize(
+    ("train", "field"),
+    [
+        ({"nproc_per_node": 10_000}, "train.nproc_per_node"),
+        ({"backend": "nccl"}, "train.backend"),
+        ({"model": "no_such_package.models:factory"}, "train.model"),
+        ({"batch_size": 600, "nproc_per_node": 2}, "train.batch_size"),  # 1000 rows / 2 ranks = 500 per rank
+    ],
+)
+def test_preflight_rejects_what_cannot_run_and_names_the_field(tmp_path, train, field):
+    dataset = make_manifest(tmp_path / "abc123", train_rows=1000)
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        preflight(config(**train), dataset, gpus=0)
+
+
+def test_preflight_accepts_a_batch_that_fits(tmp_path):
+    dataset = make_manifest(tmp_path / "abc123", train_rows=1000)
+    assert preflight(config(batch_size=500, nproc_per_node=2), dataset, gpus=0) == 2
+
+
+# ----------------------------------------------------------------------------- launching
+
+
+def torchrun_pid(run_dir: Path) -> int:
+    return json.loads((run_dir / "torchrun.pid").read_text())["torchrun_pid"]
+
+
+def test_lines_stream_while_torchrun_runs_labelled_by_rank(tmp_path):
+    seen = []
+
+    def on_line(line):
+        # Record, for each line, whether torchrun was still running when it arrived.
+        seen.append((line, psutil.pid_exists(torchrun_pid(tmp_path)) and psutil.Process(torchrun_pid(tmp_path)).status() != psutil.STATUS_ZOMBIE))
+
+    result = launch(dummy_rank_argv(tmp_path, "--lines", "6", "--interval", "0.3"), tmp_path, on_line=on_line)
+    rank_lines = [(line, alive) for line, alive in seen if line.rank is not None]
+    assert result.returncode == 0 and result.restarts == 0
+    assert {line.rank for line, _ in rank_lines} == {0, 1}
+    first_line, torchrun_alive = rank_lines[0]
+    assert torchrun_alive, f"the first rank line {first_line} only arrived after torchrun had exited"
+    assert str(first_line).startswith(f"[rank {first_line.rank}] ")
+
+
+def test_a_rank_that_raises_fails_with_its_rank_exit_code_and_exception(tmp_path):
+    with pytest.raises(RankFailed) as caught:
+        launch(dummy_rank_argv(tmp_path, "--mode", "raise", "--fail-rank", "1"), tmp_path, on_line=lambda line: None)
+    error = caught.value
+    assert error.rank == 1 and error.exitcode == 1
+    assert "ValueError: dummy failure on rank 1" in str(error) and "rank 1" in str(error)
+
+
+def test_a_restart_is_counted_and_the_second_attempt_succeeds(tmp_path):
+    result = launch(dummy_rank_argv(tmp_path, "--mode", "flaky", max_restarts=1), tmp_path, on_line=lambda line: None)
+    assert result.returncode == 0 and result.restarts == 1
+
+
+def all_gone(pids: list[int], within_s: float = 30) -> list[int]:
+    """PIDs still alive (not zombies) after waiting up to within_s."""
+    deadline = time.monotonic() + within_s
+    while True:
+        alive = [pid for pid in pids if _alive(pid)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_timeout_kills_the_tree_even_a_rank_that_ignores_sigterm(tmp_path):
+    pids = []
+    with pytest.raises(LaunchTimeout, match=r"train\.timeout_s=3s") as caught:
+        launch(dummy_rank_argv(tmp_path, "--mode", "stubborn", "--lines", "1"), tmp_path, on_line=lambda line: None, timeout_s=3, grace_s=1)
+    pids = json.loads((tmp_path / "torchrun.pid").read_text())["descendants"]
+    assert len(pids) >= 3, pids  # torchrun + two ranks were recorded
+    assert all_gone(pids, within_s=5) == []
+    assert "killed torchrun and its ranks" in str(caught.value)
+
+
+def test_stall_watchdog_kills_a_silent_run(tmp_path):
+    with pytest.raises(LaunchStalled, match=r"train\.stall_timeout_s=2s"):
+        launch(dummy_rank_argv(tmp_path, "--mode", "hang", "--lines", "1"), tmp_path, on_line=lambda line: None, stall_timeout_s=2, grace_s=1)
+    pids = json.loads((tmp_path / "torchrun.pid").read_text())["descendants"]
+    assert all_gone(pids, within_s=5) == []
+
+
+# ----------------------------------------------------------------------------- signals to the launching process
+
+
+def start_launcher(run_dir: Path, *rank_args: str, thread: bool = False) -> tuple[subprocess.Popen, list[int]]:
+    """A python process running launch(); returns it once torchrun, both ranks and their children are up."""
+    options = [str(run_dir)] + (["--thread"] if thread else [])
+    proc = subprocess.Popen([sys.executable, str(RUN_LAUNCHER), *options, "--", *rank_args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ready = 0
+    assert proc.stdout is not None
+    for line in proc.stdout:  # the ranks announce themselves (and, in spawn mode, their child)
+        if "spawned a child" in line or ("step 0" in line and "spawn" not in rank_args):
+            ready += 1
+        if ready == 2:
+            break
+    assert ready == 2, "the ranks never started"
+    tree = psutil.Process(torchrun_pid(run_dir)).children(recursive=True)
+    ranks = [p.pid for p in tree]
+    # Children that left the rank's session are no longer below torchrun: find them by parent.
+    spawned = [child.pid for pid in ranks for child in psutil.Process(pid).children(recursive=True)]
+    return proc, [torchrun_pid(run_dir), *ranks, *spawned]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_the_launcher_kills_every_process_of_the_run(tmp_path, sig):
+    proc, pids = start_launcher(tmp_path, "--mode", "spawn", "--lines", "1")
+    assert len(pids) >= 5, pids  # torchrun, 2 ranks, 2 grandchildren in their own sessions
+    proc.send_signal(sig)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert all_gone(pids) == [], output
+
+
+@pytest.mark.slow
+def test_sigkill_of_the_launcher_still_takes_torchrun_and_ranks_down(tmp_path):
+    """Prefect's worker escalates to SIGKILL: PR_SET_PDEATHSIG makes torchrun stop its ranks."""
+    proc, pids = start_launcher(tmp_path, "--mode", "hang", "--lines", "1")
+    proc.kill()
+    proc.wait(timeout=30)
+    assert all_gone(pids) == []
+
+
+@pytest.mark.slow
+def test_launcher_in_a_worker_thread_dies_with_its_process(tmp_path):
+    """No signal handler can be set off the main thread: SIGTERM kills the process, PDEATHSIG does the rest."""
+    proc, pids = start_launcher(tmp_path, "--mode", "hang", "--lines", "1", thread=True)
+    proc.terminate()
+    proc.wait(timeout=30)
+    assert all_gone(pids) == []
+
+
+def test_the_dummy_rank_exists():
+    assert DUMMY_RANK.is_file() and os.access(DUMMY_RANK, os.R_OK)
