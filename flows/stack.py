@@ -1,0 +1,404 @@
+"""The local stack: Prefect server, work pool, deployments, worker, MLflow server.
+
+    ddpflow stack up        # start all on 127.0.0.1, deploy prefect.yaml
+    ddpflow stack status    # what runs, and where
+    ddpflow stack down      # stop exactly what `up` started
+
+Everything binds to loopback. State lives in the project:
+
+    .ddpflow/prefect/      PREFECT_HOME, with the server's SQLite database
+    .ddpflow/logs/         one log per process
+    .ddpflow/stack.json    PIDs, ports and URLs of what `up` started
+    mlflow.db, mlartifacts/   the MLflow store: the same one `ddpflow run`
+                              uses by default, so local and scheduled runs
+                              share one registry (and one champion)
+
+The worker runs flows with ``MLFLOW_TRACKING_URI`` pointing at the MLflow
+server, so the server is the only process that writes ``mlflow.db``.
+Processes are started from argument lists (no shell) in their own session,
+so a Ctrl-C in the terminal that ran ``up`` does not reach them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+HOST = "127.0.0.1"
+WORK_POOL = "ddpflow-local"
+DEFAULT_PREFECT_PORT = 4200
+DEFAULT_MLFLOW_PORT = 5000
+# Under CPU load a cold Prefect server takes 5-30 s to answer.
+READY_TIMEOUT_S = 120.0
+# Worker poll interval: run latency through a worker is mostly this.
+WORKER_QUERY_SECONDS = "2"
+# Stop order: the worker first (it hands runs back), then the servers.
+STOP_ORDER = ("worker", "mlflow", "prefect-server")
+
+
+class StackError(RuntimeError):
+    """The stack could not be started or stopped; the message says which part."""
+
+
+@dataclass(frozen=True)
+class StackLayout:
+    """Where one stack keeps its state; tests point it at a temp dir."""
+
+    project: Path
+    state_dir: Path
+    mlflow_dir: Path
+
+    @classmethod
+    def for_project(cls, project: str | Path, state_dir: str | Path | None = None, mlflow_dir: str | Path | None = None) -> StackLayout:
+        project = Path(project).resolve()
+        return cls(
+            project=project,
+            state_dir=Path(state_dir).resolve() if state_dir else project / ".ddpflow",
+            mlflow_dir=Path(mlflow_dir).resolve() if mlflow_dir else project,
+        )
+
+    @property
+    def prefect_home(self) -> Path:
+        return self.state_dir / "prefect"
+
+    @property
+    def logs(self) -> Path:
+        return self.state_dir / "logs"
+
+    @property
+    def stack_file(self) -> Path:
+        return self.state_dir / "stack.json"
+
+    @property
+    def mlflow_backend_uri(self) -> str:
+        return f"sqlite:///{self.mlflow_dir / 'mlflow.db'}"
+
+    @property
+    def mlflow_artifacts(self) -> Path:
+        return self.mlflow_dir / "mlartifacts"
+
+
+@dataclass
+class StackState:
+    """What `up` started: written to stack.json after every process it starts."""
+
+    prefect_url: str
+    mlflow_url: str
+    processes: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def prefect_api_url(self) -> str:
+        return f"{self.prefect_url}/api"
+
+    def to_json(self) -> str:
+        return json.dumps({"prefect_url": self.prefect_url, "mlflow_url": self.mlflow_url, "processes": self.processes}, indent=2)
+
+    @classmethod
+    def read(cls, path: Path) -> StackState | None:
+        if not path.is_file():
+            return None
+        raw = json.loads(path.read_text())
+        return cls(prefect_url=raw["prefect_url"], mlflow_url=raw["mlflow_url"], processes=raw.get("processes", {}))
+
+    def write(self, path: Path) -> None:
+        # Write-then-rename: a half-written stack.json would lose PIDs.
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(self.to_json())
+        tmp.replace(path)
+
+
+def base_env(layout: StackLayout) -> dict[str, str]:
+    """Environment for every stack process: state in the project, no telemetry."""
+    env = dict(os.environ)
+    env.update(
+        PREFECT_HOME=str(layout.prefect_home),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PYTHONUNBUFFERED="1",
+        # prefect.yaml's pull step is `set_working_directory: {{ $PWD }}`, which
+        # `prefect deploy` renders from this variable: a shell sets it, Popen's
+        # cwd= does not.
+        PWD=str(layout.project),
+    )
+    return env
+
+
+def client_env(layout: StackLayout, state: StackState) -> dict[str, str]:
+    """Environment for Prefect CLI calls against this stack's server."""
+    return {**base_env(layout), "PREFECT_API_URL": state.prefect_api_url}
+
+
+def port_is_free(port: int, host: str = HOST) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # As the servers do: connections in TIME_WAIT from a stack that just
+        # stopped do not make the port busy.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def http_ok(url: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _log_tail(log: Path, lines: int = 20) -> str:
+    if not log.is_file():
+        return ""
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def start_process(name: str, argv: list[str], layout: StackLayout, env: Mapping[str, str], state: StackState) -> psutil.Process:
+    """Start one stack process in its own session, log to .ddpflow/logs/<name>.log, record its PID."""
+    layout.logs.mkdir(parents=True, exist_ok=True)
+    log_path = layout.logs / f"{name}.log"
+    with log_path.open("ab") as log:
+        popen = subprocess.Popen(
+            argv, cwd=layout.project, env=dict(env), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    process = psutil.Process(popen.pid)
+    # create_time guards `down` against a PID the OS has since reused.
+    state.processes[name] = {"pid": popen.pid, "create_time": process.create_time(), "argv": argv, "log": str(log_path)}
+    state.write(layout.stack_file)
+    return process
+
+
+def wait_until_ready(name: str, url: str, process: psutil.Process, log: Path, timeout_s: float = READY_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not process.is_running() or process.status() == psutil.STATUS_ZOMBIE:
+            raise StackError(f"{name} exited before {url} answered; last lines of {log}:\n{_log_tail(log)}")
+        if http_ok(url):
+            return
+        time.sleep(0.5)
+    raise StackError(f"{name} did not answer {url} within {timeout_s:.0f} s; see {log}")
+
+
+def run_cli(argv: list[str], layout: StackLayout, env: Mapping[str, str], what: str) -> str:
+    """Run a short Prefect CLI command to completion; its output goes to the logs too."""
+    result = subprocess.run(argv, cwd=layout.project, env=dict(env), capture_output=True, text=True, timeout=300)
+    layout.logs.mkdir(parents=True, exist_ok=True)
+    with (layout.logs / "cli.log").open("a") as log:
+        log.write(f"$ {' '.join(argv)}\n{result.stdout}{result.stderr}\n")
+    if result.returncode != 0:
+        raise StackError(f"{what} failed (exit {result.returncode}): {' '.join(argv)}\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
+    return result.stdout
+
+
+def prefect_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "prefect", *args]
+
+
+def ensure_work_pool(layout: StackLayout, env: Mapping[str, str], pool: str = WORK_POOL) -> None:
+    """Create the process work pool unless it exists (keeps settings made in the UI)."""
+    inspect = subprocess.run(prefect_argv("work-pool", "inspect", pool), cwd=layout.project, env=dict(env), capture_output=True, text=True, timeout=120)
+    if inspect.returncode == 0:
+        return
+    run_cli(prefect_argv("work-pool", "create", pool, "--type", "process"), layout, env, f"creating work pool {pool}")
+
+
+def deploy_all(layout: StackLayout, env: Mapping[str, str]) -> str:
+    """`prefect --no-prompt deploy --all` from the project's prefect.yaml."""
+    if not (layout.project / "prefect.yaml").is_file():
+        raise StackError(f"{layout.project / 'prefect.yaml'} does not exist")
+    return run_cli(prefect_argv("--no-prompt", "deploy", "--all"), layout, env, "prefect deploy --all")
+
+
+def up(
+    project: str | Path = ".",
+    *,
+    prefect_port: int = DEFAULT_PREFECT_PORT,
+    mlflow_port: int = DEFAULT_MLFLOW_PORT,
+    state_dir: str | Path | None = None,
+    mlflow_dir: str | Path | None = None,
+    worker_env: Mapping[str, str] | None = None,
+) -> StackState:
+    """Start server + MLflow, create the pool, deploy, start the worker. On failure, stop what started."""
+    layout = StackLayout.for_project(project, state_dir, mlflow_dir)
+    existing = StackState.read(layout.stack_file)
+    if existing and any(_alive(info) for info in existing.processes.values()):
+        raise StackError(f"a stack is already running (see {layout.stack_file}); run `ddpflow stack down` first")
+    for name, port in (("Prefect server", prefect_port), ("MLflow server", mlflow_port)):
+        if not port_is_free(port):
+            raise StackError(f"port {port} on {HOST} for the {name} is in use; pick another with --prefect-port/--mlflow-port")
+
+    layout.prefect_home.mkdir(parents=True, exist_ok=True)
+    layout.mlflow_artifacts.mkdir(parents=True, exist_ok=True)
+    state = StackState(prefect_url=f"http://{HOST}:{prefect_port}", mlflow_url=f"http://{HOST}:{mlflow_port}")
+    state.write(layout.stack_file)
+    try:
+        _start_all(layout, state, prefect_port, mlflow_port, worker_env or {})
+    except BaseException:
+        down(project, state_dir=state_dir)
+        raise
+    return state
+
+
+def _start_all(layout: StackLayout, state: StackState, prefect_port: int, mlflow_port: int, worker_env: Mapping[str, str]) -> None:
+    env = base_env(layout)
+    # Both servers start together: their start-up times overlap.
+    server = start_process("prefect-server", prefect_argv("server", "start", "--host", HOST, "--port", str(prefect_port)), layout, env, state)
+    mlflow_env = {**env, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    mlflow_argv = [
+        sys.executable, "-m", "mlflow", "server",
+        "--backend-store-uri", layout.mlflow_backend_uri,
+        "--artifacts-destination", str(layout.mlflow_artifacts),
+        "--host", HOST, "--port", str(mlflow_port), "--workers", "1",
+    ]  # fmt: skip
+    mlflow = start_process("mlflow", mlflow_argv, layout, mlflow_env, state)
+    wait_until_ready("prefect-server", f"{state.prefect_api_url}/health", server, layout.logs / "prefect-server.log")
+    cli = client_env(layout, state)
+    ensure_work_pool(layout, cli)
+    deploy_all(layout, cli)
+    wait_until_ready("mlflow", f"{state.mlflow_url}/health", mlflow, layout.logs / "mlflow.log")
+    flow_env = {
+        **cli,
+        "PREFECT_WORKER_QUERY_SECONDS": WORKER_QUERY_SECONDS,
+        "MLFLOW_TRACKING_URI": state.mlflow_url,
+        **worker_env,
+    }
+    start_process("worker", prefect_argv("worker", "start", "--pool", WORK_POOL, "--name", "ddpflow-local-worker"), layout, flow_env, state)
+
+
+def _process(info: Mapping[str, Any]) -> psutil.Process | None:
+    """The recorded process if it still runs and is the same one (not a reused PID)."""
+    try:
+        process = psutil.Process(int(info["pid"]))
+        if abs(process.create_time() - float(info["create_time"])) > 1.0 or process.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return process
+    except (psutil.NoSuchProcess, psutil.AccessDenied, KeyError, ValueError):
+        return None
+
+
+def _alive(info: Mapping[str, Any]) -> bool:
+    return _process(info) is not None
+
+
+def _session_members(sid: int) -> list[psutil.Process]:
+    """Processes in session `sid`: a stack process and everything it started."""
+    members = []
+    for candidate in psutil.process_iter():
+        try:
+            if os.getsid(candidate.pid) == sid:
+                members.append(candidate)
+        except (OSError, psutil.Error):
+            continue
+    return members
+
+
+def _exited(process: psutil.Process, timeout_s: float) -> bool:
+    try:
+        process.wait(timeout=timeout_s)
+    except psutil.TimeoutExpired:
+        return False
+    except psutil.NoSuchProcess:
+        pass
+    return True
+
+
+def stop_process(name: str, info: Mapping[str, Any], grace_s: float = 10.0) -> bool:
+    """Stop one recorded process, then whatever it left in its session. True if it was running."""
+    process = _process(info)
+    if process is None:
+        return False
+    # A background Prefect worker ignores the first SIGTERM (it forwards a
+    # SIGINT to itself): send TERM, give it ~3 s, TERM again.
+    for _ in range(2 if name == "worker" else 1):
+        try:
+            process.terminate()
+        except psutil.NoSuchProcess:
+            break
+        if _exited(process, 3.0):
+            break
+    if not _exited(process, grace_s):
+        process.kill()
+        _exited(process, 5.0)
+    # Started with start_new_session, so the session id is the recorded PID:
+    # flow-run processes or server children that outlived their parent.
+    leftovers = [p for p in _session_members(int(info["pid"])) if p.pid != process.pid]
+    for leftover in leftovers:
+        try:
+            leftover.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(leftovers, timeout=5.0)
+    return True
+
+
+def down(project: str | Path = ".", *, state_dir: str | Path | None = None) -> list[str]:
+    """Stop what stack.json records, worker first; then remove stack.json. Returns the names stopped."""
+    layout = StackLayout.for_project(project, state_dir)
+    state = StackState.read(layout.stack_file)
+    if state is None:
+        return []
+    stopped = []
+    for name in sorted(state.processes, key=lambda n: STOP_ORDER.index(n) if n in STOP_ORDER else -1):
+        if stop_process(name, state.processes[name]):
+            stopped.append(name)
+    layout.stack_file.unlink(missing_ok=True)
+    return stopped
+
+
+def status(project: str | Path = ".", *, state_dir: str | Path | None = None) -> dict[str, Any]:
+    """Which recorded processes run, their PIDs and the URLs to open."""
+    layout = StackLayout.for_project(project, state_dir)
+    state = StackState.read(layout.stack_file)
+    if state is None:
+        return {"running": False, "state": str(layout.stack_file) + " (none)"}
+    processes = {name: {"pid": info["pid"], "alive": _alive(info), "log": info.get("log")} for name, info in state.processes.items()}
+    return {
+        "running": all(p["alive"] for p in processes.values()) and bool(processes),
+        "prefect_ui": state.prefect_url,
+        "prefect_api": state.prefect_api_url,
+        "prefect_healthy": http_ok(f"{state.prefect_api_url}/health"),
+        "mlflow_ui": state.mlflow_url,
+        "mlflow_healthy": http_ok(f"{state.mlflow_url}/health"),
+        "processes": processes,
+        "state": str(layout.stack_file),
+    }
+
+
+def add_stack_command(subparsers: Any) -> None:
+    """`ddpflow stack up|down|status` (registered through flows/commands.py)."""
+    parser = subparsers.add_parser("stack", help="local Prefect server + worker + MLflow server on 127.0.0.1")
+    parser.add_argument("action", choices=("up", "down", "status"))
+    parser.add_argument("--project", default=".", help="project root holding prefect.yaml (default: .)")
+    parser.add_argument("--prefect-port", type=int, default=DEFAULT_PREFECT_PORT)
+    parser.add_argument("--mlflow-port", type=int, default=DEFAULT_MLFLOW_PORT)
+    parser.add_argument("--state-dir", help="default: <project>/.ddpflow")
+    parser.add_argument("--mlflow-dir", help="where mlflow.db and mlartifacts/ live (default: <project>)")
+    parser.add_argument("--json", action="store_true", help="print one machine-readable JSON object")
+    parser.set_defaults(handler=run_stack_command)
+
+
+def run_stack_command(args: Any) -> dict[str, Any]:
+    try:
+        if args.action == "up":
+            state = up(args.project, prefect_port=args.prefect_port, mlflow_port=args.mlflow_port, state_dir=args.state_dir, mlflow_dir=args.mlflow_dir)
+            return {"prefect_ui": state.prefect_url, "mlflow_ui": state.mlflow_url, **{name: info["pid"] for name, info in state.processes.items()}}
+        if args.action == "down":
+            return {"stopped": down(args.project, state_dir=args.state_dir)}
+        return status(args.project, state_dir=args.state_dir)
+    except StackError as error:
+        # Not a traceback: the message names the part that failed and its log.
+        raise SystemExit(f"error: {error}") from None
