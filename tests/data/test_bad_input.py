@@ -1,0 +1,149 @@
+"""Every kind of bad input: a DataError naming file, column and problem, and nothing that looks complete."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from training.config import ConfigError, load_config
+from training.data.prepare import DataError, prepare_dataset
+
+
+@pytest.fixture
+def expect_error(make_config, dh):
+    """Run prepare on ``source`` and return its DataError message, checking nothing complete was left."""
+
+    def run(source, *fragments: str, **fields) -> str:
+        config = make_config(source, **fields)
+        with pytest.raises(DataError) as caught:
+            prepare_dataset(config)
+        message = str(caught.value)
+        for fragment in fragments:
+            assert fragment in message, f"{fragment!r} not in {message!r}"
+        assert dh.nothing_complete(Path(config.root))
+        return message
+
+    return run
+
+
+def test_missing_label_column(table_file, expect_error, dh):
+    path = table_file(dh.numeric_table())
+    expect_error(path, str(path), "'target'", "not found", label="target")
+
+
+def test_missing_key_or_feature_column(table_file, expect_error, dh):
+    path = table_file(dh.numeric_table())
+    expect_error(path, "key column 'row_id'", "not found", key="row_id")
+    expect_error(path, "feature column 'x9'", "not found", features=["x0", "x9"])
+
+
+def test_non_numeric_feature(table_file, expect_error, dh):
+    table = dh.numeric_table().append_column("city", pa.array(["oslo"] * dh.rows))
+    path = table_file(table)
+    expect_error(path, str(path), "feature column 'city'", "string", "numeric", features=["x0", "city"])
+
+
+@pytest.mark.parametrize("bad_value", [np.nan, np.inf, None], ids=["nan", "inf", "null"])
+def test_invalid_feature_values_error_with_counts(table_file, expect_error, dh, bad_value):
+    x2 = dh.numeric_table()["x2"].to_pylist()
+    for row in (5, 2000, 4999):  # spread over several read batches: the count covers all of them
+        x2[row] = bad_value
+    path = table_file(dh.numeric_table().set_column(3, "x2", pa.array(x2, type=pa.float64())))
+    expect_error(path, str(path), "3 rows", "column 'x2': 3", "on_invalid=drop")
+
+
+def test_invalid_labels_error_with_counts(table_file, expect_error, dh):
+    label = dh.numeric_table()["label"].to_pylist()
+    label[7] = label[8] = None
+    path = table_file(dh.numeric_table().set_column(5, "label", pa.array(label)), "null_label.parquet")
+    expect_error(path, str(path), "label column 'label'", "2 null")
+    target = np.linspace(0, 1, dh.rows)
+    target[[1, 2, 3]] = np.nan
+    path = table_file(dh.numeric_table().set_column(5, "label", pa.array(target)), "nan_label.parquet")
+    expect_error(path, str(path), "label column 'label'", "3 NaN/inf")
+
+
+def test_all_rows_dropped(table_file, expect_error, dh):
+    table = dh.numeric_table(rows=100)
+    path = table_file(table.set_column(1, "x0", pa.array([np.nan] * 100)))
+    expect_error(path, "all 100 rows were dropped", on_invalid="drop")
+
+
+def test_empty_source(tmp_path, table_file, expect_error, dh):
+    path = table_file(dh.numeric_table().slice(0, 0), "empty.parquet")
+    expect_error(path, "has no rows")
+    empty_dir = tmp_path / "nothing"
+    empty_dir.mkdir()
+    expect_error(empty_dir, str(empty_dir), "no .parquet or .csv files")
+
+
+def test_single_class(table_file, expect_error, dh):
+    path = table_file(dh.numeric_table(classes=("only",)))
+    expect_error(path, "label column 'label'", "single class", "'only'")
+
+
+def test_corrupt_parquet_file(tmp_path, expect_error):
+    path = tmp_path / "broken.parquet"
+    path.write_bytes(b"PAR1" + b"\x00" * 100)
+    expect_error(path, str(path), "cannot be read as parquet")
+
+
+def test_corrupt_csv_file(tmp_path, expect_error):
+    path = tmp_path / "ragged.csv"
+    rows = "".join(f"{i},{i * 0.5},{i % 2}\n" for i in range(120_000))  # > 1 MiB: past the block the schema is read from
+    path.write_text("id,x,label\n" + rows + "1,2\n")  # a short row, found only while streaming
+    expect_error(path, str(path), "cannot be read as csv", "Expected 3 columns")
+
+
+def test_truncated_parquet_in_a_directory(tmp_path, table_file, expect_error, dh):
+    table_file(dh.numeric_table(rows=1000), "a.parquet")
+    good = table_file(dh.numeric_table(rows=1000, seed=1), "b.parquet")
+    broken = good.with_name("c.parquet")
+    broken.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    expect_error(good.parent, str(broken), "cannot be read as parquet")
+
+
+def test_schemas_disagree(tmp_path, table_file, expect_error, dh):
+    first = table_file(dh.numeric_table(rows=500), "a.parquet")
+    second = table_file(dh.numeric_table(rows=500).drop_columns(["x2"]), "b.parquet")
+    expect_error(first.parent, "schemas disagree", str(second), "lacks columns ['x2']", str(first))
+    second.unlink()
+    third = table_file(dh.numeric_table(rows=500).set_column(1, "x0", pa.array(["text"] * 500)), "c.parquet")
+    expect_error(first.parent, "schemas disagree", "column 'x0'", str(first), str(third))
+
+
+def test_numeric_widths_that_differ_are_widened(tmp_path, table_file, make_config, dh):
+    table_file(dh.numeric_table(rows=500), "a.parquet")
+    narrower = dh.numeric_table(rows=500, seed=1, start=500)
+    narrower = narrower.set_column(4, "count", narrower["count"].cast(pa.int32()))
+    table_file(narrower.set_column(1, "x0", narrower["x0"].cast(pa.float32())), "b.parquet")
+    prepared = prepare_dataset(make_config(tmp_path / "src", key="id"))
+    assert sum(prepared.summary()["rows"].values()) == 1000
+
+
+def test_mixed_formats_in_a_directory(table_file, expect_error, dh):
+    first = table_file(dh.numeric_table(rows=100), "a.parquet")
+    table_file(dh.numeric_table(rows=100), "b.csv")
+    expect_error(first.parent, "mixes csv and parquet")
+
+
+def test_source_does_not_exist(tmp_path, expect_error):
+    missing = tmp_path / "no" / "such.parquet"
+    expect_error(missing, str(missing), "no such file")
+    expect_error(f"{tmp_path}/*.parquet", "matches no files")
+
+
+def test_bad_synthetic_spec(expect_error):
+    expect_error("synthetic://classification?rows=10&features=2&colour=red", "unknown parameter 'colour'")
+    expect_error("synthetic://clustering?rows=10", "synthetic://classification")
+
+
+def test_split_fractions_must_leave_room_for_train():
+    with pytest.raises(ConfigError, match=r"data: .*must sum to less than 1"):
+        load_config(None, ["data.val_fraction=0.5", "data.test_fraction=0.5"])
+    with pytest.raises(ConfigError, match=r"data.val_fraction"):
+        load_config(None, ["data.val_fraction=1.5"])
