@@ -120,14 +120,16 @@ def iter_batches(spec: SyntheticSpec, batch_rows: int = CHUNK_ROWS) -> Iterator[
 
 
 def _chunk(spec, chunk, start, rows, weights, offsets, scales, schema) -> pa.RecordBatch:
-    rng = _rng(spec, 1, chunk)
-    latent = rng.standard_normal((rows, spec.features))
+    # Separate streams for latents and noise, each drawn row-major: the first k rows of a
+    # chunk do not depend on how many rows the chunk has, so a longer spec extends a shorter one.
+    latent = _rng(spec, 1, chunk).standard_normal((rows, spec.features))
+    noise = _rng(spec, 2, chunk)
     scores = latent @ weights
     if spec.task == "classification":
         # Gumbel noise on the logits: a softmax teacher, learnable but not trivially separable.
-        label = np.argmax(scores + 0.3 * rng.gumbel(size=scores.shape), axis=1).astype(np.int64)
+        label = np.argmax(scores + 0.3 * noise.gumbel(size=scores.shape), axis=1).astype(np.int64)
     else:
-        label = (scores[:, 0] + 0.1 * rng.standard_normal(rows)).astype(np.float32)
+        label = (scores[:, 0] + 0.1 * noise.standard_normal(rows)).astype(np.float32)
     features = (latent * scales + offsets).astype(np.float32)
     columns = [pa.array(np.arange(start, start + rows, dtype=np.int64))] if spec.id else []
     columns += [pa.array(features[:, i]) for i in range(spec.features)]
