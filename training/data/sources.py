@@ -84,7 +84,7 @@ class SyntheticSource:
         self.schema = self.spec.schema()
 
     def identity(self) -> dict[str, Any]:
-        return {"synthetic": self.spec.to_dict()}
+        return {"synthetic": self.spec.to_dict(), "generator_version": synthetic.GENERATOR_VERSION}
 
     def iter_batches(self, columns: list[str], batch_rows: int) -> Iterator[tuple[str, pa.RecordBatch]]:
         for batch in synthetic.iter_batches(self.spec, batch_rows):

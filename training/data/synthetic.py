@@ -27,6 +27,8 @@ import numpy as np
 import pyarrow as pa
 
 SCHEME = "synthetic"
+# Bump whenever the same spec would generate different rows: it is part of the fingerprint.
+GENERATOR_VERSION = 2
 # Rows per generated chunk. Fixed (not the reader's batch size) so the rows
 # depend only on the spec.
 CHUNK_ROWS = 65_536
