@@ -1,0 +1,150 @@
+"""Fixtures for evaluation and registry tests: tiny prepared datasets and model.pt files.
+
+The datasets are written straight from the manifest contract
+(training/data/manifest.py) and the models straight from the model.pt
+contract (docs/architecture.md), so these tests do not depend on the prepare
+or training stages. Raw features have a large offset and scale, so a model
+that skipped normalisation would score near chance.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from training.data.manifest import Manifest, ShardInfo, SplitInfo, write_manifest
+from training.models import ModelSpec, build_model
+
+CLASS_NAMES = ["cat", "dog", "eel", "fox", "gnu"]
+
+
+def _write_split(dataset_dir: Path, split: str, x: np.ndarray, y: np.ndarray, features: list[str], label: str, shard_rows: int) -> SplitInfo:
+    (dataset_dir / split).mkdir(parents=True, exist_ok=True)
+    shards = []
+    for number, start in enumerate(range(0, len(x), shard_rows)):
+        columns = {name: pa.array(x[start : start + shard_rows, i], pa.float32()) for i, name in enumerate(features)}
+        columns[label] = pa.array(y[start : start + shard_rows])
+        relative = f"{split}/part-{number:05d}.parquet"
+        pq.write_table(pa.table(columns), dataset_dir / relative, row_group_size=max(1, shard_rows // 3))
+        rows = len(x[start : start + shard_rows])
+        shards.append(ShardInfo(file=relative, rows=rows, bytes=(dataset_dir / relative).stat().st_size))
+    return SplitInfo(rows=len(x), shards=shards)
+
+
+def make_dataset(
+    root: Path,
+    task: str = "classification",
+    rows: dict[str, int] | None = None,
+    n_features: int = 6,
+    n_classes: int = 4,
+    seed: int = 0,
+    shard_rows: int = 400,
+    features: list[str] | None = None,
+    fingerprint: str | None = None,
+) -> Path:
+    rows = rows or {"train": 1500, "val": 200, "test": 997}
+    features = features or [f"f{i}" for i in range(n_features)]
+    rng = np.random.default_rng(seed)
+    teacher = np.random.default_rng(1234).normal(size=(len(features), n_classes if task == "classification" else 1))
+    fingerprint = fingerprint or f"{task[:3]}{seed}{len(features)}{n_classes}"
+    dataset_dir = root / fingerprint
+    splits, train_x = {}, None
+    for split, count in rows.items():
+        z = rng.normal(size=(count, len(features)))
+        x = (z * 7.0 + 40.0).astype(np.float32)  # raw scale: far from the normalised one
+        if task == "classification":
+            y = (z @ teacher).argmax(axis=1).astype(np.int64)
+        else:
+            y = ((z @ teacher)[:, 0] * 3.0 + 10.0 + rng.normal(scale=0.1, size=count)).astype(np.float32)
+        splits[split] = _write_split(dataset_dir, split, x, y, features, "label", shard_rows)
+        if split == "train":
+            train_x = x
+    manifest = Manifest(
+        fingerprint=fingerprint,
+        source=f"synthetic://{task}?seed={seed}",
+        task=task,
+        label="label",
+        key=None,
+        features=features,
+        label_mapping=CLASS_NAMES[:n_classes] if task == "classification" else None,
+        feature_mean=[float(v) for v in train_x.mean(axis=0)],
+        feature_std=[float(v) or 1.0 for v in train_x.std(axis=0)],
+        splits=splits,
+        schema=[{"name": name, "type": "float"} for name in features] + [{"name": "label", "type": "int64" if task == "classification" else "float"}],
+        config={},
+        created_at=dt.datetime.now(dt.timezone.utc).isoformat(),
+        versions={},
+    )
+    write_manifest(dataset_dir, manifest)
+    return dataset_dir
+
+
+def train_model_file(dataset_dir: Path, path: Path, steps: int = 60, seed: int = 0, lr: float = 0.05) -> Path:
+    """A model.pt per the contract, after ``steps`` full-batch Adam steps on the train split."""
+    from training.data.manifest import read_manifest
+
+    manifest = read_manifest(dataset_dir)
+    table = pa.concat_tables([pq.read_table(f) for f in manifest.split_files(dataset_dir, "train")])
+    x = torch.from_numpy(np.column_stack([table[name].to_numpy() for name in manifest.features]).astype(np.float32))
+    y = torch.from_numpy(table[manifest.label].to_numpy())
+    mean, std = torch.tensor(manifest.feature_mean), torch.tensor(manifest.feature_std)
+    torch.manual_seed(seed)
+    spec = ModelSpec(model="mlp", n_features=manifest.n_features, n_outputs=manifest.n_outputs, model_kwargs={"hidden": [32]})
+    model = build_model(spec)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    loss_fn = torch.nn.CrossEntropyLoss() if manifest.task == "classification" else torch.nn.MSELoss()
+    target = y.long() if manifest.task == "classification" else y.float().unsqueeze(1)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = loss_fn(model((x - mean) / std), target)
+        loss.backward()
+        optimizer.step()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "model_spec": spec.to_dict(),
+            "features": list(manifest.features),
+            "feature_mean": list(manifest.feature_mean),
+            "feature_std": list(manifest.feature_std),
+            "task": manifest.task,
+            "label": manifest.label,
+            "label_mapping": manifest.label_mapping,
+            "fingerprint": manifest.fingerprint,
+            "epochs": 1,
+            "metrics": {"train_loss": float(loss.detach())},
+        },
+        path,
+    )
+    return path
+
+
+@pytest.fixture
+def dataset_factory(tmp_path):
+    def factory(**kwargs) -> Path:
+        return make_dataset(tmp_path / "shards", **kwargs)
+
+    return factory
+
+
+@pytest.fixture
+def model_factory(tmp_path):
+    def factory(dataset_dir: Path, name: str = "model", **kwargs) -> Path:
+        return train_model_file(dataset_dir, tmp_path / "runs" / name / "model.pt", **kwargs)
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def prefect_session():
+    """One real Prefect test harness (temporary server) for the whole session."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield

@@ -1,0 +1,129 @@
+"""training/evaluate.py and training/predict.py on tiny datasets built from the manifest contract."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from training.data.manifest import read_manifest, write_manifest
+from training.evaluate import IncompatibleModelError, evaluate_split, load_model_checkpoint
+from training.predict import Predictor
+
+
+def read_split(dataset_dir, split="test") -> pd.DataFrame:
+    manifest = read_manifest(dataset_dir)
+    return pa.concat_tables([pq.read_table(path) for path in manifest.split_files(dataset_dir, split)]).to_pandas()
+
+
+def reference_outputs(model_path, frame: pd.DataFrame) -> torch.Tensor:
+    """The whole split in one forward pass: what streaming must reproduce."""
+    model, meta = load_model_checkpoint(model_path)
+    x = torch.tensor(frame[meta["features"]].to_numpy(np.float32))
+    with torch.no_grad():
+        return model((x - torch.tensor(meta["feature_mean"])) / torch.tensor(meta["feature_std"]))
+
+
+def test_every_row_counted_once_when_batches_do_not_divide_the_split(dataset_factory, model_factory):
+    # 997 test rows in shards of 400/400/197, read 128 rows at a time: no batch size divides anything.
+    dataset = dataset_factory(rows={"train": 1200, "val": 100, "test": 997}, shard_rows=400)
+    model_path = model_factory(dataset)
+    result = evaluate_split(model_path, dataset, "test", batch_size=128, return_predictions=True)
+
+    frame = read_split(dataset)
+    assert len(read_manifest(dataset).splits["test"].shards) == 3
+    assert result.samples == 997 == len(frame)
+    assert result.metrics["test_samples"] == 997
+    expected = reference_outputs(model_path, frame).argmax(dim=1).numpy()
+    np.testing.assert_array_equal(result.predictions, expected)
+    np.testing.assert_array_equal(result.targets, frame["label"].to_numpy())
+    assert result.metrics["test_accuracy"] == pytest.approx((expected == frame["label"].to_numpy()).mean())
+    assert sum(map(sum, result.confusion_matrix)) == 997
+    assert result.metrics["test_accuracy"] > 0.8  # the fixture model learned something: normalisation applied
+
+
+def test_classification_metrics_match_a_direct_computation(dataset_factory, model_factory):
+    dataset = dataset_factory(n_classes=3, rows={"train": 900, "val": 60, "test": 301})
+    model_path = model_factory(dataset, steps=5)  # weak on purpose: classes get confused
+    result = evaluate_split(model_path, dataset, batch_size=50)
+    frame = read_split(dataset)
+    logits = reference_outputs(model_path, frame)
+    target = torch.tensor(frame["label"].to_numpy())
+    predicted = logits.argmax(dim=1)
+    assert result.metrics["test_loss"] == pytest.approx(float(torch.nn.functional.cross_entropy(logits, target)), rel=1e-5)
+    f1s = []
+    for index, label in enumerate(["cat", "dog", "eel"]):
+        tp = int(((predicted == index) & (target == index)).sum())
+        precision = tp / max(1, int((predicted == index).sum()))
+        recall = tp / max(1, int((target == index).sum()))
+        assert result.metrics[f"test_precision_{label}"] == pytest.approx(precision)
+        assert result.metrics[f"test_recall_{label}"] == pytest.approx(recall)
+        assert result.per_class[label]["support"] == int((target == index).sum())
+        f1s.append(0.0 if precision + recall == 0 else 2 * precision * recall / (precision + recall))
+    assert result.metrics["test_macro_f1"] == pytest.approx(np.mean(f1s))
+    assert result.class_labels == ["cat", "dog", "eel"]
+
+
+def test_regression_metrics(dataset_factory, model_factory):
+    dataset = dataset_factory(task="regression", rows={"train": 1000, "val": 50, "test": 333})
+    model_path = model_factory(dataset, steps=150)
+    result = evaluate_split(model_path, dataset, batch_size=100, return_predictions=True, max_predictions=250)
+    frame = read_split(dataset)
+    predicted = reference_outputs(model_path, frame).reshape(-1).double().numpy()
+    truth = frame["label"].to_numpy().astype(np.float64)
+    error = predicted - truth
+    assert result.samples == 333
+    assert result.metrics["test_rmse"] == pytest.approx(np.sqrt(np.mean(error**2)), rel=1e-5)
+    assert result.metrics["test_mae"] == pytest.approx(np.mean(np.abs(error)), rel=1e-5)
+    assert result.metrics["test_r2"] == pytest.approx(1 - np.sum(error**2) / np.sum((truth - truth.mean()) ** 2), rel=1e-5)
+    assert result.metrics["test_r2"] > 0.5
+    assert len(result.predictions) == 250  # bounded: only the first rows are kept for a plot
+
+
+def test_reordered_classes_are_remapped(dataset_factory, model_factory, tmp_path):
+    dataset = dataset_factory(rows={"train": 1000, "val": 50, "test": 400})
+    model_path = model_factory(dataset)
+    baseline = evaluate_split(model_path, dataset).metrics["test_accuracy"]
+    # The same rows, but this dataset numbers the classes in reverse order.
+    manifest = read_manifest(dataset)
+    for shard in manifest.split_files(dataset, "test"):
+        table = pq.read_table(shard)
+        flipped = pa.array(len(manifest.label_mapping) - 1 - table["label"].to_numpy())
+        pq.write_table(table.set_column(table.schema.get_field_index("label"), "label", flipped), shard)
+    write_manifest(dataset, manifest.__class__(**{**manifest.__dict__, "label_mapping": list(reversed(manifest.label_mapping))}))
+    assert evaluate_split(model_path, dataset).metrics["test_accuracy"] == pytest.approx(baseline)
+
+
+def test_incompatible_dataset_is_named(dataset_factory, model_factory):
+    model_path = model_factory(dataset_factory(rows={"train": 300, "val": 30, "test": 30}))
+    other = dataset_factory(rows={"train": 300, "val": 30, "test": 30}, features=["a", "b", "c", "d", "e", "f"], fingerprint="other")
+    with pytest.raises(IncompatibleModelError, match=r"\['f0'"):
+        evaluate_split(model_path, other)
+    regression = dataset_factory(task="regression", rows={"train": 300, "val": 30, "test": 30})
+    with pytest.raises(IncompatibleModelError, match="classification model"):
+        evaluate_split(model_path, regression)
+
+
+def test_checkpoint_without_inference_keys_is_rejected(tmp_path):
+    path = tmp_path / "last.pt"
+    torch.save({"model": {}, "optimizer": {}, "epoch": 1}, path)
+    with pytest.raises(ValueError, match=r"last.pt lacks keys \['model_spec'"):
+        load_model_checkpoint(path)
+    with pytest.raises(FileNotFoundError, match="nope.pt"):
+        load_model_checkpoint(tmp_path / "nope.pt")
+
+
+def test_predictor_normalises_raw_columns_and_returns_original_labels(dataset_factory, model_factory):
+    dataset = dataset_factory(rows={"train": 1000, "val": 50, "test": 300})
+    model_path = model_factory(dataset)
+    result = evaluate_split(model_path, dataset, return_predictions=True)
+    frame = read_split(dataset)
+    # Columns in another order and as float64: what a user's DataFrame looks like.
+    raw = frame[list(reversed(read_manifest(dataset).features))].astype("float64")
+    labels = Predictor.from_checkpoint(model_path, batch_size=64).predict(raw)
+    np.testing.assert_array_equal(labels, np.asarray(["cat", "dog", "eel", "fox"])[result.predictions])
+    with pytest.raises(ValueError, match=r"missing feature columns \['f2'\]"):
+        Predictor.from_checkpoint(model_path).predict(raw.drop(columns=["f2"]))

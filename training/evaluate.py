@@ -1,0 +1,241 @@
+"""Evaluate a saved ``model.pt`` on one split of a prepared dataset.
+
+Plain code (no Prefect, no MLflow) so it runs anywhere: the evaluate task, the
+registry gate (re-scoring the champion on the candidate's test shards) and
+tests. The split is streamed shard by shard, record batch by record batch, so
+memory stays bounded by ``batch_size`` rows whatever the split's size; every
+row is counted exactly once and the count is checked against the manifest.
+
+    result = evaluate_split("runs/x/model.pt", "data/shards/<fp>", split="test")
+    result.metrics["test_accuracy"]
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+from torch import nn
+
+from training.data.manifest import Manifest, read_manifest
+from training.models import ModelSpec, build_model
+
+# What a model.pt must hold (docs/architecture.md) to be evaluated or served.
+REQUIRED_CHECKPOINT_KEYS = ("model", "model_spec", "features", "feature_mean", "feature_std", "task", "label", "label_mapping")
+
+
+class IncompatibleModelError(ValueError):
+    """A checkpoint cannot score a dataset: other features, task or classes."""
+
+
+@dataclass
+class EvalResult:
+    task: str
+    split: str
+    samples: int
+    metrics: dict[str, float]  # flat, MLflow-ready: "<split>_accuracy", "<split>_rmse", ...
+    seconds: float
+    class_labels: list[str] | None = None  # the dataset's classes, in index order
+    confusion_matrix: list[list[int]] | None = None  # rows: true class, columns: predicted
+    per_class: dict[str, dict[str, float]] | None = None  # label -> precision, recall, support
+    # Only with return_predictions: class indices (dataset's index space) or regression values.
+    predictions: np.ndarray | None = field(default=None, repr=False)
+    targets: np.ndarray | None = field(default=None, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """What ``eval/metrics.json`` holds (no per-row arrays)."""
+        return {
+            "task": self.task,
+            "split": self.split,
+            "samples": self.samples,
+            "seconds": self.seconds,
+            "metrics": self.metrics,
+            "class_labels": self.class_labels,
+            "confusion_matrix": self.confusion_matrix,
+            "per_class": self.per_class,
+        }
+
+
+def load_model_checkpoint(path: str | Path) -> tuple[nn.Module, dict[str, Any]]:
+    """Rebuild the model from ``model_spec`` and load its weights, in eval mode.
+
+    Returns the model and the checkpoint's other entries (everything except the
+    state dict). ``weights_only=True``: a checkpoint cannot run code on load.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"model checkpoint {path} does not exist")
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    missing = [key for key in REQUIRED_CHECKPOINT_KEYS if key not in checkpoint]
+    if missing:
+        raise ValueError(f"model checkpoint {path} lacks keys {missing}; is it a final model.pt (not checkpoints/last.pt)?")
+    model = build_model(ModelSpec.from_dict(checkpoint["model_spec"]))
+    model.load_state_dict(checkpoint["model"])
+    model.eval()
+    meta = {key: value for key, value in checkpoint.items() if key != "model"}
+    return model, meta
+
+
+def metric_label(value: Any) -> str:
+    """A class label as it may appear in an MLflow metric name."""
+    return re.sub(r"[^0-9A-Za-z_\-.]", "_", str(value))
+
+
+def check_compatible(meta: dict[str, Any], manifest: Manifest, checkpoint: str | Path = "model.pt") -> torch.Tensor | None:
+    """Raise ``IncompatibleModelError`` unless the checkpoint can score this dataset.
+
+    For classification returns the index remap (model class index -> dataset
+    class index) when both list the same classes in another order, else None.
+    """
+    if meta["task"] != manifest.task:
+        raise IncompatibleModelError(f"{checkpoint} is a {meta['task']} model; the dataset {manifest.fingerprint} is {manifest.task}")
+    missing = [name for name in meta["features"] if name not in manifest.features]
+    if missing:
+        raise IncompatibleModelError(f"{checkpoint} needs feature columns {missing} that dataset {manifest.fingerprint} lacks")
+    if meta["label"] != manifest.label:
+        raise IncompatibleModelError(f"{checkpoint} predicts {meta['label']!r}; dataset {manifest.fingerprint} labels {manifest.label!r}")
+    if manifest.task != "classification" or list(meta["label_mapping"]) == list(manifest.label_mapping):
+        return None
+    if sorted(map(str, meta["label_mapping"])) != sorted(map(str, manifest.label_mapping)):
+        raise IncompatibleModelError(
+            f"{checkpoint} knows classes {meta['label_mapping']}; dataset {manifest.fingerprint} has {manifest.label_mapping}"
+        )
+    position = {str(label): index for index, label in enumerate(manifest.label_mapping)}
+    return torch.tensor([position[str(label)] for label in meta["label_mapping"]])
+
+
+def _iter_batches(manifest: Manifest, dataset_dir: Path, split: str, columns: list[str], batch_size: int):
+    """(features float32 [n, F], labels) per record batch, over every shard in order."""
+    features, label = columns[:-1], columns[-1]
+    for shard in manifest.split_files(dataset_dir, split):
+        parquet = pq.ParquetFile(shard)
+        for batch in parquet.iter_batches(batch_size=batch_size, columns=columns):
+            x = np.column_stack([batch.column(name).to_numpy(zero_copy_only=False) for name in features]).astype(np.float32, copy=False)
+            # Copy: Arrow's buffers are read-only and torch warns about sharing them.
+            y = batch.column(label).to_numpy(zero_copy_only=False).copy()
+            yield torch.from_numpy(x), torch.from_numpy(y)
+
+
+class _ClassificationTally:
+    def __init__(self, n_classes: int):
+        self.n_classes = n_classes
+        self.confusion = torch.zeros(n_classes * n_classes, dtype=torch.int64)
+        self.loss_sum = 0.0
+
+    def add(self, logits: torch.Tensor, target: torch.Tensor, remap: torch.Tensor | None) -> torch.Tensor:
+        target = target.long()
+        if remap is not None:  # reorder the model's classes into the dataset's index order
+            logits = torch.empty_like(logits).index_copy_(1, remap, logits)
+        self.loss_sum += float(nn.functional.cross_entropy(logits.float(), target, reduction="sum"))
+        predicted = logits.argmax(dim=1)
+        self.confusion += torch.bincount(target * self.n_classes + predicted, minlength=self.n_classes**2)
+        return predicted
+
+    def metrics(self, split: str, samples: int, labels: list[Any]) -> tuple[dict[str, float], dict[str, dict[str, float]], list[list[int]]]:
+        matrix = self.confusion.view(self.n_classes, self.n_classes).double()
+        true_positive = matrix.diag()
+        predicted_count = matrix.sum(dim=0)
+        support = matrix.sum(dim=1)
+        # A class never predicted has precision 0 (not NaN): the sklearn zero_division=0 convention.
+        precision = torch.where(predicted_count > 0, true_positive / predicted_count.clamp(min=1), torch.zeros_like(true_positive))
+        recall = torch.where(support > 0, true_positive / support.clamp(min=1), torch.zeros_like(true_positive))
+        f1 = torch.where(precision + recall > 0, 2 * precision * recall / (precision + recall).clamp(min=1e-12), torch.zeros_like(precision))
+        metrics = {
+            f"{split}_loss": self.loss_sum / samples,
+            f"{split}_accuracy": float(true_positive.sum()) / samples,
+            f"{split}_macro_f1": float(f1.mean()),
+        }
+        per_class = {}
+        for index, label in enumerate(labels):
+            name = metric_label(label)
+            metrics[f"{split}_precision_{name}"] = float(precision[index])
+            metrics[f"{split}_recall_{name}"] = float(recall[index])
+            per_class[str(label)] = {"precision": float(precision[index]), "recall": float(recall[index]), "support": int(support[index])}
+        return metrics, per_class, matrix.long().tolist()
+
+
+class _RegressionTally:
+    def __init__(self):
+        # float64 sums: millions of float32 rows would otherwise lose precision.
+        self.squared = self.absolute = self.y_sum = self.y_squared = 0.0
+
+    def add(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        predicted = output.reshape(-1).double()
+        target = target.double()
+        error = predicted - target
+        self.squared += float(error.square().sum())
+        self.absolute += float(error.abs().sum())
+        self.y_sum += float(target.sum())
+        self.y_squared += float(target.square().sum())
+        return predicted.float()
+
+    def metrics(self, split: str, samples: int) -> dict[str, float]:
+        mse = self.squared / samples
+        total = self.y_squared - self.y_sum**2 / samples
+        return {
+            f"{split}_loss": mse,
+            f"{split}_rmse": mse**0.5,
+            f"{split}_mae": self.absolute / samples,
+            # Constant target: R^2 is undefined; report 0 rather than inf/NaN.
+            f"{split}_r2": 1.0 - self.squared / total if total > 0 else 0.0,
+        }
+
+
+def evaluate_split(
+    model_path: str | Path,
+    dataset_dir: str | Path,
+    split: str = "test",
+    batch_size: int = 65_536,
+    return_predictions: bool = False,
+    max_predictions: int | None = None,
+) -> EvalResult:
+    """Score ``model.pt`` on every row of ``split``; metrics named ``<split>_<metric>``.
+
+    ``return_predictions`` keeps per-row predictions and targets (in shard
+    order), the first ``max_predictions`` rows only when given, so a plot of
+    a huge split stays bounded in memory.
+    """
+    started = time.perf_counter()
+    dataset_dir = Path(dataset_dir)
+    manifest = read_manifest(dataset_dir)
+    if split not in manifest.splits:
+        raise ValueError(f"{dataset_dir}: no split {split!r} (has {sorted(manifest.splits)})")
+    if manifest.rows(split) == 0:
+        raise ValueError(f"{dataset_dir}: split {split!r} is empty; nothing to evaluate")
+    model, meta = load_model_checkpoint(model_path)
+    remap = check_compatible(meta, manifest, model_path)
+    mean = torch.tensor(meta["feature_mean"], dtype=torch.float32)
+    std = torch.tensor(meta["feature_std"], dtype=torch.float32)
+    classification = manifest.task == "classification"
+    tally = _ClassificationTally(manifest.n_outputs) if classification else _RegressionTally()
+    samples, kept_predictions, kept_targets = 0, [], []
+    with torch.inference_mode():
+        for x, y in _iter_batches(manifest, dataset_dir, split, [*meta["features"], manifest.label], batch_size):
+            output = model((x - mean) / std)
+            predicted = tally.add(output, y, remap) if classification else tally.add(output, y)
+            samples += len(y)
+            if return_predictions:
+                room = len(y) if max_predictions is None else max(0, max_predictions - sum(map(len, kept_targets)))
+                if room:
+                    kept_predictions.append(predicted[:room].numpy())
+                    kept_targets.append(y[:room].numpy())
+    if samples != manifest.rows(split):
+        raise RuntimeError(f"{dataset_dir}: read {samples} {split} rows but the manifest lists {manifest.rows(split)}")
+    result = EvalResult(task=manifest.task, split=split, samples=samples, metrics={}, seconds=0.0)
+    if classification:
+        result.metrics, result.per_class, result.confusion_matrix = tally.metrics(split, samples, manifest.label_mapping)
+        result.class_labels = [str(label) for label in manifest.label_mapping]
+    else:
+        result.metrics = tally.metrics(split, samples)
+    result.metrics[f"{split}_samples"] = float(samples)
+    if return_predictions:
+        result.predictions = np.concatenate(kept_predictions) if kept_predictions else np.empty(0)
+        result.targets = np.concatenate(kept_targets) if kept_targets else np.empty(0)
+    result.seconds = time.perf_counter() - started
+    return result

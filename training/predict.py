@@ -1,0 +1,67 @@
+"""Predictions for a DataFrame of RAW feature columns, from a ``model.pt``.
+
+The checkpoint carries what inference needs: feature names, the train split's
+mean/std (normalisation happens here, not in the caller) and the class-index
+-> original-label mapping. The MLflow pyfunc model (``training/serving.py``)
+wraps this class, so a served model and an evaluation agree by construction.
+
+    predictor = Predictor.from_checkpoint("runs/x/model.pt")
+    labels = predictor.predict(frame)   # original labels, or floats for regression
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import nn
+
+from training.evaluate import load_model_checkpoint
+
+
+class Predictor:
+    def __init__(self, model: nn.Module, meta: dict[str, Any], batch_size: int = 65_536):
+        self.model = model.eval()
+        self.meta = meta
+        self.features: list[str] = list(meta["features"])
+        self.task: str = meta["task"]
+        self.batch_size = batch_size
+        self._mean = torch.tensor(meta["feature_mean"], dtype=torch.float32)
+        self._std = torch.tensor(meta["feature_std"], dtype=torch.float32)
+        self._labels = np.asarray(meta["label_mapping"]) if self.task == "classification" else None
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, batch_size: int = 65_536) -> Predictor:
+        model, meta = load_model_checkpoint(path)
+        return cls(model, meta, batch_size)
+
+    def features_matrix(self, frame: pd.DataFrame) -> np.ndarray:
+        """The model's feature columns, in its order, as float32; names what is missing."""
+        missing = [name for name in self.features if name not in frame.columns]
+        if missing:
+            raise ValueError(f"input is missing feature columns {missing}; the model needs {self.features}")
+        matrix = frame[self.features].to_numpy(dtype=np.float32, copy=True)
+        if not np.isfinite(matrix).all():
+            bad = [name for name, ok in zip(self.features, np.isfinite(matrix).all(axis=0)) if not ok]
+            raise ValueError(f"input columns {bad} hold NaN or infinite values")
+        return matrix
+
+    def predict_raw(self, frame: pd.DataFrame) -> np.ndarray:
+        """Class indices (classification) or float predictions (regression)."""
+        matrix = torch.from_numpy(self.features_matrix(frame))
+        outputs = []
+        with torch.inference_mode():
+            for start in range(0, len(matrix), self.batch_size):
+                output = self.model((matrix[start : start + self.batch_size] - self._mean) / self._std)
+                outputs.append(output.argmax(dim=1) if self.task == "classification" else output.reshape(-1))
+        if not outputs:
+            return np.empty(0, dtype=np.int64 if self.task == "classification" else np.float32)
+        return torch.cat(outputs).numpy()
+
+    def predict(self, frame: pd.DataFrame) -> np.ndarray:
+        """Original labels (classification) or float predictions (regression)."""
+        raw = self.predict_raw(frame)
+        return self._labels[raw] if self._labels is not None else raw

@@ -1,0 +1,85 @@
+"""The logged MLflow model: a pyfunc that wraps ``Predictor``.
+
+    model = mlflow.pyfunc.load_model("models:/ddpflow-model@champion")
+    model.predict(frame_of_raw_feature_columns)   # original labels / floats
+
+How it is logged, and why ("models from code" + ``artifacts`` + ``code_paths``):
+- the weights are ``model.pt``, logged as the artifact ``model_pt`` and read
+  with ``torch.load(weights_only=True)``: loading runs no pickled code, and a
+  later run can download them to warm-start (``train.init_from: champion``);
+- the model object is defined by the file ``training/serving_model.py``
+  (logged as-is, executed on load) instead of a cloudpickled
+  ``PythonModel`` instance, which MLflow 3 warns about (pickles execute
+  arbitrary code on load, and break when the class moves);
+- ``code_paths`` ships the ``training`` package with the model, so it loads
+  in any environment with the pinned requirements, without this repository;
+- not ``mlflow.pytorch``: that serves the bare network (normalised tensors
+  in, class indices out), not raw columns in, original labels out.
+
+This module imports mlflow at the top (it exists only to be logged and
+loaded); the rest of ``training/`` imports it lazily or not at all.
+"""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+from typing import Any
+
+import mlflow.pyfunc
+import pandas as pd
+
+from training.predict import Predictor
+
+MODEL_ARTIFACT = "model_pt"  # key in context.artifacts; stored as artifacts/model.pt in the model
+MODEL_NAME = "model"  # the logged model's name
+MODEL_CODE = Path(__file__).resolve().with_name("serving_model.py")
+
+
+class TabularTorchModel(mlflow.pyfunc.PythonModel):
+    """Raw feature columns in, original labels (or regression values) out."""
+
+    def load_context(self, context) -> None:
+        self._predictor = Predictor.from_checkpoint(context.artifacts[MODEL_ARTIFACT])
+
+    def predict(self, context, model_input: pd.DataFrame, params: dict[str, Any] | None = None):
+        return self._predictor.predict(model_input)
+
+
+def pip_requirements() -> list[str]:
+    """Pinned to what is installed: skips MLflow's slow requirement inference."""
+    from importlib.metadata import version
+
+    return [f"{package}=={version(package)}" for package in ("torch", "mlflow", "pandas", "numpy", "pyarrow")]
+
+
+def log_pyfunc_model(model_path: str | Path, input_example: pd.DataFrame, run_id: str, tags: dict[str, str] | None = None):
+    """Log the pyfunc model as an output of MLflow run ``run_id``; returns ``ModelInfo``.
+
+    ``Model.log`` with an explicit ``run_id`` (what ``mlflow.pyfunc.log_model``
+    calls, minus the fluent "active run"): no run is started or ended here,
+    so the pipeline's run stays RUNNING until the flow ends it. Uses the
+    process-wide tracking URI (``tasks/tracking.py: configure_mlflow``).
+
+    The input example is raw feature columns as float64 (what a pandas user
+    has), so the signature accepts float64 and, by safe upcast, float32.
+    """
+    from mlflow.models import Model, infer_signature
+
+    model_path = Path(model_path)
+    predictor = Predictor.from_checkpoint(model_path)
+    example = input_example[predictor.features].astype("float64")
+    return Model.log(
+        artifact_path=None,
+        name=MODEL_NAME,
+        flavor=mlflow.pyfunc,
+        run_id=run_id,
+        tags=tags,
+        python_model=str(MODEL_CODE),
+        artifacts={MODEL_ARTIFACT: str(model_path)},
+        code_paths=[str(MODEL_CODE.parent)],
+        signature=infer_signature(example, predictor.predict(example)),
+        input_example=example,
+        pip_requirements=pip_requirements(),
+        metadata={"python_version": platform.python_version(), "task": predictor.task, "features": predictor.features},
+    )
