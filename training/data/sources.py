@@ -132,12 +132,15 @@ def _open_fsspec(source: str, file_format: str) -> FileSource:
     from pyarrow.fs import FSSpecHandler, PyFileSystem
 
     try:
-        fs, path = fsspec.core.url_to_fs(source)
+        # A fresh instance: a cached one would keep credentials and endpoints from an earlier environment.
+        fs, path = fsspec.core.url_to_fs(source, skip_instance_cache=True)
     except ImportError as error:
         raise DataError(f"data.source {source!r}: its filesystem needs a package that is not installed ({error})") from None
     except ValueError as error:
         raise DataError(f"data.source {source!r}: {error}") from None
     protocol = source.split("://", 1)[0]
+    # fsspec caches listings per filesystem instance: a changed object must show its new ETag.
+    fs.invalidate_cache()
     try:
         if any(char in path for char in _GLOB_CHARS):
             candidates = [match for match in fs.glob(path) if fs.isfile(match)]
@@ -150,8 +153,10 @@ def _open_fsspec(source: str, file_format: str) -> FileSource:
             raise DataError(f"data.source {source!r}: no such file, prefix or bucket")
         chosen, resolved_format = _choose_files(candidates, file_format, source, explicit)
         files = [_fsspec_file(fs, protocol, name) for name in chosen]
-    except (OSError, PermissionError) as error:
-        raise DataError(f"data.source {source!r}: cannot be listed: {error}") from None
+    except DataError:
+        raise
+    except Exception as error:  # noqa: BLE001 - each fsspec backend raises its own types (botocore, aiohttp, ...)
+        raise DataError(f"data.source {source!r}: cannot be listed: {type(error).__name__}: {error}") from None
     return FileSource(source, files, resolved_format, filesystem=PyFileSystem(FSSpecHandler(fs)))
 
 
