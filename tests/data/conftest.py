@@ -90,3 +90,12 @@ def dh() -> SimpleNamespace:
         read_all_splits=read_all_splits,
         nothing_complete=nothing_complete,
     )
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """One temporary Prefect server (SQLite) for the session: it costs ~10 s to start."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield

@@ -1,0 +1,60 @@
+"""The Prefect task around prepare: logs cache hit / prepared, publishes a table artifact, never retries."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from training.config import load_config
+from training.data.prepare import DataError
+
+
+@pytest.mark.slow
+def test_prepare_task_logs_and_publishes_an_artifact(prefect_harness, tmp_path):
+    from prefect import flow
+    from prefect.artifacts import Artifact
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    from tasks.prepare import prepare_data
+
+    config = load_config(None, ["data.source=synthetic://classification?rows=3000&features=4&classes=2&seed=0", f"data.root={tmp_path}"])
+
+    @flow
+    def prepare_twice(config):
+        from prefect.runtime import flow_run
+
+        return prepare_data(config), prepare_data(config), flow_run.id
+
+    first, second, flow_run_id = prepare_twice(config)
+    assert (first.cache_hit, second.cache_hit) == (False, True)
+    assert first.dataset_dir == second.dataset_dir
+
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+    messages = [log.message for log in logs]
+    assert any(message.startswith(f"prepared dataset {first.fingerprint}") for message in messages), messages
+    assert any(message.startswith(f"cache hit: dataset {first.fingerprint}") for message in messages), messages
+
+    artifact = Artifact.get("prepared-dataset")
+    table = json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
+    assert [row["split"] for row in table] == ["train", "val", "test"]
+    assert [row["rows"] for row in table] == [first.manifest.rows(split) for split in ("train", "val", "test")]
+
+
+@pytest.mark.slow
+def test_prepare_task_fails_once_on_bad_input(prefect_harness, tmp_path):
+    from prefect import flow
+
+    from tasks.prepare import prepare_data
+
+    config = load_config(None, [f"data.source={tmp_path / 'missing.parquet'}", f"data.root={tmp_path}"])
+    assert prepare_data.retries == 0
+
+    @flow
+    def prepare_only(config):
+        return prepare_data(config)
+
+    with pytest.raises(DataError, match="missing.parquet.*no such file"):
+        prepare_only(config)
