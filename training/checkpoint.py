@@ -1,0 +1,208 @@
+"""Checkpoints: ``RUN_DIR/checkpoints/last.pt`` after every epoch, ``RUN_DIR/model.pt`` at the end.
+
+Writing: rank 0 alone writes, atomically (a temp file in the same directory,
+fsynced, then ``os.replace``), then every rank waits at a barrier. A failed
+write (disk full, file size limit, unwritable directory) raises
+``CheckpointWriteError`` naming the path and leaves the previous file intact.
+
+Reading: rank 0 reads (``torch.load(weights_only=True)``: files hold only
+tensors and plain Python values) and broadcasts the result, so every rank takes
+the same decision and only one reads the disk.
+
+Resume rule: an existing last.pt is resumed when it was trained on the same
+dataset (fingerprint) with the same training-relevant settings
+(``RESUME_FIELDS``; ``train.epochs`` too when the LR schedule depends on it).
+Raising ``train.epochs`` with a constant schedule continues the run. Any other
+difference is an error (``ResumeMismatchError``), not a silent fresh start:
+starting over would overwrite the progress of a different training in that
+run directory. Use a new run directory for a new training.
+A different world size is allowed (elastic restarts); the RNG streams are
+then reseeded and the message says so.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from training.config import PipelineConfig
+from training.layout import FINAL_MODEL, LAST_CHECKPOINT
+
+RESUME_FIELDS = ("model", "model_kwargs", "batch_size", "lr", "weight_decay", "lr_schedule", "grad_clip", "grad_accum", "seed")
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written; the previous file at that path is untouched."""
+
+
+class CheckpointReadError(RuntimeError):
+    """A checkpoint exists but cannot be loaded."""
+
+
+class ResumeMismatchError(RuntimeError):
+    """last.pt belongs to a different training than the one asked for."""
+
+
+class Coordinator(Protocol):
+    """What the Checkpointer needs from the process group (``DistContext`` or ``SingleProcess``)."""
+
+    is_main: bool
+
+    def barrier(self) -> None: ...
+
+    def broadcast_object(self, obj: Any) -> Any: ...
+
+
+def atomic_save(obj: Any, path: str | Path) -> Path:
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-", suffix=".tmp")
+    except OSError as error:
+        raise CheckpointWriteError(f"cannot write checkpoint {path}: {error}") from error
+    try:
+        os.fchmod(fd, 0o644)  # mkstemp makes it 0600; a checkpoint is an ordinary, readable file
+        with os.fdopen(fd, "wb") as handle:
+            torch.save(obj, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException as error:
+        Path(tmp).unlink(missing_ok=True)
+        if isinstance(error, Exception):
+            raise CheckpointWriteError(f"cannot write checkpoint {path}: {error}; the previous file (if any) is unchanged") from error
+        raise
+    _fsync_directory(path.parent)  # make the rename itself durable
+    return path
+
+
+def _fsync_directory(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as error:
+        raise CheckpointReadError(f"cannot load checkpoint {path}: {error}") from error
+
+
+def capture_rng() -> dict[str, Any]:
+    """This process's RNG streams; plain tensors and tuples (no numpy) for weights_only loading."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def resume_mismatches(saved: dict[str, Any], config: PipelineConfig, fingerprint: str) -> list[str]:
+    """Why ``saved`` cannot be continued with ``config``; empty when it can."""
+    problems = []
+    if saved.get("fingerprint") != fingerprint:
+        problems.append(f"dataset fingerprint {saved.get('fingerprint')!r} != {fingerprint!r}")
+    saved_train = saved.get("config", {}).get("train", {})
+    current = config.train.model_dump(mode="json")
+    fields = RESUME_FIELDS + (("epochs",) if current["lr_schedule"] != "constant" else ())
+    for name in fields:
+        if saved_train.get(name) != current[name]:
+            problems.append(f"train.{name} {saved_train.get(name)!r} != {current[name]!r}")
+    if saved.get("epoch", 0) > config.train.epochs:
+        problems.append(f"it already holds {saved['epoch']} epochs, more than train.epochs={config.train.epochs}")
+    return problems
+
+
+class Checkpointer:
+    def __init__(self, run_dir: str | Path, coordinator: Coordinator):
+        self.run_dir = Path(run_dir)
+        self.coordinator = coordinator
+        self.last_path = self.run_dir / LAST_CHECKPOINT
+        self.final_path = self.run_dir / FINAL_MODEL
+
+    def save_last(self, state: dict[str, Any]) -> None:
+        self._save(state, self.last_path)
+
+    def save_final(self, payload: dict[str, Any]) -> None:
+        self._save(payload, self.final_path)
+
+    def _save(self, obj: dict[str, Any], path: Path) -> None:
+        if self.coordinator.is_main:
+            atomic_save(obj, path)
+        # Nobody runs ahead (or exits) before the file is complete.
+        self.coordinator.barrier()
+
+    def load_resumable(self, config: PipelineConfig, fingerprint: str) -> dict[str, Any] | None:
+        """last.pt's contents when this run should continue from it; None when there is none."""
+
+        def read() -> dict[str, Any] | None:
+            if not self.last_path.exists():
+                return None
+            saved = load_checkpoint(self.last_path)
+            problems = resume_mismatches(saved, config, fingerprint)
+            if problems:
+                raise ResumeMismatchError(
+                    f"{self.last_path} belongs to a different training ({'; '.join(problems)}); "
+                    "it is left untouched: use a new run directory, or delete it to start over"
+                )
+            return saved
+
+        return self._read_on_main(read)
+
+    def load_warm_start(self, init_weights: str | None, model_spec: dict[str, Any], features: list[str]) -> dict[str, torch.Tensor] | None:
+        """Weights of a previous model.pt when its architecture and features match; else None (with a message)."""
+        if not init_weights:
+            return None
+
+        def read() -> dict[str, torch.Tensor] | None:
+            path = Path(init_weights)
+            if not path.exists():
+                print(f"[train] warm start: {path} does not exist; training from scratch", flush=True)
+                return None
+            payload = load_checkpoint(path)
+            if payload.get("model_spec") != model_spec or payload.get("features") != features:
+                print(
+                    f"[train] warm start: {path} has model_spec {payload.get('model_spec')} on {len(payload.get('features') or [])} features, "
+                    f"this run needs {model_spec} on {len(features)} features; training from scratch",
+                    flush=True,
+                )
+                return None
+            print(f"[train] warm start: weights from {path}", flush=True)
+            return payload["model"]
+
+        return self._read_on_main(read)
+
+    def _read_on_main(self, read):
+        """Rank 0 runs ``read``; every rank gets its result or raises its error."""
+        result, error = None, None
+        if self.coordinator.is_main:
+            try:
+                result = read()
+            except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
+                error = exc
+        result, error = self.coordinator.broadcast_object((result, error))
+        if error is not None:
+            raise error
+        return result

@@ -1,0 +1,192 @@
+"""Everything distributed, in one place: process group, device, DDP, collectives.
+
+Ranks are started by ``torchrun``, which sets ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``.
+Without them (a person running one rank by hand) this is a one-rank group on
+a free loopback port, so the same code path runs.
+
+Models (``training.models``) and the loop (``training.loop``) never call
+``torch.distributed`` themselves; they get a ``DistContext``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from training.config import TrainConfig
+
+# DDP's default puts the first gradient bucket at 1 MiB and the rest at 25 MiB,
+# so even a small model pays two all-reduces per step. Passing the cap
+# explicitly makes the first bucket that size too: any model whose gradients
+# fit in 25 MiB is reduced in ONE all-reduce; bigger models keep 25 MiB
+# buckets, which overlap communication with the rest of the backward pass.
+BUCKET_CAP_MB = 25
+
+
+class DistributedSetupError(RuntimeError):
+    """The process cannot join the group as configured (backend, device)."""
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.device.type == "cuda":
+            dist.barrier(device_ids=[self.device.index])
+        else:
+            dist.barrier()
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank (pickled; only for our own small objects)."""
+        holder = [obj]
+        dist.broadcast_object_list(holder, src=0, device=self.device if self.device.type == "cuda" else None)
+        return holder[0]
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank."""
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
+    def all_reduce_sum(self, values: Sequence[float | torch.Tensor]) -> list[float]:
+        """Element-wise sums over ranks, in float64 so counts stay exact."""
+        local = torch.stack([torch.as_tensor(v, dtype=torch.float64).reshape(()).to(self.device) for v in values])
+        dist.all_reduce(local, op=dist.ReduceOp.SUM)
+        return local.tolist()
+
+    def weights_agree(self, model: nn.Module) -> bool:
+        """All ranks hold bit-identical parameters (compares per-tensor checksums)."""
+        local = parameter_checksums(model).to(self.device)
+        gathered = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(gathered, local)
+        return all(torch.equal(gathered[0], other) for other in gathered[1:])
+
+
+class SingleProcess:
+    """The coordination ``Checkpointer`` needs, for one process outside torchrun (tools, tests)."""
+
+    is_main = True
+    rank = 0
+    world_size = 1
+
+    def barrier(self) -> None:
+        return None
+
+    def broadcast_object(self, obj: Any) -> Any:
+        return obj
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        return [obj]
+
+
+def parameter_checksums(model: nn.Module) -> torch.Tensor:
+    """Sum and sum of squares of every parameter, float64: equal iff weights match (in practice)."""
+    sums = []
+    for param in model.parameters():
+        data = param.detach().double()
+        sums += [data.sum(), (data * data).sum()]
+    return torch.stack(sums).cpu()
+
+
+def resolve_backend(requested: str) -> str:
+    if requested == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if requested == "nccl" and not torch.cuda.is_available():
+        raise DistributedSetupError("train.backend: 'nccl' needs CUDA, but torch.cuda.is_available() is False; use 'auto' or 'gloo'")
+    return requested
+
+
+def _free_loopback_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_env() -> tuple[int, int, int, int]:
+    if "RANK" not in os.environ:
+        # Run by hand, without torchrun: a group of one on loopback.
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_loopback_port()))
+        return 0, 1, 0, 1
+    return (
+        int(os.environ["RANK"]),
+        int(os.environ["WORLD_SIZE"]),
+        int(os.environ.get("LOCAL_RANK", 0)),
+        int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+    )
+
+
+def _pick_device(local_rank: int) -> torch.device:
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    if local_rank >= torch.cuda.device_count():
+        raise DistributedSetupError(
+            f"LOCAL_RANK {local_rank} has no GPU: this node has {torch.cuda.device_count()}; "
+            "start at most one rank per GPU (train.nproc_per_node)"
+        )
+    device = torch.device("cuda", local_rank)
+    # Pin before any CUDA work so that NCCL and every allocation use this GPU.
+    torch.cuda.set_device(device)
+    return device
+
+
+def init_distributed(train: TrainConfig) -> DistContext:
+    rank, world_size, local_rank, local_world_size = _rank_env()
+    backend = resolve_backend(train.backend)
+    device = _pick_device(local_rank)
+    dist.init_process_group(
+        backend=backend,
+        rank=rank,
+        world_size=world_size,
+        # A stalled or dead peer fails the collective after this long instead of hanging forever.
+        timeout=timedelta(seconds=train.collective_timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
+    return DistContext(rank, world_size, local_rank, local_world_size, device, backend)
+
+
+@contextmanager
+def distributed(train: TrainConfig) -> Iterator[DistContext]:
+    """Join the process group; always leave it, also on errors."""
+    ctx = init_distributed(train)
+    try:
+        yield ctx
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def wrap_model(model: nn.Module, ctx: DistContext) -> DistributedDataParallel:
+    """DDP on this rank's device. DDP broadcasts rank 0's weights and buffers at construction."""
+    if ctx.device.type == "cuda":
+        return DistributedDataParallel(model, device_ids=[ctx.device.index], output_device=ctx.device.index, bucket_cap_mb=BUCKET_CAP_MB)
+    return DistributedDataParallel(model, bucket_cap_mb=BUCKET_CAP_MB)
+
+
+def shard_range(n_rows: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Rank's contiguous, unpadded share [start, stop) of ``n_rows``; shares cover every row once.
+
+    Used for evaluation, where DistributedSampler's padding would count rows twice.
+    """
+    return (n_rows * rank) // world_size, (n_rows * (rank + 1)) // world_size

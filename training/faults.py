@@ -1,0 +1,103 @@
+"""Test hooks for fault and coverage tests. Inert unless their variable is set.
+
+``DDPFLOW_FAULT=ACTION:rank=R:epoch=E[:step=S]`` makes global rank R, in epoch E
+(0-based) before training step S (0-based; default 0), do one of:
+
+- ``kill``:  SIGKILL itself, as an OOM kill or a lost node would. Once per run
+  directory: a marker file ``RUN_DIR/.fault-kill-done`` keeps the restarted
+  worker (torchrun ``--max-restarts``) from repeating it.
+- ``hang``:  sleep forever without entering a collective (a stuck rank). Once per
+  run directory, like ``kill`` (marker ``.fault-hang-done``).
+- ``raise``: ``RuntimeError("injected fault ...")``, every time: a permanent error.
+
+``DDPFLOW_RECORD_INDICES=1`` makes every rank write the dataset rows it trained
+on to ``RUN_DIR/indices/rank{r}-epoch{e}.json`` (a JSON list, in order).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+FAULT_ENV = "DDPFLOW_FAULT"
+RECORD_INDICES_ENV = "DDPFLOW_RECORD_INDICES"
+ACTIONS = ("kill", "hang", "raise")
+
+
+@dataclass(frozen=True)
+class Fault:
+    action: str
+    rank: int
+    epoch: int
+    step: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> Fault:
+        action, *fields = text.strip().split(":")
+        if action not in ACTIONS:
+            raise ValueError(f"{FAULT_ENV}={text!r}: action must be one of {ACTIONS}")
+        values: dict[str, int] = {}
+        for field in fields:
+            name, _, value = field.partition("=")
+            if name not in ("rank", "epoch", "step") or not value.lstrip("-").isdigit():
+                raise ValueError(f"{FAULT_ENV}={text!r}: {field!r} is not rank=N, epoch=N or step=N")
+            values[name] = int(value)
+        if "rank" not in values or "epoch" not in values:
+            raise ValueError(f"{FAULT_ENV}={text!r}: needs rank=N and epoch=N")
+        return cls(action, **values)
+
+
+class FaultInjector:
+    def __init__(self, fault: Fault | None, rank: int, run_dir: str | Path):
+        self.fault = fault if fault is not None and fault.rank == rank else None
+        self.marker = Path(run_dir) / f".fault-{fault.action}-done" if fault else None
+
+    @classmethod
+    def from_env(cls, rank: int, run_dir: str | Path) -> FaultInjector:
+        text = os.environ.get(FAULT_ENV)
+        return cls(Fault.parse(text) if text else None, rank, run_dir)
+
+    def at_step(self, epoch: int, step: int) -> None:
+        fault = self.fault
+        if fault is None or fault.epoch != epoch or fault.step != step:
+            return
+        where = f"rank {fault.rank} epoch {epoch} step {step}"
+        if fault.action == "raise":
+            raise RuntimeError(f"injected fault ({FAULT_ENV}) at {where}")
+        if self.marker.exists():
+            return
+        self.marker.write_text(where)
+        print(f"[train] {FAULT_ENV}: {fault.action} at {where}", flush=True)
+        if fault.action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        while True:  # hang: no collectives, so peers block until their timeout
+            time.sleep(3600)
+
+
+class IndexRecorder:
+    def __init__(self, enabled: bool, rank: int, run_dir: str | Path):
+        self.enabled, self.rank = enabled, rank
+        self.folder = Path(run_dir) / "indices"
+        self.parts: list[torch.Tensor] = []
+
+    @classmethod
+    def from_env(cls, rank: int, run_dir: str | Path) -> IndexRecorder:
+        return cls(os.environ.get(RECORD_INDICES_ENV) == "1", rank, run_dir)
+
+    def add(self, indices: torch.Tensor) -> None:
+        if self.enabled:
+            self.parts.append(indices)
+
+    def write(self, epoch: int) -> None:
+        if not self.enabled:
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        rows = torch.cat(self.parts).tolist() if self.parts else []
+        (self.folder / f"rank{self.rank}-epoch{epoch}.json").write_text(json.dumps(rows))
+        self.parts = []

@@ -1,0 +1,159 @@
+"""Prepared shards -> tensors in memory -> one rank's batches.
+
+A split is read ONCE into tensors allocated up front from the manifest's row
+counts, then filled record batch by record batch: peak memory is the tensors
+plus one record batch, never a concatenation or a DataFrame copy. Features
+are normalised in place with the manifest's train statistics.
+
+Training batches come from a ``DistributedSampler`` (rank r takes
+``perm[r::W]`` of a permutation seeded by ``train.seed`` and the epoch) and
+are fetched with ONE tensor index per batch (``__getitems__``), not row by row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from training.data.manifest import Manifest
+
+
+class ShardError(ValueError):
+    """A shard does not match its manifest (rows, columns)."""
+
+
+@dataclass(frozen=True)
+class SplitTensors:
+    features: torch.Tensor  # [rows, n_features] float32, normalised
+    labels: torch.Tensor  # [rows] int64 (classification) or float32 (regression)
+
+    def __len__(self) -> int:
+        return self.features.shape[0]
+
+
+def label_dtype(task: str) -> torch.dtype:
+    return torch.int64 if task == "classification" else torch.float32
+
+
+def load_split(dataset_dir: str | Path, manifest: Manifest, split: str, read_rows: int = 65_536) -> SplitTensors:
+    rows = manifest.rows(split)
+    features = torch.empty(rows, manifest.n_features, dtype=torch.float32)
+    labels = torch.empty(rows, dtype=label_dtype(manifest.task))
+    mean = torch.tensor(manifest.feature_mean, dtype=torch.float32)
+    std = torch.tensor(manifest.feature_std, dtype=torch.float32)
+    columns = [*manifest.features, manifest.label]
+    offset = 0
+    for shard, path in zip(manifest.splits[split].shards, manifest.split_files(dataset_dir, split)):
+        start = offset
+        for batch in _record_batches(path, columns, read_rows):
+            stop = offset + batch.num_rows
+            if stop > rows:
+                raise ShardError(f"{path}: the {split} split holds more rows than the manifest's {rows}")
+            # Written through numpy views of the preallocated tensors: no temporaries, dtype cast on copy.
+            block = features[offset:stop].numpy()
+            for j, name in enumerate(manifest.features):
+                block[:, j] = batch.column(name).to_numpy(zero_copy_only=False)
+            labels[offset:stop].numpy()[:] = batch.column(manifest.label).to_numpy(zero_copy_only=False)
+            features[offset:stop].sub_(mean).div_(std)
+            offset = stop
+        if offset - start != shard.rows:
+            raise ShardError(f"{path}: holds {offset - start} rows, the manifest says {shard.rows}")
+    if offset != rows:
+        raise ShardError(f"{dataset_dir}: the {split} split's shards hold {offset} rows, the manifest says {rows}")
+    return SplitTensors(features, labels)
+
+
+def _record_batches(path: Path, columns: list[str], read_rows: int):
+    try:
+        parquet = pq.ParquetFile(path)
+    except FileNotFoundError:
+        raise ShardError(f"{path}: shard listed in the manifest does not exist") from None
+    missing = [name for name in columns if name not in parquet.schema_arrow.names]
+    if missing:
+        raise ShardError(f"{path}: lacks columns {missing}")
+    return parquet.iter_batches(batch_size=read_rows, columns=columns)
+
+
+class InMemoryDataset(Dataset):
+    """Map-style dataset over in-memory tensors; the DataLoader fetches whole batches."""
+
+    def __init__(self, split: SplitTensors):
+        self.split = split
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def __getitem__(self, index: int):
+        return self.split.features[index], self.split.labels[index]
+
+    def __getitems__(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # One gather per tensor for the whole batch.
+        idx = torch.as_tensor(indices, dtype=torch.int64)
+        return idx, self.split.features[idx], self.split.labels[idx]
+
+
+def _batch_as_is(batch):
+    # __getitems__ already returns the stacked batch; nothing to collate.
+    return batch
+
+
+@dataclass(frozen=True)
+class Batch:
+    indices: torch.Tensor  # CPU, the dataset rows this rank trains on (padding excluded)
+    features: torch.Tensor  # on the device
+    labels: torch.Tensor  # on the device
+    weights: torch.Tensor | None  # on the device: 1 real row, 0 sampler padding; None: no padding
+    samples: int  # real rows in the batch
+
+
+class TrainBatches:
+    """One rank's training batches, epoch by epoch.
+
+    ``DistributedSampler`` with ``drop_last=False`` pads the permutation so that
+    every rank gets the same number of rows (and so of steps, which DDP needs).
+    The padded entries are rows at padded-permutation positions >= ``n_rows``;
+    they get weight 0 so every row counts exactly once per epoch.
+    """
+
+    def __init__(self, split: SplitTensors, rank: int, world_size: int, batch_size: int, seed: int, device: torch.device, pin_memory: bool):
+        self.dataset = InMemoryDataset(split)
+        self.rank, self.world_size, self.batch_size, self.device = rank, world_size, batch_size, device
+        self.sampler = DistributedSampler(self.dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=False)
+        self.loader = DataLoader(
+            self.dataset,
+            batch_size=batch_size,
+            sampler=self.sampler,
+            collate_fn=_batch_as_is,
+            num_workers=0,  # the data is already in memory: workers would only copy it
+            drop_last=False,
+            pin_memory=pin_memory and device.type == "cuda",
+        )
+        self.padded = len(split) % world_size != 0
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def epoch(self, epoch: int) -> Iterator[Batch]:
+        self.sampler.set_epoch(epoch)  # a new permutation every epoch, the same on every rank
+        for step, (indices, features, labels) in enumerate(self.loader):
+            real = self._real_rows(step, len(indices))
+            yield Batch(
+                indices=indices if real is None else indices[real],
+                features=features.to(self.device, non_blocking=True),
+                labels=labels.to(self.device, non_blocking=True),
+                weights=None if real is None else real.to(self.device, torch.float32, non_blocking=True),
+                samples=len(indices) if real is None else int(real.sum()),
+            )
+
+    def _real_rows(self, step: int, size: int) -> torch.Tensor | None:
+        if not self.padded:
+            return None
+        # DistributedSampler: rank r's j-th row is padded-permutation position r + j * W.
+        first = step * self.batch_size
+        positions = self.rank + self.world_size * torch.arange(first, first + size)
+        return positions < len(self.dataset)

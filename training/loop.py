@@ -1,0 +1,144 @@
+"""One training epoch and one exact validation pass, on one rank.
+
+The loop is written for a DDP-wrapped model but never calls collectives
+itself: DDP all-reduces gradients in ``backward``; the caller sums the
+returned statistics over ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from training.loading import Batch, SplitTensors, TrainBatches
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    task: str  # "classification" | "regression"
+    device: torch.device
+    grad_accum: int = 1
+    grad_clip: float | None = None
+    bf16: bool = False  # autocast; only takes effect on CUDA
+
+    def autocast(self):
+        if self.bf16 and self.device.type == "cuda":
+            return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
+        return nullcontext()
+
+
+@dataclass(frozen=True)
+class Sums:
+    """Per-rank sums; the caller all-reduces them."""
+
+    loss: float
+    samples: int
+    correct: float = 0.0
+
+
+def per_sample_loss(outputs: torch.Tensor, labels: torch.Tensor, task: str) -> torch.Tensor:
+    outputs = outputs.float()  # the loss in fp32 also under bf16 autocast
+    if task == "classification":
+        return F.cross_entropy(outputs, labels, reduction="none")
+    return F.mse_loss(outputs.reshape(labels.shape), labels, reduction="none")
+
+
+def batch_loss(per_sample: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """Mean over the batch's real rows (sampler padding has weight 0)."""
+    if weights is None:
+        return per_sample.mean()
+    return (per_sample * weights).sum() / weights.sum().clamp(min=1.0)
+
+
+def optimizer_step_groups(steps: int, accum: int) -> Callable[[int], tuple[bool, int]]:
+    """For micro-batch i: (is it the last of its accumulation group, size of that group)."""
+
+    def group(i: int) -> tuple[bool, int]:
+        first = (i // accum) * accum
+        size = min(accum, steps - first)
+        return i == first + size - 1, size
+
+    return group
+
+
+def train_epoch(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    batches: TrainBatches,
+    epoch: int,
+    settings: StepSettings,
+    on_step: Callable[[int, int, Callable[[], float]], None] = lambda *_: None,
+    before_step: Callable[[int, int], None] = lambda *_: None,
+    on_batch: Callable[[Batch], None] = lambda _: None,
+) -> Sums:
+    """One pass over this rank's share. ``on_step(done, samples, loss_fn)`` after each step."""
+    model.train()
+    steps = len(batches)
+    group = optimizer_step_groups(steps, settings.grad_accum)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=settings.device)  # stays on device: no sync per step
+    samples = 0
+    for i, batch in enumerate(batches.epoch(epoch)):
+        before_step(epoch, i)
+        on_batch(batch)
+        last_in_group, group_size = group(i)
+        # Only the last micro-batch of a group all-reduces; the others accumulate locally.
+        sync = nullcontext() if last_in_group else model.no_sync()
+        with sync:
+            with settings.autocast():
+                outputs = model(batch.features)
+            losses = per_sample_loss(outputs, batch.labels, settings.task)
+            (batch_loss(losses, batch.weights) / group_size).backward()
+        if last_in_group:
+            if settings.grad_clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if scheduler is not None:
+                scheduler.step()
+        weighted = losses.detach() if batch.weights is None else losses.detach() * batch.weights
+        loss_sum += weighted.sum(dtype=torch.float64)
+        samples += batch.samples
+        on_step(i + 1, samples, lambda: loss_sum.item() / max(1, samples))
+    return Sums(loss=loss_sum.item(), samples=samples)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, split: SplitTensors, start: int, stop: int, batch_size: int, settings: StepSettings) -> Sums:
+    """Sums over rows [start, stop) of ``split``: the caller gives each rank a disjoint, unpadded slice.
+
+    ``model`` is the plain module (not DDP): ranks may run different numbers of
+    batches here, and DDP's forward could enter a collective.
+    """
+    was_training = model.training
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=settings.device)
+    correct = torch.zeros((), dtype=torch.float64, device=settings.device)
+    for first in range(start, stop, batch_size):
+        last = min(stop, first + batch_size)
+        features = split.features[first:last].to(settings.device, non_blocking=True)
+        labels = split.labels[first:last].to(settings.device, non_blocking=True)
+        with settings.autocast():
+            outputs = model(features)
+        loss_sum += per_sample_loss(outputs, labels, settings.task).sum(dtype=torch.float64)
+        if settings.task == "classification":
+            correct += (outputs.argmax(dim=-1) == labels).sum()
+    model.train(was_training)
+    return Sums(loss=loss_sum.item(), samples=stop - start, correct=correct.item())
+
+
+def validation_metrics(loss_sum: float, correct: float, count: float, task: str) -> dict[str, float]:
+    if count == 0:
+        return {"val_samples": 0}
+    metrics = {"val_loss": loss_sum / count, "val_samples": int(count)}
+    if task == "classification":
+        metrics["val_accuracy"] = correct / count
+    else:
+        metrics["val_rmse"] = math.sqrt(loss_sum / count)
+    return metrics

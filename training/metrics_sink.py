@@ -1,0 +1,103 @@
+"""Rank 0's per-epoch metrics: ``RUN_DIR/metrics.jsonl`` and, when asked, an MLflow run.
+
+MLflow is used only when ``DDPFLOW_MLFLOW_RUN_ID`` is set (the launching task
+created that run); ranks never create runs. ``mlflow`` is imported lazily, in
+rank 0 only, at the first logged epoch.
+
+A resumed run (torchrun restart, task retry) does not log an epoch twice:
+each destination remembers which epochs it already holds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from training.layout import METRICS
+
+MLFLOW_RUN_ENV = "DDPFLOW_MLFLOW_RUN_ID"
+TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
+
+
+def read_metrics_lines(path: str | Path) -> list[dict[str, Any]]:
+    """The epochs in a metrics.jsonl; a torn last line (a crash mid-write) is skipped."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+class MetricsSink:
+    def __init__(self, run_dir: str | Path, enabled: bool):
+        self.enabled = enabled
+        self.path = Path(run_dir) / METRICS
+        self.logged = {record.get("epoch") for record in read_metrics_lines(self.path)} if enabled else set()
+        self.run_id = os.environ.get(MLFLOW_RUN_ENV) if enabled else None
+        self._mlflow: _MlflowRun | None = None
+
+    def log_epoch(self, epoch: int, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        if self.run_id:
+            self._mlflow_run().log(epoch, metrics)
+        if epoch not in self.logged:
+            self._append({"epoch": epoch, **metrics})
+            self.logged.add(epoch)
+
+    def _append(self, record: dict[str, Any]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as handle:
+            handle.write(json.dumps(record) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    def _mlflow_run(self) -> _MlflowRun:
+        if self._mlflow is None:
+            self._mlflow = _MlflowRun(self.run_id, os.environ.get(TRACKING_URI_ENV))
+        return self._mlflow
+
+
+class _MlflowRun:
+    """Logs into an existing run; a tracking failure is reported, never fatal to training."""
+
+    def __init__(self, run_id: str, tracking_uri: str | None):
+        from mlflow.tracking import MlflowClient  # lazily: only rank 0 of a tracked run pays the import
+
+        self.run_id = run_id
+        self.client = MlflowClient(tracking_uri)
+        self.logged_steps = self._steps_already_logged()
+
+    def _steps_already_logged(self) -> set[int]:
+        try:
+            return {metric.step for metric in self.client.get_metric_history(self.run_id, "train_loss")}
+        except Exception as error:  # noqa: BLE001 - tracking must not stop training
+            print(f"[train] warning: could not read MLflow run {self.run_id}: {error}", file=sys.stderr, flush=True)
+            return set()
+
+    def log(self, epoch: int, metrics: dict[str, Any]) -> None:
+        if epoch in self.logged_steps:
+            return
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [
+            Metric(key=key, value=float(value), timestamp=now, step=epoch)
+            for key, value in metrics.items()
+            if isinstance(value, (int, float)) and math.isfinite(float(value))
+        ]
+        try:
+            self.client.log_batch(self.run_id, metrics=batch)
+            self.logged_steps.add(epoch)
+        except Exception as error:  # noqa: BLE001 - metrics.jsonl still has them
+            print(f"[train] warning: MLflow logging failed for epoch {epoch} (run {self.run_id}): {error}", file=sys.stderr, flush=True)
