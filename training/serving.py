@@ -59,22 +59,32 @@ def log_pyfunc_model(model_path: str | Path, input_example: pd.DataFrame, run_id
     ``Model.log`` with an explicit ``run_id`` (what ``mlflow.pyfunc.log_model``
     calls, minus the fluent "active run"): no run is started or ended here,
     so the pipeline's run stays RUNNING until the flow ends it. Uses the
-    process-wide tracking URI (``tasks/tracking.py: configure_mlflow``).
+    process-wide tracking URI (``tasks/tracking.py: use_tracking_uri``).
 
     The input example is raw feature columns as float64 (what a pandas user
     has), so the signature accepts float64 and, by safe upcast, float32.
     """
     from mlflow.models import Model, infer_signature
 
+    # Model.log files the LoggedModel (and its artifacts) under the fluent
+    # "current experiment", which is Default (id 0) unless set, not under the
+    # run's experiment. Default's artifact location may be another store's
+    # (an `mlflow server` makes it mlflow-artifacts:/0, unusable from SQLite).
+    mlflow.set_experiment(experiment_id=mlflow.MlflowClient().get_run(run_id).info.experiment_id)
     model_path = Path(model_path)
     predictor = Predictor.from_checkpoint(model_path)
     example = input_example[predictor.features].astype("float64")
+    # Created here, in the run's experiment: given only run_id, Model.log would
+    # put the model in the fluent "current" experiment (the Default one).
+    client = mlflow.MlflowClient()
+    experiment_id = client.get_run(run_id).info.experiment_id
+    logged = client.create_logged_model(experiment_id, name=MODEL_NAME, source_run_id=run_id, tags=tags)
     return Model.log(
         artifact_path=None,
         name=MODEL_NAME,
         flavor=mlflow.pyfunc,
         run_id=run_id,
-        tags=tags,
+        model_id=logged.model_id,
         python_model=str(MODEL_CODE),
         artifacts={MODEL_ARTIFACT: str(model_path)},
         code_paths=[str(MODEL_CODE.parent)],
