@@ -66,11 +66,6 @@ def log_pyfunc_model(model_path: str | Path, input_example: pd.DataFrame, run_id
     """
     from mlflow.models import Model, infer_signature
 
-    # Model.log files the LoggedModel (and its artifacts) under the fluent
-    # "current experiment", which is Default (id 0) unless set, not under the
-    # run's experiment. Default's artifact location may be another store's
-    # (an `mlflow server` makes it mlflow-artifacts:/0, unusable from SQLite).
-    mlflow.set_experiment(experiment_id=mlflow.MlflowClient().get_run(run_id).info.experiment_id)
     model_path = Path(model_path)
     predictor = Predictor.from_checkpoint(model_path)
     example = input_example[predictor.features].astype("float64")
