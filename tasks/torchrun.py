@@ -44,7 +44,7 @@ import psutil
 
 from training.config import PipelineConfig, TrainConfig
 from training.data.manifest import read_manifest
-from training.models import resolve_factory
+from training.preflight import check_fits_dataset, check_runnable
 
 PID_FILE = "torchrun.pid"
 LOCK_FILE = ".launch.lock"
@@ -194,29 +194,17 @@ def available_cores() -> int:
 def preflight(config: PipelineConfig, dataset_dir: str | os.PathLike | None, *, gpus: int | None = None) -> int:
     """Reject a launch that cannot work, before any process starts. Returns ranks per node.
 
-    Raises ValueError naming the field.
+    Raises ValueError (ConfigError) naming the field. The machine and data checks are
+    training/preflight.py's, shared with the CLI; the backend check needs the GPU count.
     """
     train = config.train
     gpus = detect_cuda_devices() if gpus is None else gpus
-    backend = resolve_backend(train, gpus)
-    if backend == "nccl" and gpus == 0:
+    if resolve_backend(train, gpus) == "nccl" and gpus == 0:
         raise ValueError("train.backend: 'nccl' needs CUDA GPUs, and this machine has none (use 'gloo' or 'auto')")
-    nproc = resolve_nproc(train, gpus)
-    if backend == "nccl" and nproc > gpus:
-        raise ValueError(f"train.nproc_per_node: {nproc} ranks but this machine has {gpus} GPU(s)")
-    if backend == "gloo" and nproc > (os.cpu_count() or 1):
-        raise ValueError(f"train.nproc_per_node: {nproc} ranks but this machine has {os.cpu_count()} CPU core(s)")
-    resolve_factory(train.model)  # ModelImportError (a ValueError) naming train.model
+    check_runnable(config)  # ranks vs GPUs/cores, train.model imports
     if dataset_dir is not None:
-        manifest = read_manifest(dataset_dir)
-        world_size = nproc * train.nnodes
-        rows_per_rank = manifest.rows("train") // world_size
-        if train.batch_size > rows_per_rank:
-            raise ValueError(
-                f"train.batch_size: {train.batch_size} rows per rank is more than each rank's share of the train split "
-                f"({manifest.rows('train')} rows / {world_size} ranks = {rows_per_rank}) in {Path(dataset_dir)}"
-            )
-    return nproc
+        check_fits_dataset(config, read_manifest(dataset_dir))  # batch vs each rank's share of the train split
+    return resolve_nproc(train, gpus)
 
 
 # ----------------------------------------------------------------------------- output

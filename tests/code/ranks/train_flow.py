@@ -1,0 +1,32 @@
+"""A flow that runs the real train_model task on the stand-in rank, in its own process.
+
+    train_flow.py RUN_DIR DATASET_DIR     (PREFECT_API_URL and DUMMY_RANK_* from the environment)
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the project root
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import tasks.torchrun  # noqa: E402
+from launch_helpers import DUMMY_RANK  # noqa: E402
+
+tasks.torchrun.RANK_ENTRYPOINT = str(DUMMY_RANK)
+
+from prefect import flow  # noqa: E402
+
+from tasks.train import train_model  # noqa: E402
+from training.config import PipelineConfig  # noqa: E402
+
+
+@flow(name="train-stand-in")
+def train_stand_in(run_dir: str, dataset_dir: str):
+    config = PipelineConfig.model_validate({"train": {"nproc_per_node": 2, "batch_size": 10}})
+    return train_model(config, dataset_dir, run_dir, kill_grace_s=3)
+
+
+if __name__ == "__main__":
+    train_stand_in(sys.argv[1], sys.argv[2])

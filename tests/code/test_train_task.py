@@ -1,0 +1,145 @@
+"""tasks/train.py: the Prefect task, with real torchrun and a real (temporary) Prefect server."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from launch_helpers import DUMMY_RANK, make_manifest
+from prefect import flow
+
+import tasks.torchrun
+from tasks.torchrun import RankFailed
+from tasks.train import TrainResult, train_model
+from training.config import PipelineConfig
+
+TRAIN_FLOW = Path(__file__).parent / "ranks" / "train_flow.py"
+
+
+@pytest.fixture
+def stand_in_rank(monkeypatch):
+    """Ranks run tests/code/ranks/dummy_rank.py instead of training.train."""
+    monkeypatch.setattr(tasks.torchrun, "RANK_ENTRYPOINT", str(DUMMY_RANK))
+    return monkeypatch
+
+
+def two_ranks(**train) -> PipelineConfig:
+    return PipelineConfig.model_validate({"train": {"nproc_per_node": 2, "batch_size": 10, **train}})
+
+
+@flow
+def train_flow(config: PipelineConfig, dataset_dir: str, run_dir: str) -> TrainResult:
+    return train_model(config, dataset_dir, run_dir, kill_grace_s=2)
+
+
+def flow_logs(flow_run_id) -> list[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    with get_client(sync_client=True) as client:
+        return [log.message for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))]
+
+
+def test_train_model_writes_the_job_streams_rank_lines_and_returns_the_result(prefect_harness, stand_in_rank, tmp_path):
+    dataset = make_manifest(tmp_path / "fp123")
+    run_dir = tmp_path / "run"
+    state = train_flow(two_ranks(), str(dataset), str(run_dir), return_state=True)
+    result = state.result()
+    assert result.model_path == str(run_dir / "model.pt") and Path(result.model_path).is_file()
+    assert result.metrics == {"epoch": 1, "val_loss": 0.5} and result.restarts == 0
+    job = json.loads((run_dir / "train_config.json").read_text())
+    assert job["dataset_dir"] == str(dataset) and job["run_dir"] == str(run_dir)
+    assert PipelineConfig.model_validate_json((run_dir / "config.json").read_text()) == two_ranks()
+    deadline = time.monotonic() + 20  # logs reach the API in batches
+    while not any("[rank 1] rank 1 done" in m for m in flow_logs(state.state_details.flow_run_id)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert any("[rank 1] rank 1 done" in m for m in flow_logs(state.state_details.flow_run_id))
+
+
+def test_bad_config_fails_before_any_process_starts_and_is_not_retried(prefect_harness, stand_in_rank, tmp_path):
+    dataset = make_manifest(tmp_path / "fp123", train_rows=100)
+    run_dir = tmp_path / "run"
+    with pytest.raises(ValueError, match=r"train\.batch_size"):
+        train_flow(two_ranks(batch_size=60), str(dataset), str(run_dir))  # 100 rows / 2 ranks = 50
+    assert not (run_dir / "torchrun.pid").exists() and not (run_dir / "logs").exists()
+
+
+def test_a_failing_rank_fails_the_task_with_its_exception_after_one_retry(prefect_harness, stand_in_rank, tmp_path):
+    stand_in_rank.setenv("DUMMY_RANK_MODE", "raise")
+    dataset = make_manifest(tmp_path / "fp123")
+    run_dir = tmp_path / "run"
+    with pytest.raises(RankFailed, match=r"rank 1 failed with exit code 1: ValueError: dummy failure on rank 1"):
+        train_flow(two_ranks(max_restarts=0), str(dataset), str(run_dir))
+    assert len(list((run_dir / "logs").iterdir())) == 2  # the first launch and the retry
+
+
+@pytest.mark.slow
+def test_cancelling_the_flow_run_through_the_api_kills_every_process_and_ends_cancelled(prefect_harness, tmp_path):
+    """A flow in a plain process (no worker): cancel it via the API, as the UI does."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
+    from prefect.states import Cancelling
+
+    dataset = make_manifest(tmp_path / "fp123")
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, PREFECT_API_URL=PREFECT_API_URL.value(), DUMMY_RANK_MODE="spawn", DUMMY_RANK_LINES="1")
+    flow_process = subprocess.Popen([sys.executable, str(TRAIN_FLOW), str(run_dir), str(dataset)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        pids = wait_for_tree(run_dir, at_least=5)  # torchrun, 2 ranks, 2 grandchildren
+        with get_client(sync_client=True) as client:
+            run_id = flow_run_of(client, "train-stand-in")
+            client.set_flow_run_state(run_id, Cancelling(), force=True)
+            alive = gone_within(pids, 30)
+            assert alive == [], f"still running 30 s after cancelling: {alive}"
+            flow_process.wait(timeout=30)
+            final = client.read_flow_run(run_id).state
+        assert final.is_cancelled(), final
+    finally:
+        flow_process.kill()
+
+
+def wait_for_tree(run_dir: Path, at_least: int, within_s: float = 90) -> list[int]:
+    """PIDs of torchrun and everything below it (grandchildren that left the rank's session included)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            root = psutil.Process(json.loads((run_dir / "torchrun.pid").read_text())["torchrun_pid"])
+            ranks = root.children(recursive=True)
+            pids = [root.pid, *(p.pid for p in ranks), *(c.pid for p in ranks for c in p.children(recursive=True))]
+            if len(set(pids)) >= at_least:
+                return sorted(set(pids))
+        except (FileNotFoundError, ValueError, psutil.NoSuchProcess):
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"the run's processes never all started in {run_dir}")
+
+
+def flow_run_of(client, flow_name: str):
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=[flow_name])))
+    running = [run for run in runs if run.state and run.state.is_running()]
+    assert len(running) == 1, runs
+    return running[0].id
+
+
+def gone_within(pids: list[int], within_s: float) -> list[int]:
+    deadline = time.monotonic() + within_s
+    while True:
+        alive = [pid for pid in pids if _alive(pid)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.3)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
