@@ -1,0 +1,64 @@
+"""tasks/rundirs.py: confined, unique run directories and the resume rule."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tasks.rundirs import find_resumable_run, new_run_dir
+from tasks.torchrun import LOCK_FILE
+from training.config import PipelineConfig
+
+
+@pytest.mark.parametrize("name", ["../../etc", "/etc/passwd", "a/b/../../..", "..", "", "  ", "nested/name", "~root", "x" * 500])
+def test_run_names_cannot_leave_run_root(tmp_path, name):
+    root = tmp_path / "runs"
+    run_dir = new_run_dir(root, name)
+    assert run_dir.parent == root.resolve() and run_dir.is_dir()
+    assert re.fullmatch(r"\d{8}-\d{6}-[A-Za-z0-9._-]+", run_dir.name), run_dir.name
+    assert ".." not in run_dir.name and "/" not in run_dir.name
+
+
+def test_a_readable_name_is_kept(tmp_path):
+    assert new_run_dir(tmp_path, "mlp-synthetic_v2").name.endswith("-mlp-synthetic_v2")
+
+
+def test_two_runs_with_the_same_name_never_share_a_directory(tmp_path):
+    dirs = {new_run_dir(tmp_path, "same") for _ in range(5)}
+    assert len(dirs) == 5 and all(d.is_dir() for d in dirs)
+
+
+def make_run(root: Path, name: str, config: PipelineConfig, fingerprint: str, *, checkpoint=True, model=False) -> Path:
+    run_dir = root / name
+    (run_dir / "checkpoints").mkdir(parents=True)
+    config.write_json(run_dir / "config.json")
+    (run_dir / "train_config.json").write_text(json.dumps({"dataset_dir": f"/data/shards/{fingerprint}", "run_dir": str(run_dir)}))
+    if checkpoint:
+        (run_dir / "checkpoints" / "last.pt").write_bytes(b"x")
+    if model:
+        (run_dir / "model.pt").write_bytes(b"x")
+    return run_dir
+
+
+def test_resume_picks_the_latest_unfinished_run_of_the_same_config_and_data(tmp_path):
+    config = PipelineConfig.model_validate({"train": {"epochs": 3}})
+    older = make_run(tmp_path, "20260101-000000-a", config, "fp1")
+    newer = make_run(tmp_path, "20260102-000000-a", config, "fp1")
+    make_run(tmp_path, "20260103-000000-finished", config, "fp1", model=True)
+    make_run(tmp_path, "20260104-000000-no-checkpoint", config, "fp1", checkpoint=False)
+    make_run(tmp_path, "20260105-000000-other-data", config, "fp2")
+    make_run(tmp_path, "20260106-000000-other-config", PipelineConfig.model_validate({"train": {"epochs": 4}}), "fp1")
+    assert find_resumable_run(tmp_path, "fp1", config) == newer
+    # Operational fields (timeout, restarts) do not make it a different training run.
+    relaxed = PipelineConfig.model_validate({"train": {"epochs": 3, "timeout_s": 10, "max_restarts": 5}})
+    assert find_resumable_run(tmp_path, "fp1", relaxed) == newer
+    # A run dir that a live launch holds is not resumable.
+    with open(newer / LOCK_FILE, "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert find_resumable_run(tmp_path, "fp1", config) == older
+    assert find_resumable_run(tmp_path, "fp3", config) is None
+    assert find_resumable_run(tmp_path / "missing", "fp1", config) is None
