@@ -1,0 +1,1 @@
+"""ddpflow benchmarks: `python -m bench` (see bench/__main__.py and docs/benchmarks.md)."""

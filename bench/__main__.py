@@ -1,0 +1,104 @@
+"""``python -m bench``: run ddpflow's benchmarks, write results.json, regenerate docs/benchmarks.md.
+
+    python -m bench                  # full run (~10 min on 2 cores): bench/results.json + docs/benchmarks.md
+    python -m bench --quick          # smoke run on tiny sizes: bench/results-quick.json, docs untouched
+    python -m bench --only datapath,ddp --repeats 5
+    python -m bench --gpu            # also the CUDA figures (nccl, bf16); needs a GPU
+
+A benchmark that breaks is recorded as an error and the others still run; the
+exit status is 0 unless the arguments are wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import os
+import sys
+import time
+from pathlib import Path
+
+from bench.harness import REPO_ROOT, Result, log, machine_info, render_docs, run_guarded, write_results
+from bench.workload import Context
+
+# name -> (module, title); run in this order. Each module has run(ctx) -> list[Result].
+FAMILIES = {
+    "datapath": ("bench.datapath", "Data path"),
+    "ddp": ("bench.scaling", "DDP scaling"),
+    "prepare": ("bench.storage", "Prepare and shards"),
+    "memory": ("bench.memory", "Memory"),
+    "evaluate": ("bench.evaluation", "Evaluate"),
+    "launch": ("bench.orchestration", "Launch and orchestration"),
+    "scale": ("bench.scale", "Scale"),
+    "gpu": ("bench.gpu", "GPU"),
+}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one pass: proves the harness works, measures nothing")
+    parser.add_argument("--gpu", action="store_true", help="also run the CUDA benchmarks (needs torch.cuda)")
+    parser.add_argument("--only", default="", help=f"comma-separated families: {', '.join(FAMILIES)}")
+    parser.add_argument("--repeats", type=int, help="override the number of repeats")
+    parser.add_argument("--out", type=Path, help="results file (default bench/results.json, or bench/results-quick.json with --quick)")
+    parser.add_argument("--docs", type=Path, help="markdown file whose tables to regenerate (default docs/benchmarks.md on a full run)")
+    parser.add_argument("--no-docs", action="store_true", help="leave the docs alone")
+    parser.add_argument("--workdir", help="where to put generated data (default: a temp dir, removed afterwards)")
+    parser.add_argument("--keep", action="store_true", help="keep the working directory")
+    args = parser.parse_args(argv)
+    args.families = [name.strip() for name in args.only.split(",") if name.strip()] or [name for name in FAMILIES if name != "gpu" or args.gpu]
+    unknown = [name for name in args.families if name not in FAMILIES]
+    if unknown:
+        parser.error(f"--only: unknown families {unknown}; known: {', '.join(FAMILIES)}")
+    if args.repeats is not None and args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # Ranks and in-process loops each use one thread; set before torch starts.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    started = time.time()
+    ctx = Context.create(quick=args.quick, gpu=args.gpu, workdir=args.workdir)
+    if args.repeats:
+        ctx.sizes = dataclasses.replace(ctx.sizes, repeats=args.repeats)
+    machine = machine_info()
+    out = args.out or REPO_ROOT / "bench" / ("results-quick.json" if args.quick else "results.json")
+    docs = None if args.no_docs else args.docs or (None if args.quick else REPO_ROOT / "docs" / "benchmarks.md")
+    log(f"{'quick' if args.quick else 'full'} run of {', '.join(args.families)}; data in {ctx.workdir}")
+    results: list[Result] = []
+    try:
+        for name in args.families:
+            module_name, title = FAMILIES[name]
+            log(f"--- {title}")
+            results += run_guarded(name, title, lambda: importlib.import_module(module_name).run(ctx))
+            for result in results[-1:]:
+                log(f"{result.title}: {result.status} {result.ratio.fmt() if result.ratio else result.reason}")
+            machine["load_average_end"] = list(os.getloadavg())
+            write_results(out, mode="quick" if args.quick else "full", machine=machine, results=results, started=started, argv=sys.argv[1:])
+    finally:
+        if not args.keep:
+            ctx.cleanup()
+    payload = _read(out)
+    if docs:
+        render_docs(payload, docs)
+        log(f"docs regenerated: {docs}")
+    log(f"results: {out} ({payload['wall_s']:.0f} s)")
+    for bench in payload["benchmarks"]:
+        ratio = bench["ratio"]
+        shown = f"{ratio['median']:.3f} ({ratio['min']:.3f}-{ratio['max']:.3f})" if ratio else bench["status"]
+        print(f"{bench['title']:<40} {shown:<28} target {bench['target_text']:<8} met={bench['met']}")
+    return 0
+
+
+def _read(path: Path) -> dict:
+    import json
+
+    return json.loads(path.read_text())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

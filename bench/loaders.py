@@ -1,0 +1,99 @@
+"""The ways of feeding the same training step that the benchmarks compare.
+
+- ``presliced``: the compute limit; batches cut in advance, the loop only indexes a list.
+- ``per_row``: a map-style Dataset returning one row, DataLoader(shuffle=True) collating 512 of them.
+- ``batch_sampler``: the Dataset takes a list of indices (BatchSampler), one gather per batch.
+- ``pandas_rows``: the plain way a user writes it: per-row Dataset over a pandas DataFrame.
+- ``ddpflow``: ddpflow's own loader (``training.loading``), the path every rank uses.
+
+Each factory returns a function that starts one epoch (an iterator of (x, y)).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler
+
+Epoch = Callable[[], Iterator[tuple[torch.Tensor, torch.Tensor]]]
+
+
+def presliced(x: torch.Tensor, y: torch.Tensor, batch: int, batches: int, seed: int = 0) -> Epoch:
+    """``batches`` ready-made contiguous batches of shuffled rows: no loader work at all."""
+    generator = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(y), generator=generator)[: batch * batches]
+    xs = [chunk.contiguous() for chunk in x[order].split(batch)]
+    ys = [chunk.contiguous() for chunk in y[order].split(batch)]
+    return lambda: iter(zip(xs, ys))
+
+
+class RowDataset(Dataset):
+    def __init__(self, x: torch.Tensor, y: torch.Tensor):
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, index: int):
+        return self.x[index], self.y[index]
+
+
+def per_row(x: torch.Tensor, y: torch.Tensor, batch: int) -> Epoch:
+    loader = DataLoader(RowDataset(x, y), batch_size=batch, shuffle=True, drop_last=True)
+    return lambda: iter(loader)
+
+
+class IndexBatchDataset(Dataset):
+    def __init__(self, x: torch.Tensor, y: torch.Tensor):
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, indices: list[int]):
+        index = torch.as_tensor(indices)
+        return self.x[index], self.y[index]
+
+
+def batch_sampler(x: torch.Tensor, y: torch.Tensor, batch: int) -> Epoch:
+    dataset = IndexBatchDataset(x, y)
+    sampler = BatchSampler(RandomSampler(dataset), batch_size=batch, drop_last=True)
+    loader = DataLoader(dataset, sampler=sampler, batch_size=None)
+    return lambda: iter(loader)
+
+
+class PandasRowDataset(Dataset):
+    """What a user writes first: one DataFrame row per item, converted to tensors."""
+
+    def __init__(self, frame, features: list[str], label: str):
+        self.frame, self.features, self.label = frame, features, label
+
+    def __len__(self) -> int:
+        return len(self.frame)
+
+    def __getitem__(self, index: int):
+        row = self.frame.iloc[index]
+        x = torch.tensor(row[self.features].to_numpy(dtype="float32"))
+        return x, torch.tensor(int(row[self.label]))
+
+
+def pandas_rows(frame, features: list[str], label: str, batch: int, sampler=None) -> Epoch:
+    dataset = PandasRowDataset(frame, features, label)
+    loader = DataLoader(dataset, batch_size=batch, shuffle=sampler is None, sampler=sampler, drop_last=True)
+
+    def epoch():
+        if sampler is not None and hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(getattr(epoch, "count", 0))
+        epoch.count = getattr(epoch, "count", 0) + 1
+        return iter(loader)
+
+    return epoch
+
+
+def ddpflow(dataset_dir: str | Path, batch: int, rank: int = 0, world_size: int = 1, seed: int = 0) -> Epoch:
+    """ddpflow's loader as its ranks use it (see training/loading.py)."""
+    from bench.ddpflow_api import open_train_loader
+
+    return open_train_loader(dataset_dir, batch=batch, rank=rank, world_size=world_size, seed=seed)

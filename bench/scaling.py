@@ -1,0 +1,153 @@
+"""DDP scaling with real torchrun launches, and the comparison a user would make.
+
+Scaling: total samples/s of 2 ranks ÷ (2 × samples/s of one rank), gloo on
+CPU, batch 512 per rank, one thread per rank. Each configuration is its own
+torchrun launch that trains a fixed number of steps after warm-up; the ranks
+write their samples and seconds to files. Configurations take turns within
+each repeat.
+
+Comparison: the same training written the plain way (a per-row Dataset over a
+pandas DataFrame, DataLoader with DistributedSampler, DDP) against ddpflow's
+path, both with 2 ranks in the same run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from bench.harness import Result, Row, Stats, log
+from bench import processes
+from bench.workload import BATCH, Context, ddpflow_has, prepared_dir, train_arrays
+
+ONE_BUCKET_MB = 1024.0  # far above the model's ~0.3 MB of gradients
+
+
+@dataclass(frozen=True)
+class Config:
+    key: str
+    label: str
+    nproc: int
+    flags: list[str] = field(default_factory=list)
+    feed: str = ""  # "" = the run's default feed
+    steps: int | None = None
+
+
+def configs(ctx: Context, feed: str) -> list[Config]:
+    accum = ctx.sizes.grad_accum
+    every = [
+        Config("one", "one rank (baseline)", 1),
+        Config("plain", "2 ranks, plain DDP", 2),
+        Config("affinity", "2 ranks + cpu affinity", 2, ["--affinity"]),
+        Config("bucket", "2 ranks + one gradient bucket", 2, ["--bucket-mb", str(ONE_BUCKET_MB)]),
+        Config("accum", f"2 ranks + cpu affinity + grad_accum {accum} (no_sync)", 2, ["--affinity", "--grad-accum", str(accum)]),
+        Config("naive", "plain user code: pandas per-row Dataset, 2 ranks", 2, feed="pandas", steps=ctx.sizes.naive_steps),
+    ]
+    wanted = set(ctx.sizes.ddp_configs) - ({"naive"} if feed != "ddpflow" else set())
+    return [config for config in every if config.key in wanted]
+
+
+def run(ctx: Context) -> list[Result]:
+    sizes = ctx.sizes
+    feed = "ddpflow" if ddpflow_has("training.loading") else "presliced"
+    feed_data = {"presliced": str(npz(ctx)), "pandas": str(npz(ctx))}
+    if feed == "ddpflow":
+        feed_data["ddpflow"] = str(prepared_dir(ctx, sizes.rows))
+    plan = configs(ctx, feed)
+    rates: dict[str, list[float]] = {config.key: [] for config in plan}
+    batches: dict[str, int] = {}
+    for repeat in range(sizes.ddp_repeats):
+        for config in plan:
+            rates[config.key].append(measure(ctx, config, config.feed or feed, feed_data, repeat, batches))
+        log(f"ddp repeat {repeat + 1}: " + ", ".join(f"{key} {values[-1]:,.0f}/s" for key, values in rates.items()))
+    labels = {config.key: config.label for config in plan}
+
+    def efficiency(key: str) -> Stats:
+        return Stats.of(two / (2 * one) for two, one in zip(rates[key], rates["one"]))
+
+    def row(key: str, with_ratio: bool = True) -> Row:
+        return Row(labels[key], Stats.of(rates[key]), "samples/s", efficiency(key) if with_ratio else None, note=f"effective batch {batches[key]}")
+
+    common = (
+        f"Feed: {'ddpflow loader' if feed == 'ddpflow' else 'pre-sliced tensors (ddpflow loader not there yet)'}; "
+        f"{sizes.ddp_steps} timed steps after {sizes.ddp_warmup} warm-up steps per launch, gloo, one thread per rank; "
+        f"{sizes.ddp_repeats} launch(es) per configuration, taking turns. Ratio = total samples/s ÷ (2 × one rank's)."
+    )
+    unchanged = [key for key in ("plain", "affinity", "bucket") if key in rates]
+    headline = "affinity" if "affinity" in rates else unchanged[0]
+    results = [
+        Result(
+            name="ddp",
+            title="DDP scaling",
+            ratio=efficiency(headline),
+            target=0.75,
+            ratio_label=f"{labels[headline]} ÷ 2 × one rank",
+            rows=[row("one", False)] + [row(key) for key in unchanged],
+            notes=[common, "Semantics unchanged in these rows: each optimizer step averages 2 × 512 samples. ddpflow's default is cpu_affinity=true."],
+        )
+    ]
+    if "accum" in rates:
+        results.append(
+            Result(
+                name="ddp_accum",
+                title="DDP scaling with gradient accumulation",
+                ratio=efficiency("accum"),
+                target=0.95,
+                ratio_label=f"2 ranks with train.grad_accum={sizes.grad_accum} ÷ 2 × one rank",
+                rows=[row("one", False), row("accum")],
+                notes=[
+                    common,
+                    f"Changes semantics: the effective batch is {batches['accum']} (512 × {sizes.grad_accum} micro-batches × 2 ranks); "
+                    f"gradients are all-reduced once per {sizes.grad_accum} micro-batches (no_sync).",
+                ],
+            )
+        )
+    if "naive" in rates and "affinity" in rates:
+        ratio = Stats.of(ours / naive for ours, naive in zip(rates["affinity"], rates["naive"]))
+        results.append(
+            Result(
+                name="comparison",
+                title="The comparison a user would make",
+                ratio=ratio,
+                ratio_label="ddpflow's 2-rank training samples/s ÷ the plain way's",
+                rows=[
+                    Row("plain way: per-row Dataset over a pandas DataFrame, DataLoader + DistributedSampler, DDP", Stats.of(rates["naive"]), "samples/s", note=f"{sizes.naive_steps} timed steps"),
+                    Row("ddpflow: loader + DDP + cpu affinity", Stats.of(rates["affinity"]), "samples/s", ratio),
+                ],
+                notes=["Same model, optimizer, batch 512 per rank, 2 ranks under torchrun, in the same run."],
+            )
+        )
+    return results
+
+
+def measure(ctx: Context, config: Config, feed: str, feed_data: dict[str, str], repeat: int, batches: dict[str, int]) -> float:
+    """One torchrun launch of ``config``; total samples/s over the ranks."""
+    sizes = ctx.sizes
+    steps = config.steps or sizes.ddp_steps
+    out = ctx.workdir / "ddp" / f"{config.key}-{repeat}"
+    args = ["--feed", feed, "--data", feed_data[feed], "--batch", str(BATCH), "--steps", str(steps)]
+    args += ["--warmup", str(min(sizes.ddp_warmup, steps)), "--out", str(out), *config.flags]
+    launch(config.nproc, args)
+    ranks = processes.read_rank_files(out)
+    if len(ranks) != config.nproc:
+        raise RuntimeError(f"{config.label}: expected {config.nproc} rank reports in {out}, found {len(ranks)}")
+    batches[config.key] = ranks[0]["effective_batch"]
+    return sum(r["samples"] for r in ranks) / max(r["seconds"] for r in ranks)
+
+
+def launch(nproc: int, args: list[str]) -> None:
+    processes.run(processes.torchrun_argv(nproc, "bench.ddp_rank", args), timeout=600)
+
+
+def npz(ctx: Context) -> Path:
+    """The train rows as one .npz every rank can load."""
+
+    def build() -> Path:
+        x, y = train_arrays(ctx, ctx.sizes.rows)
+        path = ctx.workdir / "train.npz"
+        np.savez(path, x=x.numpy(), y=y.numpy())
+        return path
+
+    return ctx.cached("npz", build)
