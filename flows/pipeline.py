@@ -25,7 +25,6 @@ from prefect import flow, get_run_logger
 from prefect.runtime import deployment, flow_run
 
 from flows.params import resolve_config, run_label
-from flows.registration import DATASET_DIR_TAG, RUN_DIR_TAG
 from tasks.evaluate import evaluate_model
 from tasks.prepare import prepare_data
 from tasks.register import register_model
@@ -35,6 +34,7 @@ from tasks.train import train_model
 from training.config import PipelineConfig
 from training.preflight import check_fits_dataset, check_runnable
 
+RUN_DIR_TAG = "ddpflow.run_dir"
 LOCAL_MLFLOW_UI = "http://127.0.0.1:5000"  # `mlflow ui --backend-store-uri sqlite:///...` serves here
 
 
@@ -70,7 +70,7 @@ def train_pipeline(
         logger.info("Resuming the unfinished run in %s", run_dir)
     else:
         run_dir = new_run_dir(config.train.run_root, run_name)
-    init_weights = _warm_start_weights(config, logger)
+    init_weights = _warm_start_weights(config, Path(run_dir), logger)
 
     run_id = start_pipeline_run(
         config,
@@ -82,9 +82,9 @@ def train_pipeline(
         dataset_dir=prepared.dataset_dir,
     )
     try:
-        # Where model.pt will be, so `ddpflow register --run-id` can find it later.
-        _tag_run(tracking_uri, run_id, {RUN_DIR_TAG: str(run_dir), DATASET_DIR_TAG: str(prepared.dataset_dir)})
+        _tag_run(tracking_uri, run_id, {RUN_DIR_TAG: str(run_dir)})  # checkpoints and logs, for people
         trained = train_model(config, str(prepared.dataset_dir), str(run_dir), mlflow_run_id=run_id, tracking_uri=tracking_uri, init_weights=init_weights)
+        _tag_run(tracking_uri, run_id, {"ddp.restarts": str(trained.restarts)})
         test_metrics = evaluate_model(trained.model_path, str(prepared.dataset_dir), run_id, tracking_uri, config)
         decision = register_model(config, run_id, trained.model_path, str(prepared.dataset_dir), test_metrics, tracking_uri)
     except BaseException:
@@ -109,13 +109,18 @@ def train_pipeline(
     }
 
 
-def _warm_start_weights(config: PipelineConfig, logger: Any) -> str | None:
-    """``train.init_from``: 'champion' (the registry alias) or a model.pt path; None: fresh start."""
+def _warm_start_weights(config: PipelineConfig, run_dir: Path, logger: Any) -> str | None:
+    """``train.init_from``: 'champion' (the registry alias) or a model.pt path; None: fresh start.
+
+    The champion's model.pt is downloaded into RUN_DIR/init/, so the run keeps
+    what it started from. A different architecture is not an error: the ranks
+    say so in the log and start from fresh weights.
+    """
     if config.train.init_from is None:
         return None
     if config.train.init_from != "champion":
         return config.train.init_from
-    checkpoint = champion_checkpoint(config)
+    checkpoint = champion_checkpoint(config, destination=run_dir / "init")
     if checkpoint is None:
         logger.warning("train.init_from=champion, but %r has no champion yet: starting from fresh weights", config.registry.model_name)
         return None

@@ -1,56 +1,36 @@
 """Re-run the registration gate for a finished pipeline run (``ddpflow register --run-id``).
 
-For when registration failed after training succeeded (the MLflow server was
-down, the registry refused), or to re-gate a run with another registry config.
-Everything comes from the MLflow run itself: the config it logged, the run
-directory it was tagged with (``model.pt``), the data fingerprint and the test
-metrics the evaluate stage logged. Nothing is retrained or re-evaluated.
+For when registration failed after training and evaluation succeeded (the
+MLflow server was down, the registry refused), or to re-gate a run with another
+registry config. Everything comes from the MLflow run: the config it logged,
+``model.pt`` and the dataset (tags the evaluate stage set) and its test metrics.
+Nothing is retrained or re-evaluated; a run already registered keeps its
+recorded decision (tasks/register.py is idempotent per run).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from mlflow import MlflowClient
-from prefect import flow
+from prefect import flow, get_run_logger
 
-from tasks.register import register_model
-from tasks.tracking import check_tracking_reachable, read_run_config, resolve_tracking_uri
+from tasks.register import register_run
+from tasks.tracking import check_tracking_reachable, resolve_tracking_uri
 from training.config import PipelineConfig
-from training.layout import FINAL_MODEL
-
-RUN_DIR_TAG = "ddpflow.run_dir"
-DATASET_DIR_TAG = "ddpflow.dataset_dir"
 
 
 @flow(name="register-run", flow_run_name="register-{run_id}", log_prints=True)
 def register_finished_run(run_id: str, config: PipelineConfig | None = None) -> dict[str, Any]:
-    """Gate and register the model of MLflow run ``run_id``; ``config`` overrides the run's own (e.g. registry.min_delta)."""
+    """Gate and register the model of MLflow run ``run_id``; ``config`` replaces the run's own (e.g. another registry.min_delta)."""
     tracking_uri = resolve_tracking_uri(config or PipelineConfig())
     check_tracking_reachable(tracking_uri)
-    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
-    run = client.get_run(run_id)
-    config = config or read_run_config(client, run_id)
-
-    tags = run.data.tags
-    if RUN_DIR_TAG not in tags:
-        raise ValueError(f"MLflow run {run_id} has no {RUN_DIR_TAG} tag: it was not made by the ddpflow pipeline")
-    model_path = Path(tags[RUN_DIR_TAG]) / FINAL_MODEL
-    if not model_path.is_file():
-        raise FileNotFoundError(f"MLflow run {run_id}: {model_path} does not exist (training did not finish, or the run dir was moved)")
-    dataset_dir = tags.get(DATASET_DIR_TAG) or str(Path(config.data.root) / tags["data.fingerprint"])
-    test_metrics = {key: value for key, value in run.data.metrics.items() if key.startswith("test_")}
-    if not test_metrics:
-        raise ValueError(f"MLflow run {run_id} has no test_* metrics: its evaluate stage did not finish; run the pipeline again")
-
-    decision = register_model(config, run_id, str(model_path), dataset_dir, test_metrics, tracking_uri)
+    decision = register_run(run_id, config=config, tracking_uri=tracking_uri, logger=get_run_logger())
     return {
-        "model_name": config.registry.model_name,
-        "model_version": decision.get("version"),
-        "decision": decision.get("decision"),
-        "reason": decision.get("reason"),
-        "test_metrics": test_metrics,
+        "model_name": decision["model_name"],
+        "model_version": decision["version"],
+        "decision": decision["decision"],
+        "reason": decision["reason"],
+        "model_uri": decision["model_uri"],
+        "already_registered": decision["already_registered"],
         "mlflow_run_id": run_id,
-        "run_dir": tags[RUN_DIR_TAG],
     }

@@ -31,7 +31,7 @@ def test_run_json_prints_the_summary_and_keeps_prefect_state_in_the_project(make
     result = ddpflow(["run", "--config", "tiny.yaml", "--set", "train.epochs=1", "--json"], tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     summary = json.loads(result.stdout)  # stdout holds only the summary; Prefect logs to stderr
-    assert summary["decision"] == "champion"
+    assert summary["decision"] == "promoted"
     assert str(summary["model_version"]) == "1"
     assert Path(summary["run_dir"], "model.pt").is_file()
     run = MlflowClient(config["mlflow"]["tracking_uri"]).get_run(summary["mlflow_run_id"])

@@ -1,0 +1,213 @@
+"""End to end through the real stack: `ddpflow stack up` (Prefect server, work
+pool, `prefect deploy --all` from the real prefect.yaml, process worker, MLflow
+server), deployment runs through the worker, the UIs, then `ddpflow stack down`.
+
+One stack per module (start-up costs ~30 s). Every store is in a temp dir: the
+stack's state, the MLflow SQLite store (the worker's MLFLOW_TRACKING_URI), the
+prepared data and the run directories (flow-run parameter overrides).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+from mlflow import MlflowClient
+
+pytestmark = pytest.mark.slow
+
+MODEL_NAME = "ddpflow-e2e"
+TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+RUN_TIMEOUT_S = 420
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def ddpflow(*args: str, env: dict[str, str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+class Stack:
+    """A running stack started by `ddpflow stack up`, and how to talk to it."""
+
+    def __init__(self, repo: Path, tmp: Path, env: dict[str, str], up: dict[str, Any]):
+        self.repo, self.tmp, self.env, self.up = repo, tmp, env, up
+        self.state_dir = tmp / "state"
+        self.mlflow_uri = f"sqlite:///{tmp / 'mlflow' / 'mlflow.db'}"
+        self.prefect_url = up["prefect_ui"]
+        self.mlflow_url = up["mlflow_ui"]
+        self.run_root = tmp / "runs"
+        self.stack_args = ("--project", str(repo), "--state-dir", str(self.state_dir))
+
+    @property
+    def cli_env(self) -> dict[str, str]:
+        return {**self.env, "PREFECT_API_URL": f"{self.prefect_url}/api", "PREFECT_HOME": str(self.state_dir / "prefect")}
+
+    def prefect(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "prefect", *args], cwd=self.repo, env=self.cli_env, capture_output=True, text=True, timeout=timeout)
+
+    def api(self, method: str, path: str, **kwargs: Any) -> Any:
+        response = httpx.request(method, f"{self.prefect_url}/api{path}", timeout=30, **kwargs)
+        response.raise_for_status()
+        return response.json()
+
+    def deployment(self, name: str) -> dict[str, Any]:
+        return self.api("GET", f"/deployments/name/train-pipeline/{name}")
+
+    def tiny_run_params(self) -> str:
+        """The manual deployment's own config, shrunk, with every path in the temp dir."""
+        overrides = [
+            "data.source=synthetic://classification?rows=2000&features=8&classes=3&seed=1",
+            f"data.root={self.tmp / 'shards'}",
+            f"train.run_root={self.run_root}",
+            "train.epochs=1",
+            f"registry.model_name={MODEL_NAME}",
+            f"mlflow.artifact_location={self.tmp / 'mlflow' / 'mlartifacts'}",
+        ]
+        return json.dumps({"overrides": overrides})
+
+    def submit_manual_run(self) -> str:
+        result = self.prefect("deployment", "run", "train-pipeline/manual", "--params", self.tiny_run_params())
+        assert result.returncode == 0, result.stdout + result.stderr
+        match = re.search(r"UUID:\s*([0-9a-f-]{36})", result.stdout)
+        assert match, result.stdout
+        return match.group(1)
+
+    def wait_for_terminal(self, flow_run_ids: list[str], timeout_s: float = RUN_TIMEOUT_S) -> dict[str, dict[str, Any]]:
+        deadline = time.monotonic() + timeout_s
+        runs: dict[str, dict[str, Any]] = {}
+        while time.monotonic() < deadline:
+            runs = {run_id: self.api("GET", f"/flow_runs/{run_id}") for run_id in flow_run_ids}
+            if all(run["state_type"] in TERMINAL for run in runs.values()):
+                return runs
+            time.sleep(2)
+        states = {run_id: (run["state_type"], run["state_name"]) for run_id, run in runs.items()}
+        pytest.fail(f"flow runs not finished after {timeout_s} s: {states}; worker log: {self.log_tail('worker')}")
+
+    def log_tail(self, name: str, lines: int = 40) -> str:
+        path = self.state_dir / "logs" / f"{name}.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.is_file() else "(no log)"
+
+    def mlflow_runs_by_flow_run(self) -> dict[str, Any]:
+        client = MlflowClient(tracking_uri=self.mlflow_uri)
+        experiments = client.search_experiments()
+        runs = client.search_runs([e.experiment_id for e in experiments])
+        return {run.data.tags.get("prefect.flow_run_id"): run for run in runs}
+
+    def recorded_pids(self) -> dict[str, int]:
+        return {name: info["pid"] for name, info in json.loads((self.state_dir / "stack.json").read_text())["processes"].items()}
+
+
+@pytest.fixture(scope="module")
+def stack(repo_root: Path, tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("stack")
+    env = {
+        **os.environ,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        # A queued run (collision strategy ENQUEUE) retries for a slot after this; default 30 s.
+        "PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS": "2",
+        "OMP_NUM_THREADS": "1",
+    }
+    env.pop("MLFLOW_TRACKING_URI", None)
+    env.pop("PREFECT_API_URL", None)
+    args = ("--project", str(repo_root), "--state-dir", str(tmp / "state"), "--mlflow-dir", str(tmp / "mlflow"))
+    result = ddpflow("stack", "up", *args, "--prefect-port", str(free_port()), "--mlflow-port", str(free_port()), "--json", env=env, cwd=repo_root)
+    assert result.returncode == 0, f"stack up failed:\n{result.stdout}\n{result.stderr}"
+    running = Stack(repo_root, tmp, env, json.loads(result.stdout))
+    try:
+        yield running
+    finally:
+        ddpflow("stack", "down", *running.stack_args, env=env, cwd=repo_root, timeout=120)
+
+
+def test_deploy_all_creates_both_deployments_from_prefect_yaml(stack: Stack) -> None:
+    nightly, manual = stack.deployment("nightly"), stack.deployment("manual")
+    assert [s["schedule"]["cron"] for s in nightly["schedules"]] == ["0 2 * * *"]
+    assert nightly["schedules"][0]["schedule"]["timezone"] == "UTC"
+    assert nightly["schedules"][0]["active"] is True
+    assert manual["schedules"] == []
+    for deployment, strategy in ((nightly, "CANCEL_NEW"), (manual, "ENQUEUE")):
+        assert deployment["work_pool_name"] == "ddpflow-local"
+        assert deployment["entrypoint"] == "flows/pipeline.py:train_pipeline"
+        assert deployment["global_concurrency_limit"]["limit"] == 1
+        assert deployment["concurrency_options"]["collision_strategy"] == strategy
+        # `{{ $PWD }}` is rendered at deploy time into the project root.
+        assert deployment["pull_steps"] == [{"prefect.deployments.steps.set_working_directory": {"directory": str(stack.repo)}}]
+    assert nightly["parameters"] == {"config_file": "configs/nightly.yaml"}
+    assert manual["parameters"] == {"config_file": "configs/manual.yaml"}
+
+
+def test_deploy_all_again_updates_in_place(stack: Stack) -> None:
+    before = stack.deployment("nightly")
+    result = stack.prefect("--no-prompt", "deploy", "--all")
+    assert result.returncode == 0, result.stdout + result.stderr
+    after = stack.deployment("nightly")
+    assert after["id"] == before["id"]
+    assert [s["slug"] for s in after["schedules"]] == ["nightly-0200-utc"]
+
+
+def test_manual_run_through_the_worker_registers_a_model_version(stack: Stack) -> None:
+    flow_run_id = stack.submit_manual_run()
+    run = stack.wait_for_terminal([flow_run_id])[flow_run_id]
+    assert run["state_type"] == "COMPLETED", f"{run['state_name']}: {run['state'].get('message')}\n{stack.log_tail('worker')}"
+    mlflow_run = stack.mlflow_runs_by_flow_run()[flow_run_id]
+    assert mlflow_run.info.status == "FINISHED"
+    versions = MlflowClient(tracking_uri=stack.mlflow_uri).search_model_versions(f"name='{MODEL_NAME}'")
+    assert [v.run_id for v in versions] == [mlflow_run.info.run_id]
+    run_dirs = [d for d in stack.run_root.iterdir() if (d / "model.pt").is_file()]
+    assert len(run_dirs) == 1
+    # The overrides reached the flow: its artifacts are in the temp store, not the project.
+    assert str(stack.tmp) in mlflow_run.info.artifact_uri
+
+
+def test_three_runs_at_once_queue_on_the_limit_and_keep_their_own_files(stack: Stack) -> None:
+    dirs_before = set(stack.run_root.iterdir()) if stack.run_root.exists() else set()
+    flow_run_ids = [stack.submit_manual_run() for _ in range(3)]
+    runs = stack.wait_for_terminal(flow_run_ids, timeout_s=3 * RUN_TIMEOUT_S)
+    # `manual` is ENQUEUE with limit 1: none is cancelled, they run one after another.
+    assert {run["state_type"] for run in runs.values()} == {"COMPLETED"}, {r["name"]: r["state_name"] for r in runs.values()}
+    spans = sorted((run["start_time"], run["end_time"]) for run in runs.values())
+    assert all(spans[i][1] <= spans[i + 1][0] for i in range(len(spans) - 1)), f"runs overlapped: {spans}"
+    new_dirs = set(stack.run_root.iterdir()) - dirs_before
+    assert len(new_dirs) == 3 and all((d / "model.pt").is_file() and (d / "config.json").is_file() for d in new_dirs)
+    mlflow_runs = stack.mlflow_runs_by_flow_run()
+    assert len({mlflow_runs[run_id].info.run_id for run_id in flow_run_ids}) == 3
+
+
+def test_both_uis_answer(stack: Stack) -> None:
+    for url in (stack.prefect_url, stack.mlflow_url):
+        response = httpx.get(url, timeout=30, follow_redirects=True)
+        assert response.status_code == 200, url
+        assert "<html" in response.text.lower()
+    status = ddpflow("stack", "status", *stack.stack_args, "--json", env=stack.env, cwd=stack.repo)
+    summary = json.loads(status.stdout)
+    assert summary["running"] and summary["prefect_healthy"] and summary["mlflow_healthy"]
+
+
+def test_stack_down_leaves_no_process_alive(stack: Stack) -> None:
+    pids = stack.recorded_pids()
+    assert set(pids) == {"prefect-server", "mlflow", "worker"}
+    # Children too (uvicorn/gunicorn workers, flow-run processes).
+    family = {pid: [c.pid for c in psutil.Process(pid).children(recursive=True)] for pid in pids.values()}
+    result = ddpflow("stack", "down", *stack.stack_args, "--json", env=stack.env, cwd=stack.repo, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert sorted(json.loads(result.stdout)["stopped"]) == ["mlflow", "prefect-server", "worker"]
+    survivors = [pid for parent, children in family.items() for pid in (parent, *children) if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert survivors == []
+    assert not (stack.state_dir / "stack.json").exists()
+    status = json.loads(ddpflow("stack", "status", *stack.stack_args, "--json", env=stack.env, cwd=stack.repo).stdout)
+    assert status["running"] is False
