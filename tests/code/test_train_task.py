@@ -143,3 +143,20 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+@pytest.mark.slow
+def test_train_model_runs_the_real_rank_program(prefect_harness, tmp_path):
+    """training.train under torchrun, on a tiny prepared dataset: model.pt and the last epoch's metrics come back."""
+    from training.data.prepare import prepare_dataset
+
+    config = PipelineConfig.model_validate(
+        {
+            "data": {"source": "synthetic://classification?rows=1500&features=4&classes=2&seed=0", "root": str(tmp_path / "shards")},
+            "train": {"epochs": 1, "batch_size": 64, "nproc_per_node": 2, "model_kwargs": {"hidden": [8]}},
+        }
+    )
+    prepared = prepare_dataset(config.data)
+    result = train_flow(config, str(prepared.dataset_dir), str(tmp_path / "run"))
+    assert Path(result.model_path).is_file() and result.restarts == 0
+    assert result.metrics["epoch"] == 0 and "val_loss" in result.metrics
