@@ -1,0 +1,299 @@
+"""Tracking and the champion gate against a real SQLite MLflow store (tests/conftest.py: mlflow_store)."""
+
+from __future__ import annotations
+
+import math
+import socket
+
+import mlflow
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE, RESOURCE_DOES_NOT_EXIST, TEMPORARILY_UNAVAILABLE
+
+from tasks.register import RegistrationError, is_transient, register_candidate, register_run
+from tasks.tracking import (
+    TrackingUnreachableError,
+    champion_checkpoint,
+    check_tracking_reachable,
+    end_pipeline_run,
+    find_alias,
+    resolve_tracking_uri,
+    start_pipeline_run,
+    use_tracking_uri,
+)
+from training.config import PipelineConfig
+from training.data.manifest import read_manifest
+from training.evaluate import evaluate_split, load_model_checkpoint
+
+PREFECT = {"flow_run_id": "0000-flow-run", "flow_run_name": "brave-otter", "deployment_name": "nightly"}
+DDP = {"nproc_per_node": 2, "nnodes": 1, "backend": "gloo"}
+
+
+@pytest.fixture
+def make_config(mlflow_store, tmp_path):
+    uri, artifacts = mlflow_store
+
+    def make(**registry) -> PipelineConfig:
+        return PipelineConfig.model_validate(
+            {
+                "mlflow": {"tracking_uri": uri, "artifact_location": artifacts},
+                "data": {"root": str(tmp_path / "shards")},
+                "registry": {"model_name": "gate-test", **registry},
+            }
+        )
+
+    return make
+
+
+def pipeline(config: PipelineConfig, dataset, model_path, metrics=None):
+    """What the flow does after training, minus Prefect: run, evaluate, register."""
+    manifest = read_manifest(dataset)
+    run_id = start_pipeline_run(config, "run", PREFECT, manifest.fingerprint, manifest, DDP, dataset_dir=dataset)
+    metrics = metrics if metrics is not None else evaluate_split(model_path, dataset).metrics
+    decision = register_candidate(config, run_id, str(model_path), str(dataset), metrics, config.mlflow.tracking_uri)
+    return run_id, decision
+
+
+def alias_version(client, alias: str) -> str:
+    return str(find_alias(client, "gate-test", alias).version)  # the SQL store answers int, the REST API str
+
+
+def versions(config) -> list:
+    return MlflowClient(config.mlflow.tracking_uri).search_model_versions(f"name = '{config.registry.model_name}'")
+
+
+def test_pipeline_run_records_lineage(make_config, dataset_factory):
+    config = make_config()
+    dataset = dataset_factory(rows={"train": 200, "val": 20, "test": 20})
+    manifest = read_manifest(dataset)
+    run_id = start_pipeline_run(config, "brave-otter", PREFECT, manifest.fingerprint, manifest, DDP, dataset_dir=dataset)
+    client = MlflowClient(config.mlflow.tracking_uri)
+    run = client.get_run(run_id)
+    assert run.info.run_name == "brave-otter" and run.info.status == "RUNNING"
+    assert run.data.params["train.epochs"] == str(config.train.epochs)
+    assert run.data.params["registry.model_name"] == "gate-test"
+    tags = run.data.tags
+    assert tags["prefect.flow_run_id"] == "0000-flow-run" and tags["prefect.deployment"] == "nightly"
+    assert tags["data.fingerprint"] == manifest.fingerprint and tags["data.source"] == manifest.source
+    assert tags["ddp.world_size"] == "2" and tags["ddp.backend"] == "gloo" and tags["ddp.nnodes"] == "1"
+    inputs = {tag.value: entry for entry in run.inputs.dataset_inputs for tag in entry.tags if tag.key == "mlflow.data.context"}
+    assert sorted(inputs) == ["test", "train", "val"]
+    assert inputs["train"].dataset.digest.startswith(manifest.fingerprint[:8])
+    assert str(dataset / "train") in inputs["train"].dataset.source
+    assert experiment_location(client, run) == config.mlflow.artifact_location
+    end_pipeline_run(run_id, config.mlflow.tracking_uri, status="FAILED")
+    assert client.get_run(run_id).info.status == "FAILED"
+
+
+def experiment_location(client, run) -> str:
+    return client.get_experiment(run.info.experiment_id).artifact_location
+
+
+def test_better_model_promoted_worse_stays_challenger(make_config, dataset_factory, model_factory):
+    config = make_config()
+    dataset = dataset_factory()
+    weak, strong = model_factory(dataset, "weak", steps=3), model_factory(dataset, "strong", steps=80)
+    client = MlflowClient(config.mlflow.tracking_uri)
+
+    _, first = pipeline(config, dataset, weak)
+    assert first["decision"] == "promoted" and first["champion_status"] == "none"
+
+    strong_run, second = pipeline(config, dataset, strong)
+    assert second["decision"] == "promoted", second["reason"]
+    assert second["champion_version"] == first["version"]
+    # The gate re-scored the old champion on the same shards: its number is the weak model's own.
+    assert second["champion_value"] == pytest.approx(first["candidate_value"])
+    assert second["candidate_value"] > second["champion_value"]
+    assert alias_version(client, "champion") == second["version"]
+    assert alias_version(client, "previous-champion") == first["version"]
+
+    _, third = pipeline(config, dataset, weak)
+    assert third["decision"] == "challenger"
+    assert alias_version(client, "champion") == second["version"]  # untouched
+    assert alias_version(client, "challenger") == third["version"]
+
+    tags = client.get_model_version("gate-test", third["version"]).tags
+    assert tags["gate.decision"] == "challenger" and tags["gate.champion_version"] == second["version"]
+    assert float(tags["gate.champion_value"]) == pytest.approx(second["candidate_value"])
+    assert tags["data.fingerprint"] == read_manifest(dataset).fingerprint and tags["prefect.flow_run_name"] == "brave-otter"
+    run = client.get_run(strong_run)
+    assert run.data.tags["registry.decision"] == "promoted"
+    assert run.data.metrics["gate_champion_test_accuracy"] == pytest.approx(first["candidate_value"])
+    assert "fingerprint" in client.get_model_version("gate-test", second["version"]).description
+
+
+def test_min_delta_keeps_champion(make_config, dataset_factory, model_factory):
+    config = make_config(min_delta=0.5)
+    dataset = dataset_factory()
+    pipeline(config, dataset, model_factory(dataset, "weak", steps=3))
+    _, decision = pipeline(config, dataset, model_factory(dataset, "strong", steps=80))
+    assert decision["decision"] == "challenger"  # better, but not by 0.5
+
+
+def test_retry_creates_no_second_version(make_config, dataset_factory, model_factory):
+    config = make_config()
+    dataset = dataset_factory()
+    model_path = model_factory(dataset)
+    run_id, first = pipeline(config, dataset, model_path)
+    metrics = evaluate_split(model_path, dataset).metrics
+    again = register_candidate(config, run_id, str(model_path), str(dataset), metrics, config.mlflow.tracking_uri)
+    assert again["already_registered"] and again["version"] == first["version"] and again["decision"] == "promoted"
+    assert len(versions(config)) == 1
+    client = MlflowClient(config.mlflow.tracking_uri)
+    experiment = client.get_run(run_id).info.experiment_id
+    assert len(client.search_logged_models([experiment])) == 1
+
+
+def test_retry_after_a_crash_between_logging_and_registering(make_config, dataset_factory, model_factory):
+    """An attempt that logged the model but died before create_model_version: the retry reuses that model."""
+    from training.serving import log_pyfunc_model
+
+    config = make_config()
+    dataset = dataset_factory()
+    model_path = model_factory(dataset)
+    manifest = read_manifest(dataset)
+    run_id = start_pipeline_run(config, "run", PREFECT, manifest.fingerprint, manifest, DDP, dataset_dir=dataset)
+    example = pq.read_table(manifest.split_files(dataset, "test")[0]).to_pandas().head(3)
+    with use_tracking_uri(config.mlflow.tracking_uri):
+        logged = log_pyfunc_model(model_path, example, run_id=run_id, tags={"ddpflow.run_id": run_id})
+    decision = register_candidate(config, run_id, str(model_path), str(dataset), evaluate_split(model_path, dataset).metrics, config.mlflow.tracking_uri)
+    client = MlflowClient(config.mlflow.tracking_uri)
+    assert client.search_logged_models([client.get_run(run_id).info.experiment_id])[0].model_id == logged.model_id
+    assert len(client.search_logged_models([client.get_run(run_id).info.experiment_id])) == 1
+    assert client.get_model_version("gate-test", decision["version"]).source == logged.model_uri
+
+
+def test_champion_pyfunc_predicts_like_evaluate_on_raw_columns(make_config, dataset_factory, model_factory):
+    config = make_config()
+    dataset = dataset_factory()
+    model_path = model_factory(dataset)
+    pipeline(config, dataset, model_path)
+    manifest = read_manifest(dataset)
+    frame = pa.concat_tables([pq.read_table(path) for path in manifest.split_files(dataset, "test")]).to_pandas()
+    with use_tracking_uri(config.mlflow.tracking_uri):
+        served = mlflow.pyfunc.load_model("models:/gate-test@champion")
+    predicted = served.predict(frame[manifest.features].astype("float64"))
+    evaluated = evaluate_split(model_path, dataset, return_predictions=True).predictions
+    np.testing.assert_array_equal(np.asarray(predicted), np.asarray(manifest.label_mapping)[evaluated])
+    assert served.metadata.get_input_schema().input_names() == manifest.features
+
+
+def test_champion_checkpoint_downloads_the_champions_weights(make_config, dataset_factory, model_factory, tmp_path):
+    config = make_config()
+    assert champion_checkpoint(config) is None  # no registered model yet
+    dataset = dataset_factory()
+    model_path = model_factory(dataset)
+    pipeline(config, dataset, model_path)
+    downloaded = champion_checkpoint(config, tmp_path / "warm")
+    _, original = load_model_checkpoint(model_path)
+    model, meta = load_model_checkpoint(downloaded)
+    assert meta["fingerprint"] == original["fingerprint"] and downloaded.name == "model.pt"
+
+
+def test_nan_metric_registers_nothing(make_config, dataset_factory, model_factory):
+    config = make_config()
+    dataset = dataset_factory()
+    model_path = model_factory(dataset)
+    metrics = {**evaluate_split(model_path, dataset).metrics, "test_loss": math.nan}
+    run_id, decision = pipeline(config, dataset, model_path, metrics=metrics)
+    assert decision["decision"] == "rejected" and "test_loss" in decision["reason"] and decision["version"] is None
+    assert versions(config) == []
+    client = MlflowClient(config.mlflow.tracking_uri)
+    assert client.search_logged_models([client.get_run(run_id).info.experiment_id]) == []
+    assert client.get_run(run_id).data.tags["registry.decision"] == "rejected"
+
+
+def test_min_metric_floor(make_config, dataset_factory, model_factory):
+    dataset = dataset_factory()
+    model_path = model_factory(dataset, steps=3)
+    _, decision = pipeline(make_config(min_metric=0.99), dataset, model_path)
+    assert decision["decision"] == "rejected" and "min_metric" in decision["reason"]
+    assert versions(make_config()) == []
+    # Lower is better for rmse: the floor is a ceiling.
+    regression = dataset_factory(task="regression")
+    regressor = model_factory(regression, "reg", steps=150)
+    rmse = evaluate_split(regressor, regression).metrics["test_rmse"]
+    _, too_high = pipeline(make_config(min_metric=rmse / 2, model_name="reg-a"), regression, regressor)
+    assert too_high["decision"] == "rejected"
+    _, fine = pipeline(make_config(min_metric=rmse * 2, model_name="reg-b"), regression, regressor)
+    assert fine["decision"] == "promoted"
+
+
+def test_incompatible_champion_is_replaced(make_config, dataset_factory, model_factory):
+    config = make_config()
+    old_data = dataset_factory()
+    _, first = pipeline(config, old_data, model_factory(old_data, "old", steps=80))
+    new_data = dataset_factory(features=["a", "b", "c", "d", "e", "f"], fingerprint="renamed")
+    _, decision = pipeline(config, new_data, model_factory(new_data, "new", steps=3))
+    assert decision["decision"] == "promoted"
+    assert decision["champion_status"].startswith("incompatible") and "['f0'" in decision["champion_status"]
+    assert decision["champion_value"] is None and decision["champion_version"] == first["version"]
+    client = MlflowClient(config.mlflow.tracking_uri)
+    assert alias_version(client, "previous-champion") == first["version"]
+
+
+def test_register_run_reruns_for_a_finished_run(make_config, dataset_factory, model_factory):
+    config = make_config()
+    dataset = dataset_factory()
+    model_path = model_factory(dataset)
+    manifest = read_manifest(dataset)
+    run_id = start_pipeline_run(config, "run", PREFECT, manifest.fingerprint, manifest, DDP, dataset_dir=dataset)
+    client = MlflowClient(config.mlflow.tracking_uri)
+    with pytest.raises(RegistrationError, match="never evaluated"):
+        register_run(run_id, tracking_uri=config.mlflow.tracking_uri)
+    for name, value in evaluate_split(model_path, dataset).metrics.items():
+        client.log_metric(run_id, name, value)
+    client.set_tag(run_id, "ddpflow.model_path", str(model_path))
+    client.set_tag(run_id, "ddpflow.dataset_dir", str(dataset))
+    end_pipeline_run(run_id, config.mlflow.tracking_uri)
+    decision = register_run(run_id, tracking_uri=config.mlflow.tracking_uri)  # config comes from the run
+    assert decision["decision"] == "promoted" and decision["model_name"] == "gate-test"
+    assert register_run(run_id, tracking_uri=config.mlflow.tracking_uri)["already_registered"]
+    assert len(versions(config)) == 1
+    with pytest.raises(RegistrationError, match="does not exist"):
+        register_run("0" * 32, tracking_uri=config.mlflow.tracking_uri)
+
+
+def test_missing_gate_metric_is_a_clear_error(make_config, dataset_factory, model_factory):
+    config = make_config(metric="test_f2")
+    dataset = dataset_factory(rows={"train": 200, "val": 20, "test": 20})
+    with pytest.raises(RegistrationError, match="test_f2"):
+        pipeline(config, dataset, model_factory(dataset, steps=1))
+
+
+def free_loopback_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_unreachable_tracking_server_is_named():
+    uri = f"http://127.0.0.1:{free_loopback_port()}"  # bound, then released: nothing listens there
+    with pytest.raises(TrackingUnreachableError, match=uri.replace(".", r"\.")):
+        check_tracking_reachable(uri, timeout_s=2)
+
+
+def test_tracking_uri_resolution(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert resolve_tracking_uri(PipelineConfig()) == f"sqlite:///{tmp_path / 'mlflow.db'}"
+    relative = PipelineConfig.model_validate({"mlflow": {"tracking_uri": "sqlite:///state/m.db"}})
+    assert resolve_tracking_uri(relative) == f"sqlite:///{tmp_path / 'state' / 'm.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
+    assert resolve_tracking_uri(relative) == "http://127.0.0.1:5000"
+    check_tracking_reachable(f"sqlite:///{tmp_path / 'new' / 'dir' / 'mlflow.db'}")  # creates the folder
+    assert (tmp_path / "new" / "dir").is_dir()
+
+
+def test_transient_errors_are_told_apart():
+    assert is_transient(MlflowException("busy", error_code=TEMPORARILY_UNAVAILABLE))
+    assert is_transient(ConnectionRefusedError("refused"))
+    assert is_transient(MlflowException("(sqlite3.OperationalError) database is locked"))
+    assert not is_transient(MlflowException("no such model", error_code=RESOURCE_DOES_NOT_EXIST))
+    assert not is_transient(MlflowException("bad filter", error_code=INVALID_PARAMETER_VALUE))
+    assert not is_transient(RegistrationError("registry.metric 'x' is not among ..."))
+    assert not is_transient(FileNotFoundError("model.pt"))
