@@ -160,3 +160,26 @@ def test_train_model_runs_the_real_rank_program(prefect_harness, tmp_path):
     result = train_flow(config, str(prepared.dataset_dir), str(tmp_path / "run"))
     assert Path(result.model_path).is_file() and result.restarts == 0
     assert result.metrics["epoch"] == 0 and "val_loss" in result.metrics
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_flow_process_kills_every_process_through_prefects_handler(prefect_harness, tmp_path):
+    """Our handler runs first, then chains to Prefect's SIGTERM bridge: the run ends Crashed, no rank survives."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
+
+    dataset = make_manifest(tmp_path / "fp123")
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, PREFECT_API_URL=PREFECT_API_URL.value(), DUMMY_RANK_MODE="spawn", DUMMY_RANK_LINES="1")
+    flow_process = subprocess.Popen([sys.executable, str(TRAIN_FLOW), str(run_dir), str(dataset)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        pids = wait_for_tree(run_dir, at_least=5)
+        with get_client(sync_client=True) as client:
+            run_id = flow_run_of(client, "train-stand-in")
+            flow_process.terminate()
+            flow_process.wait(timeout=60)
+            assert gone_within(pids, 30) == []
+            final = client.read_flow_run(run_id).state
+        assert final.is_crashed(), final
+    finally:
+        flow_process.kill()
