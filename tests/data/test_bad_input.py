@@ -76,6 +76,9 @@ def test_all_rows_dropped(table_file, expect_error, dh):
 def test_empty_source(tmp_path, table_file, expect_error, dh):
     path = table_file(dh.numeric_table().slice(0, 0), "empty.parquet")
     expect_error(path, "has no rows")
+    header_only = tmp_path / "header.csv"
+    header_only.write_text("x0,x1,label\n")
+    expect_error(header_only, str(header_only), "label column 'label' holds no values")
     empty_dir = tmp_path / "nothing"
     empty_dir.mkdir()
     expect_error(empty_dir, str(empty_dir), "no .parquet or .csv files")

@@ -46,6 +46,8 @@ def plan_columns(schema: pa.Schema, data: DataConfig, where: str) -> ColumnPlan:
     for role, name in (("label", data.label), ("key", data.key)):
         if name is not None and name not in names:
             raise DataError(f"{where}: {role} column {name!r} (data.{role}) not found; the columns are {names}")
+    if pa.types.is_null(schema.field(data.label).type):  # e.g. a CSV with a header and no rows
+        raise DataError(f"{where}: label column {data.label!r} holds no values: the source has no rows or the column is blank")
     task = data.task or infer_task(schema.field(data.label).type, data.label, where)
     _check_label_type(schema.field(data.label).type, data.label, task, where)
     features = _features(schema, data, where)

@@ -17,6 +17,7 @@ fingerprint's directory already has a manifest, it is reused (``cache_hit``).
 from __future__ import annotations
 
 import platform
+import shutil
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -83,9 +84,7 @@ def prepare_dataset(data: DataConfig) -> PreparedDataset:
         write_manifest(temp, manifest)
         published = publish(temp, target)
     except BaseException:
-        import shutil
-
-        shutil.rmtree(temp, ignore_errors=True)
+        shutil.rmtree(temp, ignore_errors=True)  # a failed build leaves nothing behind
         raise
     # Lost the race: another process published the same fingerprint; use its copy.
     return PreparedDataset(target, manifest if published else read_manifest(target), cache_hit=False)
