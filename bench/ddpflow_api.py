@@ -21,15 +21,19 @@ def load_train_split(dataset_dir: str | Path):
     return load_split(dataset_dir, read_manifest(dataset_dir), "train")
 
 
+def train_batches(split, *, batch: int, rank: int = 0, world_size: int = 1, seed: int = 0, device: str | torch.device = "cpu"):
+    """ddpflow's per-rank batches (``training.loading.TrainBatches``: DistributedSampler, one gather per batch)."""
+    from training.loading import TrainBatches
+
+    device = torch.device(device)
+    return TrainBatches(split, rank, world_size, batch, seed, device, pin_memory=device.type == "cuda")
+
+
 def open_train_loader(
     dataset_dir: str | Path, *, batch: int, rank: int = 0, world_size: int = 1, seed: int = 0, device: str | torch.device = "cpu"
 ) -> Callable[[], Iterator[tuple[torch.Tensor, torch.Tensor]]]:
-    """One rank's batches as ddpflow's training loop gets them; each call starts the next epoch."""
-    from training.loading import TrainBatches
-
-    split = load_train_split(dataset_dir)
-    device = torch.device(device)
-    batches = TrainBatches(split, rank, world_size, batch, seed, device, pin_memory=device.type == "cuda")
+    """One rank's (x, y) batches as ddpflow's loader yields them; each call starts the next epoch."""
+    batches = train_batches(load_train_split(dataset_dir), batch=batch, rank=rank, world_size=world_size, seed=seed, device=device)
     epochs = itertools.count()
 
     def epoch() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -37,6 +41,41 @@ def open_train_loader(
             yield step.features, step.labels
 
     return epoch
+
+
+def first_rows(split, rows: int):
+    """The split's first ``rows`` rows (repeated when it has fewer): a split whose epoch is exactly N steps."""
+    from training.loading import SplitTensors
+
+    repeats = -(-rows // len(split))
+    features, labels = split.features, split.labels
+    if repeats > 1:
+        features, labels = features.repeat(repeats, 1), labels.repeat(repeats)
+    return SplitTensors(features[:rows], labels[:rows])
+
+
+def train_epoch(model, optimizer, batches, epoch: int, *, device: str | torch.device = "cpu", grad_accum: int = 1, bf16: bool = False) -> int:
+    """ddpflow's training epoch (``training.loop.train_epoch``); returns the samples trained."""
+    from training.loop import StepSettings
+    from training.loop import train_epoch as ddpflow_train_epoch
+
+    settings = StepSettings("classification", torch.device(device), grad_accum=grad_accum, bf16=bf16)
+    return ddpflow_train_epoch(model, optimizer, None, batches, epoch, settings).samples
+
+
+def configure_cpu(affinity: bool, local_rank: int, local_world_size: int, threads: int = 1) -> str:
+    """ddpflow's per-rank CPU setup (threads, and cores with ``train.cpu_affinity``)."""
+    from training.config import TrainConfig
+    from training.runtime import configure_cpu as ddpflow_configure_cpu
+
+    return ddpflow_configure_cpu(TrainConfig(cpu_affinity=affinity, num_threads=threads), local_rank, local_world_size)
+
+
+def bucket_cap_mb() -> float:
+    """The DDP bucket size ddpflow passes (one bucket for models whose gradients fit)."""
+    from training.distributed import BUCKET_CAP_MB
+
+    return float(BUCKET_CAP_MB)
 
 
 def prepare(data_config):
