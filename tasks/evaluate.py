@@ -20,6 +20,7 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
 
 from tasks.tracking import how_to_open
 from training.config import PipelineConfig
@@ -99,7 +100,7 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-@task(name="evaluate-model", task_run_name="evaluate-{run_id}")
+@task(name="evaluate-model", task_run_name="evaluate-{run_id}", cache_policy=NO_CACHE)  # logs to MLflow: never skip
 def evaluate_model(model_path: str, dataset_dir: str, run_id: str, tracking_uri: str, config: PipelineConfig) -> dict[str, float]:
     """Test-split metrics (``test_accuracy``, ``test_rmse``, ...), logged to the MLflow run; returns them."""
     logger = get_run_logger()

@@ -30,6 +30,7 @@ from mlflow.entities import Metric
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
 
 from tasks.tracking import (
     CHALLENGER,
@@ -376,7 +377,15 @@ def retry_on_transient_error(task_, task_run, state) -> bool:
     return is_transient(error if isinstance(error, BaseException) else None)
 
 
-@task(name="register-model", task_run_name="register-{run_id}", retries=3, retry_delay_seconds=[2, 5, 15], retry_condition_fn=retry_on_transient_error)
+# NO_CACHE: a side effect, never to be skipped by a cache hit; retries are safe because the step is idempotent.
+@task(
+    name="register-model",
+    task_run_name="register-{run_id}",
+    retries=3,
+    retry_delay_seconds=[2, 5, 15],
+    retry_condition_fn=retry_on_transient_error,
+    cache_policy=NO_CACHE,
+)
 def register_model(config: PipelineConfig, run_id: str, model_path: str, dataset_dir: str, metrics: dict[str, float], tracking_uri: str) -> dict[str, Any]:
     """Register the candidate and apply the champion gate (see the module docstring)."""
     return register_candidate(config, run_id, model_path, dataset_dir, metrics, tracking_uri, get_run_logger())

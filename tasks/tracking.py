@@ -261,6 +261,8 @@ def start_pipeline_run(
     for start in range(0, len(params), 100):  # MLflow accepts at most 100 params per batch
         client.log_batch(run_id, params=params[start : start + 100])
     dataset_dir = dataset_dir or Path(config.data.root) / fingerprint
+    if "://" not in str(dataset_dir):
+        dataset_dir = Path(dataset_dir).resolve()  # a relative path means nothing to someone reading the run
     client.log_inputs(run_id, datasets=dataset_inputs(manifest, dataset_dir, fingerprint))
     client.log_dict(run_id, config.model_dump(mode="json"), CONFIG_ARTIFACT)
     return run_id

@@ -297,3 +297,18 @@ def test_transient_errors_are_told_apart():
     assert not is_transient(MlflowException("bad filter", error_code=INVALID_PARAMETER_VALUE))
     assert not is_transient(RegistrationError("registry.metric 'x' is not among ..."))
     assert not is_transient(FileNotFoundError("model.pt"))
+
+
+def test_regression_evaluation_logs_a_residual_plot(make_config, dataset_factory, model_factory, tmp_path):
+    from tasks.evaluate import log_evaluation, write_json_atomically
+
+    config = make_config()
+    dataset = dataset_factory(task="regression", rows={"train": 600, "val": 50, "test": 120})
+    model_path = model_factory(dataset, steps=50)
+    manifest = read_manifest(dataset)
+    run_id = start_pipeline_run(config, "reg", PREFECT, manifest.fingerprint, manifest, DDP, dataset_dir=dataset)
+    result = evaluate_split(model_path, dataset, return_predictions=True, max_predictions=100)
+    client = MlflowClient(config.mlflow.tracking_uri)
+    log_evaluation(client, run_id, result, write_json_atomically(tmp_path / "eval" / "metrics.json", result.to_dict()))
+    assert {item.path for item in client.list_artifacts(run_id, "eval")} == {"eval/metrics.json", "eval/residuals.png"}
+    assert client.get_run(run_id).data.metrics["test_r2"] == pytest.approx(result.metrics["test_r2"])

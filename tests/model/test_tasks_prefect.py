@@ -1,0 +1,53 @@
+"""The evaluate and register tasks run as Prefect tasks, in a flow, under a real Prefect test server."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from mlflow import MlflowClient
+from prefect import flow
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+from tasks.evaluate import evaluate_model
+from tasks.register import register_model
+from tasks.tracking import start_pipeline_run
+from training.config import PipelineConfig
+from training.data.manifest import read_manifest
+
+pytestmark = pytest.mark.slow  # starts a Prefect server (once per session)
+
+
+def test_evaluate_then_register_under_prefect(prefect_session, mlflow_store, dataset_factory, model_factory, tmp_path):
+    uri, artifacts = mlflow_store
+    config = PipelineConfig.model_validate({"mlflow": {"tracking_uri": uri, "artifact_location": artifacts}, "registry": {"model_name": "prefect-test"}})
+    no_such_metric = config.model_copy(update={"registry": config.registry.model_copy(update={"metric": "test_nope"})})
+    dataset = dataset_factory()
+    model_path = model_factory(dataset)
+    manifest = read_manifest(dataset)
+
+    @flow
+    def after_training():
+        run_id = start_pipeline_run(config, "prefect-run", {"flow_run_name": "prefect-run"}, manifest.fingerprint, manifest, {"nproc_per_node": 1, "nnodes": 1}, dataset)
+        metrics = evaluate_model(str(model_path), str(dataset), run_id, uri, config)
+        decision = register_model(config, run_id, str(model_path), str(dataset), metrics, uri)
+        # A deterministic error: the retry condition must not spend the 3 retries on it.
+        failed = register_model(no_such_metric, run_id, str(model_path), str(dataset), metrics, uri, return_state=True)
+        return run_id, metrics, decision, failed.is_failed(), str(failed.state_details.task_run_id)
+
+    run_id, metrics, decision, failed, failed_task_run = after_training()
+
+    assert decision["decision"] == "promoted" and decision["version"] == "1"
+    written = json.loads((model_path.parent / "eval" / "metrics.json").read_text())
+    assert written["samples"] == manifest.rows("test") and written["metrics"]["test_accuracy"] == metrics["test_accuracy"]
+    client = MlflowClient(uri)
+    run = client.get_run(run_id)
+    assert run.data.metrics["test_accuracy"] == pytest.approx(metrics["test_accuracy"])
+    assert {item.path for item in client.list_artifacts(run_id, "eval")} == {"eval/metrics.json", "eval/confusion_matrix.png"}
+    assert run.data.tags["ddpflow.model_path"] == str(model_path.resolve())
+
+    with get_client(sync_client=True) as prefect:
+        markdown = prefect.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["model-evaluation"])))
+        assert any(run_id in str(artifact.data) and "test_accuracy" in str(artifact.data) for artifact in markdown)
+        assert failed and prefect.read_task_run(failed_task_run).run_count == 1
