@@ -255,3 +255,27 @@ def test_synthetic_source_is_learnable_and_balanced(make_config):
     weights, *_ = np.linalg.lstsq(design(train), targets, rcond=None)
     accuracy = (design(test) @ weights).argmax(axis=1) == test["label"].to_numpy()
     assert accuracy.mean() > 0.7
+
+
+def test_output_root_inside_the_source_directory_is_not_read_back(tmp_path, table_file, make_config, dh):
+    path = table_file(dh.numeric_table())
+    config = make_config(path.parent, key="id", root=str(path.parent / "shards"))
+    first = prepare_dataset(config)
+    (path.parent / "_temporary").mkdir()
+    pq.write_table(dh.numeric_table(rows=10), path.parent / "_temporary" / "half.parquet")  # a writer's scratch dir
+    again = prepare_dataset(config)  # the shards and scratch files now sit under the source directory
+    assert again.cache_hit and again.fingerprint == first.fingerprint
+    assert len(again.manifest.extra["source_identity"]["files"]) == 1
+
+
+def test_a_damaged_cached_dataset_is_rebuilt(table_file, make_config, dh):
+    config = make_config(table_file(dh.numeric_table()))
+    first = prepare_dataset(config)
+    shard = first.manifest.split_files(first.dataset_dir, "train")[0]
+    shard.unlink()  # someone cleaned up by hand
+    rebuilt = prepare_dataset(config)
+    assert not rebuilt.cache_hit and rebuilt.dataset_dir == first.dataset_dir and shard.is_file()
+    (first.dataset_dir / "manifest.json").write_text("{not json")
+    assert not prepare_dataset(config).cache_hit
+    assert prepare_dataset(config).cache_hit
+    assert not list(first.dataset_dir.parent.glob(".tmp-*"))

@@ -33,7 +33,7 @@ from training.data.columns import ColumnPlan, plan_columns, value_type
 from training.data.errors import DataError
 from training.data.fingerprint import dataset_fingerprint
 from training.data.manifest import Manifest, SplitInfo, read_manifest, write_manifest
-from training.data.publish import is_complete, make_temp_dir, publish, remove_stale_temp_dirs
+from training.data.publish import discard, is_complete, make_temp_dir, publish, remove_stale_temp_dirs
 from training.data.shards import SplitWriter
 from training.data.sources import Source, open_source
 from training.data.stats import RunningMoments
@@ -70,12 +70,16 @@ class PreparedDataset:
 
 
 def prepare_dataset(data: DataConfig) -> PreparedDataset:
-    source = open_source(data.source, data.format)
-    fingerprint = dataset_fingerprint(source.identity(), data)
     root = Path(data.root).expanduser().resolve()
+    # The output root may sit inside a source directory (data/ and data/shards): never read it back.
+    source = open_source(data.source, data.format, exclude=root)
+    fingerprint = dataset_fingerprint(source.identity(), data)
     target = root / fingerprint
     if is_complete(target):
-        return PreparedDataset(target, read_manifest(target), cache_hit=True)
+        manifest = _intact_manifest(target)
+        if manifest is not None:
+            return PreparedDataset(target, manifest, cache_hit=True)
+        discard(target)  # damaged since it was published: rebuild it
     root.mkdir(parents=True, exist_ok=True)
     remove_stale_temp_dirs(root)
     temp = make_temp_dir(root, fingerprint)
@@ -88,6 +92,20 @@ def prepare_dataset(data: DataConfig) -> PreparedDataset:
         raise
     # Lost the race: another process published the same fingerprint; use its copy.
     return PreparedDataset(target, manifest if published else read_manifest(target), cache_hit=False)
+
+
+def _intact_manifest(dataset_dir: Path) -> Manifest | None:
+    """The manifest when it parses and every shard it lists is there with its size; else None."""
+    try:
+        manifest = read_manifest(dataset_dir)
+    except (ValueError, KeyError, TypeError):
+        return None
+    for split in manifest.splits.values():
+        for shard in split.shards:
+            path = dataset_dir / shard.file
+            if not path.is_file() or path.stat().st_size != shard.bytes:
+                return None
+    return manifest
 
 
 # ---------------------------------------------------------------- pass 1: labels

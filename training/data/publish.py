@@ -51,14 +51,15 @@ def publish(temp: Path, target: Path) -> bool:
         if is_complete(target):
             shutil.rmtree(temp, ignore_errors=True)
             return False
-        _move_aside(target)
+        discard(target)
     raise OSError(f"could not publish {temp} as {target}: an incomplete directory keeps reappearing there")
 
 
-def _move_aside(incomplete: Path) -> None:
-    aside = incomplete.parent / f"{TEMP_PREFIX}{incomplete.name}-incomplete-{secrets.token_hex(4)}"
+def discard(dataset_dir: Path) -> None:
+    """Remove a dataset directory that must not be used: renamed away first (atomic), then deleted."""
+    aside = dataset_dir.parent / f"{TEMP_PREFIX}{dataset_dir.name}-discarded-{secrets.token_hex(4)}"
     try:
-        os.rename(incomplete, aside)
+        os.rename(dataset_dir, aside)
     except FileNotFoundError:
         return
     shutil.rmtree(aside, ignore_errors=True)

@@ -107,25 +107,30 @@ class SyntheticSource:
 Source = FileSource | SyntheticSource
 
 
-def open_source(source: str, file_format: str = "auto") -> Source:
+def open_source(source: str, file_format: str = "auto", exclude: Path | None = None) -> Source:
+    """``exclude``: a local directory whose files are never data (prepare's own output root)."""
     if synthetic.is_synthetic(source):
         return SyntheticSource(source)
     if source.startswith("file://"):
         source = source.removeprefix("file://")
     if "://" in source:
         return _open_fsspec(source, file_format)
-    return _open_local(source, file_format)
+    return _open_local(source, file_format, exclude)
 
 
-def _open_local(source: str, file_format: str) -> FileSource:
+def _open_local(source: str, file_format: str, exclude: Path | None = None) -> FileSource:
     path = Path(source).expanduser()
     if any(char in source for char in _GLOB_CHARS):
         candidates = [Path(match) for match in glob.glob(str(path), recursive=True)]
-        candidates = [match for match in candidates if match.is_file()]
+        candidates = [match for match in candidates if match.is_file() and not _inside(match, exclude)]
         if not candidates:
             raise DataError(f"data.source {source!r}: the glob matches no files")
     elif path.is_dir():
-        candidates = [match for match in path.rglob("*") if match.is_file()]
+        # Hidden and _-prefixed directories (.tmp-*, _temporary/) hold no data of the source.
+        candidates = [
+            match for match in path.rglob("*")
+            if match.is_file() and not _inside(match, exclude) and not any(part.startswith((".", "_")) for part in match.relative_to(path).parts[:-1])
+        ]
     elif path.is_file():
         candidates = [path]
     else:
@@ -171,6 +176,10 @@ def _open_fsspec(source: str, file_format: str) -> FileSource:
     except Exception as error:  # noqa: BLE001 - each fsspec backend raises its own types (botocore, aiohttp, ...)
         raise DataError(f"data.source {source!r}: cannot be listed: {type(error).__name__}: {error}") from None
     return FileSource(source, files, resolved_format, filesystem=PyFileSystem(FSSpecHandler(fs)))
+
+
+def _inside(path: Path, directory: Path | None) -> bool:
+    return directory is not None and path.resolve().is_relative_to(directory)
 
 
 def _fsspec_file(fs: Any, protocol: str, name: str) -> SourceFile:
