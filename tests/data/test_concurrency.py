@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from training.data.manifest import read_manifest
 from training.data.publish import make_temp_dir, publish, remove_stale_temp_dirs
@@ -15,7 +14,6 @@ from training.layout import SPLITS
 
 _PREPARE_WHEN_GO = """
 import json, sys, time
-from pathlib import Path
 from training.config import DataConfig
 from training.data.prepare import prepare_dataset
 go = Path(sys.argv[1])
@@ -71,4 +69,4 @@ def test_live_temp_dirs_are_kept_and_dead_ones_removed(tmp_path):
     old = time.time() - 2 * 24 * 3600
     os.utime(foreign, (old, old))
     assert remove_stale_temp_dirs(tmp_path) == [foreign]
-    assert isinstance(live, Path) and live.exists()
+    assert live.exists()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import glob
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
