@@ -14,6 +14,7 @@ from training.layout import SPLITS
 
 _PREPARE_WHEN_GO = """
 import json, sys, time
+from pathlib import Path
 from training.config import DataConfig
 from training.data.prepare import prepare_dataset
 go = Path(sys.argv[1])
