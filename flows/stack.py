@@ -13,8 +13,12 @@ Everything binds to loopback. State lives in the project:
                               uses by default, so local and scheduled runs
                               share one registry (and one champion)
 
-The worker runs flows with ``MLFLOW_TRACKING_URI`` pointing at the MLflow
-server, so the server is the only process that writes ``mlflow.db``.
+The worker runs flows with ``MLFLOW_TRACKING_URI=sqlite:///<project>/mlflow.db``,
+the very file the MLflow server shows. Flows write to it directly (as
+``ddpflow run`` does), so experiments keep plain-path artifact locations that
+every client can read; through the server's HTTP API a new experiment would get
+an ``mlflow-artifacts:/`` location that a SQLite client cannot resolve, and a
+later ``ddpflow run`` without the stack could not log into it.
 Processes are started from argument lists (no shell) in their own session,
 so a Ctrl-C in the terminal that ran ``up`` does not reach them.
 """
@@ -273,7 +277,7 @@ def _start_all(layout: StackLayout, state: StackState, prefect_port: int, mlflow
     flow_env = {
         **cli,
         "PREFECT_WORKER_QUERY_SECONDS": WORKER_QUERY_SECONDS,
-        "MLFLOW_TRACKING_URI": state.mlflow_url,
+        "MLFLOW_TRACKING_URI": layout.mlflow_backend_uri,
         **worker_env,
     }
     start_process("worker", prefect_argv("worker", "start", "--pool", WORK_POOL, "--name", "ddpflow-local-worker"), layout, flow_env, state)
