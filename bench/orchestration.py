@@ -1,0 +1,226 @@
+"""Launch latency and orchestration overhead, on small data (the fixed costs are the point).
+
+Launch: from the launcher's start (preflight, job file, ``tasks/torchrun.launch``)
+to rank 0's first training step, minus the wall time of a bare torchrun whose
+2 ranks only join the process group and leave.
+
+Orchestration: ``ddpflow run`` (Prefect flow: prepare, train, evaluate,
+register in MLflow) against an already running Prefect server, minus the bare
+work: torchrun ``training.train`` then ``evaluate_split`` in a plain process,
+on the same prepared data. Starting a Prefect server (which ``ddpflow run``
+does for itself when no ``PREFECT_API_URL`` is set) is measured separately.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from bench import processes
+from bench.harness import Result, Row, Stats, Timer, log
+from bench.workload import BATCH, Context, synthetic_url
+
+NOOP_RANK = """import torch.distributed as dist
+dist.init_process_group("gloo")
+dist.barrier()
+dist.destroy_process_group()
+"""
+FIRST_STEP = "step 1/"  # rank 0's progress line after its first step (progress_interval_s is tiny)
+
+
+def small_config(ctx: Context, root: Path, **train):
+    from training.config import PipelineConfig
+
+    rows = ctx.sizes.orchestration_rows
+    return PipelineConfig.model_validate(
+        {
+            "data": {"source": synthetic_url(rows), "root": str(ctx.workdir / "small-shards")},
+            "train": {"epochs": 1, "batch_size": BATCH, "nproc_per_node": 2, "run_root": str(root / "runs"), "max_restarts": 0, **train},
+            "mlflow": {"tracking_uri": f"sqlite:///{root / 'mlflow.db'}", "artifact_location": (root / "mlartifacts").as_uri(), "experiment": "bench"},
+            "registry": {"model_name": "bench-model"},
+        }
+    )
+
+
+def small_dataset(ctx: Context) -> Path:
+    from bench.ddpflow_api import prepare
+
+    return ctx.cached("small-dataset", lambda: prepare(small_config(ctx, ctx.workdir).data))
+
+
+def run(ctx: Context) -> list[Result]:
+    return [launch_latency(ctx), orchestration(ctx)]
+
+
+# --------------------------------------------------------------------------- launch
+
+
+def launch_latency(ctx: Context) -> Result:
+    noop = ctx.workdir / "noop_rank.py"
+    noop.write_text(NOOP_RANK)
+    dataset = small_dataset(ctx)
+    ours, bare, whole = [], [], []
+    for repeat in range(ctx.sizes.repeats):
+        first_step, total = ddpflow_first_step(ctx, dataset, ctx.workdir / "launch" / str(repeat))
+        ours.append(first_step)
+        whole.append(total)
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(noop)]
+        bare.append(processes.run(argv, timeout=300)[1])
+        log(f"launch repeat {repeat + 1}: ddpflow first step {ours[-1]:.2f} s, bare torchrun no-op {bare[-1]:.2f} s")
+    extra = Stats.of(a - b for a, b in zip(ours, bare))
+    return Result(
+        name="launch",
+        title="Launch latency",
+        ratio=extra,
+        target=1.0,
+        direction="le",
+        ratio_label="ddpflow launch → first step, minus a bare torchrun no-op (seconds)",
+        rows=[
+            Row("bare torchrun, 2 ranks: init_process_group + barrier, exit", Stats.of(bare), "s", note="measured before: 3.8 s"),
+            Row("ddpflow: preflight + job file + tasks/torchrun.launch → rank 0's first step", Stats.of(ours), "s", extra),
+            Row("ddpflow: the same launch to exit (1 epoch, checkpoints, model.pt)", Stats.of(whole), "s"),
+        ],
+        notes=[
+            f"{ctx.sizes.orchestration_rows:,}-row dataset, 2 ranks, 1 epoch; the first step comes after imports, process group, "
+            "loading the train and val splits, building the model and DDP. The Prefect task around the launcher is in the orchestration figure."
+        ],
+    )
+
+
+def ddpflow_first_step(ctx: Context, dataset: Path, root: Path) -> tuple[float, float]:
+    from tasks.torchrun import launch, launch_env, preflight, torchrun_command
+    from training.job import TrainJob
+
+    config = small_config(ctx, root, progress_interval_s=1e-6)
+    run_dir = root / "run"
+    seen: dict[str, float] = {}
+
+    def on_line(line) -> None:
+        if line.rank in (0, None) and FIRST_STEP in line.text and "first" not in seen:
+            seen["first"] = time.perf_counter()
+
+    start = time.perf_counter()
+    preflight(config, dataset)
+    job_path = TrainJob(config, str(dataset), str(run_dir)).write(run_dir / "train_config.json")
+    launch(torchrun_command(config, job_path), run_dir, env=launch_env(config, run_dir), on_line=on_line, timeout_s=300)
+    end = time.perf_counter()
+    if "first" not in seen:
+        raise RuntimeError(f"no line with {FIRST_STEP!r} from rank 0 in the launch under {run_dir}")
+    return seen["first"] - start, end - start
+
+
+# --------------------------------------------------------------------------- orchestration
+
+
+def orchestration(ctx: Context) -> Result:
+    dataset = small_dataset(ctx)
+    env = processes.child_env(threads=1, PREFECT_HOME=str(ctx.workdir / "prefect-home"))
+    env.pop("PREFECT_API_URL", None)
+    env.pop("MLFLOW_TRACKING_URI", None)
+    server, start_seconds, api_url = start_prefect_server(env, ctx.workdir / "prefect-server.log")
+    try:
+        env["PREFECT_API_URL"] = api_url
+        ours, bare = [], []
+        for repeat in range(ctx.sizes.orchestration_repeats):
+            root = ctx.workdir / "orchestration" / str(repeat)
+            ours.append(ddpflow_run_wall(ctx, root / "ddpflow", env))
+            bare.append(bare_train_eval_wall(ctx, dataset, root / "bare", env))
+            log(f"orchestration repeat {repeat + 1}: ddpflow run {ours[-1]:.1f} s, bare torchrun + evaluate {bare[-1]:.1f} s")
+    finally:
+        stop_process(server)
+    extra = Stats.of(a - b for a, b in zip(ours, bare))
+    return Result(
+        name="orchestration",
+        title="Orchestration overhead",
+        ratio=extra,
+        target=10.0,
+        direction="le",
+        ratio_label="`ddpflow run` wall − bare torchrun train + evaluate wall (seconds)",
+        rows=[
+            Row("bare: torchrun training.train, then evaluate_split in a plain process", Stats.of(bare), "s"),
+            Row("`ddpflow run` against a running Prefect server", Stats.of(ours), "s", extra),
+            Row("starting a Prefect server (what a run without PREFECT_API_URL adds)", Stats.of([start_seconds]), "s", note="counted separately"),
+        ],
+        notes=[
+            f"{ctx.sizes.orchestration_rows:,} rows, 1 epoch, 2 ranks; the dataset was prepared beforehand, so the flow's prepare is a cache hit. "
+            "The flow adds: Prefect flow and task runs, the MLflow run (params, per-epoch metrics, artifacts), logging the model, the registry gate.",
+        ],
+    )
+
+
+def cli_overrides(config) -> list[str]:
+    flat = {
+        "data.source": config.data.source,
+        "data.root": config.data.root,
+        "train.epochs": config.train.epochs,
+        "train.batch_size": config.train.batch_size,
+        "train.nproc_per_node": config.train.nproc_per_node,
+        "train.run_root": config.train.run_root,
+        "train.max_restarts": config.train.max_restarts,
+        "mlflow.tracking_uri": config.mlflow.tracking_uri,
+        "mlflow.artifact_location": config.mlflow.artifact_location,
+        "mlflow.experiment": config.mlflow.experiment,
+        "registry.model_name": config.registry.model_name,
+    }
+    return [arg for key, value in flat.items() for arg in ("--set", f"{key}={value}")]
+
+
+def ddpflow_run_wall(ctx: Context, root: Path, env: dict[str, str]) -> float:
+    root.mkdir(parents=True, exist_ok=True)
+    config = small_config(ctx, root)
+    argv = [sys.executable, "-m", "flows.cli", "run", *cli_overrides(config), "--json"]
+    return processes.run(argv, timeout=600, env=env)[1]
+
+
+def bare_train_eval_wall(ctx: Context, dataset: Path, root: Path, env: dict[str, str]) -> float:
+    from training.job import TrainJob
+
+    config = small_config(ctx, root)
+    run_dir = root / "run"
+    job = TrainJob(config, str(dataset), str(run_dir)).write(run_dir / "train_config.json")
+    bare_env = dict(env, OMP_NUM_THREADS="1")
+    bare_env.pop("PREFECT_API_URL", None)
+    evaluate = f"from training.evaluate import evaluate_split; print(evaluate_split({str(run_dir / 'model.pt')!r}, {str(dataset)!r}).metrics)"
+    with Timer() as wall:
+        processes.run(processes.torchrun_argv(2, "training.train", ["--config", str(job)]), timeout=600, env=bare_env)
+        processes.run([sys.executable, "-c", evaluate], timeout=600, env=bare_env)
+    return wall.seconds
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_prefect_server(env: dict[str, str], log_path: Path) -> tuple[subprocess.Popen, float, str]:
+    """``prefect server start`` on loopback; (process, seconds until /api/health answers, API URL)."""
+    port = free_port()
+    api_url = f"http://127.0.0.1:{port}/api"
+    log_file = open(log_path, "w")
+    start = time.perf_counter()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    deadline = start + 180
+    while time.perf_counter() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"prefect server exited {server.returncode}; see {log_path}")
+        try:
+            with urllib.request.urlopen(f"{api_url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return server, time.perf_counter() - start, api_url
+        except OSError:
+            time.sleep(0.25)
+    stop_process(server)
+    raise RuntimeError(f"prefect server not healthy after 180 s; see {log_path}")
+
+
+def stop_process(process: subprocess.Popen) -> None:
+    processes.kill_tree(process)
+
