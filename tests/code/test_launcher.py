@@ -137,19 +137,25 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_timeout_kills_the_tree_even_a_rank_that_ignores_sigterm(tmp_path):
-    pids = []
-    with pytest.raises(LaunchTimeout, match=r"train\.timeout_s=3s") as caught:
-        launch(dummy_rank_argv(tmp_path, "--mode", "stubborn", "--lines", "1"), tmp_path, on_line=lambda line: None, timeout_s=3, grace_s=1)
+    stubborn = []
+    on_line = lambda line: stubborn.append(line.rank) if "ignores SIGTERM" in line.text else None  # noqa: E731
+    # 12 s: room for torchrun and both ranks to start on a loaded machine before the limit hits.
+    with pytest.raises(LaunchTimeout, match=r"train\.timeout_s=12s") as caught:
+        launch(dummy_rank_argv(tmp_path, "--mode", "stubborn", "--lines", "1"), tmp_path, on_line=on_line, timeout_s=12, grace_s=1)
+    assert sorted(stubborn) == [0, 1], "both ranks must have been running (and ignoring SIGTERM) when the limit hit"
     pids = json.loads((tmp_path / "torchrun.pid").read_text())["descendants"]
     assert len(pids) >= 3, pids  # torchrun + two ranks were recorded
     assert all_gone(pids, within_s=5) == []
     assert "killed torchrun and its ranks" in str(caught.value)
 
 
+@pytest.mark.slow
 def test_stall_watchdog_kills_a_silent_run(tmp_path):
-    with pytest.raises(LaunchStalled, match=r"train\.stall_timeout_s=2s"):
-        launch(dummy_rank_argv(tmp_path, "--mode", "hang", "--lines", "1"), tmp_path, on_line=lambda line: None, stall_timeout_s=2, grace_s=1)
+    # The ranks print, then go silent; 8 s also covers a slow, silent torchrun start-up.
+    with pytest.raises(LaunchStalled, match=r"train\.stall_timeout_s=8s"):
+        launch(dummy_rank_argv(tmp_path, "--mode", "hang", "--lines", "1"), tmp_path, on_line=lambda line: None, stall_timeout_s=8, grace_s=1)
     pids = json.loads((tmp_path / "torchrun.pid").read_text())["descendants"]
     assert all_gone(pids, within_s=5) == []
 
