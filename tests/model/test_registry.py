@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 import socket
 
 import mlflow
@@ -312,3 +313,29 @@ def test_regression_evaluation_logs_a_residual_plot(make_config, dataset_factory
     log_evaluation(client, run_id, result, write_json_atomically(tmp_path / "eval" / "metrics.json", result.to_dict()))
     assert {item.path for item in client.list_artifacts(run_id, "eval")} == {"eval/metrics.json", "eval/residuals.png"}
     assert client.get_run(run_id).data.metrics["test_r2"] == pytest.approx(result.metrics["test_r2"])
+
+
+def test_champion_loads_in_a_fresh_process_without_the_repository(make_config, dataset_factory, model_factory, tmp_path):
+    """code_paths make the logged model self-contained: `training` is imported from the model itself."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    config = make_config()
+    dataset = dataset_factory(rows={"train": 600, "val": 20, "test": 50})
+    pipeline(config, dataset, model_factory(dataset))
+    script = (
+        "import json, mlflow, pandas as pd\n"
+        f"mlflow.set_tracking_uri({config.mlflow.tracking_uri!r})\n"
+        "model = mlflow.pyfunc.load_model('models:/gate-test@champion')\n"
+        "out = model.predict(pd.DataFrame({f'f{i}': [40.0, 30.0] for i in range(6)}))\n"
+        "import training\n"
+        "print(json.dumps({'labels': [str(v) for v in out], 'training': training.__file__}))\n"
+    )
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "MLFLOW_TRACKING_URI")}
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    answer = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(answer["labels"]) == 2 and set(answer["labels"]) <= {"cat", "dog", "eel", "fox"}
+    assert "/code/training/" in answer["training"] and not answer["training"].startswith(str(Path(__file__).resolve().parents[2]))
