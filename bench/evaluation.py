@@ -1,0 +1,81 @@
+"""Evaluate: ``evaluate_split`` rows/s ÷ training rows/s on the same rows (the test split).
+
+Evaluation streams the shards from disk and runs the forward pass only;
+training runs forward + backward + AdamW on rows already in memory. Both in
+this process with one torch thread; the model is the workload's MLP (its
+weights do not change the speed), saved as a ddpflow ``model.pt``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench.harness import Result, Row, Stats, Timer, log
+from bench.workload import BATCH, Context, build_model_and_optimizer, prepared_dir, set_threads
+
+
+def write_model(dataset: Path, path: Path) -> Path:
+    """A model.pt with everything ``training.evaluate`` needs (docs/architecture.md)."""
+    import torch
+
+    from training.data.manifest import read_manifest
+    from training.models import ModelSpec
+
+    manifest = read_manifest(dataset)
+    model, _ = build_model_and_optimizer(manifest.n_features, manifest.n_outputs)
+    spec = ModelSpec("mlp", manifest.n_features, manifest.n_outputs, {"hidden": [256, 256]})
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "model_spec": spec.to_dict(),
+            "features": list(manifest.features),
+            "feature_mean": list(manifest.feature_mean),
+            "feature_std": list(manifest.feature_std),
+            "task": manifest.task,
+            "label": manifest.label,
+            "label_mapping": manifest.label_mapping,
+            "fingerprint": manifest.fingerprint,
+            "epochs": 0,
+            "metrics": {},
+        },
+        path,
+    )
+    return path
+
+
+def run(ctx: Context) -> list[Result]:
+    from bench import ddpflow_api
+    from training.data.manifest import read_manifest
+    from training.evaluate import evaluate_split
+    from training.loading import load_split
+
+    set_threads(ctx.threads)
+    dataset = prepared_dir(ctx, ctx.sizes.rows)
+    model_path = write_model(dataset, ctx.workdir / "eval-model.pt")
+    test = load_split(dataset, read_manifest(dataset), "test")
+    batches = ddpflow_api.train_batches(test, batch=BATCH)
+    eval_rates, train_rates = [], []
+    for repeat in range(ctx.sizes.repeats):
+        with Timer() as evaluation:
+            result = evaluate_split(model_path, dataset, "test")
+        eval_rates.append(result.samples / evaluation.seconds)
+        model, optimizer = build_model_and_optimizer()
+        with Timer() as training:
+            samples = ddpflow_api.train_epoch(model, optimizer, batches, repeat)
+        train_rates.append(samples / training.seconds)
+        log(f"evaluate repeat {repeat + 1}: evaluate {eval_rates[-1]:,.0f} rows/s, training {train_rates[-1]:,.0f} rows/s")
+    ratio = Stats.of(a / b for a, b in zip(eval_rates, train_rates))
+    return [
+        Result(
+            name="evaluate",
+            title="Evaluate",
+            ratio=ratio,
+            target=1.0,
+            ratio_label="evaluate_split rows/s ÷ training rows/s on the same rows",
+            rows=[
+                Row("evaluate_split (test split, from the shards, eval batch 65,536)", Stats.of(eval_rates), "rows/s", ratio),
+                Row("training epoch on the test split's rows (in memory, batch 512)", Stats.of(train_rates), "rows/s"),
+            ],
+            notes=[f"{len(test):,} test rows; evaluation time includes loading model.pt, reading the shards and the metrics (confusion matrix, per class)."],
+        )
+    ]

@@ -1,0 +1,99 @@
+"""GPU figures (``python -m bench --gpu``, needs CUDA): bf16 samples/s and the ratio to the compute limit,
+and nccl scaling over the machine's GPUs.
+
+In one process on GPU 0: the compute limit is the same model and step (bf16
+autocast, TF32) on batches already on the GPU; ddpflow is its loader
+(in-memory split, pinned host memory, non-blocking copies) and training loop
+with ``bf16=True``. With more than one GPU: torchrun with nccl, one rank per
+GPU, against one rank, like the CPU scaling benchmark.
+"""
+
+from __future__ import annotations
+
+import time
+
+from bench import processes
+from bench.harness import Result, Row, Stats, log
+from bench.workload import BATCH, Context, build_model_and_optimizer, cycle, prepared_dir
+
+TITLE = "GPU: bf16 data path and nccl scaling"
+
+
+def run(ctx: Context) -> list[Result]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return [Result(name="gpu", title=TITLE, target=0.95, status="skipped", reason="no CUDA device on this machine")]
+    from bench import ddpflow_api, loaders
+
+    torch.backends.cuda.matmul.allow_tf32 = True
+    device = torch.device("cuda", 0)
+    dataset = prepared_dir(ctx, ctx.sizes.rows)
+    split = ddpflow_api.load_train_split(dataset)
+    batches = ddpflow_api.train_batches(split, batch=BATCH, device=device)
+    steps = len(batches)
+    presliced = loaders.presliced(split.features, split.labels, BATCH, steps + ctx.sizes.warmup)
+    on_device = [(x.to(device), y.to(device)) for x, y in presliced()]
+    compute, ours = [], []
+    for repeat in range(ctx.sizes.repeats):
+        model, optimizer = build_model_and_optimizer(device=device)
+        compute.append(bf16_steps(model, optimizer, cycle(lambda: iter(on_device)), steps, ctx.sizes.warmup))
+        model, optimizer = build_model_and_optimizer(device=device)
+        bf16_steps(model, optimizer, cycle(lambda: iter(on_device)), 0, ctx.sizes.warmup)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        samples = ddpflow_api.train_epoch(model, optimizer, batches, repeat, device=device, bf16=True)
+        torch.cuda.synchronize()
+        ours.append(samples / (time.perf_counter() - start))
+        log(f"gpu repeat {repeat + 1}: compute limit {compute[-1]:,.0f}/s, ddpflow {ours[-1]:,.0f}/s")
+    ratio = Stats.of(a / b for a, b in zip(ours, compute))
+    rows = [
+        Row(f"compute limit on {torch.cuda.get_device_name(0)} (bf16, batches on the GPU)", Stats.of(compute), "samples/s"),
+        Row("ddpflow loader + training loop (bf16, pinned host memory)", Stats.of(ours), "samples/s", ratio),
+    ]
+    notes = [f"{len(split):,} train rows, batch {BATCH}, {steps} steps per epoch. A 76k-parameter MLP at batch 512 keeps a big GPU mostly idle: these figures are bound by kernel launches."]
+    gpus = torch.cuda.device_count()
+    if gpus > 1:
+        rows += nccl_scaling(ctx, dataset, gpus)
+    return [Result(name="gpu", title=TITLE, ratio=ratio, target=0.95, ratio_label="ddpflow samples/s ÷ compute limit, bf16 on one GPU", rows=rows, notes=notes)]
+
+
+def bf16_steps(model, optimizer, batches, steps: int, warmup: int) -> float:
+    import torch
+    from torch import nn
+
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step() -> None:
+        x, y = next(batches)
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            output = model(x)
+        loss_fn(output.float(), y).backward()
+        optimizer.step()
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    return steps * BATCH / max(time.perf_counter() - start, 1e-9)
+
+
+def nccl_scaling(ctx: Context, dataset, gpus: int) -> list[Row]:
+    rates: dict[int, list[float]] = {1: [], gpus: []}
+    for repeat in range(ctx.sizes.repeats):
+        for nproc in rates:
+            out = ctx.workdir / "gpu-ddp" / f"{nproc}-{repeat}"
+            args = ["--feed", "ddpflow", "--data", str(dataset), "--device", "cuda", "--bf16", "--batch", str(BATCH)]
+            args += ["--steps", str(ctx.sizes.ddp_steps), "--warmup", str(ctx.sizes.ddp_warmup), "--out", str(out), "--bucket-mb", "25"]
+            processes.run(processes.torchrun_argv(nproc, "bench.ddp_rank", args), timeout=600)
+            ranks = processes.read_rank_files(out)
+            rates[nproc].append(sum(r["samples"] for r in ranks) / max(r["seconds"] for r in ranks))
+    efficiency = Stats.of(many / (gpus * one) for many, one in zip(rates[gpus], rates[1]))
+    return [
+        Row("nccl, 1 GPU", Stats.of(rates[1]), "samples/s"),
+        Row(f"nccl, {gpus} GPUs (ratio: ÷ {gpus} × one GPU)", Stats.of(rates[gpus]), "samples/s", efficiency),
+    ]
