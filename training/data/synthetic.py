@@ -132,7 +132,9 @@ def _chunk(spec, chunk, start, rows, weights, offsets, scales, schema) -> pa.Rec
         label = np.argmax(scores + 0.3 * noise.gumbel(size=scores.shape), axis=1).astype(np.int64)
     else:
         label = (scores[:, 0] + 0.1 * noise.standard_normal(rows)).astype(np.float32)
-    features = (latent * scales + offsets).astype(np.float32)
+    latent *= scales  # in place: the same float64 arithmetic as latent * scales + offsets, without temporaries
+    latent += offsets
+    features = latent.astype(np.float32)
     columns = [pa.array(np.arange(start, start + rows, dtype=np.int64))] if spec.id else []
     columns += [pa.array(features[:, i]) for i in range(spec.features)]
     return pa.RecordBatch.from_arrays(columns + [pa.array(label)], schema=schema)
