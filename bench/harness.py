@@ -1,7 +1,8 @@
 """The benchmark harness: repeat and summarise, describe the machine, write
 ``results.json`` and regenerate the tables in ``docs/benchmarks.md``.
 
-Every benchmark family (``bench/<family>.py``) exposes ``run(ctx) -> list[Result]``.
+Every benchmark family (a module named in ``bench/__main__.py: FAMILIES``)
+exposes ``run(ctx) -> list[Result]``.
 A benchmark reports a RATIO measured in the same run (ddpflow's figure divided
 by a reference measured next to it), so a noisy shared machine moves both
 sides together. Each repeat yields one ratio; the median is the headline and
@@ -111,7 +112,8 @@ class Result:
     notes: list[str] = field(default_factory=list)
     status: str = "ok"  # ok | skipped | error
     reason: str = ""
-    seconds: float = 0.0
+    family: str = ""
+    seconds: float = 0.0  # wall time of the family that measured it
 
     @property
     def met(self) -> bool | None:
@@ -146,7 +148,8 @@ def run_guarded(name: str, title: str, body: Callable[[], list[Result]]) -> list
         results = [Result(name=name, title=title, status="error", reason=f"{type(error).__name__}: {error}")]
     elapsed = time.perf_counter() - start
     for result in results:
-        result.seconds = result.seconds or elapsed / len(results)
+        result.seconds = elapsed  # the family's time: its benchmarks share set-up and data
+        result.family = name
     return results
 
 
@@ -219,7 +222,7 @@ def write_results(path: Path, *, mode: str, machine: dict[str, Any], results: Se
         "benchmarks": [result.to_dict() for result in results],
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(payload, indent=2, default=str))
     os.replace(tmp, path)
     return path
@@ -264,7 +267,7 @@ def render_benchmark(bench: dict[str, Any]) -> str:
         lines.append("")
         lines.append(f"Not measured in this run: {bench['reason']}")
     if bench["rows"]:
-        lines += ["", "| | measured: median (min–max) | ratio | note |", "|---|---|---|---|"]
+        lines += ["", "| | measured: median (min–max) | ratio or difference | note |", "|---|---|---|---|"]
         for row in bench["rows"]:
             value = _stats_text(row["value"], row["unit"])
             ratio = _stats_text(row["ratio"], "")
@@ -273,7 +276,7 @@ def render_benchmark(bench: dict[str, Any]) -> str:
         lines.append("")
         lines += [f"- {note}" for note in bench["notes"]]
     lines.append("")
-    lines.append(f"<sub>{bench['seconds']:.0f} s of the run.</sub>")
+    lines.append(f"<sub>Measured by `python -m bench --only {bench.get('family', bench['name'])}` ({bench['seconds']:.0f} s in this run).</sub>")
     return "\n".join(lines)
 
 

@@ -1,0 +1,75 @@
+"""The benchmark harness works: `python -m bench --quick` runs, records and renders.
+
+Nothing here asserts speed: figures on a shared machine are noise, and speed
+belongs in bench/. These tests prove that the harness measures every path it
+claims to and writes results.json and the docs tables.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from bench.harness import Result, Row, Stats, render_docs, repeat, replace_block
+
+# The in-process families: together they drive prepare, the loader, the training loop and evaluate.
+QUICK_FAMILIES = ["datapath", "prepare", "evaluate", "scale"]
+
+
+def test_stats_and_repeat_summarise_every_call():
+    values = iter([3.0, 1.0, 2.0])
+    stats = repeat(lambda: {"x": next(values)}, 3)["x"]
+    assert (stats.median, stats.min, stats.max, stats.n) == (2.0, 1.0, 3.0, 3)
+    assert Stats.of([5.0]).fmt(unit="s") == "5 s"
+    with pytest.raises(ValueError):
+        Stats.of([])
+
+
+def test_result_checks_its_target_in_the_right_direction():
+    at_least = Result("a", "A", ratio=Stats.of([0.9]), target=0.95)
+    at_most = Result("b", "B", ratio=Stats.of([0.9]), target=1.0, direction="le")
+    skipped = Result("c", "C", target=1.0, status="skipped", reason="no GPU")
+    assert (at_least.met, at_most.met, skipped.met) == (False, True, None)
+
+
+def test_docs_blocks_are_replaced_and_prose_kept(tmp_path):
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text("# Benchmarks\n\nWhy the data path is slow.\n\n<!-- bench:datapath:begin -->\nold table\n<!-- bench:datapath:end -->\n\nMore prose.\n")
+    result = Result("datapath", "Data path", ratio=Stats.of([0.97, 0.96, 0.99]), target=0.95, rows=[Row("ddpflow", Stats.of([1.0]), "samples/s")])
+    payload = {"mode": "quick", "started_at": "now", "wall_s": 1.0, "machine": {"versions": {}, "gpu": None}, "benchmarks": [result.to_dict()]}
+    text = render_docs(payload, docs).read_text()
+    assert "old table" not in text and "0.97 (0.96–0.99)" in text
+    assert "Why the data path is slow." in text and "More prose." in text
+    assert "<!-- bench:machine:begin -->" in text and "<!-- bench:summary:begin -->" in text
+    assert replace_block("x", "new", "body").endswith("<!-- bench:new:begin -->\nbody\n<!-- bench:new:end -->\n")
+
+
+@pytest.mark.slow
+def test_quick_run_measures_each_path_and_writes_results_and_docs(tmp_path, repo_root):
+    out, docs = tmp_path / "results.json", tmp_path / "benchmarks.md"
+    command = [sys.executable, "-m", "bench", "--quick", "--only", ",".join(QUICK_FAMILIES), "--out", str(out), "--docs", str(docs), "--workdir", str(tmp_path / "work")]
+    completed = subprocess.run(command, cwd=repo_root, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+
+    payload = json.loads(out.read_text())
+    assert payload["mode"] == "quick"
+    assert payload["machine"]["cpu_count"] >= 1 and payload["machine"]["versions"]["torch"]
+    by_name = {bench["name"]: bench for bench in payload["benchmarks"]}
+    assert set(by_name) == {"datapath", "prepare", "shards", "evaluate", "scale"}
+    for bench in by_name.values():
+        assert bench["status"] == "ok", f"{bench['name']}: {bench['reason']}"
+        ratio = bench["ratio"]
+        assert ratio["min"] <= ratio["median"] <= ratio["max"] and ratio["median"] > 0
+        assert bench["met"] in (True, False)
+    # The data path compares ddpflow against the compute limit and both reference loaders.
+    labels = [row["label"] for row in by_name["datapath"]["rows"]]
+    assert len(labels) == 4 and any("ddpflow" in label for label in labels)
+    assert by_name["datapath"]["ratio"]["n"] == 2  # quick mode still repeats
+
+    text = docs.read_text()
+    for name in by_name:
+        assert f"<!-- bench:{name}:begin -->" in text
+    assert not (tmp_path / "work").exists()  # the working data is removed afterwards
