@@ -75,6 +75,7 @@ class Stack:
             f"data.root={self.tmp / 'shards'}",
             f"train.run_root={self.run_root}",
             "train.epochs=1",
+            "train.nproc_per_node=1",  # DDP itself is tested elsewhere; this is the path through the worker
             f"registry.model_name={MODEL_NAME}",
             f"mlflow.artifact_location={self.tmp / 'mlflow' / 'mlartifacts'}",
         ]
@@ -160,32 +161,29 @@ def test_deploy_all_again_updates_in_place(stack: Stack) -> None:
     assert [s["slug"] for s in after["schedules"]] == ["nightly-0200-utc"]
 
 
-def test_manual_run_through_the_worker_registers_a_model_version(stack: Stack) -> None:
-    flow_run_id = stack.submit_manual_run()
-    run = stack.wait_for_terminal([flow_run_id])[flow_run_id]
-    assert run["state_type"] == "COMPLETED", f"{run['state_name']}: {run['state'].get('message')}\n{stack.log_tail('worker')}"
-    mlflow_run = stack.mlflow_runs_by_flow_run()[flow_run_id]
-    assert mlflow_run.info.status == "FINISHED"
-    versions = MlflowClient(tracking_uri=stack.mlflow_uri).search_model_versions(f"name='{MODEL_NAME}'")
-    assert [v.run_id for v in versions] == [mlflow_run.info.run_id]
-    run_dirs = [d for d in stack.run_root.iterdir() if (d / "model.pt").is_file()]
-    assert len(run_dirs) == 1
-    # The overrides reached the flow: its artifacts are in the temp store, not the project.
-    assert str(stack.tmp) in mlflow_run.info.artifact_uri
-
-
-def test_three_runs_at_once_queue_on_the_limit_and_keep_their_own_files(stack: Stack) -> None:
-    dirs_before = set(stack.run_root.iterdir()) if stack.run_root.exists() else set()
+def test_three_manual_runs_at_once_complete_in_turn_and_register_models(stack: Stack) -> None:
+    """`prefect deployment run` x3 through the worker: the limit queues them, each keeps its own files."""
     flow_run_ids = [stack.submit_manual_run() for _ in range(3)]
     runs = stack.wait_for_terminal(flow_run_ids, timeout_s=3 * RUN_TIMEOUT_S)
+    failed = {run["name"]: (run["state_name"], (run["state"] or {}).get("message")) for run in runs.values() if run["state_type"] != "COMPLETED"}
+    assert not failed, f"{failed}\n{stack.log_tail('worker')}"
     # `manual` is ENQUEUE with limit 1: none is cancelled, they run one after another.
-    assert {run["state_type"] for run in runs.values()} == {"COMPLETED"}, {r["name"]: r["state_name"] for r in runs.values()}
     spans = sorted((run["start_time"], run["end_time"]) for run in runs.values())
-    assert all(spans[i][1] <= spans[i + 1][0] for i in range(len(spans) - 1)), f"runs overlapped: {spans}"
-    new_dirs = set(stack.run_root.iterdir()) - dirs_before
-    assert len(new_dirs) == 3 and all((d / "model.pt").is_file() and (d / "config.json").is_file() for d in new_dirs)
+    assert all(earlier[1] <= later[0] for earlier, later in zip(spans, spans[1:])), f"runs overlapped: {spans}"
+
+    # One MLflow run per flow run, each FINISHED, with its artifacts in the temp store (not the project).
     mlflow_runs = stack.mlflow_runs_by_flow_run()
-    assert len({mlflow_runs[run_id].info.run_id for run_id in flow_run_ids}) == 3
+    ours = [mlflow_runs[run_id] for run_id in flow_run_ids]
+    assert len({run.info.run_id for run in ours}) == 3
+    assert all(run.info.status == "FINISHED" and str(stack.tmp) in run.info.artifact_uri for run in ours)
+    # Each run got its own directory, with its own model.
+    run_dirs = [d for d in stack.run_root.iterdir() if d.is_dir()]
+    assert len(run_dirs) == 3 and all((d / "model.pt").is_file() and (d / "config.json").is_file() for d in run_dirs)
+    # The registry has new versions, each from one of these runs, and a champion.
+    client = MlflowClient(tracking_uri=stack.mlflow_uri)
+    versions = client.search_model_versions(f"name='{MODEL_NAME}'")
+    assert versions and {v.run_id for v in versions} <= {run.info.run_id for run in ours}
+    assert client.get_model_version_by_alias(MODEL_NAME, "champion").run_id in {run.info.run_id for run in ours}
 
 
 def test_both_uis_answer(stack: Stack) -> None:
