@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -149,3 +150,21 @@ def test_split_fractions_must_leave_room_for_train():
         load_config(None, ["data.val_fraction=0.5", "data.test_fraction=0.5"])
     with pytest.raises(ConfigError, match=r"data.val_fraction"):
         load_config(None, ["data.val_fraction=1.5"])
+
+
+def test_a_file_changing_during_prepare_is_not_published(table_file, make_config, dh, monkeypatch):
+    import training.data.prepare as prepare_module
+
+    path = table_file(dh.numeric_table())
+    real_build = prepare_module._build
+
+    def build_then_touch(*args, **kwargs):
+        manifest = real_build(*args, **kwargs)
+        os.utime(path, ns=(1, 1))  # as if rewritten after it was read
+        return manifest
+
+    monkeypatch.setattr(prepare_module, "_build", build_then_touch)
+    config = make_config(path)
+    with pytest.raises(DataError, match=r"data.parquet: changed while it was being prepared"):
+        prepare_dataset(config)
+    assert dh.nothing_complete(Path(config.root))

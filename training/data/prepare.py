@@ -85,6 +85,7 @@ def prepare_dataset(data: DataConfig) -> PreparedDataset:
     temp = make_temp_dir(root, fingerprint)
     try:
         manifest = _build(source, data, fingerprint, temp)
+        _check_unchanged(source)
         write_manifest(temp, manifest)
         published = publish(temp, target)
     except BaseException:
@@ -92,6 +93,13 @@ def prepare_dataset(data: DataConfig) -> PreparedDataset:
         raise
     # Lost the race: another process published the same fingerprint; use its copy.
     return PreparedDataset(target, manifest if published else read_manifest(target), cache_hit=False)
+
+
+def _check_unchanged(source: Source) -> None:
+    """The fingerprint names the files as they were when prepare began: refuse to publish a mix."""
+    changed = source.changed_files()
+    if changed:
+        raise DataError(f"{changed[0]}: changed while it was being prepared ({len(changed)} file(s) changed); run prepare again")
 
 
 def _intact_manifest(dataset_dir: Path) -> Manifest | None:

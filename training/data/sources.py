@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import glob
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,9 +44,10 @@ class SourceFile:
 class FileSource:
     """Parquet or CSV files on a local or fsspec filesystem."""
 
-    def __init__(self, description: str, files: list[SourceFile], file_format: str, filesystem: Any = None):
+    def __init__(self, description: str, files: list[SourceFile], file_format: str, describe: Callable[[str], SourceFile], filesystem: Any = None):
         self.description = description
         self.files = files
+        self._describe = describe  # path -> a fresh SourceFile, to notice files changed mid-prepare
         self.file_format = file_format
         self._filesystem = filesystem
         self.schema = _unify_schemas({file.display: self._file_schema(file) for file in files})
@@ -54,6 +55,19 @@ class FileSource:
 
     def identity(self) -> dict[str, Any]:
         return {"format": self.file_format, "files": [[file.display, file.size, file.version] for file in self.files]}
+
+    def changed_files(self) -> list[str]:
+        """Files whose size or version differs from when the source was opened (or that are gone)."""
+        changed = []
+        for file in self.files:
+            try:
+                now = self._describe(file.path)
+            except (OSError, ValueError):
+                changed.append(file.display)
+                continue
+            if (now.size, now.version) != (file.size, file.version):
+                changed.append(file.display)
+        return changed
 
     def iter_batches(self, columns: list[str], batch_rows: int) -> Iterator[tuple[str, pa.RecordBatch]]:
         """(file, batch) pairs in file order; a read error names the file."""
@@ -99,6 +113,9 @@ class SyntheticSource:
     def identity(self) -> dict[str, Any]:
         return {"synthetic": self.spec.to_dict(), "generator_version": synthetic.GENERATOR_VERSION}
 
+    def changed_files(self) -> list[str]:
+        return []
+
     def iter_batches(self, columns: list[str], batch_rows: int) -> Iterator[tuple[str, pa.RecordBatch]]:
         for batch in synthetic.iter_batches(self.spec, batch_rows):
             yield self.description, batch.select(columns)
@@ -137,12 +154,13 @@ def _open_local(source: str, file_format: str, exclude: Path | None = None) -> F
         raise DataError(f"data.source {source!r}: no such file or directory")
     explicit = path.is_file() and not any(char in source for char in _GLOB_CHARS)
     chosen, resolved_format = _choose_files([str(match) for match in candidates], file_format, source, explicit)
-    files = []
-    for name in chosen:
-        stat = os.stat(name)
-        absolute = str(Path(name).resolve())
-        files.append(SourceFile(path=absolute, display=absolute, size=stat.st_size, version=str(stat.st_mtime_ns)))
-    return FileSource(source, files, resolved_format)
+    files = [_local_file(str(Path(name).resolve())) for name in chosen]
+    return FileSource(source, files, resolved_format, describe=_local_file)
+
+
+def _local_file(path: str) -> SourceFile:
+    stat = os.stat(path)
+    return SourceFile(path=path, display=path, size=stat.st_size, version=str(stat.st_mtime_ns))
 
 
 def _open_fsspec(source: str, file_format: str) -> FileSource:
@@ -175,7 +193,12 @@ def _open_fsspec(source: str, file_format: str) -> FileSource:
         raise
     except Exception as error:  # noqa: BLE001 - each fsspec backend raises its own types (botocore, aiohttp, ...)
         raise DataError(f"data.source {source!r}: cannot be listed: {type(error).__name__}: {error}") from None
-    return FileSource(source, files, resolved_format, filesystem=PyFileSystem(FSSpecHandler(fs)))
+
+    def describe(name: str) -> SourceFile:
+        fs.invalidate_cache(name)
+        return _fsspec_file(fs, protocol, name)
+
+    return FileSource(source, files, resolved_format, describe=describe, filesystem=PyFileSystem(FSSpecHandler(fs)))
 
 
 def _inside(path: Path, directory: Path | None) -> bool:
