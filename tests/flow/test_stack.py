@@ -1,0 +1,85 @@
+"""Fast checks of prefect.yaml and the stack's process bookkeeping (no servers)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from flows import stack
+from training.config import load_config
+
+
+def test_prefect_yaml_deploys_the_pipeline_with_real_configs(repo_root: Path) -> None:
+    spec = yaml.safe_load((repo_root / "prefect.yaml").read_text())
+    assert spec["build"] is None and spec["push"] is None
+    assert spec["pull"] == [{"prefect.deployments.steps.set_working_directory": {"directory": "{{ $PWD }}"}}]
+    deployments = {d["name"]: d for d in spec["deployments"]}
+    assert set(deployments) == {"nightly", "manual"}
+    for deployment in deployments.values():
+        path, _, function = deployment["entrypoint"].partition(":")
+        assert f"def {function}(" in (repo_root / path).read_text()
+        assert deployment["work_pool"]["name"] == stack.WORK_POOL
+        assert deployment["concurrency_limit"]["limit"] == 1
+        # The deployment's config must validate, or every scheduled run would fail.
+        load_config(repo_root / deployment["parameters"]["config_file"])
+    assert deployments["nightly"]["schedules"] == [{"cron": "0 2 * * *", "timezone": "UTC", "slug": "nightly-0200-utc", "active": True}]
+    assert deployments["manual"]["schedules"] == []
+
+
+def test_up_refuses_a_busy_port_before_starting_anything(tmp_path: Path, repo_root: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind((stack.HOST, 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(stack.StackError, match=f"port {port}"):
+            stack.up(repo_root, prefect_port=port, mlflow_port=port, state_dir=tmp_path / "state", mlflow_dir=tmp_path)
+    assert not (tmp_path / "state" / "stack.json").exists()
+
+
+def _record(state_dir: Path, name: str, process: psutil.Process, create_time: float | None = None) -> None:
+    state = stack.StackState(prefect_url="http://127.0.0.1:1", mlflow_url="http://127.0.0.1:2")
+    state.processes[name] = {"pid": process.pid, "create_time": create_time or process.create_time(), "argv": [], "log": ""}
+    state.write(state_dir / "stack.json")
+
+
+def test_down_stops_a_recorded_process_and_what_it_left_in_its_session(tmp_path: Path) -> None:
+    # A parent that starts a child and exits at once on TERM, leaving the child behind.
+    script = "import subprocess,sys,time; subprocess.Popen([sys.executable,'-c','import time; time.sleep(120)']); time.sleep(120)"
+    leader = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not psutil.Process(leader.pid).children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    child = psutil.Process(leader.pid).children()[0]
+    _record(tmp_path, "mlflow", psutil.Process(leader.pid))
+    assert stack.down(tmp_path, state_dir=tmp_path) == ["mlflow"]
+    leader.wait(timeout=10)
+    assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+    assert not (tmp_path / "stack.json").exists()
+
+
+def test_down_never_signals_a_reused_pid(tmp_path: Path) -> None:
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        # Same PID, different start time: the recorded process is gone and the PID was reused.
+        _record(tmp_path, "worker", psutil.Process(bystander.pid), create_time=psutil.Process(bystander.pid).create_time() - 100)
+        assert stack.down(tmp_path, state_dir=tmp_path) == []
+        assert bystander.poll() is None
+        status = stack.status(tmp_path, state_dir=tmp_path)
+        assert status["running"] is False
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+def test_status_without_a_stack(tmp_path: Path) -> None:
+    summary = stack.status(tmp_path, state_dir=tmp_path)
+    assert summary["running"] is False
+    assert json.dumps(summary)
