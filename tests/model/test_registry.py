@@ -147,6 +147,12 @@ def test_retry_creates_no_second_version(make_config, dataset_factory, model_fac
     client = MlflowClient(config.mlflow.tracking_uri)
     experiment = client.get_run(run_id).info.experiment_id
     assert len(client.search_logged_models([experiment])) == 1
+    # An attempt that moved the alias but died before writing gate.decision: the retry finishes it.
+    client.delete_model_version_tag("gate-test", first["version"], "gate.decision")
+    finished = register_candidate(config, run_id, str(model_path), str(dataset), metrics, config.mlflow.tracking_uri)
+    assert finished["decision"] == "promoted" and finished["version"] == first["version"] and not finished["already_registered"]
+    assert client.get_model_version("gate-test", first["version"]).tags["gate.decision"] == "promoted"
+    assert len(versions(config)) == 1
 
 
 def test_retry_after_a_crash_between_logging_and_registering(make_config, dataset_factory, model_factory):
