@@ -399,14 +399,15 @@ def launch(
         jobs_before = set(log_root.iterdir()) if log_root.is_dir() else set()
         (run_dir / ERROR_FILE).unlink(missing_ok=True)  # an old attempt's error must not be read as this one's
         launcher = _Launcher(argv, run_dir, env, on_line, grace_s)
-        launcher.start()
         try:
-            with launcher.signals_forwarded():
+            with launcher.signals_forwarded():  # before start: no window where a signal skips the kill
+                launcher.start()
                 stop = launcher.wait(timeout_s, stall_timeout_s, should_cancel, cancel_check_s)
         finally:
             # Any way out of wait() (exception, Prefect's TerminationSignal, KeyboardInterrupt) kills the tree.
-            launcher.tree.terminate(grace_s)
-            launcher.drain()
+            if launcher.tree is not None:
+                launcher.tree.terminate(grace_s)
+                launcher.drain()
         job_dir = _new_job_dir(log_root, jobs_before)
         result = LaunchResult(launcher.proc.returncode, _count_restarts(job_dir), launcher.tree.pids(), str(job_dir) if job_dir else None)
         if stop is not None:
@@ -427,7 +428,7 @@ class _Launcher:
         self.tail: list[str] = []  # torchrun's own last lines: the ChildFailedError summary
         self.last_output = time.monotonic()
         self.proc: subprocess.Popen
-        self.tree: ProcessTree
+        self.tree: ProcessTree | None = None
         self._stop_reason: LaunchError | None = None
 
     def start(self) -> None:
@@ -536,7 +537,8 @@ class _Launcher:
 
         def handler(signum, frame):
             self._stop_reason = LaunchInterrupted(f"received {signal.Signals(signum).name}; killed torchrun and its ranks")
-            self.tree.terminate(self.grace_s)
+            if self.tree is not None:
+                self.tree.terminate(self.grace_s)
             _chain(previous[signum], signum, frame)
 
         for sig in (signal.SIGTERM, signal.SIGINT):

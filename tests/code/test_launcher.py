@@ -163,9 +163,19 @@ def test_stall_watchdog_kills_a_silent_run(tmp_path):
 # ----------------------------------------------------------------------------- signals to the launching process
 
 
-def start_launcher(run_dir: Path, *rank_args: str, thread: bool = False) -> tuple[subprocess.Popen, list[int]]:
+@pytest.fixture
+def leftovers():
+    """PIDs a test started; whatever a failing test left alive is SIGKILLed at teardown."""
+    pids: list[int] = []
+    yield pids
+    for pid in pids:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def start_launcher(run_dir: Path, *rank_args: str, thread: str | None = None, leftovers: list[int]) -> tuple[subprocess.Popen, list[int]]:
     """A python process running launch(); returns it once torchrun, both ranks and their children are up."""
-    options = [str(run_dir)] + (["--thread"] if thread else [])
+    options = [str(run_dir)] + ([thread] if thread else [])
     proc = subprocess.Popen([sys.executable, str(RUN_LAUNCHER), *options, "--", *rank_args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     ready = 0
     assert proc.stdout is not None
@@ -179,13 +189,15 @@ def start_launcher(run_dir: Path, *rank_args: str, thread: bool = False) -> tupl
     ranks = [p.pid for p in tree]
     # Children that left the rank's session are no longer below torchrun: find them by parent.
     spawned = [child.pid for pid in ranks for child in psutil.Process(pid).children(recursive=True)]
-    return proc, [torchrun_pid(run_dir), *ranks, *spawned]
+    pids = [torchrun_pid(run_dir), *ranks, *spawned]
+    leftovers += [proc.pid, *pids]
+    return proc, pids
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_to_the_launcher_kills_every_process_of_the_run(tmp_path, sig):
-    proc, pids = start_launcher(tmp_path, "--mode", "spawn", "--lines", "1")
+def test_signal_to_the_launcher_kills_every_process_of_the_run(tmp_path, sig, leftovers):
+    proc, pids = start_launcher(tmp_path, "--mode", "spawn", "--lines", "1", leftovers=leftovers)
     assert len(pids) >= 5, pids  # torchrun, 2 ranks, 2 grandchildren in their own sessions
     proc.send_signal(sig)
     output, _ = proc.communicate(timeout=60)
@@ -194,20 +206,29 @@ def test_signal_to_the_launcher_kills_every_process_of_the_run(tmp_path, sig):
 
 
 @pytest.mark.slow
-def test_sigkill_of_the_launcher_still_takes_torchrun_and_ranks_down(tmp_path):
+def test_sigkill_of_the_launcher_still_takes_torchrun_and_ranks_down(tmp_path, leftovers):
     """Prefect's worker escalates to SIGKILL: PR_SET_PDEATHSIG makes torchrun stop its ranks."""
-    proc, pids = start_launcher(tmp_path, "--mode", "hang", "--lines", "1")
+    proc, pids = start_launcher(tmp_path, "--mode", "hang", "--lines", "1", leftovers=leftovers)
     proc.kill()
     proc.wait(timeout=30)
     assert all_gone(pids) == []
 
 
 @pytest.mark.slow
-def test_launcher_in_a_worker_thread_dies_with_its_process(tmp_path):
+def test_launcher_in_a_worker_thread_dies_with_its_process(tmp_path, leftovers):
     """No signal handler can be set off the main thread: SIGTERM kills the process, PDEATHSIG does the rest."""
-    proc, pids = start_launcher(tmp_path, "--mode", "hang", "--lines", "1", thread=True)
+    proc, pids = start_launcher(tmp_path, "--mode", "hang", "--lines", "1", thread="--thread", leftovers=leftovers)
     proc.terminate()
     proc.wait(timeout=30)
+    assert all_gone(pids) == []
+
+
+@pytest.mark.slow
+def test_launcher_in_a_worker_thread_stops_the_tree_when_the_main_thread_ends(tmp_path, leftovers):
+    """Interpreter shutdown would wait for the worker thread (and torchrun) forever; the launcher notices it instead."""
+    proc, pids = start_launcher(tmp_path, "--mode", "hang", "--lines", "1", thread="--orphan-thread", leftovers=leftovers)
+    output, _ = proc.communicate(timeout=60)  # without the check: blocked for the rank's 600 s sleep
+    assert "LAUNCH-ERROR: the launching process is shutting down" in output, output
     assert all_gone(pids) == []
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -90,6 +91,7 @@ def test_cancelling_the_flow_run_through_the_api_kills_every_process_and_ends_ca
     run_dir = tmp_path / "run"
     env = dict(os.environ, PREFECT_API_URL=PREFECT_API_URL.value(), DUMMY_RANK_MODE="spawn", DUMMY_RANK_LINES="1")
     flow_process = subprocess.Popen([sys.executable, str(TRAIN_FLOW), str(run_dir), str(dataset)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pids: list[int] = []
     try:
         pids = wait_for_tree(run_dir, at_least=5)  # torchrun, 2 ranks, 2 grandchildren
         with get_client(sync_client=True) as client:
@@ -101,7 +103,9 @@ def test_cancelling_the_flow_run_through_the_api_kills_every_process_and_ends_ca
             final = client.read_flow_run(run_id).state
         assert final.is_cancelled(), final
     finally:
-        flow_process.kill()
+        for pid in [flow_process.pid, *pids]:  # a failing test must not leave its run behind
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def wait_for_tree(run_dir: Path, at_least: int, within_s: float = 90) -> list[int]:
@@ -172,6 +176,7 @@ def test_sigterm_to_the_flow_process_kills_every_process_through_prefects_handle
     run_dir = tmp_path / "run"
     env = dict(os.environ, PREFECT_API_URL=PREFECT_API_URL.value(), DUMMY_RANK_MODE="spawn", DUMMY_RANK_LINES="1")
     flow_process = subprocess.Popen([sys.executable, str(TRAIN_FLOW), str(run_dir), str(dataset)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pids: list[int] = []
     try:
         pids = wait_for_tree(run_dir, at_least=5)
         with get_client(sync_client=True) as client:
@@ -182,4 +187,6 @@ def test_sigterm_to_the_flow_process_kills_every_process_through_prefects_handle
             final = client.read_flow_run(run_id).state
         assert final.is_crashed(), final
     finally:
-        flow_process.kill()
+        for pid in [flow_process.pid, *pids]:  # a failing test must not leave its run behind
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)

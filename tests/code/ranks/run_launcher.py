@@ -4,12 +4,15 @@
 
 Prints every line, and "LAUNCH-ERROR: <message>" when launch raises.
 --thread: call launch() from a worker thread (as a Prefect task submitted to a thread pool would).
+--orphan-thread: the same, and the main thread ends once the ranks are up.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the project root
@@ -33,9 +36,18 @@ def main() -> None:
     split = argv.index("--")
     options, rank_args = argv[:split], argv[split + 1 :]
     run_dir = Path(options[0])
-    if "--thread" in options:
+    if "--thread" in options or "--orphan-thread" in options:
         worker = threading.Thread(target=run, args=(run_dir, rank_args))
         worker.start()
+        if "--orphan-thread" in options:
+            # The main thread waits only until torchrun is up, then ends: the interpreter starts
+            # shutting down while the worker thread still runs torchrun (as after Prefect handled a
+            # TerminationSignal in the main thread while a task ran in a thread pool).
+            pid_file = run_dir / "torchrun.pid"
+            while not pid_file.exists() or len(json.loads(pid_file.read_text())["descendants"]) < 3:
+                time.sleep(0.2)
+            print("MAIN THREAD ENDS", flush=True)
+            return
         worker.join()
     else:
         run(run_dir, rank_args)
