@@ -185,10 +185,12 @@ def test_integer_labels_map_through_sorted_values(table_file, make_config, dh):
         assert [prepared.manifest.label_mapping[i] for i in indices] == [originals[i] for i in split_table["id"].to_pylist()]
 
 
-def test_categorical_and_bool_labels(table_file, make_config, dh):
+def test_categorical_string_view_and_bool_labels(table_file, make_config, dh):
     table = dh.numeric_table(rows=1000)
     categorical = table.set_column(5, "label", pc_dictionary(table["label"]))
     assert prepare_dataset(make_config(table_file(categorical, "cat.parquet"))).manifest.label_mapping == ["a", "b", "c"]
+    views = table.set_column(5, "label", table["label"].cast(pa.string_view()))
+    assert prepare_dataset(make_config(table_file(views, "view.parquet"))).manifest.label_mapping == ["a", "b", "c"]
     flags = table.set_column(5, "label", pa.array(np.arange(1000) % 3 == 0))
     prepared = prepare_dataset(make_config(table_file(flags, "bool.parquet")))
     assert prepared.manifest.task == "classification" and prepared.manifest.label_mapping == [False, True]

@@ -36,6 +36,11 @@ def is_numeric(kind: pa.DataType) -> bool:
     return pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_decimal(kind) or pa.types.is_boolean(kind)
 
 
+def is_text(kind: pa.DataType) -> bool:
+    kind = value_type(kind)
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)
+
+
 def value_type(kind: pa.DataType) -> pa.DataType:
     return kind.value_type if pa.types.is_dictionary(kind) else kind
 
@@ -56,7 +61,7 @@ def plan_columns(schema: pa.Schema, data: DataConfig, where: str) -> ColumnPlan:
 
 def infer_task(kind: pa.DataType, label: str, where: str) -> str:
     kind = value_type(kind)
-    if pa.types.is_integer(kind) or pa.types.is_boolean(kind) or pa.types.is_string(kind) or pa.types.is_large_string(kind):
+    if pa.types.is_integer(kind) or pa.types.is_boolean(kind) or is_text(kind):
         return "classification"
     if pa.types.is_floating(kind) or pa.types.is_decimal(kind):
         return "regression"
@@ -67,7 +72,7 @@ def _check_label_type(kind: pa.DataType, label: str, task: str, where: str) -> N
     kind = value_type(kind)
     if task == "regression" and not is_numeric(kind):
         raise DataError(f"{where}: label column {label!r} has type {kind}; regression needs a numeric label")
-    if task == "classification" and not (is_numeric(kind) or pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+    if task == "classification" and not (is_numeric(kind) or is_text(kind)):
         raise DataError(f"{where}: label column {label!r} has type {kind}; classification needs integer, string or bool labels")
 
 

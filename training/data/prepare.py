@@ -162,8 +162,12 @@ def _check_class_count(count: int, plan: ColumnPlan, source: Source) -> None:
 
 
 def _plain(array: pa.Array) -> pa.Array:
-    """Dictionary (categorical) columns as their plain values."""
-    return pc.cast(array, value_type(array.type)) if pa.types.is_dictionary(array.type) else array
+    """Dictionary (categorical) columns as their plain values; string views as strings (sortable)."""
+    if pa.types.is_dictionary(array.type):
+        array = pc.cast(array, value_type(array.type))
+    if pa.types.is_string_view(array.type):
+        array = pc.cast(array, pa.string())
+    return array
 
 
 def _count_non_finite(array: pa.Array) -> int:

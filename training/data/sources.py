@@ -27,6 +27,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 
 from training.data import synthetic
+from training.data.columns import is_text
 from training.data.errors import DataError
 
 FORMAT_SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".parq": "parquet", ".csv": "csv"}
@@ -267,13 +268,9 @@ def _common_type(column: str, types: dict[str, pa.DataType]) -> pa.DataType:
         return pa.int64()
     if all(pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_decimal(kind) for kind in distinct):
         return pa.float64()
-    if all(_is_text(kind) for kind in distinct):
+    if all(is_text(kind) for kind in distinct):
         return pa.string()
     (file_a, type_a), (file_b, type_b) = next((a, b) for a in known.items() for b in known.items() if a[1] != b[1])
     raise DataError(f"schemas disagree: column {column!r} is {type_a} in {file_a} but {type_b} in {file_b}")
 
 
-def _is_text(kind: pa.DataType) -> bool:
-    if pa.types.is_dictionary(kind):
-        kind = kind.value_type
-    return pa.types.is_string(kind) or pa.types.is_large_string(kind)
