@@ -18,7 +18,12 @@ EPHEMERAL_STARTUP_TIMEOUT_S = "90"
 def set_local_defaults(project_dir: str | os.PathLike | None = None) -> None:
     """Fill in what the user has not set; never override their environment."""
     project_dir = Path(project_dir or os.getcwd())
-    os.environ.setdefault("PREFECT_HOME", str(project_dir / ".ddpflow" / "prefect"))
+    home = Path(os.environ.setdefault("PREFECT_HOME", str(project_dir / ".ddpflow" / "prefect"))).expanduser()
+    # Prefect creates only the last level; without the parents its server fails to open its database.
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        pass  # Prefect reports it, naming the path
     # Also removes a spurious "database is locked" traceback from the telemetry service.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", EPHEMERAL_STARTUP_TIMEOUT_S)
