@@ -3,7 +3,7 @@
     python -m bench                  # full run (~10 min on 2 cores): bench/results.json + docs/benchmarks.md
     python -m bench --quick          # smoke run on tiny sizes: bench/results-quick.json, docs untouched
     python -m bench --only datapath,ddp --repeats 5
-    python -m bench --gpu            # also the CUDA figures (nccl, bf16); needs a GPU
+    python -m bench --quick --gpu    # smoke run plus the CUDA figures (bf16, nccl) on a GPU machine
 
 A benchmark that breaks is recorded as an error and the others still run; the
 exit status is 0 unless the arguments are wrong.
@@ -31,29 +31,41 @@ FAMILIES = {
     "evaluate": ("bench.evaluation", "Evaluate"),
     "launch": ("bench.orchestration", "Launch and orchestration"),
     "scale": ("bench.scale", "Scale"),
-    "gpu": ("bench.gpu", "GPU"),
+    "gpu": ("bench.gpu", "GPU"),  # skipped (recorded as such) without CUDA
 }
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, one pass: proves the harness works, measures nothing")
-    parser.add_argument("--gpu", action="store_true", help="also run the CUDA benchmarks (needs torch.cuda)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, 2 repeats, fewer DDP configurations: proves the harness works, measures nothing")
+    parser.add_argument("--gpu", action="store_true", help="also run the CUDA benchmarks (bf16, nccl); by default they run only where CUDA is")
     parser.add_argument("--only", default="", help=f"comma-separated families: {', '.join(FAMILIES)}")
     parser.add_argument("--repeats", type=int, help="override the number of repeats")
+    parser.add_argument("--rows", type=int, help="dataset rows (default 1M; scale uses rows/4, rows, 4 x rows)")
     parser.add_argument("--out", type=Path, help="results file (default bench/results.json, or bench/results-quick.json with --quick)")
     parser.add_argument("--docs", type=Path, help="markdown file whose tables to regenerate (default docs/benchmarks.md on a full run)")
     parser.add_argument("--no-docs", action="store_true", help="leave the docs alone")
     parser.add_argument("--workdir", help="where to put generated data (default: a temp dir, removed afterwards)")
     parser.add_argument("--keep", action="store_true", help="keep the working directory")
     args = parser.parse_args(argv)
-    args.families = [name.strip() for name in args.only.split(",") if name.strip()] or [name for name in FAMILIES if name != "gpu" or args.gpu]
+    # The GPU family runs by default where CUDA is, and wherever --gpu asks for it.
+    args.families = [name.strip() for name in args.only.split(",") if name.strip()] or [name for name in FAMILIES if name != "gpu" or _has_cuda()]
+    if args.gpu and "gpu" not in args.families:
+        args.families.append("gpu")
     unknown = [name for name in args.families if name not in FAMILIES]
     if unknown:
         parser.error(f"--only: unknown families {unknown}; known: {', '.join(FAMILIES)}")
     if args.repeats is not None and args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    if args.rows is not None and args.rows < 4_000:
+        parser.error("--rows must be >= 4000")
     return args
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     ctx = Context.create(quick=args.quick, gpu=args.gpu, workdir=args.workdir)
     if args.repeats:
-        ctx.sizes = dataclasses.replace(ctx.sizes, repeats=args.repeats)
+        ctx.sizes = dataclasses.replace(ctx.sizes, repeats=args.repeats, ddp_repeats=args.repeats)
+    if args.rows:
+        ctx.sizes = ctx.sizes.with_rows(args.rows)
     machine = machine_info()
     out = args.out or REPO_ROOT / "bench" / ("results-quick.json" if args.quick else "results.json")
     docs = None if args.no_docs else args.docs or (None if args.quick else REPO_ROOT / "docs" / "benchmarks.md")

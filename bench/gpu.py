@@ -16,7 +16,7 @@ from bench import processes
 from bench.harness import Result, Row, Stats, log
 from bench.workload import BATCH, Context, build_model_and_optimizer, cycle, prepared_dir
 
-TITLE = "GPU: bf16 data path and nccl scaling"
+TITLE = "GPU"
 
 
 def run(ctx: Context) -> list[Result]:

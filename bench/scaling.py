@@ -29,7 +29,8 @@ class Config:
     nproc: int
     flags: list[str] = field(default_factory=list)
     feed: str = ""  # "" = the run's default feed
-    steps: int | None = None
+    steps: int | None = None  # None: sizes.ddp_steps
+    warmup: int | None = None  # None: sizes.ddp_warmup
 
 
 def configs(ctx: Context, feed: str) -> list[Config]:
@@ -42,7 +43,7 @@ def configs(ctx: Context, feed: str) -> list[Config]:
         Config("affinity", "2 ranks + cpu affinity", 2, ["--affinity"]),
         Config("bucket", "2 ranks + cpu affinity + one gradient bucket (ddpflow's defaults)", 2, ["--affinity", *bucket]),
         Config("accum", f"2 ranks, ddpflow's defaults + grad_accum {accum} (no_sync)", 2, ["--affinity", *bucket, "--grad-accum", str(accum)]),
-        Config("naive", "plain user code: pandas per-row Dataset, 2 ranks", 2, feed="pandas", steps=ctx.sizes.naive_steps),
+        Config("naive", "plain user code: pandas per-row Dataset, 2 ranks", 2, feed="pandas", steps=ctx.sizes.naive_steps, warmup=2),
     ]
     wanted = set(ctx.sizes.ddp_configs) - ({"naive"} if feed != "ddpflow" else set())
     return [config for config in every if config.key in wanted]
@@ -120,7 +121,7 @@ def run(ctx: Context) -> list[Result]:
                 ratio=ratio,
                 ratio_label="ddpflow's 2-rank training samples/s ÷ the plain way's",
                 rows=[
-                    Row("plain way: per-row Dataset over a pandas DataFrame, DataLoader + DistributedSampler, DDP", Stats.of(rates["naive"]), "samples/s", note=f"{sizes.naive_steps} timed steps"),
+                    Row("plain way: per-row Dataset over a pandas DataFrame, DataLoader + DistributedSampler, DDP", Stats.of(rates["naive"]), "samples/s", note=f"{sizes.naive_steps} timed steps after 2 warm-up steps (it is that slow)"),
                     Row("ddpflow: loader, training loop, DDP with its defaults", Stats.of(rates["bucket"]), "samples/s", ratio),
                 ],
                 notes=["Same model, optimizer, batch 512 per rank, 2 ranks under torchrun, in the same run."],
@@ -135,7 +136,8 @@ def measure(ctx: Context, config: Config, feed: str, feed_data: dict[str, str], 
     steps = config.steps or sizes.ddp_steps
     out = ctx.workdir / "ddp" / f"{config.key}-{repeat}"
     args = ["--feed", feed, "--data", feed_data[feed], "--batch", str(BATCH), "--steps", str(steps)]
-    args += ["--warmup", str(min(sizes.ddp_warmup, steps)), "--out", str(out), *config.flags]
+    warmup = config.warmup if config.warmup is not None else sizes.ddp_warmup
+    args += ["--warmup", str(warmup), "--out", str(out), *config.flags]
     launch(config.nproc, args)
     ranks = processes.read_rank_files(out)
     if len(ranks) != config.nproc:

@@ -12,7 +12,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,16 +34,20 @@ class Sizes:
     # torchrun measurements (per launch)
     ddp_steps: int = 300
     ddp_warmup: int = 30
-    naive_steps: int = 40
+    naive_steps: int = 15
     grad_accum: int = 4
     ddp_configs: tuple[str, ...] = ("one", "plain", "affinity", "bucket", "accum", "naive")
     ddp_repeats: int = 3
     memory_repeats: int = 1
     # rows for the memory and scale families
     prepare_memory_rows: tuple[int, int] = (250_000, 1_000_000)
-    scale_rows: tuple[int, ...] = (250_000, 1_000_000, 2_000_000)
+    scale_rows: tuple[int, ...] = (250_000, 1_000_000, 4_000_000)
     orchestration_rows: int = 20_000
     orchestration_repeats: int = 2
+
+    def with_rows(self, rows: int) -> Sizes:
+        """The same run on another dataset size; the 1x/4x and scale sizes follow."""
+        return replace(self, rows=rows, prepare_memory_rows=(rows // 4, rows), scale_rows=(rows // 4, rows, rows * 4))
 
 
 FULL = Sizes()
