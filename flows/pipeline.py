@@ -10,8 +10,8 @@ Parameters (see flows/params.py for how they combine):
 Returns a summary dict: model name and version, the gate's decision, test
 metrics, the MLflow run id and URL, the run directory.
 
-On any failure after the MLflow run exists, the run is ended FAILED, the run
-directory (checkpoints, metrics.jsonl) stays on disk, the champion alias is
+On any failure after the MLflow run exists, the run is ended FAILED (KILLED
+when it was stopped from outside), the run directory (checkpoints, metrics.jsonl) stays on disk, the champion alias is
 never touched, and the original error is re-raised so its root cause shows.
 """
 
@@ -30,11 +30,14 @@ from tasks.prepare import prepare_data
 from tasks.register import register_model
 from tasks.rundirs import find_resumable_run, new_run_dir
 from tasks.tracking import champion_checkpoint, check_tracking_reachable, end_pipeline_run, resolve_tracking_uri, run_url, start_pipeline_run
+from tasks.torchrun import LaunchInterrupted
 from tasks.train import train_model
 from training.config import PipelineConfig
 from training.preflight import check_fits_dataset, check_runnable
 
 RUN_DIR_TAG = "ddpflow.run_dir"
+# Stopped from outside (Ctrl-C, a signal, a cancelled flow run): the MLflow run ends KILLED, not FAILED.
+INTERRUPTIONS = (KeyboardInterrupt, SystemExit, LaunchInterrupted)
 LOCAL_MLFLOW_UI = "http://127.0.0.1:5000"  # `mlflow ui --backend-store-uri sqlite:///...` serves here
 
 
@@ -87,8 +90,8 @@ def train_pipeline(
         _tag_run(tracking_uri, run_id, {"ddp.restarts": str(trained.restarts)})
         test_metrics = evaluate_model(trained.model_path, str(prepared.dataset_dir), run_id, tracking_uri, config)
         decision = register_model(config, run_id, trained.model_path, str(prepared.dataset_dir), test_metrics, tracking_uri)
-    except BaseException:
-        end_pipeline_run(run_id, tracking_uri, status="FAILED")
+    except BaseException as error:
+        end_pipeline_run(run_id, tracking_uri, status="KILLED" if isinstance(error, INTERRUPTIONS) else "FAILED")
         raise
     end_pipeline_run(run_id, tracking_uri, status="FINISHED")
     return {

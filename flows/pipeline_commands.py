@@ -8,6 +8,7 @@ so ``--json`` leaves stdout to the one summary object.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from typing import Any
 
@@ -34,7 +35,7 @@ def cmd_run(args: argparse.Namespace) -> dict[str, Any] | None:
     summary = _run_flow(train_pipeline, config=config)
     if args.json:
         return summary
-    _print_summary(summary, as_json=False)
+    _print_summary(_for_people(summary), as_json=False)
     _print_where_to_look(summary)
     return None
 
@@ -55,6 +56,14 @@ def _run_flow(flow: Any, **parameters: Any) -> dict[str, Any]:
     except Exception as error:
         print(f"error: {flow.name} failed: {type(error).__name__}: {error}", file=sys.stderr)
         raise SystemExit(1) from None
+
+
+def _for_people(summary: dict[str, Any]) -> dict[str, Any]:
+    """The headline test metrics on one line; per-class precision/recall stay in --json and MLflow."""
+    metrics = summary.get("test_metrics") or {}
+    headline = {name: value for name, value in metrics.items() if not re.search(r"_(precision|recall)_", name)}
+    shown = ", ".join(f"{name}={value:.4g}" if isinstance(value, float) else f"{name}={value}" for name, value in headline.items())
+    return {**summary, "test_metrics": shown}
 
 
 def _print_where_to_look(summary: dict[str, Any]) -> None:

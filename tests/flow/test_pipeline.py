@@ -134,3 +134,17 @@ def test_warm_start_with_another_architecture_starts_fresh_with_a_message(two_ru
     assert (Path(summary["run_dir"]) / FINAL_MODEL).is_file(), "a mismatch is not fatal: training starts fresh"
     logs = flow_run_logs(summary["flow_run_id"], "training from scratch")
     assert "warm start:" in logs and "training from scratch" in logs, logs[-3000:]
+
+
+def test_register_again_for_a_finished_run_keeps_its_recorded_decision(two_runs):
+    """`ddpflow register --run-id`: everything comes from the MLflow run; no second version."""
+    from flows.registration import register_finished_run
+
+    config, first, _ = two_runs
+    client = MlflowClient(config["mlflow"]["tracking_uri"])
+    versions_before = len(client.search_model_versions(f"name='{config['registry']['model_name']}'"))
+    again = register_finished_run(run_id=first["mlflow_run_id"], config=config)
+    assert again["already_registered"] is True
+    assert again["decision"] == first["decision"]
+    assert str(again["model_version"]) == str(first["model_version"])
+    assert len(client.search_model_versions(f"name='{config['registry']['model_name']}'")) == versions_before
