@@ -259,8 +259,11 @@ def up(
 
 def _start_all(layout: StackLayout, state: StackState, prefect_port: int, mlflow_port: int, worker_env: Mapping[str, str]) -> None:
     env = base_env(layout)
+    # The UI asks the server where its API is; without this it says 4200
+    # whatever --port is.
+    server_env = {**env, "PREFECT_UI_API_URL": state.prefect_api_url}
     # Both servers start together: their start-up times overlap.
-    server = start_process("prefect-server", prefect_argv("server", "start", "--host", HOST, "--port", str(prefect_port)), layout, env, state)
+    server = start_process("prefect-server", prefect_argv("server", "start", "--host", HOST, "--port", str(prefect_port)), layout, server_env, state)
     mlflow_env = {**env, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     mlflow_argv = [
         sys.executable, "-m", "mlflow", "server",

@@ -191,6 +191,8 @@ def test_both_uis_answer(stack: Stack) -> None:
         response = httpx.get(url, timeout=30, follow_redirects=True)
         assert response.status_code == 200, url
         assert "<html" in response.text.lower()
+    # The UI's scripts call the API where the server says it is: this stack's port, not 4200.
+    assert httpx.get(f"{stack.prefect_url}/ui-settings", timeout=30).json()["api_url"] == f"{stack.prefect_url}/api"
     status = ddpflow("stack", "status", *stack.stack_args, "--json", env=stack.env, cwd=stack.repo)
     summary = json.loads(status.stdout)
     assert summary["running"] and summary["prefect_healthy"] and summary["mlflow_healthy"]
