@@ -151,16 +151,44 @@ def _pick_device(local_rank: int) -> torch.device:
     return device
 
 
+def _group_store(rank: int, world_size: int, local_world_size: int, timeout: timedelta) -> dist.Store:
+    """The store the process group bootstraps from, isolated per torchrun restart where that is safe.
+
+    Since torch 2.4 torchrun's c10d rendezvous shares ONE TCPStore (hosted by
+    the agent) with the workers of every restart round, and the process group
+    writes the same keys each time: a restarted rank can read a dead peer's
+    address and time out connecting (pytorch/pytorch#135712; seen here with
+    gloo). On one node all ranks share one agent and so one restart count: the
+    count names a fresh key space. Agents on several nodes count restarts
+    separately, so there the launcher must set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    (a fresh store per round) - we warn when it is not set.
+    """
+    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return store
+    if local_world_size == world_size:
+        return dist.PrefixStore(f"ddpflow/restart-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    if rank == 0 and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        print(
+            "[train] warning: torchrun shares its rendezvous store with the workers, so a restart on several nodes "
+            "can hang at start-up (pytorch/pytorch#135712); set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for every agent",
+            flush=True,
+        )
+    return store
+
+
 def init_distributed(train: TrainConfig) -> DistContext:
     rank, world_size, local_rank, local_world_size = _rank_env()
     backend = resolve_backend(train.backend)
     device = _pick_device(local_rank)
+    # A stalled or dead peer fails the collective after this long instead of hanging forever.
+    timeout = timedelta(seconds=train.collective_timeout_s)
     dist.init_process_group(
         backend=backend,
+        store=_group_store(rank, world_size, local_world_size, timeout),
         rank=rank,
         world_size=world_size,
-        # A stalled or dead peer fails the collective after this long instead of hanging forever.
-        timeout=timedelta(seconds=train.collective_timeout_s),
+        timeout=timeout,
         device_id=device if device.type == "cuda" else None,
     )
     return DistContext(rank, world_size, local_rank, local_world_size, device, backend)
