@@ -10,7 +10,7 @@ machine hits them alike. Each repeat gives one ratio per loader.
 from __future__ import annotations
 
 from bench import loaders
-from bench.harness import Result, Row, Stats, Timer, log
+from bench.harness import Result, Row, Stats, Timer, log, turns
 from bench.workload import BATCH, Context, build_model_and_optimizer, cycle, ddpflow_has, prepared_dir, set_threads, timed_steps, train_arrays
 
 TITLE = "Data path"
@@ -34,20 +34,31 @@ def run(ctx: Context) -> list[Result]:
     epoch_steps = len(batches)
     compute = loaders.presliced(x, y, BATCH, epoch_steps + sizes.warmup)
     references = {"per_row": loaders.per_row(x, y, BATCH), "batch_sampler": loaders.batch_sampler(x, y, BATCH)}
-    rates: dict[str, list[float]] = {"compute": [], "ddpflow": [], **{name: [] for name in references}}
-    for repeat in range(sizes.repeats):
+    def measure_compute(repeat: int) -> float:
         model, optimizer = build_model_and_optimizer()
         samples, seconds = timed_steps(model, optimizer, cycle(compute), epoch_steps, sizes.warmup)
-        rates["compute"].append(samples / seconds)
+        return samples / seconds
+
+    def measure_ddpflow(repeat: int) -> float:
         model, optimizer = build_model_and_optimizer()
         timed_steps(model, optimizer, cycle(compute), 0, sizes.warmup)  # the same warm-up
         with Timer() as epoch:
             samples = ddpflow_api.train_epoch(model, optimizer, batches, repeat)
-        rates["ddpflow"].append(samples / epoch.seconds)
-        for name, make_epoch in references.items():
+        return samples / epoch.seconds
+
+    def measure_reference(make_epoch):
+        def measure(repeat: int) -> float:
             model, optimizer = build_model_and_optimizer()
             samples, seconds = timed_steps(model, optimizer, cycle(make_epoch), sizes.steps, sizes.warmup)
-            rates[name].append(samples / seconds)
+            return samples / seconds
+
+        return measure
+
+    measures = {"compute": measure_compute, "ddpflow": measure_ddpflow, **{name: measure_reference(epoch) for name, epoch in references.items()}}
+    rates: dict[str, list[float]] = {name: [] for name in measures}
+    for repeat in range(sizes.repeats):
+        for name in turns(list(measures), repeat):
+            rates[name].append(measures[name](repeat))
         log(f"data path repeat {repeat + 1}: " + ", ".join(f"{name} {values[-1]:,.0f}/s" for name, values in rates.items()))
 
     def ratio_to_compute(name: str) -> Stats:
@@ -62,7 +73,7 @@ def run(ctx: Context) -> list[Result]:
         rows.append(Row(label, Stats.of(rates[name]), "samples/s", ratio_to_compute(name), note=f"{sizes.steps} steps; measured before: {before}"))
     notes = [
         f"{len(y):,} train rows x {x.shape[1]} features, batch {BATCH}, {ctx.threads} torch thread, one process; "
-        f"{sizes.warmup} warm-up steps before each timing; the loaders take turns within each of {sizes.repeats} repeats.",
+        f"{sizes.warmup} warm-up steps before each timing; the loaders take turns within each of {sizes.repeats} repeats, in reverse order every other repeat.",
         "ddpflow's epoch includes what its loop does beyond the bare step: per-sample loss with padding weights, the on-device loss sum, the sampler's per-epoch permutation.",
     ]
     return [Result(name="datapath", title=TITLE, ratio=headline, target=0.95, ratio_label="ddpflow samples/s ÷ compute limit", rows=rows, notes=notes)]

@@ -73,6 +73,11 @@ def repeat(measure: Callable[[], dict[str, float]], times: int) -> dict[str, Sta
     return {name: Stats.of(values) for name, values in samples.items()}
 
 
+def turns(items: Sequence, repeat: int) -> list:
+    """The order for one repeat: as given, then reversed (A B, B A, ...), so neither side always goes first."""
+    return list(items) if repeat % 2 == 0 else list(reversed(items))
+
+
 class Timer:
     """``with Timer() as t: ...; t.seconds``"""
 

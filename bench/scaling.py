@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.harness import Result, Row, Stats, log
+from bench.harness import Result, Row, Stats, log, turns
 from bench import processes
 from bench.workload import BATCH, Context, ddpflow_has, prepared_dir, train_arrays
 
@@ -67,7 +67,7 @@ def run(ctx: Context) -> list[Result]:
     rates: dict[str, list[float]] = {config.key: [] for config in plan}
     batches: dict[str, int] = {}
     for repeat in range(sizes.ddp_repeats):
-        for config in plan:
+        for config in turns(plan, repeat):
             rates[config.key].append(measure(ctx, config, config.feed or feed, feed_data, repeat, batches))
         log(f"ddp repeat {repeat + 1}: " + ", ".join(f"{key} {values[-1]:,.0f}/s" for key, values in rates.items()))
     labels = {config.key: config.label for config in plan}
@@ -81,7 +81,7 @@ def run(ctx: Context) -> list[Result]:
     common = (
         f"Feed: {'ddpflow loader' if feed == 'ddpflow' else 'pre-sliced tensors (ddpflow loader not there yet)'}; "
         f"{sizes.ddp_steps} timed steps after {sizes.ddp_warmup} warm-up steps per launch, gloo, one thread per rank; "
-        f"{sizes.ddp_repeats} launch(es) per configuration, taking turns. Ratio = total samples/s ÷ (2 × one rank's)."
+        f"{sizes.ddp_repeats} launch(es) per configuration, taking turns (reversed every other repeat). Ratio = total samples/s ÷ (2 × one rank's)."
     )
     unchanged = [key for key in ("plain", "affinity", "bucket") if key in rates]
     headline = "bucket" if "bucket" in rates else unchanged[-1]
