@@ -15,6 +15,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,11 +95,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def write_job(run_dir: Path, dataset_dir: Path, **train) -> Path:
+def write_job(run_dir: Path, dataset_dir: Path, init_weights: Path | None = None, **train) -> Path:
     settings = {"epochs": EPOCHS, "batch_size": BATCH, "num_threads": 1, "model_kwargs": {"hidden": HIDDEN}, "lr": 0.01,
                 "progress_interval_s": 0.2, "collective_timeout_s": 60, **train}
     config = load_config(None, [f"train.{key}={json.dumps(value)}" for key, value in settings.items()])
-    return TrainJob(config=config, dataset_dir=str(dataset_dir), run_dir=str(run_dir)).write(run_dir / "train_config.json")
+    job = TrainJob(config=config, dataset_dir=str(dataset_dir), run_dir=str(run_dir), init_weights=str(init_weights) if init_weights else None)
+    return job.write(run_dir / "train_config.json")
 
 
 def torchrun(*launcher_args: str) -> list[str]:
@@ -113,8 +115,8 @@ def rank_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def launch(run_dir: Path, dataset_dir: Path, nproc: int = 2, max_restarts: int = 0, env: dict | None = None, **train) -> Launch:
-    config = write_job(run_dir, dataset_dir, **train)
+def launch(run_dir: Path, dataset_dir: Path, nproc: int = 2, max_restarts: int = 0, env: dict | None = None, init_weights: Path | None = None, **train) -> Launch:
+    config = write_job(run_dir, dataset_dir, init_weights, **train)
     argv = torchrun("--standalone", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
                     "-m", "training.train", "--config", str(config))
     done = subprocess.run(argv, cwd=REPO, env=rank_env(**(env or {})), capture_output=True, text=True, timeout=240)
@@ -247,7 +249,7 @@ def test_two_nodes_on_one_machine_train_like_one_node(two_ranks, dataset, tmp_pa
     assert_same_weights(two_ranks.model()["model"], result.model()["model"], atol=1e-5)
 
 
-def test_padded_sampler_rows_count_once_on_a_prepared_dataset(tmp_path):
+def test_padded_sampler_rows_count_once_on_a_prepared_dataset(two_ranks, tmp_path):
     """prepare_dataset's own output: its train split (odd size here) is not divisible by the world size."""
     from training.data.prepare import prepare_dataset
 
@@ -255,15 +257,48 @@ def test_padded_sampler_rows_count_once_on_a_prepared_dataset(tmp_path):
     prepared = prepare_dataset(data)
     train_rows = prepared.manifest.rows("train")
     assert train_rows % 2 == 1, "this test needs an odd train split (change the synthetic rows)"
-    result = succeeded(launch(tmp_path / "run", prepared.dataset_dir, epochs=1, batch_size=50, env={"DDPFLOW_RECORD_INDICES": "1"}))
+    # A warm start from a model of other features is refused with a message, and training starts fresh.
+    result = succeeded(launch(tmp_path / "run", prepared.dataset_dir, epochs=1, batch_size=50, env={"DDPFLOW_RECORD_INDICES": "1"},
+                              init_weights=two_ranks.run_dir / "model.pt"))
+    assert "training from scratch" in result.output
     rows = result.indices(0, 0) + result.indices(1, 0)
     assert sorted(rows) == list(range(train_rows))
     assert result.metrics()[0]["train_samples"] == train_rows
     assert result.metrics()[0]["val_samples"] == prepared.manifest.rows("val")
 
 
-def test_a_raising_rank_fails_the_launch_with_its_root_cause(dataset, tmp_path):
-    result = launch(tmp_path / "raised", dataset, env={"DDPFLOW_FAULT": "raise:rank=1:epoch=0"})
+def test_a_raising_rank_fails_the_launch_with_its_root_cause(two_ranks, dataset, tmp_path):
+    # Also a warm start from a matching model.pt (the launch fails before it could train further).
+    result = launch(tmp_path / "raised", dataset, env={"DDPFLOW_FAULT": "raise:rank=1:epoch=0"}, init_weights=two_ranks.run_dir / "model.pt")
+    assert "warm start: weights from" in result.output
     assert result.returncode != 0
     assert "injected fault" in result.output
     assert not (tmp_path / "raised" / "model.pt").exists()
+
+
+def test_ranks_die_with_a_killed_agent(dataset, tmp_path):
+    """PR_SET_PDEATHSIG: SIGKILLing torchrun (which cannot then stop its workers) still ends the ranks."""
+    import psutil
+
+    config = write_job(tmp_path / "orphans", dataset, collective_timeout_s=600)
+    agent = subprocess.Popen(torchrun("--standalone", "--nproc-per-node", "2", "-m", "training.train", "--config", str(config)),
+                             cwd=REPO, env=rank_env(DDPFLOW_FAULT="hang:rank=0:epoch=0"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ranks = []
+    try:
+        marker = tmp_path / "orphans" / ".fault-hang-done"
+        deadline = time.monotonic() + 180
+        while not marker.exists() and time.monotonic() < deadline and agent.poll() is None:
+            time.sleep(0.2)
+        assert marker.exists(), "rank 0 never reached the hang"
+        ranks = psutil.Process(agent.pid).children()
+        assert len(ranks) == 2
+        agent.kill()
+        agent.wait()
+        gone, alive = psutil.wait_procs(ranks, timeout=60)
+        assert not alive, f"orphaned ranks: {alive}"
+    finally:
+        for process in ranks:
+            if process.is_running():
+                process.kill()
+        if agent.poll() is None:
+            agent.kill()
