@@ -33,7 +33,7 @@ def die_with_parent() -> None:
         return
 
 
-def configure_cpu(train: TrainConfig, local_rank: int, local_world_size: int) -> str:
+def configure_cpu(train: TrainConfig, local_rank: int, local_world_size: int, pin: bool = True) -> str:
     """Threads and cores of a CPU rank; returns a one-line description.
 
     Ranks on one node share its cores. Each rank gets cores // local ranks
@@ -41,12 +41,14 @@ def configure_cpu(train: TrainConfig, local_rank: int, local_world_size: int) ->
     with ``train.cpu_affinity`` it is pinned to its own slice of the allowed
     cores: the OS then does not migrate threads between ranks, caches stay
     warm, and ranks do not steal each other's cores mid-step (which stalls the
-    whole group at the next all-reduce).
+    whole group at the next all-reduce). GPU ranks (``pin=False``) only get
+    their thread share: their CPU work is batch gathering, and core placement
+    there is the node's NUMA business.
     """
     allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     share = len(allowed) // max(1, local_world_size)
     pinned = ""
-    if train.cpu_affinity and share >= 1 and hasattr(os, "sched_setaffinity"):
+    if pin and train.cpu_affinity and share >= 1 and hasattr(os, "sched_setaffinity"):
         cores = allowed[local_rank * share : (local_rank + 1) * share]
         os.sched_setaffinity(0, cores)
         pinned = f", pinned to cores {cores[0]}-{cores[-1]}"
@@ -58,6 +60,6 @@ def configure_cpu(train: TrainConfig, local_rank: int, local_world_size: int) ->
 def configure_cuda(train: TrainConfig) -> str:
     # TF32 matmuls keep fp32 range with a 10-bit mantissa: several times faster on
     # Ampere+ for the fp32 parts of the step, and harmless for training.
-    torch.backends.cuda.matmul.allow_tf32 = train.tf32
+    torch.set_float32_matmul_precision("high" if train.tf32 else "highest")
     torch.backends.cudnn.allow_tf32 = train.tf32
     return f"bf16 autocast {'on' if train.bf16 else 'off'}, tf32 {'on' if train.tf32 else 'off'}"

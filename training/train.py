@@ -69,7 +69,8 @@ class Trainer:
 
 def build_trainer(job: TrainJob, ctx: DistContext) -> Trainer:
     train = job.config.train
-    setup = configure_cuda(train) if ctx.device.type == "cuda" else configure_cpu(train, ctx.local_rank, ctx.local_world_size)
+    on_gpu = ctx.device.type == "cuda"
+    setup = configure_cpu(train, ctx.local_rank, ctx.local_world_size, pin=not on_gpu) + (", " + configure_cuda(train) if on_gpu else "")
     log(ctx, f"{ctx.world_size} rank(s), backend {ctx.backend}, device {ctx.device.type}, {setup}")
     manifest = read_manifest(job.dataset_dir)
     loaded_at = time.monotonic()
@@ -162,12 +163,25 @@ def run_epoch(trainer: Trainer, epoch: int, progress: Progress, faults: FaultInj
     }
 
 
+def on_cpu(tree: Any) -> Any:
+    """Tensors moved to the CPU, so a checkpoint written on a GPU loads anywhere."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().cpu()
+    if isinstance(tree, dict):
+        return {key: on_cpu(value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(on_cpu(value) for value in tree)
+    return tree
+
+
 def last_checkpoint(trainer: Trainer, completed_epochs: int) -> dict[str, Any]:
-    """All ranks call this (it gathers every rank's RNG state); rank 0 writes it."""
+    """All ranks call this (it gathers every rank's RNG state); only rank 0, the writer, builds the rest."""
     rng = trainer.ctx.gather_objects(capture_rng())
+    if not trainer.ctx.is_main:
+        return {}
     return {
-        "model": trainer.model.state_dict(),
-        "optimizer": trainer.optimizer.state_dict(),
+        "model": on_cpu(trainer.model.state_dict()),
+        "optimizer": on_cpu(trainer.optimizer.state_dict()),
         "scheduler": trainer.scheduler.state_dict() if trainer.scheduler is not None else None,
         "epoch": completed_epochs,
         "rng": {"per_rank": rng},
@@ -181,7 +195,7 @@ def last_checkpoint(trainer: Trainer, completed_epochs: int) -> dict[str, Any]:
 def final_model(trainer: Trainer) -> dict[str, Any]:
     manifest = trainer.manifest
     return {
-        "model": trainer.model.state_dict(),
+        "model": on_cpu(trainer.model.state_dict()),
         "model_spec": trainer.spec.to_dict(),
         "features": list(manifest.features),
         "feature_mean": list(manifest.feature_mean),
@@ -208,7 +222,7 @@ def run(job: TrainJob, ctx: DistContext) -> None:
         sink.log_epoch(epoch, metrics)
         trainer.checkpointer.save_last(last_checkpoint(trainer, epoch + 1))
         progress.end_epoch(metrics)
-    trainer.checkpointer.save_final(final_model(trainer))
+    trainer.checkpointer.save_final(final_model(trainer) if ctx.is_main else {})
     log(ctx, f"wrote {trainer.checkpointer.final_path}")
 
 
