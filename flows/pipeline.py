@@ -30,7 +30,7 @@ from tasks.prepare import prepare_data
 from tasks.register import register_model
 from tasks.rundirs import find_resumable_run, new_run_dir
 from tasks.tracking import champion_checkpoint, check_tracking_reachable, end_pipeline_run, resolve_tracking_uri, run_url, start_pipeline_run
-from tasks.torchrun import LaunchInterrupted
+from tasks.torchrun import LaunchInterrupted, detect_cuda_devices, resolve_backend, resolve_nproc
 from tasks.train import train_model
 from training.config import PipelineConfig
 from training.preflight import check_fits_dataset, check_runnable
@@ -157,5 +157,14 @@ def _prefect_context() -> dict[str, Any]:
 
 
 def _ddp_params(config: PipelineConfig) -> dict[str, Any]:
+    """The layout the launch will use ('auto' resolved), for the MLflow run's ddp.* tags."""
     train = config.train
-    return {"nproc_per_node": train.nproc_per_node, "nnodes": train.nnodes, "backend": train.backend, "max_restarts": train.max_restarts}
+    gpus = detect_cuda_devices()
+    nproc = resolve_nproc(train, gpus)
+    return {
+        "nproc_per_node": nproc,
+        "nnodes": train.nnodes,
+        "world_size": nproc * train.nnodes,
+        "backend": resolve_backend(train, gpus),
+        "max_restarts": train.max_restarts,
+    }

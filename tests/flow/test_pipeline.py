@@ -62,6 +62,9 @@ def test_mlflow_run_records_params_tags_and_one_point_per_epoch(two_runs):
     assert run.data.params["train.epochs"] == str(config["train"]["epochs"])
     assert run.data.params["data.source"] == config["data"]["source"]
     assert run.data.tags["data.fingerprint"] == Path(first["dataset_dir"]).name
+    assert run.data.tags["ddp.world_size"] == "2" and run.data.tags["ddp.backend"] == "gloo"
+    assert run.data.tags["prefect.flow_run_id"] == first["flow_run_id"]
+    assert run.data.tags["ddpflow.run_dir"] == first["run_dir"]
     assert first["mlflow_run_id"] in first["mlflow_run_url"]
 
     keys = per_epoch_keys(first["run_dir"]) & set(run.data.metrics)
