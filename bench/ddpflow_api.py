@@ -1,24 +1,28 @@
-"""The ddpflow entry points the benchmarks drive, in one place.
+"""The ddpflow stage entry points the benchmarks drive, in one place.
 
-Benchmarks call ddpflow only through these functions, so that when a stage's
-API moves only this file changes.
+Benchmarks call the stages (prepare, load, training loop, evaluate, launch)
+only through these functions, so that when a stage's API moves only this file
+changes. The foundation contracts (config, manifest, models, job, synthetic
+data) are imported directly.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
 
-def load_train_split(dataset_dir: str | Path):
-    """ddpflow's preallocated load of the train split (``training.loading.load_split``)."""
+def load_split(dataset_dir: str | Path, split: str):
+    """ddpflow's preallocated load of a split (``training.loading.load_split``)."""
     from training.data.manifest import read_manifest
-    from training.loading import load_split
+    from training.loading import load_split as ddpflow_load_split
 
-    return load_split(dataset_dir, read_manifest(dataset_dir), "train")
+    return ddpflow_load_split(dataset_dir, read_manifest(dataset_dir), split)
+
+
+def load_train_split(dataset_dir: str | Path):
+    return load_split(dataset_dir, "train")
 
 
 def train_batches(split, *, batch: int, rank: int = 0, world_size: int = 1, seed: int = 0, device: str | torch.device = "cpu"):
@@ -27,20 +31,6 @@ def train_batches(split, *, batch: int, rank: int = 0, world_size: int = 1, seed
 
     device = torch.device(device)
     return TrainBatches(split, rank, world_size, batch, seed, device, pin_memory=device.type == "cuda")
-
-
-def open_train_loader(
-    dataset_dir: str | Path, *, batch: int, rank: int = 0, world_size: int = 1, seed: int = 0, device: str | torch.device = "cpu"
-) -> Callable[[], Iterator[tuple[torch.Tensor, torch.Tensor]]]:
-    """One rank's (x, y) batches as ddpflow's loader yields them; each call starts the next epoch."""
-    batches = train_batches(load_train_split(dataset_dir), batch=batch, rank=rank, world_size=world_size, seed=seed, device=device)
-    epochs = itertools.count()
-
-    def epoch() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for step in batches.epoch(next(epochs)):
-            yield step.features, step.labels
-
-    return epoch
 
 
 def first_rows(split, rows: int):
@@ -83,3 +73,26 @@ def prepare(data_config):
     from training.data.prepare import prepare_dataset
 
     return Path(prepare_dataset(data_config).dataset_dir)
+
+
+def evaluate(model_path: str | Path, dataset_dir: str | Path, split: str = "test") -> int:
+    """``training.evaluate.evaluate_split``; returns the rows scored."""
+    from training.evaluate import evaluate_split
+
+    return evaluate_split(model_path, dataset_dir, split).samples
+
+
+EVALUATE_IN_A_PROCESS = "import sys; from training.evaluate import evaluate_split; print(evaluate_split(sys.argv[1], sys.argv[2]).metrics)"
+
+
+def launch_training(config, dataset_dir: str | Path, run_dir: Path, on_line, timeout_s: float = 600) -> None:
+    """What the train task does around torchrun: preflight, the job file, ``tasks/torchrun.py: launch``."""
+    from tasks.torchrun import launch, launch_env, preflight, torchrun_command
+    from training.job import TrainJob
+
+    preflight(config, dataset_dir)
+    job_path = TrainJob(config, str(dataset_dir), str(run_dir)).write(run_dir / "train_config.json")
+    launch(torchrun_command(config, job_path), run_dir, env=launch_env(config, run_dir), on_line=on_line, timeout_s=timeout_s)
+
+
+RANK_MODULE = "training.train"  # what every rank runs: python -m training.train --config RUN_DIR/train_config.json

@@ -45,20 +45,17 @@ def write_model(dataset: Path, path: Path) -> Path:
 
 def run(ctx: Context) -> list[Result]:
     from bench import ddpflow_api
-    from training.data.manifest import read_manifest
-    from training.evaluate import evaluate_split
-    from training.loading import load_split
 
     set_threads(ctx.threads)
     dataset = prepared_dir(ctx, ctx.sizes.rows)
     model_path = write_model(dataset, ctx.workdir / "eval-model.pt")
-    test = load_split(dataset, read_manifest(dataset), "test")
+    test = ddpflow_api.load_split(dataset, "test")
     batches = ddpflow_api.train_batches(test, batch=BATCH)
     eval_rates, train_rates = [], []
     for repeat in range(ctx.sizes.repeats):
         with Timer() as evaluation:
-            result = evaluate_split(model_path, dataset, "test")
-        eval_rates.append(result.samples / evaluation.seconds)
+            rows = ddpflow_api.evaluate(model_path, dataset, "test")
+        eval_rates.append(rows / evaluation.seconds)
         model, optimizer = build_model_and_optimizer()
         with Timer() as training:
             samples = ddpflow_api.train_epoch(model, optimizer, batches, repeat)

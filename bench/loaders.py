@@ -4,7 +4,6 @@
 - ``per_row``: a map-style Dataset returning one row, DataLoader(shuffle=True) collating 512 of them.
 - ``batch_sampler``: the Dataset takes a list of indices (BatchSampler), one gather per batch.
 - ``pandas_rows``: the plain way a user writes it: per-row Dataset over a pandas DataFrame.
-- ``ddpflow``: ddpflow's own loader (``training.loading``), the path every rank uses.
 
 Each factory returns a function that starts one epoch (an iterator of (x, y)).
 """
@@ -12,8 +11,6 @@ Each factory returns a function that starts one epoch (an iterator of (x, y)).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from pathlib import Path
-
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler
 
@@ -91,9 +88,3 @@ def pandas_rows(frame, features: list[str], label: str, batch: int, sampler=None
 
     return epoch
 
-
-def ddpflow(dataset_dir: str | Path, batch: int, rank: int = 0, world_size: int = 1, seed: int = 0) -> Epoch:
-    """ddpflow's loader as its ranks use it (see training/loading.py)."""
-    from bench.ddpflow_api import open_train_loader
-
-    return open_train_loader(dataset_dir, batch=batch, rank=rank, world_size=world_size, seed=seed)

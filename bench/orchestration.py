@@ -21,6 +21,7 @@ import urllib.request
 from pathlib import Path
 
 from bench import processes
+from bench.ddpflow_api import EVALUATE_IN_A_PROCESS, RANK_MODULE
 from bench.harness import Result, Row, Stats, Timer, log
 from bench.workload import BATCH, Context, synthetic_url
 
@@ -92,11 +93,10 @@ def launch_latency(ctx: Context) -> Result:
 
 
 def ddpflow_first_step(ctx: Context, dataset: Path, root: Path) -> tuple[float, float]:
-    from tasks.torchrun import launch, launch_env, preflight, torchrun_command
-    from training.job import TrainJob
+    """(seconds to rank 0's first step, seconds to the end) of one launch through ddpflow's launcher."""
+    from bench.ddpflow_api import launch_training
 
     config = small_config(ctx, root, progress_interval_s=1e-6)
-    run_dir = root / "run"
     seen: dict[str, float] = {}
 
     def on_line(line) -> None:
@@ -104,12 +104,10 @@ def ddpflow_first_step(ctx: Context, dataset: Path, root: Path) -> tuple[float, 
             seen["first"] = time.perf_counter()
 
     start = time.perf_counter()
-    preflight(config, dataset)
-    job_path = TrainJob(config, str(dataset), str(run_dir)).write(run_dir / "train_config.json")
-    launch(torchrun_command(config, job_path), run_dir, env=launch_env(config, run_dir), on_line=on_line, timeout_s=300)
+    launch_training(config, dataset, root / "run", on_line, timeout_s=300)
     end = time.perf_counter()
     if "first" not in seen:
-        raise RuntimeError(f"no line with {FIRST_STEP!r} from rank 0 in the launch under {run_dir}")
+        raise RuntimeError(f"no line with {FIRST_STEP!r} from rank 0 in the launch under {root / 'run'}")
     return seen["first"] - start, end - start
 
 
@@ -184,10 +182,9 @@ def bare_train_eval_wall(ctx: Context, dataset: Path, root: Path, env: dict[str,
     job = TrainJob(config, str(dataset), str(run_dir)).write(run_dir / "train_config.json")
     bare_env = dict(env, OMP_NUM_THREADS="1")
     bare_env.pop("PREFECT_API_URL", None)
-    evaluate = f"from training.evaluate import evaluate_split; print(evaluate_split({str(run_dir / 'model.pt')!r}, {str(dataset)!r}).metrics)"
     with Timer() as wall:
-        processes.run(processes.torchrun_argv(2, "training.train", ["--config", str(job)]), timeout=600, env=bare_env)
-        processes.run([sys.executable, "-c", evaluate], timeout=600, env=bare_env)
+        processes.run(processes.torchrun_argv(2, RANK_MODULE, ["--config", str(job)]), timeout=600, env=bare_env)
+        processes.run([sys.executable, "-c", EVALUATE_IN_A_PROCESS, str(run_dir / "model.pt"), str(dataset)], timeout=600, env=bare_env)
     return wall.seconds
 
 

@@ -18,7 +18,6 @@ LINEAR_WITHIN = 1.2  # per-row cost at the largest size at most 20% above the sm
 def stage_times(ctx: Context, rows: int) -> dict[str, float]:
     from bench import ddpflow_api
     from bench.evaluation import write_model
-    from training.evaluate import evaluate_split
 
     source = source_file(ctx, rows)
     times: dict[str, float] = {}
@@ -36,7 +35,7 @@ def stage_times(ctx: Context, rows: int) -> dict[str, float]:
     del split, batches
     model_path = write_model(dataset, ctx.workdir / f"scale-model-{rows}.pt")
     with Timer() as evaluation:
-        evaluate_split(model_path, dataset, "test")
+        ddpflow_api.evaluate(model_path, dataset, "test")
     times["evaluate test split"] = evaluation.seconds
     return times
 
