@@ -7,18 +7,20 @@ are normalised in place with the manifest's train statistics.
 
 Training batches come from a ``DistributedSampler`` (rank r takes
 ``perm[r::W]`` of a permutation seeded by ``train.seed`` and the epoch) and
-are fetched with ONE tensor index per batch (``__getitems__``), not row by row.
+are fetched with ONE tensor index per batch, not row by row: the rank's
+epoch order is one tensor, sliced into batches (no Python list of every row).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from training.data.manifest import Manifest
 
@@ -80,7 +82,7 @@ def _record_batches(path: Path, columns: list[str], read_rows: int):
 
 
 class InMemoryDataset(Dataset):
-    """Map-style dataset over in-memory tensors; the DataLoader fetches whole batches."""
+    """Map-style dataset over in-memory tensors, indexed by a whole batch of row numbers at once."""
 
     def __init__(self, split: SplitTensors):
         self.split = split
@@ -88,17 +90,44 @@ class InMemoryDataset(Dataset):
     def __len__(self) -> int:
         return len(self.split)
 
-    def __getitem__(self, index: int):
-        return self.split.features[index], self.split.labels[index]
-
-    def __getitems__(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def __getitem__(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # One gather per tensor for the whole batch.
-        idx = torch.as_tensor(indices, dtype=torch.int64)
-        return idx, self.split.features[idx], self.split.labels[idx]
+        return rows, self.split.features[rows], self.split.labels[rows]
+
+    def __getitems__(self, rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self[torch.as_tensor(rows, dtype=torch.int64)]
+
+
+class RankSampler(DistributedSampler):
+    """``DistributedSampler`` (shuffle, seed, ``set_epoch``, padding: unchanged) whose epoch
+    order is also available as ONE tensor, so no Python list of every row is built."""
+
+    def rank_indices(self) -> torch.Tensor:
+        # The same steps as DistributedSampler.__iter__ (tests/model/test_loading.py checks it).
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        order = torch.randperm(len(self.dataset), generator=generator) if self.shuffle else torch.arange(len(self.dataset))
+        padding = self.total_size - len(order)
+        if padding > 0 and not self.drop_last:
+            order = torch.cat([order, order.repeat(math.ceil(padding / len(order)))[:padding]])
+        return order[self.rank : self.total_size : self.num_replicas]
+
+
+class BatchSlices(Sampler):
+    """Consecutive slices of this rank's epoch order: one index tensor per batch (the last may be short)."""
+
+    def __init__(self, sampler: RankSampler, batch_size: int):
+        self.sampler, self.batch_size = sampler, batch_size
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.sampler) / self.batch_size)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self.sampler.rank_indices().split(self.batch_size))
 
 
 def _batch_as_is(batch):
-    # __getitems__ already returns the stacked batch; nothing to collate.
+    # The dataset already returns the stacked batch; nothing to collate.
     return batch
 
 
@@ -123,14 +152,13 @@ class TrainBatches:
     def __init__(self, split: SplitTensors, rank: int, world_size: int, batch_size: int, seed: int, device: torch.device, pin_memory: bool):
         self.dataset = InMemoryDataset(split)
         self.rank, self.world_size, self.batch_size, self.device = rank, world_size, batch_size, device
-        self.sampler = DistributedSampler(self.dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=False)
+        self.sampler = RankSampler(self.dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=False)
         self.loader = DataLoader(
             self.dataset,
-            batch_size=batch_size,
-            sampler=self.sampler,
+            batch_size=None,  # the sampler yields whole batches of row numbers
+            sampler=BatchSlices(self.sampler, batch_size),
             collate_fn=_batch_as_is,
             num_workers=0,  # the data is already in memory: workers would only copy it
-            drop_last=False,
             pin_memory=pin_memory and device.type == "cuda",
         )
         self.padded = len(split) % world_size != 0

@@ -16,7 +16,7 @@ from training.config import load_config
 from training.data.manifest import read_manifest
 from training.distributed import shard_range
 from training.faults import Fault, FaultInjector
-from training.loading import ShardError, SplitTensors, TrainBatches, load_split
+from training.loading import RankSampler, ShardError, SplitTensors, TrainBatches, load_split
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -69,6 +69,16 @@ def test_rank_batches_cover_every_row_once_and_weight_sampler_padding_zero():
             assert set(item.labels[item.weights == 1].tolist()) == set(item.indices.tolist())
             seen += item.indices.tolist()
     assert sorted(seen) == list(range(rows)) and len(steps) == 1  # same step count on every rank
+
+
+def test_the_tensor_epoch_order_is_exactly_distributed_samplers():
+    for rows, world in ((11, 3), (1024, 2), (2, 5), (7, 1)):
+        dataset = list(range(rows))
+        for rank in range(world):
+            sampler = RankSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=5, drop_last=False)
+            for epoch in (0, 3):
+                sampler.set_epoch(epoch)
+                assert sampler.rank_indices().tolist() == list(iter(sampler))  # the stock __iter__
 
 
 def test_evaluation_slices_are_disjoint_unpadded_and_complete():
