@@ -50,6 +50,28 @@ def run(argv: list[str], *, timeout: float, env: dict[str, str] | None = None, c
     return output, wall
 
 
+def run_timed_lines(argv: list[str], marker: str, *, timeout: float, env: dict[str, str] | None = None) -> tuple[float, float]:
+    """Run to completion; (seconds until the first line containing ``marker``, wall seconds)."""
+    start = time.perf_counter()
+    process = subprocess.Popen(argv, cwd=REPO_ROOT, env=env or child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
+    seen, tail = None, []
+    try:
+        for line in process.stdout:
+            if seen is None and marker in line:
+                seen = time.perf_counter() - start
+            tail = (tail + [line])[-40:]
+            if time.perf_counter() - start > timeout:
+                raise ChildFailed(f"{' '.join(argv)} timed out after {timeout:.0f} s")
+        process.wait(timeout=max(1.0, timeout - (time.perf_counter() - start)))
+    finally:
+        if process.poll() is None:
+            kill_tree(process)
+    wall = time.perf_counter() - start
+    if process.returncode != 0 or seen is None:
+        raise ChildFailed(f"{' '.join(argv)} exited {process.returncode}, marker {marker!r} {'seen' if seen else 'not seen'}:\n{''.join(tail)}")
+    return seen, wall
+
+
 def kill_tree(process: subprocess.Popen) -> None:
     """TERM the child's session, then KILL what is left."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
