@@ -9,6 +9,8 @@ machine hits them alike. Each repeat gives one ratio per loader.
 
 from __future__ import annotations
 
+import itertools
+
 from bench import loaders
 from bench.harness import Result, Row, Stats, Timer, log, turns
 from bench.workload import BATCH, Context, build_model_and_optimizer, cycle, ddpflow_has, prepared_dir, set_threads, timed_steps, train_arrays
@@ -34,6 +36,11 @@ def run(ctx: Context) -> list[Result]:
     epoch_steps = len(batches)
     compute = loaders.presliced(x, y, BATCH, epoch_steps + sizes.warmup)
     references = {"per_row": loaders.per_row(x, y, BATCH), "batch_sampler": loaders.batch_sampler(x, y, BATCH)}
+    epochs = itertools.count(1000)
+
+    def ddpflow_batches():
+        return ((batch.features, batch.labels) for batch in batches.epoch(next(epochs)))
+
     def measure_compute(repeat: int) -> float:
         model, optimizer = build_model_and_optimizer()
         samples, seconds = timed_steps(model, optimizer, cycle(compute), epoch_steps, sizes.warmup)
@@ -46,6 +53,11 @@ def run(ctx: Context) -> list[Result]:
             samples = ddpflow_api.train_epoch(model, optimizer, batches, repeat)
         return samples / epoch.seconds
 
+    def measure_loader_bare_step(repeat: int) -> float:
+        model, optimizer = build_model_and_optimizer()
+        samples, seconds = timed_steps(model, optimizer, cycle(ddpflow_batches), epoch_steps, sizes.warmup)
+        return samples / seconds
+
     def measure_reference(make_epoch):
         def measure(repeat: int) -> float:
             model, optimizer = build_model_and_optimizer()
@@ -54,7 +66,7 @@ def run(ctx: Context) -> list[Result]:
 
         return measure
 
-    measures = {"compute": measure_compute, "ddpflow": measure_ddpflow, **{name: measure_reference(epoch) for name, epoch in references.items()}}
+    measures = {"compute": measure_compute, "ddpflow": measure_ddpflow, "ddpflow_loader": measure_loader_bare_step, **{name: measure_reference(epoch) for name, epoch in references.items()}}
     rates: dict[str, list[float]] = {name: [] for name in measures}
     for repeat in range(sizes.repeats):
         for name in turns(list(measures), repeat):
@@ -69,14 +81,23 @@ def run(ctx: Context) -> list[Result]:
         Row("compute limit: the same step on pre-sliced tensors", Stats.of(rates["compute"]), "samples/s", note=f"{epoch_steps} steps, one epoch's worth"),
         Row("ddpflow: TrainBatches + training.loop.train_epoch", Stats.of(rates["ddpflow"]), "samples/s", headline, note=f"one full epoch; the split loaded in {load.seconds:.2f} s before it"),
     ]
+    rows.append(Row("  ddpflow's loader with the bare step (the loader's share of the gap)", Stats.of(rates["ddpflow_loader"]), "samples/s", ratio_to_compute("ddpflow_loader")))
     for name, (label, before) in REFERENCES.items():
         rows.append(Row(label, Stats.of(rates[name]), "samples/s", ratio_to_compute(name), note=f"{sizes.steps} steps; measured before: {before}"))
     notes = [
         f"{len(y):,} train rows x {x.shape[1]} features, batch {BATCH}, {ctx.threads} torch thread, one process; "
         f"{sizes.warmup} warm-up steps before each timing; the loaders take turns within each of {sizes.repeats} repeats, in reverse order every other repeat.",
         "ddpflow's epoch includes what its loop does beyond the bare step: per-sample loss with padding weights, the on-device loss sum, the sampler's per-epoch permutation.",
+        f"Iterating ddpflow's loader alone costs {loader_alone(batches) * 1e6:.0f} µs per batch; a compute-limit step takes {1e6 * BATCH / Stats.of(rates['compute']).median:.0f} µs.",
     ]
     return [Result(name="datapath", title=TITLE, ratio=headline, target=0.95, ratio_label="ddpflow samples/s ÷ compute limit", rows=rows, notes=notes)]
+
+
+def loader_alone(batches) -> float:
+    """Seconds per batch of one epoch of ddpflow's loader with no training."""
+    with Timer() as timer:
+        count = sum(1 for _ in batches.epoch(999))
+    return timer.seconds / max(1, count)
 
 
 def baselines_only(ctx: Context) -> Result:
