@@ -38,7 +38,7 @@ class Sizes:
     grad_accum: int = 4
     ddp_configs: tuple[str, ...] = ("one", "plain", "affinity", "bucket", "accum", "naive")
     ddp_repeats: int = 3
-    memory_repeats: int = 1
+    memory_repeats: int = 2
     # rows for the memory and scale families
     prepare_memory_rows: tuple[int, int] = (250_000, 1_000_000)
     scale_rows: tuple[int, ...] = (250_000, 1_000_000, 4_000_000)
@@ -62,6 +62,7 @@ QUICK = Sizes(
     grad_accum=2,
     ddp_configs=("one", "plain"),  # two launches: proves the torchrun path, measures nothing
     ddp_repeats=1,
+    memory_repeats=1,
     prepare_memory_rows=(5_000, 20_000),
     scale_rows=(5_000, 20_000),
     orchestration_rows=2_000,
