@@ -21,7 +21,8 @@ from flows.environment import set_local_defaults
 from training.config import ConfigError, PipelineConfig, load_config
 
 # Errors that are the user's to fix: print the message, not a traceback.
-USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, ValueError, FileNotFoundError, PermissionError)
+# ConnectionError: an unreachable tracking server (tasks.tracking.TrackingUnreachableError) names its URI.
+USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, ValueError, FileNotFoundError, PermissionError, ConnectionError)
 
 
 def _config_args(parser: argparse.ArgumentParser) -> None:
@@ -85,10 +86,8 @@ def _load_extra_commands() -> None:
     """Import the modules that define the heavier subcommands, once."""
     if _EXTRA_COMMANDS:
         return
-    try:
-        from flows import commands
-    except ImportError:
-        return
+    from flows import commands
+
     _EXTRA_COMMANDS.extend(commands.SUBCOMMANDS)
 
 

@@ -44,7 +44,7 @@ import psutil
 
 from training.config import PipelineConfig, TrainConfig
 from training.data.manifest import read_manifest
-from training.preflight import check_fits_dataset, check_runnable
+from training.preflight import check_fits_dataset, check_runnable, ranks_per_node
 
 PID_FILE = "torchrun.pid"
 LOCK_FILE = ".launch.lock"
@@ -109,17 +109,7 @@ def resolve_backend(train: TrainConfig, gpus: int) -> str:
 
 
 def resolve_nproc(train: TrainConfig, gpus: int) -> int:
-    """Ranks per node. ``auto``: one per GPU; on CPU one rank.
-
-    Why 1 on CPU: a single rank already uses every core through torch's
-    intra-op threads; N CPU ranks on one machine split those cores N ways and
-    add a gloo all-reduce of every gradient per step, so for the MLP-sized
-    models this project trains they are not faster (bench/ may refine this).
-    Several CPU ranks remain available by setting an int.
-    """
-    if train.nproc_per_node != "auto":
-        return int(train.nproc_per_node)
-    return gpus if gpus > 0 else 1
+    return ranks_per_node(train.nproc_per_node, gpus)
 
 
 def torchrun_command(config: PipelineConfig, job_path: str | os.PathLike, *, gpus: int | None = None) -> list[str]:
@@ -171,6 +161,9 @@ def launch_env(
     # torchrun's own @record copies the root-cause rank's error file here when the rank used @record.
     env["TORCHELASTIC_ERROR_FILE"] = str(Path(run_dir) / ERROR_FILE)
     env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(int(max(1, grace_s)))  # torchrun's own TERM -> KILL wait for ranks
+    # torchrun 2.13 shares one TCP store across restarts, so a restarted rank can read a dead peer's
+    # address and hang in gloo's connectFullMesh (pytorch/pytorch#135712). A fresh store per round avoids it.
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     if tracking_uri:
         env["MLFLOW_TRACKING_URI"] = tracking_uri
     if mlflow_run_id:
@@ -616,6 +609,36 @@ def _last_exception_line(log_file: Path) -> str | None:
     return None
 
 
+# What a rank says when a PEER died: never the root cause while another rank has a real error.
+_PEER_LOST = re.compile(
+    r"Connection closed by peer|Connection reset by peer|connectFullMesh|Broken pipe|"
+    r"NCCL communicator was aborted|remote worker crashing",
+    re.IGNORECASE,
+)
+
+
+def _original_failure(job_dir: Path | None, local_rank: int | None) -> tuple[int, str] | None:
+    """The rank whose error is its own, when torchrun blamed a rank that only lost its peer.
+
+    torchrun picks the "first observed failure" by error-file timestamps in whole
+    seconds, so a rank that merely saw its peer vanish (gloo: "Connection closed by
+    peer") often wins the tie and hides the real exception.
+    """
+    if job_dir is None or local_rank is None:
+        return None
+    attempts = sorted(job_dir.glob("attempt_*"), key=lambda p: int(p.name.split("_")[1]))
+    if not attempts:
+        return None
+    blamed = _error_file_message(attempts[-1] / str(local_rank) / ERROR_FILE)
+    if blamed is None or not _PEER_LOST.search(blamed):
+        return None
+    for error_file in sorted(attempts[-1].glob(f"*/{ERROR_FILE}")):
+        message = _error_file_message(error_file)
+        if message and not _PEER_LOST.search(message) and error_file.parent.name.isdigit():
+            return int(error_file.parent.name), message
+    return None
+
+
 def failure_from_output(run_dir: Path, job_dir: Path | None, tail: list[str], returncode: int) -> RankFailed:
     """An error naming the failing rank, its exit code and the root-cause exception text."""
     summary = root_cause_summary(tail)
@@ -624,13 +647,20 @@ def failure_from_output(run_dir: Path, job_dir: Path | None, tail: list[str], re
     local_rank = int(rank_match[2]) if rank_match and rank_match[2] else rank
     exit_match = re.match(r"(-?\d+)", summary.get("exitcode", ""))
     exitcode = int(exit_match[1]) if exit_match else None
+    original = _original_failure(job_dir, local_rank)
+    note = ""
+    if original is not None and rank is not None:
+        # Global rank = the blamed rank's node offset + the original's local rank. Its exit
+        # code is whatever torchrun's shutdown left (often SIGTERM), so the note keeps torchrun's view.
+        note = f"; torchrun first saw rank {rank} exit with code {exitcode}, after it lost this peer"
+        rank, local_rank = rank - local_rank + original[0], original[0]
 
     log_file = None
     if job_dir is not None and local_rank is not None:
         attempts = sorted(job_dir.glob("attempt_*"), key=lambda p: int(p.name.split("_")[1]))
         if attempts:
             log_file = attempts[-1] / str(local_rank) / "stderr.log"
-    cause = _error_file_message(run_dir / ERROR_FILE)
+    cause = original[1] if original is not None else _error_file_message(run_dir / ERROR_FILE)
     error_file = summary.get("error_file", "")
     if cause is None and error_file and not error_file.startswith("<"):
         cause = _error_file_message(Path(error_file))
@@ -641,7 +671,10 @@ def failure_from_output(run_dir: Path, job_dir: Path | None, tail: list[str], re
         last = next((t for t in reversed(tail) if t.strip()), "")
         message = f"torchrun exited with code {returncode}: {last}"
     else:
-        message = f"rank {rank} failed with exit code {exitcode}: {cause or 'no exception recorded'}"
+        message = (
+            f"rank {rank} failed: {cause}{note}" if note
+            else f"rank {rank} failed with exit code {exitcode}: {cause or 'no exception recorded'}"
+        )
         if log_file is not None:
             message += f" (its log: {log_file})"
     return RankFailed(message, rank=rank, exitcode=exitcode, root_cause=cause, log_file=str(log_file) if log_file else None)

@@ -33,3 +33,12 @@ def mlflow_store(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     artifacts = (tmp_path / "mlartifacts").as_uri()
     return uri, artifacts
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """ONE temporary Prefect server (SQLite) for the whole session: each costs 10-40 s to start."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield

@@ -23,13 +23,23 @@ def local_slots(backend: str) -> tuple[int, str]:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1), "CPU cores"
 
 
+def ranks_per_node(nproc_per_node: int | str, gpus: int) -> int:
+    """``train.nproc_per_node`` as a number. ``auto``: one rank per GPU; on CPU one rank.
+
+    Why 1 on CPU: a single rank already uses every core through torch's
+    intra-op threads; N CPU ranks on one machine split those cores N ways and
+    add a gloo all-reduce of every gradient per step, so for the MLP-sized
+    models this project trains they are not faster (docs/benchmarks.md, DDP
+    scaling). Several CPU ranks remain available by setting an int.
+    """
+    if nproc_per_node != "auto":
+        return int(nproc_per_node)
+    return gpus if gpus > 0 else 1
+
+
 def resolved_nproc(config: PipelineConfig) -> int:
-    """``auto``: one rank per GPU, or 1 on CPU (matches the launcher's rule)."""
-    nproc = config.train.nproc_per_node
-    if nproc != "auto":
-        return int(nproc)
     slots, kind = local_slots(config.train.backend)
-    return max(slots, 1) if kind == "GPUs" else 1
+    return ranks_per_node(config.train.nproc_per_node, slots if kind == "GPUs" else 0)
 
 
 def check_runnable(config: PipelineConfig) -> None:

@@ -234,3 +234,33 @@ def test_launcher_in_a_worker_thread_stops_the_tree_when_the_main_thread_ends(tm
 
 def test_the_dummy_rank_exists():
     assert DUMMY_RANK.is_file() and os.access(DUMMY_RANK, os.R_OK)
+
+
+def test_a_rank_that_only_lost_its_peer_is_not_blamed(tmp_path):
+    """torchrun's timestamps are whole seconds: when both ranks fail in the same second it can
+    blame the rank whose gloo connection closed. The launcher names the rank with the real error."""
+    from tasks.torchrun import failure_from_output
+
+    attempt = tmp_path / "logs" / "job" / "attempt_0"
+    messages = {
+        0: "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1234",
+        1: "RuntimeError: injected fault (DDPFLOW_FAULT) at rank 1 epoch 1 step 2",
+    }
+    for local_rank, message in messages.items():
+        (attempt / str(local_rank)).mkdir(parents=True)
+        (attempt / str(local_rank) / "error.json").write_text(json.dumps({"message": {"message": message, "extraInfo": {}}}))
+    tail = [
+        "Root Cause (first observed failure):",
+        "  time      : 2026-11-29_20:24:58",
+        "  rank      : 0 (local_rank: 0)",
+        "  exitcode  : -6 (pid: 2617)  (SIGABRT)",
+        f"  error_file: {attempt / '0' / 'error.json'}",
+    ]
+    error = failure_from_output(tmp_path, attempt.parent, tail, returncode=1)
+    assert error.rank == 1
+    assert "injected fault" in str(error) and str(error).startswith("rank 1 failed")
+
+    # A genuine error on the blamed rank is kept as torchrun reported it.
+    (attempt / "0" / "error.json").write_text(json.dumps({"message": {"message": "ValueError: bad batch", "extraInfo": {}}}))
+    error = failure_from_output(tmp_path, attempt.parent, tail, returncode=1)
+    assert error.rank == 0 and "bad batch" in str(error)

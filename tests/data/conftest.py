@@ -92,10 +92,3 @@ def dh() -> SimpleNamespace:
     )
 
 
-@pytest.fixture(scope="session")
-def prefect_harness():
-    """One temporary Prefect server (SQLite) for the session: it costs ~10 s to start."""
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield

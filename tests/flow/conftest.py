@@ -15,15 +15,6 @@ TINY_EPOCHS = 2
 
 
 @pytest.fixture(scope="session")
-def prefect_harness():
-    """A temporary Prefect server (SQLite) for the whole session: it costs ~10 s to start."""
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
-
-
-@pytest.fixture(scope="session")
 def flow_home(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("flow")
 

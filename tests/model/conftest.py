@@ -143,15 +143,6 @@ def model_factory(tmp_path):
 
 
 @pytest.fixture(scope="session")
-def prefect_session():
-    """One real Prefect test harness (temporary server) for the whole session."""
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
-
-
-@pytest.fixture(scope="session")
 def _migrated_mlflow_db(tmp_path_factory) -> Path:
     """An empty MLflow SQLite database with its schema migrated, made once per session."""
     from mlflow import MlflowClient

@@ -19,7 +19,7 @@ from training.data.manifest import read_manifest
 pytestmark = pytest.mark.slow  # starts a Prefect server (once per session)
 
 
-def test_evaluate_then_register_under_prefect(prefect_session, mlflow_store, dataset_factory, model_factory, tmp_path):
+def test_evaluate_then_register_under_prefect(prefect_harness, mlflow_store, dataset_factory, model_factory, tmp_path):
     uri, artifacts = mlflow_store
     config = PipelineConfig.model_validate({"mlflow": {"tracking_uri": uri, "artifact_location": artifacts}, "registry": {"model_name": "prefect-test"}})
     no_such_metric = config.model_copy(update={"registry": config.registry.model_copy(update={"metric": "test_nope"})})
