@@ -2,7 +2,7 @@
 
 MLflow is used only when ``DDPFLOW_MLFLOW_RUN_ID`` is set (the launching task
 created that run); ranks never create runs. ``mlflow`` is imported lazily, in
-rank 0 only, at the first logged epoch.
+rank 0 only, on a background thread.
 
 A resumed run (torchrun restart, task retry) does not log an epoch twice:
 each destination remembers which epochs it already holds.
@@ -13,7 +13,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import queue
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -39,21 +41,51 @@ def read_metrics_lines(path: str | Path) -> list[dict[str, Any]]:
 
 
 class MetricsSink:
+    """metrics.jsonl is the record; MLflow is a mirror, fed from a background thread.
+
+    Importing mlflow and opening its store costs rank 0 a few seconds; on the
+    training thread that would stall every rank at the next collective. So the
+    thread starts at once (overlapping data loading), logs epochs from a queue,
+    and first backfills any epoch that metrics.jsonl has and the run lacks (a
+    rank killed before its queue drained). ``close()`` drains it.
+    """
+
     def __init__(self, run_dir: str | Path, enabled: bool):
         self.enabled = enabled
         self.path = Path(run_dir) / METRICS
         self.logged = {record.get("epoch") for record in read_metrics_lines(self.path)} if enabled else set()
-        self.run_id = os.environ.get(MLFLOW_RUN_ENV) if enabled else None
-        self._mlflow: _MlflowRun | None = None
+        run_id = os.environ.get(MLFLOW_RUN_ENV) if enabled else None
+        self._queue: queue.Queue[tuple[int, dict[str, Any]] | None] = queue.Queue()
+        self._mirror = None
+        if run_id:
+            self._mirror = threading.Thread(target=self._mirror_to_mlflow, args=(run_id,), name="mlflow-mirror", daemon=True)
+            self._mirror.start()
 
     def log_epoch(self, epoch: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        if self.run_id:
-            self._mlflow_run().log(epoch, metrics)
         if epoch not in self.logged:
             self._append({"epoch": epoch, **metrics})
             self.logged.add(epoch)
+        if self._mirror is not None:
+            self._queue.put((epoch, metrics))
+
+    def close(self, timeout_s: float = 120.0) -> None:
+        """Wait until MLflow holds every epoch logged so far (the flow reads them right after)."""
+        if self._mirror is not None and self._mirror.is_alive():
+            self._queue.put(None)
+            self._mirror.join(timeout_s)
+            if self._mirror.is_alive():
+                print(f"[train] warning: MLflow logging did not finish within {timeout_s:.0f}s; metrics.jsonl has every epoch", file=sys.stderr, flush=True)
+
+    def _mirror_to_mlflow(self, run_id: str) -> None:
+        run = _MlflowRun(run_id, os.environ.get(TRACKING_URI_ENV))
+        for record in read_metrics_lines(self.path):
+            epoch = record.pop("epoch", None)
+            if isinstance(epoch, int):
+                run.log(epoch, record)
+        while (item := self._queue.get()) is not None:
+            run.log(*item)
 
     def _append(self, record: dict[str, Any]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -61,11 +93,6 @@ class MetricsSink:
             handle.write(json.dumps(record) + "\n")
             handle.flush()
             os.fsync(handle.fileno())
-
-    def _mlflow_run(self) -> _MlflowRun:
-        if self._mlflow is None:
-            self._mlflow = _MlflowRun(self.run_id, os.environ.get(TRACKING_URI_ENV))
-        return self._mlflow
 
 
 class _MlflowRun:

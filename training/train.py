@@ -210,9 +210,16 @@ def final_model(trainer: Trainer) -> dict[str, Any]:
 
 
 def run(job: TrainJob, ctx: DistContext) -> None:
+    sink = MetricsSink(job.run_dir, enabled=ctx.is_main)  # first: its MLflow import overlaps data loading
+    try:
+        train_and_save(job, ctx, sink)
+    finally:
+        sink.close()
+
+
+def train_and_save(job: TrainJob, ctx: DistContext, sink: MetricsSink) -> None:
     trainer = build_trainer(job, ctx)
     train = job.config.train
-    sink = MetricsSink(job.run_dir, enabled=ctx.is_main)
     progress = Progress(ctx.is_main, train.progress_interval_s, train.epochs, len(trainer.batches), ctx.world_size)
     faults = FaultInjector.from_env(ctx.rank, job.run_dir)
     indices = IndexRecorder.from_env(ctx.rank, job.run_dir)
