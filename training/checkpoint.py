@@ -31,7 +31,9 @@ from typing import Any, Protocol
 import torch
 
 from training.config import PipelineConfig
+from training.data.manifest import Manifest
 from training.layout import FINAL_MODEL, LAST_CHECKPOINT
+from training.models import ModelSpec
 
 RESUME_FIELDS = ("model", "model_kwargs", "batch_size", "lr", "weight_decay", "lr_schedule", "grad_clip", "grad_accum", "seed")
 
@@ -102,6 +104,24 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         raise
     except Exception as error:
         raise CheckpointReadError(f"cannot load checkpoint {path}: {error}") from error
+
+
+def inference_checkpoint(state_dict: dict[str, Any], spec: ModelSpec, manifest: Manifest, epochs: int, metrics: dict[str, Any]) -> dict[str, Any]:
+    """``model.pt``: the weights plus everything evaluation and serving need to rebuild
+    the model and feed it raw columns (architecture, feature order, normalisation, labels)."""
+    return {
+        "model": state_dict,
+        "model_spec": spec.to_dict(),
+        "features": list(manifest.features),
+        "feature_mean": list(manifest.feature_mean),
+        "feature_std": list(manifest.feature_std),
+        "task": manifest.task,
+        "label": manifest.label,
+        "label_mapping": manifest.label_mapping,
+        "fingerprint": manifest.fingerprint,
+        "epochs": epochs,
+        "metrics": metrics,
+    }
 
 
 def capture_rng() -> dict[str, Any]:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from training.checkpoint import Checkpointer, capture_rng, restore_rng
+from training.checkpoint import Checkpointer, capture_rng, inference_checkpoint, restore_rng
 from training.data.manifest import Manifest, read_manifest
 from training.distributed import DistContext, distributed, shard_range, wrap_model
 from training.faults import FaultInjector, IndexRecorder
@@ -193,20 +193,8 @@ def last_checkpoint(trainer: Trainer, completed_epochs: int) -> dict[str, Any]:
 
 
 def final_model(trainer: Trainer) -> dict[str, Any]:
-    manifest = trainer.manifest
-    return {
-        "model": on_cpu(trainer.model.state_dict()),
-        "model_spec": trainer.spec.to_dict(),
-        "features": list(manifest.features),
-        "feature_mean": list(manifest.feature_mean),
-        "feature_std": list(manifest.feature_std),
-        "task": manifest.task,
-        "label": manifest.label,
-        "label_mapping": manifest.label_mapping,
-        "fingerprint": manifest.fingerprint,
-        "epochs": trainer.job.config.train.epochs,
-        "metrics": trainer.history[-1] if trainer.history else {},
-    }
+    metrics = trainer.history[-1] if trainer.history else {}
+    return inference_checkpoint(on_cpu(trainer.model.state_dict()), trainer.spec, trainer.manifest, trainer.job.config.train.epochs, metrics)
 
 
 def run(job: TrainJob, ctx: DistContext) -> None:

@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from training.checkpoint import inference_checkpoint
 from training.data.manifest import Manifest, ShardInfo, SplitInfo, write_manifest
 from training.models import ModelSpec, build_model
 
@@ -107,22 +108,8 @@ def train_model_file(dataset_dir: Path, path: Path, steps: int = 60, seed: int =
         loss.backward()
         optimizer.step()
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(
-        {
-            "model": model.state_dict(),
-            "model_spec": spec.to_dict(),
-            "features": list(manifest.features),
-            "feature_mean": list(manifest.feature_mean),
-            "feature_std": list(manifest.feature_std),
-            "task": manifest.task,
-            "label": manifest.label,
-            "label_mapping": manifest.label_mapping,
-            "fingerprint": manifest.fingerprint,
-            "epochs": 1,
-            "metrics": {"train_loss": float(loss.detach())},
-        },
-        path,
-    )
+    checkpoint = inference_checkpoint(model.state_dict(), spec, manifest, epochs=1, metrics={"train_loss": float(loss.detach())})
+    torch.save(checkpoint, path)
     return path
 
 
