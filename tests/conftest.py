@@ -10,7 +10,7 @@ import pytest
 
 # Set before any test module imports Prefect or MLflow.
 _SUITE_HOME = Path(tempfile.mkdtemp(prefix="ddpflow-tests-"))
-os.environ.setdefault("PREFECT_HOME", str(_SUITE_HOME / "prefect"))
+os.environ["PREFECT_HOME"] = str(_SUITE_HOME / "prefect")  # even under `make`, which exports the project's
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 os.environ.setdefault("PREFECT_LOGGING_TO_API_BATCH_INTERVAL", "0.5")
