@@ -41,7 +41,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--gpu", action="store_true", help="also run the CUDA benchmarks (bf16, nccl); by default they run only where CUDA is")
     parser.add_argument("--only", default="", help=f"comma-separated families: {', '.join(FAMILIES)}")
     parser.add_argument("--repeats", type=int, help="override the number of repeats")
-    parser.add_argument("--rows", type=int, help="dataset rows (default 1M; scale uses rows/4, rows, 4 x rows)")
+    parser.add_argument("--rows", type=int, help="dataset rows (default 1M; prepare memory uses rows and 4 x rows, scale rows/4, rows, 4 x rows)")
     parser.add_argument("--out", type=Path, help="results file (default bench/results.json, or bench/results-quick.json with --quick)")
     parser.add_argument("--docs", type=Path, help="markdown file whose tables to regenerate (default docs/benchmarks.md on a full run)")
     parser.add_argument("--no-docs", action="store_true", help="leave the docs alone")

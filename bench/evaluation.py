@@ -15,31 +15,17 @@ from bench.workload import BATCH, Context, build_model_and_optimizer, prepared_d
 
 
 def write_model(dataset: Path, path: Path) -> Path:
-    """A model.pt with everything ``training.evaluate`` needs (docs/architecture.md)."""
+    """A model.pt as training writes it (``training.checkpoint.inference_checkpoint``), untrained weights."""
     import torch
 
+    from training.checkpoint import inference_checkpoint
     from training.data.manifest import read_manifest
     from training.models import ModelSpec
 
     manifest = read_manifest(dataset)
     model, _ = build_model_and_optimizer(manifest.n_features, manifest.n_outputs)
     spec = ModelSpec("mlp", manifest.n_features, manifest.n_outputs, {"hidden": [256, 256]})
-    torch.save(
-        {
-            "model": model.state_dict(),
-            "model_spec": spec.to_dict(),
-            "features": list(manifest.features),
-            "feature_mean": list(manifest.feature_mean),
-            "feature_std": list(manifest.feature_std),
-            "task": manifest.task,
-            "label": manifest.label,
-            "label_mapping": manifest.label_mapping,
-            "fingerprint": manifest.fingerprint,
-            "epochs": 0,
-            "metrics": {},
-        },
-        path,
-    )
+    torch.save(inference_checkpoint(model.state_dict(), spec, manifest, epochs=0, metrics={}), path)
     return path
 
 

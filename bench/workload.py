@@ -40,14 +40,14 @@ class Sizes:
     ddp_repeats: int = 3
     memory_repeats: int = 2
     # rows for the memory and scale families
-    prepare_memory_rows: tuple[int, int] = (250_000, 1_000_000)
+    prepare_memory_rows: tuple[int, int] = (1_000_000, 4_000_000)  # 1x and 4x the workload
     scale_rows: tuple[int, ...] = (250_000, 1_000_000, 4_000_000)
     orchestration_rows: int = 20_000
     orchestration_repeats: int = 2
 
     def with_rows(self, rows: int) -> Sizes:
         """The same run on another dataset size; the 1x/4x and scale sizes follow."""
-        return replace(self, rows=rows, prepare_memory_rows=(rows // 4, rows), scale_rows=(rows // 4, rows, rows * 4))
+        return replace(self, rows=rows, prepare_memory_rows=(rows, rows * 4), scale_rows=(rows // 4, rows, rows * 4))
 
 
 FULL = Sizes()
