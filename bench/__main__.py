@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or REPO_ROOT / "bench" / ("results-quick.json" if args.quick else "results.json")
     docs = None if args.no_docs else args.docs or (None if args.quick else REPO_ROOT / "docs" / "benchmarks.md")
     log(f"{'quick' if args.quick else 'full'} run of {', '.join(args.families)}; data in {ctx.workdir}")
+    kept = earlier_benchmarks(out, "quick" if args.quick else "full", args.families)
     results: list[Result] = []
     try:
         for name in args.families:
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             for result in results[-1:]:
                 log(f"{result.title}: {result.status} {result.ratio.fmt() if result.ratio else result.reason}")
             machine["load_average_end"] = list(os.getloadavg())
-            write_results(out, mode="quick" if args.quick else "full", machine=machine, results=results, started=started, argv=sys.argv[1:])
+            write_results(out, mode="quick" if args.quick else "full", machine=machine, results=results, started=started, argv=sys.argv[1:], kept=kept, order=list(FAMILIES))
     finally:
         if not args.keep:
             ctx.cleanup()
@@ -106,6 +107,22 @@ def main(argv: list[str] | None = None) -> int:
         shown = f"{ratio['median']:.3f} ({ratio['min']:.3f}-{ratio['max']:.3f})" if ratio else bench["status"]
         print(f"{bench['title']:<40} {shown:<28} target {bench['target_text']:<8} met={bench['met']}")
     return 0
+
+
+def earlier_benchmarks(out: Path, mode: str, families: list[str]) -> list[dict]:
+    """With --only, the other families' results of the last run of the same mode stay in results.json."""
+    if not out.exists():
+        return []
+    try:
+        earlier = _read(out)
+    except (OSError, ValueError):
+        return []
+    if earlier.get("mode") != mode:
+        return []
+    kept = [bench for bench in earlier.get("benchmarks", []) if bench.get("family") not in families]
+    for bench in kept:
+        bench.setdefault("measured_at", earlier.get("started_at", ""))
+    return kept
 
 
 def _read(path: Path) -> dict:

@@ -217,14 +217,20 @@ def _gpu() -> dict[str, Any] | None:
     }
 
 
-def write_results(path: Path, *, mode: str, machine: dict[str, Any], results: Sequence[Result], started: float, argv: list[str]) -> Path:
+def write_results(
+    path: Path, *, mode: str, machine: dict[str, Any], results: Sequence[Result], started: float, argv: list[str], kept: Sequence[dict[str, Any]] = (),
+    order: Sequence[str] = (),
+) -> Path:
+    """``kept``: benchmarks of an earlier run that this one did not repeat (``--only``); they keep their own time."""
+    started_at = datetime.fromtimestamp(started, timezone.utc).isoformat(timespec="seconds")
+    fresh = [dict(result.to_dict(), measured_at=started_at) for result in results]
     payload = {
         "mode": mode,
         "argv": argv,
-        "started_at": datetime.fromtimestamp(started, timezone.utc).isoformat(timespec="seconds"),
+        "started_at": started_at,
         "wall_s": round(time.time() - started, 1),
         "machine": machine,
-        "benchmarks": [result.to_dict() for result in results],
+        "benchmarks": sorted([*kept, *fresh], key=lambda bench: list(order).index(bench["family"]) if bench.get("family") in order else len(order)),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -260,9 +266,10 @@ def _load(values: Sequence[float]) -> str:
 
 
 def render_summary(benchmarks: Sequence[dict[str, Any]]) -> str:
-    lines = ["| benchmark | measured ratio: median (min–max) | target | met |", "|---|---|---|---|"]
+    lines = ["| benchmark | measured ratio: median (min–max) | target | met | measured at |", "|---|---|---|---|---|"]
     for bench in benchmarks:
-        lines.append(f"| [{bench['title']}](#{_anchor(bench['title'])}) | {_ratio_cell(bench)} | {bench['target_text']} | {_met_cell(bench)} |")
+        when = bench.get("measured_at", "")
+        lines.append(f"| [{bench['title']}](#{_anchor(bench['title'])}) | {_ratio_cell(bench)} | {bench['target_text']} | {_met_cell(bench)} | {when} |")
     return "\n".join(lines)
 
 

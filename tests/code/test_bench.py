@@ -74,3 +74,13 @@ def test_quick_run_measures_each_path_and_writes_results_and_docs(tmp_path, repo
     for name in by_name:
         assert f"<!-- bench:{name}:begin -->" in text
     assert not (tmp_path / "work").exists()  # the working data is removed afterwards
+
+
+def test_a_partial_run_keeps_the_other_families_results(tmp_path):
+    from bench.__main__ import earlier_benchmarks
+
+    out = tmp_path / "results.json"
+    earlier = {"mode": "full", "started_at": "T0", "benchmarks": [{"name": "datapath", "family": "datapath"}, {"name": "scale", "family": "scale"}]}
+    out.write_text(json.dumps(earlier))
+    assert earlier_benchmarks(out, "full", ["datapath"]) == [{"name": "scale", "family": "scale", "measured_at": "T0"}]
+    assert earlier_benchmarks(out, "quick", ["datapath"]) == []  # quick figures never mix with full ones
