@@ -12,6 +12,7 @@ Models (``training.models``) and the loop (``training.loop``) never call
 from __future__ import annotations
 
 import os
+import re
 import socket
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -36,6 +37,15 @@ BUCKET_CAP_MB = 25
 
 class DistributedSetupError(RuntimeError):
     """The process cannot join the group as configured (backend, device)."""
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective waited ``train.collective_timeout_s`` for a peer that never came: a rank stalled or died."""
+
+
+# gloo: "Timed out waiting 5000ms for recv operation to complete"; NCCL's watchdog:
+# "... ran for 5000 milliseconds before timing out"; the store: "... wait timeout ...".
+_TIMEOUT_TEXT = re.compile(r"timed out|timing out|timeout", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -200,6 +210,15 @@ def distributed(train: TrainConfig) -> Iterator[DistContext]:
     ctx = init_distributed(train)
     try:
         yield ctx
+    except RuntimeError as error:
+        # The backend's own text ("Timed out waiting 5000ms for recv") does not say that the
+        # cause is ANOTHER rank; this rank's error is the one torchrun reports as the root cause.
+        if isinstance(error, CollectiveTimeout) or not _TIMEOUT_TEXT.search(str(error)):
+            raise
+        raise CollectiveTimeout(
+            f"rank {ctx.rank}: a collective timed out after train.collective_timeout_s={train.collective_timeout_s:g}s "
+            f"waiting for another rank (it stalled or died): {str(error).strip()}"
+        ) from error
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
