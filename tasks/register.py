@@ -60,6 +60,10 @@ class RegistrationError(ValueError):
     """Registration cannot succeed as asked (missing metric, unknown run): retrying will not help."""
 
 
+class RegistryUnavailable(RuntimeError):
+    """The tracking store failed in a way worth retrying (down, busy); the message says how to finish later."""
+
+
 # ---------------------------------------------------------------- the gate's rules
 
 
@@ -227,7 +231,23 @@ def register_candidate(
     # The registry resolves a version's source (models:/<id>) through MLflow's
     # process-wide tracking URI, so point it at this store for the whole step.
     with use_tracking_uri(tracking_uri):
-        return _register_candidate(config, run_id, model_path, dataset_dir, metrics, tracking_uri, logger or _logger)
+        try:
+            return _register_candidate(config, run_id, model_path, dataset_dir, metrics, tracking_uri, logger or _logger)
+        except Exception as error:
+            if isinstance(error, RegistryUnavailable) or not is_transient(error):
+                raise
+            # MLflow's own text names an endpoint URL deep in a connection-pool message; say what it
+            # means for this run, and that nothing is lost: the step is idempotent and can be re-run.
+            raise RegistryUnavailable(
+                f"registering MLflow run {run_id} failed: the tracking store {tracking_uri} is unavailable "
+                f"({_first_line(error)}). {model_path} and its eval/metrics.json are kept; once the store is back, "
+                f"finish with: MLFLOW_TRACKING_URI={tracking_uri} ddpflow register --run-id {run_id}"
+            ) from error
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"[:500]
 
 
 def _register_candidate(config: PipelineConfig, run_id: str, model_path: str, dataset_dir: str, metrics: dict[str, float], tracking_uri: str, logger: Any) -> dict[str, Any]:
@@ -354,6 +374,8 @@ def is_transient(error: BaseException | None) -> bool:
     """Worth retrying: the tracking server or its database was busy or briefly away."""
     if error is None:
         return False
+    if isinstance(error, RegistryUnavailable):
+        return True
     if isinstance(error, MlflowException):
         return error.error_code in TRANSIENT_MLFLOW_CODES or "database is locked" in str(error)
     if isinstance(error, (ConnectionError, TimeoutError)):
