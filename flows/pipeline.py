@@ -22,6 +22,7 @@ from typing import Any
 
 from mlflow import MlflowClient
 from prefect import flow, get_run_logger
+from prefect.exceptions import Abort, TerminationSignal
 from prefect.runtime import deployment, flow_run
 
 from flows.params import resolve_config, run_label
@@ -37,7 +38,8 @@ from training.preflight import check_fits_dataset, check_runnable
 
 RUN_DIR_TAG = "ddpflow.run_dir"
 # Stopped from outside (Ctrl-C, a signal, a cancelled flow run): the MLflow run ends KILLED, not FAILED.
-INTERRUPTIONS = (KeyboardInterrupt, SystemExit, LaunchInterrupted)
+# Abort: train_model's answer to a cancelled flow run; TerminationSignal: Prefect's SIGTERM (a worker cancelling).
+INTERRUPTIONS = (KeyboardInterrupt, SystemExit, LaunchInterrupted, Abort, TerminationSignal)
 LOCAL_MLFLOW_UI = "http://127.0.0.1:5000"  # `mlflow ui --backend-store-uri sqlite:///...` serves here
 
 
