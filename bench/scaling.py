@@ -79,7 +79,7 @@ def run(ctx: Context) -> list[Result]:
         return Row(labels[key], Stats.of(rates[key]), "samples/s", efficiency(key) if with_ratio else None, note=f"effective batch {batches[key]}")
 
     common = (
-        f"Feed: {'ddpflow loader' if feed == 'ddpflow' else 'pre-sliced tensors (ddpflow loader not there yet)'}; "
+        f"Ranks run {what_ranks_run(feed)}; "
         f"{sizes.ddp_steps} timed steps after {sizes.ddp_warmup} warm-up steps per launch, gloo, one thread per rank; "
         f"{sizes.ddp_repeats} launch(es) per configuration, taking turns (reversed every other repeat). Ratio = total samples/s ÷ (2 × one rank's)."
     )
@@ -144,6 +144,12 @@ def measure(ctx: Context, config: Config, feed: str, feed_data: dict[str, str], 
         raise RuntimeError(f"{config.label}: expected {config.nproc} rank reports in {out}, found {len(ranks)}")
     batches[config.key] = ranks[0]["effective_batch"]
     return sum(r["samples"] for r in ranks) / max(r["seconds"] for r in ranks)
+
+
+def what_ranks_run(feed: str) -> str:
+    if feed == "ddpflow":
+        return "ddpflow's loader, CPU setup and training loop"
+    return "the bare step on pre-sliced tensors (ddpflow's loop not there yet)"
 
 
 def launch(nproc: int, args: list[str]) -> None:
