@@ -68,8 +68,8 @@ class Stack:
     def deployment(self, name: str) -> dict[str, Any]:
         return self.api("GET", f"/deployments/name/train-pipeline/{name}")
 
-    def tiny_run_params(self) -> str:
-        """The manual deployment's own config, shrunk, with every path in the temp dir."""
+    def tiny_run_params(self, *extra: str) -> str:
+        """The manual deployment's own config, shrunk, with every path in the temp dir; ``extra`` overrides win."""
         overrides = [
             "data.source=synthetic://classification?rows=2000&features=8&classes=3&seed=1",
             f"data.root={self.tmp / 'shards'}",
@@ -78,11 +78,12 @@ class Stack:
             "train.nproc_per_node=1",  # DDP itself is tested elsewhere; this is the path through the worker
             f"registry.model_name={MODEL_NAME}",
             f"mlflow.artifact_location={self.tmp / 'mlflow' / 'mlartifacts'}",
+            *extra,
         ]
         return json.dumps({"overrides": overrides})
 
-    def submit_manual_run(self) -> str:
-        result = self.prefect("deployment", "run", "train-pipeline/manual", "--params", self.tiny_run_params())
+    def submit_manual_run(self, *extra: str) -> str:
+        result = self.prefect("deployment", "run", "train-pipeline/manual", "--params", self.tiny_run_params(*extra))
         assert result.returncode == 0, result.stdout + result.stderr
         match = re.search(r"UUID:\s*([0-9a-f-]{36})", result.stdout)
         assert match, result.stdout
@@ -108,6 +109,13 @@ class Stack:
         experiments = client.search_experiments()
         runs = client.search_runs([e.experiment_id for e in experiments])
         return {run.data.tags.get("prefect.flow_run_id"): run for run in runs}
+
+    def champion_version(self) -> str | None:
+        client = MlflowClient(tracking_uri=self.mlflow_uri)
+        try:
+            return str(client.get_model_version_by_alias(MODEL_NAME, "champion").version)
+        except Exception:  # noqa: BLE001 - no model or no alias yet
+            return None
 
     def recorded_pids(self) -> dict[str, int]:
         return {name: info["pid"] for name, info in json.loads((self.state_dir / "stack.json").read_text())["processes"].items()}
@@ -186,6 +194,60 @@ def test_three_manual_runs_at_once_complete_in_turn_and_register_models(stack: S
     assert client.get_model_version_by_alias(MODEL_NAME, "champion").run_id in {run.info.run_id for run in ours}
 
 
+def wait_for_training(run_root: Path, within_s: float = 180) -> tuple[Path, list[int]]:
+    """The run directory once an epoch is done, and every PID of the run: the flow-run process
+    (launcher), torchrun, its ranks and anything below them."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        for pid_file in run_root.glob("*/torchrun.pid"):
+            metrics = pid_file.parent / "metrics.jsonl"
+            if not (metrics.is_file() and metrics.read_text().strip()):
+                continue
+            record = json.loads(pid_file.read_text())
+            try:
+                below = [p.pid for p in psutil.Process(record["torchrun_pid"]).children(recursive=True)]
+            except psutil.NoSuchProcess:
+                below = []
+            return pid_file.parent, sorted({record["launcher_pid"], record["torchrun_pid"], *record["descendants"], *below})
+        time.sleep(0.5)
+    pytest.fail(f"no training under way in {run_root} after {within_s} s")
+
+
+def still_alive(pids: list[int]) -> list[int]:
+    return [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+
+
+def test_cancelling_a_worker_run_kills_every_process_and_keeps_the_champion(stack: Stack) -> None:
+    """`prefect flow-run cancel` on a deployment run that is training (2 ranks) under the process worker."""
+    client = MlflowClient(tracking_uri=stack.mlflow_uri)
+    champion_before = stack.champion_version()
+    run_root = stack.tmp / "runs-cancelled"
+    flow_run_id = stack.submit_manual_run(
+        "data.source=synthetic://classification?rows=20000&features=8&classes=3&seed=2",
+        f"train.run_root={run_root}",
+        "train.epochs=1000",  # far more than the test waits for: only the cancel can end it
+        "train.nproc_per_node=2",
+        "train.batch_size=64",
+    )
+    run_dir, pids = wait_for_training(run_root)
+    assert len(pids) >= 4, pids  # the flow-run process, torchrun, 2 ranks
+
+    result = stack.prefect("flow-run", "cancel", flow_run_id)
+    assert result.returncode == 0, result.stdout + result.stderr
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (still_alive(pids) or stack.api("GET", f"/flow_runs/{flow_run_id}")["state_type"] != "CANCELLED"):
+        time.sleep(0.5)
+    run = stack.api("GET", f"/flow_runs/{flow_run_id}")
+    assert run["state_type"] == "CANCELLED", (run["state_name"], stack.log_tail("worker"))
+    assert still_alive(pids) == [], stack.log_tail("worker")
+
+    assert not (run_dir / "model.pt").exists() and (run_dir / "checkpoints" / "last.pt").is_file()
+    assert stack.champion_version() == champion_before
+    mlflow_run = stack.mlflow_runs_by_flow_run()[flow_run_id]
+    assert mlflow_run.info.status == "KILLED"  # stopped from outside, not a failure
+    assert client.search_model_versions(f"name='{MODEL_NAME}' and run_id='{mlflow_run.info.run_id}'") == []
+
+
 def test_both_uis_answer(stack: Stack) -> None:
     for url in (stack.prefect_url, stack.mlflow_url):
         response = httpx.get(url, timeout=30, follow_redirects=True)
@@ -196,6 +258,20 @@ def test_both_uis_answer(stack: Stack) -> None:
     status = ddpflow("stack", "status", *stack.stack_args, "--json", env=stack.env, cwd=stack.repo)
     summary = json.loads(status.stdout)
     assert summary["running"] and summary["prefect_healthy"] and summary["mlflow_healthy"]
+
+
+def test_the_stack_listens_on_loopback_only(stack: Stack) -> None:
+    """Nothing the stack started accepts connections from other machines."""
+    listening = []
+    for pid in stack.recorded_pids().values():
+        root = psutil.Process(pid)
+        for proc in (root, *root.children(recursive=True)):
+            try:
+                listening += [(proc.pid, conn.laddr.ip, conn.laddr.port) for conn in proc.net_connections(kind="inet") if conn.status == psutil.CONN_LISTEN]
+            except psutil.NoSuchProcess:
+                pass
+    assert listening, "no listening socket found: the scan is broken"
+    assert [entry for entry in listening if entry[1] not in ("127.0.0.1", "::1")] == []
 
 
 def test_stack_down_leaves_no_process_alive(stack: Stack) -> None:
