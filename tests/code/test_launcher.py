@@ -7,12 +7,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
 import pytest
-from launch_helpers import DUMMY_RANK, dummy_rank_argv, make_manifest
+from launch_helpers import DUMMY_RANK, is_alive, still_alive, dummy_rank_argv, make_manifest
 
 from tasks.torchrun import (
     LaunchStalled,
@@ -120,23 +119,6 @@ def test_a_restart_is_counted_and_the_second_attempt_succeeds(tmp_path):
     assert result.returncode == 0 and result.restarts == 1
 
 
-def all_gone(pids: list[int], within_s: float = 30) -> list[int]:
-    """PIDs still alive (not zombies) after waiting up to within_s."""
-    deadline = time.monotonic() + within_s
-    while True:
-        alive = [pid for pid in pids if _alive(pid)]
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.2)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 @pytest.mark.slow
 def test_timeout_kills_the_tree_even_a_rank_that_ignores_sigterm(tmp_path):
     stubborn = []
@@ -147,7 +129,7 @@ def test_timeout_kills_the_tree_even_a_rank_that_ignores_sigterm(tmp_path):
     assert sorted(stubborn) == [0, 1], "both ranks must have been running (and ignoring SIGTERM) when the limit hit"
     pids = json.loads((tmp_path / "torchrun.pid").read_text())["descendants"]
     assert len(pids) >= 3, pids  # torchrun + two ranks were recorded
-    assert all_gone(pids, within_s=5) == []
+    assert still_alive(pids, within_s=5) == []
     assert "killed torchrun and its ranks" in str(caught.value)
 
 
@@ -157,7 +139,7 @@ def test_stall_watchdog_kills_a_silent_run(tmp_path):
     with pytest.raises(LaunchStalled, match=r"train\.stall_timeout_s=8s"):
         launch(dummy_rank_argv(tmp_path, "--mode", "hang", "--lines", "1"), tmp_path, on_line=lambda line: None, stall_timeout_s=8, grace_s=1)
     pids = json.loads((tmp_path / "torchrun.pid").read_text())["descendants"]
-    assert all_gone(pids, within_s=5) == []
+    assert still_alive(pids, within_s=5) == []
 
 
 # ----------------------------------------------------------------------------- signals to the launching process
@@ -169,7 +151,7 @@ def leftovers():
     pids: list[int] = []
     yield pids
     for pid in pids:
-        if _alive(pid):
+        if is_alive(pid):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -202,7 +184,7 @@ def test_signal_to_the_launcher_kills_every_process_of_the_run(tmp_path, sig, le
     proc.send_signal(sig)
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode != 0
-    assert all_gone(pids) == [], output
+    assert still_alive(pids) == [], output
 
 
 @pytest.mark.slow
@@ -211,7 +193,7 @@ def test_sigkill_of_the_launcher_still_takes_torchrun_and_ranks_down(tmp_path, l
     proc, pids = start_launcher(tmp_path, "--mode", "hang", "--lines", "1", leftovers=leftovers)
     proc.kill()
     proc.wait(timeout=30)
-    assert all_gone(pids) == []
+    assert still_alive(pids) == []
 
 
 @pytest.mark.slow
@@ -220,7 +202,7 @@ def test_launcher_in_a_worker_thread_dies_with_its_process(tmp_path, leftovers):
     proc, pids = start_launcher(tmp_path, "--mode", "hang", "--lines", "1", thread="--thread", leftovers=leftovers)
     proc.terminate()
     proc.wait(timeout=30)
-    assert all_gone(pids) == []
+    assert still_alive(pids) == []
 
 
 @pytest.mark.slow
@@ -229,7 +211,7 @@ def test_launcher_in_a_worker_thread_stops_the_tree_when_the_main_thread_ends(tm
     proc, pids = start_launcher(tmp_path, "--mode", "hang", "--lines", "1", thread="--orphan-thread", leftovers=leftovers)
     output, _ = proc.communicate(timeout=60)  # without the check: blocked for the rank's 600 s sleep
     assert "LAUNCH-ERROR: the launching process is shutting down" in output, output
-    assert all_gone(pids) == []
+    assert still_alive(pids) == []
 
 
 def test_the_dummy_rank_exists():

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from launch_helpers import DUMMY_RANK, make_manifest
+from launch_helpers import DUMMY_RANK, is_alive, still_alive, make_manifest
 from prefect import flow
 
 import tasks.torchrun
@@ -97,14 +97,14 @@ def test_cancelling_the_flow_run_through_the_api_kills_every_process_and_ends_ca
         with get_client(sync_client=True) as client:
             run_id = flow_run_of(client, "train-stand-in")
             client.set_flow_run_state(run_id, Cancelling(), force=True)
-            alive = gone_within(pids, 30)
+            alive = still_alive(pids, 30)
             assert alive == [], f"still running 30 s after cancelling: {alive}"
             flow_process.wait(timeout=30)
             final = client.read_flow_run(run_id).state
         assert final.is_cancelled(), final
     finally:
         for pid in [flow_process.pid, *pids]:  # a failing test must not leave its run behind
-            if _alive(pid):
+            if is_alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
 
@@ -131,22 +131,6 @@ def flow_run_of(client, flow_name: str):
     running = [run for run in runs if run.state and run.state.is_running()]
     assert len(running) == 1, runs
     return running[0].id
-
-
-def gone_within(pids: list[int], within_s: float) -> list[int]:
-    deadline = time.monotonic() + within_s
-    while True:
-        alive = [pid for pid in pids if _alive(pid)]
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.3)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 @pytest.mark.slow
@@ -183,10 +167,10 @@ def test_sigterm_to_the_flow_process_kills_every_process_through_prefects_handle
             run_id = flow_run_of(client, "train-stand-in")
             flow_process.terminate()
             flow_process.wait(timeout=60)
-            assert gone_within(pids, 30) == []
+            assert still_alive(pids, 30) == []
             final = client.read_flow_run(run_id).state
         assert final.is_crashed(), final
     finally:
         for pid in [flow_process.pid, *pids]:  # a failing test must not leave its run behind
-            if _alive(pid):
+            if is_alive(pid):
                 os.kill(pid, signal.SIGKILL)

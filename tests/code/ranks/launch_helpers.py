@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+
+import psutil
 
 from tasks.torchrun import RANK_ENTRYPOINT, torchrun_command
 from training.config import PipelineConfig
@@ -36,3 +39,20 @@ def make_manifest(dataset_dir: Path, train_rows: int = 1000) -> Path:
     return dataset_dir
 
 
+
+
+def still_alive(pids: list[int], within_s: float = 30) -> list[int]:
+    """The PIDs still running (zombies count as gone) after waiting up to within_s."""
+    deadline = time.monotonic() + within_s
+    while True:
+        alive = [pid for pid in pids if is_alive(pid)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
