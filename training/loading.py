@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
@@ -42,7 +43,7 @@ def label_dtype(task: str) -> torch.dtype:
     return torch.int64 if task == "classification" else torch.float32
 
 
-def load_split(dataset_dir: str | Path, manifest: Manifest, split: str, read_rows: int = 65_536) -> SplitTensors:
+def load_split(dataset_dir: str | Path, manifest: Manifest, split: str, read_rows: int = 16_384) -> SplitTensors:
     rows = manifest.rows(split)
     features = torch.empty(rows, manifest.n_features, dtype=torch.float32)
     labels = torch.empty(rows, dtype=label_dtype(manifest.task))
@@ -63,6 +64,9 @@ def load_split(dataset_dir: str | Path, manifest: Manifest, split: str, read_row
             labels[offset:stop].numpy()[:] = batch.column(manifest.label).to_numpy(zero_copy_only=False)
             features[offset:stop].sub_(mean).div_(std)
             offset = stop
+        # Hand the shard's decode buffers back now: the allocator would keep them resident,
+        # and the split's peak memory would grow by a shard's worth on top of the tensors.
+        pa.default_memory_pool().release_unused()
         if offset - start != shard.rows:
             raise ShardError(f"{path}: holds {offset - start} rows, the manifest says {shard.rows}")
     if offset != rows:
