@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 from typing import Any
 
 from flows.environment import set_local_defaults
@@ -48,13 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     prepare = sub.add_parser("prepare", help="raw data -> Parquet shards per split, with a manifest")
     _config_args(prepare)
     prepare.set_defaults(handler=cmd_prepare)
-    for register_command in _EXTRA_COMMANDS:
-        register_command(sub)
+    from flows.commands import SUBCOMMANDS  # here, not at the top: their modules import this one
+
+    for add_command in SUBCOMMANDS:
+        add_command(sub)
     return parser
-
-
-# Other modules add subcommands here (run, register, stack) so this file stays small.
-_EXTRA_COMMANDS: list[Callable[[Any], None]] = []
 
 
 def _print_summary(summary: dict[str, Any], as_json: bool) -> None:
@@ -67,7 +64,6 @@ def _print_summary(summary: dict[str, Any], as_json: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     set_local_defaults()  # before anything imports Prefect: it reads its settings once
-    _load_extra_commands()
     args = build_parser().parse_args(argv)
     try:
         summary = args.handler(args)
@@ -81,14 +77,6 @@ def main(argv: list[str] | None = None) -> int:
         _print_summary(summary, getattr(args, "json", False))
     return 0
 
-
-def _load_extra_commands() -> None:
-    """Import the modules that define the heavier subcommands, once."""
-    if _EXTRA_COMMANDS:
-        return
-    from flows import commands
-
-    _EXTRA_COMMANDS.extend(commands.SUBCOMMANDS)
 
 
 if __name__ == "__main__":

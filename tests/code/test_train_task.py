@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -84,16 +85,9 @@ def test_a_failing_rank_fails_the_task_with_its_exception_after_one_retry(prefec
 def test_cancelling_the_flow_run_through_the_api_kills_every_process_and_ends_cancelled(prefect_harness, tmp_path):
     """A flow in a plain process (no worker): cancel it via the API, as the UI does."""
     from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_URL
     from prefect.states import Cancelling
 
-    dataset = make_manifest(tmp_path / "fp123")
-    run_dir = tmp_path / "run"
-    env = dict(os.environ, PREFECT_API_URL=PREFECT_API_URL.value(), DUMMY_RANK_MODE="spawn", DUMMY_RANK_LINES="1")
-    flow_process = subprocess.Popen([sys.executable, str(TRAIN_FLOW), str(run_dir), str(dataset)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    pids: list[int] = []
-    try:
-        pids = wait_for_tree(run_dir, at_least=5)  # torchrun, 2 ranks, 2 grandchildren
+    with stand_in_flow_training(tmp_path) as (flow_process, pids):
         with get_client(sync_client=True) as client:
             run_id = flow_run_of(client, "train-stand-in")
             client.set_flow_run_state(run_id, Cancelling(), force=True)
@@ -102,8 +96,24 @@ def test_cancelling_the_flow_run_through_the_api_kills_every_process_and_ends_ca
             flow_process.wait(timeout=30)
             final = client.read_flow_run(run_id).state
         assert final.is_cancelled(), final
+
+
+@contextmanager
+def stand_in_flow_training(tmp_path: Path):
+    """A flow process whose train_model task runs stand-in ranks that each spawn a child; yields it once the
+    whole tree (torchrun, 2 ranks, 2 grandchildren) is up, and kills whatever a failing test left behind."""
+    from prefect.settings import PREFECT_API_URL
+
+    dataset = make_manifest(tmp_path / "fp123")
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, PREFECT_API_URL=PREFECT_API_URL.value(), DUMMY_RANK_MODE="spawn", DUMMY_RANK_LINES="1")
+    flow_process = subprocess.Popen([sys.executable, str(TRAIN_FLOW), str(run_dir), str(dataset)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pids: list[int] = []
+    try:
+        pids = wait_for_tree(run_dir, at_least=5)
+        yield flow_process, pids
     finally:
-        for pid in [flow_process.pid, *pids]:  # a failing test must not leave its run behind
+        for pid in [flow_process.pid, *pids]:
             if is_alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
@@ -154,15 +164,8 @@ def test_train_model_runs_the_real_rank_program(prefect_harness, tmp_path):
 def test_sigterm_to_the_flow_process_kills_every_process_through_prefects_handler(prefect_harness, tmp_path):
     """Our handler runs first, then chains to Prefect's SIGTERM bridge: the run ends Crashed, no rank survives."""
     from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_URL
 
-    dataset = make_manifest(tmp_path / "fp123")
-    run_dir = tmp_path / "run"
-    env = dict(os.environ, PREFECT_API_URL=PREFECT_API_URL.value(), DUMMY_RANK_MODE="spawn", DUMMY_RANK_LINES="1")
-    flow_process = subprocess.Popen([sys.executable, str(TRAIN_FLOW), str(run_dir), str(dataset)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    pids: list[int] = []
-    try:
-        pids = wait_for_tree(run_dir, at_least=5)
+    with stand_in_flow_training(tmp_path) as (flow_process, pids):
         with get_client(sync_client=True) as client:
             run_id = flow_run_of(client, "train-stand-in")
             flow_process.terminate()
@@ -170,7 +173,3 @@ def test_sigterm_to_the_flow_process_kills_every_process_through_prefects_handle
             assert still_alive(pids, 30) == []
             final = client.read_flow_run(run_id).state
         assert final.is_crashed(), final
-    finally:
-        for pid in [flow_process.pid, *pids]:  # a failing test must not leave its run behind
-            if is_alive(pid):
-                os.kill(pid, signal.SIGKILL)
