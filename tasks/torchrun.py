@@ -423,6 +423,7 @@ class _Launcher:
         self.proc: subprocess.Popen
         self.tree: ProcessTree | None = None
         self._stop_reason: LaunchError | None = None
+        self._output_ended = False  # the reader's end-of-output marker has been taken from the queue
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
@@ -474,6 +475,7 @@ class _Launcher:
             except queue.Empty:
                 raw = ""
             if raw is None:
+                self._output_ended = True
                 break
             if raw:
                 self._deliver(raw)
@@ -511,12 +513,13 @@ class _Launcher:
     def drain(self) -> None:
         """Deliver what torchrun printed before it exited (its failure summary)."""
         deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
+        while not self._output_ended and time.monotonic() < deadline:  # ended: nothing left, no wait
             try:
                 raw = self.lines.get(timeout=0.5)
             except queue.Empty:
                 return
             if raw is None:
+                self._output_ended = True
                 return
             self._deliver(raw)
 

@@ -38,6 +38,7 @@ from mlflow.exceptions import MlflowException
 from training.config import PipelineConfig
 from training.data.manifest import Manifest
 from training.layout import SPLITS
+from training.metrics_sink import MlflowEpochLogger, read_metrics_lines
 
 CHAMPION = "champion"
 CHALLENGER = "challenger"
@@ -266,6 +267,40 @@ def start_pipeline_run(
     client.log_inputs(run_id, datasets=dataset_inputs(manifest, dataset_dir, fingerprint))
     client.log_dict(run_id, config.model_dump(mode="json"), CONFIG_ARTIFACT)
     return run_id
+
+
+class EpochMetricsFollower:
+    """Mirrors rank 0's RUN_DIR/metrics.jsonl into the pipeline's MLflow run, from the launching process.
+
+    Why here and not in rank 0: this process already has MLflow loaded, while
+    importing it in rank 0 costs seconds of CPU on rank 0's core, and every
+    rank waits for rank 0 at the next collective. ``catch_up()`` is cheap when
+    nothing changed (one stat), so the train task calls it on every streamed
+    line and once more when torchrun exits, failed or not. Each epoch lands
+    once: epochs the run already holds (an earlier attempt's) are skipped.
+    """
+
+    def __init__(self, metrics_path: str | Path, run_id: str, tracking_uri: str):
+        self.path = Path(metrics_path)
+        self.run_id = run_id
+        self.tracking_uri = tracking_uri
+        self._size_seen = -1
+        self._logger = None  # created on the first epoch: no MLflow call before there is something to log
+
+    def catch_up(self) -> None:
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            return
+        if size == self._size_seen:
+            return
+        self._size_seen = size
+        for record in read_metrics_lines(self.path):  # a torn last line is skipped now, read on the next change
+            epoch = record.pop("epoch", None)
+            if isinstance(epoch, int):
+                if self._logger is None:
+                    self._logger = MlflowEpochLogger(self.run_id, self.tracking_uri)
+                self._logger.log(epoch, record)
 
 
 def end_pipeline_run(run_id: str, tracking_uri: str, status: str = "FINISHED") -> None:

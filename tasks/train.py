@@ -3,6 +3,8 @@
 It writes RUN_DIR/config.json and RUN_DIR/train_config.json (the TrainJob every
 rank reads), then runs torchrun through tasks/torchrun.py, which owns the whole
 process tree, and streams every rank's lines to the Prefect run logger.
+Per-epoch metrics reach the MLflow run from this process, not from rank 0:
+it follows RUN_DIR/metrics.jsonl as the ranks write it (EpochMetricsFollower).
 
 Retries: one. A retry resumes from checkpoints/last.pt, so it helps with a
 transient failure (a rank killed by the OOM killer, a stalled collective). It is
@@ -39,6 +41,7 @@ from tasks.torchrun import (
     preflight,
     torchrun_command,
 )
+from tasks.tracking import EpochMetricsFollower
 from training.config import PipelineConfig
 from training.job import TrainJob
 from training.layout import CONFIG, FINAL_MODEL, METRICS, TRAIN_JOB, run_file
@@ -79,8 +82,15 @@ def train_model(
     config.write_json(run_file(run_path, CONFIG))
     job_path = TrainJob(config=config, dataset_dir=str(dataset_dir), run_dir=str(run_path), init_weights=init_weights).write(run_file(run_path, TRAIN_JOB))
     argv = torchrun_command(config, job_path, gpus=gpus)
-    env = launch_env(config, run_path, tracking_uri=tracking_uri, mlflow_run_id=mlflow_run_id, gpus=gpus, grace_s=kill_grace_s)
+    # No MLflow run id for the ranks: this process mirrors metrics.jsonl into the run (see EpochMetricsFollower).
+    env = launch_env(config, run_path, tracking_uri=tracking_uri, gpus=gpus, grace_s=kill_grace_s)
+    metrics_follower = EpochMetricsFollower(run_file(run_path, METRICS), mlflow_run_id, tracking_uri) if mlflow_run_id and tracking_uri else None
     logger.info("Launching %d rank(s) x %d node(s) in %s: %s", nproc, config.train.nnodes, run_path, " ".join(argv))
+
+    def on_line(line: OutputLine) -> None:
+        _log_line(logger, line)
+        if metrics_follower is not None:
+            metrics_follower.catch_up()
 
     cancel_check = _flow_run_cancelled_check()
     try:
@@ -88,7 +98,7 @@ def train_model(
             argv,
             run_path,
             env=env,
-            on_line=lambda line: _log_line(logger, line),
+            on_line=on_line,
             timeout_s=config.train.timeout_s,
             stall_timeout_s=config.train.stall_timeout_s,
             grace_s=kill_grace_s,
@@ -102,6 +112,9 @@ def train_model(
             # that would overwrite Cancelled; the flow process just stops.
             raise Abort(str(error)) from error
         raise
+    finally:
+        if metrics_follower is not None:
+            metrics_follower.catch_up()  # the epochs of a failed attempt are in MLflow too
     model_path = run_file(run_path, FINAL_MODEL)
     if not model_path.is_file():
         raise RuntimeError(f"torchrun exited 0 but wrote no {model_path}: training did not finish")

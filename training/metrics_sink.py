@@ -1,8 +1,11 @@
 """Rank 0's per-epoch metrics: ``RUN_DIR/metrics.jsonl`` and, when asked, an MLflow run.
 
-MLflow is used only when ``DDPFLOW_MLFLOW_RUN_ID`` is set (the launching task
-created that run); ranks never create runs. ``mlflow`` is imported lazily, in
-rank 0 only, on a background thread.
+MLflow is used only when ``DDPFLOW_MLFLOW_RUN_ID`` is set: for a plain
+``torchrun`` launch that should log into a run someone created. Ranks never
+create runs. ``mlflow`` is imported lazily, in rank 0 only, on a background
+thread. The Prefect train task does not set it: its own process already has
+MLflow loaded and mirrors metrics.jsonl itself (``tasks/tracking.py:
+EpochMetricsFollower``), so no rank pays MLflow's import.
 
 A resumed run (torchrun restart, task retry) does not log an epoch twice:
 each destination remembers which epochs it already holds.
@@ -79,7 +82,7 @@ class MetricsSink:
                 print(f"[train] warning: MLflow logging did not finish within {timeout_s:.0f}s; metrics.jsonl has every epoch", file=sys.stderr, flush=True)
 
     def _mirror_to_mlflow(self, run_id: str) -> None:
-        run = _MlflowRun(run_id, os.environ.get(TRACKING_URI_ENV))
+        run = MlflowEpochLogger(run_id, os.environ.get(TRACKING_URI_ENV))
         for record in read_metrics_lines(self.path):
             epoch = record.pop("epoch", None)
             if isinstance(epoch, int):
@@ -95,8 +98,8 @@ class MetricsSink:
             os.fsync(handle.fileno())
 
 
-class _MlflowRun:
-    """Logs into an existing run; a tracking failure is reported, never fatal to training."""
+class MlflowEpochLogger:
+    """Logs epochs into an existing run, each at most once (step = epoch); a tracking failure is reported, never fatal."""
 
     def __init__(self, run_id: str, tracking_uri: str | None):
         from mlflow.tracking import MlflowClient  # lazily: only rank 0 of a tracked run pays the import

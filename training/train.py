@@ -39,7 +39,7 @@ from training.loop import StepSettings, evaluate, train_epoch, validation_metric
 from training.metrics_sink import MetricsSink
 from training.models import ModelSpec, build_model
 from training.progress import Progress
-from training.runtime import configure_cpu, configure_cuda, die_with_parent
+from training.runtime import configure_cpu, configure_cuda, die_with_parent, exit_without_teardown
 
 
 def log(ctx: DistContext, message: str) -> None:
@@ -236,4 +236,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main()  # an error propagates from here: @record and the normal exit path report it
+    exit_without_teardown()  # success: every file is closed and the group destroyed

@@ -36,8 +36,8 @@ def two_ranks(**train) -> PipelineConfig:
 
 
 @flow
-def train_flow(config: PipelineConfig, dataset_dir: str, run_dir: str) -> TrainResult:
-    return train_model(config, dataset_dir, run_dir, kill_grace_s=2)
+def train_flow(config: PipelineConfig, dataset_dir: str, run_dir: str, mlflow_run_id: str | None = None, tracking_uri: str | None = None) -> TrainResult:
+    return train_model(config, dataset_dir, run_dir, mlflow_run_id=mlflow_run_id, tracking_uri=tracking_uri, kill_grace_s=2)
 
 
 def flow_logs(flow_run_id) -> list[str]:
@@ -62,6 +62,44 @@ def test_train_model_writes_the_job_streams_rank_lines_and_returns_the_result(pr
     while not any("[rank 1] rank 1 done" in m for m in flow_logs(state.state_details.flow_run_id)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert any("[rank 1] rank 1 done" in m for m in flow_logs(state.state_details.flow_run_id))
+
+
+def test_epoch_metrics_reach_the_mlflow_run_from_the_task_and_no_rank_is_given_the_run(prefect_harness, stand_in_rank, tmp_path, mlflow_store):
+    from mlflow import MlflowClient
+
+    uri, artifacts = mlflow_store
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("follow", artifact_location=artifacts)).info.run_id
+    run_dir = tmp_path / "run"
+    state = train_flow(two_ranks(), str(make_manifest(tmp_path / "fp123")), str(run_dir), run_id, uri, return_state=True)
+    assert state.is_completed()
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "val_loss")] == [(1, 0.5)]  # the stand-in's one epoch
+    deadline = time.monotonic() + 20  # logs reach the API in batches
+    while len(started := [m for m in flow_logs(state.state_details.flow_run_id) if " started pid=" in m]) < 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert len(started) == 2 and all(m.endswith("mlflow_run_id=None") for m in started), started
+
+
+def test_metrics_follower_logs_each_epoch_once_as_lines_land(tmp_path, mlflow_store):
+    from mlflow import MlflowClient
+
+    from tasks.tracking import EpochMetricsFollower
+
+    uri, artifacts = mlflow_store
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("follow", artifact_location=artifacts)).info.run_id
+    metrics = tmp_path / "metrics.jsonl"
+    follower = EpochMetricsFollower(metrics, run_id, uri)
+    follower.catch_up()  # no file yet: nothing to do
+    with metrics.open("a") as handle:
+        handle.write(json.dumps({"epoch": 0, "train_loss": 2.0}) + "\n" + '{"epoch": 1, "train_lo')  # epoch 1 half-written
+    follower.catch_up()
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "train_loss")] == [(0, 2.0)]
+    with metrics.open("a") as handle:
+        handle.write('ss": 1.5}\n')
+    follower.catch_up()
+    EpochMetricsFollower(metrics, run_id, uri).catch_up()  # a retried task's follower re-reads the file
+    assert sorted((m.step, m.value) for m in client.get_metric_history(run_id, "train_loss")) == [(0, 2.0), (1, 1.5)]
 
 
 def test_bad_config_fails_before_any_process_starts_and_is_not_retried(prefect_harness, stand_in_rank, tmp_path):
