@@ -76,24 +76,29 @@ def launch_latency(ctx: Context) -> Result:
         bare.append(ready)
         bare_wall.append(wall)
         log(f"launch repeat {repeat + 1}: ddpflow first step {ours[-1]:.2f} s, bare torchrun no-op ready {ready:.2f} s (exit {wall:.2f} s)")
-    extra = Stats.of(a - b for a, b in zip(ours, bare))
+    # The issue's reference: a bare torchrun no-op's whole run (3.8 s when it was filed).
+    extra = Stats.of(a - b for a, b in zip(ours, bare_wall))
+    # Stricter: only until the no-op's ranks have joined the group.
+    extra_to_ready = Stats.of(a - b for a, b in zip(ours, bare))
     return Result(
         name="launch",
         title="Launch latency",
         ratio=extra,
         target=1.0,
         direction="le",
-        ratio_label="ddpflow launch → first step, minus a bare torchrun no-op → ranks ready (seconds)",
+        ratio_label="ddpflow launch → first step, minus a bare torchrun no-op's wall time (seconds)",
         rows=[
             Row("bare torchrun, 2 ranks: init_process_group + barrier → ready", Stats.of(bare), "s"),
-            Row("  the same, to exit", Stats.of(bare_wall), "s", note="measured before: 3.8 s"),
+            Row("  the same, to exit (the reference)", Stats.of(bare_wall), "s", note="measured when the issue was filed: 3.8 s"),
             Row("ddpflow: preflight + job file + tasks/torchrun.launch → rank 0's first line", Stats.of(first_line), "s", note="torchrun, imports, process group, CPU setup"),
             Row("ddpflow: the same → rank 0's first step", Stats.of(ours), "s", extra, note="+ load train and val splits, model, DDP"),
+            Row("  ddpflow's first step − the no-op's ranks ready (stricter)", extra_to_ready, "s"),
             Row("ddpflow: the same launch to exit (1 epoch, checkpoints, model.pt)", Stats.of(whole), "s"),
         ],
         notes=[
             f"{ctx.sizes.orchestration_rows:,}-row dataset, 2 ranks, 1 epoch; the first step comes after imports, process group, "
-            "loading the train and val splits, building the model and DDP. The Prefect task around the launcher is in the orchestration figure."
+            "loading the train and val splits, building the model and DDP. The Prefect task around the launcher is in the orchestration figure.",
+            "Each repeat runs ddpflow's launch and the bare no-op back to back; differences are taken within a repeat.",
         ],
     )
 

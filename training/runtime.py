@@ -1,11 +1,14 @@
-"""Per-process settings of a rank: orphan protection, CPU threads and cores, CUDA math modes."""
+"""Per-process settings of a rank: orphan protection, CPU threads and cores, CUDA math modes,
+and the two start-up/exit costs a rank can avoid (DDP's lazy imports, interpreter teardown)."""
 
 from __future__ import annotations
 
 import ctypes
+import importlib
 import os
 import signal
 import sys
+import threading
 
 import torch
 
@@ -50,11 +53,26 @@ def configure_cpu(train: TrainConfig, local_rank: int, local_world_size: int, pi
     pinned = ""
     if pin and train.cpu_affinity and share >= 1 and hasattr(os, "sched_setaffinity"):
         cores = allowed[local_rank * share : (local_rank + 1) * share]
-        os.sched_setaffinity(0, cores)
+        _pin_every_thread(cores)
         pinned = f", pinned to cores {cores[0]}-{cores[-1]}"
     threads = train.num_threads or max(1, share)
     torch.set_num_threads(threads)
     return f"{threads} threads{pinned}"
+
+
+def _pin_every_thread(cores: list[int]) -> None:
+    """Pin all of this process's threads, not only the caller: the process group's
+    communication threads already exist, and a gloo thread woken on the other rank's
+    core waits there for the scheduler instead of running on its own idle one."""
+    try:
+        threads = [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:  # no procfs: threads created from now on inherit the caller's mask
+        threads = [0]
+    for tid in threads:
+        try:
+            os.sched_setaffinity(tid, cores)
+        except OSError:  # a thread that ended meanwhile
+            pass
 
 
 def configure_cuda(train: TrainConfig) -> str:
@@ -79,3 +97,30 @@ def exit_without_teardown(code: int = 0) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+# DDP's constructor imports torch._dynamo: about 1 s of a small CPU's time, before the first step.
+DDP_LAZY_IMPORTS = ("torch._dynamo",)
+
+
+def preload_in_background(modules: tuple[str, ...] = DDP_LAZY_IMPORTS) -> threading.Thread:
+    """Import ``modules`` on a daemon thread, so the import overlaps the rank's waiting.
+
+    Why: a rank spends its first seconds waiting (rendezvous, the process
+    group, reading its split, CUDA's context) and then, in DDP's constructor,
+    importing torch._dynamo. Started first, the import runs during the waits;
+    the main thread's own import later just finds the module (or waits for this
+    thread to finish it). An error here is dropped: the main thread's import
+    raises it again where it matters.
+    """
+
+    def preload() -> None:
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001 - re-raised by the main thread's own import
+                return
+
+    thread = threading.Thread(target=preload, name="preload-imports", daemon=True)
+    thread.start()
+    return thread

@@ -39,7 +39,7 @@ from training.loop import StepSettings, evaluate, train_epoch, validation_metric
 from training.metrics_sink import MetricsSink
 from training.models import ModelSpec, build_model
 from training.progress import Progress
-from training.runtime import configure_cpu, configure_cuda, die_with_parent, exit_without_teardown
+from training.runtime import configure_cpu, configure_cuda, die_with_parent, exit_without_teardown, preload_in_background
 
 
 def log(ctx: DistContext, message: str) -> None:
@@ -229,6 +229,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 @record  # a failing rank writes its traceback to TORCHELASTIC_ERROR_FILE: torchrun reports the root cause
 def main(argv: list[str] | None = None) -> None:
+    preload_in_background()  # first: DDP's lazy imports overlap the rendezvous and data loading
     job = TrainJob.read(parse_args(argv).config)
     die_with_parent()
     with distributed(job.config.train) as ctx:

@@ -1,0 +1,72 @@
+"""training/runtime.py: a rank's start-up preload and its exit without interpreter teardown."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_exit_without_teardown_flushes_output_and_skips_atexit():
+    done = run_python(
+        """
+        import atexit, sys
+        from training.runtime import exit_without_teardown
+        atexit.register(lambda: print("teardown ran"))
+        print("buffered line", end="")   # stdout is a pipe: block-buffered, lost unless flushed
+        print("buffered error", end="", file=sys.stderr)
+        exit_without_teardown(3)
+        """
+    )
+    assert done.returncode == 3
+    assert done.stdout == "buffered line" and done.stderr == "buffered error"  # flushed, and no atexit output
+
+
+def test_preload_imports_in_the_background_and_drops_its_errors():
+    done = run_python(
+        """
+        import sys
+        from training.runtime import preload_in_background
+        assert "torch._dynamo" not in sys.modules
+        preload_in_background().join(120)
+        print("torch._dynamo" in sys.modules)
+        preload_in_background(("no_such_module_for_ddpflow",)).join(10)
+        """
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "True" and "no_such_module" not in done.stderr
+
+
+def test_cpu_affinity_pins_threads_that_started_before_it():
+    """gloo's threads start when the group is joined, before the rank configures its cores."""
+    import os
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 cores to see a rank pinned to a part of them")
+    done = run_python(
+        """
+        import os, threading
+        from training.config import TrainConfig
+        from training.runtime import configure_cpu
+        started, stop = threading.Event(), threading.Event()
+        def early():
+            started.set(); stop.wait()
+        thread = threading.Thread(target=early); thread.start(); started.wait()
+        cores = len(os.sched_getaffinity(0))
+        print(configure_cpu(TrainConfig(cpu_affinity=True), local_rank=1, local_world_size=cores))
+        print(sorted(os.sched_getaffinity(0)) == sorted(os.sched_getaffinity(thread.native_id)), len(os.sched_getaffinity(thread.native_id)))
+        stop.set()
+        """
+    )
+    assert done.returncode == 0, done.stderr
+    described, same = done.stdout.splitlines()
+    assert "pinned to cores" in described and same == "True 1"
