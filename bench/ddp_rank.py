@@ -33,6 +33,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--affinity", action="store_true", help="pin each rank to its own core(s)")
     parser.add_argument("--bucket-mb", type=float, default=None, help="DDP bucket_cap_mb; unset: DDP's defaults")
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step, no_sync between")
+    parser.add_argument("--independent", action="store_true", help="no DDP: each rank trains alone (the compute-only ceiling)")
+    parser.add_argument("--allreduce-probe", type=int, default=0, help="after training, time N all-reduces of the gradients' size")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--out", required=True)
@@ -140,7 +142,7 @@ def main() -> None:
     dist.init_process_group("nccl" if cuda else "gloo")
     model, optimizer = build_model_and_optimizer(device=device)
     ddp_kwargs = {"bucket_cap_mb": args.bucket_mb} if args.bucket_mb else {}
-    ddp = DDP(model, device_ids=[local_rank] if cuda else None, **ddp_kwargs)
+    ddp = model if args.independent else DDP(model, device_ids=[local_rank] if cuda else None, **ddp_kwargs)
     feed = (DdpflowFeed if args.feed == "ddpflow" else PlainFeed)(args, rank, world, device)
 
     feed.run(ddp, optimizer, timed=False)
@@ -162,12 +164,29 @@ def main() -> None:
         "seconds": seconds,
         "cores": sorted(os.sched_getaffinity(0)),
         "threads": torch.get_num_threads(),
-        "effective_batch": args.batch * args.grad_accum * world,
+        "effective_batch": args.batch * args.grad_accum * (1 if args.independent else world),
         "feed": args.feed,
         "device": str(device),
+        **(allreduce_latency_ms(model, args.allreduce_probe) if args.allreduce_probe else {}),
     }
     (out / f"rank-{rank}.json").write_text(json.dumps(figures))
     dist.destroy_process_group()
+
+
+def allreduce_latency_ms(model, times: int) -> dict[str, float]:
+    """Median and 90th percentile of one all-reduce of a buffer the size of the model's gradients."""
+    import torch
+    import torch.distributed as dist
+
+    buffer = torch.zeros(sum(p.numel() for p in model.parameters()))
+    dist.barrier()
+    seconds = []
+    for _ in range(times):
+        start = time.perf_counter()
+        dist.all_reduce(buffer)
+        seconds.append(time.perf_counter() - start)
+    seconds.sort()
+    return {"allreduce_p50_ms": 1e3 * seconds[len(seconds) // 2], "allreduce_p90_ms": 1e3 * seconds[int(len(seconds) * 0.9)]}
 
 
 if __name__ == "__main__":

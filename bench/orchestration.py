@@ -90,7 +90,7 @@ def launch_latency(ctx: Context) -> Result:
         rows=[
             Row("bare torchrun, 2 ranks: init_process_group + barrier → ready", Stats.of(bare), "s"),
             Row("  the same, to exit (the reference)", Stats.of(bare_wall), "s", note="measured when the issue was filed: 3.8 s"),
-            Row("ddpflow: preflight + job file + tasks/torchrun.launch → rank 0's first line", Stats.of(first_line), "s", note="torchrun, imports, process group, CPU setup"),
+            Row("ddpflow: preflight + job file + tasks/torchrun.launch → rank 0's first line", Stats.of(first_line), "s", note="imports, process group, CPU setup; DDP's torch._dynamo import runs on a thread from the rank's start"),
             Row("ddpflow: the same → rank 0's first step", Stats.of(ours), "s", extra, note="+ load train and val splits, model, DDP"),
             Row("  ddpflow's first step − the no-op's ranks ready (stricter)", extra_to_ready, "s"),
             Row("ddpflow: the same launch to exit (1 epoch, checkpoints, model.pt)", Stats.of(whole), "s"),

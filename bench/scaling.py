@@ -42,6 +42,7 @@ def configs(ctx: Context, feed: str) -> list[Config]:
         Config("plain", "2 ranks, plain DDP (default buckets, no pinning)", 2),
         Config("affinity", "2 ranks + cpu affinity", 2, ["--affinity"]),
         Config("bucket", "2 ranks + cpu affinity + one gradient bucket (ddpflow's defaults)", 2, ["--affinity", *bucket]),
+        Config("alone", "2 ranks pinned, no gradient sync at all (compute alone: this machine's ceiling)", 2, ["--affinity", "--independent", "--allreduce-probe", "300"]),
         Config("accum", f"2 ranks, ddpflow's defaults + grad_accum {accum} (no_sync)", 2, ["--affinity", *bucket, "--grad-accum", str(accum)]),
         Config("naive", "plain user code: pandas per-row Dataset, 2 ranks", 2, feed="pandas", steps=ctx.sizes.naive_steps, warmup=2),
     ]
@@ -66,9 +67,10 @@ def run(ctx: Context) -> list[Result]:
     plan = configs(ctx, feed)
     rates: dict[str, list[float]] = {config.key: [] for config in plan}
     batches: dict[str, int] = {}
+    probes: dict[str, list[float]] = {"allreduce_p50_ms": [], "allreduce_p90_ms": []}
     for repeat in range(sizes.ddp_repeats):
         for config in turns(plan, repeat):
-            rates[config.key].append(measure(ctx, config, config.feed or feed, feed_data, repeat, batches))
+            rates[config.key].append(measure(ctx, config, config.feed or feed, feed_data, repeat, batches, probes))
         log(f"ddp repeat {repeat + 1}: " + ", ".join(f"{key} {values[-1]:,.0f}/s" for key, values in rates.items()))
     labels = {config.key: config.label for config in plan}
 
@@ -92,7 +94,7 @@ def run(ctx: Context) -> list[Result]:
             ratio=efficiency(headline),
             target=0.75,
             ratio_label=f"{labels[headline]} ÷ 2 × one rank",
-            rows=[row("one", False)] + [row(key) for key in unchanged],
+            rows=[row("one", False)] + [row(key) for key in unchanged] + ceiling_rows(rates, probes, row),
             notes=[common, "Semantics unchanged in these rows: each optimizer step averages 2 × 512 samples. The rows add one change each; the last is what ddpflow does by default (train.cpu_affinity=true, DDP bucket_cap_mb=25: the model's ~0.3 MB of gradients go in one all-reduce)."],
         )
     ]
@@ -130,7 +132,20 @@ def run(ctx: Context) -> list[Result]:
     return results
 
 
-def measure(ctx: Context, config: Config, feed: str, feed_data: dict[str, str], repeat: int, batches: dict[str, int]) -> float:
+def ceiling_rows(rates: dict[str, list[float]], probes: dict[str, list[float]], row) -> list[Row]:
+    """What this machine allows: the ranks without any communication, and one all-reduce alone."""
+    if "alone" not in rates:
+        return []
+    rows = [row("alone")]
+    if probes["allreduce_p50_ms"]:
+        rows += [
+            Row("  one all-reduce of the gradients (0.3 MB) between the 2 idle ranks: median", Stats.of(probes["allreduce_p50_ms"]), "ms"),
+            Row("  the same: 90th percentile", Stats.of(probes["allreduce_p90_ms"]), "ms", note="vs a ~4 ms compute step"),
+        ]
+    return rows
+
+
+def measure(ctx: Context, config: Config, feed: str, feed_data: dict[str, str], repeat: int, batches: dict[str, int], probes: dict[str, list[float]]) -> float:
     """One torchrun launch of ``config``; total samples/s over the ranks."""
     sizes = ctx.sizes
     steps = config.steps or sizes.ddp_steps
@@ -143,6 +158,9 @@ def measure(ctx: Context, config: Config, feed: str, feed_data: dict[str, str], 
     if len(ranks) != config.nproc:
         raise RuntimeError(f"{config.label}: expected {config.nproc} rank reports in {out}, found {len(ranks)}")
     batches[config.key] = ranks[0]["effective_batch"]
+    for key in probes:
+        if key in ranks[0]:
+            probes[key].append(max(r[key] for r in ranks))
     return sum(r["samples"] for r in ranks) / max(r["seconds"] for r in ranks)
 
 

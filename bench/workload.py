@@ -36,7 +36,7 @@ class Sizes:
     ddp_warmup: int = 30
     naive_steps: int = 15
     grad_accum: int = 4
-    ddp_configs: tuple[str, ...] = ("one", "plain", "affinity", "bucket", "accum", "naive")
+    ddp_configs: tuple[str, ...] = ("one", "plain", "affinity", "bucket", "alone", "accum", "naive")
     ddp_repeats: int = 3
     memory_repeats: int = 2
     # rows for the memory and scale families
