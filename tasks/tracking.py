@@ -295,12 +295,15 @@ class EpochMetricsFollower:
         if size == self._size_seen:
             return
         self._size_seen = size
-        for record in read_metrics_lines(self.path):  # a torn last line is skipped now, read on the next change
-            epoch = record.pop("epoch", None)
-            if isinstance(epoch, int):
-                if self._logger is None:
-                    self._logger = MlflowEpochLogger(self.run_id, self.tracking_uri)
-                self._logger.log(epoch, record)
+        try:
+            for record in read_metrics_lines(self.path):  # a torn last line is skipped now, read on the next change
+                epoch = record.pop("epoch", None)
+                if isinstance(epoch, int):
+                    if self._logger is None:
+                        self._logger = MlflowEpochLogger(self.run_id, self.tracking_uri)
+                    self._logger.log(epoch, record)
+        except Exception as error:  # noqa: BLE001 - metrics.jsonl keeps every epoch; never mask training's own error
+            logger.warning("could not mirror %s into MLflow run %s: %s", self.path, self.run_id, error)
 
 
 def end_pipeline_run(run_id: str, tracking_uri: str, status: str = "FINISHED") -> None:
