@@ -20,6 +20,7 @@ import logging
 import os
 import subprocess
 import tempfile
+import threading
 import urllib.error
 import urllib.request
 import warnings
@@ -274,10 +275,13 @@ class EpochMetricsFollower:
 
     Why here and not in rank 0: this process already has MLflow loaded, while
     importing it in rank 0 costs seconds of CPU on rank 0's core, and every
-    rank waits for rank 0 at the next collective. ``catch_up()`` is cheap when
-    nothing changed (one stat), so the train task calls it on every streamed
-    line and once more when torchrun exits, failed or not. Each epoch lands
-    once: epochs the run already holds (an earlier attempt's) are skipped.
+    rank waits for rank 0 at the next collective. Why on a thread: a tracking
+    server that is down makes MLflow retry for minutes, and the launcher's
+    loop (timeouts, cancellation) must not wait for that. The train task
+    calls ``poke()`` on every streamed line (it only sets an event) and
+    ``close()`` once torchrun has exited, failed or not; ``close()`` catches up
+    one last time. Each epoch lands once: epochs the run already holds (an
+    earlier attempt's) are skipped.
     """
 
     def __init__(self, metrics_path: str | Path, run_id: str, tracking_uri: str):
@@ -286,8 +290,40 @@ class EpochMetricsFollower:
         self.tracking_uri = tracking_uri
         self._size_seen = -1
         self._logger = None  # created on the first epoch: no MLflow call before there is something to log
+        self._wake = threading.Event()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> EpochMetricsFollower:
+        self._thread = threading.Thread(target=self._follow, name="metrics-to-mlflow", daemon=True)
+        self._thread.start()
+        return self
+
+    def poke(self) -> None:
+        self._wake.set()
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Log what is left, waiting at most ``timeout_s`` (metrics.jsonl has every epoch either way)."""
+        if self._thread is None:
+            self.catch_up()
+            return
+        self._closing = True
+        self._wake.set()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            logger.warning("MLflow run %s: epoch metrics not all logged within %.0f s; %s has them", self.run_id, timeout_s, self.path)
+
+    def _follow(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            last = self._closing  # read before catching up: a close() during it wakes us for one more pass
+            self.catch_up()
+            if last:
+                return
 
     def catch_up(self) -> None:
+        """Log every complete epoch line the run does not hold yet; never raises."""
         try:
             size = self.path.stat().st_size
         except FileNotFoundError:

@@ -84,13 +84,13 @@ def train_model(
     argv = torchrun_command(config, job_path, gpus=gpus)
     # No MLflow run id for the ranks: this process mirrors metrics.jsonl into the run (see EpochMetricsFollower).
     env = launch_env(config, run_path, tracking_uri=tracking_uri, gpus=gpus, grace_s=kill_grace_s)
-    metrics_follower = EpochMetricsFollower(run_file(run_path, METRICS), mlflow_run_id, tracking_uri) if mlflow_run_id and tracking_uri else None
+    metrics_follower = EpochMetricsFollower(run_file(run_path, METRICS), mlflow_run_id, tracking_uri).start() if mlflow_run_id and tracking_uri else None
     logger.info("Launching %d rank(s) x %d node(s) in %s: %s", nproc, config.train.nnodes, run_path, " ".join(argv))
 
     def on_line(line: OutputLine) -> None:
         _log_line(logger, line)
         if metrics_follower is not None:
-            metrics_follower.catch_up()
+            metrics_follower.poke()
 
     cancel_check = _flow_run_cancelled_check()
     try:
@@ -114,7 +114,7 @@ def train_model(
         raise
     finally:
         if metrics_follower is not None:
-            metrics_follower.catch_up()  # the epochs of a failed attempt are in MLflow too
+            metrics_follower.close()  # the epochs of a failed attempt are in MLflow too
     model_path = run_file(run_path, FINAL_MODEL)
     if not model_path.is_file():
         raise RuntimeError(f"torchrun exited 0 but wrote no {model_path}: training did not finish")

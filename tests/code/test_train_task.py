@@ -211,3 +211,24 @@ def test_sigterm_to_the_flow_process_kills_every_process_through_prefects_handle
             assert still_alive(pids, 30) == []
             final = client.read_flow_run(run_id).state
         assert final.is_crashed(), final
+
+
+def test_a_hanging_tracking_server_never_blocks_the_launcher(tmp_path, caplog):
+    """The follower logs on its own thread: poke() returns at once and close() waits only as long as told."""
+    import socket
+
+    from tasks.tracking import EpochMetricsFollower
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(json.dumps({"epoch": 0, "train_loss": 2.0}) + "\n")
+    with socket.socket() as server:  # accepts connections (the kernel's backlog) and never answers
+        server.bind(("127.0.0.1", 0))
+        server.listen(8)
+        follower = EpochMetricsFollower(metrics, "0" * 32, f"http://127.0.0.1:{server.getsockname()[1]}").start()
+        started = time.monotonic()
+        follower.poke()
+        assert time.monotonic() - started < 0.5
+        follower.close(timeout_s=2)
+        assert time.monotonic() - started < 10
+    assert "not all logged within 2 s" in caplog.text
+    assert metrics.read_text().count("train_loss") == 1  # the record is untouched
