@@ -44,6 +44,7 @@ import psutil
 
 from training.config import PipelineConfig, TrainConfig
 from training.data.manifest import read_manifest
+from training.metrics_sink import MLFLOW_RUN_ENV
 from training.preflight import check_fits_dataset, check_runnable, ranks_per_node
 
 PID_FILE = "torchrun.pid"
@@ -146,7 +147,6 @@ def launch_env(
     run_dir: str | os.PathLike,
     *,
     tracking_uri: str | None = None,
-    mlflow_run_id: str | None = None,
     gpus: int | None = None,
     grace_s: float = 5.0,
     base: dict[str, str] | None = None,
@@ -166,8 +166,9 @@ def launch_env(
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     if tracking_uri:
         env["MLFLOW_TRACKING_URI"] = tracking_uri
-    if mlflow_run_id:
-        env["DDPFLOW_MLFLOW_RUN_ID"] = mlflow_run_id
+    # The launching process mirrors metrics.jsonl into MLflow (tasks/tracking.py: EpochMetricsFollower);
+    # a run id inherited from the caller's shell would have rank 0 log the same epochs as well.
+    env.pop(MLFLOW_RUN_ENV, None)
     # The rank imports training.* : make sure the project is importable whatever the caller's cwd.
     project_root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (project_root, env.get("PYTHONPATH", "")) if p)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -48,8 +49,6 @@ def test_preload_imports_in_the_background_and_drops_its_errors():
 
 def test_cpu_affinity_pins_threads_that_started_before_it():
     """gloo's threads start when the group is joined, before the rank configures its cores."""
-    import os
-
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs 2 cores to see a rank pinned to a part of them")
     done = run_python(

@@ -50,10 +50,15 @@ def make_config(mlflow_store, tmp_path):
     return make
 
 
+def start_run(config: PipelineConfig, dataset, name: str = "run"):
+    """The pipeline's MLflow run on ``dataset``: (its manifest, the run id)."""
+    manifest = read_manifest(dataset)
+    return manifest, start_pipeline_run(config, name, PREFECT, manifest.fingerprint, manifest, DDP, dataset_dir=dataset)
+
+
 def pipeline(config: PipelineConfig, dataset, model_path, metrics=None):
     """What the flow does after training, minus Prefect: run, evaluate, register."""
-    manifest = read_manifest(dataset)
-    run_id = start_pipeline_run(config, "run", PREFECT, manifest.fingerprint, manifest, DDP, dataset_dir=dataset)
+    _, run_id = start_run(config, dataset)
     metrics = metrics if metrics is not None else evaluate_split(model_path, dataset).metrics
     decision = register_candidate(config, run_id, str(model_path), str(dataset), metrics, config.mlflow.tracking_uri)
     return run_id, decision
@@ -70,8 +75,7 @@ def versions(config) -> list:
 def test_pipeline_run_records_lineage(make_config, dataset_factory):
     config = make_config()
     dataset = dataset_factory(rows={"train": 200, "val": 20, "test": 20})
-    manifest = read_manifest(dataset)
-    run_id = start_pipeline_run(config, "brave-otter", PREFECT, manifest.fingerprint, manifest, DDP, dataset_dir=dataset)
+    manifest, run_id = start_run(config, dataset, "brave-otter")
     client = MlflowClient(config.mlflow.tracking_uri)
     run = client.get_run(run_id)
     assert run.info.run_name == "brave-otter" and run.info.status == "RUNNING"
@@ -162,8 +166,7 @@ def test_retry_after_a_crash_between_logging_and_registering(make_config, datase
     config = make_config()
     dataset = dataset_factory()
     model_path = model_factory(dataset)
-    manifest = read_manifest(dataset)
-    run_id = start_pipeline_run(config, "run", PREFECT, manifest.fingerprint, manifest, DDP, dataset_dir=dataset)
+    manifest, run_id = start_run(config, dataset)
     example = pq.read_table(manifest.split_files(dataset, "test")[0]).to_pandas().head(3)
     with use_tracking_uri(config.mlflow.tracking_uri):
         logged = log_pyfunc_model(model_path, example, run_id=run_id, tags={"ddpflow.run_id": run_id})
@@ -247,8 +250,7 @@ def test_register_run_reruns_for_a_finished_run(make_config, dataset_factory, mo
     config = make_config()
     dataset = dataset_factory()
     model_path = model_factory(dataset)
-    manifest = read_manifest(dataset)
-    run_id = start_pipeline_run(config, "run", PREFECT, manifest.fingerprint, manifest, DDP, dataset_dir=dataset)
+    _, run_id = start_run(config, dataset)
     client = MlflowClient(config.mlflow.tracking_uri)
     with pytest.raises(RegistrationError, match="never evaluated"):
         register_run(run_id, tracking_uri=config.mlflow.tracking_uri)
@@ -312,8 +314,7 @@ def test_regression_evaluation_logs_a_residual_plot(make_config, dataset_factory
     config = make_config()
     dataset = dataset_factory(task="regression", rows={"train": 600, "val": 50, "test": 120})
     model_path = model_factory(dataset, steps=50)
-    manifest = read_manifest(dataset)
-    run_id = start_pipeline_run(config, "reg", PREFECT, manifest.fingerprint, manifest, DDP, dataset_dir=dataset)
+    _, run_id = start_run(config, dataset, "reg")
     result = evaluate_split(model_path, dataset, return_predictions=True, max_predictions=100)
     client = MlflowClient(config.mlflow.tracking_uri)
     log_evaluation(client, run_id, result, write_json_atomically(tmp_path / "eval" / "metrics.json", result.to_dict()))
