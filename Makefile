@@ -9,7 +9,7 @@ export PREFECT_HOME ?= $(CURDIR)/.ddpflow/prefect
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 90
 
-.PHONY: venv demo test test-fast bench bench-quick stack-up stack-down stack-status clean
+.PHONY: venv demo lint test test-fast bench bench-quick stack-up stack-down stack-status clean
 
 venv: $(STAMP)
 
@@ -25,7 +25,11 @@ $(STAMP): pyproject.toml
 demo: venv
 	$(VENV)/bin/ddpflow run --config configs/demo.yaml
 
-test: venv
+lint: venv
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+test: lint
 	$(PY) -m pytest
 
 test-fast: venv

@@ -37,19 +37,37 @@ FAMILIES = {
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, 2 repeats, fewer DDP configurations: proves the harness works, measures nothing")
-    parser.add_argument("--gpu", action="store_true", help="also run the CUDA benchmarks (bf16, nccl); by default they run only where CUDA is")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny sizes, 2 repeats, fewer DDP configurations: proves the harness works, measures nothing",
+    )
+    parser.add_argument(
+        "--gpu",
+        action="store_true",
+        help="also run the CUDA benchmarks (bf16, nccl); by default they run only where CUDA is",
+    )
     parser.add_argument("--only", default="", help=f"comma-separated families: {', '.join(FAMILIES)}")
     parser.add_argument("--repeats", type=int, help="override the number of repeats")
-    parser.add_argument("--rows", type=int, help="dataset rows (default 1M; prepare memory uses rows and 4 x rows, scale rows/4, rows, 4 x rows)")
-    parser.add_argument("--out", type=Path, help="results file (default bench/results.json, or bench/results-quick.json with --quick)")
-    parser.add_argument("--docs", type=Path, help="markdown file whose tables to regenerate (default docs/benchmarks.md on a full run)")
+    parser.add_argument(
+        "--rows",
+        type=int,
+        help="dataset rows (default 1M; prepare memory uses rows and 4 x rows, scale rows/4, rows, 4 x rows)",
+    )
+    parser.add_argument(
+        "--out", type=Path, help="results file (default bench/results.json, or bench/results-quick.json with --quick)"
+    )
+    parser.add_argument(
+        "--docs", type=Path, help="markdown file whose tables to regenerate (default docs/benchmarks.md on a full run)"
+    )
     parser.add_argument("--no-docs", action="store_true", help="leave the docs alone")
     parser.add_argument("--workdir", help="where to put generated data (default: a temp dir, removed afterwards)")
     parser.add_argument("--keep", action="store_true", help="keep the working directory")
     args = parser.parse_args(argv)
     # The GPU family runs by default where CUDA is, and wherever --gpu asks for it.
-    args.families = [name.strip() for name in args.only.split(",") if name.strip()] or [name for name in FAMILIES if name != "gpu" or _has_cuda()]
+    args.families = [name.strip() for name in args.only.split(",") if name.strip()] or [
+        name for name in FAMILIES if name != "gpu" or _has_cuda()
+    ]
     if args.gpu and "gpu" not in args.families:
         args.families.append("gpu")
     unknown = [name for name in args.families if name not in FAMILIES]
@@ -93,7 +111,16 @@ def main(argv: list[str] | None = None) -> int:
             for result in results[-1:]:
                 log(f"{result.title}: {result.status} {result.ratio.fmt() if result.ratio else result.reason}")
             machine["load_average_end"] = list(os.getloadavg())
-            write_results(out, mode="quick" if args.quick else "full", machine=machine, results=results, started=started, argv=sys.argv[1:], kept=kept, order=list(FAMILIES))
+            write_results(
+                out,
+                mode="quick" if args.quick else "full",
+                machine=machine,
+                results=results,
+                started=started,
+                argv=sys.argv[1:],
+                kept=kept,
+                order=list(FAMILIES),
+            )
     finally:
         if not args.keep:
             ctx.cleanup()

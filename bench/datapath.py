@@ -13,7 +13,17 @@ import itertools
 
 from bench import loaders
 from bench.harness import Result, Row, Stats, Timer, log, turns
-from bench.workload import BATCH, Context, build_model_and_optimizer, cycle, ddpflow_has, prepared_dir, set_threads, timed_steps, train_arrays
+from bench.workload import (
+    BATCH,
+    Context,
+    build_model_and_optimizer,
+    cycle,
+    ddpflow_has,
+    prepared_dir,
+    set_threads,
+    timed_steps,
+    train_arrays,
+)
 
 TITLE = "Data path"
 REFERENCES = {  # label, what it is, earlier measurement
@@ -66,31 +76,75 @@ def run(ctx: Context) -> list[Result]:
 
         return measure
 
-    measures = {"compute": measure_compute, "ddpflow": measure_ddpflow, "ddpflow_loader": measure_loader_bare_step, **{name: measure_reference(epoch) for name, epoch in references.items()}}
+    measures = {
+        "compute": measure_compute,
+        "ddpflow": measure_ddpflow,
+        "ddpflow_loader": measure_loader_bare_step,
+        **{name: measure_reference(epoch) for name, epoch in references.items()},
+    }
     rates: dict[str, list[float]] = {name: [] for name in measures}
     for repeat in range(sizes.repeats):
         for name in turns(list(measures), repeat):
             rates[name].append(measures[name](repeat))
-        log(f"data path repeat {repeat + 1}: " + ", ".join(f"{name} {values[-1]:,.0f}/s" for name, values in rates.items()))
+        log(
+            f"data path repeat {repeat + 1}: "
+            + ", ".join(f"{name} {values[-1]:,.0f}/s" for name, values in rates.items())
+        )
 
     def ratio_to_compute(name: str) -> Stats:
         return Stats.of(a / b for a, b in zip(rates[name], rates["compute"]))
 
     headline = ratio_to_compute("ddpflow")
     rows = [
-        Row("compute limit: the same step on pre-sliced tensors", Stats.of(rates["compute"]), "samples/s", note=f"{epoch_steps} steps, one epoch's worth"),
-        Row("ddpflow: TrainBatches + training.loop.train_epoch", Stats.of(rates["ddpflow"]), "samples/s", headline, note=f"one full epoch; the split loaded in {load.seconds:.2f} s before it"),
+        Row(
+            "compute limit: the same step on pre-sliced tensors",
+            Stats.of(rates["compute"]),
+            "samples/s",
+            note=f"{epoch_steps} steps, one epoch's worth",
+        ),
+        Row(
+            "ddpflow: TrainBatches + training.loop.train_epoch",
+            Stats.of(rates["ddpflow"]),
+            "samples/s",
+            headline,
+            note=f"one full epoch; the split loaded in {load.seconds:.2f} s before it",
+        ),
     ]
-    rows.append(Row("  ddpflow's loader with the bare step (the loader's share of the gap)", Stats.of(rates["ddpflow_loader"]), "samples/s", ratio_to_compute("ddpflow_loader")))
+    rows.append(
+        Row(
+            "  ddpflow's loader with the bare step (the loader's share of the gap)",
+            Stats.of(rates["ddpflow_loader"]),
+            "samples/s",
+            ratio_to_compute("ddpflow_loader"),
+        )
+    )
     for name, (label, before) in REFERENCES.items():
-        rows.append(Row(label, Stats.of(rates[name]), "samples/s", ratio_to_compute(name), note=f"{sizes.steps} steps; measured before: {before}"))
+        rows.append(
+            Row(
+                label,
+                Stats.of(rates[name]),
+                "samples/s",
+                ratio_to_compute(name),
+                note=f"{sizes.steps} steps; measured before: {before}",
+            )
+        )
     notes = [
         f"{len(y):,} train rows x {x.shape[1]} features, batch {BATCH}, {ctx.threads} torch thread, one process; "
         f"{sizes.warmup} warm-up steps before each timing; the loaders take turns within each of {sizes.repeats} repeats, in reverse order every other repeat.",
         "ddpflow's epoch includes what its loop does beyond the bare step: per-sample loss with padding weights, the on-device loss sum, the sampler's per-epoch permutation.",
         f"Iterating ddpflow's loader alone costs {loader_alone(batches) * 1e6:.0f} µs per batch; a compute-limit step takes {1e6 * BATCH / Stats.of(rates['compute']).median:.0f} µs.",
     ]
-    return [Result(name="datapath", title=TITLE, ratio=headline, target=0.95, ratio_label="ddpflow samples/s ÷ compute limit", rows=rows, notes=notes)]
+    return [
+        Result(
+            name="datapath",
+            title=TITLE,
+            ratio=headline,
+            target=0.95,
+            ratio_label="ddpflow samples/s ÷ compute limit",
+            rows=rows,
+            notes=notes,
+        )
+    ]
 
 
 def loader_alone(batches) -> float:
@@ -104,7 +158,11 @@ def baselines_only(ctx: Context) -> Result:
     """Before ddpflow's loader exists: the reference loaders alone, so the harness still runs."""
     sizes = ctx.sizes
     x, y = train_arrays(ctx, sizes.rows)
-    epochs = {"compute": loaders.presliced(x, y, BATCH, sizes.steps + sizes.warmup), "per_row": loaders.per_row(x, y, BATCH), "batch_sampler": loaders.batch_sampler(x, y, BATCH)}
+    epochs = {
+        "compute": loaders.presliced(x, y, BATCH, sizes.steps + sizes.warmup),
+        "per_row": loaders.per_row(x, y, BATCH),
+        "batch_sampler": loaders.batch_sampler(x, y, BATCH),
+    }
     rates: dict[str, list[float]] = {name: [] for name in epochs}
     for _ in range(sizes.repeats):
         for name, epoch in epochs.items():
@@ -112,5 +170,15 @@ def baselines_only(ctx: Context) -> Result:
             samples, seconds = timed_steps(model, optimizer, cycle(epoch), sizes.steps, sizes.warmup)
             rates[name].append(samples / seconds)
     rows = [Row("compute limit", Stats.of(rates["compute"]), "samples/s")]
-    rows += [Row(label, Stats.of(rates[name]), "samples/s", Stats.of(a / b for a, b in zip(rates[name], rates["compute"]))) for name, (label, _) in REFERENCES.items()]
-    return Result(name="datapath", title=TITLE, target=0.95, rows=rows, status="skipped", reason="ddpflow's training loop (training/loop.py) does not exist yet")
+    rows += [
+        Row(label, Stats.of(rates[name]), "samples/s", Stats.of(a / b for a, b in zip(rates[name], rates["compute"])))
+        for name, (label, _) in REFERENCES.items()
+    ]
+    return Result(
+        name="datapath",
+        title=TITLE,
+        target=0.95,
+        rows=rows,
+        status="skipped",
+        reason="ddpflow's training loop (training/loop.py) does not exist yet",
+    )

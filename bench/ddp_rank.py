@@ -26,15 +26,21 @@ from pathlib import Path
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--feed", choices=["presliced", "ddpflow", "pandas"], required=True)
-    parser.add_argument("--data", required=True, help="presliced/pandas: a .npz of x, y; ddpflow: a prepared dataset dir")
+    parser.add_argument(
+        "--data", required=True, help="presliced/pandas: a .npz of x, y; ddpflow: a prepared dataset dir"
+    )
     parser.add_argument("--steps", type=int, required=True, help="timed micro-batch steps per rank")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--affinity", action="store_true", help="pin each rank to its own core(s)")
     parser.add_argument("--bucket-mb", type=float, default=None, help="DDP bucket_cap_mb; unset: DDP's defaults")
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step, no_sync between")
-    parser.add_argument("--independent", action="store_true", help="no DDP: each rank trains alone (the compute-only ceiling)")
-    parser.add_argument("--allreduce-probe", type=int, default=0, help="after training, time N all-reduces of the gradients' size")
+    parser.add_argument(
+        "--independent", action="store_true", help="no DDP: each rank trains alone (the compute-only ceiling)"
+    )
+    parser.add_argument(
+        "--allreduce-probe", type=int, default=0, help="after training, time N all-reduces of the gradients' size"
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--out", required=True)
@@ -56,12 +62,32 @@ class DdpflowFeed:
         self.api, self.args, self.device = ddpflow_api, args, device
         split = ddpflow_api.load_train_split(args.data)
         per_step = args.batch * world
-        self.warm = ddpflow_api.train_batches(ddpflow_api.first_rows(split, per_step * args.warmup), batch=args.batch, rank=rank, world_size=world, device=device)
-        self.timed = ddpflow_api.train_batches(ddpflow_api.first_rows(split, per_step * args.steps), batch=args.batch, rank=rank, world_size=world, device=device)
+        self.warm = ddpflow_api.train_batches(
+            ddpflow_api.first_rows(split, per_step * args.warmup),
+            batch=args.batch,
+            rank=rank,
+            world_size=world,
+            device=device,
+        )
+        self.timed = ddpflow_api.train_batches(
+            ddpflow_api.first_rows(split, per_step * args.steps),
+            batch=args.batch,
+            rank=rank,
+            world_size=world,
+            device=device,
+        )
 
     def run(self, ddp, optimizer, timed: bool) -> int:
         batches = self.timed if timed else self.warm
-        return self.api.train_epoch(ddp, optimizer, batches, int(timed), device=self.device, grad_accum=self.args.grad_accum, bf16=self.args.bf16)
+        return self.api.train_epoch(
+            ddp,
+            optimizer,
+            batches,
+            int(timed),
+            device=self.device,
+            grad_accum=self.args.grad_accum,
+            bf16=self.args.bf16,
+        )
 
 
 class PlainFeed:
@@ -104,7 +130,7 @@ class PlainFeed:
             x, y = next(self.batches)
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             last = (index + 1) % args.grad_accum == 0 or index == steps - 1
-            with (contextlib.nullcontext() if last else ddp.no_sync()), autocast():
+            with contextlib.nullcontext() if last else ddp.no_sync(), autocast():
                 loss = self.loss_fn(ddp(x), y)
             loss.backward()
             if last:
@@ -186,7 +212,10 @@ def allreduce_latency_ms(model, times: int) -> dict[str, float]:
         dist.all_reduce(buffer)
         seconds.append(time.perf_counter() - start)
     seconds.sort()
-    return {"allreduce_p50_ms": 1e3 * seconds[len(seconds) // 2], "allreduce_p90_ms": 1e3 * seconds[int(len(seconds) * 0.9)]}
+    return {
+        "allreduce_p50_ms": 1e3 * seconds[len(seconds) // 2],
+        "allreduce_p90_ms": 1e3 * seconds[int(len(seconds) * 0.9)],
+    }
 
 
 if __name__ == "__main__":

@@ -25,7 +25,9 @@ def load_train_split(dataset_dir: str | Path):
     return load_split(dataset_dir, "train")
 
 
-def train_batches(split, *, batch: int, rank: int = 0, world_size: int = 1, seed: int = 0, device: str | torch.device = "cpu"):
+def train_batches(
+    split, *, batch: int, rank: int = 0, world_size: int = 1, seed: int = 0, device: str | torch.device = "cpu"
+):
     """ddpflow's per-rank batches (``training.loading.TrainBatches``: DistributedSampler, one gather per batch)."""
     from training.loading import TrainBatches
 
@@ -44,7 +46,16 @@ def first_rows(split, rows: int):
     return SplitTensors(features[:rows], labels[:rows])
 
 
-def train_epoch(model, optimizer, batches, epoch: int, *, device: str | torch.device = "cpu", grad_accum: int = 1, bf16: bool = False) -> int:
+def train_epoch(
+    model,
+    optimizer,
+    batches,
+    epoch: int,
+    *,
+    device: str | torch.device = "cpu",
+    grad_accum: int = 1,
+    bf16: bool = False,
+) -> int:
     """ddpflow's training epoch (``training.loop.train_epoch``); returns the samples trained."""
     from training.loop import StepSettings
     from training.loop import train_epoch as ddpflow_train_epoch
@@ -82,7 +93,9 @@ def evaluate(model_path: str | Path, dataset_dir: str | Path, split: str = "test
     return evaluate_split(model_path, dataset_dir, split).samples
 
 
-EVALUATE_IN_A_PROCESS = "import sys; from training.evaluate import evaluate_split; print(evaluate_split(sys.argv[1], sys.argv[2]).metrics)"
+EVALUATE_IN_A_PROCESS = (
+    "import sys; from training.evaluate import evaluate_split; print(evaluate_split(sys.argv[1], sys.argv[2]).metrics)"
+)
 
 
 def launch_training(config, dataset_dir: str | Path, run_dir: Path, on_line, timeout_s: float = 600) -> None:
@@ -92,7 +105,13 @@ def launch_training(config, dataset_dir: str | Path, run_dir: Path, on_line, tim
 
     preflight(config, dataset_dir)
     job_path = TrainJob(config, str(dataset_dir), str(run_dir)).write(run_dir / "train_config.json")
-    launch(torchrun_command(config, job_path), run_dir, env=launch_env(config, run_dir), on_line=on_line, timeout_s=timeout_s)
+    launch(
+        torchrun_command(config, job_path),
+        run_dir,
+        env=launch_env(config, run_dir),
+        on_line=on_line,
+        timeout_s=timeout_s,
+    )
 
 
 RANK_MODULE = "training.train"  # what every rank runs: python -m training.train --config RUN_DIR/train_config.json

@@ -46,7 +46,9 @@ def run(ctx: Context) -> list[Result]:
         with Timer() as training:
             samples = ddpflow_api.train_epoch(model, optimizer, batches, repeat)
         train_rates.append(samples / training.seconds)
-        log(f"evaluate repeat {repeat + 1}: evaluate {eval_rates[-1]:,.0f} rows/s, training {train_rates[-1]:,.0f} rows/s")
+        log(
+            f"evaluate repeat {repeat + 1}: evaluate {eval_rates[-1]:,.0f} rows/s, training {train_rates[-1]:,.0f} rows/s"
+        )
     ratio = Stats.of(a / b for a, b in zip(eval_rates, train_rates))
     return [
         Result(
@@ -56,9 +58,16 @@ def run(ctx: Context) -> list[Result]:
             target=1.0,
             ratio_label="evaluate_split rows/s ÷ training rows/s on the same rows",
             rows=[
-                Row("evaluate_split (test split, from the shards, eval batch 65,536)", Stats.of(eval_rates), "rows/s", ratio),
+                Row(
+                    "evaluate_split (test split, from the shards, eval batch 65,536)",
+                    Stats.of(eval_rates),
+                    "rows/s",
+                    ratio,
+                ),
                 Row("training epoch on the test split's rows (in memory, batch 512)", Stats.of(train_rates), "rows/s"),
             ],
-            notes=[f"{len(test):,} test rows; evaluation time includes loading model.pt, reading the shards and the metrics (confusion matrix, per class)."],
+            notes=[
+                f"{len(test):,} test rows; evaluation time includes loading model.pt, reading the shards and the metrics (confusion matrix, per class)."
+            ],
         )
     ]

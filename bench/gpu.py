@@ -48,14 +48,30 @@ def run(ctx: Context) -> list[Result]:
         log(f"gpu repeat {repeat + 1}: compute limit {compute[-1]:,.0f}/s, ddpflow {ours[-1]:,.0f}/s")
     ratio = Stats.of(a / b for a, b in zip(ours, compute))
     rows = [
-        Row(f"compute limit on {torch.cuda.get_device_name(0)} (bf16, batches on the GPU)", Stats.of(compute), "samples/s"),
+        Row(
+            f"compute limit on {torch.cuda.get_device_name(0)} (bf16, batches on the GPU)",
+            Stats.of(compute),
+            "samples/s",
+        ),
         Row("ddpflow loader + training loop (bf16, pinned host memory)", Stats.of(ours), "samples/s", ratio),
     ]
-    notes = [f"{len(split):,} train rows, batch {BATCH}, {steps} steps per epoch. A 76k-parameter MLP at batch 512 keeps a big GPU mostly idle: these figures are bound by kernel launches."]
+    notes = [
+        f"{len(split):,} train rows, batch {BATCH}, {steps} steps per epoch. A 76k-parameter MLP at batch 512 keeps a big GPU mostly idle: these figures are bound by kernel launches."
+    ]
     gpus = torch.cuda.device_count()
     if gpus > 1:
         rows += nccl_scaling(ctx, dataset, gpus)
-    return [Result(name="gpu", title=TITLE, ratio=ratio, target=0.95, ratio_label="ddpflow samples/s ÷ compute limit, bf16 on one GPU", rows=rows, notes=notes)]
+    return [
+        Result(
+            name="gpu",
+            title=TITLE,
+            ratio=ratio,
+            target=0.95,
+            ratio_label="ddpflow samples/s ÷ compute limit, bf16 on one GPU",
+            rows=rows,
+            notes=notes,
+        )
+    ]
 
 
 def bf16_steps(model, optimizer, batches, steps: int, warmup: int) -> float:
@@ -88,7 +104,16 @@ def nccl_scaling(ctx: Context, dataset, gpus: int) -> list[Row]:
         for nproc in rates:
             out = ctx.workdir / "gpu-ddp" / f"{nproc}-{repeat}"
             args = ["--feed", "ddpflow", "--data", str(dataset), "--device", "cuda", "--bf16", "--batch", str(BATCH)]
-            args += ["--steps", str(ctx.sizes.ddp_steps), "--warmup", str(ctx.sizes.ddp_warmup), "--out", str(out), "--bucket-mb", "25"]
+            args += [
+                "--steps",
+                str(ctx.sizes.ddp_steps),
+                "--warmup",
+                str(ctx.sizes.ddp_warmup),
+                "--out",
+                str(out),
+                "--bucket-mb",
+                "25",
+            ]
             processes.run(processes.torchrun_argv(nproc, "bench.ddp_rank", args), timeout=600)
             ranks = processes.read_rank_files(out)
             rates[nproc].append(sum(r["samples"] for r in ranks) / max(r["seconds"] for r in ranks))

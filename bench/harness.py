@@ -148,7 +148,7 @@ def run_guarded(name: str, title: str, body: Callable[[], list[Result]]) -> list
     start = time.perf_counter()
     try:
         results = body()
-    except Exception as error:  # noqa: BLE001 - benchmarks never fail the run
+    except Exception as error:
         traceback.print_exc()
         results = [Result(name=name, title=title, status="error", reason=f"{type(error).__name__}: {error}")]
     elapsed = time.perf_counter() - start
@@ -218,7 +218,14 @@ def _gpu() -> dict[str, Any] | None:
 
 
 def write_results(
-    path: Path, *, mode: str, machine: dict[str, Any], results: Sequence[Result], started: float, argv: list[str], kept: Sequence[dict[str, Any]] = (),
+    path: Path,
+    *,
+    mode: str,
+    machine: dict[str, Any],
+    results: Sequence[Result],
+    started: float,
+    argv: list[str],
+    kept: Sequence[dict[str, Any]] = (),
     order: Sequence[str] = (),
 ) -> Path:
     """``kept``: benchmarks of an earlier run that this one did not repeat (``--only``); they keep their own time."""
@@ -230,7 +237,10 @@ def write_results(
         "started_at": started_at,
         "wall_s": round(time.time() - started, 1),
         "machine": machine,
-        "benchmarks": sorted([*kept, *fresh], key=lambda bench: list(order).index(bench["family"]) if bench.get("family") in order else len(order)),
+        "benchmarks": sorted(
+            [*kept, *fresh],
+            key=lambda bench: list(order).index(bench["family"]) if bench.get("family") in order else len(order),
+        ),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -255,7 +265,9 @@ def render_machine(payload: dict[str, Any]) -> str:
         f"| memory | {machine.get('memory_gib', '?')} GiB |",
         f"| GPU | {gpu['name'] + ' x' + str(gpu['count']) if gpu else 'none'} |",
         f"| load average at start / end | {_load(load)} / {_load(machine.get('load_average_end') or [])} |",
-        f"| software | Python {machine.get('python')}, " + ", ".join(f"{name} {value}" for name, value in versions.items() if value) + " |",
+        f"| software | Python {machine.get('python')}, "
+        + ", ".join(f"{name} {value}" for name, value in versions.items() if value)
+        + " |",
         f"| platform | {machine.get('platform')} |",
     ]
     return "\n".join(lines)
@@ -269,12 +281,16 @@ def render_summary(benchmarks: Sequence[dict[str, Any]]) -> str:
     lines = ["| benchmark | measured ratio: median (min–max) | target | met | measured at |", "|---|---|---|---|---|"]
     for bench in benchmarks:
         when = bench.get("measured_at", "")
-        lines.append(f"| [{bench['title']}](#{_anchor(bench['title'])}) | {_ratio_cell(bench)} | {bench['target_text']} | {_met_cell(bench)} | {when} |")
+        lines.append(
+            f"| [{bench['title']}](#{_anchor(bench['title'])}) | {_ratio_cell(bench)} | {bench['target_text']} | {_met_cell(bench)} | {when} |"
+        )
     return "\n".join(lines)
 
 
 def render_benchmark(bench: dict[str, Any]) -> str:
-    lines = [f"**{bench.get('ratio_label') or 'ratio'}: {_ratio_cell(bench)}**, target {bench['target_text']}: {_met_cell(bench)}."]
+    lines = [
+        f"**{bench.get('ratio_label') or 'ratio'}: {_ratio_cell(bench)}**, target {bench['target_text']}: {_met_cell(bench)}."
+    ]
     if bench["status"] != "ok":
         lines.append("")
         lines.append(f"Not measured in this run: {bench['reason']}")
@@ -288,7 +304,9 @@ def render_benchmark(bench: dict[str, Any]) -> str:
         lines.append("")
         lines += [f"- {note}" for note in bench["notes"]]
     lines.append("")
-    lines.append(f"<sub>Measured by `python -m bench --only {bench.get('family', bench['name'])}` ({bench['seconds']:.0f} s in this run).</sub>")
+    lines.append(
+        f"<sub>Measured by `python -m bench --only {bench.get('family', bench['name'])}` ({bench['seconds']:.0f} s in this run).</sub>"
+    )
     return "\n".join(lines)
 
 

@@ -11,6 +11,7 @@ Each factory returns a function that starts one epoch (an iterator of (x, y)).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler
 
@@ -87,4 +88,3 @@ def pandas_rows(frame, features: list[str], label: str, batch: int, sampler=None
         return iter(loader)
 
     return epoch
-

@@ -47,7 +47,9 @@ def run(ctx: Context) -> list[Result]:
         ratio_label="peak RSS of one rank's load above imports ÷ raw train bytes",
         rows=[Row("raw train bytes", Stats.of([train_raw / 1e6]), "MB")]
         + [Row(label, Stats.of(v / 1e6 for v in peaks[how]), "MB", ratio[how]) for how, label in LOADS.items()],
-        notes=[f"Train split of the {rows:,}-row dataset; each load in a fresh process, peak from the kernel's VmHWM after a reset; {ctx.sizes.memory_repeats} run(s) each."],
+        notes=[
+            f"Train split of the {rows:,}-row dataset; each load in a fresh process, peak from the kernel's VmHWM after a reset; {ctx.sizes.memory_repeats} run(s) each."
+        ],
     )
     return [load, prepare_memory(ctx)]
 
@@ -58,7 +60,9 @@ def prepare_memory(ctx: Context) -> Result:
     for repeat in range(ctx.sizes.memory_repeats):
         for rows in (small, large):
             root = ctx.workdir / "prepare-memory" / f"{rows}-{repeat}"
-            peaks[rows].append(probe(["prepare", "--source", str(source_file(ctx, rows)), "--root", str(root)])["peak_above_imports"])
+            peaks[rows].append(
+                probe(["prepare", "--source", str(source_file(ctx, rows)), "--root", str(root)])["peak_above_imports"]
+            )
     log(f"prepare peak MB: {small:,} rows {peaks[small][-1] / 1e6:.0f}, {large:,} rows {peaks[large][-1] / 1e6:.0f}")
     growth = Stats.of(b / a for a, b in zip(peaks[small], peaks[large]))
     return Result(
@@ -70,7 +74,12 @@ def prepare_memory(ctx: Context) -> Result:
         ratio_label=f"prepare peak RSS at {large // small}x rows ÷ at 1x",
         rows=[
             Row(f"{small:,} rows ({raw_bytes(small) / 1e6:.0f} MB raw)", Stats.of(v / 1e6 for v in peaks[small]), "MB"),
-            Row(f"{large:,} rows ({raw_bytes(large) / 1e6:.0f} MB raw)", Stats.of(v / 1e6 for v in peaks[large]), "MB", growth),
+            Row(
+                f"{large:,} rows ({raw_bytes(large) / 1e6:.0f} MB raw)",
+                Stats.of(v / 1e6 for v in peaks[large]),
+                "MB",
+                growth,
+            ),
         ],
         notes=["Peak RSS above imports of prepare_dataset in a fresh process; the source is one Parquet file."],
     )

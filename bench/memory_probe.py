@@ -54,7 +54,9 @@ def load(how: str, dataset: str):
         import pandas as pd
 
         frame = pd.concat([pd.read_parquet(path, columns=columns) for path in files], ignore_index=True)
-        return torch.tensor(frame[manifest.features].to_numpy(dtype="float32")), torch.tensor(frame[manifest.label].to_numpy())
+        return torch.tensor(frame[manifest.features].to_numpy(dtype="float32")), torch.tensor(
+            frame[manifest.label].to_numpy()
+        )
     raise ValueError(f"unknown --how {how!r}")
 
 
@@ -82,7 +84,7 @@ def main() -> None:
     import pyarrow.parquet  # noqa: F401
     import torch  # noqa: F401
 
-    import training.data.prepare  # noqa: F401
+    import training.data.prepare
     import training.loading  # noqa: F401
 
     baseline = rss_bytes("VmRSS")

@@ -41,8 +41,19 @@ def small_config(ctx: Context, root: Path, **train):
     return PipelineConfig.model_validate(
         {
             "data": {"source": synthetic_url(rows), "root": str(ctx.workdir / "small-shards")},
-            "train": {"epochs": 1, "batch_size": BATCH, "nproc_per_node": 2, "run_root": str(root / "runs"), "max_restarts": 0, **train},
-            "mlflow": {"tracking_uri": f"sqlite:///{root / 'mlflow.db'}", "artifact_location": (root / "mlartifacts").as_uri(), "experiment": "bench"},
+            "train": {
+                "epochs": 1,
+                "batch_size": BATCH,
+                "nproc_per_node": 2,
+                "run_root": str(root / "runs"),
+                "max_restarts": 0,
+                **train,
+            },
+            "mlflow": {
+                "tracking_uri": f"sqlite:///{root / 'mlflow.db'}",
+                "artifact_location": (root / "mlartifacts").as_uri(),
+                "experiment": "bench",
+            },
             "registry": {"model_name": "bench-model"},
         }
     )
@@ -71,11 +82,22 @@ def launch_latency(ctx: Context) -> Result:
         ours.append(times["first step"])
         first_line.append(times.get("first line", float("nan")))
         whole.append(times["end"])
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--tee", "3", str(noop)]
+        argv = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "--tee",
+            "3",
+            str(noop),
+        ]
         ready, wall = processes.run_timed_lines(argv, "ranks ready", timeout=300)
         bare.append(ready)
         bare_wall.append(wall)
-        log(f"launch repeat {repeat + 1}: ddpflow first step {ours[-1]:.2f} s, bare torchrun no-op ready {ready:.2f} s (exit {wall:.2f} s)")
+        log(
+            f"launch repeat {repeat + 1}: ddpflow first step {ours[-1]:.2f} s, bare torchrun no-op ready {ready:.2f} s (exit {wall:.2f} s)"
+        )
     # The issue's reference: a bare torchrun no-op's whole run (3.8 s when it was filed).
     extra = Stats.of(a - b for a, b in zip(ours, bare_wall))
     # Stricter: only until the no-op's ranks have joined the group.
@@ -89,9 +111,25 @@ def launch_latency(ctx: Context) -> Result:
         ratio_label="ddpflow launch → first step, minus a bare torchrun no-op's wall time (seconds)",
         rows=[
             Row("bare torchrun, 2 ranks: init_process_group + barrier → ready", Stats.of(bare), "s"),
-            Row("  the same, to exit (the reference)", Stats.of(bare_wall), "s", note="measured when the issue was filed: 3.8 s"),
-            Row("ddpflow: preflight + job file + tasks/torchrun.launch → rank 0's first line", Stats.of(first_line), "s", note="imports, process group, CPU setup; DDP's torch._dynamo import runs on a thread from the rank's start"),
-            Row("ddpflow: the same → rank 0's first step", Stats.of(ours), "s", extra, note="+ load train and val splits, model, DDP"),
+            Row(
+                "  the same, to exit (the reference)",
+                Stats.of(bare_wall),
+                "s",
+                note="measured when the issue was filed: 3.8 s",
+            ),
+            Row(
+                "ddpflow: preflight + job file + tasks/torchrun.launch → rank 0's first line",
+                Stats.of(first_line),
+                "s",
+                note="imports, process group, CPU setup; DDP's torch._dynamo import runs on a thread from the rank's start",
+            ),
+            Row(
+                "ddpflow: the same → rank 0's first step",
+                Stats.of(ours),
+                "s",
+                extra,
+                note="+ load train and val splits, model, DDP",
+            ),
             Row("  ddpflow's first step − the no-op's ranks ready (stricter)", extra_to_ready, "s"),
             Row("ddpflow: the same launch to exit (1 epoch, checkpoints, model.pt)", Stats.of(whole), "s"),
         ],
@@ -142,7 +180,9 @@ def orchestration(ctx: Context) -> Result:
             root = ctx.workdir / "orchestration" / str(repeat)
             ours.append(ddpflow_run_wall(ctx, root / "ddpflow", env))
             bare.append(bare_train_eval_wall(ctx, dataset, root / "bare", env))
-            log(f"orchestration repeat {repeat + 1}: ddpflow run {ours[-1]:.1f} s, bare torchrun + evaluate {bare[-1]:.1f} s")
+            log(
+                f"orchestration repeat {repeat + 1}: ddpflow run {ours[-1]:.1f} s, bare torchrun + evaluate {bare[-1]:.1f} s"
+            )
     finally:
         stop_process(server)
     extra = Stats.of(a - b for a, b in zip(ours, bare))
@@ -156,8 +196,18 @@ def orchestration(ctx: Context) -> Result:
         rows=[
             Row("bare: torchrun training.train, then evaluate_split in a plain process", Stats.of(bare), "s"),
             Row("`ddpflow run` against a running Prefect server", Stats.of(ours), "s", extra),
-            Row("  of which: a fresh process importing the flow (Prefect, MLflow, tasks)", Stats.of(imports), "s", note="the CLI process pays this once"),
-            Row("starting a Prefect server (what a run without PREFECT_API_URL adds)", Stats.of([start_seconds]), "s", note="counted separately"),
+            Row(
+                "  of which: a fresh process importing the flow (Prefect, MLflow, tasks)",
+                Stats.of(imports),
+                "s",
+                note="the CLI process pays this once",
+            ),
+            Row(
+                "starting a Prefect server (what a run without PREFECT_API_URL adds)",
+                Stats.of([start_seconds]),
+                "s",
+                note="counted separately",
+            ),
         ],
         notes=[
             f"{ctx.sizes.orchestration_rows:,} rows, 1 epoch, 2 ranks; the dataset was prepared beforehand, so the flow's prepare is a cache hit. "
@@ -200,7 +250,11 @@ def bare_train_eval_wall(ctx: Context, dataset: Path, root: Path, env: dict[str,
     bare_env.pop("PREFECT_API_URL", None)
     with Timer() as wall:
         processes.run(processes.torchrun_argv(2, RANK_MODULE, ["--config", str(job)]), timeout=600, env=bare_env)
-        processes.run([sys.executable, "-c", EVALUATE_IN_A_PROCESS, str(run_dir / "model.pt"), str(dataset)], timeout=600, env=bare_env)
+        processes.run(
+            [sys.executable, "-c", EVALUATE_IN_A_PROCESS, str(run_dir / "model.pt"), str(dataset)],
+            timeout=600,
+            env=bare_env,
+        )
     return wall.seconds
 
 
@@ -236,4 +290,3 @@ def start_prefect_server(env: dict[str, str], log_path: Path) -> tuple[subproces
 
 def stop_process(process: subprocess.Popen) -> None:
     processes.kill_tree(process)
-

@@ -34,10 +34,20 @@ def child_env(threads: int = 1, **extra: str) -> dict[str, str]:
     return env
 
 
-def run(argv: list[str], *, timeout: float, env: dict[str, str] | None = None, cwd: Path = REPO_ROOT) -> tuple[str, float]:
+def run(
+    argv: list[str], *, timeout: float, env: dict[str, str] | None = None, cwd: Path = REPO_ROOT
+) -> tuple[str, float]:
     """Run to completion; (combined output, wall seconds). Raises ChildFailed with the output's tail."""
     start = time.perf_counter()
-    process = subprocess.Popen(argv, cwd=cwd, env=env or child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    process = subprocess.Popen(
+        argv,
+        cwd=cwd,
+        env=env or child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -46,14 +56,27 @@ def run(argv: list[str], *, timeout: float, env: dict[str, str] | None = None, c
         raise ChildFailed(f"{' '.join(argv[:6])} ... timed out after {timeout:.0f} s:\n{output[-2000:]}") from None
     wall = time.perf_counter() - start
     if process.returncode != 0:
-        raise ChildFailed(f"{' '.join(argv)} exited {process.returncode}:\n{_first_error(output)}\n...\n{output[-2000:]}")
+        raise ChildFailed(
+            f"{' '.join(argv)} exited {process.returncode}:\n{_first_error(output)}\n...\n{output[-2000:]}"
+        )
     return output, wall
 
 
-def run_timed_lines(argv: list[str], marker: str, *, timeout: float, env: dict[str, str] | None = None) -> tuple[float, float]:
+def run_timed_lines(
+    argv: list[str], marker: str, *, timeout: float, env: dict[str, str] | None = None
+) -> tuple[float, float]:
     """Run to completion; (seconds until the first line containing ``marker``, wall seconds)."""
     start = time.perf_counter()
-    process = subprocess.Popen(argv, cwd=REPO_ROOT, env=env or child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
+    process = subprocess.Popen(
+        argv,
+        cwd=REPO_ROOT,
+        env=env or child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+        start_new_session=True,
+    )
     seen, tail = None, []
     try:
         for line in process.stdout:
@@ -68,7 +91,9 @@ def run_timed_lines(argv: list[str], marker: str, *, timeout: float, env: dict[s
             kill_tree(process)
     wall = time.perf_counter() - start
     if process.returncode != 0 or seen is None:
-        raise ChildFailed(f"{' '.join(argv)} exited {process.returncode}, marker {marker!r} {'seen' if seen else 'not seen'}:\n{''.join(tail)}")
+        raise ChildFailed(
+            f"{' '.join(argv)} exited {process.returncode}, marker {marker!r} {'seen' if seen else 'not seen'}:\n{''.join(tail)}"
+        )
     return seen, wall
 
 
@@ -87,7 +112,16 @@ def kill_tree(process: subprocess.Popen) -> None:
 
 
 def torchrun_argv(nproc: int, module: str, args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", module, *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        module,
+        *args,
+    ]
 
 
 def python_argv(module: str, args: list[str]) -> list[str]:

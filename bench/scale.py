@@ -52,7 +52,9 @@ def run(ctx: Context) -> list[Result]:
     by_size = {}
     for rows in sizes:
         by_size[rows] = stage_times(ctx, rows)
-        log(f"scale {rows:,} rows: " + ", ".join(f"{stage} {seconds:.2f} s" for stage, seconds in by_size[rows].items()))
+        log(
+            f"scale {rows:,} rows: " + ", ".join(f"{stage} {seconds:.2f} s" for stage, seconds in by_size[rows].items())
+        )
     small, large = sizes[0], sizes[-1]
     rows_out: list[Row] = []
     growth: dict[str, float] = {}
@@ -78,4 +80,3 @@ def run(ctx: Context) -> list[Result]:
             ],
         )
     ]
-

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.harness import Result, Row, Stats, log, turns
 from bench import processes
+from bench.harness import Result, Row, Stats, log, turns
 from bench.workload import BATCH, Context, ddpflow_has, prepared_dir, train_arrays
+
 
 @dataclass(frozen=True)
 class Config:
@@ -41,11 +42,35 @@ def configs(ctx: Context, feed: str) -> list[Config]:
         Config("one", "one rank (baseline)", 1, bucket),
         Config("plain", "2 ranks, plain DDP (default buckets, no pinning)", 2),
         Config("affinity", "2 ranks + cpu affinity", 2, ["--affinity"]),
-        Config("bucket", "2 ranks + cpu affinity + one gradient bucket (ddpflow's defaults)", 2, ["--affinity", *bucket]),
-        Config("alone", "2 ranks pinned, no gradient sync at all (compute alone: this machine's ceiling)", 2, ["--affinity", "--independent", "--allreduce-probe", "300"]),
-        Config("accum", f"2 ranks, ddpflow's defaults + grad_accum {accum} (no_sync)", 2, ["--affinity", *bucket, "--grad-accum", str(accum)]),
-        Config("accum_more", f"2 ranks, ddpflow's defaults + grad_accum {ctx.sizes.grad_accum_more} (no_sync)", 2, ["--affinity", *bucket, "--grad-accum", str(ctx.sizes.grad_accum_more)]),
-        Config("naive", "plain user code: pandas per-row Dataset, 2 ranks", 2, feed="pandas", steps=ctx.sizes.naive_steps, warmup=2),
+        Config(
+            "bucket", "2 ranks + cpu affinity + one gradient bucket (ddpflow's defaults)", 2, ["--affinity", *bucket]
+        ),
+        Config(
+            "alone",
+            "2 ranks pinned, no gradient sync at all (compute alone: this machine's ceiling)",
+            2,
+            ["--affinity", "--independent", "--allreduce-probe", "300"],
+        ),
+        Config(
+            "accum",
+            f"2 ranks, ddpflow's defaults + grad_accum {accum} (no_sync)",
+            2,
+            ["--affinity", *bucket, "--grad-accum", str(accum)],
+        ),
+        Config(
+            "accum_more",
+            f"2 ranks, ddpflow's defaults + grad_accum {ctx.sizes.grad_accum_more} (no_sync)",
+            2,
+            ["--affinity", *bucket, "--grad-accum", str(ctx.sizes.grad_accum_more)],
+        ),
+        Config(
+            "naive",
+            "plain user code: pandas per-row Dataset, 2 ranks",
+            2,
+            feed="pandas",
+            steps=ctx.sizes.naive_steps,
+            warmup=2,
+        ),
     ]
     wanted = set(ctx.sizes.ddp_configs) - ({"naive"} if feed != "ddpflow" else set())
     return [config for config in every if config.key in wanted]
@@ -79,7 +104,13 @@ def run(ctx: Context) -> list[Result]:
         return Stats.of(two / (2 * one) for two, one in zip(rates[key], rates["one"]))
 
     def row(key: str, with_ratio: bool = True) -> Row:
-        return Row(labels[key], Stats.of(rates[key]), "samples/s", efficiency(key) if with_ratio else None, note=f"effective batch {batches[key]}")
+        return Row(
+            labels[key],
+            Stats.of(rates[key]),
+            "samples/s",
+            efficiency(key) if with_ratio else None,
+            note=f"effective batch {batches[key]}",
+        )
 
     common = (
         f"Ranks run {what_ranks_run(feed)}; "
@@ -96,7 +127,10 @@ def run(ctx: Context) -> list[Result]:
             target=0.75,
             ratio_label=f"{labels[headline]} ÷ 2 × one rank",
             rows=[row("one", False)] + [row(key) for key in unchanged] + ceiling_rows(rates, probes, row),
-            notes=[common, "Semantics unchanged in these rows: each optimizer step averages 2 × 512 samples. The rows add one change each; the last is what ddpflow does by default (train.cpu_affinity=true, DDP bucket_cap_mb=25: the model's ~0.3 MB of gradients go in one all-reduce)."],
+            notes=[
+                common,
+                "Semantics unchanged in these rows: each optimizer step averages 2 × 512 samples. The rows add one change each; the last is what ddpflow does by default (train.cpu_affinity=true, DDP bucket_cap_mb=25: the model's ~0.3 MB of gradients go in one all-reduce).",
+            ],
         )
     ]
     accumulated = [key for key in ("accum", "accum_more") if key in rates]
@@ -127,8 +161,18 @@ def run(ctx: Context) -> list[Result]:
                 ratio=ratio,
                 ratio_label="ddpflow's 2-rank training samples/s ÷ the plain way's",
                 rows=[
-                    Row("plain way: per-row Dataset over a pandas DataFrame, DataLoader + DistributedSampler, DDP", Stats.of(rates["naive"]), "samples/s", note=f"{sizes.naive_steps} timed steps after 2 warm-up steps (it is that slow)"),
-                    Row("ddpflow: loader, training loop, DDP with its defaults", Stats.of(rates["bucket"]), "samples/s", ratio),
+                    Row(
+                        "plain way: per-row Dataset over a pandas DataFrame, DataLoader + DistributedSampler, DDP",
+                        Stats.of(rates["naive"]),
+                        "samples/s",
+                        note=f"{sizes.naive_steps} timed steps after 2 warm-up steps (it is that slow)",
+                    ),
+                    Row(
+                        "ddpflow: loader, training loop, DDP with its defaults",
+                        Stats.of(rates["bucket"]),
+                        "samples/s",
+                        ratio,
+                    ),
                 ],
                 notes=["Same model, optimizer, batch 512 per rank, 2 ranks under torchrun, in the same run."],
             )
@@ -143,13 +187,30 @@ def ceiling_rows(rates: dict[str, list[float]], probes: dict[str, list[float]], 
     rows = [row("alone")]
     if probes["allreduce_p50_ms"]:
         rows += [
-            Row("  one all-reduce of the gradients (0.3 MB) between the 2 idle ranks: median", Stats.of(probes["allreduce_p50_ms"]), "ms"),
-            Row("  the same: 90th percentile", Stats.of(probes["allreduce_p90_ms"]), "ms", note="vs a ~4 ms compute step"),
+            Row(
+                "  one all-reduce of the gradients (0.3 MB) between the 2 idle ranks: median",
+                Stats.of(probes["allreduce_p50_ms"]),
+                "ms",
+            ),
+            Row(
+                "  the same: 90th percentile",
+                Stats.of(probes["allreduce_p90_ms"]),
+                "ms",
+                note="vs a ~4 ms compute step",
+            ),
         ]
     return rows
 
 
-def measure(ctx: Context, config: Config, feed: str, feed_data: dict[str, str], repeat: int, batches: dict[str, int], probes: dict[str, list[float]]) -> float:
+def measure(
+    ctx: Context,
+    config: Config,
+    feed: str,
+    feed_data: dict[str, str],
+    repeat: int,
+    batches: dict[str, int],
+    probes: dict[str, list[float]],
+) -> float:
     """One torchrun launch of ``config``; total samples/s over the ranks."""
     sizes = ctx.sizes
     steps = config.steps or sizes.ddp_steps

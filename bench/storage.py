@@ -110,8 +110,20 @@ def shard_size(ctx: Context, rows: int, source: Path) -> Result:
         rows=[
             Row("raw bytes (float32 features + int64 label)", Stats.of([raw / 1e6]), "MB"),
             Row("ddpflow shards, all splits", Stats.of([dataset_bytes(dataset_dir) / 1e6]), "MB", Stats.of([ours])),
-            Row("pyarrow defaults (dictionary, snappy), same rows", Stats.of([default * raw / 1e6]), "MB", Stats.of([default])),
-            Row("the source file (synthetic generator: no dictionary, snappy)", Stats.of([source.stat().st_size / 1e6]), "MB", Stats.of([source.stat().st_size / raw])),
+            Row(
+                "pyarrow defaults (dictionary, snappy), same rows",
+                Stats.of([default * raw / 1e6]),
+                "MB",
+                Stats.of([default]),
+            ),
+            Row(
+                "the source file (synthetic generator: no dictionary, snappy)",
+                Stats.of([source.stat().st_size / 1e6]),
+                "MB",
+                Stats.of([source.stat().st_size / raw]),
+            ),
         ],
-        notes=["Sizes are deterministic for the data: measured once. Random float32 features do not compress; the label column does."],
+        notes=[
+            "Sizes are deterministic for the data: measured once. Random float32 features do not compress; the label column does."
+        ],
     )

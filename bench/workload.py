@@ -36,7 +36,9 @@ class Sizes:
     ddp_warmup: int = 30
     naive_steps: int = 15
     grad_accum: int = 4
-    grad_accum_more: int = 8  # the headline: the accumulation this machine needs to hide its all-reduce (docs/benchmarks.md)
+    grad_accum_more: int = (
+        8  # the headline: the accumulation this machine needs to hide its all-reduce (docs/benchmarks.md)
+    )
     ddp_configs: tuple[str, ...] = ("one", "plain", "affinity", "bucket", "alone", "accum", "accum_more", "naive")
     ddp_repeats: int = 3
     memory_repeats: int = 2
@@ -168,7 +170,9 @@ def ddpflow_has(module: str) -> bool:
 # --------------------------------------------------------------------------- model and loop
 
 
-def build_model_and_optimizer(n_features: int = FEATURES, n_outputs: int = CLASSES, seed: int = 0, device: str | None = None):
+def build_model_and_optimizer(
+    n_features: int = FEATURES, n_outputs: int = CLASSES, seed: int = 0, device: str | None = None
+):
     import torch
 
     from training.models import ModelSpec, build_model

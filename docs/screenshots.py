@@ -25,7 +25,7 @@ from websockets.sync.client import connect
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flows.stack import StackLayout, StackState  # noqa: E402
+from flows.stack import StackLayout, StackState
 
 # (file name, which UI, path): the pages a reader of docs/deployments.md wants to see.
 PAGES = (
@@ -119,6 +119,7 @@ def main() -> None:
         finally:
             browser.terminate()
             browser.wait(timeout=30)
+
 
 if __name__ == "__main__":
     main()

@@ -21,12 +21,25 @@ from training.config import ConfigError, PipelineConfig, load_config
 
 # Errors that are the user's to fix: print the message, not a traceback.
 # ConnectionError: an unreachable tracking server (tasks.tracking.TrackingUnreachableError) names its URI.
-USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, ValueError, FileNotFoundError, PermissionError, ConnectionError)
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    ConfigError,
+    ValueError,
+    FileNotFoundError,
+    PermissionError,
+    ConnectionError,
+)
 
 
 def _config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", "-c", help="YAML config file")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value (repeatable)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a config value (repeatable)",
+    )
     parser.add_argument("--json", action="store_true", help="print one machine-readable JSON object")
 
 
@@ -42,7 +55,9 @@ def cmd_prepare(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ddpflow", description="Retrain PyTorch models on a schedule: prepare, train (DDP), evaluate, register.")
+    parser = argparse.ArgumentParser(
+        prog="ddpflow", description="Retrain PyTorch models on a schedule: prepare, train (DDP), evaluate, register."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     prepare = sub.add_parser("prepare", help="raw data -> Parquet shards per split, with a manifest")
     _config_args(prepare)
@@ -76,7 +91,6 @@ def main(argv: list[str] | None = None) -> int:
     if summary is not None:
         _print_summary(summary, getattr(args, "json", False))
     return 0
-
 
 
 if __name__ == "__main__":

@@ -30,7 +30,9 @@ def resolve_config(
     raw = read_yaml(config_file) if config_file else {}
     if config is not None:
         # Only the fields the caller set: defaults must not mask the file's values.
-        given = config.model_dump(mode="json", exclude_unset=True) if isinstance(config, PipelineConfig) else dict(config)
+        given = (
+            config.model_dump(mode="json", exclude_unset=True) if isinstance(config, PipelineConfig) else dict(config)
+        )
         raw = _deep_merge(raw, given)
     return validate_config(apply_overrides(raw, list(overrides or [])))
 

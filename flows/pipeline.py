@@ -30,8 +30,15 @@ from tasks.evaluate import evaluate_model
 from tasks.prepare import prepare_data
 from tasks.register import register_model
 from tasks.rundirs import find_resumable_run, new_run_dir
-from tasks.tracking import champion_checkpoint, check_tracking_reachable, end_pipeline_run, resolve_tracking_uri, run_url, start_pipeline_run
 from tasks.torchrun import LaunchInterrupted, detect_cuda_devices, resolve_backend, resolve_nproc
+from tasks.tracking import (
+    champion_checkpoint,
+    check_tracking_reachable,
+    end_pipeline_run,
+    resolve_tracking_uri,
+    run_url,
+    start_pipeline_run,
+)
 from tasks.train import train_model
 from training.config import PipelineConfig
 from training.preflight import check_fits_dataset, check_runnable
@@ -88,10 +95,19 @@ def train_pipeline(
     )
     try:
         _tag_run(tracking_uri, run_id, {RUN_DIR_TAG: str(run_dir)})  # checkpoints and logs, for people
-        trained = train_model(config, str(prepared.dataset_dir), str(run_dir), mlflow_run_id=run_id, tracking_uri=tracking_uri, init_weights=init_weights)
+        trained = train_model(
+            config,
+            str(prepared.dataset_dir),
+            str(run_dir),
+            mlflow_run_id=run_id,
+            tracking_uri=tracking_uri,
+            init_weights=init_weights,
+        )
         _tag_run(tracking_uri, run_id, {"ddp.restarts": str(trained.restarts)})
         test_metrics = evaluate_model(trained.model_path, str(prepared.dataset_dir), run_id, tracking_uri, config)
-        decision = register_model(config, run_id, trained.model_path, str(prepared.dataset_dir), test_metrics, tracking_uri)
+        decision = register_model(
+            config, run_id, trained.model_path, str(prepared.dataset_dir), test_metrics, tracking_uri
+        )
     except BaseException as error:
         end_pipeline_run(run_id, tracking_uri, status="KILLED" if isinstance(error, INTERRUPTIONS) else "FAILED")
         raise
@@ -127,7 +143,10 @@ def _warm_start_weights(config: PipelineConfig, run_dir: Path, logger: Any) -> s
         return config.train.init_from
     checkpoint = champion_checkpoint(config, destination=run_dir / "init")
     if checkpoint is None:
-        logger.warning("train.init_from=champion, but %r has no champion yet: starting from fresh weights", config.registry.model_name)
+        logger.warning(
+            "train.init_from=champion, but %r has no champion yet: starting from fresh weights",
+            config.registry.model_name,
+        )
         return None
     logger.info("Warm start from the champion's weights: %s", checkpoint)
     return str(checkpoint)

@@ -16,7 +16,9 @@ from flows.cli import USER_ERRORS, _config_args, _load, _print_summary
 
 
 def add_run_command(sub: Any) -> None:
-    parser = sub.add_parser("run", help="run the whole pipeline once, locally: prepare, train (DDP), evaluate, register")
+    parser = sub.add_parser(
+        "run", help="run the whole pipeline once, locally: prepare, train (DDP), evaluate, register"
+    )
     _config_args(parser)
     parser.set_defaults(handler=cmd_run)
 
@@ -62,7 +64,9 @@ def _for_people(summary: dict[str, Any]) -> dict[str, Any]:
     """The headline test metrics on one line; per-class precision/recall stay in --json and MLflow."""
     metrics = summary.get("test_metrics") or {}
     headline = {name: value for name, value in metrics.items() if not re.search(r"_(precision|recall)_", name)}
-    shown = ", ".join(f"{name}={value:.4g}" if isinstance(value, float) else f"{name}={value}" for name, value in headline.items())
+    shown = ", ".join(
+        f"{name}={value:.4g}" if isinstance(value, float) else f"{name}={value}" for name, value in headline.items()
+    )
     return {**summary, "test_metrics": shown}
 
 
@@ -73,7 +77,9 @@ def _print_where_to_look(summary: dict[str, Any]) -> None:
     ]
     uri = str(summary.get("tracking_uri") or "")
     if uri.startswith("sqlite:"):
-        lines.append(f"MLflow UI on this store:  mlflow ui --backend-store-uri {uri}   then open {summary.get('mlflow_run_url')}")
+        lines.append(
+            f"MLflow UI on this store:  mlflow ui --backend-store-uri {uri}   then open {summary.get('mlflow_run_url')}"
+        )
     elif summary.get("mlflow_run_url"):
         lines.append(f"MLflow run: {summary['mlflow_run_url']}")
     print("\n".join(lines))

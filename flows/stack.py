@@ -65,7 +65,9 @@ class StackLayout:
     mlflow_dir: Path
 
     @classmethod
-    def for_project(cls, project: str | Path, state_dir: str | Path | None = None, mlflow_dir: str | Path | None = None) -> StackLayout:
+    def for_project(
+        cls, project: str | Path, state_dir: str | Path | None = None, mlflow_dir: str | Path | None = None
+    ) -> StackLayout:
         project = Path(project).resolve()
         return cls(
             project=project,
@@ -107,7 +109,9 @@ class StackState:
         return f"{self.prefect_url}/api"
 
     def to_json(self) -> str:
-        return json.dumps({"prefect_url": self.prefect_url, "mlflow_url": self.mlflow_url, "processes": self.processes}, indent=2)
+        return json.dumps(
+            {"prefect_url": self.prefect_url, "mlflow_url": self.mlflow_url, "processes": self.processes}, indent=2
+        )
 
     @classmethod
     def read(cls, path: Path) -> StackState | None:
@@ -170,13 +174,21 @@ def _log_tail(log: Path, lines: int = 20) -> str:
     return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
 
 
-def start_process(name: str, argv: list[str], layout: StackLayout, env: Mapping[str, str], state: StackState) -> psutil.Process:
+def start_process(
+    name: str, argv: list[str], layout: StackLayout, env: Mapping[str, str], state: StackState
+) -> psutil.Process:
     """Start one stack process in its own session, log to .ddpflow/logs/<name>.log, record its PID."""
     layout.logs.mkdir(parents=True, exist_ok=True)
     log_path = layout.logs / f"{name}.log"
     with log_path.open("ab") as log:
         popen = subprocess.Popen(
-            argv, cwd=layout.project, env=dict(env), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            argv,
+            cwd=layout.project,
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     process = psutil.Process(popen.pid)
     # create_time guards `down` against a PID the OS has since reused.
@@ -185,7 +197,9 @@ def start_process(name: str, argv: list[str], layout: StackLayout, env: Mapping[
     return process
 
 
-def wait_until_ready(name: str, url: str, process: psutil.Process, log: Path, timeout_s: float = READY_TIMEOUT_S) -> None:
+def wait_until_ready(
+    name: str, url: str, process: psutil.Process, log: Path, timeout_s: float = READY_TIMEOUT_S
+) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if not process.is_running() or process.status() == psutil.STATUS_ZOMBIE:
@@ -203,7 +217,9 @@ def run_cli(argv: list[str], layout: StackLayout, env: Mapping[str, str], what: 
     with (layout.logs / "cli.log").open("a") as log:
         log.write(f"$ {' '.join(argv)}\n{result.stdout}{result.stderr}\n")
     if result.returncode != 0:
-        raise StackError(f"{what} failed (exit {result.returncode}): {' '.join(argv)}\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
+        raise StackError(
+            f"{what} failed (exit {result.returncode}): {' '.join(argv)}\n{result.stdout[-2000:]}{result.stderr[-2000:]}"
+        )
     return result.stdout
 
 
@@ -213,7 +229,14 @@ def prefect_argv(*args: str) -> list[str]:
 
 def ensure_work_pool(layout: StackLayout, env: Mapping[str, str], pool: str = WORK_POOL) -> None:
     """Create the process work pool unless it exists (keeps settings made in the UI)."""
-    inspect = subprocess.run(prefect_argv("work-pool", "inspect", pool), cwd=layout.project, env=dict(env), capture_output=True, text=True, timeout=120)
+    inspect = subprocess.run(
+        prefect_argv("work-pool", "inspect", pool),
+        cwd=layout.project,
+        env=dict(env),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if inspect.returncode == 0:
         return
     run_cli(prefect_argv("work-pool", "create", pool, "--type", "process"), layout, env, f"creating work pool {pool}")
@@ -242,7 +265,9 @@ def up(
         raise StackError(f"a stack is already running (see {layout.stack_file}); run `ddpflow stack down` first")
     for name, port in (("Prefect server", prefect_port), ("MLflow server", mlflow_port)):
         if not port_is_free(port):
-            raise StackError(f"port {port} on {HOST} for the {name} is in use; pick another with --prefect-port/--mlflow-port")
+            raise StackError(
+                f"port {port} on {HOST} for the {name} is in use; pick another with --prefect-port/--mlflow-port"
+            )
 
     layout.prefect_home.mkdir(parents=True, exist_ok=True)
     layout.mlflow_artifacts.mkdir(parents=True, exist_ok=True)
@@ -256,13 +281,21 @@ def up(
     return state
 
 
-def _start_all(layout: StackLayout, state: StackState, prefect_port: int, mlflow_port: int, worker_env: Mapping[str, str]) -> None:
+def _start_all(
+    layout: StackLayout, state: StackState, prefect_port: int, mlflow_port: int, worker_env: Mapping[str, str]
+) -> None:
     env = base_env(layout)
     # The UI asks the server where its API is; without this it says 4200
     # whatever --port is.
     server_env = {**env, "PREFECT_UI_API_URL": state.prefect_api_url}
     # Both servers start together: their start-up times overlap.
-    server = start_process("prefect-server", prefect_argv("server", "start", "--host", HOST, "--port", str(prefect_port)), layout, server_env, state)
+    server = start_process(
+        "prefect-server",
+        prefect_argv("server", "start", "--host", HOST, "--port", str(prefect_port)),
+        layout,
+        server_env,
+        state,
+    )
     mlflow_env = {**env, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     mlflow_argv = [
         sys.executable, "-m", "mlflow", "server",
@@ -282,7 +315,13 @@ def _start_all(layout: StackLayout, state: StackState, prefect_port: int, mlflow
         "MLFLOW_TRACKING_URI": layout.mlflow_backend_uri,
         **worker_env,
     }
-    start_process("worker", prefect_argv("worker", "start", "--pool", WORK_POOL, "--name", "ddpflow-local-worker"), layout, flow_env, state)
+    start_process(
+        "worker",
+        prefect_argv("worker", "start", "--pool", WORK_POOL, "--name", "ddpflow-local-worker"),
+        layout,
+        flow_env,
+        state,
+    )
 
 
 def _process(info: Mapping[str, Any]) -> psutil.Process | None:
@@ -371,7 +410,10 @@ def status(project: str | Path = ".", *, state_dir: str | Path | None = None) ->
     state = StackState.read(layout.stack_file)
     if state is None:
         return {"running": False, "state": str(layout.stack_file) + " (none)"}
-    processes = {name: {"pid": info["pid"], "alive": _alive(info), "log": info.get("log")} for name, info in state.processes.items()}
+    processes = {
+        name: {"pid": info["pid"], "alive": _alive(info), "log": info.get("log")}
+        for name, info in state.processes.items()
+    }
     return {
         "running": all(p["alive"] for p in processes.values()) and bool(processes),
         "prefect_ui": state.prefect_url,
@@ -400,8 +442,18 @@ def add_stack_command(subparsers: Any) -> None:
 def run_stack_command(args: Any) -> dict[str, Any]:
     try:
         if args.action == "up":
-            state = up(args.project, prefect_port=args.prefect_port, mlflow_port=args.mlflow_port, state_dir=args.state_dir, mlflow_dir=args.mlflow_dir)
-            return {"prefect_ui": state.prefect_url, "mlflow_ui": state.mlflow_url, **{name: info["pid"] for name, info in state.processes.items()}}
+            state = up(
+                args.project,
+                prefect_port=args.prefect_port,
+                mlflow_port=args.mlflow_port,
+                state_dir=args.state_dir,
+                mlflow_dir=args.mlflow_dir,
+            )
+            return {
+                "prefect_ui": state.prefect_url,
+                "mlflow_ui": state.mlflow_url,
+                **{name: info["pid"] for name, info in state.processes.items()},
+            }
         if args.action == "down":
             return {"stopped": down(args.project, state_dir=args.state_dir)}
         return status(args.project, state_dir=args.state_dir)

@@ -37,7 +37,12 @@ def prepare_data(config: PipelineConfig) -> PreparedDataset:
     create_table_artifact(
         key="prepared-dataset",
         table=[
-            {"split": split, "rows": manifest.rows(split), "shards": len(manifest.splits[split].shards), "bytes": sum(shard.bytes for shard in manifest.splits[split].shards)}
+            {
+                "split": split,
+                "rows": manifest.rows(split),
+                "shards": len(manifest.splits[split].shards),
+                "bytes": sum(shard.bytes for shard in manifest.splits[split].shards),
+            }
             for split in SPLITS
         ],
         description=f"Dataset {prepared.fingerprint} ({'cache hit' if prepared.cache_hit else 'prepared'}) from {manifest.source}",

@@ -49,9 +49,24 @@ from training.evaluate import IncompatibleModelError, evaluate_split
 
 RUN_ID_TAG = "ddpflow.run_id"
 DECISION_TAG = "gate.decision"  # written last: its presence means the gate finished for this version
-LINEAGE_RUN_TAGS = ("data.fingerprint", "data.source", "data.task", "prefect.flow_run_id", "prefect.flow_run_name", "prefect.deployment", "git.commit", "ddp.world_size")
+LINEAGE_RUN_TAGS = (
+    "data.fingerprint",
+    "data.source",
+    "data.task",
+    "prefect.flow_run_id",
+    "prefect.flow_run_name",
+    "prefect.deployment",
+    "git.commit",
+    "ddp.world_size",
+)
 # MLflow error codes worth retrying: the server or database is busy or restarting.
-TRANSIENT_MLFLOW_CODES = {"TEMPORARILY_UNAVAILABLE", "INTERNAL_ERROR", "REQUEST_LIMIT_EXCEEDED", "DEADLINE_EXCEEDED", "ABORTED"}
+TRANSIENT_MLFLOW_CODES = {
+    "TEMPORARILY_UNAVAILABLE",
+    "INTERNAL_ERROR",
+    "REQUEST_LIMIT_EXCEEDED",
+    "DEADLINE_EXCEEDED",
+    "ABORTED",
+}
 
 _logger = logging.getLogger("ddpflow.register")
 
@@ -71,7 +86,9 @@ def is_better(candidate: float, champion: float, higher_is_better: bool, min_del
     return candidate > champion + min_delta if higher_is_better else candidate < champion - min_delta
 
 
-def rejection_reason(metrics: dict[str, float], metric: str, higher_is_better: bool, min_metric: float | None) -> str | None:
+def rejection_reason(
+    metrics: dict[str, float], metric: str, higher_is_better: bool, min_metric: float | None
+) -> str | None:
     """Why the candidate may not be registered at all, or None."""
     invalid = sorted(name for name, value in metrics.items() if not math.isfinite(float(value)))
     if invalid:
@@ -121,16 +138,28 @@ def version_description(config: PipelineConfig, manifest: Manifest, run_tags: di
     )
 
 
-def register_version(client: MlflowClient, config: PipelineConfig, experiment_id: str, run_id: str, model_path: str, manifest: Manifest, dataset_dir: str) -> ModelVersion:
+def register_version(
+    client: MlflowClient,
+    config: PipelineConfig,
+    experiment_id: str,
+    run_id: str,
+    model_path: str,
+    manifest: Manifest,
+    dataset_dir: str,
+) -> ModelVersion:
     """Log the pyfunc model (unless an earlier attempt did) and create the registry version."""
     from training.serving import log_pyfunc_model
 
     model_uri = existing_logged_model(client, experiment_id, run_id)
     if model_uri is None:
-        model_uri = log_pyfunc_model(model_path, input_example(manifest, dataset_dir), run_id=run_id, tags={RUN_ID_TAG: run_id}).model_uri
+        model_uri = log_pyfunc_model(
+            model_path, input_example(manifest, dataset_dir), run_id=run_id, tags={RUN_ID_TAG: run_id}
+        ).model_uri
     name = config.registry.model_name
     try:
-        client.create_registered_model(name, description="ddpflow: retrained on a schedule; aliases champion / challenger / previous-champion")
+        client.create_registered_model(
+            name, description="ddpflow: retrained on a schedule; aliases champion / challenger / previous-champion"
+        )
     except MlflowException as error:
         if error.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
@@ -149,7 +178,9 @@ def register_version(client: MlflowClient, config: PipelineConfig, experiment_id
 # ---------------------------------------------------------------- scoring the champion
 
 
-def score_champion(client: MlflowClient, champion: ModelVersion, dataset_dir: str, metric: str, batch_size: int) -> tuple[float | None, str]:
+def score_champion(
+    client: MlflowClient, champion: ModelVersion, dataset_dir: str, metric: str, batch_size: int
+) -> tuple[float | None, str]:
     """(the champion's gate metric on these test shards, status): status 'scored' or 'incompatible: why'."""
     with tempfile.TemporaryDirectory(prefix="ddpflow-champion-") as scratch:
         try:
@@ -173,15 +204,37 @@ def score_champion(client: MlflowClient, champion: ModelVersion, dataset_dir: st
 
 
 def _tag_values(values: dict[str, Any]) -> dict[str, str]:
-    return {key: "" if value is None else (f"{value:.10g}" if isinstance(value, float) else str(value)) for key, value in values.items()}
+    return {
+        key: "" if value is None else (f"{value:.10g}" if isinstance(value, float) else str(value))
+        for key, value in values.items()
+    }
 
 
 def record_on_run(client: MlflowClient, run_id: str, decision: dict[str, Any]) -> None:
-    tags = _tag_values({f"registry.{key}": decision.get(key) for key in ("decision", "reason", "model_name", "version", "metric", "candidate_value", "champion_value", "champion_version", "champion_status")})
+    tags = _tag_values(
+        {
+            f"registry.{key}": decision.get(key)
+            for key in (
+                "decision",
+                "reason",
+                "model_name",
+                "version",
+                "metric",
+                "candidate_value",
+                "champion_value",
+                "champion_version",
+                "champion_status",
+            )
+        }
+    )
     for key, value in tags.items():
         client.set_tag(run_id, key, value[:5000])
     now = int(time.time() * 1000)
-    metrics = [Metric(f"gate_candidate_{decision['metric']}", decision["candidate_value"], now, 0)] if _finite(decision.get("candidate_value")) else []
+    metrics = (
+        [Metric(f"gate_candidate_{decision['metric']}", decision["candidate_value"], now, 0)]
+        if _finite(decision.get("candidate_value"))
+        else []
+    )
     if _finite(decision.get("champion_value")):
         metrics.append(Metric(f"gate_champion_{decision['metric']}", decision["champion_value"], now, 0))
     if metrics:
@@ -232,7 +285,9 @@ def register_candidate(
     # process-wide tracking URI, so point it at this store for the whole step.
     with use_tracking_uri(tracking_uri):
         try:
-            return _register_candidate(config, run_id, model_path, dataset_dir, metrics, tracking_uri, logger or _logger)
+            return _register_candidate(
+                config, run_id, model_path, dataset_dir, metrics, tracking_uri, logger or _logger
+            )
         except Exception as error:
             if isinstance(error, RegistryUnavailable) or not is_transient(error):
                 raise
@@ -250,7 +305,15 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"[:500]
 
 
-def _register_candidate(config: PipelineConfig, run_id: str, model_path: str, dataset_dir: str, metrics: dict[str, float], tracking_uri: str, logger: Any) -> dict[str, Any]:
+def _register_candidate(
+    config: PipelineConfig,
+    run_id: str,
+    model_path: str,
+    dataset_dir: str,
+    metrics: dict[str, float],
+    tracking_uri: str,
+    logger: Any,
+) -> dict[str, Any]:
     client, experiment_id = configure_mlflow(config, tracking_uri)
     name = config.registry.model_name
     manifest = read_manifest(dataset_dir)
@@ -262,7 +325,13 @@ def _register_candidate(config: PipelineConfig, run_id: str, model_path: str, da
     version = find_version_for_run(client, name, run_id)
     if version is not None and version.tags.get(DECISION_TAG):
         decision = decision_from_version(version, name, run_id)
-        logger.info("MLflow run %s is already registered as %s v%s (%s); nothing to do", run_id, name, version.version, decision["decision"])
+        logger.info(
+            "MLflow run %s is already registered as %s v%s (%s); nothing to do",
+            run_id,
+            name,
+            version.version,
+            decision["decision"],
+        )
         return decision
 
     decision: dict[str, Any] = {
@@ -288,7 +357,14 @@ def _register_candidate(config: PipelineConfig, run_id: str, model_path: str, da
     return decision
 
 
-def _decide(client: MlflowClient, decision: dict[str, Any], version: ModelVersion, dataset_dir: str, higher: bool, config: PipelineConfig) -> None:
+def _decide(
+    client: MlflowClient,
+    decision: dict[str, Any],
+    version: ModelVersion,
+    dataset_dir: str,
+    higher: bool,
+    config: PipelineConfig,
+) -> None:
     name, metric = decision["model_name"], decision["metric"]
     candidate = decision["candidate_value"]
     champion = find_alias(client, name, CHAMPION)
@@ -304,18 +380,32 @@ def _decide(client: MlflowClient, decision: dict[str, Any], version: ModelVersio
         )
         return
     if champion is None:
-        decision.update(decision="promoted", champion_status="none", reason=f"first model: no {CHAMPION} yet ({metric}={candidate:.6g})")
+        decision.update(
+            decision="promoted",
+            champion_status="none",
+            reason=f"first model: no {CHAMPION} yet ({metric}={candidate:.6g})",
+        )
         return
     value, status = score_champion(client, champion, dataset_dir, metric, config.eval.batch_size)
     decision.update(champion_version=str(champion.version), champion_value=value, champion_status=status)
     if value is None:
-        decision.update(decision="promoted", reason=f"champion v{champion.version} is {status}; the candidate replaces it")
+        decision.update(
+            decision="promoted", reason=f"champion v{champion.version} is {status}; the candidate replaces it"
+        )
     elif not math.isfinite(value):
-        decision.update(decision="promoted", reason=f"champion v{champion.version} scores {metric}={value} on this data")
+        decision.update(
+            decision="promoted", reason=f"champion v{champion.version} scores {metric}={value} on this data"
+        )
     elif is_better(candidate, value, higher, config.registry.min_delta):
-        decision.update(decision="promoted", reason=f"{metric} {candidate:.6g} beats champion v{champion.version}'s {value:.6g} by more than {config.registry.min_delta:g}")
+        decision.update(
+            decision="promoted",
+            reason=f"{metric} {candidate:.6g} beats champion v{champion.version}'s {value:.6g} by more than {config.registry.min_delta:g}",
+        )
     else:
-        decision.update(decision="challenger", reason=f"{metric} {candidate:.6g} does not beat champion v{champion.version}'s {value:.6g} by more than {config.registry.min_delta:g}")
+        decision.update(
+            decision="challenger",
+            reason=f"{metric} {candidate:.6g} does not beat champion v{champion.version}'s {value:.6g} by more than {config.registry.min_delta:g}",
+        )
 
 
 def _apply(client: MlflowClient, decision: dict[str, Any], version: ModelVersion) -> None:
@@ -344,7 +434,9 @@ def _apply(client: MlflowClient, decision: dict[str, Any], version: ModelVersion
 # ---------------------------------------------------------------- re-running for a finished run
 
 
-def register_run(run_id: str, config: PipelineConfig | None = None, tracking_uri: str | None = None, logger: Any = None) -> dict[str, Any]:
+def register_run(
+    run_id: str, config: PipelineConfig | None = None, tracking_uri: str | None = None, logger: Any = None
+) -> dict[str, Any]:
     """``ddpflow register --run-id``: the gate for a run that was already evaluated.
 
     The model path, dataset and test metrics come from the run (tags
@@ -361,10 +453,14 @@ def register_run(run_id: str, config: PipelineConfig | None = None, tracking_uri
         raise
     tags = run.data.tags
     if "ddpflow.model_path" not in tags or "ddpflow.dataset_dir" not in tags:
-        raise RegistrationError(f"MLflow run {run_id} was never evaluated (no ddpflow.model_path / ddpflow.dataset_dir tags); run the pipeline first")
+        raise RegistrationError(
+            f"MLflow run {run_id} was never evaluated (no ddpflow.model_path / ddpflow.dataset_dir tags); run the pipeline first"
+        )
     config = config or read_run_config(client, run_id)
     metrics = {name: value for name, value in run.data.metrics.items() if name.startswith("test_")}
-    return register_candidate(config, run_id, tags["ddpflow.model_path"], tags["ddpflow.dataset_dir"], metrics, uri, logger)
+    return register_candidate(
+        config, run_id, tags["ddpflow.model_path"], tags["ddpflow.dataset_dir"], metrics, uri, logger
+    )
 
 
 # ---------------------------------------------------------------- the Prefect task
@@ -394,7 +490,7 @@ def retry_on_transient_error(task_, task_run, state) -> bool:
     """Prefect ``retry_condition_fn``: retry MLflow hiccups, not deterministic errors."""
     try:
         error = state.result(raise_on_failure=False)
-    except BaseException as raised:  # noqa: BLE001 - some states raise instead of returning
+    except BaseException as raised:
         error = raised
     return is_transient(error if isinstance(error, BaseException) else None)
 
@@ -408,6 +504,8 @@ def retry_on_transient_error(task_, task_run, state) -> bool:
     retry_condition_fn=retry_on_transient_error,
     cache_policy=NO_CACHE,
 )
-def register_model(config: PipelineConfig, run_id: str, model_path: str, dataset_dir: str, metrics: dict[str, float], tracking_uri: str) -> dict[str, Any]:
+def register_model(
+    config: PipelineConfig, run_id: str, model_path: str, dataset_dir: str, metrics: dict[str, float], tracking_uri: str
+) -> dict[str, Any]:
     """Register the candidate and apply the champion gate (see the module docstring)."""
     return register_candidate(config, run_id, model_path, dataset_dir, metrics, tracking_uri, get_run_logger())

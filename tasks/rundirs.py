@@ -29,7 +29,15 @@ from training.layout import CONFIG, FINAL_MODEL, LAST_CHECKPOINT, TRAIN_JOB
 
 # Operational knobs: changing them between two launches still trains the same model.
 RESUME_IGNORED_FIELDS = frozenset(
-    {"timeout_s", "stall_timeout_s", "max_restarts", "progress_interval_s", "collective_timeout_s", "run_root", "init_from"}
+    {
+        "timeout_s",
+        "stall_timeout_s",
+        "max_restarts",
+        "progress_interval_s",
+        "collective_timeout_s",
+        "run_root",
+        "init_from",
+    }
 )
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 _MAX_NAME = 80

@@ -57,7 +57,9 @@ RANK_ENTRYPOINT = "training.train"  # what every rank runs; tests point it at a 
 _RANK_PREFIX = re.compile(r"^\[(?P<role>[A-Za-z_]*?)(?P<rank>\d+)\]:(?P<text>.*)$")
 # Fields of torchrun's ChildFailedError "Root Cause" block.
 _ROOT_CAUSE_FIELD = re.compile(r"^\s*(?P<key>rank|exitcode|error_file|traceback)\s*:\s*(?P<value>.*?)\s*$")
-_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*)(?:Error|Exception|Interrupt|Exit|Failure|Warning)\b.*|^[A-Za-z_][\w.]*: .+")
+_EXCEPTION_LINE = re.compile(
+    r"^(?:[A-Za-z_][\w.]*)(?:Error|Exception|Interrupt|Exit|Failure|Warning)\b.*|^[A-Za-z_][\w.]*: .+"
+)
 
 _POLL_S = 0.2  # how often the wait loop checks exit, deadlines and cancellation
 _SCAN_S = 1.0  # how often the descendants are recorded
@@ -69,7 +71,15 @@ _SCAN_S = 1.0  # how often the descendants are recorded
 class LaunchError(RuntimeError):
     """torchrun did not finish successfully; the message says why and which rank."""
 
-    def __init__(self, message: str, *, rank: int | None = None, exitcode: int | None = None, root_cause: str | None = None, log_file: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int | None = None,
+        exitcode: int | None = None,
+        root_cause: str | None = None,
+        log_file: str | None = None,
+    ):
         super().__init__(message)
         self.rank = rank
         self.exitcode = exitcode
@@ -403,7 +413,9 @@ def launch(
                 launcher.tree.terminate(grace_s)
                 launcher.drain()
         job_dir = _new_job_dir(log_root, jobs_before)
-        result = LaunchResult(launcher.proc.returncode, _count_restarts(job_dir), launcher.tree.pids(), str(job_dir) if job_dir else None)
+        result = LaunchResult(
+            launcher.proc.returncode, _count_restarts(job_dir), launcher.tree.pids(), str(job_dir) if job_dir else None
+        )
         if stop is not None:
             raise stop
         if launcher.proc.returncode != 0:
@@ -450,7 +462,12 @@ class _Launcher:
         self.lines.put(None)
 
     def _write_pid_file(self) -> None:
-        record = {"launcher_pid": os.getpid(), "torchrun_pid": self.proc.pid, "pgid": self.proc.pid, "descendants": self.tree.pids()}
+        record = {
+            "launcher_pid": os.getpid(),
+            "torchrun_pid": self.proc.pid,
+            "pgid": self.proc.pid,
+            "descendants": self.tree.pids(),
+        }
         tmp = self.run_dir / f".{PID_FILE}.tmp"
         tmp.write_text(json.dumps(record))
         os.replace(tmp, self.run_dir / PID_FILE)
@@ -492,7 +509,9 @@ class _Launcher:
                     self._write_pid_file()
             reason = None
             if timeout_s is not None and now - started > timeout_s:
-                reason = LaunchTimeout(f"training exceeded train.timeout_s={timeout_s:g}s; killed torchrun and its ranks")
+                reason = LaunchTimeout(
+                    f"training exceeded train.timeout_s={timeout_s:g}s; killed torchrun and its ranks"
+                )
             elif stall_timeout_s is not None and now - self.last_output > stall_timeout_s:
                 reason = LaunchStalled(
                     f"training stalled: no output for train.stall_timeout_s={stall_timeout_s:g}s; killed torchrun and its ranks"
@@ -533,7 +552,9 @@ class _Launcher:
         previous = {}
 
         def handler(signum, frame):
-            self._stop_reason = LaunchInterrupted(f"received {signal.Signals(signum).name}; killed torchrun and its ranks")
+            self._stop_reason = LaunchInterrupted(
+                f"received {signal.Signals(signum).name}; killed torchrun and its ranks"
+            )
             if self.tree is not None:
                 self.tree.terminate(self.grace_s)
             _chain(previous[signum], signum, frame)
@@ -676,9 +697,12 @@ def failure_from_output(run_dir: Path, job_dir: Path | None, tail: list[str], re
         message = f"torchrun exited with code {returncode}: {last}"
     else:
         message = (
-            f"rank {rank} failed: {cause}{note}" if note
+            f"rank {rank} failed: {cause}{note}"
+            if note
             else f"rank {rank} failed with exit code {exitcode}: {cause or 'no exception recorded'}"
         )
         if log_file is not None:
             message += f" (its log: {log_file})"
-    return RankFailed(message, rank=rank, exitcode=exitcode, root_cause=cause, log_file=str(log_file) if log_file else None)
+    return RankFailed(
+        message, rank=rank, exitcode=exitcode, root_cause=cause, log_file=str(log_file) if log_file else None
+    )

@@ -70,7 +70,9 @@ def resolve_tracking_uri(config: PipelineConfig) -> str:
         if relative and relative != ":memory:":
             uri = f"sqlite:///{Path(relative).resolve()}"
     if "://" not in uri and not uri.startswith("databricks"):  # a bare path: MLflow 3's file store is deprecated
-        raise ValueError(f"mlflow.tracking_uri {uri!r} is a plain path; use sqlite:///{Path(uri).resolve()}.db or an http(s):// server")
+        raise ValueError(
+            f"mlflow.tracking_uri {uri!r} is a plain path; use sqlite:///{Path(uri).resolve()}.db or an http(s):// server"
+        )
     return uri
 
 
@@ -88,7 +90,9 @@ def resolve_artifact_location(config: PipelineConfig, tracking_uri: str) -> str 
     location = config.mlflow.artifact_location
     if location is None:
         return None if is_http(tracking_uri) else (Path.cwd() / "mlartifacts").as_uri()
-    return location if "://" in location or location.startswith("mlflow-artifacts:") else Path(location).resolve().as_uri()
+    return (
+        location if "://" in location or location.startswith("mlflow-artifacts:") else Path(location).resolve().as_uri()
+    )
 
 
 # ---------------------------------------------------------------- reachability
@@ -106,7 +110,7 @@ def check_tracking_reachable(uri: str, timeout_s: float = 5.0) -> None:
 def _check_http_server(uri: str, timeout_s: float) -> None:
     health = uri.rstrip("/") + "/health"
     try:
-        with urllib.request.urlopen(health, timeout=timeout_s):  # noqa: S310 - the user's own server
+        with urllib.request.urlopen(health, timeout=timeout_s):
             return
     except urllib.error.HTTPError as error:
         if error.code in (401, 403):
@@ -171,9 +175,16 @@ def ensure_experiment(client: MlflowClient, name: str, artifact_location: str | 
                 raise
             experiment = client.get_experiment_by_name(name)
     if experiment.lifecycle_stage == "deleted":
-        raise ValueError(f"mlflow.experiment {name!r} is deleted; restore it (`mlflow experiments restore`) or choose another name")
+        raise ValueError(
+            f"mlflow.experiment {name!r} is deleted; restore it (`mlflow experiments restore`) or choose another name"
+        )
     if artifact_location and experiment.artifact_location.rstrip("/") != artifact_location.rstrip("/"):
-        logger.warning("experiment %r keeps its artifact location %s (configured: %s)", name, experiment.artifact_location, artifact_location)
+        logger.warning(
+            "experiment %r keeps its artifact location %s (configured: %s)",
+            name,
+            experiment.artifact_location,
+            artifact_location,
+        )
     return experiment.experiment_id
 
 
@@ -181,13 +192,17 @@ def git_commit(directory: str | Path | None = None) -> str | None:
     """The commit of the code that runs, when it is a git checkout."""
     directory = Path(directory or Path(__file__).resolve().parents[1])
     try:
-        result = subprocess.run(["git", "rev-parse", "HEAD"], cwd=directory, capture_output=True, text=True, timeout=5, check=False)
+        result = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=directory, capture_output=True, text=True, timeout=5, check=False
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return result.stdout.strip() or None if result.returncode == 0 else None
 
 
-def run_tags(prefect_context: dict[str, Any], manifest: Manifest, fingerprint: str, ddp: dict[str, Any]) -> dict[str, str]:
+def run_tags(
+    prefect_context: dict[str, Any], manifest: Manifest, fingerprint: str, ddp: dict[str, Any]
+) -> dict[str, str]:
     tags = {
         "prefect.flow_run_id": prefect_context.get("flow_run_id"),
         "prefect.flow_run_name": prefect_context.get("flow_run_name"),
@@ -221,11 +236,15 @@ def dataset_inputs(manifest: Manifest, dataset_dir: str | Path, fingerprint: str
     from mlflow.types import ColSpec, DataType, Schema
 
     label_type = DataType.long if manifest.task == "classification" else DataType.float
-    schema = Schema([ColSpec(DataType.float, name) for name in manifest.features] + [ColSpec(label_type, manifest.label)])
+    schema = Schema(
+        [ColSpec(DataType.float, name) for name in manifest.features] + [ColSpec(label_type, manifest.label)]
+    )
     inputs = []
     for split in SPLITS:
         source = _dataset_source(f"{str(dataset_dir).rstrip('/')}/{split}")
-        dataset = MetaDataset(source, name=f"{fingerprint[:16]}-{split}", digest=f"{fingerprint[:24]}-{split}"[:36], schema=schema)
+        dataset = MetaDataset(
+            source, name=f"{fingerprint[:16]}-{split}", digest=f"{fingerprint[:24]}-{split}"[:36], schema=schema
+        )
         tags = [InputTag("mlflow.data.context", split), InputTag("rows", str(manifest.rows(split)))]
         inputs.append(DatasetInput(dataset._to_mlflow_entity(), tags=tags))
     return inputs
@@ -257,7 +276,9 @@ def start_pipeline_run(
     can rebuild it. The run stays RUNNING until ``end_pipeline_run``.
     """
     client, experiment_id = configure_mlflow(config)
-    run = client.create_run(experiment_id, run_name=run_name, tags=run_tags(prefect_context, manifest, fingerprint, ddp))
+    run = client.create_run(
+        experiment_id, run_name=run_name, tags=run_tags(prefect_context, manifest, fingerprint, ddp)
+    )
     run_id = run.info.run_id
     params = [Param(key, str(value)[:6000]) for key, value in config.flat().items()]
     for start in range(0, len(params), 100):  # MLflow accepts at most 100 params per batch
@@ -311,7 +332,12 @@ class EpochMetricsFollower:
         self._wake.set()
         self._thread.join(timeout_s)
         if self._thread.is_alive():
-            logger.warning("MLflow run %s: epoch metrics not all logged within %.0f s; %s has them", self.run_id, timeout_s, self.path)
+            logger.warning(
+                "MLflow run %s: epoch metrics not all logged within %.0f s; %s has them",
+                self.run_id,
+                timeout_s,
+                self.path,
+            )
 
     def _follow(self) -> None:
         while True:
@@ -338,7 +364,7 @@ class EpochMetricsFollower:
                     if self._logger is None:
                         self._logger = MlflowEpochLogger(self.run_id, self.tracking_uri)
                     self._logger.log(epoch, record)
-        except Exception as error:  # noqa: BLE001 - metrics.jsonl keeps every epoch; never mask training's own error
+        except Exception as error:
             logger.warning("could not mirror %s into MLflow run %s: %s", self.path, self.run_id, error)
 
 
@@ -348,7 +374,7 @@ def end_pipeline_run(run_id: str, tracking_uri: str, status: str = "FINISHED") -
         raise ValueError(f"status must be one of {TERMINAL_STATUSES}, not {status!r}")
     try:
         MlflowClient(tracking_uri=tracking_uri).set_terminated(run_id, status=status)
-    except Exception as error:  # noqa: BLE001 - must not mask the pipeline's own error
+    except Exception as error:
         logger.warning("could not mark MLflow run %s %s in %s: %s", run_id, status, tracking_uri, error)
 
 
@@ -391,7 +417,9 @@ def download_version_checkpoint(client: MlflowClient, version: ModelVersion, des
     """The ``model.pt`` inside a registered version's logged model."""
     model_uri = client.get_model_version_download_uri(version.name, version.version)
     local = mlflow.artifacts.download_artifacts(
-        artifact_uri=f"{model_uri.rstrip('/')}/{MODEL_PT_IN_MODEL}", dst_path=str(destination), tracking_uri=client.tracking_uri
+        artifact_uri=f"{model_uri.rstrip('/')}/{MODEL_PT_IN_MODEL}",
+        dst_path=str(destination),
+        tracking_uri=client.tracking_uri,
     )
     return Path(local)
 

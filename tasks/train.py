@@ -80,11 +80,17 @@ def train_model(
 
     run_path = Path(run_dir)
     config.write_json(run_file(run_path, CONFIG))
-    job_path = TrainJob(config=config, dataset_dir=str(dataset_dir), run_dir=str(run_path), init_weights=init_weights).write(run_file(run_path, TRAIN_JOB))
+    job_path = TrainJob(
+        config=config, dataset_dir=str(dataset_dir), run_dir=str(run_path), init_weights=init_weights
+    ).write(run_file(run_path, TRAIN_JOB))
     argv = torchrun_command(config, job_path, gpus=gpus)
     # No MLflow run id for the ranks: this process mirrors metrics.jsonl into the run (see EpochMetricsFollower).
     env = launch_env(config, run_path, tracking_uri=tracking_uri, gpus=gpus, grace_s=kill_grace_s)
-    metrics_follower = EpochMetricsFollower(run_file(run_path, METRICS), mlflow_run_id, tracking_uri).start() if mlflow_run_id and tracking_uri else None
+    metrics_follower = (
+        EpochMetricsFollower(run_file(run_path, METRICS), mlflow_run_id, tracking_uri).start()
+        if mlflow_run_id and tracking_uri
+        else None
+    )
     logger.info("Launching %d rank(s) x %d node(s) in %s: %s", nproc, config.train.nnodes, run_path, " ".join(argv))
 
     def on_line(line: OutputLine) -> None:
@@ -178,7 +184,9 @@ class _FlowRunCancelled:
             client.set_task_run_state(self.task_run_id, Cancelled(message=message), force=True)
             state = client.read_flow_run(self.flow_run_id).state
             if state is not None and state.is_cancelling():
-                client.set_flow_run_state(self.flow_run_id, Cancelled(message=f"Flow run was cancelled: {message}"), force=True)
+                client.set_flow_run_state(
+                    self.flow_run_id, Cancelled(message=f"Flow run was cancelled: {message}"), force=True
+                )
 
 
 def _flow_run_cancelled_check() -> _FlowRunCancelled | None:

@@ -35,7 +35,17 @@ from training.data.manifest import Manifest
 from training.layout import FINAL_MODEL, LAST_CHECKPOINT
 from training.models import ModelSpec
 
-RESUME_FIELDS = ("model", "model_kwargs", "batch_size", "lr", "weight_decay", "lr_schedule", "grad_clip", "grad_accum", "seed")
+RESUME_FIELDS = (
+    "model",
+    "model_kwargs",
+    "batch_size",
+    "lr",
+    "weight_decay",
+    "lr_schedule",
+    "grad_clip",
+    "grad_accum",
+    "seed",
+)
 
 
 class CheckpointWriteError(OSError):
@@ -77,7 +87,9 @@ def atomic_save(obj: Any, path: str | Path) -> Path:
     except BaseException as error:
         Path(tmp).unlink(missing_ok=True)
         if isinstance(error, Exception):
-            raise CheckpointWriteError(f"cannot write checkpoint {path}: {error}; the previous file (if any) is unchanged") from error
+            raise CheckpointWriteError(
+                f"cannot write checkpoint {path}: {error}; the previous file (if any) is unchanged"
+            ) from error
         raise
     _fsync_directory(path.parent)  # make the rename itself durable
     return path
@@ -106,7 +118,9 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         raise CheckpointReadError(f"cannot load checkpoint {path}: {error}") from error
 
 
-def inference_checkpoint(state_dict: dict[str, Any], spec: ModelSpec, manifest: Manifest, epochs: int, metrics: dict[str, Any]) -> dict[str, Any]:
+def inference_checkpoint(
+    state_dict: dict[str, Any], spec: ModelSpec, manifest: Manifest, epochs: int, metrics: dict[str, Any]
+) -> dict[str, Any]:
     """``model.pt``: the weights plus everything evaluation and serving need to rebuild
     the model and feed it raw columns (architecture, feature order, normalisation, labels)."""
     return {
@@ -191,7 +205,9 @@ class Checkpointer:
 
         return self._read_on_main(read)
 
-    def load_warm_start(self, init_weights: str | None, model_spec: dict[str, Any], features: list[str]) -> dict[str, torch.Tensor] | None:
+    def load_warm_start(
+        self, init_weights: str | None, model_spec: dict[str, Any], features: list[str]
+    ) -> dict[str, torch.Tensor] | None:
         """Weights of a previous model.pt when its architecture and features match; else None (with a message)."""
         if not init_weights:
             return None
@@ -220,7 +236,7 @@ class Checkpointer:
         if self.coordinator.is_main:
             try:
                 result = read()
-            except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
+            except Exception as exc:
                 error = exc
         result, error = self.coordinator.broadcast_object((result, error))
         if error is not None:

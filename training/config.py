@@ -37,11 +37,17 @@ class DataConfig(_Section):
         "synthetic://classification?rows=20000&features=16&classes=4&seed=0",
         description="Parquet/CSV file, directory, glob, fsspec URL (s3://...) or synthetic://classification|regression?rows=N&features=F&classes=C&seed=S",
     )
-    format: Literal["auto", "parquet", "csv"] = Field("auto", description="Source file format; auto uses the file extension.")
+    format: Literal["auto", "parquet", "csv"] = Field(
+        "auto", description="Source file format; auto uses the file extension."
+    )
     label: str = Field("label", description="Name of the label column.")
-    features: list[str] | None = Field(None, description="Feature columns; default: every numeric column except label and key.")
+    features: list[str] | None = Field(
+        None, description="Feature columns; default: every numeric column except label and key."
+    )
     key: str | None = Field(None, description="Optional stable row id; the split hashes it (else the row's content).")
-    task: Literal["classification", "regression"] | None = Field(None, description="Inferred from the label when not given.")
+    task: Literal["classification", "regression"] | None = Field(
+        None, description="Inferred from the label when not given."
+    )
     on_invalid: Literal["error", "drop"] = Field("error", description="What to do with rows holding NaN, inf or null.")
     root: str = Field("data/shards", description="Where prepared shards live: <root>/<fingerprint>/{train,val,test}/.")
     val_fraction: float = Field(0.1, ge=0.0, lt=1.0)
@@ -69,20 +75,33 @@ class TrainConfig(_Section):
     weight_decay: float = Field(0.01, ge=0)
     lr_schedule: Literal["constant", "cosine"] = "constant"
     grad_clip: float | None = Field(None, gt=0, description="Max global grad norm; none disables clipping.")
-    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step (no_sync accumulation); changes the effective batch.")
+    grad_accum: int = Field(
+        1, ge=1, description="Micro-batches per optimizer step (no_sync accumulation); changes the effective batch."
+    )
     seed: int = 0
-    model: str = Field("mlp", description="'mlp' or a user factory 'package.module:factory' called as factory(n_features, n_outputs, **model_kwargs).")
+    model: str = Field(
+        "mlp",
+        description="'mlp' or a user factory 'package.module:factory' called as factory(n_features, n_outputs, **model_kwargs).",
+    )
     model_kwargs: dict[str, Any] = Field(default_factory=dict)
-    nproc_per_node: int | Literal["auto"] = Field("auto", description="Ranks per node; auto: one per GPU, or 1 on CPU (see docs).")
+    nproc_per_node: int | Literal["auto"] = Field(
+        "auto", description="Ranks per node; auto: one per GPU, or 1 on CPU (see docs)."
+    )
     nnodes: int = Field(1, ge=1)
     node_rank: int = Field(0, ge=0)
     rdzv_endpoint: str | None = Field(None, description="host:port of the c10d rendezvous, required when nnodes > 1.")
     rdzv_id: str | None = None
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     max_restarts: int = Field(1, ge=0, description="torchrun restarts of the worker group; each resumes from last.pt.")
-    timeout_s: float = Field(3600.0, gt=0, description="Wall-clock limit for the whole torchrun launch, enforced by the task.")
-    collective_timeout_s: float = Field(300.0, gt=0, description="Process-group timeout: a stalled collective fails after this.")
-    stall_timeout_s: float | None = Field(None, gt=0, description="Kill the run when no rank-0 output arrives for this long.")
+    timeout_s: float = Field(
+        3600.0, gt=0, description="Wall-clock limit for the whole torchrun launch, enforced by the task."
+    )
+    collective_timeout_s: float = Field(
+        300.0, gt=0, description="Process-group timeout: a stalled collective fails after this."
+    )
+    stall_timeout_s: float | None = Field(
+        None, gt=0, description="Kill the run when no rank-0 output arrives for this long."
+    )
     run_root: str = Field("runs", description="Every run gets its own directory under here.")
     init_from: str | None = Field(None, description="Warm start: 'champion' (the registry alias) or a model.pt path.")
     num_threads: int | None = Field(None, ge=1, description="Torch threads per rank; default cores // local ranks.")
@@ -121,7 +140,9 @@ class EvalConfig(_Section):
 
 class RegistryConfig(_Section):
     model_name: str = Field("ddpflow-model", min_length=1)
-    metric: str | None = Field(None, description="Gate metric; default test_accuracy (classification) or test_rmse (regression).")
+    metric: str | None = Field(
+        None, description="Gate metric; default test_accuracy (classification) or test_rmse (regression)."
+    )
     greater_is_better: bool | None = Field(None, description="Default: inferred from the metric name.")
     min_delta: float = Field(0.0, ge=0, description="The candidate must beat the champion by more than this.")
     min_metric: float | None = Field(None, description="Floor a model must reach to be registered at all.")
@@ -139,7 +160,9 @@ class RegistryConfig(_Section):
 class MlflowConfig(_Section):
     tracking_uri: str | None = Field(None, description="Default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db.")
     experiment: str = Field("ddpflow", min_length=1)
-    artifact_location: str | None = Field(None, description="Artifact root for a new experiment; default ./mlartifacts.")
+    artifact_location: str | None = Field(
+        None, description="Artifact root for a new experiment; default ./mlartifacts."
+    )
 
 
 class PipelineConfig(_Section):
@@ -177,7 +200,11 @@ def format_validation_error(error: ValidationError) -> str:
     for problem in error.errors():
         path = ".".join(str(part) for part in problem["loc"]) or "config"
         message = problem["msg"].removeprefix("Value error, ")
-        lines.append(f"{path}: {message} (got {problem.get('input')!r})" if "input" in problem and not isinstance(problem["input"], dict) else f"{path}: {message}")
+        lines.append(
+            f"{path}: {message} (got {problem.get('input')!r})"
+            if "input" in problem and not isinstance(problem["input"], dict)
+            else f"{path}: {message}"
+        )
     return "invalid configuration: " + "; ".join(lines)
 
 

@@ -123,7 +123,9 @@ def resolve_backend(requested: str) -> str:
     if requested == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
     if requested == "nccl" and not torch.cuda.is_available():
-        raise DistributedSetupError("train.backend: 'nccl' needs CUDA, but torch.cuda.is_available() is False; use 'auto' or 'gloo'")
+        raise DistributedSetupError(
+            "train.backend: 'nccl' needs CUDA, but torch.cuda.is_available() is False; use 'auto' or 'gloo'"
+        )
     return requested
 
 
@@ -227,7 +229,9 @@ def distributed(train: TrainConfig) -> Iterator[DistContext]:
 def wrap_model(model: nn.Module, ctx: DistContext) -> DistributedDataParallel:
     """DDP on this rank's device. DDP broadcasts rank 0's weights and buffers at construction."""
     if ctx.device.type == "cuda":
-        return DistributedDataParallel(model, device_ids=[ctx.device.index], output_device=ctx.device.index, bucket_cap_mb=BUCKET_CAP_MB)
+        return DistributedDataParallel(
+            model, device_ids=[ctx.device.index], output_device=ctx.device.index, bucket_cap_mb=BUCKET_CAP_MB
+        )
     return DistributedDataParallel(model, bucket_cap_mb=BUCKET_CAP_MB)
 
 

@@ -27,7 +27,16 @@ from training.data.manifest import Manifest, read_manifest
 from training.models import ModelSpec, build_model
 
 # What a model.pt must hold (docs/architecture.md) to be evaluated or served.
-REQUIRED_CHECKPOINT_KEYS = ("model", "model_spec", "features", "feature_mean", "feature_std", "task", "label", "label_mapping")
+REQUIRED_CHECKPOINT_KEYS = (
+    "model",
+    "model_spec",
+    "features",
+    "feature_mean",
+    "feature_std",
+    "task",
+    "label",
+    "label_mapping",
+)
 
 
 class IncompatibleModelError(ValueError):
@@ -74,7 +83,9 @@ def load_model_checkpoint(path: str | Path) -> tuple[nn.Module, dict[str, Any]]:
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     missing = [key for key in REQUIRED_CHECKPOINT_KEYS if key not in checkpoint]
     if missing:
-        raise ValueError(f"model checkpoint {path} lacks keys {missing}; is it a final model.pt (not checkpoints/last.pt)?")
+        raise ValueError(
+            f"model checkpoint {path} lacks keys {missing}; is it a final model.pt (not checkpoints/last.pt)?"
+        )
     model = build_model(ModelSpec.from_dict(checkpoint["model_spec"]))
     model.load_state_dict(checkpoint["model"])
     model.eval()
@@ -87,19 +98,27 @@ def metric_label(value: Any) -> str:
     return re.sub(r"[^0-9A-Za-z_\-.]", "_", str(value))
 
 
-def check_compatible(meta: dict[str, Any], manifest: Manifest, checkpoint: str | Path = "model.pt") -> torch.Tensor | None:
+def check_compatible(
+    meta: dict[str, Any], manifest: Manifest, checkpoint: str | Path = "model.pt"
+) -> torch.Tensor | None:
     """Raise ``IncompatibleModelError`` unless the checkpoint can score this dataset.
 
     For classification returns the index remap (model class index -> dataset
     class index) when both list the same classes in another order, else None.
     """
     if meta["task"] != manifest.task:
-        raise IncompatibleModelError(f"{checkpoint} is a {meta['task']} model; the dataset {manifest.fingerprint} is {manifest.task}")
+        raise IncompatibleModelError(
+            f"{checkpoint} is a {meta['task']} model; the dataset {manifest.fingerprint} is {manifest.task}"
+        )
     missing = [name for name in meta["features"] if name not in manifest.features]
     if missing:
-        raise IncompatibleModelError(f"{checkpoint} needs feature columns {missing} that dataset {manifest.fingerprint} lacks")
+        raise IncompatibleModelError(
+            f"{checkpoint} needs feature columns {missing} that dataset {manifest.fingerprint} lacks"
+        )
     if meta["label"] != manifest.label:
-        raise IncompatibleModelError(f"{checkpoint} predicts {meta['label']!r}; dataset {manifest.fingerprint} labels {manifest.label!r}")
+        raise IncompatibleModelError(
+            f"{checkpoint} predicts {meta['label']!r}; dataset {manifest.fingerprint} labels {manifest.label!r}"
+        )
     if manifest.task != "classification" or list(meta["label_mapping"]) == list(manifest.label_mapping):
         return None
     if sorted(map(str, meta["label_mapping"])) != sorted(map(str, manifest.label_mapping)):
@@ -116,7 +135,9 @@ def _iter_batches(manifest: Manifest, dataset_dir: Path, split: str, columns: li
     for shard in manifest.split_files(dataset_dir, split):
         parquet = pq.ParquetFile(shard)
         for batch in parquet.iter_batches(batch_size=batch_size, columns=columns):
-            x = np.column_stack([batch.column(name).to_numpy(zero_copy_only=False) for name in features]).astype(np.float32, copy=False)
+            x = np.column_stack([batch.column(name).to_numpy(zero_copy_only=False) for name in features]).astype(
+                np.float32, copy=False
+            )
             # Copy: Arrow's buffers are read-only and torch warns about sharing them.
             y = batch.column(label).to_numpy(zero_copy_only=False).copy()
             yield torch.from_numpy(x), torch.from_numpy(y)
@@ -137,15 +158,23 @@ class _ClassificationTally:
         self.confusion += torch.bincount(target * self.n_classes + predicted, minlength=self.n_classes**2)
         return predicted
 
-    def metrics(self, split: str, samples: int, labels: list[Any]) -> tuple[dict[str, float], dict[str, dict[str, float]], list[list[int]]]:
+    def metrics(
+        self, split: str, samples: int, labels: list[Any]
+    ) -> tuple[dict[str, float], dict[str, dict[str, float]], list[list[int]]]:
         matrix = self.confusion.view(self.n_classes, self.n_classes).double()
         true_positive = matrix.diag()
         predicted_count = matrix.sum(dim=0)
         support = matrix.sum(dim=1)
         # A class never predicted has precision 0 (not NaN): the sklearn zero_division=0 convention.
-        precision = torch.where(predicted_count > 0, true_positive / predicted_count.clamp(min=1), torch.zeros_like(true_positive))
+        precision = torch.where(
+            predicted_count > 0, true_positive / predicted_count.clamp(min=1), torch.zeros_like(true_positive)
+        )
         recall = torch.where(support > 0, true_positive / support.clamp(min=1), torch.zeros_like(true_positive))
-        f1 = torch.where(precision + recall > 0, 2 * precision * recall / (precision + recall).clamp(min=1e-12), torch.zeros_like(precision))
+        f1 = torch.where(
+            precision + recall > 0,
+            2 * precision * recall / (precision + recall).clamp(min=1e-12),
+            torch.zeros_like(precision),
+        )
         metrics = {
             f"{split}_loss": self.loss_sum / samples,
             f"{split}_accuracy": float(true_positive.sum()) / samples,
@@ -156,7 +185,11 @@ class _ClassificationTally:
             name = metric_label(label)
             metrics[f"{split}_precision_{name}"] = float(precision[index])
             metrics[f"{split}_recall_{name}"] = float(recall[index])
-            per_class[str(label)] = {"precision": float(precision[index]), "recall": float(recall[index]), "support": int(support[index])}
+            per_class[str(label)] = {
+                "precision": float(precision[index]),
+                "recall": float(recall[index]),
+                "support": int(support[index]),
+            }
         return metrics, per_class, matrix.long().tolist()
 
 
@@ -229,7 +262,9 @@ def evaluate_split(
         raise RuntimeError(f"{dataset_dir}: read {samples} {split} rows but the manifest lists {manifest.rows(split)}")
     result = EvalResult(task=manifest.task, split=split, samples=samples, metrics={}, seconds=0.0)
     if classification:
-        result.metrics, result.per_class, result.confusion_matrix = tally.metrics(split, samples, manifest.label_mapping)
+        result.metrics, result.per_class, result.confusion_matrix = tally.metrics(
+            split, samples, manifest.label_mapping
+        )
         result.class_labels = [str(label) for label in manifest.label_mapping]
     else:
         result.metrics = tally.metrics(split, samples)

@@ -110,7 +110,9 @@ class RankSampler(DistributedSampler):
         # The same steps as DistributedSampler.__iter__ (tests/model/test_loading.py checks it).
         generator = torch.Generator()
         generator.manual_seed(self.seed + self.epoch)
-        order = torch.randperm(len(self.dataset), generator=generator) if self.shuffle else torch.arange(len(self.dataset))
+        order = (
+            torch.randperm(len(self.dataset), generator=generator) if self.shuffle else torch.arange(len(self.dataset))
+        )
         padding = self.total_size - len(order)
         if padding > 0 and not self.drop_last:
             order = torch.cat([order, order.repeat(math.ceil(padding / len(order)))[:padding]])
@@ -153,10 +155,21 @@ class TrainBatches:
     they get weight 0 so every row counts exactly once per epoch.
     """
 
-    def __init__(self, split: SplitTensors, rank: int, world_size: int, batch_size: int, seed: int, device: torch.device, pin_memory: bool):
+    def __init__(
+        self,
+        split: SplitTensors,
+        rank: int,
+        world_size: int,
+        batch_size: int,
+        seed: int,
+        device: torch.device,
+        pin_memory: bool,
+    ):
         self.dataset = InMemoryDataset(split)
         self.rank, self.world_size, self.batch_size, self.device = rank, world_size, batch_size, device
-        self.sampler = RankSampler(self.dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=False)
+        self.sampler = RankSampler(
+            self.dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=False
+        )
         self.loader = DataLoader(
             self.dataset,
             batch_size=None,  # the sampler yields whole batches of row numbers

@@ -110,7 +110,9 @@ def train_epoch(
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, split: SplitTensors, start: int, stop: int, batch_size: int, settings: StepSettings) -> Sums:
+def evaluate(
+    model: nn.Module, split: SplitTensors, start: int, stop: int, batch_size: int, settings: StepSettings
+) -> Sums:
     """Sums over rows [start, stop) of ``split``: the caller gives each rank a disjoint, unpadded slice.
 
     ``model`` is the plain module (not DDP): ranks may run different numbers of

@@ -61,7 +61,9 @@ class MetricsSink:
         self._queue: queue.Queue[tuple[int, dict[str, Any]] | None] = queue.Queue()
         self._mirror = None
         if run_id:
-            self._mirror = threading.Thread(target=self._mirror_to_mlflow, args=(run_id,), name="mlflow-mirror", daemon=True)
+            self._mirror = threading.Thread(
+                target=self._mirror_to_mlflow, args=(run_id,), name="mlflow-mirror", daemon=True
+            )
             self._mirror.start()
 
     def log_epoch(self, epoch: int, metrics: dict[str, Any]) -> None:
@@ -79,7 +81,11 @@ class MetricsSink:
             self._queue.put(None)
             self._mirror.join(timeout_s)
             if self._mirror.is_alive():
-                print(f"[train] warning: MLflow logging did not finish within {timeout_s:.0f}s; metrics.jsonl has every epoch", file=sys.stderr, flush=True)
+                print(
+                    f"[train] warning: MLflow logging did not finish within {timeout_s:.0f}s; metrics.jsonl has every epoch",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     def _mirror_to_mlflow(self, run_id: str) -> None:
         run = MlflowEpochLogger(run_id, os.environ.get(TRACKING_URI_ENV))
@@ -111,7 +117,7 @@ class MlflowEpochLogger:
     def _steps_already_logged(self) -> set[int]:
         try:
             return {metric.step for metric in self.client.get_metric_history(self.run_id, "train_loss")}
-        except Exception as error:  # noqa: BLE001 - tracking must not stop training
+        except Exception as error:
             print(f"[train] warning: could not read MLflow run {self.run_id}: {error}", file=sys.stderr, flush=True)
             return set()
 
@@ -129,5 +135,9 @@ class MlflowEpochLogger:
         try:
             self.client.log_batch(self.run_id, metrics=batch)
             self.logged_steps.add(epoch)
-        except Exception as error:  # noqa: BLE001 - metrics.jsonl still has them
-            print(f"[train] warning: MLflow logging failed for epoch {epoch} (run {self.run_id}): {error}", file=sys.stderr, flush=True)
+        except Exception as error:
+            print(
+                f"[train] warning: MLflow logging failed for epoch {epoch} (run {self.run_id}): {error}",
+                file=sys.stderr,
+                flush=True,
+            )

@@ -66,4 +66,6 @@ def check_fits_dataset(config: PipelineConfig, manifest: Manifest) -> None:
     try:
         build_model(spec)
     except TypeError as error:  # a factory that rejects model_kwargs
-        raise ConfigError(f"train.model_kwargs: {config.train.model} cannot be built with {config.train.model_kwargs}: {error}") from None
+        raise ConfigError(
+            f"train.model_kwargs: {config.train.model} cannot be built with {config.train.model_kwargs}: {error}"
+        ) from None

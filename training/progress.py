@@ -12,7 +12,6 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-
 _EPOCH_KEYS = ("train_loss", "val_loss", "val_accuracy", "val_rmse")
 
 

@@ -118,7 +118,7 @@ def preload_in_background(modules: tuple[str, ...] = DDP_LAZY_IMPORTS) -> thread
         for name in modules:
             try:
                 importlib.import_module(name)
-            except Exception:  # noqa: BLE001 - re-raised by the main thread's own import
+            except Exception:
                 return
 
     thread = threading.Thread(target=preload, name="preload-imports", daemon=True)

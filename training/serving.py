@@ -53,7 +53,9 @@ def pip_requirements() -> list[str]:
     return [f"{package}=={version(package)}" for package in ("torch", "mlflow", "pandas", "numpy", "pyarrow")]
 
 
-def log_pyfunc_model(model_path: str | Path, input_example: pd.DataFrame, run_id: str, tags: dict[str, str] | None = None):
+def log_pyfunc_model(
+    model_path: str | Path, input_example: pd.DataFrame, run_id: str, tags: dict[str, str] | None = None
+):
     """Log the pyfunc model as an output of MLflow run ``run_id``; returns ``ModelInfo``.
 
     ``Model.log`` with an explicit ``run_id`` (what ``mlflow.pyfunc.log_model``

@@ -39,7 +39,13 @@ from training.loop import StepSettings, evaluate, train_epoch, validation_metric
 from training.metrics_sink import MetricsSink
 from training.models import ModelSpec, build_model
 from training.progress import Progress
-from training.runtime import configure_cpu, configure_cuda, die_with_parent, exit_without_teardown, preload_in_background
+from training.runtime import (
+    configure_cpu,
+    configure_cuda,
+    die_with_parent,
+    exit_without_teardown,
+    preload_in_background,
+)
 
 
 def log(ctx: DistContext, message: str) -> None:
@@ -70,13 +76,18 @@ class Trainer:
 def build_trainer(job: TrainJob, ctx: DistContext) -> Trainer:
     train = job.config.train
     on_gpu = ctx.device.type == "cuda"
-    setup = configure_cpu(train, ctx.local_rank, ctx.local_world_size, pin=not on_gpu) + (", " + configure_cuda(train) if on_gpu else "")
+    setup = configure_cpu(train, ctx.local_rank, ctx.local_world_size, pin=not on_gpu) + (
+        ", " + configure_cuda(train) if on_gpu else ""
+    )
     log(ctx, f"{ctx.world_size} rank(s), backend {ctx.backend}, device {ctx.device.type}, {setup}")
     manifest = read_manifest(job.dataset_dir)
     loaded_at = time.monotonic()
     train_split = load_split(job.dataset_dir, manifest, "train")
     val = load_split(job.dataset_dir, manifest, "val")
-    log(ctx, f"loaded {len(train_split)} train / {len(val)} val rows x {manifest.n_features} features in {time.monotonic() - loaded_at:.1f}s")
+    log(
+        ctx,
+        f"loaded {len(train_split)} train / {len(val)} val rows x {manifest.n_features} features in {time.monotonic() - loaded_at:.1f}s",
+    )
 
     # The same seed on every rank: identical initial weights (DDP also broadcasts rank 0's).
     torch.manual_seed(train.seed)
@@ -94,14 +105,18 @@ def build_trainer(job: TrainJob, ctx: DistContext) -> Trainer:
     model.to(ctx.device)
     ddp = wrap_model(model, ctx)
 
-    batches = TrainBatches(train_split, ctx.rank, ctx.world_size, train.batch_size, train.seed, ctx.device, train.pin_memory)
+    batches = TrainBatches(
+        train_split, ctx.rank, ctx.world_size, train.batch_size, train.seed, ctx.device, train.pin_memory
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr, weight_decay=train.weight_decay)
     scheduler = None
     if train.lr_schedule == "cosine":
         optimizer_steps = train.epochs * -(-len(batches) // train.grad_accum)
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=optimizer_steps)
     settings = StepSettings(manifest.task, ctx.device, train.grad_accum, train.grad_clip, train.bf16)
-    trainer = Trainer(job, ctx, manifest, spec, model, ddp, optimizer, scheduler, batches, val, settings, checkpointer, history=[])
+    trainer = Trainer(
+        job, ctx, manifest, spec, model, ddp, optimizer, scheduler, batches, val, settings, checkpointer, history=[]
+    )
     if resumed is not None:
         restore_training_state(trainer, resumed)
     else:
@@ -126,29 +141,45 @@ def restore_training_state(trainer: Trainer, saved: dict[str, Any]) -> None:
         seed = trainer.job.config.train.seed + 1000 * (ctx.rank + 1) + trainer.start_epoch
         torch.manual_seed(seed)
         random.seed(seed)
-        log(ctx, f"resumed from {trainer.checkpointer.last_path} after {trainer.start_epoch} epoch(s); "
-            f"world size {len(per_rank)} -> {ctx.world_size}: RNG streams reseeded, data order per rank differs")
+        log(
+            ctx,
+            f"resumed from {trainer.checkpointer.last_path} after {trainer.start_epoch} epoch(s); "
+            f"world size {len(per_rank)} -> {ctx.world_size}: RNG streams reseeded, data order per rank differs",
+        )
 
 
-def run_epoch(trainer: Trainer, epoch: int, progress: Progress, faults: FaultInjector, indices: IndexRecorder) -> dict[str, Any]:
+def run_epoch(
+    trainer: Trainer, epoch: int, progress: Progress, faults: FaultInjector, indices: IndexRecorder
+) -> dict[str, Any]:
     ctx, manifest = trainer.ctx, trainer.manifest
     started = time.monotonic()
     progress.start_epoch(epoch)
     local = train_epoch(
-        trainer.ddp, trainer.optimizer, trainer.scheduler, trainer.batches, epoch, trainer.settings,
-        on_step=progress.step, before_step=faults.at_step, on_batch=lambda batch: indices.add(batch.indices),
+        trainer.ddp,
+        trainer.optimizer,
+        trainer.scheduler,
+        trainer.batches,
+        epoch,
+        trainer.settings,
+        on_step=progress.step,
+        before_step=faults.at_step,
+        on_batch=lambda batch: indices.add(batch.indices),
     )
     train_seconds = time.monotonic() - started
     indices.write(epoch)
     loss_sum, samples = ctx.all_reduce_sum([local.loss, local.samples])
     if int(samples) != manifest.rows("train"):
-        raise RuntimeError(f"epoch {epoch}: ranks trained on {int(samples)} rows, the train split has {manifest.rows('train')}")
+        raise RuntimeError(
+            f"epoch {epoch}: ranks trained on {int(samples)} rows, the train split has {manifest.rows('train')}"
+        )
 
     start, stop = shard_range(manifest.rows("val"), ctx.rank, ctx.world_size)
     val = evaluate(trainer.model, trainer.val, start, stop, trainer.job.config.eval.batch_size, trainer.settings)
     val_loss, val_correct, val_count = ctx.all_reduce_sum([val.loss, val.correct, val.samples])
     if int(val_count) != manifest.rows("val"):
-        raise RuntimeError(f"epoch {epoch}: validation covered {int(val_count)} rows, the val split has {manifest.rows('val')}")
+        raise RuntimeError(
+            f"epoch {epoch}: validation covered {int(val_count)} rows, the val split has {manifest.rows('val')}"
+        )
 
     return {
         "train_loss": loss_sum / samples,
@@ -194,7 +225,9 @@ def last_checkpoint(trainer: Trainer, completed_epochs: int) -> dict[str, Any]:
 
 def final_model(trainer: Trainer) -> dict[str, Any]:
     metrics = trainer.history[-1] if trainer.history else {}
-    return inference_checkpoint(on_cpu(trainer.model.state_dict()), trainer.spec, trainer.manifest, trainer.job.config.train.epochs, metrics)
+    return inference_checkpoint(
+        on_cpu(trainer.model.state_dict()), trainer.spec, trainer.manifest, trainer.job.config.train.epochs, metrics
+    )
 
 
 def run(job: TrainJob, ctx: DistContext) -> None:
@@ -222,7 +255,9 @@ def train_and_save(job: TrainJob, ctx: DistContext, sink: MetricsSink) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m training.train", description="One DDP rank of a ddpflow training run.")
+    parser = argparse.ArgumentParser(
+        prog="python -m training.train", description="One DDP rank of a ddpflow training run."
+    )
     parser.add_argument("--config", required=True, help="RUN_DIR/train_config.json (a training.job.TrainJob)")
     return parser.parse_args(argv)
 

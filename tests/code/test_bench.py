@@ -37,9 +37,23 @@ def test_result_checks_its_target_in_the_right_direction():
 
 def test_docs_blocks_are_replaced_and_prose_kept(tmp_path):
     docs = tmp_path / "benchmarks.md"
-    docs.write_text("# Benchmarks\n\nWhy the data path is slow.\n\n<!-- bench:datapath:begin -->\nold table\n<!-- bench:datapath:end -->\n\nMore prose.\n")
-    result = Result("datapath", "Data path", ratio=Stats.of([0.97, 0.96, 0.99]), target=0.95, rows=[Row("ddpflow", Stats.of([1.0]), "samples/s")])
-    payload = {"mode": "quick", "started_at": "now", "wall_s": 1.0, "machine": {"versions": {}, "gpu": None}, "benchmarks": [result.to_dict()]}
+    docs.write_text(
+        "# Benchmarks\n\nWhy the data path is slow.\n\n<!-- bench:datapath:begin -->\nold table\n<!-- bench:datapath:end -->\n\nMore prose.\n"
+    )
+    result = Result(
+        "datapath",
+        "Data path",
+        ratio=Stats.of([0.97, 0.96, 0.99]),
+        target=0.95,
+        rows=[Row("ddpflow", Stats.of([1.0]), "samples/s")],
+    )
+    payload = {
+        "mode": "quick",
+        "started_at": "now",
+        "wall_s": 1.0,
+        "machine": {"versions": {}, "gpu": None},
+        "benchmarks": [result.to_dict()],
+    }
     text = render_docs(payload, docs).read_text()
     assert "old table" not in text and "0.97 (0.96–0.99)" in text
     assert "Why the data path is slow." in text and "More prose." in text
@@ -50,7 +64,20 @@ def test_docs_blocks_are_replaced_and_prose_kept(tmp_path):
 @pytest.mark.slow
 def test_quick_run_measures_each_path_and_writes_results_and_docs(tmp_path, repo_root):
     out, docs = tmp_path / "results.json", tmp_path / "benchmarks.md"
-    command = [sys.executable, "-m", "bench", "--quick", "--only", ",".join(QUICK_FAMILIES), "--out", str(out), "--docs", str(docs), "--workdir", str(tmp_path / "work")]
+    command = [
+        sys.executable,
+        "-m",
+        "bench",
+        "--quick",
+        "--only",
+        ",".join(QUICK_FAMILIES),
+        "--out",
+        str(out),
+        "--docs",
+        str(docs),
+        "--workdir",
+        str(tmp_path / "work"),
+    ]
     completed = subprocess.run(command, cwd=repo_root, capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stderr[-3000:]
 
@@ -66,7 +93,9 @@ def test_quick_run_measures_each_path_and_writes_results_and_docs(tmp_path, repo
         assert bench["met"] in (True, False)
     # The data path compares ddpflow against the compute limit and both reference loaders.
     labels = [row["label"] for row in by_name["datapath"]["rows"]]
-    assert any(label.startswith("compute limit") for label in labels) and any(label.startswith("ddpflow") for label in labels)
+    assert any(label.startswith("compute limit") for label in labels) and any(
+        label.startswith("ddpflow") for label in labels
+    )
     assert any("per-row" in label for label in labels) and any("BatchSampler" in label for label in labels)
     assert by_name["datapath"]["ratio"]["n"] == 2  # quick mode still repeats
 
@@ -80,7 +109,11 @@ def test_a_partial_run_keeps_the_other_families_results(tmp_path):
     from bench.__main__ import earlier_benchmarks
 
     out = tmp_path / "results.json"
-    earlier = {"mode": "full", "started_at": "T0", "benchmarks": [{"name": "datapath", "family": "datapath"}, {"name": "scale", "family": "scale"}]}
+    earlier = {
+        "mode": "full",
+        "started_at": "T0",
+        "benchmarks": [{"name": "datapath", "family": "datapath"}, {"name": "scale", "family": "scale"}],
+    }
     out.write_text(json.dumps(earlier))
     assert earlier_benchmarks(out, "full", ["datapath"]) == [{"name": "scale", "family": "scale", "measured_at": "T0"}]
     assert earlier_benchmarks(out, "quick", ["datapath"]) == []  # quick figures never mix with full ones

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from launch_helpers import DUMMY_RANK, is_alive, still_alive, dummy_rank_argv, make_manifest
+from launch_helpers import DUMMY_RANK, dummy_rank_argv, is_alive, make_manifest, still_alive
 
 from tasks.torchrun import (
     LaunchStalled,
@@ -45,20 +45,28 @@ def test_one_node_argv_is_a_list_with_standalone_and_the_rank_module(tmp_path):
 
 
 def test_several_nodes_argv_names_the_rendezvous(tmp_path):
-    cfg = config(nnodes=3, node_rank=2, rdzv_endpoint="head:29400", rdzv_id="job-7", nproc_per_node="auto", backend="nccl")
+    cfg = config(
+        nnodes=3, node_rank=2, rdzv_endpoint="head:29400", rdzv_id="job-7", nproc_per_node="auto", backend="nccl"
+    )
     argv = torchrun_command(cfg, tmp_path / "job.json", gpus=4)
     assert "--standalone" not in argv
     pairs = {argv[i]: argv[i + 1] for i in range(3, len(argv) - 1) if argv[i].startswith("--")}
     assert pairs["--nnodes"] == "3" and pairs["--node-rank"] == "2"
-    assert pairs["--rdzv-backend"] == "c10d" and pairs["--rdzv-endpoint"] == "head:29400" and pairs["--rdzv-id"] == "job-7"
+    assert (
+        pairs["--rdzv-backend"] == "c10d" and pairs["--rdzv-endpoint"] == "head:29400" and pairs["--rdzv-id"] == "job-7"
+    )
     assert pairs["--nproc-per-node"] == "4"  # auto: one per GPU
 
 
 def test_environment_sets_threads_unbuffered_mlflow_and_error_file(tmp_path):
-    env = launch_env(config(nproc_per_node=1), tmp_path, tracking_uri="sqlite:///x.db", gpus=0, base={"DDPFLOW_MLFLOW_RUN_ID": "abc"})
+    env = launch_env(
+        config(nproc_per_node=1), tmp_path, tracking_uri="sqlite:///x.db", gpus=0, base={"DDPFLOW_MLFLOW_RUN_ID": "abc"}
+    )
     assert env["PYTHONUNBUFFERED"] == "1"
     assert int(env["OMP_NUM_THREADS"]) >= 1
-    assert env["MLFLOW_TRACKING_URI"] == "sqlite:///x.db" and "DDPFLOW_MLFLOW_RUN_ID" not in env  # the launcher mirrors metrics itself
+    assert (
+        env["MLFLOW_TRACKING_URI"] == "sqlite:///x.db" and "DDPFLOW_MLFLOW_RUN_ID" not in env
+    )  # the launcher mirrors metrics itself
     assert Path(env["TORCHELASTIC_ERROR_FILE"]).parent == tmp_path
     assert int(launch_env(config(num_threads=3), tmp_path, gpus=0, base={})["OMP_NUM_THREADS"]) == 3
 
@@ -95,7 +103,13 @@ def test_lines_stream_while_torchrun_runs_labelled_by_rank(tmp_path):
 
     def on_line(line):
         # Record, for each line, whether torchrun was still running when it arrived.
-        seen.append((line, psutil.pid_exists(torchrun_pid(tmp_path)) and psutil.Process(torchrun_pid(tmp_path)).status() != psutil.STATUS_ZOMBIE))
+        seen.append(
+            (
+                line,
+                psutil.pid_exists(torchrun_pid(tmp_path))
+                and psutil.Process(torchrun_pid(tmp_path)).status() != psutil.STATUS_ZOMBIE,
+            )
+        )
 
     result = launch(dummy_rank_argv(tmp_path, "--lines", "6", "--interval", "0.3"), tmp_path, on_line=on_line)
     rank_lines = [(line, alive) for line, alive in seen if line.rank is not None]
@@ -125,7 +139,13 @@ def test_timeout_kills_the_tree_even_a_rank_that_ignores_sigterm(tmp_path):
     on_line = lambda line: stubborn.append(line.rank) if "ignores SIGTERM" in line.text else None  # noqa: E731
     # 12 s: room for torchrun and both ranks to start on a loaded machine before the limit hits.
     with pytest.raises(LaunchTimeout, match=r"train\.timeout_s=12s") as caught:
-        launch(dummy_rank_argv(tmp_path, "--mode", "stubborn", "--lines", "1"), tmp_path, on_line=on_line, timeout_s=12, grace_s=1)
+        launch(
+            dummy_rank_argv(tmp_path, "--mode", "stubborn", "--lines", "1"),
+            tmp_path,
+            on_line=on_line,
+            timeout_s=12,
+            grace_s=1,
+        )
     assert sorted(stubborn) == [0, 1], "both ranks must have been running (and ignoring SIGTERM) when the limit hit"
     pids = json.loads((tmp_path / "torchrun.pid").read_text())["descendants"]
     assert len(pids) >= 3, pids  # torchrun + two ranks were recorded
@@ -137,7 +157,13 @@ def test_timeout_kills_the_tree_even_a_rank_that_ignores_sigterm(tmp_path):
 def test_stall_watchdog_kills_a_silent_run(tmp_path):
     # The ranks print, then go silent; 8 s also covers a slow, silent torchrun start-up.
     with pytest.raises(LaunchStalled, match=r"train\.stall_timeout_s=8s"):
-        launch(dummy_rank_argv(tmp_path, "--mode", "hang", "--lines", "1"), tmp_path, on_line=lambda line: None, stall_timeout_s=8, grace_s=1)
+        launch(
+            dummy_rank_argv(tmp_path, "--mode", "hang", "--lines", "1"),
+            tmp_path,
+            on_line=lambda line: None,
+            stall_timeout_s=8,
+            grace_s=1,
+        )
     pids = json.loads((tmp_path / "torchrun.pid").read_text())["descendants"]
     assert still_alive(pids, within_s=5) == []
 
@@ -155,10 +181,17 @@ def leftovers():
             os.kill(pid, signal.SIGKILL)
 
 
-def start_launcher(run_dir: Path, *rank_args: str, thread: str | None = None, leftovers: list[int]) -> tuple[subprocess.Popen, list[int]]:
+def start_launcher(
+    run_dir: Path, *rank_args: str, thread: str | None = None, leftovers: list[int]
+) -> tuple[subprocess.Popen, list[int]]:
     """A python process running launch(); returns it once torchrun, both ranks and their children are up."""
     options = [str(run_dir)] + ([thread] if thread else [])
-    proc = subprocess.Popen([sys.executable, str(RUN_LAUNCHER), *options, "--", *rank_args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(RUN_LAUNCHER), *options, "--", *rank_args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     ready = 0
     assert proc.stdout is not None
     for line in proc.stdout:  # the ranks announce themselves (and, in spawn mode, their child)
@@ -208,7 +241,9 @@ def test_launcher_in_a_worker_thread_dies_with_its_process(tmp_path, leftovers):
 @pytest.mark.slow
 def test_launcher_in_a_worker_thread_stops_the_tree_when_the_main_thread_ends(tmp_path, leftovers):
     """Interpreter shutdown would wait for the worker thread (and torchrun) forever; the launcher notices it instead."""
-    proc, pids = start_launcher(tmp_path, "--mode", "hang", "--lines", "1", thread="--orphan-thread", leftovers=leftovers)
+    proc, pids = start_launcher(
+        tmp_path, "--mode", "hang", "--lines", "1", thread="--orphan-thread", leftovers=leftovers
+    )
     output, _ = proc.communicate(timeout=60)  # without the check: blocked for the rank's 600 s sleep
     assert "LAUNCH-ERROR: the launching process is shutting down" in output, output
     assert still_alive(pids) == []
@@ -230,7 +265,9 @@ def test_a_rank_that_only_lost_its_peer_is_not_blamed(tmp_path):
     }
     for local_rank, message in messages.items():
         (attempt / str(local_rank)).mkdir(parents=True)
-        (attempt / str(local_rank) / "error.json").write_text(json.dumps({"message": {"message": message, "extraInfo": {}}}))
+        (attempt / str(local_rank) / "error.json").write_text(
+            json.dumps({"message": {"message": message, "extraInfo": {}}})
+        )
     tail = [
         "Root Cause (first observed failure):",
         "  time      : 2026-11-29_20:24:58",
@@ -243,6 +280,8 @@ def test_a_rank_that_only_lost_its_peer_is_not_blamed(tmp_path):
     assert "injected fault" in str(error) and str(error).startswith("rank 1 failed")
 
     # A genuine error on the blamed rank is kept as torchrun reported it.
-    (attempt / "0" / "error.json").write_text(json.dumps({"message": {"message": "ValueError: bad batch", "extraInfo": {}}}))
+    (attempt / "0" / "error.json").write_text(
+        json.dumps({"message": {"message": "ValueError: bad batch", "extraInfo": {}}})
+    )
     error = failure_from_output(tmp_path, attempt.parent, tail, returncode=1)
     assert error.rank == 0 and "bad batch" in str(error)

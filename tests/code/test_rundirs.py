@@ -14,7 +14,9 @@ from tasks.torchrun import LOCK_FILE
 from training.config import PipelineConfig
 
 
-@pytest.mark.parametrize("name", ["../../etc", "/etc/passwd", "a/b/../../..", "..", "", "  ", "nested/name", "~root", "x" * 500])
+@pytest.mark.parametrize(
+    "name", ["../../etc", "/etc/passwd", "a/b/../../..", "..", "", "  ", "nested/name", "~root", "x" * 500]
+)
 def test_run_names_cannot_leave_run_root(tmp_path, name):
     root = tmp_path / "runs"
     run_dir = new_run_dir(root, name)
@@ -36,7 +38,9 @@ def make_run(root: Path, name: str, config: PipelineConfig, fingerprint: str, *,
     run_dir = root / name
     (run_dir / "checkpoints").mkdir(parents=True)
     config.write_json(run_dir / "config.json")
-    (run_dir / "train_config.json").write_text(json.dumps({"dataset_dir": f"/data/shards/{fingerprint}", "run_dir": str(run_dir)}))
+    (run_dir / "train_config.json").write_text(
+        json.dumps({"dataset_dir": f"/data/shards/{fingerprint}", "run_dir": str(run_dir)})
+    )
     if checkpoint:
         (run_dir / "checkpoints" / "last.pt").write_bytes(b"x")
     if model:

@@ -38,7 +38,10 @@ def test_every_torch_load_is_weights_only(parsed):
     unsafe = [
         f"{path.relative_to(REPO)}:{node.lineno}"
         for path, node in loads
-        if not any(kw.arg == "weights_only" and isinstance(kw.value, ast.Constant) and kw.value.value is True for kw in node.keywords)
+        if not any(
+            kw.arg == "weights_only" and isinstance(kw.value, ast.Constant) and kw.value.value is True
+            for kw in node.keywords
+        )
     ]
     assert unsafe == [], f"torch.load without weights_only=True (unpickles code): {unsafe}"
 
@@ -48,7 +51,10 @@ def test_no_shell_strings_are_run(parsed):
     offenders = []
     for path, tree in parsed.items():
         for node, name in calls(tree):
-            shell = any(kw.arg == "shell" and not (isinstance(kw.value, ast.Constant) and kw.value.value is False) for kw in node.keywords)
+            shell = any(
+                kw.arg == "shell" and not (isinstance(kw.value, ast.Constant) and kw.value.value is False)
+                for kw in node.keywords
+            )
             if shell or name in ("os.system", "os.popen", "subprocess.getoutput", "subprocess.getstatusoutput"):
                 offenders.append(f"{path.relative_to(REPO)}:{node.lineno} {name}")
     assert offenders == []
@@ -63,4 +69,8 @@ def test_the_local_stack_binds_loopback_only():
 def test_the_config_holds_no_secrets():
     """Credentials come from the environment (AWS_*, MLFLOW_TRACKING_*), never from a config file or a run's parameters."""
     names = PipelineConfig().flat().keys()
-    assert [name for name in names if any(word in name.lower() for word in ("password", "secret", "token", "access_key", "credential"))] == []
+    assert [
+        name
+        for name in names
+        if any(word in name.lower() for word in ("password", "secret", "token", "access_key", "credential"))
+    ] == []

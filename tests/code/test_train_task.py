@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from launch_helpers import DUMMY_RANK, is_alive, still_alive, make_manifest
+from launch_helpers import DUMMY_RANK, is_alive, make_manifest, still_alive
 from prefect import flow
 
 import tasks.torchrun
@@ -36,8 +36,16 @@ def two_ranks(**train) -> PipelineConfig:
 
 
 @flow
-def train_flow(config: PipelineConfig, dataset_dir: str, run_dir: str, mlflow_run_id: str | None = None, tracking_uri: str | None = None) -> TrainResult:
-    return train_model(config, dataset_dir, run_dir, mlflow_run_id=mlflow_run_id, tracking_uri=tracking_uri, kill_grace_s=2)
+def train_flow(
+    config: PipelineConfig,
+    dataset_dir: str,
+    run_dir: str,
+    mlflow_run_id: str | None = None,
+    tracking_uri: str | None = None,
+) -> TrainResult:
+    return train_model(
+        config, dataset_dir, run_dir, mlflow_run_id=mlflow_run_id, tracking_uri=tracking_uri, kill_grace_s=2
+    )
 
 
 def flow_logs(flow_run_id) -> list[str]:
@@ -59,23 +67,35 @@ def test_train_model_writes_the_job_streams_rank_lines_and_returns_the_result(pr
     assert job["dataset_dir"] == str(dataset) and job["run_dir"] == str(run_dir)
     assert PipelineConfig.model_validate_json((run_dir / "config.json").read_text()) == two_ranks()
     deadline = time.monotonic() + 20  # logs reach the API in batches
-    while not any("[rank 1] rank 1 done" in m for m in flow_logs(state.state_details.flow_run_id)) and time.monotonic() < deadline:
+    while (
+        not any("[rank 1] rank 1 done" in m for m in flow_logs(state.state_details.flow_run_id))
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.5)
     assert any("[rank 1] rank 1 done" in m for m in flow_logs(state.state_details.flow_run_id))
 
 
-def test_epoch_metrics_reach_the_mlflow_run_from_the_task_and_no_rank_is_given_the_run(prefect_harness, stand_in_rank, tmp_path, mlflow_store):
+def test_epoch_metrics_reach_the_mlflow_run_from_the_task_and_no_rank_is_given_the_run(
+    prefect_harness, stand_in_rank, tmp_path, mlflow_store
+):
     from mlflow import MlflowClient
 
     uri, artifacts = mlflow_store
     client = MlflowClient(uri)
     run_id = client.create_run(client.create_experiment("follow", artifact_location=artifacts)).info.run_id
     run_dir = tmp_path / "run"
-    state = train_flow(two_ranks(), str(make_manifest(tmp_path / "fp123")), str(run_dir), run_id, uri, return_state=True)
+    state = train_flow(
+        two_ranks(), str(make_manifest(tmp_path / "fp123")), str(run_dir), run_id, uri, return_state=True
+    )
     assert state.is_completed()
-    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "val_loss")] == [(1, 0.5)]  # the stand-in's one epoch
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "val_loss")] == [
+        (1, 0.5)
+    ]  # the stand-in's one epoch
     deadline = time.monotonic() + 20  # logs reach the API in batches
-    while len(started := [m for m in flow_logs(state.state_details.flow_run_id) if " started pid=" in m]) < 2 and time.monotonic() < deadline:
+    while (
+        len(started := [m for m in flow_logs(state.state_details.flow_run_id) if " started pid=" in m]) < 2
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.5)
     assert len(started) == 2 and all(m.endswith("mlflow_run_id=None") for m in started), started
 
@@ -92,7 +112,9 @@ def test_metrics_follower_logs_each_epoch_once_as_lines_land(tmp_path, mlflow_st
     follower = EpochMetricsFollower(metrics, run_id, uri)
     follower.catch_up()  # no file yet: nothing to do
     with metrics.open("a") as handle:
-        handle.write(json.dumps({"epoch": 0, "train_loss": 2.0}) + "\n" + '{"epoch": 1, "train_lo')  # epoch 1 half-written
+        handle.write(
+            json.dumps({"epoch": 0, "train_loss": 2.0}) + "\n" + '{"epoch": 1, "train_lo'
+        )  # epoch 1 half-written
     follower.catch_up()
     assert [(m.step, m.value) for m in client.get_metric_history(run_id, "train_loss")] == [(0, 2.0)]
     with metrics.open("a") as handle:
@@ -145,7 +167,12 @@ def stand_in_flow_training(tmp_path: Path):
     dataset = make_manifest(tmp_path / "fp123")
     run_dir = tmp_path / "run"
     env = dict(os.environ, PREFECT_API_URL=PREFECT_API_URL.value(), DUMMY_RANK_MODE="spawn", DUMMY_RANK_LINES="1")
-    flow_process = subprocess.Popen([sys.executable, str(TRAIN_FLOW), str(run_dir), str(dataset)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    flow_process = subprocess.Popen(
+        [sys.executable, str(TRAIN_FLOW), str(run_dir), str(dataset)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     pids: list[int] = []
     try:
         pids = wait_for_tree(run_dir, at_least=5)
@@ -188,7 +215,10 @@ def test_train_model_runs_the_real_rank_program(prefect_harness, tmp_path):
 
     config = PipelineConfig.model_validate(
         {
-            "data": {"source": "synthetic://classification?rows=1500&features=4&classes=2&seed=0", "root": str(tmp_path / "shards")},
+            "data": {
+                "source": "synthetic://classification?rows=1500&features=4&classes=2&seed=0",
+                "root": str(tmp_path / "shards"),
+            },
             "train": {"epochs": 1, "batch_size": 64, "nproc_per_node": 2, "model_kwargs": {"hidden": [8]}},
         }
     )

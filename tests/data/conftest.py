@@ -25,7 +25,12 @@ def make_config(tmp_path):
     """DataConfig writing under tmp_path/shards, with small shards so several are written."""
 
     def make(source: str, **fields) -> DataConfig:
-        defaults = {"root": str(tmp_path / "shards"), "rows_per_shard": 1500, "row_group_size": 500, "read_batch_rows": 700}
+        defaults = {
+            "root": str(tmp_path / "shards"),
+            "rows_per_shard": 1500,
+            "row_group_size": 500,
+            "read_batch_rows": 700,
+        }
         return DataConfig(source=str(source), **{**defaults, **fields})
 
     return make
@@ -90,5 +95,3 @@ def dh() -> SimpleNamespace:
         read_all_splits=read_all_splits,
         nothing_complete=nothing_complete,
     )
-
-

@@ -97,7 +97,9 @@ def test_corrupt_parquet_file(tmp_path, expect_error):
 
 def test_corrupt_csv_file(tmp_path, expect_error):
     path = tmp_path / "ragged.csv"
-    rows = "".join(f"{i},{i * 0.5},{i % 2}\n" for i in range(120_000))  # > 1 MiB: past the block the schema is read from
+    rows = "".join(
+        f"{i},{i * 0.5},{i % 2}\n" for i in range(120_000)
+    )  # > 1 MiB: past the block the schema is read from
     path.write_text("id,x,label\n" + rows + "1,2\n")  # a short row, found only while streaming
     expect_error(path, str(path), "cannot be read as csv", "Expected 3 columns")
 

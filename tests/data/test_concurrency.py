@@ -31,7 +31,14 @@ def test_two_processes_prepare_one_copy(tmp_path, repo_root):
     go = tmp_path / "go"
     env = {**os.environ, "PYTHONPATH": str(repo_root)}
     processes = [
-        subprocess.Popen([sys.executable, "-c", _PREPARE_WHEN_GO, str(go), source, str(root)], env=env, cwd=repo_root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", _PREPARE_WHEN_GO, str(go), source, str(root)],
+            env=env,
+            cwd=repo_root,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for _ in range(2)
     ]
     time.sleep(1.5)  # both have imported pyarrow and are polling
@@ -45,7 +52,9 @@ def test_two_processes_prepare_one_copy(tmp_path, repo_root):
     assert results[0]["rows"] == results[1]["rows"] and sum(results[0]["rows"].values()) == 60000
     assert [path.name for path in root.iterdir()] == [results[0]["fingerprint"]]  # one copy, no temp dirs left
     manifest = read_manifest(root / results[0]["fingerprint"])
-    on_disk = sorted(str(path.relative_to(root / manifest.fingerprint)) for path in (root / manifest.fingerprint).rglob("*.parquet"))
+    on_disk = sorted(
+        str(path.relative_to(root / manifest.fingerprint)) for path in (root / manifest.fingerprint).rglob("*.parquet")
+    )
     assert on_disk == sorted(shard.file for split in SPLITS for shard in manifest.splits[split].shards)
 
 

@@ -21,7 +21,14 @@ print(pa.default_memory_pool().max_memory())
 def _peak_arrow_bytes(repo_root, path, root) -> int:
     # A fresh process per size: max_memory() is the pool's peak over the process's life.
     env = {**os.environ, "PYTHONPATH": str(repo_root)}
-    result = subprocess.run([sys.executable, "-c", _PREPARE_AND_REPORT_PEAK, str(path), str(root)], env=env, cwd=repo_root, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", _PREPARE_AND_REPORT_PEAK, str(path), str(root)],
+        env=env,
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     return int(result.stdout.strip().splitlines()[-1])
 

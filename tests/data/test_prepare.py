@@ -25,13 +25,34 @@ def test_layout_and_manifest_fields(table_file, make_config, dh):
     manifest = read_manifest(directory)
     assert manifest == prepared.manifest
     raw = json.loads((directory / "manifest.json").read_text())
-    for name in ("fingerprint", "source", "task", "label", "key", "features", "label_mapping", "feature_mean", "feature_std",
-                 "splits", "schema", "config", "created_at", "versions", "dropped_rows"):
+    for name in (
+        "fingerprint",
+        "source",
+        "task",
+        "label",
+        "key",
+        "features",
+        "label_mapping",
+        "feature_mean",
+        "feature_std",
+        "splits",
+        "schema",
+        "config",
+        "created_at",
+        "versions",
+        "dropped_rows",
+    ):
         assert name in raw, name
     assert manifest.features == ["x0", "x1", "x2", "count"]  # numeric, minus key and label, in source order
     assert manifest.task == "classification" and manifest.label_mapping == ["a", "b", "c"]
-    assert manifest.schema == [{"name": "x0", "type": "double"}, {"name": "x1", "type": "float"}, {"name": "x2", "type": "double"},
-                               {"name": "count", "type": "int64"}, {"name": "label", "type": "string"}, {"name": "id", "type": "int64"}]
+    assert manifest.schema == [
+        {"name": "x0", "type": "double"},
+        {"name": "x1", "type": "float"},
+        {"name": "x2", "type": "double"},
+        {"name": "count", "type": "int64"},
+        {"name": "label", "type": "string"},
+        {"name": "id", "type": "int64"},
+    ]
     assert manifest.config["root"] == str(make_config(source).root)
     assert {"pyarrow", "numpy", "pandas"} <= set(manifest.versions)
     for split in SPLITS:
@@ -182,13 +203,19 @@ def test_integer_labels_map_through_sorted_values(table_file, make_config, dh):
     for split_table in dh.read_all_splits(prepared).values():
         indices = split_table["label"].to_numpy()
         originals = dict(zip(table["id"].to_pylist(), labels.tolist()))
-        assert [prepared.manifest.label_mapping[i] for i in indices] == [originals[i] for i in split_table["id"].to_pylist()]
+        assert [prepared.manifest.label_mapping[i] for i in indices] == [
+            originals[i] for i in split_table["id"].to_pylist()
+        ]
 
 
 def test_categorical_string_view_and_bool_labels(table_file, make_config, dh):
     table = dh.numeric_table(rows=1000)
     categorical = table.set_column(5, "label", pc_dictionary(table["label"]))
-    assert prepare_dataset(make_config(table_file(categorical, "cat.parquet"))).manifest.label_mapping == ["a", "b", "c"]
+    assert prepare_dataset(make_config(table_file(categorical, "cat.parquet"))).manifest.label_mapping == [
+        "a",
+        "b",
+        "c",
+    ]
     views = table.set_column(5, "label", table["label"].cast(pa.string_view()))
     assert prepare_dataset(make_config(table_file(views, "view.parquet"))).manifest.label_mapping == ["a", "b", "c"]
     flags = table.set_column(5, "label", pa.array(np.arange(1000) % 3 == 0))
@@ -208,7 +235,12 @@ def test_float_label_means_regression(table_file, make_config, dh):
     assert prepared.manifest.task == "regression" and prepared.manifest.label_mapping is None
     assert prepared.manifest.n_outputs == 1
     assert dh.read_split(prepared, "train").schema.field("label").type == pa.float32()
-    forced = prepare_dataset(make_config(table_file(dh.numeric_table().set_column(5, "label", pa.array(np.arange(dh.rows) % 2)), "int.parquet"), task="regression"))
+    forced = prepare_dataset(
+        make_config(
+            table_file(dh.numeric_table().set_column(5, "label", pa.array(np.arange(dh.rows) % 2)), "int.parquet"),
+            task="regression",
+        )
+    )
     assert forced.manifest.task == "regression"
 
 
@@ -248,11 +280,13 @@ def test_synthetic_source_is_learnable_and_balanced(make_config):
     test = pa.concat_tables([pq.read_table(f) for f in manifest.split_files(prepared.dataset_dir, "test")])
     counts = Counter(train["label"].to_pylist())
     assert min(counts.values()) > 0.1 * train.num_rows  # no class is vanishingly rare
+
     # learnable: a least-squares linear classifier on normalised features beats chance by far
     def design(table):
         x = np.column_stack([table[f].to_numpy() for f in manifest.features])
         x = (x - manifest.feature_mean) / manifest.feature_std
         return np.column_stack([x, np.ones(len(x))])
+
     targets = np.eye(3)[train["label"].to_numpy()]
     weights, *_ = np.linalg.lstsq(design(train), targets, rcond=None)
     accuracy = (design(test) @ weights).argmax(axis=1) == test["label"].to_numpy()

@@ -19,7 +19,9 @@ def test_prepare_task_logs_and_publishes_an_artifact(prefect_harness, tmp_path):
 
     from tasks.prepare import prepare_data
 
-    config = load_config(None, ["data.source=synthetic://classification?rows=3000&features=4&classes=2&seed=0", f"data.root={tmp_path}"])
+    config = load_config(
+        None, ["data.source=synthetic://classification?rows=3000&features=4&classes=2&seed=0", f"data.root={tmp_path}"]
+    )
 
     @flow
     def prepare_twice(config):

@@ -38,7 +38,9 @@ def free_port() -> int:
 
 
 def ddpflow(*args: str, env: dict[str, str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 class Stack:
@@ -55,10 +57,21 @@ class Stack:
 
     @property
     def cli_env(self) -> dict[str, str]:
-        return {**self.env, "PREFECT_API_URL": f"{self.prefect_url}/api", "PREFECT_HOME": str(self.state_dir / "prefect")}
+        return {
+            **self.env,
+            "PREFECT_API_URL": f"{self.prefect_url}/api",
+            "PREFECT_HOME": str(self.state_dir / "prefect"),
+        }
 
     def prefect(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "prefect", *args], cwd=self.repo, env=self.cli_env, capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(
+            [sys.executable, "-m", "prefect", *args],
+            cwd=self.repo,
+            env=self.cli_env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
     def api(self, method: str, path: str, **kwargs: Any) -> Any:
         response = httpx.request(method, f"{self.prefect_url}/api{path}", timeout=30, **kwargs)
@@ -114,11 +127,14 @@ class Stack:
         client = MlflowClient(tracking_uri=self.mlflow_uri)
         try:
             return str(client.get_model_version_by_alias(MODEL_NAME, "champion").version)
-        except Exception:  # noqa: BLE001 - no model or no alias yet
+        except Exception:
             return None
 
     def recorded_pids(self) -> dict[str, int]:
-        return {name: info["pid"] for name, info in json.loads((self.state_dir / "stack.json").read_text())["processes"].items()}
+        return {
+            name: info["pid"]
+            for name, info in json.loads((self.state_dir / "stack.json").read_text())["processes"].items()
+        }
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +150,18 @@ def stack(repo_root: Path, tmp_path_factory: pytest.TempPathFactory):
     env.pop("MLFLOW_TRACKING_URI", None)
     env.pop("PREFECT_API_URL", None)
     args = ("--project", str(repo_root), "--state-dir", str(tmp / "state"), "--mlflow-dir", str(tmp / "mlflow"))
-    result = ddpflow("stack", "up", *args, "--prefect-port", str(free_port()), "--mlflow-port", str(free_port()), "--json", env=env, cwd=repo_root)
+    result = ddpflow(
+        "stack",
+        "up",
+        *args,
+        "--prefect-port",
+        str(free_port()),
+        "--mlflow-port",
+        str(free_port()),
+        "--json",
+        env=env,
+        cwd=repo_root,
+    )
     assert result.returncode == 0, f"stack up failed:\n{result.stdout}\n{result.stderr}"
     running = Stack(repo_root, tmp, env, json.loads(result.stdout))
     try:
@@ -155,7 +182,9 @@ def test_deploy_all_creates_both_deployments_from_prefect_yaml(stack: Stack) -> 
         assert deployment["global_concurrency_limit"]["limit"] == 1
         assert deployment["concurrency_options"]["collision_strategy"] == strategy
         # `{{ $PWD }}` is rendered at deploy time into the project root.
-        assert deployment["pull_steps"] == [{"prefect.deployments.steps.set_working_directory": {"directory": str(stack.repo)}}]
+        assert deployment["pull_steps"] == [
+            {"prefect.deployments.steps.set_working_directory": {"directory": str(stack.repo)}}
+        ]
     assert nightly["parameters"] == {"config_file": "configs/nightly.yaml"}
     assert manual["parameters"] == {"config_file": "configs/manual.yaml"}
 
@@ -173,7 +202,11 @@ def test_three_manual_runs_at_once_complete_in_turn_and_register_models(stack: S
     """`prefect deployment run` x3 through the worker: the limit queues them, each keeps its own files."""
     flow_run_ids = [stack.submit_manual_run() for _ in range(3)]
     runs = stack.wait_for_terminal(flow_run_ids, timeout_s=3 * RUN_TIMEOUT_S)
-    failed = {run["name"]: (run["state_name"], (run["state"] or {}).get("message")) for run in runs.values() if run["state_type"] != "COMPLETED"}
+    failed = {
+        run["name"]: (run["state_name"], (run["state"] or {}).get("message"))
+        for run in runs.values()
+        if run["state_type"] != "COMPLETED"
+    }
     assert not failed, f"{failed}\n{stack.log_tail('worker')}"
     # `manual` is ENQUEUE with limit 1: none is cancelled, they run one after another.
     spans = sorted((run["start_time"], run["end_time"]) for run in runs.values())
@@ -208,7 +241,9 @@ def wait_for_training(run_root: Path, within_s: float = 180) -> tuple[Path, list
                 below = [p.pid for p in psutil.Process(record["torchrun_pid"]).children(recursive=True)]
             except psutil.NoSuchProcess:
                 below = []
-            return pid_file.parent, sorted({record["launcher_pid"], record["torchrun_pid"], *record["descendants"], *below})
+            return pid_file.parent, sorted(
+                {record["launcher_pid"], record["torchrun_pid"], *record["descendants"], *below}
+            )
         time.sleep(0.5)
     pytest.fail(f"no training under way in {run_root} after {within_s} s")
 
@@ -235,7 +270,9 @@ def test_cancelling_a_worker_run_kills_every_process_and_keeps_the_champion(stac
     result = stack.prefect("flow-run", "cancel", flow_run_id)
     assert result.returncode == 0, result.stdout + result.stderr
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and (still_alive(pids) or stack.api("GET", f"/flow_runs/{flow_run_id}")["state_type"] != "CANCELLED"):
+    while time.monotonic() < deadline and (
+        still_alive(pids) or stack.api("GET", f"/flow_runs/{flow_run_id}")["state_type"] != "CANCELLED"
+    ):
         time.sleep(0.5)
     run = stack.api("GET", f"/flow_runs/{flow_run_id}")
     assert run["state_type"] == "CANCELLED", (run["state_name"], stack.log_tail("worker"))
@@ -267,7 +304,11 @@ def test_the_stack_listens_on_loopback_only(stack: Stack) -> None:
         root = psutil.Process(pid)
         for proc in (root, *root.children(recursive=True)):
             try:
-                listening += [(proc.pid, conn.laddr.ip, conn.laddr.port) for conn in proc.net_connections(kind="inet") if conn.status == psutil.CONN_LISTEN]
+                listening += [
+                    (proc.pid, conn.laddr.ip, conn.laddr.port)
+                    for conn in proc.net_connections(kind="inet")
+                    if conn.status == psutil.CONN_LISTEN
+                ]
             except psutil.NoSuchProcess:
                 pass
     assert listening, "no listening socket found: the scan is broken"
@@ -282,7 +323,12 @@ def test_stack_down_leaves_no_process_alive(stack: Stack) -> None:
     result = ddpflow("stack", "down", *stack.stack_args, "--json", env=stack.env, cwd=stack.repo, timeout=120)
     assert result.returncode == 0, result.stderr
     assert sorted(json.loads(result.stdout)["stopped"]) == ["mlflow", "prefect-server", "worker"]
-    survivors = [pid for parent, children in family.items() for pid in (parent, *children) if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    survivors = [
+        pid
+        for parent, children in family.items()
+        for pid in (parent, *children)
+        if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    ]
     assert survivors == []
     assert not (stack.state_dir / "stack.json").exists()
     status = json.loads(ddpflow("stack", "status", *stack.stack_args, "--json", env=stack.env, cwd=stack.repo).stdout)

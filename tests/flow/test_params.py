@@ -22,7 +22,9 @@ def test_file_then_the_fields_set_in_config_then_overrides(config_file):
     assert config.train.lr == 0.1, "config beats the file"
     assert config.train.batch_size == 32
     assert config.registry.model_name == "from-file"
-    assert resolve_config({"train": {"lr": 0.1}}, config_file, ["train.lr=0.2"]).train.lr == 0.2, "overrides beat config"
+    assert resolve_config({"train": {"lr": 0.1}}, config_file, ["train.lr=0.2"]).train.lr == 0.2, (
+        "overrides beat config"
+    )
 
 
 def test_no_parameters_give_the_defaults_and_bad_values_name_the_field(tmp_path):
@@ -47,5 +49,7 @@ def test_data_label(source, label):
 
 
 def test_run_label_names_the_model_and_the_data():
-    config = PipelineConfig.model_validate({"train": {"model": "my_pkg.nets:wide_net"}, "data": {"source": "data/churn.csv"}})
+    config = PipelineConfig.model_validate(
+        {"train": {"model": "my_pkg.nets:wide_net"}, "data": {"source": "data/churn.csv"}}
+    )
     assert run_label(config) == "wide_net-churn"

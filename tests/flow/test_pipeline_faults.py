@@ -115,7 +115,9 @@ def test_restarts_exhausted_fail_with_the_root_cause_then_the_same_config_resume
     assert not (failed_dir / FINAL_MODEL).exists()
     failed_run = max(runs_in(client, config), key=lambda run: run.info.start_time)
     assert failed_run.info.status == "FAILED"
-    assert champion_version(client, config) == str(champion_run["model_version"]), "a failed run never moves the champion"
+    assert champion_version(client, config) == str(champion_run["model_version"]), (
+        "a failed run never moves the champion"
+    )
 
     resumed = train_pipeline(config=fragile)
     assert Path(resumed["run_dir"]) == failed_dir, "the same config resumes the unfinished run instead of starting over"

@@ -21,7 +21,14 @@ def cli_env(cwd: Path) -> dict[str, str]:
 
 
 def ddpflow(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=cli_env(cwd), capture_output=True, text=True, timeout=540)
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args],
+        cwd=cwd,
+        env=cli_env(cwd),
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
 
 
 @pytest.mark.slow

@@ -30,7 +30,9 @@ def test_prefect_yaml_deploys_the_pipeline_with_real_configs(repo_root: Path) ->
         assert deployment["concurrency_limit"]["limit"] == 1
         # The deployment's config must validate, or every scheduled run would fail.
         load_config(repo_root / deployment["parameters"]["config_file"])
-    assert deployments["nightly"]["schedules"] == [{"cron": "0 2 * * *", "timezone": "UTC", "slug": "nightly-0200-utc", "active": True}]
+    assert deployments["nightly"]["schedules"] == [
+        {"cron": "0 2 * * *", "timezone": "UTC", "slug": "nightly-0200-utc", "active": True}
+    ]
     assert deployments["manual"]["schedules"] == []
 
 
@@ -46,7 +48,12 @@ def test_up_refuses_a_busy_port_before_starting_anything(tmp_path: Path, repo_ro
 
 def _record(state_dir: Path, name: str, process: psutil.Process, create_time: float | None = None) -> None:
     state = stack.StackState(prefect_url="http://127.0.0.1:1", mlflow_url="http://127.0.0.1:2")
-    state.processes[name] = {"pid": process.pid, "create_time": create_time or process.create_time(), "argv": [], "log": ""}
+    state.processes[name] = {
+        "pid": process.pid,
+        "create_time": create_time or process.create_time(),
+        "argv": [],
+        "log": "",
+    }
     state.write(state_dir / "stack.json")
 
 
@@ -69,7 +76,12 @@ def test_down_never_signals_a_reused_pid(tmp_path: Path) -> None:
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         # Same PID, different start time: the recorded process is gone and the PID was reused.
-        _record(tmp_path, "worker", psutil.Process(bystander.pid), create_time=psutil.Process(bystander.pid).create_time() - 100)
+        _record(
+            tmp_path,
+            "worker",
+            psutil.Process(bystander.pid),
+            create_time=psutil.Process(bystander.pid).create_time() - 100,
+        )
         assert stack.down(tmp_path, state_dir=tmp_path) == []
         assert bystander.poll() is None
         status = stack.status(tmp_path, state_dir=tmp_path)

@@ -26,7 +26,9 @@ from training.models import ModelSpec, build_model
 CLASS_NAMES = ["cat", "dog", "eel", "fox", "gnu"]
 
 
-def _write_split(dataset_dir: Path, split: str, x: np.ndarray, y: np.ndarray, features: list[str], label: str, shard_rows: int) -> SplitInfo:
+def _write_split(
+    dataset_dir: Path, split: str, x: np.ndarray, y: np.ndarray, features: list[str], label: str, shard_rows: int
+) -> SplitInfo:
     (dataset_dir / split).mkdir(parents=True, exist_ok=True)
     shards = []
     for number, start in enumerate(range(0, len(x), shard_rows)):
@@ -78,7 +80,8 @@ def make_dataset(
         feature_mean=[float(v) for v in train_x.mean(axis=0)],
         feature_std=[float(v) or 1.0 for v in train_x.std(axis=0)],
         splits=splits,
-        schema=[{"name": name, "type": "float"} for name in features] + [{"name": "label", "type": "int64" if task == "classification" else "float"}],
+        schema=[{"name": name, "type": "float"} for name in features]
+        + [{"name": "label", "type": "int64" if task == "classification" else "float"}],
         config={},
         created_at=dt.datetime.now(dt.timezone.utc).isoformat(),
         versions={},
@@ -97,7 +100,9 @@ def train_model_file(dataset_dir: Path, path: Path, steps: int = 60, seed: int =
     y = torch.from_numpy(table[manifest.label].to_numpy())
     mean, std = torch.tensor(manifest.feature_mean), torch.tensor(manifest.feature_std)
     torch.manual_seed(seed)
-    spec = ModelSpec(model="mlp", n_features=manifest.n_features, n_outputs=manifest.n_outputs, model_kwargs={"hidden": [32]})
+    spec = ModelSpec(
+        model="mlp", n_features=manifest.n_features, n_outputs=manifest.n_outputs, model_kwargs={"hidden": [32]}
+    )
     model = build_model(spec)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     loss_fn = torch.nn.CrossEntropyLoss() if manifest.task == "classification" else torch.nn.MSELoss()
@@ -108,7 +113,9 @@ def train_model_file(dataset_dir: Path, path: Path, steps: int = 60, seed: int =
         loss.backward()
         optimizer.step()
     path.parent.mkdir(parents=True, exist_ok=True)
-    checkpoint = inference_checkpoint(model.state_dict(), spec, manifest, epochs=1, metrics={"train_loss": float(loss.detach())})
+    checkpoint = inference_checkpoint(
+        model.state_dict(), spec, manifest, epochs=1, metrics={"train_loss": float(loss.detach())}
+    )
     torch.save(checkpoint, path)
     return path
 

@@ -29,8 +29,17 @@ class NotMain(SingleProcess):
 
 
 def saved_state(config, epoch: int = 1, fingerprint: str = "fp") -> dict:
-    return {"model": {"w": torch.ones(3)}, "optimizer": {}, "scheduler": None, "epoch": epoch, "rng": {"per_rank": []},
-            "config": config.model_dump(mode="json"), "fingerprint": fingerprint, "world_size": 2, "metrics": []}
+    return {
+        "model": {"w": torch.ones(3)},
+        "optimizer": {},
+        "scheduler": None,
+        "epoch": epoch,
+        "rng": {"per_rank": []},
+        "config": config.model_dump(mode="json"),
+        "fingerprint": fingerprint,
+        "world_size": 2,
+        "metrics": [],
+    }
 
 
 def test_a_failed_write_names_the_path_and_keeps_the_good_checkpoint(tmp_path):
@@ -50,8 +59,14 @@ def test_a_failed_write_names_the_path_and_keeps_the_good_checkpoint(tmp_path):
             print("ERROR", error)
         """
     )
-    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert done.returncode == 0, done.stderr
     assert "ERROR cannot write checkpoint" in done.stdout and str(tmp_path / "checkpoints" / "last.pt") in done.stdout
     last = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
@@ -82,7 +97,9 @@ def test_resume_allows_more_epochs_but_rejects_other_changes(tmp_path):
 
     assert checkpointer.load_resumable(load_config(None, ["train.epochs=5", "train.lr=0.01"]), "fp")["epoch"] == 1
     # Settings that do not change the training itself may differ.
-    assert checkpointer.load_resumable(load_config(None, ["train.epochs=2", "train.lr=0.01", "train.progress_interval_s=1"]), "fp")
+    assert checkpointer.load_resumable(
+        load_config(None, ["train.epochs=2", "train.lr=0.01", "train.progress_interval_s=1"]), "fp"
+    )
     with pytest.raises(ResumeMismatchError, match=r"train\.lr 0\.01 != 0\.1"):
         checkpointer.load_resumable(load_config(None, ["train.epochs=2", "train.lr=0.1"]), "fp")
     with pytest.raises(ResumeMismatchError, match="fingerprint"):
@@ -100,7 +117,9 @@ def test_a_cosine_schedule_pins_the_epoch_count(tmp_path):
 
 def test_warm_start_needs_the_same_architecture_and_features(tmp_path, capsys):
     spec = {"model": "mlp", "n_features": 2, "n_outputs": 3, "model_kwargs": {}}
-    atomic_save({"model": {"w": torch.full((2,), 7.0)}, "model_spec": spec, "features": ["a", "b"]}, tmp_path / "model.pt")
+    atomic_save(
+        {"model": {"w": torch.full((2,), 7.0)}, "model_spec": spec, "features": ["a", "b"]}, tmp_path / "model.pt"
+    )
     checkpointer = Checkpointer(tmp_path / "run", SingleProcess())
 
     weights = checkpointer.load_warm_start(str(tmp_path / "model.pt"), spec, ["a", "b"])

@@ -53,7 +53,9 @@ def test_classification_metrics_match_a_direct_computation(dataset_factory, mode
     logits = reference_outputs(model_path, frame)
     target = torch.tensor(frame["label"].to_numpy())
     predicted = logits.argmax(dim=1)
-    assert result.metrics["test_loss"] == pytest.approx(float(torch.nn.functional.cross_entropy(logits, target)), rel=1e-5)
+    assert result.metrics["test_loss"] == pytest.approx(
+        float(torch.nn.functional.cross_entropy(logits, target)), rel=1e-5
+    )
     f1s = []
     for index, label in enumerate(["cat", "dog", "eel"]):
         tp = int(((predicted == index) & (target == index)).sum())
@@ -78,7 +80,9 @@ def test_regression_metrics(dataset_factory, model_factory):
     assert result.samples == 333
     assert result.metrics["test_rmse"] == pytest.approx(np.sqrt(np.mean(error**2)), rel=1e-5)
     assert result.metrics["test_mae"] == pytest.approx(np.mean(np.abs(error)), rel=1e-5)
-    assert result.metrics["test_r2"] == pytest.approx(1 - np.sum(error**2) / np.sum((truth - truth.mean()) ** 2), rel=1e-5)
+    assert result.metrics["test_r2"] == pytest.approx(
+        1 - np.sum(error**2) / np.sum((truth - truth.mean()) ** 2), rel=1e-5
+    )
     assert result.metrics["test_r2"] > 0.5
     assert len(result.predictions) == 250  # bounded: only the first rows are kept for a plot
 
@@ -93,13 +97,17 @@ def test_reordered_classes_are_remapped(dataset_factory, model_factory, tmp_path
         table = pq.read_table(shard)
         flipped = pa.array(len(manifest.label_mapping) - 1 - table["label"].to_numpy())
         pq.write_table(table.set_column(table.schema.get_field_index("label"), "label", flipped), shard)
-    write_manifest(dataset, manifest.__class__(**{**manifest.__dict__, "label_mapping": list(reversed(manifest.label_mapping))}))
+    write_manifest(
+        dataset, manifest.__class__(**{**manifest.__dict__, "label_mapping": list(reversed(manifest.label_mapping))})
+    )
     assert evaluate_split(model_path, dataset).metrics["test_accuracy"] == pytest.approx(baseline)
 
 
 def test_incompatible_dataset_is_named(dataset_factory, model_factory):
     model_path = model_factory(dataset_factory(rows={"train": 300, "val": 30, "test": 30}))
-    other = dataset_factory(rows={"train": 300, "val": 30, "test": 30}, features=["a", "b", "c", "d", "e", "f"], fingerprint="other")
+    other = dataset_factory(
+        rows={"train": 300, "val": 30, "test": 30}, features=["a", "b", "c", "d", "e", "f"], fingerprint="other"
+    )
     with pytest.raises(IncompatibleModelError, match=r"\['f0'"):
         evaluate_split(model_path, other)
     regression = dataset_factory(task="regression", rows={"train": 300, "val": 30, "test": 30})

@@ -72,7 +72,13 @@ def test_a_hung_rank_fails_the_launch_through_the_collective_timeout_and_leaves_
     lines: list[str] = []
 
     with pytest.raises(RankFailed) as caught:
-        launch(torchrun_command(config, job, gpus=0), run_dir, env=env, on_line=lambda line: lines.append(str(line)), grace_s=2)
+        launch(
+            torchrun_command(config, job, gpus=0),
+            run_dir,
+            env=env,
+            on_line=lambda line: lines.append(str(line)),
+            grace_s=2,
+        )
 
     error = caught.value
     assert (run_dir / ".fault-hang-done").is_file(), "\n".join(lines[-30:])  # the hang really happened
@@ -158,19 +164,31 @@ def mlflow_server(tmp_path, monkeypatch):
 
 
 @pytest.mark.timeout(400)
-def test_mlflow_down_at_registration_keeps_the_model_and_registration_finishes_later(prefect_harness, mlflow_server, dataset_factory, model_factory, monkeypatch):
+def test_mlflow_down_at_registration_keeps_the_model_and_registration_finishes_later(
+    prefect_harness, mlflow_server, dataset_factory, model_factory, monkeypatch
+):
     from flows.registration import register_finished_run
 
     dataset = dataset_factory(rows={"train": 300, "val": 50, "test": 200})
     model_path = model_factory(dataset, steps=20)
     manifest = read_manifest(dataset)
     uri = mlflow_server.uri
-    config = PipelineConfig.model_validate({"mlflow": {"tracking_uri": uri, "experiment": "outage"}, "registry": {"model_name": "outage-model"}})
+    config = PipelineConfig.model_validate(
+        {"mlflow": {"tracking_uri": uri, "experiment": "outage"}, "registry": {"model_name": "outage-model"}}
+    )
     quick_retries = register_model.with_options(retry_delay_seconds=0)
 
     @flow
     def evaluate_then_lose_the_server() -> tuple[str, str, str]:
-        run_id = start_pipeline_run(config, "outage", {"flow_run_name": "outage"}, manifest.fingerprint, manifest, {"nproc_per_node": 1, "nnodes": 1}, dataset)
+        run_id = start_pipeline_run(
+            config,
+            "outage",
+            {"flow_run_name": "outage"},
+            manifest.fingerprint,
+            manifest,
+            {"nproc_per_node": 1, "nnodes": 1},
+            dataset,
+        )
         metrics = evaluate_model(str(model_path), str(dataset), run_id, uri, config)
         mlflow_server.stop()
         state = quick_retries(config, run_id, str(model_path), str(dataset), metrics, uri, return_state=True)

@@ -26,7 +26,14 @@ def prepared(tmp_path_factory):
     from training.data.prepare import prepare_dataset
 
     root = tmp_path_factory.mktemp("shards")
-    data = load_config(None, ["data.source=synthetic://regression?rows=900&features=4&seed=1", f"data.root={root}", "data.rows_per_shard=200"]).data
+    data = load_config(
+        None,
+        [
+            "data.source=synthetic://regression?rows=900&features=4&seed=1",
+            f"data.root={root}",
+            "data.rows_per_shard=200",
+        ],
+    ).data
     return prepare_dataset(data)
 
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 import socket
+from pathlib import Path
 
 import mlflow
 import numpy as np
@@ -85,7 +85,12 @@ def test_pipeline_run_records_lineage(make_config, dataset_factory):
     assert tags["prefect.flow_run_id"] == "0000-flow-run" and tags["prefect.deployment"] == "nightly"
     assert tags["data.fingerprint"] == manifest.fingerprint and tags["data.source"] == manifest.source
     assert tags["ddp.world_size"] == "2" and tags["ddp.backend"] == "gloo" and tags["ddp.nnodes"] == "1"
-    inputs = {tag.value: entry for entry in run.inputs.dataset_inputs for tag in entry.tags if tag.key == "mlflow.data.context"}
+    inputs = {
+        tag.value: entry
+        for entry in run.inputs.dataset_inputs
+        for tag in entry.tags
+        if tag.key == "mlflow.data.context"
+    }
     assert sorted(inputs) == ["test", "train", "val"]
     assert inputs["train"].dataset.digest.startswith(manifest.fingerprint[:8])
     assert str(dataset / "train") in inputs["train"].dataset.source
@@ -124,7 +129,10 @@ def test_better_model_promoted_worse_stays_challenger(make_config, dataset_facto
     tags = client.get_model_version("gate-test", third["version"]).tags
     assert tags["gate.decision"] == "challenger" and tags["gate.champion_version"] == second["version"]
     assert float(tags["gate.champion_value"]) == pytest.approx(second["candidate_value"])
-    assert tags["data.fingerprint"] == read_manifest(dataset).fingerprint and tags["prefect.flow_run_name"] == "brave-otter"
+    assert (
+        tags["data.fingerprint"] == read_manifest(dataset).fingerprint
+        and tags["prefect.flow_run_name"] == "brave-otter"
+    )
     run = client.get_run(strong_run)
     assert run.data.tags["registry.decision"] == "promoted"
     assert run.data.metrics["gate_champion_test_accuracy"] == pytest.approx(first["candidate_value"])
@@ -154,7 +162,11 @@ def test_retry_creates_no_second_version(make_config, dataset_factory, model_fac
     # An attempt that moved the alias but died before writing gate.decision: the retry finishes it.
     client.delete_model_version_tag("gate-test", first["version"], "gate.decision")
     finished = register_candidate(config, run_id, str(model_path), str(dataset), metrics, config.mlflow.tracking_uri)
-    assert finished["decision"] == "promoted" and finished["version"] == first["version"] and not finished["already_registered"]
+    assert (
+        finished["decision"] == "promoted"
+        and finished["version"] == first["version"]
+        and not finished["already_registered"]
+    )
     assert client.get_model_version("gate-test", first["version"]).tags["gate.decision"] == "promoted"
     assert len(versions(config)) == 1
 
@@ -170,7 +182,14 @@ def test_retry_after_a_crash_between_logging_and_registering(make_config, datase
     example = pq.read_table(manifest.split_files(dataset, "test")[0]).to_pandas().head(3)
     with use_tracking_uri(config.mlflow.tracking_uri):
         logged = log_pyfunc_model(model_path, example, run_id=run_id, tags={"ddpflow.run_id": run_id})
-    decision = register_candidate(config, run_id, str(model_path), str(dataset), evaluate_split(model_path, dataset).metrics, config.mlflow.tracking_uri)
+    decision = register_candidate(
+        config,
+        run_id,
+        str(model_path),
+        str(dataset),
+        evaluate_split(model_path, dataset).metrics,
+        config.mlflow.tracking_uri,
+    )
     client = MlflowClient(config.mlflow.tracking_uri)
     assert client.search_logged_models([client.get_run(run_id).info.experiment_id])[0].model_id == logged.model_id
     assert len(client.search_logged_models([client.get_run(run_id).info.experiment_id])) == 1
@@ -322,7 +341,9 @@ def test_regression_evaluation_logs_a_residual_plot(make_config, dataset_factory
     assert client.get_run(run_id).data.metrics["test_r2"] == pytest.approx(result.metrics["test_r2"])
 
 
-def test_champion_loads_in_a_fresh_process_without_the_repository(make_config, dataset_factory, model_factory, tmp_path):
+def test_champion_loads_in_a_fresh_process_without_the_repository(
+    make_config, dataset_factory, model_factory, tmp_path
+):
     """code_paths make the logged model self-contained: `training` is imported from the model itself."""
     import json
     import os
@@ -341,8 +362,12 @@ def test_champion_loads_in_a_fresh_process_without_the_repository(make_config, d
         "print(json.dumps({'labels': [str(v) for v in out], 'training': training.__file__}))\n"
     )
     env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "MLFLOW_TRACKING_URI")}
-    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     answer = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(answer["labels"]) == 2 and set(answer["labels"]) <= {"cat", "dog", "eel", "fox"}
-    assert "/code/training/" in answer["training"] and not answer["training"].startswith(str(Path(__file__).resolve().parents[2]))
+    assert "/code/training/" in answer["training"] and not answer["training"].startswith(
+        str(Path(__file__).resolve().parents[2])
+    )

@@ -21,7 +21,9 @@ pytestmark = pytest.mark.slow  # starts a Prefect server (once per session)
 
 def test_evaluate_then_register_under_prefect(prefect_harness, mlflow_store, dataset_factory, model_factory, tmp_path):
     uri, artifacts = mlflow_store
-    config = PipelineConfig.model_validate({"mlflow": {"tracking_uri": uri, "artifact_location": artifacts}, "registry": {"model_name": "prefect-test"}})
+    config = PipelineConfig.model_validate(
+        {"mlflow": {"tracking_uri": uri, "artifact_location": artifacts}, "registry": {"model_name": "prefect-test"}}
+    )
     no_such_metric = config.model_copy(update={"registry": config.registry.model_copy(update={"metric": "test_nope"})})
     dataset = dataset_factory()
     model_path = model_factory(dataset)
@@ -29,7 +31,15 @@ def test_evaluate_then_register_under_prefect(prefect_harness, mlflow_store, dat
 
     @flow
     def after_training():
-        run_id = start_pipeline_run(config, "prefect-run", {"flow_run_name": "prefect-run"}, manifest.fingerprint, manifest, {"nproc_per_node": 1, "nnodes": 1}, dataset)
+        run_id = start_pipeline_run(
+            config,
+            "prefect-run",
+            {"flow_run_name": "prefect-run"},
+            manifest.fingerprint,
+            manifest,
+            {"nproc_per_node": 1, "nnodes": 1},
+            dataset,
+        )
         metrics = evaluate_model(str(model_path), str(dataset), run_id, uri, config)
         decision = register_model(config, run_id, str(model_path), str(dataset), metrics, uri)
         # A deterministic error: the retry condition must not spend the 3 retries on it.
@@ -40,14 +50,21 @@ def test_evaluate_then_register_under_prefect(prefect_harness, mlflow_store, dat
 
     assert decision["decision"] == "promoted" and decision["version"] == "1"
     written = json.loads((model_path.parent / "eval" / "metrics.json").read_text())
-    assert written["samples"] == manifest.rows("test") and written["metrics"]["test_accuracy"] == metrics["test_accuracy"]
+    assert (
+        written["samples"] == manifest.rows("test") and written["metrics"]["test_accuracy"] == metrics["test_accuracy"]
+    )
     client = MlflowClient(uri)
     run = client.get_run(run_id)
     assert run.data.metrics["test_accuracy"] == pytest.approx(metrics["test_accuracy"])
-    assert {item.path for item in client.list_artifacts(run_id, "eval")} == {"eval/metrics.json", "eval/confusion_matrix.png"}
+    assert {item.path for item in client.list_artifacts(run_id, "eval")} == {
+        "eval/metrics.json",
+        "eval/confusion_matrix.png",
+    }
     assert run.data.tags["ddpflow.model_path"] == str(model_path.resolve())
 
     with get_client(sync_client=True) as prefect:
-        markdown = prefect.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["model-evaluation"])))
+        markdown = prefect.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["model-evaluation"]))
+        )
         assert any(run_id in str(artifact.data) and "test_accuracy" in str(artifact.data) for artifact in markdown)
         assert failed and prefect.read_task_run(failed_task_run).run_count == 1

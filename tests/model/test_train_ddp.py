@@ -65,9 +65,20 @@ def write_dataset(root: Path, rows: dict[str, int], seed: int = 0) -> Path:
     write_manifest(
         dataset_dir,
         Manifest(
-            fingerprint="fp-test", source="test", task="classification", label="label", key=None, features=features,
-            label_mapping=["a", "b", "c"], feature_mean=train_x.mean(axis=0).tolist(), feature_std=train_x.std(axis=0).tolist(),
-            splits=splits, schema=[], config={}, created_at=dt.datetime.now(dt.timezone.utc).isoformat(), versions={},
+            fingerprint="fp-test",
+            source="test",
+            task="classification",
+            label="label",
+            key=None,
+            features=features,
+            label_mapping=["a", "b", "c"],
+            feature_mean=train_x.mean(axis=0).tolist(),
+            feature_std=train_x.std(axis=0).tolist(),
+            splits=splits,
+            schema=[],
+            config={},
+            created_at=dt.datetime.now(dt.timezone.utc).isoformat(),
+            versions={},
         ),
     )
     return dataset_dir
@@ -96,10 +107,23 @@ def free_port() -> int:
 
 
 def write_job(run_dir: Path, dataset_dir: Path, init_weights: Path | None = None, **train) -> Path:
-    settings = {"epochs": EPOCHS, "batch_size": BATCH, "num_threads": 1, "model_kwargs": {"hidden": HIDDEN}, "lr": 0.01,
-                "progress_interval_s": 0.2, "collective_timeout_s": 60, **train}
+    settings = {
+        "epochs": EPOCHS,
+        "batch_size": BATCH,
+        "num_threads": 1,
+        "model_kwargs": {"hidden": HIDDEN},
+        "lr": 0.01,
+        "progress_interval_s": 0.2,
+        "collective_timeout_s": 60,
+        **train,
+    }
     config = load_config(None, [f"train.{key}={json.dumps(value)}" for key, value in settings.items()])
-    job = TrainJob(config=config, dataset_dir=str(dataset_dir), run_dir=str(run_dir), init_weights=str(init_weights) if init_weights else None)
+    job = TrainJob(
+        config=config,
+        dataset_dir=str(dataset_dir),
+        run_dir=str(run_dir),
+        init_weights=str(init_weights) if init_weights else None,
+    )
     return job.write(run_dir / "train_config.json")
 
 
@@ -115,10 +139,27 @@ def rank_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def launch(run_dir: Path, dataset_dir: Path, nproc: int = 2, max_restarts: int = 0, env: dict | None = None, init_weights: Path | None = None, **train) -> Launch:
+def launch(
+    run_dir: Path,
+    dataset_dir: Path,
+    nproc: int = 2,
+    max_restarts: int = 0,
+    env: dict | None = None,
+    init_weights: Path | None = None,
+    **train,
+) -> Launch:
     config = write_job(run_dir, dataset_dir, init_weights, **train)
-    argv = torchrun("--standalone", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
-                    "-m", "training.train", "--config", str(config))
+    argv = torchrun(
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        str(max_restarts),
+        "-m",
+        "training.train",
+        "--config",
+        str(config),
+    )
     done = subprocess.run(argv, cwd=REPO, env=rank_env(**(env or {})), capture_output=True, text=True, timeout=240)
     return Launch(run_dir, done.returncode, done.stdout + done.stderr)
 
@@ -149,7 +190,15 @@ def two_ranks(dataset, tmp_path_factory) -> Launch:
 
 @pytest.fixture(scope="module")
 def one_rank(dataset, tmp_path_factory) -> Launch:
-    return succeeded(launch(tmp_path_factory.mktemp("one_rank"), dataset, nproc=1, batch_size=2 * BATCH, env={"DDPFLOW_RECORD_INDICES": "1"}))
+    return succeeded(
+        launch(
+            tmp_path_factory.mktemp("one_rank"),
+            dataset,
+            nproc=1,
+            batch_size=2 * BATCH,
+            env={"DDPFLOW_RECORD_INDICES": "1"},
+        )
+    )
 
 
 # --- tests ------------------------------------------------------------------------------------------
@@ -210,7 +259,9 @@ def test_killed_rank_restarts_and_resumes_to_the_uninterrupted_weights(two_ranks
     # Stopped after one epoch, then continued with more epochs in the same run directory ...
     succeeded(launch(run_dir, dataset, epochs=1, env=tracked))
     # ... where rank 1 is SIGKILLed mid-epoch and torchrun restarts the group, which resumes from last.pt.
-    resumed = succeeded(launch(run_dir, dataset, max_restarts=1, env={**tracked, "DDPFLOW_FAULT": "kill:rank=1:epoch=1:step=2"}))
+    resumed = succeeded(
+        launch(run_dir, dataset, max_restarts=1, env={**tracked, "DDPFLOW_FAULT": "kill:rank=1:epoch=1:step=2"})
+    )
     assert (run_dir / ".fault-kill-done").exists()
     assert "resumed from" in resumed.output
     assert_same_weights(two_ranks.model()["model"], resumed.model()["model"], atol=1e-6)
@@ -230,10 +281,33 @@ def test_two_nodes_on_one_machine_train_like_one_node(two_ranks, dataset, tmp_pa
     endpoint = f"127.0.0.1:{free_port()}"
     agents = [
         subprocess.Popen(
-            torchrun("--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1", "--max-restarts", "0",
-                     "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "two-nodes",
-                     "--rdzv-conf", f"is_host={int(node == 0)}", "-m", "training.train", "--config", str(config)),
-            cwd=REPO, env=rank_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            torchrun(
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--nproc-per-node",
+                "1",
+                "--max-restarts",
+                "0",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                endpoint,
+                "--rdzv-id",
+                "two-nodes",
+                "--rdzv-conf",
+                f"is_host={int(node == 0)}",
+                "-m",
+                "training.train",
+                "--config",
+                str(config),
+            ),
+            cwd=REPO,
+            env=rank_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for node in (0, 1)
     ]
@@ -245,7 +319,9 @@ def test_two_nodes_on_one_machine_train_like_one_node(two_ranks, dataset, tmp_pa
                 agent.kill()
     assert [agent.returncode for agent in agents] == [0, 0], "\n".join(outputs)[-4000:]
     result = Launch(run_dir, 0, "".join(outputs))
-    assert all(r["weights_in_sync"] and r["world_size"] == 2 and r["train_samples"] == TRAIN_ROWS for r in result.metrics())
+    assert all(
+        r["weights_in_sync"] and r["world_size"] == 2 and r["train_samples"] == TRAIN_ROWS for r in result.metrics()
+    )
     assert_same_weights(two_ranks.model()["model"], result.model()["model"], atol=1e-5)
 
 
@@ -253,13 +329,27 @@ def test_padded_sampler_rows_count_once_on_a_prepared_dataset(two_ranks, tmp_pat
     """prepare_dataset's own output: its train split (odd size here) is not divisible by the world size."""
     from training.data.prepare import prepare_dataset
 
-    data = load_config(None, ["data.source=synthetic://classification?rows=1201&features=5&classes=3&seed=3", f"data.root={tmp_path / 'shards'}"]).data
+    data = load_config(
+        None,
+        [
+            "data.source=synthetic://classification?rows=1201&features=5&classes=3&seed=3",
+            f"data.root={tmp_path / 'shards'}",
+        ],
+    ).data
     prepared = prepare_dataset(data)
     train_rows = prepared.manifest.rows("train")
     assert train_rows % 2 == 1, "this test needs an odd train split (change the synthetic rows)"
     # A warm start from a model of other features is refused with a message, and training starts fresh.
-    result = succeeded(launch(tmp_path / "run", prepared.dataset_dir, epochs=1, batch_size=50, env={"DDPFLOW_RECORD_INDICES": "1"},
-                              init_weights=two_ranks.run_dir / "model.pt"))
+    result = succeeded(
+        launch(
+            tmp_path / "run",
+            prepared.dataset_dir,
+            epochs=1,
+            batch_size=50,
+            env={"DDPFLOW_RECORD_INDICES": "1"},
+            init_weights=two_ranks.run_dir / "model.pt",
+        )
+    )
     assert "training from scratch" in result.output
     rows = result.indices(0, 0) + result.indices(1, 0)
     assert sorted(rows) == list(range(train_rows))
@@ -269,7 +359,12 @@ def test_padded_sampler_rows_count_once_on_a_prepared_dataset(two_ranks, tmp_pat
 
 def test_a_raising_rank_fails_the_launch_with_its_root_cause(two_ranks, dataset, tmp_path):
     # Also a warm start from a matching model.pt (the launch fails before it could train further).
-    result = launch(tmp_path / "raised", dataset, env={"DDPFLOW_FAULT": "raise:rank=1:epoch=0"}, init_weights=two_ranks.run_dir / "model.pt")
+    result = launch(
+        tmp_path / "raised",
+        dataset,
+        env={"DDPFLOW_FAULT": "raise:rank=1:epoch=0"},
+        init_weights=two_ranks.run_dir / "model.pt",
+    )
     assert "warm start: weights from" in result.output
     assert result.returncode != 0
     assert "injected fault" in result.output
@@ -281,8 +376,13 @@ def test_ranks_die_with_a_killed_agent(dataset, tmp_path):
     import psutil
 
     config = write_job(tmp_path / "orphans", dataset, collective_timeout_s=600)
-    agent = subprocess.Popen(torchrun("--standalone", "--nproc-per-node", "2", "-m", "training.train", "--config", str(config)),
-                             cwd=REPO, env=rank_env(DDPFLOW_FAULT="hang:rank=0:epoch=0"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    agent = subprocess.Popen(
+        torchrun("--standalone", "--nproc-per-node", "2", "-m", "training.train", "--config", str(config)),
+        cwd=REPO,
+        env=rank_env(DDPFLOW_FAULT="hang:rank=0:epoch=0"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     ranks = []
     try:
         marker = tmp_path / "orphans" / ".fault-hang-done"

@@ -33,7 +33,12 @@ class ColumnPlan:
 
 
 def is_numeric(kind: pa.DataType) -> bool:
-    return pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_decimal(kind) or pa.types.is_boolean(kind)
+    return (
+        pa.types.is_integer(kind)
+        or pa.types.is_floating(kind)
+        or pa.types.is_decimal(kind)
+        or pa.types.is_boolean(kind)
+    )
 
 
 def is_text(kind: pa.DataType) -> bool:
@@ -52,7 +57,9 @@ def plan_columns(schema: pa.Schema, data: DataConfig, where: str) -> ColumnPlan:
         if name is not None and name not in names:
             raise DataError(f"{where}: {role} column {name!r} (data.{role}) not found; the columns are {names}")
     if pa.types.is_null(schema.field(data.label).type):  # e.g. a CSV with a header and no rows
-        raise DataError(f"{where}: label column {data.label!r} holds no values: the source has no rows or the column is blank")
+        raise DataError(
+            f"{where}: label column {data.label!r} holds no values: the source has no rows or the column is blank"
+        )
     task = data.task or infer_task(schema.field(data.label).type, data.label, where)
     _check_label_type(schema.field(data.label).type, data.label, task, where)
     features = _features(schema, data, where)
@@ -65,7 +72,9 @@ def infer_task(kind: pa.DataType, label: str, where: str) -> str:
         return "classification"
     if pa.types.is_floating(kind) or pa.types.is_decimal(kind):
         return "regression"
-    raise DataError(f"{where}: label column {label!r} has type {kind}, which is neither a class (integer, string, bool) nor a number")
+    raise DataError(
+        f"{where}: label column {label!r} has type {kind}, which is neither a class (integer, string, bool) nor a number"
+    )
 
 
 def _check_label_type(kind: pa.DataType, label: str, task: str, where: str) -> None:
@@ -73,7 +82,9 @@ def _check_label_type(kind: pa.DataType, label: str, task: str, where: str) -> N
     if task == "regression" and not is_numeric(kind):
         raise DataError(f"{where}: label column {label!r} has type {kind}; regression needs a numeric label")
     if task == "classification" and not (is_numeric(kind) or is_text(kind)):
-        raise DataError(f"{where}: label column {label!r} has type {kind}; classification needs integer, string or bool labels")
+        raise DataError(
+            f"{where}: label column {label!r} has type {kind}; classification needs integer, string or bool labels"
+        )
 
 
 def _features(schema: pa.Schema, data: DataConfig, where: str) -> list[str]:
@@ -81,7 +92,9 @@ def _features(schema: pa.Schema, data: DataConfig, where: str) -> list[str]:
     if data.features is None:
         features = [field.name for field in schema if field.name not in reserved and is_numeric(field.type)]
         if not features:
-            raise DataError(f"{where}: no numeric feature columns besides the label/key; the columns are {schema.names}")
+            raise DataError(
+                f"{where}: no numeric feature columns besides the label/key; the columns are {schema.names}"
+            )
         return features
     duplicates = sorted({name for name in data.features if data.features.count(name) > 1})
     if duplicates:
@@ -90,7 +103,9 @@ def _features(schema: pa.Schema, data: DataConfig, where: str) -> list[str]:
         if name in reserved:
             raise DataError(f"data.features: {name!r} is the label or key column and cannot also be a feature")
         if name not in schema.names:
-            raise DataError(f"{where}: feature column {name!r} (data.features) not found; the columns are {schema.names}")
+            raise DataError(
+                f"{where}: feature column {name!r} (data.features) not found; the columns are {schema.names}"
+            )
         kind = schema.field(name).type
         if not is_numeric(kind):
             raise DataError(f"{where}: feature column {name!r} has type {kind}; features must be numeric")

@@ -109,7 +109,9 @@ def read_manifest(path: str | Path) -> Manifest:
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError:
-        raise FileNotFoundError(f"no manifest at {path}: the dataset was never prepared, or preparing it did not finish") from None
+        raise FileNotFoundError(
+            f"no manifest at {path}: the dataset was never prepared, or preparing it did not finish"
+        ) from None
     manifest = Manifest.from_dict(raw)
     missing = [split for split in SPLITS if split not in manifest.splits]
     if missing:

@@ -99,7 +99,9 @@ def _check_unchanged(source: Source) -> None:
     """The fingerprint names the files as they were when prepare began: refuse to publish a mix."""
     changed = source.changed_files()
     if changed:
-        raise DataError(f"{changed[0]}: changed while it was being prepared ({len(changed)} file(s) changed); run prepare again")
+        raise DataError(
+            f"{changed[0]}: changed while it was being prepared ({len(changed)} file(s) changed); run prepare again"
+        )
 
 
 def _intact_manifest(dataset_dir: Path) -> Manifest | None:
@@ -357,14 +359,24 @@ def _manifest(source, data, plan, labels, splits, moments, invalid, fingerprint)
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         versions=_versions(),
         dropped_rows=invalid.rows,
-        extra={"source_identity": source.identity(), "source_rows": labels.rows, "invalid_per_column": invalid.per_column},
+        extra={
+            "source_identity": source.identity(),
+            "source_rows": labels.rows,
+            "invalid_per_column": invalid.per_column,
+        },
     )
 
 
 def _versions() -> dict[str, str]:
     import pandas
 
-    return {"python": platform.python_version(), "pyarrow": pa.__version__, "numpy": np.__version__, "pandas": pandas.__version__, "ddpflow": _ddpflow_version()}
+    return {
+        "python": platform.python_version(),
+        "pyarrow": pa.__version__,
+        "numpy": np.__version__,
+        "pandas": pandas.__version__,
+        "ddpflow": _ddpflow_version(),
+    }
 
 
 def _ddpflow_version() -> str:

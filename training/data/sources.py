@@ -45,14 +45,23 @@ class SourceFile:
 class FileSource:
     """Parquet or CSV files on a local or fsspec filesystem."""
 
-    def __init__(self, description: str, files: list[SourceFile], file_format: str, describe: Callable[[str], SourceFile], filesystem: Any = None):
+    def __init__(
+        self,
+        description: str,
+        files: list[SourceFile],
+        file_format: str,
+        describe: Callable[[str], SourceFile],
+        filesystem: Any = None,
+    ):
         self.description = description
         self.files = files
         self._describe = describe  # path -> a fresh SourceFile, to notice files changed mid-prepare
         self.file_format = file_format
         self._filesystem = filesystem
         self.schema = _unify_schemas({file.display: self._file_schema(file) for file in files})
-        self._dataset = ds.dataset([file.path for file in files], schema=self.schema, format=_file_format(file_format), filesystem=filesystem)
+        self._dataset = ds.dataset(
+            [file.path for file in files], schema=self.schema, format=_file_format(file_format), filesystem=filesystem
+        )
 
     def identity(self) -> dict[str, Any]:
         return {"format": self.file_format, "files": [[file.display, file.size, file.version] for file in self.files]}
@@ -77,7 +86,13 @@ class FileSource:
             # consumer without bound (measured: 156 MB held on a 3M-row file, growing with it;
             # this way 30 MB). The per-batch numpy work, not decoding, is the bottleneck anyway.
             scanner = ds.Scanner.from_fragment(
-                fragment, schema=self.schema, columns=columns, batch_size=batch_rows, batch_readahead=0, fragment_readahead=0, use_threads=False
+                fragment,
+                schema=self.schema,
+                columns=columns,
+                batch_size=batch_rows,
+                batch_readahead=0,
+                fragment_readahead=0,
+                use_threads=False,
             )
             try:
                 for batch in scanner.to_batches():
@@ -146,8 +161,11 @@ def _open_local(source: str, file_format: str, exclude: Path | None = None) -> F
     elif path.is_dir():
         # Hidden and _-prefixed directories (.tmp-*, _temporary/) hold no data of the source.
         candidates = [
-            match for match in path.rglob("*")
-            if match.is_file() and not _inside(match, exclude) and not any(part.startswith((".", "_")) for part in match.relative_to(path).parts[:-1])
+            match
+            for match in path.rglob("*")
+            if match.is_file()
+            and not _inside(match, exclude)
+            and not any(part.startswith((".", "_")) for part in match.relative_to(path).parts[:-1])
         ]
     elif path.is_file():
         candidates = [path]
@@ -172,7 +190,9 @@ def _open_fsspec(source: str, file_format: str) -> FileSource:
         # A fresh instance: a cached one would keep credentials and endpoints from an earlier environment.
         fs, path = fsspec.core.url_to_fs(source, skip_instance_cache=True)
     except ImportError as error:
-        raise DataError(f"data.source {source!r}: its filesystem needs a package that is not installed ({error})") from None
+        raise DataError(
+            f"data.source {source!r}: its filesystem needs a package that is not installed ({error})"
+        ) from None
     except ValueError as error:
         raise DataError(f"data.source {source!r}: {error}") from None
     protocol = source.split("://", 1)[0]
@@ -192,7 +212,7 @@ def _open_fsspec(source: str, file_format: str) -> FileSource:
         files = [_fsspec_file(fs, protocol, name) for name in chosen]
     except DataError:
         raise
-    except Exception as error:  # noqa: BLE001 - each fsspec backend raises its own types (botocore, aiohttp, ...)
+    except Exception as error:
         raise DataError(f"data.source {source!r}: cannot be listed: {type(error).__name__}: {error}") from None
 
     def describe(name: str) -> SourceFile:
@@ -208,7 +228,15 @@ def _inside(path: Path, directory: Path | None) -> bool:
 
 def _fsspec_file(fs: Any, protocol: str, name: str) -> SourceFile:
     info = fs.info(name)
-    version = info.get("ETag") or info.get("etag") or info.get("md5Hash") or info.get("LastModified") or info.get("mtime") or info.get("last_modified") or ""
+    version = (
+        info.get("ETag")
+        or info.get("etag")
+        or info.get("md5Hash")
+        or info.get("LastModified")
+        or info.get("mtime")
+        or info.get("last_modified")
+        or ""
+    )
     return SourceFile(path=name, display=f"{protocol}://{name}", size=int(info.get("size") or 0), version=str(version))
 
 
@@ -225,13 +253,17 @@ def _choose_files(candidates: list[str], file_format: str, source: str, explicit
         return candidates, file_format
     kinds = {name: FORMAT_SUFFIXES.get(_suffix(name)) for name in candidates}
     if explicit and kinds[candidates[0]] is None:
-        raise DataError(f"data.source {source!r}: cannot tell the format from the file name; set data.format to parquet or csv")
+        raise DataError(
+            f"data.source {source!r}: cannot tell the format from the file name; set data.format to parquet or csv"
+        )
     chosen = [name for name in candidates if kinds[name]]
     if not chosen:
         raise DataError(f"data.source {source!r}: holds no .parquet or .csv files")
     found = sorted({kinds[name] for name in chosen})
     if len(found) > 1:
-        raise DataError(f"data.source {source!r}: mixes {' and '.join(found)} files; point it at one format or set data.format")
+        raise DataError(
+            f"data.source {source!r}: mixes {' and '.join(found)} files; point it at one format or set data.format"
+        )
     return chosen, found[0]
 
 
@@ -272,5 +304,3 @@ def _common_type(column: str, types: dict[str, pa.DataType]) -> pa.DataType:
         return pa.string()
     (file_a, type_a), (file_b, type_b) = next((a, b) for a in known.items() for b in known.items() if a[1] != b[1])
     raise DataError(f"schemas disagree: column {column!r} is {type_a} in {file_a} but {type_b} in {file_b}")
-
-

@@ -20,7 +20,9 @@ import time
 def main() -> None:
     parser = argparse.ArgumentParser()
     env = os.environ.get
-    parser.add_argument("--mode", default=env("DUMMY_RANK_MODE", "ok"), choices=["ok", "raise", "flaky", "hang", "spawn", "stubborn"])
+    parser.add_argument(
+        "--mode", default=env("DUMMY_RANK_MODE", "ok"), choices=["ok", "raise", "flaky", "hang", "spawn", "stubborn"]
+    )
     parser.add_argument("--lines", type=int, default=int(env("DUMMY_RANK_LINES", "3")))
     parser.add_argument("--interval", type=float, default=float(env("DUMMY_RANK_INTERVAL", "0.1")))
     parser.add_argument("--fail-rank", type=int, default=int(env("DUMMY_RANK_FAIL_RANK", "1")))

@@ -39,8 +39,6 @@ def make_manifest(dataset_dir: Path, train_rows: int = 1000) -> Path:
     return dataset_dir
 
 
-
-
 def still_alive(pids: list[int], within_s: float = 30) -> list[int]:
     """The PIDs still running (zombies count as gone) after waiting up to within_s."""
     deadline = time.monotonic() + within_s

@@ -18,9 +18,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the project root
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from launch_helpers import dummy_rank_argv  # noqa: E402
+from launch_helpers import dummy_rank_argv
 
-from tasks.torchrun import LaunchError, launch  # noqa: E402
+from tasks.torchrun import LaunchError, launch
 
 
 def run(run_dir: Path, rank_args: list[str]) -> None:

@@ -1,6 +1,6 @@
 """A flow that runs the real train_model task on the stand-in rank, in its own process.
 
-    train_flow.py RUN_DIR DATASET_DIR     (PREFECT_API_URL and DUMMY_RANK_* from the environment)
+train_flow.py RUN_DIR DATASET_DIR     (PREFECT_API_URL and DUMMY_RANK_* from the environment)
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the project root
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import tasks.torchrun  # noqa: E402
-from launch_helpers import DUMMY_RANK  # noqa: E402
+from launch_helpers import DUMMY_RANK
+
+import tasks.torchrun
 
 tasks.torchrun.RANK_ENTRYPOINT = str(DUMMY_RANK)
 

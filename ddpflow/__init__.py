@@ -1,0 +1,12 @@
+"""ddpflow's plain-Python libraries: the layer between the Prefect tasks and the ranks.
+
+    flows/     the Prefect flows and the ``ddpflow`` CLI (all argparse and printing)
+    tasks/     Prefect task wrappers only: name a step, set retries and caching, log
+    ddpflow/   plain Python, no Prefect: how ranks are launched (``launch``), MLflow
+               tracking and the registry gate (``tracking``), run directories, the
+               local stack. Testable without Prefect.
+    training/  what every rank runs under torchrun (no Prefect, no MLflow at import)
+
+Imports run one way: flows -> tasks -> ddpflow -> training
+(tests/code/test_import_direction.py enforces it). No work at import time.
+"""
