@@ -40,8 +40,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
-
+from ddpflow.launch.process_tree import ProcessTree, with_parent_death_signal
 from training.config import PipelineConfig, TrainConfig
 from training.data.manifest import read_manifest
 from training.metrics_sink import MLFLOW_RUN_ENV
@@ -233,107 +232,6 @@ def parse_line(raw: str) -> OutputLine:
     return OutputLine(None, raw)
 
 
-# ----------------------------------------------------------------------------- the process tree
-
-
-class ProcessTree:
-    """torchrun and every process it ever had below it, tracked by psutil (safe against PID reuse)."""
-
-    def __init__(self, root: subprocess.Popen):
-        self.root = root
-        self._known: dict[int, psutil.Process] = {}
-        try:
-            self._known[root.pid] = psutil.Process(root.pid)
-        except psutil.NoSuchProcess:
-            pass
-        self._lock = threading.Lock()
-        self.killed = False
-
-    def scan(self) -> bool:
-        """Record current descendants; True when new ones appeared."""
-        try:
-            children = self._known[self.root.pid].children(recursive=True) if self.root.pid in self._known else []
-        except psutil.NoSuchProcess:
-            children = []
-        new = False
-        with self._lock:
-            for child in children:
-                if child.pid not in self._known:
-                    self._known[child.pid] = child
-                    new = True
-        return new
-
-    def pids(self) -> list[int]:
-        with self._lock:
-            return sorted(self._known)
-
-    def alive(self) -> list[psutil.Process]:
-        with self._lock:
-            procs = list(self._known.values())
-        return [p for p in procs if _is_running(p)]
-
-    def terminate(self, grace_s: float) -> None:
-        """SIGTERM every group in the tree, SIGKILL what is left after ``grace_s``. Idempotent."""
-        self.scan()  # ranks started since the last poll
-        with self._lock:
-            self.killed = True
-        self._signal_all(signal.SIGTERM)
-        _, alive = psutil.wait_procs(self.alive(), timeout=grace_s)
-        if alive:
-            self.scan()
-            self._signal_all(signal.SIGKILL)
-            psutil.wait_procs(self.alive(), timeout=5)
-        try:
-            self.root.wait(timeout=5)  # reap torchrun: no zombie
-        except subprocess.TimeoutExpired:
-            pass
-
-    def _signal_all(self, sig: signal.Signals) -> None:
-        own_group = os.getpgrp()
-        procs = self.alive()
-        groups = set()
-        for proc in procs:
-            try:
-                groups.add(os.getpgid(proc.pid))
-            except ProcessLookupError:
-                pass
-        for group in groups - {own_group}:  # never our own group: that would kill the launcher
-            try:
-                os.killpg(group, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-        for proc in procs:  # members that left their group (setsid/setpgid)
-            try:
-                proc.send_signal(sig)
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                pass
-
-
-def _is_running(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-# PR_SET_PDEATHSIG, run in the child between fork and exec: torchrun gets SIGTERM when the
-# launching THREAD dies (Linux ties it to the thread, which is why launch() waits on torchrun
-# in the same thread that started it). The getppid check closes the race where the parent
-# died before prctl ran.
-_PDEATHSIG_SHIM = (
-    "import ctypes,os,signal,sys;"
-    "ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0);"
-    "os.getppid() == int(sys.argv[1]) or os._exit(143);"
-    "os.execv(sys.argv[2], sys.argv[2:])"
-)
-
-
-def _with_parent_death_signal(argv: list[str]) -> list[str]:
-    if not sys.platform.startswith("linux"):
-        return argv
-    return [sys.executable, "-I", "-c", _PDEATHSIG_SHIM, str(os.getpid()), *argv]
-
-
 # ----------------------------------------------------------------------------- launching
 
 
@@ -440,7 +338,7 @@ class _Launcher:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            _with_parent_death_signal(self.argv),
+            with_parent_death_signal(self.argv),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
