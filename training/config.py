@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -87,9 +88,16 @@ class TrainConfig(_Section):
     nproc_per_node: int | Literal["auto"] = Field(
         "auto", description="Ranks per node; auto: one per GPU, or 1 on CPU (see docs)."
     )
-    nnodes: int = Field(1, ge=1)
+    launcher: Literal["local", "slurm"] = Field(
+        "local",
+        description="local: torchrun on this machine (several nodes: the same flow on each, node_rank apart); "
+        "slurm: one batch job of nnodes nodes through sbatch (see the slurm section and docs/slurm.md).",
+    )
+    nnodes: int = Field(1, ge=1, description="Nodes; with launcher slurm, the job's node count.")
     node_rank: int = Field(0, ge=0)
-    rdzv_endpoint: str | None = Field(None, description="host:port of the c10d rendezvous, required when nnodes > 1.")
+    rdzv_endpoint: str | None = Field(
+        None, description="host:port of the c10d rendezvous, required when nnodes > 1 (launcher local)."
+    )
     rdzv_id: str | None = None
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     max_restarts: int = Field(1, ge=0, description="torchrun restarts of the worker group; each resumes from last.pt.")
@@ -113,6 +121,14 @@ class TrainConfig(_Section):
 
     @model_validator(mode="after")
     def _multi_node_needs_rendezvous(self) -> TrainConfig:
+        if self.launcher == "slurm":
+            # The job's first node hosts the rendezvous, and Slurm numbers the nodes.
+            if self.rdzv_endpoint or self.node_rank:
+                raise ValueError(
+                    "rdzv_endpoint and node_rank are not used with launcher 'slurm': "
+                    "the job's first node hosts the rendezvous; remove them"
+                )
+            return self
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise ValueError("rdzv_endpoint (host:port) is required when nnodes > 1")
         if self.node_rank >= self.nnodes:
@@ -146,6 +162,11 @@ class RegistryConfig(_Section):
     greater_is_better: bool | None = Field(None, description="Default: inferred from the metric name.")
     min_delta: float = Field(0.0, ge=0, description="The candidate must beat the champion by more than this.")
     min_metric: float | None = Field(None, description="Floor a model must reach to be registered at all.")
+    replace_unreadable_champion: bool = Field(
+        False,
+        description="Opt-in: promote the candidate over a champion whose files are missing or unreadable "
+        "(default: the candidate waits as challenger and the run fails).",
+    )
 
     def gate_metric(self, task: str) -> str:
         return self.metric or ("test_accuracy" if task == "classification" else "test_rmse")
@@ -165,12 +186,98 @@ class MlflowConfig(_Section):
     )
 
 
+# sbatch's [days-]hours:minutes:seconds forms: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S; or no limit.
+_SLURM_TIME = re.compile(r"^(?:\d+(?::\d{1,2}){0,2}|\d+-\d{1,2}(?::\d{1,2}){0,2}|UNLIMITED|INFINITE)$")
+# Options ddpflow sets itself (the job's shape, its output, how it is submitted), or that have their own field.
+SBATCH_OWNED_OPTIONS = {
+    "--nodes": "train.nnodes", "-N": "train.nnodes",
+    "--ntasks": "ddpflow (one torchrun agent per node)", "-n": "ddpflow (one torchrun agent per node)",
+    "--ntasks-per-node": "ddpflow (one torchrun agent per node)",
+    "--output": "ddpflow (RUN_DIR/slurm/)", "-o": "ddpflow (RUN_DIR/slurm/)",
+    "--error": "ddpflow (RUN_DIR/slurm/)", "-e": "ddpflow (RUN_DIR/slurm/)",
+    "--job-name": "ddpflow", "-J": "ddpflow", "--chdir": "ddpflow", "-D": "ddpflow",
+    "--parsable": "ddpflow", "--wait": "ddpflow (it follows the job itself)", "-W": "ddpflow",
+    "--array": "ddpflow (one job per run)", "-a": "ddpflow (one job per run)", "--wrap": "ddpflow",
+    "--partition": "slurm.partition", "-p": "slurm.partition",
+    "--account": "slurm.account", "-A": "slurm.account",
+    "--time": "slurm.time_limit", "-t": "slurm.time_limit",
+    "--gpus-per-node": "slurm.gpus_per_node",
+    "--cpus-per-task": "slurm.cpus_per_task", "-c": "slurm.cpus_per_task",
+}  # fmt: skip
+# sbatch (getopt_long) also takes an unambiguous abbreviation (--part=x): these real options merely look like one.
+_SBATCH_OPTIONS_NOT_ABBREVIATIONS = {"--gpus"}
+
+
+def _owned_sbatch_option(arg: str) -> str | None:
+    """The ddpflow-owned option ``arg`` sets (as written or abbreviated), or None."""
+    if not arg.startswith("--"):
+        return arg[:2] if arg[:2] in SBATCH_OWNED_OPTIONS else None
+    name = arg.split("=", 1)[0]
+    if name in SBATCH_OWNED_OPTIONS:
+        return name
+    if name in _SBATCH_OPTIONS_NOT_ABBREVIATIONS or len(name) < 4:
+        return None
+    return next((owned for owned in SBATCH_OWNED_OPTIONS if owned.startswith(name)), None)
+
+
+class SlurmConfig(_Section):
+    """Used when ``train.launcher`` is ``slurm``: how the batch job is asked for (see docs/slurm.md)."""
+
+    partition: str | None = Field(None, min_length=1, description="Default: the cluster's default partition.")
+    account: str | None = Field(None, min_length=1, description="sbatch --account; default: yours.")
+    time_limit: str | None = Field(
+        None,
+        description="sbatch --time, a quoted string: 'MM', 'HH:MM:SS', 'D-HH:MM:SS' or 'UNLIMITED'; "
+        "default: the partition's.",
+    )
+    gpus_per_node: int = Field(0, ge=0, description="GPUs per node (sbatch --gpus-per-node); auto ranks: one each.")
+    cpus_per_task: int | None = Field(
+        None, ge=1, description="CPUs of each node's one task, which runs all of that node's ranks."
+    )
+    sbatch_args: list[str] = Field(
+        default_factory=list,
+        description="Extra sbatch options, one per item with its value ('--mem=8G', '--constraint=a100'); "
+        "passed as arguments, never through a shell.",
+    )
+    poll_interval_s: float = Field(2.0, gt=0, le=600, description="How often `scontrol show job` is asked.")
+
+    @field_validator("time_limit", mode="before")
+    @classmethod
+    def _slurm_time(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        if not isinstance(value, str):
+            # YAML reads an unquoted 1:30:00 as the number 5400: only a string says what was meant.
+            raise ValueError("must be a quoted string such as '01:30:00' (YAML reads an unquoted 1:30:00 as a number)")
+        if not _SLURM_TIME.match(value) or not re.search(r"[1-9]|UNLIMITED|INFINITE", value):
+            raise ValueError(
+                f"{value!r} is not a Slurm time limit: use 'MM', 'MM:SS', 'HH:MM:SS', 'D-HH', 'D-HH:MM', "
+                "'D-HH:MM:SS' (above zero) or 'UNLIMITED'"
+            )
+        return value
+
+    @field_validator("sbatch_args")
+    @classmethod
+    def _extra_options_only(cls, args: list[str]) -> list[str]:
+        for index, arg in enumerate(args):
+            if not arg.startswith("-"):
+                raise ValueError(
+                    f"item {index} ({arg!r}) is not an option: give each option with its value in one item, "
+                    "e.g. '--mem=8G'"
+                )
+            owned = _owned_sbatch_option(arg)
+            if owned is not None:
+                raise ValueError(f"item {index} ({arg!r}): {owned} is set by {SBATCH_OWNED_OPTIONS[owned]}")
+        return args
+
+
 class PipelineConfig(_Section):
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
     mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
+    slurm: SlurmConfig = Field(default_factory=SlurmConfig)
 
     def flat(self) -> dict[str, Any]:
         """Dotted keys to scalar values, for MLflow params."""
