@@ -51,6 +51,12 @@ class DataConfig(_Section):
     )
     on_invalid: Literal["error", "drop"] = Field("error", description="What to do with rows holding NaN, inf or null.")
     root: str = Field("data/shards", description="Where prepared shards live: <root>/<fingerprint>/{train,val,test}/.")
+    cache_dir: str | None = Field(
+        None,
+        description="The node cache (each split loaded once per node, normalised, memory-mapped by every local rank): "
+        "<cache_dir>/<fingerprint>/; default <root>/<fingerprint>/cache/. Set a node-local path (local scratch) "
+        "on multi-node runs, so each node builds its own from the shared shards.",
+    )
     val_fraction: float = Field(0.1, ge=0.0, lt=1.0)
     test_fraction: float = Field(0.1, ge=0.0, lt=1.0)
     rows_per_shard: int = Field(262_144, ge=1)
@@ -117,6 +123,11 @@ class TrainConfig(_Section):
     bf16: bool = Field(True, description="bf16 autocast on CUDA.")
     tf32: bool = Field(True, description="Allow TF32 matmuls on CUDA.")
     pin_memory: bool = True
+    data_on_device: bool | Literal["auto"] = Field(
+        "auto",
+        description="Copy the train and val splits to the GPU once and gather batches there; "
+        "auto: when a split takes at most a quarter of the GPU memory free after the model (never on CPU).",
+    )
     progress_interval_s: float = Field(5.0, gt=0)
 
     @model_validator(mode="after")

@@ -31,10 +31,12 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from training.checkpoint import Checkpointer, capture_rng, inference_checkpoint, restore_rng
 from training.data.manifest import Manifest, read_manifest
+from training.data.node_cache import open_split
+from training.data.placement import place_splits
 from training.distributed import DistContext, distributed, shard_range, wrap_model
 from training.faults import FaultInjector, IndexRecorder
 from training.job import TrainJob
-from training.loading import SplitTensors, TrainBatches, load_split
+from training.loading import SplitTensors, TrainBatches
 from training.loop import StepSettings, evaluate, train_epoch, validation_metrics
 from training.metrics_sink import MetricsSink
 from training.models import ModelSpec, build_model
@@ -73,6 +75,13 @@ class Trainer:
     history: list[dict[str, Any]] | None = None
 
 
+def node_split(job: TrainJob, manifest: Manifest, split: str, ctx: DistContext) -> SplitTensors:
+    """The split from the node cache: built once per node, mapped by every local rank (each says how it got it)."""
+    cached = open_split(job.dataset_dir, manifest, split, job.config.data.cache_dir)
+    print(f"[data] rank {ctx.rank}: {cached.describe()}", flush=True)
+    return cached.tensors
+
+
 def build_trainer(job: TrainJob, ctx: DistContext) -> Trainer:
     train = job.config.train
     on_gpu = ctx.device.type == "cuda"
@@ -82,8 +91,7 @@ def build_trainer(job: TrainJob, ctx: DistContext) -> Trainer:
     log(ctx, f"{ctx.world_size} rank(s), backend {ctx.backend}, device {ctx.device.type}, {setup}")
     manifest = read_manifest(job.dataset_dir)
     loaded_at = time.monotonic()
-    train_split = load_split(job.dataset_dir, manifest, "train")
-    val = load_split(job.dataset_dir, manifest, "val")
+    train_split, val = (node_split(job, manifest, split, ctx) for split in ("train", "val"))
     log(
         ctx,
         f"loaded {len(train_split)} train / {len(val)} val rows x {manifest.n_features} features in {time.monotonic() - loaded_at:.1f}s",
@@ -104,6 +112,9 @@ def build_trainer(job: TrainJob, ctx: DistContext) -> Trainer:
         model.load_state_dict(resumed["model"])
     model.to(ctx.device)
     ddp = wrap_model(model, ctx)
+    placed, where = place_splits({"train": train_split, "val": val}, train.data_on_device, ctx.device, model)
+    train_split, val = placed["train"], placed["val"]
+    log(ctx, "data: " + "; ".join(where))
 
     batches = TrainBatches(
         train_split, ctx.rank, ctx.world_size, train.batch_size, train.seed, ctx.device, train.pin_memory

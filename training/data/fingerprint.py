@@ -4,10 +4,10 @@
 
 The source identity is its files' paths, sizes and modification times (or
 fsspec ETags), or the synthetic spec; so editing, adding or removing a file
-gives a new fingerprint. ``data.root`` (where the output goes) and
-``data.read_batch_rows`` (how fast it is read) do not change the output and are
-left out, so the same data prepared under another root or batch size hashes
-alike.
+gives a new fingerprint. ``data.root`` (where the output goes),
+``data.read_batch_rows`` (how fast it is read) and ``data.cache_dir`` (where
+ranks keep their node cache) do not change the output and are left out, so the
+same data prepared under another root or batch size hashes alike.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from training.config import DataConfig
 # Bump when prepare's output changes for the same input (layout, dtypes, split rule).
 PREPARE_VERSION = 1
 # DataConfig fields that do not change the prepared output.
-_NOT_OUTPUT_FIELDS = frozenset({"root", "read_batch_rows", "source"})
+_NOT_OUTPUT_FIELDS = frozenset({"root", "read_batch_rows", "source", "cache_dir"})
 
 
 def prep_fields(data: DataConfig) -> dict[str, Any]:

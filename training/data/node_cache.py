@@ -1,0 +1,295 @@
+"""One read-only copy of each split per node: the loaded tensors in a file that every local rank maps.
+
+Without it each rank reads the Parquet shards into tensors of its own, and N
+ranks on a node hold N copies. With it the first process on the node that
+needs a split builds it ONCE, by calling ``training.loading.load_split`` (so
+reading and normalising stay in exactly one place), and writes the tensors
+out in the layout the loader gathers from::
+
+    <cache dir>/<split>-f<format>n<normalisation>-<key>.bin
+        4096-byte header | features float32 [rows, n_features] | (pad to 64 B) | labels [rows]
+
+The cache dir is ``<data.cache_dir>/<fingerprint>/``, or ``<dataset dir>/cache/``
+beside the shards when ``data.cache_dir`` is not set. ``key`` hashes the whole
+manifest (statistics included). Every rank then maps the file read-only
+(``numpy.memmap``, ``MAP_SHARED``): the page cache holds the data once for the
+whole node and each rank's tensors are views of those pages.
+
+- One builder: an exclusive ``fcntl.flock`` on ``<file>.lock``. The first
+  process to take it builds into a temp name (``training.fileio.atomic_write``:
+  fsynced, then renamed into place); the others block on the lock, then find
+  the file valid and map it. Two runs on one node share the lock too. A
+  builder that dies releases the lock and leaves no ``.bin`` behind.
+- Validated on every open, from the open file itself: magic, header checksum,
+  format and normalisation versions, manifest key, fingerprint, split, rows,
+  features, dtypes, offsets and the file's size. A file that fails is rebuilt
+  and the reason is returned for the log line.
+- A cache dir that cannot be written (read-only, full disk, no permission)
+  raises ``NodeCacheError`` naming the path and ``data.cache_dir``; the temp
+  file is removed, so nothing half-written stays.
+
+The payload is not checksummed on open (that would read every page on every
+rank); the header, the size and the atomic rename are what guard it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import socket
+import struct
+import time
+import warnings
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+import torch
+
+from training.data.manifest import Manifest
+from training.fileio import atomic_write
+from training.loading import SplitTensors, label_dtype, load_split
+
+# Bump when the file layout or the header changes: old files then fail validation (and their name).
+FORMAT_VERSION = 1
+# Bump when load_split returns other values for the same manifest (training/normalisation.py,
+# training/loading.py): caches built by the old rule then get another name and are rebuilt.
+# New manifest statistics need no bump: the key hashes the whole manifest.
+NORMALISATION_VERSION = 1
+MAGIC = b"DDPFSPLT"
+HEADER_BYTES = 4096  # the payload starts page-aligned
+ALIGN = 64  # labels start on a cache line
+_PREFIX = struct.Struct("<8sII")  # magic, JSON length, CRC-32 of the JSON
+
+
+class NodeCacheError(RuntimeError):
+    """The node cache cannot be built where ``data.cache_dir`` points (read-only, full, no permission)."""
+
+
+@dataclass(frozen=True)
+class CachedSplit:
+    """A split mapped from its node cache file, and how this process got it."""
+
+    name: str
+    tensors: SplitTensors
+    path: Path
+    inode: int
+    how: str  # "ready" (valid on open), "waited" (another process built it), "built", "rebuilt", "empty"
+    detail: str  # why it was rebuilt, or whose build this process waited for
+    seconds: float
+
+    def describe(self) -> str:
+        """One log line: where the split came from, so every rank's line can be compared."""
+        if self.how == "empty":
+            return f"{self.name}: 0 rows, nothing to map"
+        detail = f" ({self.detail})" if self.detail else ""
+        return (
+            f"{self.name}: {len(self.tensors)} rows mapped from {self.path} (inode {self.inode}); "
+            f"{self.how}{detail} in {self.seconds:.2f} s"
+        )
+
+
+def cache_directory(dataset_dir: str | Path, manifest: Manifest, cache_dir: str | None) -> Path:
+    """``<data.cache_dir>/<fingerprint>`` when set, else ``<dataset dir>/cache`` beside the shards."""
+    return Path(cache_dir) / manifest.fingerprint if cache_dir else Path(dataset_dir) / "cache"
+
+
+def manifest_key(manifest: Manifest) -> str:
+    """Hash of the whole manifest: new statistics, rows or shards give a new file."""
+    text = json.dumps(manifest.to_dict(), sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def cache_path(dataset_dir: str | Path, manifest: Manifest, split: str, cache_dir: str | None) -> Path:
+    versions = f"f{FORMAT_VERSION}n{NORMALISATION_VERSION}"
+    return cache_directory(dataset_dir, manifest, cache_dir) / f"{split}-{versions}-{manifest_key(manifest)}.bin"
+
+
+def open_split(dataset_dir: str | Path, manifest: Manifest, split: str, cache_dir: str | None = None) -> CachedSplit:
+    """The split's tensors, mapped read-only from the node cache; built first if no valid file exists."""
+    started = time.monotonic()
+    path = cache_path(dataset_dir, manifest, split, cache_dir)
+    expected = _expected_header(manifest, split)
+    if expected["rows"] == 0:  # nothing to map (mmap refuses empty ranges); an empty split costs nothing
+        return CachedSplit(split, load_split(dataset_dir, manifest, split), path, 0, "empty", "", 0.0)
+    mapped, problem = _try_map(path, expected)
+    how, detail = "ready", ""
+    if mapped is None:
+        with _build_lock(path, cache_dir, expected) as holder:
+            mapped, problem = _try_map(path, expected)  # built by the process we waited for?
+            if mapped is not None:
+                how, detail = "waited", f"built by {holder}" if holder else ""
+            else:
+                how, detail = ("built", "") if problem == "missing" else ("rebuilt", problem)
+                _build(dataset_dir, manifest, split, path, expected, cache_dir)
+                mapped, problem = _try_map(path, expected)
+                if mapped is None:
+                    raise NodeCacheError(f"{path}: the node cache file just built does not validate: {problem}")
+    tensors, inode = mapped
+    return CachedSplit(split, tensors, path, inode, how, detail, time.monotonic() - started)
+
+
+# --------------------------------------------------------------------------- header and validation
+
+
+def _expected_header(manifest: Manifest, split: str) -> dict[str, Any]:
+    rows, n_features = manifest.rows(split), manifest.n_features
+    labels_dtype = str(label_dtype(manifest.task)).removeprefix("torch.")
+    features_bytes = rows * n_features * 4
+    labels_offset = HEADER_BYTES + -(-features_bytes // ALIGN) * ALIGN
+    labels_bytes = rows * np.dtype(labels_dtype).itemsize
+    return {
+        "format_version": FORMAT_VERSION,
+        "normalisation_version": NORMALISATION_VERSION,
+        "key": manifest_key(manifest),
+        "fingerprint": manifest.fingerprint,
+        "split": split,
+        "rows": rows,
+        "n_features": n_features,
+        "features_dtype": "float32",
+        "labels_dtype": labels_dtype,
+        "features_offset": HEADER_BYTES,
+        "labels_offset": labels_offset,
+        "file_bytes": labels_offset + labels_bytes,
+    }
+
+
+def _encode_header(header: dict[str, Any]) -> bytes:
+    body = json.dumps(header, sort_keys=True).encode()
+    encoded = _PREFIX.pack(MAGIC, len(body), zlib.crc32(body)) + body
+    if len(encoded) > HEADER_BYTES:
+        raise ValueError(f"node cache header of {len(encoded)} bytes exceeds {HEADER_BYTES}")
+    return encoded.ljust(HEADER_BYTES, b"\0")
+
+
+def _header_problem(handle: IO[bytes], expected: dict[str, Any]) -> str | None:
+    """Why the open file is not the expected cache, or None. Checks the header, then the size."""
+    raw = handle.read(HEADER_BYTES)
+    if len(raw) < _PREFIX.size:
+        return f"truncated: {os.fstat(handle.fileno()).st_size} bytes, shorter than a header"
+    magic, length, crc = _PREFIX.unpack_from(raw)
+    body = raw[_PREFIX.size : _PREFIX.size + length]
+    if magic != MAGIC:
+        return f"corrupt header: magic {magic!r}, expected {MAGIC!r}"
+    if len(body) != length or zlib.crc32(body) != crc:
+        return "corrupt header: its checksum does not match"
+    try:
+        header = json.loads(body)
+    except ValueError:
+        return "corrupt header: not JSON"
+    differing = [name for name, value in expected.items() if header.get(name) != value]
+    if differing:
+        return "stale: " + ", ".join(f"{name} {header.get(name)!r} (expected {expected[name]!r})" for name in differing)
+    size = os.fstat(handle.fileno()).st_size
+    if size != expected["file_bytes"]:
+        return f"truncated: {size} bytes, the header says {expected['file_bytes']}"
+    return None
+
+
+def _try_map(path: Path, expected: dict[str, Any]) -> tuple[tuple[SplitTensors, int] | None, str]:
+    """(tensors, inode) of a valid file, else (None, why not). Validates and maps the SAME open file."""
+    try:
+        with open(path, "rb") as handle:
+            problem = _header_problem(handle, expected)
+            if problem is not None:
+                return None, problem
+            buffer = np.memmap(handle, dtype=np.uint8, mode="r", shape=(expected["file_bytes"],))
+            inode = os.fstat(handle.fileno()).st_ino
+    except FileNotFoundError:
+        return None, "missing"
+    rows, n_features = expected["rows"], expected["n_features"]
+    features_end = HEADER_BYTES + rows * n_features * 4
+    features = buffer[HEADER_BYTES:features_end].view(np.float32).reshape(rows, n_features)
+    labels = buffer[expected["labels_offset"] :].view(np.dtype(expected["labels_dtype"]))
+    with warnings.catch_warnings():
+        # The mapping is read-only on purpose (one copy for the node); torch warns that it cannot mark
+        # a tensor read-only. Nothing writes to these tensors: batches are gathered into new ones.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return (SplitTensors(torch.from_numpy(features), torch.from_numpy(labels)), inode), ""
+
+
+# --------------------------------------------------------------------------- building
+
+
+def _unwritable(path: Path, cache_dir: str | None, error: OSError, expected: dict[str, Any]) -> NodeCacheError:
+    where = (
+        f"data.cache_dir={cache_dir!r}"
+        if cache_dir
+        else "data.cache_dir is not set, so the cache goes beside the prepared shards"
+    )
+    return NodeCacheError(
+        f"cannot write the node data cache {path}: {error.strerror or error} ({where}); "
+        f"point data.cache_dir at a writable directory with room for the {expected['split']} split "
+        f"({expected['file_bytes'] / 1e6:.2f} MB)"
+    )
+
+
+@contextmanager
+def _build_lock(path: Path, cache_dir: str | None, expected: dict[str, Any]) -> Iterator[str]:
+    """Hold ``<file>.lock`` exclusively; yields who held it before us ('' if nobody did)."""
+    lock = path.with_name(path.name + ".lock")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as error:
+        raise _unwritable(lock, cache_dir, error, expected) from error
+    try:
+        holder = ""
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "another process"
+            fcntl.flock(fd, fcntl.LOCK_EX)  # released by the kernel if the holder dies
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+        yield holder
+    finally:
+        os.close(fd)
+
+
+def _build(
+    dataset_dir: str | Path,
+    manifest: Manifest,
+    split: str,
+    path: Path,
+    expected: dict[str, Any],
+    cache_dir: str | None,
+) -> None:
+    """Load the split the one way (``load_split``), then publish its bytes atomically. Holds the lock."""
+    _remove_leftovers(path, split, expected["key"])
+    tensors = load_split(dataset_dir, manifest, split)
+    labels_dtype = str(tensors.labels.dtype).removeprefix("torch.")
+    if tensors.features.dtype != torch.float32 or labels_dtype != expected["labels_dtype"]:
+        raise TypeError(
+            f"load_split returned {tensors.features.dtype}/{labels_dtype}, the cache layout expects "
+            f"float32/{expected['labels_dtype']}: bump NORMALISATION_VERSION together with the change"
+        )
+    header = {**expected, "built_by": f"pid {os.getpid()} on {socket.gethostname()}", "built_at": time.time()}
+    padding = expected["labels_offset"] - HEADER_BYTES - tensors.features.numel() * 4
+
+    def write(handle: IO[bytes]) -> None:
+        handle.write(_encode_header(header))
+        handle.write(memoryview(tensors.features.numpy()).cast("B"))  # straight from the tensor: no copy
+        handle.write(b"\0" * padding)
+        handle.write(memoryview(tensors.labels.numpy()).cast("B"))
+
+    try:
+        atomic_write(path, write)
+    except OSError as error:
+        raise _unwritable(path, cache_dir, error, expected) from error
+
+
+def _remove_leftovers(path: Path, split: str, key: str) -> None:
+    """Under the lock: temp files of builders of this file that died, and this split's files of older
+    format or normalisation versions of the same manifest (files of other manifests may be in use)."""
+    for stale in path.parent.glob(f".{path.name}-*.tmp"):
+        stale.unlink(missing_ok=True)
+    for other in path.parent.glob(f"{split}-*-{key}.bin"):
+        if other != path:
+            other.unlink(missing_ok=True)  # a process still mapping it keeps its pages until it unmaps

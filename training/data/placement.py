@@ -1,0 +1,88 @@
+"""Where a rank's split tensors live: ``train.data_on_device`` (auto | true | false).
+
+On the device, a split is copied there ONCE and ``training/loading.py`` gathers
+each batch where the split lives: per step only the batch's row numbers
+(8 bytes a row) cross to the device, not its features and labels.
+
+- ``false``: the split stays on the host (the node cache's shared mapping);
+  each batch is gathered there and copied over (pinned, non-blocking on CUDA).
+- ``true``: always on the device; a split that does not fit stops the run with
+  an error naming the setting.
+- ``auto``: on a GPU when the split fits comfortably: at most a quarter of the
+  device memory still free after the model, counting the gradients and the
+  optimizer's two moments it has yet to allocate. On the CPU the device IS the
+  host, so the split stays in the shared mapping (a per-rank copy would undo
+  the node cache); ``true`` on the CPU keeps it there too (``.to`` is a no-op),
+  which is why the CPU runs the same gather path as a GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import nn
+
+from training.loading import SplitTensors
+
+DataOnDevice = bool | Literal["auto"]
+AUTO_SHARE = 4  # auto: a split may take at most 1/AUTO_SHARE of the free device memory
+STATE_COPIES_TO_COME = 3  # per parameter, allocated after placement: its gradient and AdamW's two moments
+
+
+def split_bytes(split: SplitTensors) -> int:
+    return split.features.numel() * split.features.element_size() + split.labels.numel() * split.labels.element_size()
+
+
+def training_state_to_come(model: nn.Module) -> int:
+    """Bytes the optimizer step will still allocate on the device (the weights themselves are there already)."""
+    return STATE_COPIES_TO_COME * sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def decide(mode: DataOnDevice, device: torch.device, needed: int, free: int) -> tuple[bool, str]:
+    """(place on the device?, why). ``needed``: the split's bytes; ``free``: device bytes free for data."""
+    if mode is False:
+        return False, "train.data_on_device=false"
+    if mode is True:
+        return True, "train.data_on_device=true"
+    if device.type != "cuda":
+        return False, "auto: the device is the host, the split stays in the node's shared copy"
+    budget = max(0, free) // AUTO_SHARE
+    verdict = "at most" if needed <= budget else "more than"
+    return needed <= budget, f"auto: {_mb(needed)} is {verdict} a quarter of the {_mb(free)} free after the model"
+
+
+def place_splits(
+    splits: dict[str, SplitTensors], mode: DataOnDevice, device: torch.device, model: nn.Module
+) -> tuple[dict[str, SplitTensors], list[str]]:
+    """The splits, each moved to ``device`` or left where it is, in order; and one reason per split."""
+    free = _free_device_bytes(device) - training_state_to_come(model)
+    placed, reasons = {}, []
+    for name, split in splits.items():
+        on_device, why = decide(mode, device, split_bytes(split), free)
+        placed[name] = _to_device(name, split, device) if on_device else split
+        if on_device and device.type == "cuda":
+            free -= split_bytes(split)
+        reasons.append(f"{name} {'on ' + str(device) if on_device else 'on the host'} ({why})")
+    return placed, reasons
+
+
+def _to_device(name: str, split: SplitTensors, device: torch.device) -> SplitTensors:
+    try:
+        return SplitTensors(split.features.to(device), split.labels.to(device))
+    except torch.OutOfMemoryError as error:
+        raise RuntimeError(
+            f"train.data_on_device=true: the {name} split ({_mb(split_bytes(split))}) does not fit on {device}; "
+            "use auto (places it only where it fits) or false"
+        ) from error
+
+
+def _free_device_bytes(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0  # unused: auto keeps host data on the host
+    free, _total = torch.cuda.mem_get_info(device)
+    return free
+
+
+def _mb(count: int) -> str:
+    return f"{count / 1e6:,.1f} MB" if count < 1e9 else f"{count / 1e9:,.2f} GB"
