@@ -1,26 +1,43 @@
-"""The ``ddpflow`` command.
+"""The ``ddpflow`` command: all of its argument parsing and all of its printing.
 
-    ddpflow prepare --config configs/demo.yaml [--set data.root=/tmp/shards] [--json]
-    ddpflow run     --config configs/demo.yaml [--set train.epochs=1] [--json]
-    ddpflow register --run-id <mlflow run id> --config ...   (re-run registration)
-    ddpflow stack up|down|status
+    ddpflow prepare  --config configs/demo.yaml [--set data.root=/tmp/shards] [--json]
+    ddpflow run      --config configs/demo.yaml [--set train.epochs=1] [--json]
+    ddpflow register --run-id <mlflow run id> [--config ...]   (re-run the registration gate)
+    ddpflow stack    up|down|status [--project .] [--prefect-port 4200] [--mlflow-port 5000] ...
 
-Each subcommand prints a short human summary, or with ``--json`` one JSON
-object. A user error exits 2 with the error as the last line, no traceback.
+Each subcommand calls plain functions (``training.data.prepare``, the flows,
+``ddpflow.stack``) and prints a short summary for people, or with ``--json``
+one JSON object on stdout (everything else goes to stderr).
+
+Exit status: 0 done; 1 a flow or the stack failed (the last line says which and
+why); 2 a user error (``error: ...`` on the last line, no traceback); 130 Ctrl-C;
+128 + N when signal N ended it (SIGTERM 143, SIGHUP 129, also sent when the
+parent process dies). Whatever ends it, `run` and `register` stop everything
+they started first (ddpflow/lifetime.py, ddpflow/prefect_server.py).
+
+`run` and `register` use ``PREFECT_API_URL`` if set, else the project's stack
+if it runs (`ddpflow stack up`), else a temporary Prefect server of their own.
+This module is the top of the import graph: nothing imports it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+from ddpflow import stack
+from ddpflow.lifetime import Terminated, ended_by_signals, shielded
+from ddpflow.prefect_server import PrefectServer, PrefectServerError, prefect_server
 from flows.environment import set_local_defaults
 from training.config import ConfigError, PipelineConfig, load_config
 
 # Errors that are the user's to fix: print the message, not a traceback.
-# ConnectionError: an unreachable tracking server (tasks.tracking.TrackingUnreachableError) names its URI.
+# ConnectionError: an unreachable tracking server names its URI.
 USER_ERRORS: tuple[type[BaseException], ...] = (
     ConfigError,
     ValueError,
@@ -28,6 +45,161 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
     PermissionError,
     ConnectionError,
 )
+
+
+class CommandFailed(Exception):
+    """A flow or the stack failed: exit 1 with this message as the last line."""
+
+
+# --------------------------------------------------------------------------- subcommands
+
+
+def cmd_prepare(args: argparse.Namespace) -> None:
+    from training.data.prepare import prepare_dataset
+
+    prepared = prepare_dataset(_load(args).data)
+    print_summary(prepared.summary(), args.json)
+
+
+def cmd_run(args: argparse.Namespace) -> None:
+    config = _load(args)  # a bad config exits 2 here, before any server starts
+
+    def run(server: PrefectServer) -> dict[str, Any]:
+        from flows.pipeline import train_pipeline  # while a temporary server starts
+
+        server.wait_until_ready()
+        return _run_flow(train_pipeline, config=config)
+
+    summary = _with_prefect_server(run)
+    if args.json:
+        print_summary(summary, as_json=True)
+        return
+    print_summary(_for_people(summary), as_json=False)
+    print(_where_to_look(summary))
+
+
+def cmd_register(args: argparse.Namespace) -> None:
+    config = _load(args) if (args.config or args.overrides) else None
+
+    def register(server: PrefectServer) -> dict[str, Any]:
+        from flows.registration import register_finished_run
+
+        server.wait_until_ready()
+        return _run_flow(register_finished_run, run_id=args.run_id, config=config)
+
+    print_summary(_with_prefect_server(register), args.json)
+
+
+def cmd_stack(args: argparse.Namespace) -> None:
+    try:
+        if args.action == "up":
+            state = stack.up(
+                args.project,
+                prefect_port=args.prefect_port,
+                mlflow_port=args.mlflow_port,
+                state_dir=args.state_dir,
+                mlflow_dir=args.mlflow_dir,
+            )
+            summary = {
+                "prefect_ui": state.prefect_url,
+                "mlflow_ui": state.mlflow_url,
+                **{name: info["pid"] for name, info in state.processes.items()},
+            }
+        elif args.action == "down":
+            summary = {"stopped": stack.down(args.project, state_dir=args.state_dir)}
+        else:
+            summary = stack.status(args.project, state_dir=args.state_dir)
+    except stack.StackError as error:
+        raise CommandFailed(str(error)) from None  # names the part that failed and its log
+    print_summary(summary, args.json)
+
+
+def _load(args: argparse.Namespace) -> PipelineConfig:
+    return load_config(args.config, args.overrides)
+
+
+def _with_prefect_server(body: Callable[[PrefectServer], dict[str, Any]]) -> dict[str, Any]:
+    """Run ``body`` with a Prefect server chosen for this project; the summary says which one."""
+    with prefect_server(Path.cwd()) as server:
+        if server.note:
+            print(f"ddpflow: {server.note}; using a temporary Prefect server", file=sys.stderr)
+        try:
+            summary = body(server)
+        finally:
+            with shielded():
+                _send_prefect_backlog()
+    return {**summary, **server.describe(), **_prefect_run_url(server, summary)}
+
+
+def _send_prefect_backlog(timeout_s: float = 3.0) -> None:
+    """Send the flow's queued logs and events while the server still runs (Prefect sends them in batches,
+    and would otherwise try at exit, after a temporary server is gone: "Error logging to API")."""
+    if "prefect" not in sys.modules:
+        return  # the command ended before the flow was imported: nothing queued
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        try:
+            worker.drain_all(timeout=timeout_s)
+        except Exception as error:  # a failed send must not hide how the command ended
+            print(f"ddpflow: could not send Prefect's queued {worker.__name__} items: {error}", file=sys.stderr)
+
+
+def _prefect_run_url(server: PrefectServer, summary: dict[str, Any]) -> dict[str, str]:
+    if server.ui_url is None or not summary.get("flow_run_id"):
+        return {}  # a temporary server is gone with the command: no page to open
+    return {"prefect_run_url": f"{server.ui_url}/runs/flow-run/{summary['flow_run_id']}"}
+
+
+def _run_flow(flow: Any, **parameters: Any) -> dict[str, Any]:
+    """Call the flow; a failure ends with one clear line (Prefect has logged the traceback)."""
+    try:
+        return flow(**parameters)
+    except USER_ERRORS:
+        raise  # printed as "error: ...", exit 2
+    except Exception as error:
+        raise CommandFailed(f"{flow.name} failed: {type(error).__name__}: {error}") from None
+
+
+# --------------------------------------------------------------------------- printing
+
+
+def print_summary(summary: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(summary, indent=2, default=str))
+        return
+    for key, value in summary.items():
+        print(f"{key:>18}: {value}")
+
+
+def _for_people(summary: dict[str, Any]) -> dict[str, Any]:
+    """The headline test metrics on one line; per-class precision/recall stay in --json and MLflow."""
+    metrics = summary.get("test_metrics") or {}
+    headline = {name: value for name, value in metrics.items() if not re.search(r"_(precision|recall)_", name)}
+    shown = ", ".join(
+        f"{name}={value:.4g}" if isinstance(value, float) else f"{name}={value}" for name, value in headline.items()
+    )
+    return {**summary, "test_metrics": shown}
+
+
+def _where_to_look(summary: dict[str, Any]) -> str:
+    lines = ["", f"Run directory (checkpoints, metrics.jsonl, model.pt): {summary.get('run_dir')}"]
+    uri = str(summary.get("tracking_uri") or "")
+    if uri.startswith("sqlite:"):
+        lines.append(
+            f"MLflow UI on this store:  mlflow ui --backend-store-uri {uri}   then open {summary.get('mlflow_run_url')}"
+        )
+    elif summary.get("mlflow_run_url"):
+        lines.append(f"MLflow run: {summary['mlflow_run_url']}")
+    if summary.get("prefect_run_url"):
+        lines.append(f"Prefect flow run: {summary['prefect_run_url']}")
+    else:
+        lines.append("Prefect: a temporary server ran this flow; `ddpflow stack up` keeps runs in a UI")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- parsing
 
 
 def _config_args(parser: argparse.ArgumentParser) -> None:
@@ -43,54 +215,57 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one machine-readable JSON object")
 
 
-def _load(args: argparse.Namespace) -> PipelineConfig:
-    return load_config(args.config, args.overrides)
-
-
-def cmd_prepare(args: argparse.Namespace) -> dict[str, Any]:
-    from training.data.prepare import prepare_dataset
-
-    prepared = prepare_dataset(_load(args).data)
-    return prepared.summary()
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ddpflow", description="Retrain PyTorch models on a schedule: prepare, train (DDP), evaluate, register."
     )
     sub = parser.add_subparsers(dest="command", required=True)
+
     prepare = sub.add_parser("prepare", help="raw data -> Parquet shards per split, with a manifest")
     _config_args(prepare)
     prepare.set_defaults(handler=cmd_prepare)
-    from flows.commands import SUBCOMMANDS  # here, not at the top: their modules import this one
 
-    for add_command in SUBCOMMANDS:
-        add_command(sub)
+    run = sub.add_parser("run", help="run the whole pipeline once, locally: prepare, train (DDP), evaluate, register")
+    _config_args(run)
+    run.set_defaults(handler=cmd_run)
+
+    register = sub.add_parser("register", help="re-run the registration gate for a finished MLflow run")
+    register.add_argument("--run-id", required=True, help="the MLflow run id of a finished pipeline run")
+    _config_args(register)
+    register.set_defaults(handler=cmd_register)
+
+    stack_parser = sub.add_parser("stack", help="local Prefect server + worker + MLflow server on 127.0.0.1")
+    stack_parser.add_argument("action", choices=("up", "down", "status"))
+    stack_parser.add_argument("--project", default=".", help="project root holding prefect.yaml (default: .)")
+    stack_parser.add_argument("--prefect-port", type=int, default=stack.DEFAULT_PREFECT_PORT)
+    stack_parser.add_argument("--mlflow-port", type=int, default=stack.DEFAULT_MLFLOW_PORT)
+    stack_parser.add_argument("--state-dir", help="default: <project>/.ddpflow")
+    stack_parser.add_argument("--mlflow-dir", help="where mlflow.db and mlartifacts/ live (default: <project>)")
+    stack_parser.add_argument("--json", action="store_true", help="print one machine-readable JSON object")
+    stack_parser.set_defaults(handler=cmd_stack)
     return parser
-
-
-def _print_summary(summary: dict[str, Any], as_json: bool) -> None:
-    if as_json:
-        print(json.dumps(summary, indent=2, default=str))
-        return
-    for key, value in summary.items():
-        print(f"{key:>18}: {value}")
 
 
 def main(argv: list[str] | None = None) -> int:
     set_local_defaults()  # before anything imports Prefect: it reads its settings once
     args = build_parser().parse_args(argv)
-    try:
-        summary = args.handler(args)
-    except USER_ERRORS as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
-    if summary is not None:
-        _print_summary(summary, getattr(args, "json", False))
+    with ended_by_signals():
+        try:
+            args.handler(args)
+        except USER_ERRORS as error:
+            return _fail(str(error), 2)
+        except (CommandFailed, PrefectServerError) as error:
+            return _fail(str(error), 1)
+        except KeyboardInterrupt:
+            return _fail("interrupted", 130)
+        except Terminated as stop:
+            return _fail(str(stop), stop.code)
     return 0
+
+
+def _fail(message: str, status: int) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return status
 
 
 if __name__ == "__main__":

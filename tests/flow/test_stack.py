@@ -13,7 +13,7 @@ import psutil
 import pytest
 import yaml
 
-from flows import stack
+from ddpflow import stack
 from training.config import load_config
 
 

@@ -1,8 +1,11 @@
-"""The local stack: Prefect server, work pool, deployments, worker, MLflow server.
+"""The local stack: Prefect server, work pool, deployments, worker, MLflow server (plain Python).
 
-    ddpflow stack up        # start all on 127.0.0.1, deploy prefect.yaml
-    ddpflow stack status    # what runs, and where
-    ddpflow stack down      # stop exactly what `up` started
+    up(project)             start all on 127.0.0.1, deploy prefect.yaml   (`ddpflow stack up`)
+    status(project)         what runs, and where                          (`ddpflow stack status`)
+    down(project)           stop exactly what `up` started                (`ddpflow stack down`)
+    running_prefect_api()   the stack's Prefect API if it answers: `ddpflow run` uses it
+
+The command line (flows/cli.py) parses the arguments and prints; nothing here does either.
 
 Everything binds to loopback. State lives in the project:
 
@@ -39,6 +42,9 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
+from ddpflow.launch.process_tree import session_members, stop_processes
+from training.fileio import atomic_write_text
 
 HOST = "127.0.0.1"
 WORK_POOL = "ddpflow-local"
@@ -121,11 +127,7 @@ class StackState:
         return cls(prefect_url=raw["prefect_url"], mlflow_url=raw["mlflow_url"], processes=raw.get("processes", {}))
 
     def write(self, path: Path) -> None:
-        # Write-then-rename: a half-written stack.json would lose PIDs.
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(self.to_json())
-        tmp.replace(path)
+        atomic_write_text(path, self.to_json())  # a half-written stack.json would lose PIDs
 
 
 def base_env(layout: StackLayout) -> dict[str, str]:
@@ -217,9 +219,8 @@ def run_cli(argv: list[str], layout: StackLayout, env: Mapping[str, str], what: 
     with (layout.logs / "cli.log").open("a") as log:
         log.write(f"$ {' '.join(argv)}\n{result.stdout}{result.stderr}\n")
     if result.returncode != 0:
-        raise StackError(
-            f"{what} failed (exit {result.returncode}): {' '.join(argv)}\n{result.stdout[-2000:]}{result.stderr[-2000:]}"
-        )
+        output = f"{result.stdout[-2000:]}{result.stderr[-2000:]}"
+        raise StackError(f"{what} failed (exit {result.returncode}): {' '.join(argv)}\n{output}")
     return result.stdout
 
 
@@ -281,6 +282,23 @@ def up(
     return state
 
 
+def prefect_server_argv(port: int) -> list[str]:
+    return prefect_argv("server", "start", "--host", HOST, "--port", str(port))
+
+
+def mlflow_server_argv(layout: StackLayout, port: int) -> list[str]:
+    return [
+        sys.executable, "-m", "mlflow", "server",
+        "--backend-store-uri", layout.mlflow_backend_uri,
+        "--artifacts-destination", str(layout.mlflow_artifacts),
+        "--host", HOST, "--port", str(port), "--workers", "1",
+    ]  # fmt: skip
+
+
+def worker_argv() -> list[str]:
+    return prefect_argv("worker", "start", "--pool", WORK_POOL, "--name", "ddpflow-local-worker")
+
+
 def _start_all(
     layout: StackLayout, state: StackState, prefect_port: int, mlflow_port: int, worker_env: Mapping[str, str]
 ) -> None:
@@ -289,21 +307,9 @@ def _start_all(
     # whatever --port is.
     server_env = {**env, "PREFECT_UI_API_URL": state.prefect_api_url}
     # Both servers start together: their start-up times overlap.
-    server = start_process(
-        "prefect-server",
-        prefect_argv("server", "start", "--host", HOST, "--port", str(prefect_port)),
-        layout,
-        server_env,
-        state,
-    )
+    server = start_process("prefect-server", prefect_server_argv(prefect_port), layout, server_env, state)
     mlflow_env = {**env, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    mlflow_argv = [
-        sys.executable, "-m", "mlflow", "server",
-        "--backend-store-uri", layout.mlflow_backend_uri,
-        "--artifacts-destination", str(layout.mlflow_artifacts),
-        "--host", HOST, "--port", str(mlflow_port), "--workers", "1",
-    ]  # fmt: skip
-    mlflow = start_process("mlflow", mlflow_argv, layout, mlflow_env, state)
+    mlflow = start_process("mlflow", mlflow_server_argv(layout, mlflow_port), layout, mlflow_env, state)
     wait_until_ready("prefect-server", f"{state.prefect_api_url}/health", server, layout.logs / "prefect-server.log")
     cli = client_env(layout, state)
     ensure_work_pool(layout, cli)
@@ -315,13 +321,7 @@ def _start_all(
         "MLFLOW_TRACKING_URI": layout.mlflow_backend_uri,
         **worker_env,
     }
-    start_process(
-        "worker",
-        prefect_argv("worker", "start", "--pool", WORK_POOL, "--name", "ddpflow-local-worker"),
-        layout,
-        flow_env,
-        state,
-    )
+    start_process("worker", worker_argv(), layout, flow_env, state)
 
 
 def _process(info: Mapping[str, Any]) -> psutil.Process | None:
@@ -339,55 +339,28 @@ def _alive(info: Mapping[str, Any]) -> bool:
     return _process(info) is not None
 
 
-def _session_members(sid: int) -> list[psutil.Process]:
-    """Processes in session `sid`: a stack process and everything it started."""
-    members = []
-    for candidate in psutil.process_iter():
-        try:
-            if os.getsid(candidate.pid) == sid:
-                members.append(candidate)
-        except (OSError, psutil.Error):
-            continue
-    return members
-
-
-def _exited(process: psutil.Process, timeout_s: float) -> bool:
-    try:
-        process.wait(timeout=timeout_s)
-    except psutil.TimeoutExpired:
-        return False
-    except psutil.NoSuchProcess:
-        pass
-    return True
-
-
 def stop_process(name: str, info: Mapping[str, Any], grace_s: float = 10.0) -> bool:
     """Stop one recorded process, then whatever it left in its session. True if it was running."""
     process = _process(info)
     if process is None:
         return False
-    # A background Prefect worker ignores the first SIGTERM (it forwards a
-    # SIGINT to itself): send TERM, give it ~3 s, TERM again.
-    for _ in range(2 if name == "worker" else 1):
-        try:
-            process.terminate()
-        except psutil.NoSuchProcess:
-            break
-        if _exited(process, 3.0):
-            break
-    if not _exited(process, grace_s):
-        process.kill()
-        _exited(process, 5.0)
+    if name == "worker":
+        # A background Prefect worker ignores the first SIGTERM (it forwards a
+        # SIGINT to itself): a first TERM, ~3 s, then the ordinary stop below.
+        _terminate_once(process, wait_s=3.0)
+    stop_processes([process], grace_s)
     # Started with start_new_session, so the session id is the recorded PID:
-    # flow-run processes or server children that outlived their parent.
-    leftovers = [p for p in _session_members(int(info["pid"])) if p.pid != process.pid]
-    for leftover in leftovers:
-        try:
-            leftover.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(leftovers, timeout=5.0)
+    # flow-run processes or server children that outlived their parent get no grace.
+    stop_processes(session_members(int(info["pid"])), grace_s=0.0)
     return True
+
+
+def _terminate_once(process: psutil.Process, wait_s: float) -> None:
+    try:
+        process.terminate()
+        process.wait(timeout=wait_s)
+    except (psutil.NoSuchProcess, psutil.TimeoutExpired):
+        pass
 
 
 def down(project: str | Path = ".", *, state_dir: str | Path | None = None) -> list[str]:
@@ -426,37 +399,20 @@ def status(project: str | Path = ".", *, state_dir: str | Path | None = None) ->
     }
 
 
-def add_stack_command(subparsers: Any) -> None:
-    """`ddpflow stack up|down|status` (registered through flows/commands.py)."""
-    parser = subparsers.add_parser("stack", help="local Prefect server + worker + MLflow server on 127.0.0.1")
-    parser.add_argument("action", choices=("up", "down", "status"))
-    parser.add_argument("--project", default=".", help="project root holding prefect.yaml (default: .)")
-    parser.add_argument("--prefect-port", type=int, default=DEFAULT_PREFECT_PORT)
-    parser.add_argument("--mlflow-port", type=int, default=DEFAULT_MLFLOW_PORT)
-    parser.add_argument("--state-dir", help="default: <project>/.ddpflow")
-    parser.add_argument("--mlflow-dir", help="where mlflow.db and mlartifacts/ live (default: <project>)")
-    parser.add_argument("--json", action="store_true", help="print one machine-readable JSON object")
-    parser.set_defaults(handler=run_stack_command)
+def running_prefect_api(project: str | Path = ".", *, state_dir: str | Path | None = None) -> tuple[str | None, str]:
+    """The Prefect API URL of this project's stack, if stack.json names one and it answers /api/health.
 
-
-def run_stack_command(args: Any) -> dict[str, Any]:
+    Returns ``(api_url, "")`` for a running stack, ``(None, "")`` when there is no
+    stack.json, and ``(None, why)`` when there is one whose server does not answer
+    (a stack that crashed, or was stopped without `ddpflow stack down`).
+    """
+    layout = StackLayout.for_project(project, state_dir)
     try:
-        if args.action == "up":
-            state = up(
-                args.project,
-                prefect_port=args.prefect_port,
-                mlflow_port=args.mlflow_port,
-                state_dir=args.state_dir,
-                mlflow_dir=args.mlflow_dir,
-            )
-            return {
-                "prefect_ui": state.prefect_url,
-                "mlflow_ui": state.mlflow_url,
-                **{name: info["pid"] for name, info in state.processes.items()},
-            }
-        if args.action == "down":
-            return {"stopped": down(args.project, state_dir=args.state_dir)}
-        return status(args.project, state_dir=args.state_dir)
-    except StackError as error:
-        # Not a traceback: the message names the part that failed and its log.
-        raise SystemExit(f"error: {error}") from None
+        state = StackState.read(layout.stack_file)
+    except (OSError, ValueError, KeyError) as error:
+        return None, f"{layout.stack_file} is unreadable ({error})"
+    if state is None:
+        return None, ""
+    if not http_ok(f"{state.prefect_api_url}/health"):
+        return None, f"{layout.stack_file} names a Prefect server at {state.prefect_url} that does not answer"
+    return state.prefect_api_url, ""
