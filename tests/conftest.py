@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -20,6 +21,10 @@ os.environ.pop("MLFLOW_TRACKING_URI", None)
 os.environ.pop("PREFECT_API_URL", None)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# tests/slurm_cluster.py: the session's two-node Slurm cluster (the `slurm_cluster` fixture) and its probes.
+sys.path.append(str(Path(__file__).parent))
+from slurm_cluster import slurm_cluster  # noqa: E402, F401
 
 
 @pytest.fixture(scope="session")
