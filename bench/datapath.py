@@ -18,11 +18,9 @@ from bench.workload import (
     Context,
     build_model_and_optimizer,
     cycle,
-    ddpflow_has,
     prepared_dir,
     set_threads,
     timed_steps,
-    train_arrays,
 )
 
 TITLE = "Data path"
@@ -35,8 +33,6 @@ REFERENCES = {  # label, what it is, earlier measurement
 def run(ctx: Context) -> list[Result]:
     sizes = ctx.sizes
     set_threads(ctx.threads)
-    if not ddpflow_has("training.loop"):
-        return [baselines_only(ctx)]
     from bench import ddpflow_api
 
     with Timer() as load:
@@ -130,9 +126,12 @@ def run(ctx: Context) -> list[Result]:
         )
     notes = [
         f"{len(y):,} train rows x {x.shape[1]} features, batch {BATCH}, {ctx.threads} torch thread, one process; "
-        f"{sizes.warmup} warm-up steps before each timing; the loaders take turns within each of {sizes.repeats} repeats, in reverse order every other repeat.",
-        "ddpflow's epoch includes what its loop does beyond the bare step: per-sample loss with padding weights, the on-device loss sum, the sampler's per-epoch permutation.",
-        f"Iterating ddpflow's loader alone costs {loader_alone(batches) * 1e6:.0f} µs per batch; a compute-limit step takes {1e6 * BATCH / Stats.of(rates['compute']).median:.0f} µs.",
+        f"{sizes.warmup} warm-up steps before each timing; the loaders take turns within each of "
+        f"{sizes.repeats} repeats, in reverse order every other repeat.",
+        "ddpflow's epoch includes what its loop does beyond the bare step: per-sample loss with padding weights, "
+        "the on-device loss sum, the sampler's per-epoch permutation.",
+        f"Iterating ddpflow's loader alone costs {loader_alone(batches) * 1e6:.0f} µs per batch; "
+        f"a compute-limit step takes {1e6 * BATCH / Stats.of(rates['compute']).median:.0f} µs.",
     ]
     return [
         Result(
@@ -152,33 +151,3 @@ def loader_alone(batches) -> float:
     with Timer() as timer:
         count = sum(1 for _ in batches.epoch(999))
     return timer.seconds / max(1, count)
-
-
-def baselines_only(ctx: Context) -> Result:
-    """Before ddpflow's loader exists: the reference loaders alone, so the harness still runs."""
-    sizes = ctx.sizes
-    x, y = train_arrays(ctx, sizes.rows)
-    epochs = {
-        "compute": loaders.presliced(x, y, BATCH, sizes.steps + sizes.warmup),
-        "per_row": loaders.per_row(x, y, BATCH),
-        "batch_sampler": loaders.batch_sampler(x, y, BATCH),
-    }
-    rates: dict[str, list[float]] = {name: [] for name in epochs}
-    for _ in range(sizes.repeats):
-        for name, epoch in epochs.items():
-            model, optimizer = build_model_and_optimizer()
-            samples, seconds = timed_steps(model, optimizer, cycle(epoch), sizes.steps, sizes.warmup)
-            rates[name].append(samples / seconds)
-    rows = [Row("compute limit", Stats.of(rates["compute"]), "samples/s")]
-    rows += [
-        Row(label, Stats.of(rates[name]), "samples/s", Stats.of(a / b for a, b in zip(rates[name], rates["compute"])))
-        for name, (label, _) in REFERENCES.items()
-    ]
-    return Result(
-        name="datapath",
-        title=TITLE,
-        target=0.95,
-        rows=rows,
-        status="skipped",
-        reason="ddpflow's training loop (training/loop.py) does not exist yet",
-    )

@@ -99,19 +99,12 @@ EVALUATE_IN_A_PROCESS = (
 
 
 def launch_training(config, dataset_dir: str | Path, run_dir: Path, on_line, timeout_s: float = 600) -> None:
-    """What the train task does around torchrun: preflight, the job file, ``tasks/torchrun.py: launch``."""
-    from tasks.torchrun import launch, launch_env, preflight, torchrun_command
-    from training.job import TrainJob
+    """The train stage exactly as the Prefect task runs it (``ddpflow.launch.supervisor.run_training``:
+    the preflight, the job file, torchrun), limited to ``timeout_s``."""
+    from ddpflow.launch.supervisor import run_training
 
-    preflight(config, dataset_dir)
-    job_path = TrainJob(config, str(dataset_dir), str(run_dir)).write(run_dir / "train_config.json")
-    launch(
-        torchrun_command(config, job_path),
-        run_dir,
-        env=launch_env(config, run_dir),
-        on_line=on_line,
-        timeout_s=timeout_s,
-    )
+    limited = config.model_copy(update={"train": config.train.model_copy(update={"timeout_s": timeout_s})})
+    run_training(limited, dataset_dir, run_dir, on_line=on_line)
 
 
 RANK_MODULE = "training.train"  # what every rank runs: python -m training.train --config RUN_DIR/train_config.json

@@ -1,7 +1,7 @@
 """Launch latency and orchestration overhead, on small data (the fixed costs are the point).
 
-Launch: from the launcher's start (preflight, job file, ``tasks/torchrun.launch``)
-to rank 0's first training step, minus the wall time of a bare torchrun whose
+Launch: from the train stage's start (``ddpflow.launch.supervisor.run_training``:
+preflight, job file, launch) to rank 0's first training step, minus the wall time of a bare torchrun whose
 2 ranks only join the process group and leave.
 
 Orchestration: ``ddpflow run`` (Prefect flow: prepare, train, evaluate,
@@ -96,7 +96,8 @@ def launch_latency(ctx: Context) -> Result:
         bare.append(ready)
         bare_wall.append(wall)
         log(
-            f"launch repeat {repeat + 1}: ddpflow first step {ours[-1]:.2f} s, bare torchrun no-op ready {ready:.2f} s (exit {wall:.2f} s)"
+            f"launch repeat {repeat + 1}: ddpflow first step {ours[-1]:.2f} s, "
+            f"bare torchrun no-op ready {ready:.2f} s (exit {wall:.2f} s)"
         )
     # The issue's reference: a bare torchrun no-op's whole run (3.8 s when it was filed).
     extra = Stats.of(a - b for a, b in zip(ours, bare_wall))
@@ -118,10 +119,11 @@ def launch_latency(ctx: Context) -> Result:
                 note="measured when the issue was filed: 3.8 s",
             ),
             Row(
-                "ddpflow: preflight + job file + tasks/torchrun.launch → rank 0's first line",
+                "ddpflow: preflight + job file + launch (run_training) → rank 0's first line",
                 Stats.of(first_line),
                 "s",
-                note="imports, process group, CPU setup; DDP's torch._dynamo import runs on a thread from the rank's start",
+                note="imports, process group, CPU setup; "
+                "DDP's torch._dynamo import runs on a thread from the rank's start",
             ),
             Row(
                 "ddpflow: the same → rank 0's first step",
@@ -134,8 +136,9 @@ def launch_latency(ctx: Context) -> Result:
             Row("ddpflow: the same launch to exit (1 epoch, checkpoints, model.pt)", Stats.of(whole), "s"),
         ],
         notes=[
-            f"{ctx.sizes.orchestration_rows:,}-row dataset, 2 ranks, 1 epoch; the first step comes after imports, process group, "
-            "loading the train and val splits, building the model and DDP. The Prefect task around the launcher is in the orchestration figure.",
+            f"{ctx.sizes.orchestration_rows:,}-row dataset, 2 ranks, 1 epoch; the first step comes after imports, "
+            "process group, loading the train and val splits, building the model and DDP. "
+            "The Prefect task around the launcher is in the orchestration figure.",
             "Each repeat runs ddpflow's launch and the bare no-op back to back; differences are taken within a repeat.",
         ],
     )
@@ -181,7 +184,8 @@ def orchestration(ctx: Context) -> Result:
             ours.append(ddpflow_run_wall(ctx, root / "ddpflow", env))
             bare.append(bare_train_eval_wall(ctx, dataset, root / "bare", env))
             log(
-                f"orchestration repeat {repeat + 1}: ddpflow run {ours[-1]:.1f} s, bare torchrun + evaluate {bare[-1]:.1f} s"
+                f"orchestration repeat {repeat + 1}: ddpflow run {ours[-1]:.1f} s, "
+                f"bare torchrun + evaluate {bare[-1]:.1f} s"
             )
     finally:
         stop_process(server)
@@ -210,8 +214,9 @@ def orchestration(ctx: Context) -> Result:
             ),
         ],
         notes=[
-            f"{ctx.sizes.orchestration_rows:,} rows, 1 epoch, 2 ranks; the dataset was prepared beforehand, so the flow's prepare is a cache hit. "
-            "The flow adds: Prefect flow and task runs, the MLflow run (params, per-epoch metrics, artifacts), logging the model, the registry gate.",
+            f"{ctx.sizes.orchestration_rows:,} rows, 1 epoch, 2 ranks; the dataset was prepared beforehand, "
+            "so the flow's prepare is a cache hit. The flow adds: Prefect flow and task runs, the MLflow run "
+            "(params, per-epoch metrics, artifacts), logging the model, the registry gate.",
         ],
     )
 
@@ -268,7 +273,7 @@ def start_prefect_server(env: dict[str, str], log_path: Path) -> tuple[subproces
     """``prefect server start`` on loopback; (process, seconds until /api/health answers, API URL)."""
     port = free_port()
     api_url = f"http://127.0.0.1:{port}/api"
-    log_file = open(log_path, "w")
+    log_file = open(log_path, "w")  # noqa: SIM115 - the server writes to it for as long as it runs
     start = time.perf_counter()
     server = subprocess.Popen(
         [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from bench.harness import REPO_ROOT
+from ddpflow.launch.process_tree import session_members, stop_processes
 
 
 class ChildFailed(RuntimeError):
@@ -92,23 +94,24 @@ def run_timed_lines(
     wall = time.perf_counter() - start
     if process.returncode != 0 or seen is None:
         raise ChildFailed(
-            f"{' '.join(argv)} exited {process.returncode}, marker {marker!r} {'seen' if seen else 'not seen'}:\n{''.join(tail)}"
+            f"{' '.join(argv)} exited {process.returncode}, marker {marker!r} "
+            f"{'seen' if seen else 'not seen'}:\n{''.join(tail)}"
         )
     return seen, wall
 
 
-def kill_tree(process: subprocess.Popen) -> None:
-    """TERM the child's session, then KILL what is left."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            process.wait(timeout=5)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+def kill_tree(process: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """Stop the child, everything in its session (it was started with start_new_session) and its descendants."""
+    tree = {member.pid: member for member in session_members(process.pid)}  # its session id is its PID
+    try:  # and what left the session: torchrun starts every rank in a session of its own
+        tree.update((child.pid, child) for child in psutil.Process(process.pid).children(recursive=True))
+    except psutil.NoSuchProcess:
+        pass
+    stop_processes(tree.values(), grace_s)
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def torchrun_argv(nproc: int, module: str, args: list[str]) -> list[str]:

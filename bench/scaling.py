@@ -20,7 +20,7 @@ import numpy as np
 
 from bench import processes
 from bench.harness import Result, Row, Stats, log, turns
-from bench.workload import BATCH, Context, ddpflow_has, prepared_dir, train_arrays
+from bench.workload import BATCH, Context, prepared_dir, train_arrays
 
 
 @dataclass(frozen=True)
@@ -77,19 +77,15 @@ def configs(ctx: Context, feed: str) -> list[Config]:
 
 
 def ddpflow_bucket_mb() -> float:
-    if ddpflow_has("training.distributed"):
-        from bench.ddpflow_api import bucket_cap_mb
+    from bench.ddpflow_api import bucket_cap_mb
 
-        return bucket_cap_mb()
-    return 25.0
+    return bucket_cap_mb()
 
 
 def run(ctx: Context) -> list[Result]:
     sizes = ctx.sizes
-    feed = "ddpflow" if ddpflow_has("training.loop") else "presliced"
-    feed_data = {"presliced": str(npz(ctx)), "pandas": str(npz(ctx))}
-    if feed == "ddpflow":
-        feed_data["ddpflow"] = str(prepared_dir(ctx, sizes.rows))
+    feed = "ddpflow"
+    feed_data = {"presliced": str(npz(ctx)), "pandas": str(npz(ctx)), "ddpflow": str(prepared_dir(ctx, sizes.rows))}
     plan = configs(ctx, feed)
     rates: dict[str, list[float]] = {config.key: [] for config in plan}
     batches: dict[str, int] = {}
@@ -115,7 +111,8 @@ def run(ctx: Context) -> list[Result]:
     common = (
         f"Ranks run {what_ranks_run(feed)}; "
         f"{sizes.ddp_steps} timed steps after {sizes.ddp_warmup} warm-up steps per launch, gloo, one thread per rank; "
-        f"{sizes.ddp_repeats} launch(es) per configuration, taking turns (reversed every other repeat). Ratio = total samples/s ÷ (2 × one rank's)."
+        f"{sizes.ddp_repeats} launch(es) per configuration, taking turns (reversed every other repeat). "
+        "Ratio = total samples/s ÷ (2 × one rank's)."
     )
     unchanged = [key for key in ("plain", "affinity", "bucket") if key in rates]
     headline = "bucket" if "bucket" in rates else unchanged[-1]
@@ -129,7 +126,9 @@ def run(ctx: Context) -> list[Result]:
             rows=[row("one", False)] + [row(key) for key in unchanged] + ceiling_rows(rates, probes, row),
             notes=[
                 common,
-                "Semantics unchanged in these rows: each optimizer step averages 2 × 512 samples. The rows add one change each; the last is what ddpflow does by default (train.cpu_affinity=true, DDP bucket_cap_mb=25: the model's ~0.3 MB of gradients go in one all-reduce).",
+                "Semantics unchanged in these rows: each optimizer step averages 2 × 512 samples. The rows add one "
+                "change each; the last is what ddpflow does by default (train.cpu_affinity=true, DDP "
+                "bucket_cap_mb=25: the model's ~0.3 MB of gradients go in one all-reduce).",
             ],
         )
     ]

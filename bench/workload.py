@@ -141,12 +141,9 @@ def train_arrays(ctx: Context, rows: int):
     from training.data.manifest import read_manifest
 
     def build():
-        if ddpflow_has("training.data.prepare"):
-            dataset = prepared_dir(ctx, rows)
-            manifest = read_manifest(dataset)
-            files, features, label = manifest.split_files(dataset, "train"), manifest.features, manifest.label
-        else:  # before prepare exists: the whole source stands in for the train split
-            files, features, label = [source_file(ctx, rows)], [f"f{i}" for i in range(FEATURES)], "label"
+        dataset = prepared_dir(ctx, rows)
+        manifest = read_manifest(dataset)
+        files, features, label = manifest.split_files(dataset, "train"), manifest.features, manifest.label
         table = pq.read_table(files, columns=[*features, label])
         x = np.empty((table.num_rows, len(features)), dtype=np.float32)
         for i, name in enumerate(features):
@@ -155,16 +152,6 @@ def train_arrays(ctx: Context, rows: int):
         return torch.from_numpy(x), torch.from_numpy(y)
 
     return ctx.cached(f"train-arrays:{rows}", build)
-
-
-def ddpflow_has(module: str) -> bool:
-    """Whether a ddpflow module exists yet (benchmarks of missing stages are skipped, not failed)."""
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:
-        return False
 
 
 # --------------------------------------------------------------------------- model and loop

@@ -25,12 +25,12 @@ from prefect import flow, get_run_logger
 from prefect.exceptions import Abort, TerminationSignal
 from prefect.runtime import deployment, flow_run
 
+from ddpflow.launch.failure import LaunchInterrupted
+from ddpflow.rundirs import find_resumable_run, new_run_dir
 from flows.params import resolve_config, run_label
 from tasks.evaluate import evaluate_model
 from tasks.prepare import prepare_data
 from tasks.register import register_model
-from tasks.rundirs import find_resumable_run, new_run_dir
-from tasks.torchrun import LaunchInterrupted, detect_cuda_devices, resolve_backend, resolve_nproc
 from tasks.tracking import (
     champion_checkpoint,
     check_tracking_reachable,
@@ -41,7 +41,8 @@ from tasks.tracking import (
 )
 from tasks.train import train_model
 from training.config import PipelineConfig
-from training.preflight import check_fits_dataset, check_runnable
+from training.preflight import check_data, check_machine
+from training.topology import RankLayout
 
 RUN_DIR_TAG = "ddpflow.run_dir"
 # Stopped from outside (Ctrl-C, a signal, a cancelled flow run): the MLflow run ends KILLED, not FAILED.
@@ -69,12 +70,12 @@ def train_pipeline(
     logger = get_run_logger()
     config = resolve_config(config, config_file, overrides)
     # Everything that can be checked without data is checked before anything starts.
-    check_runnable(config)
+    layout = check_machine(config)  # the ranks this machine will run, and the model import
     tracking_uri = resolve_tracking_uri(config)
     check_tracking_reachable(tracking_uri)
 
     prepared = prepare_data(config)
-    check_fits_dataset(config, prepared.manifest)
+    check_data(config, prepared.manifest, layout)
 
     run_name = flow_run.name or run_label(config)
     run_dir = find_resumable_run(config.train.run_root, prepared.manifest.fingerprint, config)
@@ -90,7 +91,7 @@ def train_pipeline(
         prefect_context=_prefect_context(),
         fingerprint=prepared.manifest.fingerprint,
         manifest=prepared.manifest,
-        ddp=_ddp_params(config),
+        ddp=_ddp_params(config, layout),
         dataset_dir=prepared.dataset_dir,
     )
     try:
@@ -102,6 +103,7 @@ def train_pipeline(
             mlflow_run_id=run_id,
             tracking_uri=tracking_uri,
             init_weights=init_weights,
+            layout=layout,  # checked above: the task does not check again
         )
         _tag_run(tracking_uri, run_id, {"ddp.restarts": str(trained.restarts)})
         test_metrics = evaluate_model(trained.model_path, str(prepared.dataset_dir), run_id, tracking_uri, config)
@@ -177,15 +179,13 @@ def _prefect_context() -> dict[str, Any]:
     }
 
 
-def _ddp_params(config: PipelineConfig) -> dict[str, Any]:
-    """The layout the launch will use ('auto' resolved), for the MLflow run's ddp.* tags."""
+def _ddp_params(config: PipelineConfig, layout: RankLayout) -> dict[str, Any]:
+    """The layout the launch will use ('auto' resolved by training/topology.py), for the MLflow run's ddp.* tags."""
     train = config.train
-    gpus = detect_cuda_devices()
-    nproc = resolve_nproc(train, gpus)
     return {
-        "nproc_per_node": nproc,
-        "nnodes": train.nnodes,
-        "world_size": nproc * train.nnodes,
-        "backend": resolve_backend(train, gpus),
+        "nproc_per_node": layout.nproc_per_node,
+        "nnodes": layout.nnodes,
+        "world_size": layout.world_size,
+        "backend": layout.backend,
         "max_restarts": train.max_restarts,
     }

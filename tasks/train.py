@@ -1,10 +1,10 @@
 """Prefect task for the train stage: ``train_model(...) -> TrainResult``.
 
-It writes RUN_DIR/config.json and RUN_DIR/train_config.json (the TrainJob every
-rank reads), then runs torchrun through tasks/torchrun.py, which owns the whole
-process tree, and streams every rank's lines to the Prefect run logger.
-Per-epoch metrics reach the MLflow run from this process, not from rank 0:
-it follows RUN_DIR/metrics.jsonl as the ranks write it (EpochMetricsFollower).
+The work is ddpflow/launch/supervisor.py's ``run_training`` (the data checks, the
+job file, torchrun, its whole process tree, the root cause of a failure); this
+task names the step, retries it, logs every rank's line to the Prefect run
+logger, mirrors epoch metrics into MLflow from this process
+(EpochMetricsFollower), and stops training when its flow run is cancelled.
 
 Retries: one. A retry resumes from checkpoints/last.pt, so it helps with a
 transient failure (a rank killed by the OOM killer, a stalled collective). It is
@@ -19,10 +19,6 @@ few seconds, even for a flow run in a plain Python process that no worker watche
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 from uuid import UUID
 
 from prefect import task
@@ -31,31 +27,17 @@ from prefect.context import TaskRunContext
 from prefect.exceptions import Abort
 from prefect.logging import get_run_logger
 
-from tasks.torchrun import (
-    LaunchInterrupted,
-    LaunchTimeout,
-    OutputLine,
-    detect_cuda_devices,
-    launch,
-    launch_env,
-    preflight,
-    torchrun_command,
-)
-from tasks.tracking import EpochMetricsFollower
+from ddpflow.launch.failure import LaunchInterrupted, LaunchTimeout
+from ddpflow.launch.supervisor import OutputLine, TrainResult, run_training
+from tasks.tracking import EpochMetricsFollower  # moving to ddpflow/tracking/metrics.py (issue 14)
 from training.config import PipelineConfig
-from training.job import TrainJob
-from training.layout import CONFIG, FINAL_MODEL, METRICS, TRAIN_JOB, run_file
+from training.layout import METRICS, run_file
+from training.topology import RankLayout
+
+__all__ = ["TrainResult", "train_model"]
 
 KILL_GRACE_S = 10.0  # SIGTERM -> SIGKILL; below the 30 s a Prefect worker waits before its own SIGKILL
 CANCEL_POLL_S = 2.0
-
-
-@dataclass
-class TrainResult:
-    run_dir: str
-    model_path: str
-    metrics: dict[str, Any] = field(default_factory=dict)  # the last line of RUN_DIR/metrics.jsonl
-    restarts: int = 0  # torchrun worker-group restarts used by this launch
 
 
 def _worth_retrying(task, task_run, state) -> bool:
@@ -73,40 +55,38 @@ def train_model(
     tracking_uri: str | None = None,
     init_weights: str | None = None,
     kill_grace_s: float = KILL_GRACE_S,
+    layout: RankLayout | None = None,
 ) -> TrainResult:
+    """``layout``: what the flow's ``check_machine`` returned (None: the machine is checked here)."""
     logger = get_run_logger()
-    gpus = detect_cuda_devices()
-    nproc = preflight(config, dataset_dir, gpus=gpus)  # ValueError naming the field; nothing started yet
-
-    run_path = Path(run_dir)
-    config.write_json(run_file(run_path, CONFIG))
-    job_path = TrainJob(
-        config=config, dataset_dir=str(dataset_dir), run_dir=str(run_path), init_weights=init_weights
-    ).write(run_file(run_path, TRAIN_JOB))
-    argv = torchrun_command(config, job_path, gpus=gpus)
-    # No MLflow run id for the ranks: this process mirrors metrics.jsonl into the run (see EpochMetricsFollower).
-    env = launch_env(config, run_path, tracking_uri=tracking_uri, gpus=gpus, grace_s=kill_grace_s)
-    metrics_follower = (
-        EpochMetricsFollower(run_file(run_path, METRICS), mlflow_run_id, tracking_uri).start()
+    follower = (
+        EpochMetricsFollower(run_file(run_dir, METRICS), mlflow_run_id, tracking_uri).start()
         if mlflow_run_id and tracking_uri
         else None
     )
-    logger.info("Launching %d rank(s) x %d node(s) in %s: %s", nproc, config.train.nnodes, run_path, " ".join(argv))
 
     def on_line(line: OutputLine) -> None:
-        _log_line(logger, line)
-        if metrics_follower is not None:
-            metrics_follower.poke()
+        (logger.warning if line.is_torchrun_warning else logger.info)(str(line))
+        if follower is not None:
+            follower.poke()
+
+    def on_start(ranks: RankLayout, argv: list[str]) -> None:
+        logger.info(
+            "Launching %d rank(s) x %d node(s) (%s) in %s: %s",
+            ranks.nproc_per_node, ranks.nnodes, ranks.backend, run_dir, " ".join(argv),
+        )  # fmt: skip
 
     cancel_check = _flow_run_cancelled_check()
     try:
-        result = launch(
-            argv,
-            run_path,
-            env=env,
+        result = run_training(
+            config,
+            dataset_dir,
+            run_dir,
             on_line=on_line,
-            timeout_s=config.train.timeout_s,
-            stall_timeout_s=config.train.stall_timeout_s,
+            on_start=on_start,
+            layout=layout,
+            tracking_uri=tracking_uri,
+            init_weights=init_weights,
             grace_s=kill_grace_s,
             should_cancel=cancel_check,
             cancel_check_s=CANCEL_POLL_S,
@@ -119,35 +99,14 @@ def train_model(
             raise Abort(str(error)) from error
         raise
     finally:
-        if metrics_follower is not None:
-            metrics_follower.close()  # the epochs of a failed attempt are in MLflow too
-    model_path = run_file(run_path, FINAL_MODEL)
-    if not model_path.is_file():
-        raise RuntimeError(f"torchrun exited 0 but wrote no {model_path}: training did not finish")
-    metrics = last_metrics(run_file(run_path, METRICS))
-    logger.info("Training finished after %d restart(s): %s -> %s", result.restarts, metrics, model_path)
-    return TrainResult(run_dir=str(run_path), model_path=str(model_path), metrics=metrics, restarts=result.restarts)
-
-
-def _log_line(logger, line: OutputLine) -> None:
-    # torchrun's own warnings/errors start "W1129 ..." / "E1129 ..." (glog style).
-    if line.rank is None and line.text[:1] in ("W", "E") and line.text[1:5].isdigit():
-        logger.warning(str(line))
-    else:
-        logger.info(str(line))
-
-
-def last_metrics(path: Path) -> dict[str, Any]:
-    """The last JSON line of metrics.jsonl ({} when there is none)."""
-    try:
-        lines = [text for text in path.read_text().splitlines() if text.strip()]
-    except FileNotFoundError:
-        return {}
-    return json.loads(lines[-1]) if lines else {}
+        if follower is not None:
+            follower.close()  # the epochs of a failed attempt are in MLflow too
+    logger.info("Training finished after %d restart(s): %s -> %s", result.restarts, result.metrics, result.model_path)
+    return result
 
 
 class _FlowRunCancelled:
-    """For launch(): a reason string once this task's flow run is being cancelled.
+    """For the launcher: a reason string once this task's flow run is being cancelled.
 
     Polled every CANCEL_POLL_S. A flow run in a plain process has no worker to
     act on "Cancelling", so this is what stops torchrun there; under a worker

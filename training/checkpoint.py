@@ -9,15 +9,26 @@ Reading: rank 0 reads (``torch.load(weights_only=True)``: files hold only
 tensors and plain Python values) and broadcasts the result, so every rank takes
 the same decision and only one reads the disk.
 
-Resume rule: an existing last.pt is resumed when it was trained on the same
-dataset (fingerprint) with the same training-relevant settings
-(``RESUME_FIELDS``; ``train.epochs`` too when the LR schedule depends on it).
-Raising ``train.epochs`` with a constant schedule continues the run. Any other
-difference is an error (``ResumeMismatchError``), not a silent fresh start:
-starting over would overwrite the progress of a different training in that
-run directory. Use a new run directory for a new training.
-A different world size is allowed (elastic restarts); the RNG streams are
-then reseeded and the message says so.
+Resume rule, the only one (ddpflow/rundirs.py picks the run directory to
+resume with it too): a run continues only the SAME training, and two trainings
+are the same when ``training_identity(config, fingerprint)`` is equal: the
+dataset fingerprint plus the train settings that change the trained weights
+(``WEIGHT_FIELDS``: model, model_kwargs, epochs, batch_size, lr, weight_decay,
+lr_schedule, grad_clip, grad_accum, seed, nproc_per_node, nnodes, bf16, tf32).
+Every other setting (timeouts, restarts, threads, paths, backend, init_from,
+progress interval) may change between attempts.
+``train.epochs`` is part of it: raising it is a new training (the pipeline
+opens a fresh run directory; last.pt of another epoch count is refused here).
+Why: one rule anyone can predict, and a resumed run ends with the weights an
+uninterrupted run of the same config would have (also with a cosine schedule,
+which depends on the epoch count). To train an existing model longer, start a
+new run with ``train.init_from`` pointing at its model.pt.
+A last.pt of a different training is an error (``ResumeMismatchError``), not a
+silent fresh start: starting over would overwrite the progress of a different
+training in that run directory.
+A different world size with the same settings (``nproc_per_node: auto`` on a
+node with other GPUs) is allowed; the RNG streams are then reseeded and the
+message says so.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ from __future__ import annotations
 import os
 import random
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -35,9 +47,11 @@ from training.data.manifest import Manifest
 from training.layout import FINAL_MODEL, LAST_CHECKPOINT
 from training.models import ModelSpec
 
-RESUME_FIELDS = (
+# The train settings that change the trained weights: with the data's fingerprint, a training's identity.
+WEIGHT_FIELDS = (
     "model",
     "model_kwargs",
+    "epochs",
     "batch_size",
     "lr",
     "weight_decay",
@@ -45,6 +59,10 @@ RESUME_FIELDS = (
     "grad_clip",
     "grad_accum",
     "seed",
+    "nproc_per_node",
+    "nnodes",
+    "bf16",
+    "tf32",
 )
 
 
@@ -153,20 +171,36 @@ def restore_rng(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def resume_mismatches(saved: dict[str, Any], config: PipelineConfig, fingerprint: str) -> list[str]:
-    """Why ``saved`` cannot be continued with ``config``; empty when it can."""
+def training_identity(config: PipelineConfig | Mapping[str, Any], fingerprint: str | None) -> dict[str, Any]:
+    """What makes two trainings the same one: the data's fingerprint and the train WEIGHT_FIELDS.
+
+    ``config`` is a PipelineConfig or its JSON form (a run's config.json, a checkpoint's
+    "config"). Equal identities: a run may continue the other's checkpoint, and two models
+    were trained the same way on the same data.
+    """
+    if isinstance(config, PipelineConfig):
+        train = config.train.model_dump(mode="json")
+    else:
+        train = dict(config.get("train") or {})
+    return {"fingerprint": fingerprint, "train": {name: train.get(name) for name in WEIGHT_FIELDS}}
+
+
+def identity_differences(saved: Mapping[str, Any], wanted: Mapping[str, Any]) -> list[str]:
+    """Each way two ``training_identity`` values differ ("train.lr 0.01 != 0.1"); empty when equal."""
     problems = []
-    if saved.get("fingerprint") != fingerprint:
-        problems.append(f"dataset fingerprint {saved.get('fingerprint')!r} != {fingerprint!r}")
-    saved_train = saved.get("config", {}).get("train", {})
-    current = config.train.model_dump(mode="json")
-    fields = RESUME_FIELDS + (("epochs",) if current["lr_schedule"] != "constant" else ())
-    for name in fields:
-        if saved_train.get(name) != current[name]:
-            problems.append(f"train.{name} {saved_train.get(name)!r} != {current[name]!r}")
-    if saved.get("epoch", 0) > config.train.epochs:
-        problems.append(f"it already holds {saved['epoch']} epochs, more than train.epochs={config.train.epochs}")
+    if saved["fingerprint"] != wanted["fingerprint"]:
+        problems.append(f"dataset fingerprint {saved['fingerprint']!r} != {wanted['fingerprint']!r}")
+    for name in WEIGHT_FIELDS:
+        if saved["train"].get(name) != wanted["train"].get(name):
+            problems.append(f"train.{name} {saved['train'].get(name)!r} != {wanted['train'].get(name)!r}")
     return problems
+
+
+def resume_mismatches(saved: dict[str, Any], config: PipelineConfig, fingerprint: str) -> list[str]:
+    """Why the checkpoint ``saved`` cannot be continued with ``config``; empty when it can."""
+    return identity_differences(
+        training_identity(saved.get("config") or {}, saved.get("fingerprint")), training_identity(config, fingerprint)
+    )
 
 
 class Checkpointer:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from training import topology
 from training.config import TrainConfig
 
 # DDP's default puts the first gradient bucket at 1 MiB and the rest at 25 MiB,
@@ -120,13 +121,8 @@ def parameter_checksums(model: nn.Module) -> torch.Tensor:
 
 
 def resolve_backend(requested: str) -> str:
-    if requested == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    if requested == "nccl" and not torch.cuda.is_available():
-        raise DistributedSetupError(
-            "train.backend: 'nccl' needs CUDA, but torch.cuda.is_available() is False; use 'auto' or 'gloo'"
-        )
-    return requested
+    """This rank's side of training/topology.py's rule, which the launcher applied to start it."""
+    return topology.resolve_backend(requested, topology.visible_gpus())
 
 
 def _free_loopback_port() -> int:

@@ -1,36 +1,80 @@
-"""Imports run one way, flows -> tasks -> training: a rank must start without Prefect."""
+"""Imports run one way, flows -> tasks -> ddpflow -> training; no work at import time.
+
+A rank must start without Prefect, MLflow's client or the launcher; the plain
+libraries in ddpflow/ must be usable (and testable) without Prefect; and the CLI
+is a leaf that nothing imports.
+"""
 
 from __future__ import annotations
 
+import ast
 import pkgutil
 import subprocess
 import sys
 from pathlib import Path
 
+import ddpflow
 import training
 
 REPO = Path(__file__).resolve().parents[2]
+PRODUCT_PACKAGES = ("flows", "tasks", "ddpflow", "training", "bench")
 
 
-def training_modules() -> list[str]:
-    return sorted(info.name for info in pkgutil.walk_packages(training.__path__, "training."))
+def modules_of(package) -> list[str]:
+    return sorted(info.name for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."))
 
 
-def test_every_training_module_imports_without_prefect_tasks_or_flows():
-    modules = training_modules()
-    assert "training.train" in modules and "training.data.prepare" in modules
+def leaked_after_importing(modules: list[str], forbidden: tuple[str, ...]) -> list[str]:
+    """Top-level packages from ``forbidden`` that importing ``modules`` (in a fresh interpreter) pulled in."""
     probe = (
         f"import importlib, sys\n"
         f"for name in {modules!r}: importlib.import_module(name)\n"
-        f"leaked = sorted(m for m in sys.modules if m.split('.')[0] in ('prefect', 'tasks', 'flows'))\n"
-        f"print(leaked)\n"
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {forbidden!r}))\n"
     )
-    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "[]", f"training/ pulled in: {result.stdout}"
+    return ast.literal_eval(result.stdout.strip())  # a printed list of module names
+
+
+def imported_names(path: Path) -> set[str]:
+    """Every module a file imports, at any depth (deferred imports inside functions too)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def python_files(*packages: str) -> list[Path]:
+    return sorted(path for package in packages for path in (REPO / package).rglob("*.py"))
+
+
+def test_every_training_module_imports_without_prefect_tasks_flows_or_ddpflow():
+    modules = modules_of(training)
+    assert "training.train" in modules and "training.data.prepare" in modules
+    leaked = leaked_after_importing(modules, ("prefect", "tasks", "flows", "ddpflow"))
+    assert leaked == [], f"training/ pulled in: {leaked}"
+
+
+def test_every_ddpflow_module_imports_without_prefect_tasks_or_flows():
+    modules = modules_of(ddpflow)
+    assert {"ddpflow.launch.supervisor", "ddpflow.launch.process_tree", "ddpflow.rundirs"} <= set(modules)
+    leaked = leaked_after_importing(modules, ("prefect", "tasks", "flows"))
+    assert leaked == [], f"ddpflow/ pulled in: {leaked}"
 
 
 def test_tasks_never_import_flows():
-    for path in (REPO / "tasks").glob("*.py"):
-        text = path.read_text()
-        assert "from flows" not in text and "import flows" not in text, f"{path.name} imports flows/"
+    for path in python_files("tasks"):
+        flows = sorted(name for name in imported_names(path) if name.split(".")[0] == "flows")
+        assert flows == [], f"{path.relative_to(REPO)} imports {flows}"
+
+
+def test_no_module_imports_the_cli():
+    for path in python_files(*PRODUCT_PACKAGES):
+        if path == REPO / "flows" / "cli.py":
+            continue
+        cli = sorted(name for name in imported_names(path) if name in ("flows.cli", "flows.cli.main"))
+        assert cli == [], f"{path.relative_to(REPO)} imports the CLI ({cli}); the CLI calls plain functions, not back"

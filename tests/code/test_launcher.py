@@ -1,4 +1,5 @@
-"""tasks/torchrun.py with real torchrun launches of a stand-in rank (tests/code/ranks/dummy_rank.py)."""
+"""ddpflow/launch with real torchrun launches of a stand-in rank (tests/code/ranks/dummy_rank.py),
+and the one rule for ranks and backend (training/topology.py) as every user of it sees it."""
 
 from __future__ import annotations
 
@@ -11,18 +12,15 @@ from pathlib import Path
 
 import psutil
 import pytest
-from launch_helpers import DUMMY_RANK, dummy_rank_argv, is_alive, make_manifest, still_alive
+from launch_helpers import dummy_rank_argv, is_alive, make_manifest, still_alive
 
-from tasks.torchrun import (
-    LaunchStalled,
-    LaunchTimeout,
-    RankFailed,
-    launch,
-    launch_env,
-    preflight,
-    torchrun_command,
-)
-from training.config import PipelineConfig
+from ddpflow.launch.command import launch_env, torchrun_command
+from ddpflow.launch.failure import LaunchStalled, LaunchTimeout, RankFailed, failure_from_output
+from ddpflow.launch.supervisor import launch
+from training import distributed, topology
+from training.config import ConfigError, PipelineConfig
+from training.data.manifest import read_manifest
+from training.preflight import check_data, check_machine
 
 RUN_LAUNCHER = Path(__file__).parent / "ranks" / "run_launcher.py"
 
@@ -31,7 +29,7 @@ def config(**train) -> PipelineConfig:
     return PipelineConfig.model_validate({"train": train})
 
 
-# ----------------------------------------------------------------------------- argv, env, preflight
+# ----------------------------------------------------------------------------- argv, env
 
 
 def test_one_node_argv_is_a_list_with_standalone_and_the_rank_module(tmp_path):
@@ -71,24 +69,77 @@ def test_environment_sets_threads_unbuffered_mlflow_and_error_file(tmp_path):
     assert int(launch_env(config(num_threads=3), tmp_path, gpus=0, base={})["OMP_NUM_THREADS"]) == 3
 
 
+# ----------------------------------------------------------------------------- one rule for ranks and backend
+
+
+@pytest.mark.parametrize(
+    ("train", "gpus", "ranks", "backend"),
+    [
+        ({}, 0, 1, "gloo"),  # auto on CPU: one rank
+        ({}, 4, 4, "nccl"),  # auto with GPUs: one per GPU, NCCL
+        ({"backend": "gloo"}, 4, 4, "gloo"),  # gloo with GPUs: still one rank per GPU (each rank takes one)
+        ({"backend": "gloo", "nproc_per_node": 2}, 0, 2, "gloo"),
+        ({"backend": "nccl", "nproc_per_node": 2}, 4, 2, "nccl"),
+        ({"nnodes": 2, "rdzv_endpoint": "head:29400"}, 8, 8, "nccl"),
+    ],
+)
+def test_the_preflight_the_argv_and_the_environment_resolve_ranks_alike(tmp_path, train, gpus, ranks, backend):
+    cfg = config(**train)
+    layout = check_machine(cfg, gpus=gpus)  # what the preflight checks, and the MLflow ddp.* tags show
+    assert (layout.nproc_per_node, layout.backend) == (ranks, backend)
+    assert layout.world_size == ranks * cfg.train.nnodes
+    argv = torchrun_command(cfg, tmp_path / "job.json", gpus=gpus)  # what torchrun starts
+    assert argv[argv.index("--nproc-per-node") + 1] == str(ranks)
+    threads = int(launch_env(cfg, tmp_path, gpus=gpus, base={})["OMP_NUM_THREADS"])  # each local rank's share
+    assert threads == max(1, topology.available_cores() // ranks)
+
+
+def test_more_gloo_ranks_than_gpus_are_rejected_before_they_start():
+    """Each rank takes GPU LOCAL_RANK whatever the backend, so GPUs are what a GPU machine counts."""
+    with pytest.raises(ConfigError, match=r"train\.nproc_per_node: 3 ranks asked for, but this machine has 2 GPUs"):
+        check_machine(config(backend="gloo", nproc_per_node=3), gpus=2)
+    assert check_machine(config(backend="gloo", nproc_per_node=2), gpus=2).nproc_per_node == 2
+
+
+def test_the_rank_resolves_its_backend_by_the_same_rule():
+    """training/distributed.py (the rank's side) gives what the launcher resolved on this machine."""
+    gpus = topology.visible_gpus()
+    assert distributed.resolve_backend("auto") == topology.resolve_ranks(config().train, gpus).backend
+    assert distributed.resolve_backend("gloo") == "gloo"
+    if gpus == 0:
+        with pytest.raises(ConfigError, match=r"train\.backend: 'nccl' needs CUDA GPUs") as on_rank:
+            distributed.resolve_backend("nccl")
+        with pytest.raises(ConfigError) as in_preflight:
+            check_machine(config(backend="nccl"), gpus=gpus)
+        assert str(on_rank.value) == str(in_preflight.value)
+    else:
+        assert distributed.resolve_backend("nccl") == check_machine(config(backend="nccl"), gpus=gpus).backend
+
+
+# ----------------------------------------------------------------------------- preflight
+
+
 @pytest.mark.parametrize(
     ("train", "field"),
     [
         ({"nproc_per_node": 10_000}, "train.nproc_per_node"),
         ({"backend": "nccl"}, "train.backend"),
         ({"model": "no_such_package.models:factory"}, "train.model"),
-        ({"batch_size": 600, "nproc_per_node": 2}, "train.batch_size"),  # 1000 rows / 2 ranks = 500 per rank
     ],
 )
-def test_preflight_rejects_what_cannot_run_and_names_the_field(tmp_path, train, field):
-    dataset = make_manifest(tmp_path / "abc123", train_rows=1000)
+def test_the_machine_check_rejects_what_cannot_run_and_names_the_field(train, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
-        preflight(config(**train), dataset, gpus=0)
+        check_machine(config(**train), gpus=0)
 
 
-def test_preflight_accepts_a_batch_that_fits(tmp_path):
-    dataset = make_manifest(tmp_path / "abc123", train_rows=1000)
-    assert preflight(config(batch_size=500, nproc_per_node=2), dataset, gpus=0) == 2
+def test_the_data_check_rejects_a_batch_larger_than_a_ranks_share(tmp_path):
+    manifest = read_manifest(make_manifest(tmp_path / "abc123", train_rows=1000))
+    two_ranks = check_machine(config(nproc_per_node=2), gpus=0)
+    with pytest.raises(ConfigError, match=r"train\.batch_size: 600 .*\(1000 rows / 2 ranks = 500\)"):
+        check_data(config(batch_size=600, nproc_per_node=2), manifest, two_ranks)
+    check_data(config(batch_size=500, nproc_per_node=2), manifest, two_ranks)  # fits: no error
+    with pytest.raises(ConfigError, match=r"train\.model_kwargs"):
+        check_data(config(batch_size=10, model_kwargs={"no_such_argument": 1}), manifest, two_ranks)
 
 
 # ----------------------------------------------------------------------------- launching
@@ -249,15 +300,31 @@ def test_launcher_in_a_worker_thread_stops_the_tree_when_the_main_thread_ends(tm
     assert still_alive(pids) == []
 
 
-def test_the_dummy_rank_exists():
-    assert DUMMY_RANK.is_file() and os.access(DUMMY_RANK, os.R_OK)
+def test_an_nccl_watchdog_abort_is_reported_as_the_collective_timeout_of_the_cpu_path(tmp_path):
+    """On GPUs a collective timeout kills the rank with SIGABRT and no Python exception: the launcher
+    reads NCCL's watchdog text in the rank's log and names the setting and the rank, as on CPU."""
+    with pytest.raises(RankFailed) as caught:
+        launch(
+            dummy_rank_argv(tmp_path, "--mode", "nccl-timeout", "--fail-rank", "1", "--lines", "1"),
+            tmp_path,
+            on_line=lambda line: None,
+            grace_s=2,
+        )
+    error = caught.value
+    assert error.rank == 1 and error.exitcode == -6  # SIGABRT
+    assert str(error).startswith(
+        "rank 1 failed with exit code -6: CollectiveTimeout: rank 1: a collective timed out after "
+        "train.collective_timeout_s=10s waiting for another rank (it stalled or died)"
+    ), error
+    assert "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE" in str(error)
+    assert error.log_file is not None and "Watchdog caught" in Path(error.log_file).read_text()
+    pids = json.loads((tmp_path / "torchrun.pid").read_text())["descendants"]
+    assert still_alive(pids, within_s=10) == []  # the stalled peer was stopped too
 
 
 def test_a_rank_that_only_lost_its_peer_is_not_blamed(tmp_path):
     """torchrun's timestamps are whole seconds: when both ranks fail in the same second it can
     blame the rank whose gloo connection closed. The launcher names the rank with the real error."""
-    from tasks.torchrun import failure_from_output
-
     attempt = tmp_path / "logs" / "job" / "attempt_0"
     messages = {
         0: "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1234",

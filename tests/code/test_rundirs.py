@@ -1,4 +1,4 @@
-"""tasks/rundirs.py: confined, unique run directories and the resume rule."""
+"""ddpflow/rundirs.py: confined, unique run directories, and the resume rule it shares with the checkpointer."""
 
 from __future__ import annotations
 
@@ -8,10 +8,13 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
-from tasks.rundirs import find_resumable_run, new_run_dir
-from tasks.torchrun import LOCK_FILE
-from training.config import PipelineConfig
+from ddpflow.launch.supervisor import LOCK_FILE
+from ddpflow.rundirs import find_resumable_run, new_run_dir
+from training.checkpoint import Checkpointer, ResumeMismatchError
+from training.config import PipelineConfig, load_config
+from training.distributed import SingleProcess
 
 
 @pytest.mark.parametrize(
@@ -35,14 +38,16 @@ def test_two_runs_with_the_same_name_never_share_a_directory(tmp_path):
 
 
 def make_run(root: Path, name: str, config: PipelineConfig, fingerprint: str, *, checkpoint=True, model=False) -> Path:
+    """A run directory as an interrupted launch leaves it: config.json, the job, and last.pt after epoch 1."""
     run_dir = root / name
     (run_dir / "checkpoints").mkdir(parents=True)
     config.write_json(run_dir / "config.json")
     (run_dir / "train_config.json").write_text(
         json.dumps({"dataset_dir": f"/data/shards/{fingerprint}", "run_dir": str(run_dir)})
     )
-    if checkpoint:
-        (run_dir / "checkpoints" / "last.pt").write_bytes(b"x")
+    if checkpoint:  # what training/train.py saves: the run's config and data fingerprint travel with the weights
+        state = {"model": {"w": torch.ones(2)}, "epoch": 1, "config": config.model_dump(mode="json")}
+        Checkpointer(run_dir, SingleProcess()).save_last({**state, "fingerprint": fingerprint})
     if model:
         (run_dir / "model.pt").write_bytes(b"x")
     return run_dir
@@ -66,3 +71,43 @@ def test_resume_picks_the_latest_unfinished_run_of_the_same_config_and_data(tmp_
         assert find_resumable_run(tmp_path, "fp1", config) == older
     assert find_resumable_run(tmp_path, "fp3", config) is None
     assert find_resumable_run(tmp_path / "missing", "fp1", config) is None
+
+
+BASE = ["train.epochs=3", "train.lr=0.01"]
+
+
+@pytest.mark.parametrize(
+    ("change", "resumes"),
+    [
+        ([], True),
+        (["train.timeout_s=10", "train.max_restarts=5", "train.collective_timeout_s=30"], True),  # operational
+        (["train.progress_interval_s=1", "train.num_threads=1", "train.backend=gloo"], True),
+        (["train.init_from=champion", "train.run_root=elsewhere", "data.root=elsewhere"], True),
+        (["train.epochs=5"], False),  # more epochs: a new training (the decided rule)
+        (["train.epochs=2"], False),
+        (["train.lr=0.1"], False),
+        (["train.lr_schedule=cosine"], False),
+        (["train.nproc_per_node=2"], False),  # another global batch
+        (["train.seed=7"], False),
+        (["train.model_kwargs={hidden: [8]}"], False),
+    ],
+)
+def test_the_pipeline_and_the_checkpointer_agree_on_what_resumes(tmp_path, change, resumes):
+    """The run directory the pipeline picks is exactly one whose last.pt the checkpointer continues."""
+    run_dir = make_run(tmp_path, "20260101-000000-a", load_config(None, BASE), "fp1")
+    config = load_config(None, BASE + change)
+
+    picked = find_resumable_run(tmp_path, "fp1", config)
+    try:
+        Checkpointer(run_dir, SingleProcess()).load_resumable(config, "fp1")
+        continued = True
+    except ResumeMismatchError:
+        continued = False
+    assert (picked == run_dir, continued) == (resumes, resumes)
+
+
+def test_other_data_resumes_in_neither_place(tmp_path):
+    run_dir = make_run(tmp_path, "20260101-000000-a", load_config(None, BASE), "fp1")
+    assert find_resumable_run(tmp_path, "fp2", load_config(None, BASE)) is None
+    with pytest.raises(ResumeMismatchError, match=r"dataset fingerprint 'fp1' != 'fp2'"):
+        Checkpointer(run_dir, SingleProcess()).load_resumable(load_config(None, BASE), "fp2")

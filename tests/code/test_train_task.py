@@ -16,8 +16,8 @@ import pytest
 from launch_helpers import DUMMY_RANK, is_alive, make_manifest, still_alive
 from prefect import flow
 
-import tasks.torchrun
-from tasks.torchrun import RankFailed
+import ddpflow.launch.command
+from ddpflow.launch.failure import RankFailed
 from tasks.train import TrainResult, train_model
 from training.config import PipelineConfig
 
@@ -27,7 +27,7 @@ TRAIN_FLOW = Path(__file__).parent / "ranks" / "train_flow.py"
 @pytest.fixture
 def stand_in_rank(monkeypatch):
     """Ranks run tests/code/ranks/dummy_rank.py instead of training.train."""
-    monkeypatch.setattr(tasks.torchrun, "RANK_ENTRYPOINT", str(DUMMY_RANK))
+    monkeypatch.setattr(ddpflow.launch.command, "RANK_ENTRYPOINT", str(DUMMY_RANK))
     return monkeypatch
 
 

@@ -89,13 +89,16 @@ def test_only_the_main_rank_writes_but_every_rank_waits(tmp_path):
     assert not any(tmp_path.rglob("*.pt")) and coordinator.barriers == 2
 
 
-def test_resume_allows_more_epochs_but_rejects_other_changes(tmp_path):
+def test_resume_continues_the_same_training_only(tmp_path):
     config = load_config(None, ["train.epochs=2", "train.lr=0.01"])
     checkpointer = Checkpointer(tmp_path, SingleProcess())
     assert checkpointer.load_resumable(config, "fp") is None  # nothing to resume
     checkpointer.save_last(saved_state(config))
 
-    assert checkpointer.load_resumable(load_config(None, ["train.epochs=5", "train.lr=0.01"]), "fp")["epoch"] == 1
+    assert checkpointer.load_resumable(config, "fp")["epoch"] == 1
+    # More epochs is another training (training/checkpoint.py: the resume rule).
+    with pytest.raises(ResumeMismatchError, match=r"train\.epochs 2 != 5"):
+        checkpointer.load_resumable(load_config(None, ["train.epochs=5", "train.lr=0.01"]), "fp")
     # Settings that do not change the training itself may differ.
     assert checkpointer.load_resumable(
         load_config(None, ["train.epochs=2", "train.lr=0.01", "train.progress_interval_s=1"]), "fp"

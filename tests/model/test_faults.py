@@ -23,9 +23,11 @@ from mlflow import MlflowClient
 from prefect import flow
 from prefect.client.orchestration import get_client
 
+from ddpflow.launch.command import launch_env, torchrun_command
+from ddpflow.launch.failure import RankFailed
+from ddpflow.launch.supervisor import PID_FILE, launch
 from tasks.evaluate import evaluate_model
 from tasks.register import RegistryUnavailable, register_model
-from tasks.torchrun import PID_FILE, RankFailed, launch, launch_env, torchrun_command
 from tasks.tracking import start_pipeline_run
 from training.config import PipelineConfig
 from training.data.manifest import read_manifest

@@ -1,6 +1,10 @@
 """A stand-in rank for launcher tests: prints, sleeps, raises, hangs or spawns children.
 
-    dummy_rank.py --mode ok|raise|flaky|hang|spawn|stubborn [--lines N] [--interval S] [--fail-rank R]
+    dummy_rank.py --mode ok|raise|flaky|hang|spawn|stubborn|nccl-timeout [--lines N] [--interval S] [--fail-rank R]
+
+nccl-timeout: the fail rank dies as NCCL's watchdog makes a rank die on a collective timeout
+(on stderr, the log text of a real rank that NCCL's watchdog aborted: nccl_watchdog_abort.log; then SIGABRT);
+the others stall, as the peer that never joined the collective would.
 
 Defaults come from DUMMY_RANK_* environment variables, so the Prefect task (which always
 passes only ``--config RUN_DIR/train_config.json``) can drive it too. It writes
@@ -21,7 +25,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     env = os.environ.get
     parser.add_argument(
-        "--mode", default=env("DUMMY_RANK_MODE", "ok"), choices=["ok", "raise", "flaky", "hang", "spawn", "stubborn"]
+        "--mode",
+        default=env("DUMMY_RANK_MODE", "ok"),
+        choices=["ok", "raise", "flaky", "hang", "spawn", "stubborn", "nccl-timeout"],
     )
     parser.add_argument("--lines", type=int, default=int(env("DUMMY_RANK_LINES", "3")))
     parser.add_argument("--interval", type=float, default=float(env("DUMMY_RANK_INTERVAL", "0.1")))
@@ -48,7 +54,14 @@ def main() -> None:
         if args.mode == "raise" and rank == args.fail_rank:
             raise ValueError(f"dummy failure on rank {rank} at step {step}")
 
-    if args.mode in ("hang", "spawn", "stubborn"):
+    if args.mode == "nccl-timeout" and rank == args.fail_rank:
+        from pathlib import Path
+
+        sys.stderr.write((Path(__file__).parent / "nccl_watchdog_abort.log").read_text())
+        sys.stderr.flush()
+        os.abort()  # SIGABRT, no Python exception: what std::terminate does to the real rank
+
+    if args.mode in ("hang", "spawn", "stubborn", "nccl-timeout"):
         time.sleep(600)  # silent: only a kill ends it
     if args.config and rank == 0:
         import json

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import psutil
 
-from tasks.torchrun import RANK_ENTRYPOINT, torchrun_command
+from ddpflow.launch.command import RANK_ENTRYPOINT, torchrun_command
 from training.config import PipelineConfig
 from training.data.manifest import Manifest, ShardInfo, SplitInfo, write_manifest
 

@@ -1,4 +1,4 @@
-"""Runs tasks.torchrun.launch on the dummy rank in its own process, for signal tests.
+"""Runs ddpflow.launch.supervisor.launch on the dummy rank in its own process, for signal tests.
 
     run_launcher.py RUN_DIR [--thread] -- <dummy_rank args>
 
@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from launch_helpers import dummy_rank_argv
 
-from tasks.torchrun import LaunchError, launch
+from ddpflow.launch.failure import LaunchError
+from ddpflow.launch.supervisor import launch
 
 
 def run(run_dir: Path, rank_args: list[str]) -> None:

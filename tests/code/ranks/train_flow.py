@@ -13,9 +13,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from launch_helpers import DUMMY_RANK
 
-import tasks.torchrun
+import ddpflow.launch.command
 
-tasks.torchrun.RANK_ENTRYPOINT = str(DUMMY_RANK)
+ddpflow.launch.command.RANK_ENTRYPOINT = str(DUMMY_RANK)
 
 from prefect import flow  # noqa: E402
 

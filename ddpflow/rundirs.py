@@ -6,10 +6,10 @@ a clash (same second, same name) gets a ``-2``, ``-3``... suffix.
 Names come from flow parameters: anything but letters, digits, ``.``, ``_`` and ``-``
 becomes ``-``, leading dots and dashes are dropped, so ``../x`` or ``/etc`` cannot leave run_root.
 
-Resume rule (``find_resumable_run``): the most recent run directory under run_root
-  * whose train_config.json names a dataset with the same fingerprint,
-  * whose config.json has the same ``data`` section and the same ``train`` section,
-    apart from fields that do not change what is trained (RESUME_IGNORED_FIELDS),
+``find_resumable_run(run_root, fingerprint, config)``: the most recent run directory under run_root
+  * that holds the same training: ``training_identity`` (training/checkpoint.py, the one
+    resume rule, which the checkpointer applies to last.pt too) of its config.json and
+    dataset equals this config's and fingerprint's,
   * whose training did not finish: ``checkpoints/last.pt`` exists and ``model.pt`` does not,
   * and that no live launch holds (its ``.launch.lock`` flock is free).
 """
@@ -23,22 +23,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from tasks.torchrun import is_locked
+from ddpflow.launch.supervisor import is_locked
+from training.checkpoint import training_identity
 from training.config import PipelineConfig
 from training.layout import CONFIG, FINAL_MODEL, LAST_CHECKPOINT, TRAIN_JOB
 
-# Operational knobs: changing them between two launches still trains the same model.
-RESUME_IGNORED_FIELDS = frozenset(
-    {
-        "timeout_s",
-        "stall_timeout_s",
-        "max_restarts",
-        "progress_interval_s",
-        "collective_timeout_s",
-        "run_root",
-        "init_from",
-    }
-)
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 _MAX_NAME = 80
 
@@ -65,32 +54,33 @@ def new_run_dir(run_root: str | os.PathLike, run_name: str) -> Path:
     raise RuntimeError(f"could not create a unique run directory for {stem!r} under {root}")
 
 
-def _training_identity(config: dict[str, Any]) -> dict[str, Any]:
-    train = {k: v for k, v in config.get("train", {}).items() if k not in RESUME_IGNORED_FIELDS}
-    return {"data": config.get("data"), "train": train}
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def find_resumable_run(run_root: str | os.PathLike, fingerprint: str, config: PipelineConfig) -> Path | None:
     """The run directory a new launch of this config should resume, or None (see module doc)."""
     root = Path(run_root)
     if not root.is_dir():
         return None
-    wanted = _training_identity(config.model_dump(mode="json"))
+    wanted = training_identity(config, fingerprint)
     for run_dir in sorted((p for p in root.iterdir() if p.is_dir()), key=lambda p: p.name, reverse=True):
         if not (run_dir / LAST_CHECKPOINT).is_file() or (run_dir / FINAL_MODEL).exists():
             continue
-        job = _read_json(run_dir / TRAIN_JOB)
-        saved = _read_json(run_dir / CONFIG)
-        if job is None or saved is None or Path(str(job.get("dataset_dir", ""))).name != fingerprint:
-            continue
-        if _training_identity(saved) != wanted or is_locked(run_dir):
-            continue
-        return run_dir
+        if run_identity(run_dir) == wanted and not is_locked(run_dir):
+            return run_dir
     return None
+
+
+def run_identity(run_dir: Path) -> dict[str, Any] | None:
+    """``training_identity`` of the training a run directory holds; None when its files are unreadable."""
+    job = _read_json(run_dir / TRAIN_JOB)
+    saved = _read_json(run_dir / CONFIG)
+    if job is None or saved is None:
+        return None
+    # The dataset directory is <data.root>/<fingerprint> (training/layout.py).
+    return training_identity(saved, Path(str(job.get("dataset_dir", ""))).name)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return raw if isinstance(raw, dict) else None

@@ -1,0 +1,208 @@
+"""Why a launch failed: the launcher's errors, and the root cause of a failed rank.
+
+    error = failure_from_output(run_dir, job_dir, torchrun_tail, returncode)   # -> RankFailed
+    str(error)  # "rank 1 failed with exit code 1: ValueError: ... (its log: RUN_DIR/logs/.../1/stderr.log)"
+
+Where the cause comes from, first found wins:
+  1. a rank whose error is its own, when torchrun blamed a rank that only lost its peer
+     (torchrun's "first observed failure" is decided by whole-second timestamps);
+  2. the error file torchrun's ``@record`` copied to RUN_DIR/error.json, or the one it names;
+  3. NCCL's watchdog text in the rank's log: on GPUs a collective that outlives
+     ``train.collective_timeout_s`` aborts the rank (SIGABRT) with no Python exception,
+     so the rank's own ``CollectiveTimeout`` never appears; the launcher names it instead,
+     in the same words as the CPU path (training/distributed.py);
+  4. the last exception line in the rank's log.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from ddpflow.launch.command import ERROR_FILE
+
+# Fields of torchrun's ChildFailedError "Root Cause" block.
+_ROOT_CAUSE_FIELD = re.compile(r"^\s*(?P<key>rank|exitcode|error_file|traceback)\s*:\s*(?P<value>.*?)\s*$")
+_EXCEPTION_LINE = re.compile(
+    r"^(?:[A-Za-z_][\w.]*)(?:Error|Exception|Interrupt|Exit|Failure|Warning)\b.*|^[A-Za-z_][\w.]*: .+"
+)
+# What a rank says when a PEER died: never the root cause while another rank has a real error.
+_PEER_LOST = re.compile(
+    r"Connection closed by peer|Connection reset by peer|connectFullMesh|Broken pipe|"
+    r"NCCL communicator was aborted|remote worker crashing",
+    re.IGNORECASE,
+)
+# ProcessGroupNCCL's watchdog (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp), e.g.
+# "[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE, NumelIn=1,
+#  NumelOut=1, Timeout(ms)=600000) ran for 600081 milliseconds before timing out."
+_NCCL_WATCHDOG = re.compile(
+    r"(?P<message>\[Rank \d+\] Watchdog caught collective operation timeout: (?P<work>.*?) "
+    r"ran for (?P<ran_ms>\d+) milliseconds before timing out\.?)"
+)
+_NCCL_TIMEOUT_MS = re.compile(r"Timeout\(ms\)=(\d+)")
+
+
+class LaunchError(RuntimeError):
+    """torchrun did not finish successfully; the message says why and which rank."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int | None = None,
+        exitcode: int | None = None,
+        root_cause: str | None = None,
+        log_file: str | None = None,
+    ):
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode
+        self.root_cause = root_cause
+        self.log_file = log_file
+
+
+class RankFailed(LaunchError):
+    """A rank exited non-zero (after torchrun used up its restarts)."""
+
+
+class LaunchTimeout(LaunchError):
+    """train.timeout_s passed; the tree was killed."""
+
+
+class LaunchStalled(LaunchError):
+    """No output line for train.stall_timeout_s; the tree was killed."""
+
+
+class LaunchInterrupted(LaunchError):
+    """The launcher was told to stop (signal, cancellation, interpreter shutdown); the tree was killed."""
+
+
+def failure_from_output(run_dir: Path, job_dir: Path | None, tail: list[str], returncode: int) -> RankFailed:
+    """An error naming the failing rank, its exit code and the root-cause text (see the module doc)."""
+    summary = root_cause_summary(tail)
+    rank_match = re.match(r"(\d+)(?:\s*\(local_rank:\s*(\d+)\))?", summary.get("rank", ""))
+    rank = int(rank_match[1]) if rank_match else None
+    local_rank = int(rank_match[2]) if rank_match and rank_match[2] else rank
+    exit_match = re.match(r"(-?\d+)", summary.get("exitcode", ""))
+    exitcode = int(exit_match[1]) if exit_match else None
+    attempt = _last_attempt(job_dir)
+    original = _original_failure(attempt, local_rank)
+    note = ""
+    if original is not None and rank is not None:
+        # Global rank = the blamed rank's node offset + the original's local rank. Its exit
+        # code is whatever torchrun's shutdown left (often SIGTERM), so the note keeps torchrun's view.
+        note = f"; torchrun first saw rank {rank} exit with code {exitcode}, after it lost this peer"
+        rank, local_rank = rank - local_rank + original[0], original[0]
+
+    log_file = attempt / str(local_rank) / "stderr.log" if attempt is not None and local_rank is not None else None
+    cause = original[1] if original is not None else _root_cause_text(run_dir, summary, log_file, rank)
+
+    if rank is None:
+        last = next((t for t in reversed(tail) if t.strip()), "")
+        message = f"torchrun exited with code {returncode}: {last}"
+    else:
+        message = (
+            f"rank {rank} failed: {cause}{note}"
+            if note
+            else f"rank {rank} failed with exit code {exitcode}: {cause or 'no exception recorded'}"
+        )
+        if log_file is not None:
+            message += f" (its log: {log_file})"
+    return RankFailed(
+        message, rank=rank, exitcode=exitcode, root_cause=cause, log_file=str(log_file) if log_file else None
+    )
+
+
+def _root_cause_text(run_dir: Path, summary: dict[str, str], log_file: Path | None, rank: int | None) -> str | None:
+    cause = _error_file_message(run_dir / ERROR_FILE)
+    error_file = summary.get("error_file", "")
+    if cause is None and error_file and not error_file.startswith("<"):
+        cause = _error_file_message(Path(error_file))
+    log_text = _read_text(log_file) if log_file is not None else None
+    if cause is None and log_text is not None:
+        cause = nccl_watchdog_timeout(log_text, rank)
+    if cause is None and log_text is not None:
+        cause = _last_exception_line(log_text)
+    return cause
+
+
+def nccl_watchdog_timeout(log_text: str, rank: int | None) -> str | None:
+    """The CPU path's CollectiveTimeout message, built from NCCL's watchdog text; None without it.
+
+    ``rank`` is the global rank torchrun blamed (the watchdog's "[Rank N]" counts within the
+    process group that timed out); without it, the watchdog's own number is used.
+    """
+    match = _NCCL_WATCHDOG.search(log_text)
+    if match is None:
+        return None
+    timeout_ms = _NCCL_TIMEOUT_MS.search(match["work"])
+    waited_s = int(timeout_ms[1] if timeout_ms else match["ran_ms"]) / 1000
+    who = rank if rank is not None else int(re.search(r"\d+", match["message"])[0])
+    # The same words as training/distributed.py's CollectiveTimeout, so both paths read alike.
+    return (
+        f"CollectiveTimeout: rank {who}: a collective timed out after train.collective_timeout_s={waited_s:g}s "
+        f"waiting for another rank (it stalled or died); NCCL's watchdog aborted the rank: {match['message']}"
+    )
+
+
+def root_cause_summary(tail: list[str]) -> dict[str, str]:
+    """rank / exitcode / error_file / traceback from torchrun's ChildFailedError block."""
+    found: dict[str, str] = {}
+    in_root = False
+    for text in tail:
+        if "Root Cause" in text:
+            in_root = True
+            continue
+        if in_root:
+            match = _ROOT_CAUSE_FIELD.match(text)
+            if match and match["key"] not in found:
+                found[match["key"]] = match["value"]
+    return found
+
+
+def _last_attempt(job_dir: Path | None) -> Path | None:
+    """torchrun's log folder of the last restart round: JOB_DIR/attempt_<n>."""
+    if job_dir is None:
+        return None
+    attempts = sorted(job_dir.glob("attempt_*"), key=lambda p: int(p.name.split("_")[1]))
+    return attempts[-1] if attempts else None
+
+
+def _original_failure(attempt: Path | None, local_rank: int | None) -> tuple[int, str] | None:
+    """The rank whose error is its own, when torchrun blamed a rank that only lost its peer."""
+    if attempt is None or local_rank is None:
+        return None
+    blamed = _error_file_message(attempt / str(local_rank) / ERROR_FILE)
+    if blamed is None or not _PEER_LOST.search(blamed):
+        return None
+    for error_file in sorted(attempt.glob(f"*/{ERROR_FILE}")):
+        message = _error_file_message(error_file)
+        if message and not _PEER_LOST.search(message) and error_file.parent.name.isdigit():
+            return int(error_file.parent.name), message
+    return None
+
+
+def _error_file_message(path: Path) -> str | None:
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    message = raw.get("message")
+    if isinstance(message, dict):
+        message = message.get("message")
+    return str(message).strip() if message else None
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return None
+
+
+def _last_exception_line(log_text: str) -> str | None:
+    for text in reversed(log_text.splitlines()):
+        if _EXCEPTION_LINE.match(text.strip()) and not text.startswith(" "):
+            return text.strip()
+    return None

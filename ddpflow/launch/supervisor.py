@@ -1,0 +1,425 @@
+"""Run torchrun and own its whole process tree until it ends (plain Python, no Prefect).
+
+    result = run_training(config, dataset_dir, run_dir, on_line=print)       # the train stage
+    result = launch(argv, run_dir, env=env, on_line=print, timeout_s=3600)   # any torchrun argv
+
+``run_training`` is the train stage for every caller (the Prefect task, bench/):
+the data checks of the preflight, the job file, the argv and environment
+(command.py), ``launch``, and the result. ``launch`` starts torchrun, streams its
+lines to ``on_line`` in the calling thread, and stops the tree on every way out.
+
+Why the launcher must own the tree: torchrun starts every rank in its OWN
+session (``start_new_session=True`` in torch's SubprocessHandler), so killing
+torchrun's process group does not reach the ranks, and a SIGKILLed torchrun
+orphans them. Prefect cannot help either: its ``timeout_seconds`` is not a hard
+stop for blocking code and cancelled tasks' children can survive
+(PrefectHQ/prefect#13004, #20979, #17593). So ``launch``
+
+* records every descendant PID (psutil, each poll) and, to stop, sends SIGTERM
+  to torchrun's group and to every rank's group, waits ``grace_s``, then SIGKILL
+  (process_tree.py);
+* does that on any exception out of the wait (including Prefect's
+  TerminationSignal), on ``timeout_s``, on a stall, on SIGTERM/SIGINT (handlers
+  installed only while torchrun runs, in the main thread, chained to the
+  previous handlers), when the interpreter starts shutting down (main thread no
+  longer alive: the non-main-thread case), and when ``should_cancel()`` says so;
+* gives torchrun PR_SET_PDEATHSIG=SIGTERM, so that even a SIGKILLed launcher
+  process takes torchrun down, and torchrun in turn stops its ranks
+  (within TORCH_ELASTIC_SHUTDOWN_TIMEOUT = ``grace_s``);
+* holds an exclusive lock on RUN_DIR while torchrun runs, so two launches never
+  share a run directory (``is_locked`` tells the resume rule a run is live).
+
+Why a launch failed: failure.py.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ddpflow.launch.command import ERROR_FILE, LOG_DIR, PROJECT_ROOT, launch_env, torchrun_command
+from ddpflow.launch.failure import LaunchError, LaunchInterrupted, LaunchStalled, LaunchTimeout, failure_from_output
+from ddpflow.launch.process_tree import ProcessTree, with_parent_death_signal
+from training.config import PipelineConfig
+from training.data.manifest import read_manifest
+from training.fileio import atomic_write_json
+from training.job import TrainJob
+from training.layout import CONFIG, FINAL_MODEL, METRICS, TRAIN_JOB, run_file
+from training.preflight import check_data, check_machine
+from training.topology import RankLayout
+
+PID_FILE = "torchrun.pid"
+LOCK_FILE = ".launch.lock"
+DEFAULT_GRACE_S = 5.0  # SIGTERM -> SIGKILL
+
+# torchrun --tee prefixes each rank's lines with "[<role><local_rank>]:".
+_RANK_PREFIX = re.compile(r"^\[(?P<role>[A-Za-z_]*?)(?P<rank>\d+)\]:(?P<text>.*)$")
+_POLL_S = 0.2  # how often the wait loop checks exit, deadlines and cancellation
+_SCAN_S = 1.0  # how often the descendants are recorded
+
+
+# ----------------------------------------------------------------------------- the train stage
+
+
+@dataclass
+class TrainResult:
+    run_dir: str
+    model_path: str
+    metrics: dict[str, Any] = field(default_factory=dict)  # the last line of RUN_DIR/metrics.jsonl
+    restarts: int = 0  # torchrun worker-group restarts used by this launch
+
+
+def run_training(
+    config: PipelineConfig,
+    dataset_dir: str | os.PathLike,
+    run_dir: str | os.PathLike,
+    *,
+    on_line: Callable[[OutputLine], None] = print,
+    on_start: Callable[[RankLayout, list[str]], None] | None = None,
+    layout: RankLayout | None = None,
+    tracking_uri: str | None = None,
+    init_weights: str | None = None,
+    grace_s: float = DEFAULT_GRACE_S,
+    should_cancel: Callable[[], str | None] | None = None,
+    cancel_check_s: float = 2.0,
+) -> TrainResult:
+    """Train ``config`` on the prepared ``dataset_dir`` in ``run_dir``; raise a LaunchError naming why not.
+
+    ``layout``: what ``check_machine`` returned when the caller already ran it (the pipeline
+    does, before preparing data); None runs it here. Then the data checks, RUN_DIR/config.json
+    and the job every rank reads, and the launch, limited by ``train.timeout_s`` and
+    ``train.stall_timeout_s``. ``on_start(layout, argv)`` is told just before torchrun starts.
+    """
+    layout = check_machine(config) if layout is None else layout
+    check_data(config, read_manifest(dataset_dir), layout)  # ConfigError naming the field; nothing started yet
+    run_path = Path(run_dir)
+    config.write_json(run_file(run_path, CONFIG))
+    job = TrainJob(config=config, dataset_dir=str(dataset_dir), run_dir=str(run_path), init_weights=init_weights)
+    job_path = job.write(run_file(run_path, TRAIN_JOB))
+    argv = torchrun_command(config, job_path, gpus=layout.gpus)
+    env = launch_env(config, run_path, tracking_uri=tracking_uri, gpus=layout.gpus, grace_s=grace_s)
+    if on_start is not None:
+        on_start(layout, argv)
+    result = launch(
+        argv,
+        run_path,
+        env=env,
+        on_line=on_line,
+        timeout_s=config.train.timeout_s,
+        stall_timeout_s=config.train.stall_timeout_s,
+        grace_s=grace_s,
+        should_cancel=should_cancel,
+        cancel_check_s=cancel_check_s,
+    )
+    model_path = run_file(run_path, FINAL_MODEL)
+    if not model_path.is_file():
+        raise RuntimeError(f"torchrun exited 0 but wrote no {model_path}: training did not finish")
+    metrics = last_metrics(run_file(run_path, METRICS))
+    return TrainResult(run_dir=str(run_path), model_path=str(model_path), metrics=metrics, restarts=result.restarts)
+
+
+def last_metrics(path: Path) -> dict[str, Any]:
+    """The last JSON line of metrics.jsonl ({} when there is none)."""
+    try:
+        lines = [text for text in path.read_text().splitlines() if text.strip()]
+    except FileNotFoundError:
+        return {}
+    return json.loads(lines[-1]) if lines else {}
+
+
+# ----------------------------------------------------------------------------- output
+
+
+@dataclass(frozen=True)
+class OutputLine:
+    """One line of torchrun's output. ``rank`` is the local rank, None for torchrun's own lines."""
+
+    rank: int | None
+    text: str
+
+    def __str__(self) -> str:
+        return f"[{'torchrun' if self.rank is None else f'rank {self.rank}'}] {self.text}"
+
+    @property
+    def is_torchrun_warning(self) -> bool:
+        """torchrun's own warnings and errors start "W1129 ..." / "E1129 ..." (glog style)."""
+        return self.rank is None and self.text[:1] in ("W", "E") and self.text[1:5].isdigit()
+
+
+def parse_line(raw: str) -> OutputLine:
+    raw = raw.rstrip("\n")
+    match = _RANK_PREFIX.match(raw)
+    if match:
+        return OutputLine(int(match["rank"]), match["text"])
+    return OutputLine(None, raw)
+
+
+# ----------------------------------------------------------------------------- the run-dir lock
+
+
+@contextmanager
+def run_dir_lock(run_dir: str | os.PathLike) -> Iterator[None]:
+    """Hold an exclusive flock on RUN_DIR/.launch.lock; fails at once if another launch holds it."""
+    path = Path(run_dir) / LOCK_FILE
+    with open(path, "a+") as handle:  # closing releases the lock
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise LaunchError(f"{run_dir} is in use by another launch (lock {path} is held)") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"{os.getpid()}\n")
+        handle.flush()
+        yield
+
+
+def is_locked(run_dir: str | os.PathLike) -> bool:
+    """True when a live launch holds RUN_DIR's lock."""
+    path = Path(run_dir) / LOCK_FILE
+    if not path.exists():
+        return False
+    with open(path, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        return False
+
+
+# ----------------------------------------------------------------------------- launching
+
+
+@dataclass
+class LaunchResult:
+    returncode: int
+    restarts: int
+    pids: list[int] = field(default_factory=list)  # every PID seen in the tree
+    log_dir: str | None = None
+
+
+def launch(
+    argv: list[str],
+    run_dir: str | os.PathLike,
+    *,
+    env: dict[str, str] | None = None,
+    on_line: Callable[[OutputLine], None] = print,
+    timeout_s: float | None = None,
+    stall_timeout_s: float | None = None,
+    grace_s: float = DEFAULT_GRACE_S,
+    should_cancel: Callable[[], str | None] | None = None,
+    cancel_check_s: float = 2.0,
+) -> LaunchResult:
+    """Run ``argv`` (torchrun) to completion, streaming its lines to ``on_line`` in THIS thread.
+
+    Raises RankFailed / LaunchTimeout / LaunchStalled / LaunchInterrupted, each after the
+    whole tree is gone. ``should_cancel()`` is polled every ``cancel_check_s``; a non-empty
+    string it returns is the reason to stop.
+    """
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with run_dir_lock(run_dir):
+        log_root = run_dir / LOG_DIR
+        jobs_before = set(log_root.iterdir()) if log_root.is_dir() else set()
+        (run_dir / ERROR_FILE).unlink(missing_ok=True)  # an old attempt's error must not be read as this one's
+        launcher = _Launcher(argv, run_dir, env, on_line, grace_s)
+        try:
+            with launcher.signals_forwarded():  # before start: no window where a signal skips the kill
+                launcher.start()
+                stop = launcher.wait(timeout_s, stall_timeout_s, should_cancel, cancel_check_s)
+        finally:
+            # Any way out of wait() (exception, Prefect's TerminationSignal, KeyboardInterrupt) kills the tree.
+            if launcher.tree is not None:
+                launcher.tree.terminate(grace_s)
+                launcher.drain()
+        job_dir = _new_job_dir(log_root, jobs_before)
+        result = LaunchResult(
+            launcher.proc.returncode, _count_restarts(job_dir), launcher.tree.pids(), str(job_dir) if job_dir else None
+        )
+        if stop is not None:
+            raise stop
+        if launcher.proc.returncode != 0:
+            raise failure_from_output(run_dir, job_dir, launcher.tail, launcher.proc.returncode)
+        return result
+
+
+class _Launcher:
+    def __init__(self, argv, run_dir: Path, env, on_line, grace_s: float):
+        self.argv = argv
+        self.run_dir = run_dir
+        self.env = env
+        self.on_line = on_line
+        self.grace_s = grace_s
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.tail: list[str] = []  # torchrun's own last lines: the ChildFailedError summary
+        self.last_output = time.monotonic()
+        self.proc: subprocess.Popen
+        self.tree: ProcessTree | None = None
+        self._stop_reason: LaunchError | None = None
+        self._output_ended = False  # the reader's end-of-output marker has been taken from the queue
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            with_parent_death_signal(self.argv),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            bufsize=1,
+            errors="replace",
+            env=self.env,
+            cwd=str(PROJECT_ROOT),
+            start_new_session=True,  # torchrun's own session and group: signals to ours don't hit it first
+        )
+        self.tree = ProcessTree(self.proc)
+        self._write_pid_file()
+        threading.Thread(target=self._read, name="torchrun-output", daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            self.lines.put(raw)
+        self.lines.put(None)
+
+    def _write_pid_file(self) -> None:
+        record = {
+            "launcher_pid": os.getpid(),
+            "torchrun_pid": self.proc.pid,
+            "pgid": self.proc.pid,
+            "descendants": self.tree.pids(),
+        }
+        atomic_write_json(self.run_dir / PID_FILE, record, durable=False)  # matters only while we run
+
+    def _deliver(self, raw: str) -> None:
+        self.last_output = time.monotonic()
+        line = parse_line(raw)
+        if not line.text.strip():
+            return  # torchrun's tail emits empty "[defaultN]:" lines; they say nothing
+        if line.rank is None:
+            self.tail = (self.tail + [line.text])[-200:]
+        self.on_line(line)
+
+    def wait(self, timeout_s, stall_timeout_s, should_cancel, cancel_check_s) -> LaunchError | None:
+        """Stream lines until torchrun's output ends. Returns the reason it was stopped, if it was."""
+        started = time.monotonic()
+        next_scan = next_cancel_check = next_check = started
+        in_main_thread = threading.current_thread() is threading.main_thread()
+        while True:
+            try:
+                raw = self.lines.get(timeout=_POLL_S)
+            except queue.Empty:
+                raw = ""
+            if raw is None:
+                self._output_ended = True
+                break
+            if raw:
+                self._deliver(raw)
+            now = time.monotonic()
+            if now < next_check:
+                continue  # a burst of lines: check limits at most every _POLL_S
+            next_check = now + _POLL_S
+            if self._stop_reason is not None:
+                break
+            if now >= next_scan:
+                next_scan = now + _SCAN_S
+                if self.tree.scan():
+                    self._write_pid_file()
+            reason = None
+            if timeout_s is not None and now - started > timeout_s:
+                reason = LaunchTimeout(
+                    f"training exceeded train.timeout_s={timeout_s:g}s; killed torchrun and its ranks"
+                )
+            elif stall_timeout_s is not None and now - self.last_output > stall_timeout_s:
+                reason = LaunchStalled(
+                    f"training stalled: no output for train.stall_timeout_s={stall_timeout_s:g}s; "
+                    "killed torchrun and its ranks"
+                )
+            elif not in_main_thread and not threading.main_thread().is_alive():
+                reason = LaunchInterrupted("the launching process is shutting down; killed torchrun and its ranks")
+            elif should_cancel is not None and now >= next_cancel_check:
+                next_cancel_check = now + cancel_check_s
+                why = should_cancel()
+                if why:
+                    reason = LaunchInterrupted(f"{why}; killed torchrun and its ranks")
+            if reason is not None:
+                self._stop_reason = reason
+                break
+        if self._stop_reason is None:
+            self.proc.wait()
+        return self._stop_reason
+
+    def drain(self) -> None:
+        """Deliver what torchrun printed before it exited (its failure summary)."""
+        deadline = time.monotonic() + 5
+        while not self._output_ended and time.monotonic() < deadline:  # ended: nothing left, no wait
+            try:
+                raw = self.lines.get(timeout=0.5)
+            except queue.Empty:
+                return
+            if raw is None:
+                self._output_ended = True
+                return
+            self._deliver(raw)
+
+    @contextmanager
+    def signals_forwarded(self) -> Iterator[None]:
+        """While torchrun runs: SIGTERM/SIGINT kill the tree first, then go to the previous handler."""
+        if threading.current_thread() is not threading.main_thread():
+            yield  # only the main thread may set handlers; wait() watches the main thread instead
+            return
+        previous = {}
+
+        def handler(signum, frame):
+            self._stop_reason = LaunchInterrupted(
+                f"received {signal.Signals(signum).name}; killed torchrun and its ranks"
+            )
+            if self.tree is not None:
+                self.tree.terminate(self.grace_s)
+            _chain(previous[signum], signum, frame)
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, handler)
+        try:
+            yield
+        finally:
+            for sig, old in previous.items():
+                signal.signal(sig, old)
+
+
+def _chain(previous, signum: int, frame) -> None:
+    """Do what the handler we replaced would have done."""
+    if callable(previous):
+        previous(signum, frame)  # e.g. Prefect's bridge (raises TerminationSignal) or KeyboardInterrupt
+    elif previous == signal.SIG_DFL:
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)  # die of the signal, as the default would
+    # SIG_IGN: the stop reason set by the handler ends the wait with LaunchInterrupted.
+
+
+def _new_job_dir(log_root: Path, before: set[Path]) -> Path | None:
+    """The folder torchrun created under RUN_DIR/logs for this launch."""
+    if not log_root.is_dir():
+        return None
+    created = [p for p in log_root.iterdir() if p.is_dir() and p not in before]
+    return max(created, key=lambda p: p.stat().st_mtime) if created else None
+
+
+def _count_restarts(job_dir: Path | None) -> int:
+    if job_dir is None:
+        return 0
+    attempts = [p for p in job_dir.glob("attempt_*") if p.is_dir()]
+    return max(0, len(attempts) - 1)
