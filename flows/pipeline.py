@@ -27,18 +27,18 @@ from prefect.runtime import deployment, flow_run
 
 from ddpflow.launch.failure import LaunchInterrupted
 from ddpflow.rundirs import find_resumable_run, new_run_dir
-from flows.params import resolve_config, run_label
-from tasks.evaluate import evaluate_model
-from tasks.prepare import prepare_data
-from tasks.register import register_model
-from tasks.tracking import (
-    champion_checkpoint,
+from ddpflow.tracking.registry import champion_checkpoint
+from ddpflow.tracking.runs import (
     check_tracking_reachable,
     end_pipeline_run,
     resolve_tracking_uri,
     run_url,
     start_pipeline_run,
 )
+from flows.params import resolve_config, run_label
+from tasks.evaluate import evaluate_model
+from tasks.prepare import prepare_data
+from tasks.register import register_model
 from tasks.train import train_model
 from training.config import PipelineConfig
 from training.preflight import check_data, check_machine
@@ -107,6 +107,8 @@ def train_pipeline(
         )
         _tag_run(tracking_uri, run_id, {"ddp.restarts": str(trained.restarts)})
         test_metrics = evaluate_model(trained.model_path, str(prepared.dataset_dir), run_id, tracking_uri, config)
+        # Everything that can fail runs before the gate: once @champion moves, the flow must not fail.
+        mlflow_run_url = _mlflow_ui_url(tracking_uri, run_id)
         decision = register_model(
             config, run_id, trained.model_path, str(prepared.dataset_dir), test_metrics, tracking_uri
         )
@@ -123,7 +125,7 @@ def train_pipeline(
         "reason": decision.get("reason"),
         "test_metrics": test_metrics,
         "mlflow_run_id": run_id,
-        "mlflow_run_url": _mlflow_ui_url(tracking_uri, run_id),
+        "mlflow_run_url": mlflow_run_url,
         "tracking_uri": tracking_uri,
         "run_dir": str(run_dir),
         "dataset_dir": str(prepared.dataset_dir),

@@ -1,11 +1,13 @@
 """Re-run the registration gate for a finished pipeline run (``ddpflow register --run-id``).
 
 For when registration failed after training and evaluation succeeded (the
-MLflow server was down, the registry refused), or to re-gate a run with another
-registry config. Everything comes from the MLflow run: the config it logged,
-``model.pt`` and the dataset (tags the evaluate stage set) and its test metrics.
-Nothing is retrained or re-evaluated; a run already registered keeps its
-recorded decision (tasks/register.py is idempotent per run).
+MLflow server was down, the champion's files were unreadable), or to re-gate a
+run with another registry config. Everything comes from the MLflow run: the
+config it logged, ``model.pt`` and the dataset (tags the evaluate stage set)
+and its test metrics. Nothing is retrained or re-evaluated; a run already
+registered keeps its recorded decision (ddpflow/tracking/registration.py is
+idempotent per run). The gate holds the same per-model lock as the pipeline's
+register task, so it never races a scheduled run.
 """
 
 from __future__ import annotations
@@ -14,17 +16,26 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from tasks.register import register_run
-from tasks.tracking import check_tracking_reachable, resolve_tracking_uri
+from ddpflow.tracking.registration import register_run
+from ddpflow.tracking.runs import check_tracking_reachable, resolve_tracking_uri
+from tasks.register import gate_lock
 from training.config import PipelineConfig
 
 
 @flow(name="register-run", flow_run_name="register-{run_id}", log_prints=True)
-def register_finished_run(run_id: str, config: PipelineConfig | None = None) -> dict[str, Any]:
-    """Gate and register the model of MLflow run ``run_id``; ``config`` replaces the run's own (e.g. another registry.min_delta)."""
+def register_finished_run(
+    run_id: str, config: PipelineConfig | None = None, overrides: list[str] | None = None
+) -> dict[str, Any]:
+    """Gate and register the model of MLflow run ``run_id``.
+
+    ``config`` replaces the run's own config; ``overrides`` (``section.key=value``) apply on top of
+    whichever is used, e.g. ``registry.replace_unreadable_champion=true``.
+    """
     tracking_uri = resolve_tracking_uri(config or PipelineConfig())
     check_tracking_reachable(tracking_uri)
-    decision = register_run(run_id, config=config, tracking_uri=tracking_uri, logger=get_run_logger())
+    decision = register_run(
+        run_id, config, overrides, tracking_uri, logger=get_run_logger(), gate_lock=gate_lock
+    ).to_dict()
     return {
         "model_name": decision["model_name"],
         "model_version": decision["version"],

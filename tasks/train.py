@@ -29,7 +29,7 @@ from prefect.logging import get_run_logger
 
 from ddpflow.launch.failure import LaunchInterrupted, LaunchTimeout
 from ddpflow.launch.supervisor import OutputLine, TrainResult, run_training
-from tasks.tracking import EpochMetricsFollower  # moving to ddpflow/tracking/metrics.py (issue 14)
+from ddpflow.tracking.metrics import EpochMetricsFollower
 from training.config import PipelineConfig
 from training.layout import METRICS, run_file
 from training.topology import RankLayout

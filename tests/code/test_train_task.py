@@ -103,7 +103,7 @@ def test_epoch_metrics_reach_the_mlflow_run_from_the_task_and_no_rank_is_given_t
 def test_metrics_follower_logs_each_epoch_once_as_lines_land(tmp_path, mlflow_store):
     from mlflow import MlflowClient
 
-    from tasks.tracking import EpochMetricsFollower
+    from ddpflow.tracking.metrics import EpochMetricsFollower
 
     uri, artifacts = mlflow_store
     client = MlflowClient(uri)
@@ -247,7 +247,7 @@ def test_a_hanging_tracking_server_never_blocks_the_launcher(tmp_path, caplog):
     """The follower logs on its own thread: poke() returns at once and close() waits only as long as told."""
     import socket
 
-    from tasks.tracking import EpochMetricsFollower
+    from ddpflow.tracking.metrics import EpochMetricsFollower
 
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text(json.dumps({"epoch": 0, "train_loss": 2.0}) + "\n")

@@ -26,9 +26,10 @@ from prefect.client.orchestration import get_client
 from ddpflow.launch.command import launch_env, torchrun_command
 from ddpflow.launch.failure import RankFailed
 from ddpflow.launch.supervisor import PID_FILE, launch
+from ddpflow.tracking.registry import RegistryUnavailable
+from ddpflow.tracking.runs import start_pipeline_run
 from tasks.evaluate import evaluate_model
-from tasks.register import RegistryUnavailable, register_model
-from tasks.tracking import start_pipeline_run
+from tasks.register import register_model
 from training.config import PipelineConfig
 from training.data.manifest import read_manifest
 from training.job import TrainJob

@@ -15,13 +15,13 @@ from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE, RESOURCE_DOES_NOT_EXIST, TEMPORARILY_UNAVAILABLE
 
-from tasks.register import RegistrationError, is_transient, register_candidate, register_run
-from tasks.tracking import (
+from ddpflow.tracking.registration import register_candidate, register_run
+from ddpflow.tracking.registry import RegistrationError, champion_checkpoint, find_alias, is_transient
+from ddpflow.tracking.runs import (
     TrackingUnreachableError,
-    champion_checkpoint,
     check_tracking_reachable,
     end_pipeline_run,
-    find_alias,
+    log_evaluation,
     resolve_tracking_uri,
     start_pipeline_run,
     use_tracking_uri,
@@ -29,6 +29,7 @@ from tasks.tracking import (
 from training.config import PipelineConfig
 from training.data.manifest import read_manifest
 from training.evaluate import evaluate_split, load_model_checkpoint
+from training.fileio import atomic_write_json
 
 PREFECT = {"flow_run_id": "0000-flow-run", "flow_run_name": "brave-otter", "deployment_name": "nightly"}
 DDP = {"nproc_per_node": 2, "nnodes": 1, "backend": "gloo"}
@@ -110,33 +111,33 @@ def test_better_model_promoted_worse_stays_challenger(make_config, dataset_facto
     client = MlflowClient(config.mlflow.tracking_uri)
 
     _, first = pipeline(config, dataset, weak)
-    assert first["decision"] == "promoted" and first["champion_status"] == "none"
+    assert first.decision == "promoted" and first.champion_status == "none"
 
     strong_run, second = pipeline(config, dataset, strong)
-    assert second["decision"] == "promoted", second["reason"]
-    assert second["champion_version"] == first["version"]
+    assert second.decision == "promoted", second.reason
+    assert second.champion_version == first.version
     # The gate re-scored the old champion on the same shards: its number is the weak model's own.
-    assert second["champion_value"] == pytest.approx(first["candidate_value"])
-    assert second["candidate_value"] > second["champion_value"]
-    assert alias_version(client, "champion") == second["version"]
-    assert alias_version(client, "previous-champion") == first["version"]
+    assert second.champion_value == pytest.approx(first.candidate_value)
+    assert second.candidate_value > second.champion_value
+    assert alias_version(client, "champion") == second.version
+    assert alias_version(client, "previous-champion") == first.version
 
     _, third = pipeline(config, dataset, weak)
-    assert third["decision"] == "challenger"
-    assert alias_version(client, "champion") == second["version"]  # untouched
-    assert alias_version(client, "challenger") == third["version"]
+    assert third.decision == "challenger"
+    assert alias_version(client, "champion") == second.version  # untouched
+    assert alias_version(client, "challenger") == third.version
 
-    tags = client.get_model_version("gate-test", third["version"]).tags
-    assert tags["gate.decision"] == "challenger" and tags["gate.champion_version"] == second["version"]
-    assert float(tags["gate.champion_value"]) == pytest.approx(second["candidate_value"])
+    tags = client.get_model_version("gate-test", third.version).tags
+    assert tags["gate.decision"] == "challenger" and tags["gate.champion_version"] == second.version
+    assert float(tags["gate.champion_value"]) == pytest.approx(second.candidate_value)
     assert (
         tags["data.fingerprint"] == read_manifest(dataset).fingerprint
         and tags["prefect.flow_run_name"] == "brave-otter"
     )
     run = client.get_run(strong_run)
     assert run.data.tags["registry.decision"] == "promoted"
-    assert run.data.metrics["gate_champion_test_accuracy"] == pytest.approx(first["candidate_value"])
-    assert "fingerprint" in client.get_model_version("gate-test", second["version"]).description
+    assert run.data.metrics["gate_champion_test_accuracy"] == pytest.approx(first.candidate_value)
+    assert "fingerprint" in client.get_model_version("gate-test", second.version).description
 
 
 def test_min_delta_keeps_champion(make_config, dataset_factory, model_factory):
@@ -144,7 +145,7 @@ def test_min_delta_keeps_champion(make_config, dataset_factory, model_factory):
     dataset = dataset_factory()
     pipeline(config, dataset, model_factory(dataset, "weak", steps=3))
     _, decision = pipeline(config, dataset, model_factory(dataset, "strong", steps=80))
-    assert decision["decision"] == "challenger"  # better, but not by 0.5
+    assert decision.decision == "challenger"  # better, but not by 0.5
 
 
 def test_retry_creates_no_second_version(make_config, dataset_factory, model_factory):
@@ -154,20 +155,18 @@ def test_retry_creates_no_second_version(make_config, dataset_factory, model_fac
     run_id, first = pipeline(config, dataset, model_path)
     metrics = evaluate_split(model_path, dataset).metrics
     again = register_candidate(config, run_id, str(model_path), str(dataset), metrics, config.mlflow.tracking_uri)
-    assert again["already_registered"] and again["version"] == first["version"] and again["decision"] == "promoted"
+    assert again.already_registered and again.version == first.version and again.decision == "promoted"
     assert len(versions(config)) == 1
     client = MlflowClient(config.mlflow.tracking_uri)
     experiment = client.get_run(run_id).info.experiment_id
     assert len(client.search_logged_models([experiment])) == 1
-    # An attempt that moved the alias but died before writing gate.decision: the retry finishes it.
-    client.delete_model_version_tag("gate-test", first["version"], "gate.decision")
+    # An attempt that moved @champion but died before marking the version applied: the retry finishes it.
+    client.set_model_version_tag("gate-test", first.version, "gate.state", "recorded")
     finished = register_candidate(config, run_id, str(model_path), str(dataset), metrics, config.mlflow.tracking_uri)
-    assert (
-        finished["decision"] == "promoted"
-        and finished["version"] == first["version"]
-        and not finished["already_registered"]
-    )
-    assert client.get_model_version("gate-test", first["version"]).tags["gate.decision"] == "promoted"
+    assert finished.decision == "promoted" and finished.version == first.version and not finished.already_registered
+    tags = client.get_model_version("gate-test", first.version).tags
+    assert tags["gate.decision"] == "promoted" and tags["gate.state"] == "applied"
+    assert alias_version(client, "champion") == first.version
     assert len(versions(config)) == 1
 
 
@@ -193,7 +192,7 @@ def test_retry_after_a_crash_between_logging_and_registering(make_config, datase
     client = MlflowClient(config.mlflow.tracking_uri)
     assert client.search_logged_models([client.get_run(run_id).info.experiment_id])[0].model_id == logged.model_id
     assert len(client.search_logged_models([client.get_run(run_id).info.experiment_id])) == 1
-    assert client.get_model_version("gate-test", decision["version"]).source == logged.model_uri
+    assert client.get_model_version("gate-test", decision.version).source == logged.model_uri
 
 
 def test_champion_pyfunc_predicts_like_evaluate_on_raw_columns(make_config, dataset_factory, model_factory):
@@ -229,7 +228,7 @@ def test_nan_metric_registers_nothing(make_config, dataset_factory, model_factor
     model_path = model_factory(dataset)
     metrics = {**evaluate_split(model_path, dataset).metrics, "test_loss": math.nan}
     run_id, decision = pipeline(config, dataset, model_path, metrics=metrics)
-    assert decision["decision"] == "rejected" and "test_loss" in decision["reason"] and decision["version"] is None
+    assert decision.decision == "rejected" and "test_loss" in decision.reason and decision.version is None
     assert versions(config) == []
     client = MlflowClient(config.mlflow.tracking_uri)
     assert client.search_logged_models([client.get_run(run_id).info.experiment_id]) == []
@@ -240,16 +239,16 @@ def test_min_metric_floor(make_config, dataset_factory, model_factory):
     dataset = dataset_factory()
     model_path = model_factory(dataset, steps=3)
     _, decision = pipeline(make_config(min_metric=0.99), dataset, model_path)
-    assert decision["decision"] == "rejected" and "min_metric" in decision["reason"]
+    assert decision.decision == "rejected" and "min_metric" in decision.reason
     assert versions(make_config()) == []
     # Lower is better for rmse: the floor is a ceiling.
     regression = dataset_factory(task="regression")
     regressor = model_factory(regression, "reg", steps=150)
     rmse = evaluate_split(regressor, regression).metrics["test_rmse"]
     _, too_high = pipeline(make_config(min_metric=rmse / 2, model_name="reg-a"), regression, regressor)
-    assert too_high["decision"] == "rejected"
+    assert too_high.decision == "rejected"
     _, fine = pipeline(make_config(min_metric=rmse * 2, model_name="reg-b"), regression, regressor)
-    assert fine["decision"] == "promoted"
+    assert fine.decision == "promoted"
 
 
 def test_incompatible_champion_is_replaced(make_config, dataset_factory, model_factory):
@@ -258,11 +257,12 @@ def test_incompatible_champion_is_replaced(make_config, dataset_factory, model_f
     _, first = pipeline(config, old_data, model_factory(old_data, "old", steps=80))
     new_data = dataset_factory(features=["a", "b", "c", "d", "e", "f"], fingerprint="renamed")
     _, decision = pipeline(config, new_data, model_factory(new_data, "new", steps=3))
-    assert decision["decision"] == "promoted"
-    assert decision["champion_status"].startswith("incompatible") and "['f0'" in decision["champion_status"]
-    assert decision["champion_value"] is None and decision["champion_version"] == first["version"]
+    assert decision.decision == "promoted"
+    assert decision.champion_status.startswith("incompatible") and "['f0'" in decision.champion_status
+    assert "cannot score this data" in decision.reason and "['f0'" in decision.reason  # names the columns
+    assert decision.champion_value is None and decision.champion_version == first.version
     client = MlflowClient(config.mlflow.tracking_uri)
-    assert alias_version(client, "previous-champion") == first["version"]
+    assert alias_version(client, "previous-champion") == first.version
 
 
 def test_register_run_reruns_for_a_finished_run(make_config, dataset_factory, model_factory):
@@ -279,8 +279,8 @@ def test_register_run_reruns_for_a_finished_run(make_config, dataset_factory, mo
     client.set_tag(run_id, "ddpflow.dataset_dir", str(dataset))
     end_pipeline_run(run_id, config.mlflow.tracking_uri)
     decision = register_run(run_id, tracking_uri=config.mlflow.tracking_uri)  # config comes from the run
-    assert decision["decision"] == "promoted" and decision["model_name"] == "gate-test"
-    assert register_run(run_id, tracking_uri=config.mlflow.tracking_uri)["already_registered"]
+    assert decision.decision == "promoted" and decision.model_name == "gate-test"
+    assert register_run(run_id, tracking_uri=config.mlflow.tracking_uri).already_registered
     assert len(versions(config)) == 1
     with pytest.raises(RegistrationError, match="does not exist"):
         register_run("0" * 32, tracking_uri=config.mlflow.tracking_uri)
@@ -328,17 +328,20 @@ def test_transient_errors_are_told_apart():
 
 
 def test_regression_evaluation_logs_a_residual_plot(make_config, dataset_factory, model_factory, tmp_path):
-    from tasks.evaluate import log_evaluation, write_json_atomically
-
     config = make_config()
     dataset = dataset_factory(task="regression", rows={"train": 600, "val": 50, "test": 120})
     model_path = model_factory(dataset, steps=50)
     _, run_id = start_run(config, dataset, "reg")
     result = evaluate_split(model_path, dataset, return_predictions=True, max_predictions=100)
+    metrics_path = atomic_write_json(tmp_path / "eval" / "metrics.json", result.to_dict())
+    log_evaluation(config.mlflow.tracking_uri, run_id, result, metrics_path, model_path, dataset)
     client = MlflowClient(config.mlflow.tracking_uri)
-    log_evaluation(client, run_id, result, write_json_atomically(tmp_path / "eval" / "metrics.json", result.to_dict()))
     assert {item.path for item in client.list_artifacts(run_id, "eval")} == {"eval/metrics.json", "eval/residuals.png"}
-    assert client.get_run(run_id).data.metrics["test_r2"] == pytest.approx(result.metrics["test_r2"])
+    run = client.get_run(run_id)
+    assert run.data.metrics["test_r2"] == pytest.approx(result.metrics["test_r2"])
+    # What `ddpflow register --run-id` reads back to gate this run later.
+    assert run.data.tags["ddpflow.model_path"] == str(model_path.resolve())
+    assert run.data.tags["ddpflow.dataset_dir"] == str(dataset.resolve())
 
 
 def test_champion_loads_in_a_fresh_process_without_the_repository(

@@ -10,9 +10,9 @@ from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
+from ddpflow.tracking.runs import start_pipeline_run
 from tasks.evaluate import evaluate_model
-from tasks.register import register_model
-from tasks.tracking import start_pipeline_run
+from tasks.register import gate_lock_name, register_model
 from training.config import PipelineConfig
 from training.data.manifest import read_manifest
 
@@ -68,3 +68,6 @@ def test_evaluate_then_register_under_prefect(prefect_harness, mlflow_store, dat
         )
         assert any(run_id in str(artifact.data) and "test_accuracy" in str(artifact.data) for artifact in markdown)
         assert failed and prefect.read_task_run(failed_task_run).run_count == 1
+        # The gate ran under the model's lock: a global concurrency limit created on first use, now released.
+        lock = prefect.read_global_concurrency_limit_by_name(gate_lock_name("prefect-test"))
+        assert lock.limit == 1 and lock.active_slots == 0

@@ -1,14 +1,15 @@
-"""MLflow glue for the pipeline: where tracking goes, the run, its lineage.
+"""The pipeline's MLflow run: where tracking goes, the run's lifecycle, its lineage and its evaluation.
 
     uri = resolve_tracking_uri(config)
     check_tracking_reachable(uri)          # before training wastes an hour
     run_id = start_pipeline_run(config, run_name, prefect_context, fingerprint, manifest, ddp)
     ...
+    log_evaluation(uri, run_id, result, metrics_path, model_path, dataset_dir)
     end_pipeline_run(run_id, uri, status="FINISHED")
 
 Every function takes the URI explicitly and uses an ``MlflowClient`` bound to
-it, so concurrent Prefect tasks never share MLflow's "active run" state. The
-one fluent call without a client form (logging the pyfunc model) runs inside
+it, so concurrent tasks never share MLflow's "active run" state. The one
+fluent call without a client form (logging the pyfunc model) runs inside
 ``use_tracking_uri``, which restores the process-wide URI afterwards:
 ``mlflow.set_tracking_uri`` also sets ``$MLFLOW_TRACKING_URI``, which would
 otherwise override the next run's configured URI in the same process.
@@ -20,7 +21,7 @@ import logging
 import os
 import subprocess
 import tempfile
-import threading
+import time
 import urllib.error
 import urllib.request
 import warnings
@@ -32,21 +33,19 @@ from urllib.parse import urlparse
 
 import mlflow
 from mlflow import MlflowClient
-from mlflow.entities import DatasetInput, InputTag, Param
-from mlflow.entities.model_registry import ModelVersion
+from mlflow.entities import DatasetInput, InputTag, Metric, Param
 from mlflow.exceptions import MlflowException
 
 from training.config import PipelineConfig
 from training.data.manifest import Manifest
+from training.evaluate import EvalResult
 from training.layout import SPLITS
-from training.metrics_sink import MlflowEpochLogger, read_metrics_lines
 
-CHAMPION = "champion"
-CHALLENGER = "challenger"
-PREVIOUS_CHAMPION = "previous-champion"
-MODEL_PT_IN_MODEL = "artifacts/model.pt"  # where training/serving.py's artifact lands in a logged model
 CONFIG_ARTIFACT = "config.json"  # the run's PipelineConfig, so registration can be re-run later
+MODEL_PATH_TAG = "ddpflow.model_path"  # set with the evaluation: what `ddpflow register --run-id` needs
+DATASET_DIR_TAG = "ddpflow.dataset_dir"
 TERMINAL_STATUSES = ("FINISHED", "FAILED", "KILLED")
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 logger = logging.getLogger(__name__)
 
@@ -64,14 +63,16 @@ def resolve_tracking_uri(config: PipelineConfig) -> str:
     A relative SQLite path is made absolute now, so every task and rank (with
     other working directories) writes to the same database.
     """
-    uri = os.environ.get("MLFLOW_TRACKING_URI") or config.mlflow.tracking_uri or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+    default = f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or config.mlflow.tracking_uri or default
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
         relative = uri.removeprefix("sqlite:///")
         if relative and relative != ":memory:":
             uri = f"sqlite:///{Path(relative).resolve()}"
     if "://" not in uri and not uri.startswith("databricks"):  # a bare path: MLflow 3's file store is deprecated
         raise ValueError(
-            f"mlflow.tracking_uri {uri!r} is a plain path; use sqlite:///{Path(uri).resolve()}.db or an http(s):// server"
+            f"mlflow.tracking_uri {uri!r} is a plain path; use sqlite:///{Path(uri).resolve()}.db "
+            "or an http(s):// server"
         )
     return uri
 
@@ -90,9 +91,9 @@ def resolve_artifact_location(config: PipelineConfig, tracking_uri: str) -> str 
     location = config.mlflow.artifact_location
     if location is None:
         return None if is_http(tracking_uri) else (Path.cwd() / "mlartifacts").as_uri()
-    return (
-        location if "://" in location or location.startswith("mlflow-artifacts:") else Path(location).resolve().as_uri()
-    )
+    if "://" in location or location.startswith("mlflow-artifacts:"):
+        return location
+    return Path(location).resolve().as_uri()
 
 
 # ---------------------------------------------------------------- reachability
@@ -139,11 +140,11 @@ def _check_sqlite_path(uri: str) -> None:
         raise TrackingUnreachableError(f"MLflow tracking store {uri}: {path} is not writable")
 
 
-# ---------------------------------------------------------------- experiment and run
+# ---------------------------------------------------------------- experiment
 
 
 def configure_mlflow(config: PipelineConfig, tracking_uri: str | None = None) -> tuple[MlflowClient, str]:
-    """A client bound to the store (tracking and registry); get or create the experiment. Returns (client, experiment id)."""
+    """A client bound to the store (tracking and registry), and the experiment's id (created if missing)."""
     uri = tracking_uri or resolve_tracking_uri(config)
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)
     return client, ensure_experiment(client, config.mlflow.experiment, resolve_artifact_location(config, uri))
@@ -188,12 +189,19 @@ def ensure_experiment(client: MlflowClient, name: str, artifact_location: str | 
     return experiment.experiment_id
 
 
+# ---------------------------------------------------------------- the run's lineage
+
+
 def git_commit(directory: str | Path | None = None) -> str | None:
     """The commit of the code that runs, when it is a git checkout."""
-    directory = Path(directory or Path(__file__).resolve().parents[1])
     try:
         result = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=directory, capture_output=True, text=True, timeout=5, check=False
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(directory or PROJECT_ROOT),
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
@@ -236,15 +244,13 @@ def dataset_inputs(manifest: Manifest, dataset_dir: str | Path, fingerprint: str
     from mlflow.types import ColSpec, DataType, Schema
 
     label_type = DataType.long if manifest.task == "classification" else DataType.float
-    schema = Schema(
-        [ColSpec(DataType.float, name) for name in manifest.features] + [ColSpec(label_type, manifest.label)]
-    )
+    columns = [ColSpec(DataType.float, name) for name in manifest.features]
+    schema = Schema([*columns, ColSpec(label_type, manifest.label)])
     inputs = []
     for split in SPLITS:
         source = _dataset_source(f"{str(dataset_dir).rstrip('/')}/{split}")
-        dataset = MetaDataset(
-            source, name=f"{fingerprint[:16]}-{split}", digest=f"{fingerprint[:24]}-{split}"[:36], schema=schema
-        )
+        digest = f"{fingerprint[:24]}-{split}"[:36]
+        dataset = MetaDataset(source, name=f"{fingerprint[:16]}-{split}", digest=digest, schema=schema)
         tags = [InputTag("mlflow.data.context", split), InputTag("rows", str(manifest.rows(split)))]
         inputs.append(DatasetInput(dataset._to_mlflow_entity(), tags=tags))
     return inputs
@@ -257,6 +263,14 @@ def _dataset_source(location: str):
     with warnings.catch_warnings():  # local paths match two registered sources; either is right
         warnings.simplefilter("ignore")
         return resolve_dataset_source(location)
+
+
+def _absolute(location: str | Path) -> str:
+    """A local path made absolute (a relative one means nothing to someone reading the run); URLs unchanged."""
+    return str(location) if "://" in str(location) else str(Path(location).resolve())
+
+
+# ---------------------------------------------------------------- the run's lifecycle
 
 
 def start_pipeline_run(
@@ -276,96 +290,15 @@ def start_pipeline_run(
     can rebuild it. The run stays RUNNING until ``end_pipeline_run``.
     """
     client, experiment_id = configure_mlflow(config)
-    run = client.create_run(
-        experiment_id, run_name=run_name, tags=run_tags(prefect_context, manifest, fingerprint, ddp)
-    )
-    run_id = run.info.run_id
+    tags = run_tags(prefect_context, manifest, fingerprint, ddp)
+    run_id = client.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
     params = [Param(key, str(value)[:6000]) for key, value in config.flat().items()]
     for start in range(0, len(params), 100):  # MLflow accepts at most 100 params per batch
         client.log_batch(run_id, params=params[start : start + 100])
-    dataset_dir = dataset_dir or Path(config.data.root) / fingerprint
-    if "://" not in str(dataset_dir):
-        dataset_dir = Path(dataset_dir).resolve()  # a relative path means nothing to someone reading the run
+    dataset_dir = _absolute(dataset_dir or Path(config.data.root) / fingerprint)
     client.log_inputs(run_id, datasets=dataset_inputs(manifest, dataset_dir, fingerprint))
     client.log_dict(run_id, config.model_dump(mode="json"), CONFIG_ARTIFACT)
     return run_id
-
-
-class EpochMetricsFollower:
-    """Mirrors rank 0's RUN_DIR/metrics.jsonl into the pipeline's MLflow run, from the launching process.
-
-    Why here and not in rank 0: this process already has MLflow loaded, while
-    importing it in rank 0 costs seconds of CPU on rank 0's core, and every
-    rank waits for rank 0 at the next collective. Why on a thread: a tracking
-    server that is down makes MLflow retry for minutes, and the launcher's
-    loop (timeouts, cancellation) must not wait for that. The train task
-    calls ``poke()`` on every streamed line (it only sets an event) and
-    ``close()`` once torchrun has exited, failed or not; ``close()`` catches up
-    one last time. Each epoch lands once: epochs the run already holds (an
-    earlier attempt's) are skipped.
-    """
-
-    def __init__(self, metrics_path: str | Path, run_id: str, tracking_uri: str):
-        self.path = Path(metrics_path)
-        self.run_id = run_id
-        self.tracking_uri = tracking_uri
-        self._size_seen = -1
-        self._logger = None  # created on the first epoch: no MLflow call before there is something to log
-        self._wake = threading.Event()
-        self._closing = False
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> EpochMetricsFollower:
-        self._thread = threading.Thread(target=self._follow, name="metrics-to-mlflow", daemon=True)
-        self._thread.start()
-        return self
-
-    def poke(self) -> None:
-        self._wake.set()
-
-    def close(self, timeout_s: float = 60.0) -> None:
-        """Log what is left, waiting at most ``timeout_s`` (metrics.jsonl has every epoch either way)."""
-        if self._thread is None:
-            self.catch_up()
-            return
-        self._closing = True
-        self._wake.set()
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            logger.warning(
-                "MLflow run %s: epoch metrics not all logged within %.0f s; %s has them",
-                self.run_id,
-                timeout_s,
-                self.path,
-            )
-
-    def _follow(self) -> None:
-        while True:
-            self._wake.wait()
-            self._wake.clear()
-            last = self._closing  # read before catching up: a close() during it wakes us for one more pass
-            self.catch_up()
-            if last:
-                return
-
-    def catch_up(self) -> None:
-        """Log every complete epoch line the run does not hold yet; never raises."""
-        try:
-            size = self.path.stat().st_size
-        except FileNotFoundError:
-            return
-        if size == self._size_seen:
-            return
-        self._size_seen = size
-        try:
-            for record in read_metrics_lines(self.path):  # a torn last line is skipped now, read on the next change
-                epoch = record.pop("epoch", None)
-                if isinstance(epoch, int):
-                    if self._logger is None:
-                        self._logger = MlflowEpochLogger(self.run_id, self.tracking_uri)
-                    self._logger.log(epoch, record)
-        except Exception as error:
-            logger.warning("could not mirror %s into MLflow run %s: %s", self.path, self.run_id, error)
 
 
 def end_pipeline_run(run_id: str, tracking_uri: str, status: str = "FINISHED") -> None:
@@ -376,6 +309,40 @@ def end_pipeline_run(run_id: str, tracking_uri: str, status: str = "FINISHED") -
         MlflowClient(tracking_uri=tracking_uri).set_terminated(run_id, status=status)
     except Exception as error:
         logger.warning("could not mark MLflow run %s %s in %s: %s", run_id, status, tracking_uri, error)
+
+
+def read_run_config(client: MlflowClient, run_id: str) -> PipelineConfig:
+    """The PipelineConfig that ``start_pipeline_run`` logged with the run."""
+    with tempfile.TemporaryDirectory() as scratch:
+        path = client.download_artifacts(run_id, CONFIG_ARTIFACT, scratch)
+        return PipelineConfig.model_validate_json(Path(path).read_text())
+
+
+# ---------------------------------------------------------------- the evaluation
+
+
+def log_evaluation(
+    tracking_uri: str,
+    run_id: str,
+    result: EvalResult,
+    metrics_path: str | Path,
+    model_path: str | Path,
+    dataset_dir: str | Path,
+) -> None:
+    """Test metrics, ``eval/metrics.json``, the figure, and where the model and data are (for re-registration)."""
+    from ddpflow.tracking.plots import evaluation_figure
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    now = int(time.time() * 1000)
+    client.log_batch(run_id, metrics=[Metric(name, value, now, 0) for name, value in result.metrics.items()])
+    client.log_artifact(run_id, str(metrics_path), "eval")
+    figure, name = evaluation_figure(result)
+    client.log_figure(run_id, figure, f"eval/{name}")
+    client.set_tag(run_id, MODEL_PATH_TAG, _absolute(model_path))
+    client.set_tag(run_id, DATASET_DIR_TAG, _absolute(dataset_dir))
+
+
+# ---------------------------------------------------------------- links for people
 
 
 def run_url(tracking_uri: str, run_id: str) -> str | None:
@@ -392,44 +359,3 @@ def how_to_open(tracking_uri: str, run_id: str) -> str:
     if url:
         return url
     return f"MLflow run {run_id} in {tracking_uri} (open with: mlflow ui --backend-store-uri {tracking_uri})"
-
-
-def read_run_config(client: MlflowClient, run_id: str) -> PipelineConfig:
-    """The PipelineConfig that ``start_pipeline_run`` logged with the run."""
-    with tempfile.TemporaryDirectory() as scratch:
-        path = client.download_artifacts(run_id, CONFIG_ARTIFACT, scratch)
-        return PipelineConfig.model_validate_json(Path(path).read_text())
-
-
-# ---------------------------------------------------------------- the registry's champion
-
-
-def find_alias(client: MlflowClient, model_name: str, alias: str = CHAMPION) -> ModelVersion | None:
-    try:
-        return client.get_model_version_by_alias(model_name, alias)
-    except MlflowException as error:
-        if error.error_code in ("RESOURCE_DOES_NOT_EXIST", "NOT_FOUND", "INVALID_PARAMETER_VALUE"):
-            return None
-        raise
-
-
-def download_version_checkpoint(client: MlflowClient, version: ModelVersion, destination: str | Path) -> Path:
-    """The ``model.pt`` inside a registered version's logged model."""
-    model_uri = client.get_model_version_download_uri(version.name, version.version)
-    local = mlflow.artifacts.download_artifacts(
-        artifact_uri=f"{model_uri.rstrip('/')}/{MODEL_PT_IN_MODEL}",
-        dst_path=str(destination),
-        tracking_uri=client.tracking_uri,
-    )
-    return Path(local)
-
-
-def champion_checkpoint(config: PipelineConfig, destination: str | Path | None = None) -> Path | None:
-    """Download the current @champion's ``model.pt`` (for ``train.init_from: champion``); None when there is none."""
-    uri = resolve_tracking_uri(config)
-    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
-    champion = find_alias(client, config.registry.model_name)
-    if champion is None:
-        return None
-    destination = Path(destination or tempfile.mkdtemp(prefix="ddpflow-champion-"))
-    return download_version_checkpoint(client, champion, destination)

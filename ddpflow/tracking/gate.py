@@ -1,0 +1,258 @@
+"""The champion gate's rules and its decision, as plain values: no MLflow, no Prefect, no I/O.
+
+    reading = ChampionReading.scored("3", 0.91)        # or .none(), .incompatible(...), .unreadable(...)
+    verdict = decide(candidate_value, reading, rules)  # (decision, reason)
+
+Decisions:
+- ``rejected``: a metric is NaN/inf, or the gate metric misses ``registry.min_metric``.
+- ``promoted``: no champion yet; the candidate beats the champion (both scored on the
+  same test shards) by more than ``min_delta``; the champion loads but cannot score
+  this data (``incompatible``); or the champion is unreadable and the user opted in
+  with ``registry.replace_unreadable_champion``.
+- ``challenger``: everything else, including an unreadable champion without the
+  opt-in: the registration step then fails the run (``ChampionUnreadableError``).
+
+``GateDecision`` is the one place the decision's fields, its tags (on the model
+version and on the MLflow run) and its dict form are defined.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+PROMOTED, CHALLENGER, REJECTED = "promoted", "challenger", "rejected"
+# champion_status is "<kind>" or "<kind>: <detail>"
+NO_CHAMPION, SCORED, INCOMPATIBLE, UNREADABLE = "none", "scored", "incompatible", "unreadable"
+
+DECISION_TAG = "gate.decision"
+# gate.state: "recorded" once the decision is written (before any alias moves), "applied" after.
+# A version with a decision that is only "recorded" is finished by the next attempt.
+STATE_TAG = "gate.state"
+RECORDED, APPLIED = "recorded", "applied"
+TAG_LIMIT = 5000  # MLflow's longest tag value
+
+
+class ChampionUnreadableError(RuntimeError):
+    """The champion's files are missing or unreadable: the candidate waits as @challenger, the run fails."""
+
+
+@dataclass(frozen=True)
+class GateRules:
+    metric: str
+    greater_is_better: bool
+    min_delta: float = 0.0
+    min_metric: float | None = None
+    replace_unreadable_champion: bool = False
+
+
+@dataclass(frozen=True)
+class ChampionReading:
+    """What the gate learnt about the current @champion: its version, and its score or why there is none."""
+
+    version: str | None
+    kind: str  # NO_CHAMPION, SCORED, INCOMPATIBLE or UNREADABLE
+    value: float | None = None
+    detail: str = ""
+
+    @classmethod
+    def none(cls) -> ChampionReading:
+        return cls(None, NO_CHAMPION)
+
+    @classmethod
+    def scored(cls, version: str, value: float) -> ChampionReading:
+        return cls(str(version), SCORED, float(value))
+
+    @classmethod
+    def incompatible(cls, version: str, why: str) -> ChampionReading:
+        return cls(str(version), INCOMPATIBLE, None, why)
+
+    @classmethod
+    def unreadable(cls, version: str, what: str) -> ChampionReading:
+        return cls(str(version), UNREADABLE, None, what)
+
+    @property
+    def status(self) -> str:
+        return f"{self.kind}: {self.detail}" if self.detail else self.kind
+
+
+def is_better(candidate: float, champion: float, higher_is_better: bool, min_delta: float) -> bool:
+    return candidate > champion + min_delta if higher_is_better else candidate < champion - min_delta
+
+
+def rejection_reason(metrics: dict[str, float], rules: GateRules) -> str | None:
+    """Why the candidate may not be registered at all, or None."""
+    invalid = sorted(name for name, value in metrics.items() if not math.isfinite(float(value)))
+    if invalid:
+        return f"metrics {invalid} are NaN or infinite"
+    if rules.min_metric is not None:
+        value, floor = metrics[rules.metric], rules.min_metric
+        if (value < floor) if rules.greater_is_better else (value > floor):
+            better = "higher" if rules.greater_is_better else "lower"
+            return f"{rules.metric}={value:.6g} misses registry.min_metric={floor:.6g} ({better} is better)"
+    return None
+
+
+def decide(candidate: float, champion: ChampionReading, rules: GateRules) -> tuple[str, str]:
+    """(decision, reason) for a candidate that passed ``rejection_reason``."""
+    metric, delta = rules.metric, rules.min_delta
+    if champion.kind == NO_CHAMPION:
+        return PROMOTED, f"first model: no champion yet ({metric}={candidate:.6g})"
+    name = f"champion v{champion.version}"
+    if champion.kind == UNREADABLE:
+        if rules.replace_unreadable_champion:
+            return PROMOTED, (
+                f"{name} was unreadable ({champion.detail}); replaced because "
+                "registry.replace_unreadable_champion is true"
+            )
+        return CHALLENGER, f"{name} is unreadable ({champion.detail}); the candidate waits as challenger"
+    if champion.kind == INCOMPATIBLE:
+        return PROMOTED, f"{name} cannot score this data ({champion.detail}); the candidate replaces it"
+    value = champion.value
+    if not math.isfinite(value):
+        return PROMOTED, f"{name} scores {metric}={value} on this data"
+    if is_better(candidate, value, rules.greater_is_better, delta):
+        return PROMOTED, f"{metric} {candidate:.6g} beats {name}'s {value:.6g} by more than {delta:g}"
+    return CHALLENGER, f"{metric} {candidate:.6g} does not beat {name}'s {value:.6g} by more than {delta:g}"
+
+
+@dataclass(frozen=True)
+class GateDecision:
+    """The gate's outcome for one MLflow run; ``to_dict()`` is what the flow and the CLI report."""
+
+    decision: str
+    reason: str
+    model_name: str
+    run_id: str
+    metric: str
+    greater_is_better: bool
+    candidate_value: float
+    version: str | None = None
+    champion_value: float | None = None
+    champion_version: str | None = None
+    champion_status: str | None = None
+    already_registered: bool = False
+
+    @classmethod
+    def judge(
+        cls, rules: GateRules, model_name: str, run_id: str, version: str, candidate: float, champion: ChampionReading
+    ) -> GateDecision:
+        decision, reason = decide(candidate, champion, rules)
+        return cls(
+            decision, reason, model_name, run_id, rules.metric, rules.greater_is_better, float(candidate),
+            version=str(version), champion_value=champion.value, champion_version=champion.version,
+            champion_status=champion.status,
+        )  # fmt: skip
+
+    @classmethod
+    def rejected(cls, rules: GateRules, model_name: str, run_id: str, candidate: float, reason: str) -> GateDecision:
+        return cls(REJECTED, reason, model_name, run_id, rules.metric, rules.greater_is_better, float(candidate))
+
+    @classmethod
+    def from_version_tags(
+        cls, tags: dict[str, str], model_name: str, version: str, run_id: str, already_registered: bool = True
+    ) -> GateDecision:
+        """The decision an earlier attempt recorded on the model version (``version_tags``)."""
+
+        def number(key: str) -> float | None:
+            return float(tags[key]) if tags.get(key) else None
+
+        return cls(
+            decision=tags[DECISION_TAG],
+            reason=tags.get("gate.reason", ""),
+            model_name=model_name,
+            run_id=run_id,
+            metric=tags.get("gate.metric", ""),
+            greater_is_better=tags.get("gate.greater_is_better") == "True",
+            candidate_value=number("gate.candidate_value"),
+            version=str(version),
+            champion_value=number("gate.champion_value"),
+            champion_version=tags.get("gate.champion_version") or None,
+            champion_status=tags.get("gate.champion_status"),
+            already_registered=already_registered,
+        )
+
+    @property
+    def model_uri(self) -> str | None:
+        return f"models:/{self.model_name}/{self.version}" if self.version is not None else None
+
+    @property
+    def champion_unreadable(self) -> bool:
+        return (self.champion_status or "").startswith(UNREADABLE)
+
+    def again(self) -> GateDecision:
+        """The same decision, reported as one an earlier attempt made."""
+        return replace(self, already_registered=True)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "model_uri": self.model_uri}
+
+    def version_tags(self) -> dict[str, str]:
+        """The gate's record on the model version; ``DECISION_TAG`` last (see ``recorded_complete``)."""
+        return _tag_values(
+            {
+                "gate.metric": self.metric,
+                "gate.greater_is_better": self.greater_is_better,
+                "gate.candidate_value": self.candidate_value,
+                "gate.champion_value": self.champion_value,
+                "gate.champion_version": self.champion_version,
+                "gate.champion_status": self.champion_status,
+                "gate.reason": self.reason,
+                DECISION_TAG: self.decision,
+            }
+        )
+
+    def run_tags(self) -> dict[str, str]:
+        """The gate's record on the MLflow run (``registry.*``)."""
+        fields = ("decision", "reason", "model_name", "version", "metric", "candidate_value")
+        fields += ("champion_value", "champion_version", "champion_status")
+        return _tag_values({f"registry.{name}": getattr(self, name) for name in fields})
+
+    def run_metrics(self) -> dict[str, float]:
+        """``gate_candidate_<metric>`` and ``gate_champion_<metric>``, where they are finite numbers."""
+        values = {
+            f"gate_candidate_{self.metric}": self.candidate_value,
+            f"gate_champion_{self.metric}": self.champion_value,
+        }
+        return {name: value for name, value in values.items() if _finite(value)}
+
+
+def recorded_complete(tags: dict[str, str]) -> bool:
+    """True when a version's gate record is final: a retry returns it instead of gating again.
+
+    Not final: no decision yet; a decision only ``recorded`` (an attempt died before its
+    aliases moved); a challenger held back by a champion that could not be read
+    (gated again once its files are restored, or with the opt-in). Versions gated
+    before ``gate.state`` existed wrote their decision last, so a decision without
+    a state is final.
+    """
+    decision = tags.get(DECISION_TAG)
+    if not decision or tags.get(STATE_TAG, APPLIED) != APPLIED:
+        return False
+    return decision == PROMOTED or not tags.get("gate.champion_status", "").startswith(UNREADABLE)
+
+
+def unreadable_champion_message(decision: GateDecision, tracking_uri: str) -> str:
+    """What the user sees when the gate stopped at an unreadable champion: which version, what, how to recover."""
+    run = decision.run_id
+    what = decision.champion_status.partition(": ")[2] or "its model files"
+    return (
+        f"the champion gate stopped: {decision.model_name} champion v{decision.champion_version} could not be read "
+        f"({what}). MLflow run {run} was registered as v{decision.version} with alias @challenger; @champion stays "
+        f"on v{decision.champion_version}. To recover, restore the champion's files and re-run the gate: "
+        f"MLFLOW_TRACKING_URI={tracking_uri} ddpflow register --run-id {run}; or, to replace the unreadable "
+        f"champion with this model: MLFLOW_TRACKING_URI={tracking_uri} ddpflow register --run-id {run} "
+        "--set registry.replace_unreadable_champion=true"
+    )
+
+
+def _tag_values(values: dict[str, Any]) -> dict[str, str]:
+    def text(value: Any) -> str:
+        return "" if value is None else (f"{value:.10g}" if isinstance(value, float) else str(value))
+
+    return {key: text(value)[:TAG_LIMIT] for key, value in values.items()}
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)

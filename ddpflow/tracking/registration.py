@@ -1,0 +1,365 @@
+"""Register a run's model behind the champion gate, in an order no failure can bend (no Prefect here).
+
+    decision = register_candidate(config, run_id, model_path, dataset_dir, metrics, uri, gate_lock=lock)
+    decision = register_run(run_id, overrides=["registry.min_delta=0.01"])  # `ddpflow register --run-id`
+
+What the step guarantees (docs/registry.md says the same to users):
+- A rejected candidate (NaN metric, misses ``min_metric``) is never registered.
+- Otherwise the model is registered once per MLflow run (found again by its
+  ``ddpflow.run_id`` tag), then, holding ``gate_lock(model_name)``, @champion is
+  read, the champion is re-scored on the same test shards, and the decision is
+  RECORDED (version tags ``gate.*``, run tags ``registry.*``, gate metrics)
+  BEFORE any alias moves. Moving @champion is the last write that can fail the
+  step, so a run whose registration failed never moved it.
+- A champion that exists but whose files cannot be downloaded or loaded is
+  never treated as "no champion": the candidate gets @challenger, @champion
+  stays, the record is written, and ``ChampionUnreadableError`` says how to
+  recover (unless ``registry.replace_unreadable_champion`` is set).
+- A retry finishes what an attempt left: a decision only recorded is gated
+  again under the lock; one whose @champion move landed is completed as it was.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mlflow import MlflowClient
+from mlflow.entities import Metric, RunTag
+from mlflow.entities.model_registry import ModelVersion
+from mlflow.exceptions import MlflowException
+
+from ddpflow.tracking.gate import (
+    APPLIED,
+    DECISION_TAG,
+    PROMOTED,
+    RECORDED,
+    STATE_TAG,
+    ChampionReading,
+    ChampionUnreadableError,
+    GateDecision,
+    GateRules,
+    recorded_complete,
+    rejection_reason,
+    unreadable_champion_message,
+)
+from ddpflow.tracking.registry import (
+    CHAMPION,
+    RegistrationError,
+    RegistryUnavailable,
+    download_version_checkpoint,
+    find_alias,
+    find_version_for_run,
+    first_line,
+    is_transient,
+    mark_challenger,
+    promote,
+    register_version,
+    set_version_tags,
+    version_download_uri,
+)
+from ddpflow.tracking.runs import (
+    DATASET_DIR_TAG,
+    MODEL_PATH_TAG,
+    configure_mlflow,
+    read_run_config,
+    resolve_tracking_uri,
+    use_tracking_uri,
+)
+from training.config import PipelineConfig, apply_overrides, validate_config
+from training.data.manifest import read_manifest
+from training.evaluate import IncompatibleModelError, evaluate_split, load_model_checkpoint
+
+GateLock = Callable[[str], AbstractContextManager]
+
+_logger = logging.getLogger("ddpflow.register")
+
+
+# ---------------------------------------------------------------- serialising the gate
+
+
+_process_locks: dict[str, threading.Lock] = {}
+_process_locks_guard = threading.Lock()
+
+
+@contextmanager
+def process_gate_lock(model_name: str) -> Iterator[None]:
+    """The default ``gate_lock``: serialises registrations of one model within this process only.
+
+    The Prefect task passes a lock that holds across processes and machines
+    (tasks/register.py: a global concurrency limit named after the model).
+    """
+    with _process_locks_guard:
+        lock = _process_locks.setdefault(model_name, threading.Lock())
+    with lock:
+        yield
+
+
+def _nothing(*_: Any) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class GateHooks:
+    """Seams at the gate's two critical moments, for tests that force a race or a crash; production passes none.
+
+    ``champion_read(version or None)`` runs under the lock right after @champion is read;
+    ``before_aliases(decision)`` runs after the record is written and before any alias moves.
+    """
+
+    champion_read: Callable[[str | None], None] = _nothing
+    before_aliases: Callable[[GateDecision], None] = _nothing
+
+
+# ---------------------------------------------------------------- the whole step
+
+
+def gate_rules(config: PipelineConfig, task: str) -> GateRules:
+    registry = config.registry
+    return GateRules(
+        metric=registry.gate_metric(task),
+        greater_is_better=registry.higher_is_better(task),
+        min_delta=registry.min_delta,
+        min_metric=registry.min_metric,
+        replace_unreadable_champion=registry.replace_unreadable_champion,
+    )
+
+
+def register_candidate(
+    config: PipelineConfig,
+    run_id: str,
+    model_path: str,
+    dataset_dir: str,
+    metrics: dict[str, float],
+    tracking_uri: str,
+    *,
+    logger: Any = None,
+    gate_lock: GateLock | None = None,
+    hooks: GateHooks | None = None,
+) -> GateDecision:
+    """Register the run's model and apply the champion gate (see the module docstring).
+
+    Raises ``RegistrationError`` (will not succeed as asked), ``RegistryUnavailable``
+    (the store is away: worth retrying) or ``ChampionUnreadableError``.
+    """
+    # The registry resolves a version's source (models:/<id>) through MLflow's
+    # process-wide tracking URI, so point it at this store for the whole step.
+    with use_tracking_uri(tracking_uri):
+        try:
+            step = _Registration(config, run_id, tracking_uri, logger or _logger, gate_lock, hooks or GateHooks())
+            decision = step.run(model_path, dataset_dir, metrics)
+        except Exception as error:
+            if isinstance(error, (RegistryUnavailable, ChampionUnreadableError)) or not is_transient(error):
+                raise
+            # MLflow's own text names an endpoint URL deep in a connection-pool message; say what it
+            # means for this run, and that nothing is lost: the step is idempotent and can be re-run.
+            raise RegistryUnavailable(
+                f"registering MLflow run {run_id} failed: the tracking store {tracking_uri} is unavailable "
+                f"({first_line(error)}). {model_path} and its eval/metrics.json are kept; once the store is back, "
+                f"finish with: MLFLOW_TRACKING_URI={tracking_uri} ddpflow register --run-id {run_id}"
+            ) from error
+    if decision.champion_unreadable and decision.decision != PROMOTED:
+        raise ChampionUnreadableError(unreadable_champion_message(decision, tracking_uri))
+    return decision
+
+
+class _Registration:
+    """One attempt for one run: the steps in their guaranteed order."""
+
+    def __init__(
+        self,
+        config: PipelineConfig,
+        run_id: str,
+        tracking_uri: str,
+        logger: Any,
+        gate_lock: GateLock | None,
+        hooks: GateHooks,
+    ):
+        self.config, self.run_id, self.logger, self.hooks = config, run_id, logger, hooks
+        self.name = config.registry.model_name
+        self.gate_lock = gate_lock or process_gate_lock
+        self.client, self.experiment_id = configure_mlflow(config, tracking_uri)
+
+    def run(self, model_path: str, dataset_dir: str, metrics: dict[str, float]) -> GateDecision:
+        manifest = read_manifest(dataset_dir)
+        rules = gate_rules(self.config, manifest.task)
+        if rules.metric not in metrics:
+            raise RegistrationError(
+                f"registry.metric {rules.metric!r} is not among the evaluated metrics {sorted(metrics)}"
+            )
+        version = find_version_for_run(self.client, self.name, self.run_id)
+        if version is not None and recorded_complete(version.tags):
+            decision = GateDecision.from_version_tags(version.tags, self.name, str(version.version), self.run_id)
+            self.logger.info(
+                "MLflow run %s is already registered as %s v%s (%s); nothing to do",
+                self.run_id,
+                self.name,
+                version.version,
+                decision.decision,
+            )
+            return decision
+        candidate = float(metrics[rules.metric])
+        rejection = rejection_reason(metrics, rules)
+        if rejection:
+            decision = GateDecision.rejected(rules, self.name, self.run_id, candidate, rejection)
+            self._record_on_run(decision)
+            self.logger.warning("Not registering run %s: %s", self.run_id, rejection)
+            return decision
+        if version is None:
+            version = register_version(
+                self.client, self.config, self.experiment_id, self.run_id, model_path, manifest, dataset_dir
+            )
+        with self.gate_lock(self.name):
+            decision = self._gate(version, rules, candidate, dataset_dir)
+        log = self.logger.info if decision.decision == PROMOTED else self.logger.warning
+        log("%s v%s: %s (%s)", self.name, decision.version, decision.decision, decision.reason)
+        return decision
+
+    def _gate(self, version: ModelVersion, rules: GateRules, candidate: float, dataset_dir: str) -> GateDecision:
+        """Under the lock: read @champion (it may have moved while we waited), decide, record, then move aliases."""
+        champion = find_alias(self.client, self.name, CHAMPION)
+        self.hooks.champion_read(None if champion is None else str(champion.version))
+        if champion is not None and str(champion.version) == str(version.version):
+            decision = self._promoted_earlier(version)
+        else:
+            reading = read_champion(self.client, champion, dataset_dir, rules.metric, self.config.eval.batch_size)
+            decision = GateDecision.judge(rules, self.name, self.run_id, str(version.version), candidate, reading)
+        self._record(decision)
+        self.hooks.before_aliases(decision)
+        if decision.decision == PROMOTED:
+            promote(self.client, self.name, decision.version, decision.champion_version)
+        else:
+            mark_challenger(self.client, self.name, decision.version)
+        self._mark_applied(decision)
+        return decision
+
+    def _promoted_earlier(self, version: ModelVersion) -> GateDecision:
+        """An earlier attempt recorded its promotion and moved @champion, then died: keep what it measured."""
+        tags = {"gate.reason": "promoted by an earlier attempt", **version.tags, DECISION_TAG: PROMOTED}
+        return GateDecision.from_version_tags(tags, self.name, str(version.version), self.run_id, False)
+
+    def _record(self, decision: GateDecision) -> None:
+        """The decision on the version and on the run, before any alias moves.
+
+        ``gate.state=recorded`` goes first: a record cut short is never mistaken for a finished one.
+        """
+        set_version_tags(self.client, self.name, decision.version, {STATE_TAG: RECORDED})
+        set_version_tags(self.client, self.name, decision.version, decision.version_tags())
+        self._record_on_run(decision)
+
+    def _record_on_run(self, decision: GateDecision) -> None:
+        now = _now_ms()
+        tags = [RunTag(key, value) for key, value in decision.run_tags().items()]
+        metrics = [Metric(key, value, now, 0) for key, value in decision.run_metrics().items()]
+        self.client.log_batch(self.run_id, metrics=metrics, tags=tags)
+
+    def _mark_applied(self, decision: GateDecision) -> None:
+        # Best effort: @champion has already moved, and a failure here must not fail a run whose
+        # champion moved. A version left "recorded" is completed by the next registration of the run.
+        try:
+            set_version_tags(self.client, self.name, decision.version, {STATE_TAG: APPLIED})
+        except Exception as error:
+            self.logger.warning(
+                "%s v%s: aliases are set but gate.state could not be marked %s (%s); "
+                "the next `ddpflow register --run-id %s` completes it",
+                self.name,
+                decision.version,
+                APPLIED,
+                first_line(error),
+                self.run_id,
+            )
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+# ---------------------------------------------------------------- scoring the champion
+
+
+def read_champion(
+    client: MlflowClient, champion: ModelVersion | None, dataset_dir: str, metric: str, batch_size: int
+) -> ChampionReading:
+    """The champion's gate metric on these test shards, or why there is none.
+
+    Unreadable (download or load fails) is told apart from incompatible (loads,
+    but cannot score this data); a transient store error is raised, to be retried.
+    """
+    if champion is None:
+        return ChampionReading.none()
+    version = str(champion.version)
+    with tempfile.TemporaryDirectory(prefix="ddpflow-champion-") as scratch:
+        try:
+            where = version_download_uri(client, champion)
+            path = download_version_checkpoint(client, champion, scratch)
+        except Exception as error:
+            if is_transient(error):
+                raise
+            return ChampionReading.unreadable(version, f"its model.pt could not be downloaded: {_compact(error)}")
+        try:
+            load_model_checkpoint(path)
+        except Exception as error:
+            return ChampionReading.unreadable(version, f"its model.pt at {where} does not load: {_compact(error)}")
+        try:
+            result = evaluate_split(path, dataset_dir, "test", batch_size)
+        except IncompatibleModelError as error:
+            return ChampionReading.incompatible(version, str(error).replace(str(path), "its model.pt"))
+    if metric not in result.metrics:
+        return ChampionReading.incompatible(version, f"its evaluation on this data has no {metric}")
+    return ChampionReading.scored(version, result.metrics[metric])
+
+
+def _compact(error: BaseException, limit: int = 400) -> str:
+    """The whole message on one line (MLflow puts the useful part of a download error on its later lines)."""
+    return f"{type(error).__name__}: {' '.join(str(error).split())}"[:limit]
+
+
+# ---------------------------------------------------------------- re-running for a finished run
+
+
+def register_run(
+    run_id: str,
+    config: PipelineConfig | None = None,
+    overrides: list[str] | None = None,
+    tracking_uri: str | None = None,
+    *,
+    logger: Any = None,
+    gate_lock: GateLock | None = None,
+) -> GateDecision:
+    """``ddpflow register --run-id``: the gate for a run that was already evaluated.
+
+    The model path, dataset and test metrics come from the run (tags
+    ``ddpflow.model_path`` / ``ddpflow.dataset_dir`` set with the evaluation);
+    the config is the run's own unless one is given, with ``overrides``
+    (``section.key=value``) applied on top, e.g.
+    ``registry.replace_unreadable_champion=true``.
+    """
+    uri = tracking_uri or resolve_tracking_uri(config or PipelineConfig())
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    try:
+        run = client.get_run(run_id)
+    except MlflowException as error:
+        if error.error_code in ("RESOURCE_DOES_NOT_EXIST", "NOT_FOUND", "INVALID_PARAMETER_VALUE"):
+            raise RegistrationError(f"MLflow run {run_id!r} does not exist in {uri}") from None
+        raise
+    tags = run.data.tags
+    if MODEL_PATH_TAG not in tags or DATASET_DIR_TAG not in tags:
+        raise RegistrationError(
+            f"MLflow run {run_id} was never evaluated (no {MODEL_PATH_TAG} / {DATASET_DIR_TAG} tags); "
+            "run the pipeline first"
+        )
+    config = config or read_run_config(client, run_id)
+    if overrides:
+        config = validate_config(apply_overrides(config.model_dump(mode="json"), list(overrides)))
+    metrics = {name: value for name, value in run.data.metrics.items() if name.startswith("test_")}
+    model_path, dataset_dir = tags[MODEL_PATH_TAG], tags[DATASET_DIR_TAG]
+    if "://" not in dataset_dir and not Path(dataset_dir).is_dir():
+        raise RegistrationError(f"MLflow run {run_id}: its dataset {dataset_dir} is gone; the gate scores on it")
+    return register_candidate(config, run_id, model_path, dataset_dir, metrics, uri, logger=logger, gate_lock=gate_lock)
