@@ -38,7 +38,8 @@ def test_result_checks_its_target_in_the_right_direction():
 def test_docs_blocks_are_replaced_and_prose_kept(tmp_path):
     docs = tmp_path / "benchmarks.md"
     docs.write_text(
-        "# Benchmarks\n\nWhy the data path is slow.\n\n<!-- bench:datapath:begin -->\nold table\n<!-- bench:datapath:end -->\n\nMore prose.\n"
+        "# Benchmarks\n\nWhy the data path is slow.\n\n"
+        "<!-- bench:datapath:begin -->\nold table\n<!-- bench:datapath:end -->\n\nMore prose.\n"
     )
     result = Result(
         "datapath",

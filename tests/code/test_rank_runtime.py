@@ -64,7 +64,8 @@ def test_cpu_affinity_pins_threads_that_started_before_it():
         thread = threading.Thread(target=early); thread.start(); started.wait()
         cores = len(os.sched_getaffinity(0))
         print(configure_cpu(TrainConfig(cpu_affinity=True), local_rank=1, local_world_size=cores))
-        print(sorted(os.sched_getaffinity(0)) == sorted(os.sched_getaffinity(thread.native_id)), len(os.sched_getaffinity(thread.native_id)))
+        thread_cores = os.sched_getaffinity(thread.native_id)
+        print(sorted(os.sched_getaffinity(0)) == sorted(thread_cores), len(thread_cores))
         stop.set()
         """
     )
