@@ -1,13 +1,9 @@
-"""A real two-node Slurm cluster on this machine, one per test session (recipe: ../shared/SLURM.md).
+"""The session's two-node Slurm cluster for tests (ddpflow/launch/slurm_local_cluster.py), and probes.
 
-One ``slurmctld`` and two ``slurmd`` (nodes ``n1`` and ``n2``) from Debian's packages, with ``auth/none``,
-a fresh state directory and free ports. Started with ``Popen(start_new_session=True)`` and stopped by
-PID (TERM, 5 s, KILL). The session's ``SLURM_CONF`` is set in ``os.environ`` while it runs, so the
-launcher under test finds the cluster the way it would on a login node.
-
-``n2`` runs in a private mount namespace where ``hidden_from_n2`` is an empty tmpfs: a path there
-exists for the test (and ``n1``) but not for ``n2``, which is how a node that does not see the
-shared filesystem looks.
+One ``slurmctld`` and two ``slurmd`` (nodes ``n1`` and ``n2``) per test session, started with
+``Popen(start_new_session=True)`` and stopped by PID (TERM, 5 s, KILL). The session's
+``SLURM_CONF`` is set in ``os.environ`` while it runs, so the launcher under test finds the
+cluster the way it would on a login node.
 
 Skipped only where the Slurm programs are missing (or we are not root) outside CI; with
 ``CI=true`` the same situation fails the tests instead.
@@ -16,107 +12,25 @@ Skipped only where the Slurm programs are missing (or we are not root) outside C
 from __future__ import annotations
 
 import os
-import shutil
-import signal
-import socket
-import subprocess
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import psutil
 import pytest
 
-DAEMONS = ("slurmctld", "slurmd")
-CLIENTS = ("sbatch", "srun", "scontrol", "scancel", "sinfo", "squeue")
-NODES = ("n1", "n2")
-PARTITION = "debug"
-START_TIMEOUT_S = 60.0
-STOP_GRACE_S = 5.0
+from ddpflow.launch.slurm_local_cluster import LocalSlurmCluster, missing_requirements, start, stop, wait_until
 
-SLURM_CONF_TEMPLATE = """\
-ClusterName=ddpflowtest
-SlurmctldHost={host}(127.0.0.1)
-SlurmctldPort={ctld_port}
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/none
-CredType=cred/none
-MailProg=/bin/true
-StateSaveLocation={dir}/state
-SlurmdSpoolDir={dir}/spool/%n
-SlurmctldPidFile={dir}/run/slurmctld.pid
-SlurmdPidFile={dir}/run/slurmd-%n.pid
-SlurmctldLogFile={dir}/log/slurmctld.log
-SlurmdLogFile={dir}/log/slurmd-%n.log
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/none
-SwitchType=switch/none
-MpiDefault=none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-SchedulerType=sched/builtin
-ReturnToService=2
-SlurmdTimeout=30
-SlurmctldTimeout=30
-InactiveLimit=0
-KillWait=2
-MinJobAge=300
-Waittime=0
-NodeName=n1 NodeHostname={host} NodeAddr=127.0.0.1 Port={n1_port} CPUs={cpus} RealMemory=1000 State=UNKNOWN
-NodeName=n2 NodeHostname={host} NodeAddr=127.0.0.1 Port={n2_port} CPUs={cpus} RealMemory=1000 State=UNKNOWN
-PartitionName={partition} Nodes=n1,n2 Default=YES MaxTime=UNLIMITED State=UP
-PartitionName=short Nodes=n1,n2 Default=NO MaxTime=1 State=UP
-"""
+__all__ = ["LocalSlurmCluster", "processes_mentioning", "require_slurm", "slurm_cluster", "wait_until"]
 
 
-@dataclass
-class SlurmCluster:
-    """A running test cluster: its files, its client environment and a few probes for assertions."""
-
-    dir: Path
-    conf: Path
-    partition: str = PARTITION
-    hidden_from_n2: Path | None = None  # exists here and on n1, an empty tmpfs on n2 (None: no mount namespaces)
-    daemons: list[subprocess.Popen] = field(default_factory=list)
-
-    @property
-    def env(self) -> dict[str, str]:
-        return {**os.environ, "SLURM_CONF": str(self.conf)}
-
-    def run(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
-        return subprocess.run(list(argv), env=self.env, capture_output=True, text=True, timeout=60, check=check)
-
-    def job(self, job_id: str) -> dict[str, str]:
-        """``scontrol show job`` as a dict ({} once Slurm has forgotten the job)."""
-        done = self.run("scontrol", "show", "job", "-o", str(job_id), check=False)
-        if done.returncode != 0:
-            return {}
-        return dict(part.split("=", 1) for part in done.stdout.split() if "=" in part)
-
-    def job_ids(self) -> list[str]:
-        """Every job the controller still knows (finished ones stay MinJobAge = 300 s)."""
-        done = self.run("squeue", "-h", "-t", "all", "-o", "%i")
-        return sorted(done.stdout.split(), key=int)
-
-    def active_job_ids(self) -> list[str]:
-        done = self.run("squeue", "-h", "-t", "PENDING,RUNNING,CONFIGURING,COMPLETING,SUSPENDED", "-o", "%i")
-        return done.stdout.split()
-
-    def cancel_all(self) -> None:
-        self.run("scancel", "--partition", self.partition, check=False)
-        self.run("scancel", "--partition", "short", check=False)
-        wait_until(lambda: not self.active_job_ids(), 30, "every job of the session to end")
-
-    def log_tail(self, lines: int = 30) -> str:
-        parts = []
-        for log in sorted((self.dir / "log").glob("*.log")):
-            parts.append(f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:]))
-        return "\n".join(parts)
+def require_slurm() -> None:
+    """Skip outside CI when Slurm cannot run here; in CI (CI=true) fail instead."""
+    missing = missing_requirements()
+    if not missing:
+        return
+    message = f"Slurm tests need {', '.join(missing)} (install: .ci/run, or ../shared/SLURM.md)"
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(message, pytrace=False)
+    pytest.skip(message)
 
 
 def processes_mentioning(text: str) -> list[psutil.Process]:
@@ -131,136 +45,8 @@ def processes_mentioning(text: str) -> list[psutil.Process]:
     return [proc for proc in found if proc.pid != os.getpid()]
 
 
-def wait_until(condition, timeout_s: float, what: str, interval_s: float = 0.2):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"waited {timeout_s:g} s for {what}")
-        time.sleep(interval_s)
-
-
-def missing_requirements() -> list[str]:
-    missing = [name for name in DAEMONS + CLIENTS if shutil.which(name) is None]
-    if os.geteuid() != 0:
-        missing.append("root (slurmd runs as root)")
-    return missing
-
-
-def require_slurm() -> None:
-    """Skip outside CI when Slurm cannot run here; in CI (CI=true) fail instead."""
-    missing = missing_requirements()
-    if not missing:
-        return
-    message = f"Slurm tests need {', '.join(missing)} (install: .ci/run, or ../shared/SLURM.md)"
-    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-        pytest.fail(message, pytrace=False)
-    pytest.skip(message)
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
-def can_hide_paths() -> bool:
-    """Whether a private mount namespace with a tmpfs can be made here (root with CAP_SYS_ADMIN)."""
-    if shutil.which("unshare") is None:
-        return False
-    probe = subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c", "mount -t tmpfs probe /mnt"],
-        capture_output=True,
-        timeout=30,
-    )
-    return probe.returncode == 0
-
-
-def write_conf(directory: Path) -> Path:
-    for sub in ("state", "spool/n1", "spool/n2", "run", "log"):
-        (directory / sub).mkdir(parents=True, exist_ok=True)
-    ctld_port, n1_port, n2_port = free_ports(3)
-    # Each node may claim the host's CPUs (never more than `slurmd -C` reports, or it drains).
-    conf = SLURM_CONF_TEMPLATE.format(
-        host=socket.gethostname().split(".")[0],
-        ctld_port=ctld_port,
-        n1_port=n1_port,
-        n2_port=n2_port,
-        cpus=os.cpu_count() or 1,
-        dir=directory,
-        partition=PARTITION,
-    )
-    path = directory / "slurm.conf"
-    path.write_text(conf)
-    return path
-
-
-def start(directory: Path) -> SlurmCluster:
-    conf = write_conf(directory)
-    cluster = SlurmCluster(dir=directory, conf=conf)
-    if can_hide_paths():
-        cluster.hidden_from_n2 = directory / "hidden-from-n2"
-        cluster.hidden_from_n2.mkdir()
-    commands = {
-        "slurmctld": ["slurmctld", "-D", "-c", "-f", str(conf)],
-        "n1": ["slurmd", "-D", "-N", "n1", "-f", str(conf)],
-        "n2": ["slurmd", "-D", "-N", "n2", "-f", str(conf)],
-    }
-    if cluster.hidden_from_n2 is not None:
-        # unshare and sh exec into slurmd: the Popen's PID stays slurmd's.
-        commands["n2"] = [
-            "unshare", "--mount", "--propagation", "private", "sh", "-c",
-            'mount -t tmpfs ddpflow-hidden "$0" && exec "$@"', str(cluster.hidden_from_n2), *commands["n2"],
-        ]  # fmt: skip
-    try:
-        for name, argv in commands.items():
-            with open(directory / "log" / f"{name}.stdout", "wb") as out:
-                cluster.daemons.append(
-                    subprocess.Popen(
-                        argv,
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                        stdin=subprocess.DEVNULL,
-                        env=cluster.env,
-                        start_new_session=True,
-                    )
-                )
-            if name == "slurmctld":
-                wait_until(lambda: "UP" in cluster.run("scontrol", "ping", check=False).stdout, 30, "slurmctld")
-        idle = lambda: cluster.run("sinfo", "-h", "-t", "idle", "-o", "%D", check=False).stdout.strip() == "2"  # noqa: E731
-        wait_until(idle, START_TIMEOUT_S, "both nodes idle")
-    except BaseException as error:
-        log = cluster.log_tail()
-        stop(cluster)
-        if isinstance(error, TimeoutError):
-            raise RuntimeError(f"the test Slurm cluster did not start: {error}\n{log}") from None
-        raise
-    return cluster
-
-
-def stop(cluster: SlurmCluster) -> None:
-    """TERM the three daemons, wait up to 5 s, KILL what is left; by PID only."""
-    for daemon in cluster.daemons:
-        if daemon.poll() is None:
-            daemon.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_S
-    for daemon in cluster.daemons:
-        try:
-            daemon.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            daemon.kill()
-            daemon.wait(timeout=5)
-
-
 @pytest.fixture(scope="session")
-def slurm_cluster(tmp_path_factory) -> Iterator[SlurmCluster]:
+def slurm_cluster(tmp_path_factory) -> Iterator[LocalSlurmCluster]:
     """The session's two-node cluster; ``SLURM_CONF`` points at it while the session runs."""
     require_slurm()
     cluster = start(tmp_path_factory.mktemp("slurm"))
@@ -269,8 +55,5 @@ def slurm_cluster(tmp_path_factory) -> Iterator[SlurmCluster]:
     try:
         yield cluster
     finally:
-        try:
-            cluster.cancel_all()
-        finally:
-            patch.undo()
-            stop(cluster)
+        patch.undo()
+        stop(cluster)  # cancels what a failed test left running first

@@ -22,7 +22,7 @@ def test_prefect_yaml_deploys_the_pipeline_with_real_configs(repo_root: Path) ->
     assert spec["build"] is None and spec["push"] is None
     assert spec["pull"] == [{"prefect.deployments.steps.set_working_directory": {"directory": "{{ $PWD }}"}}]
     deployments = {d["name"]: d for d in spec["deployments"]}
-    assert set(deployments) == {"nightly", "manual"}
+    assert set(deployments) == {"nightly", "manual", "slurm"}
     for deployment in deployments.values():
         path, _, function = deployment["entrypoint"].partition(":")
         assert f"def {function}(" in (repo_root / path).read_text()
@@ -34,6 +34,8 @@ def test_prefect_yaml_deploys_the_pipeline_with_real_configs(repo_root: Path) ->
         {"cron": "0 2 * * *", "timezone": "UTC", "slug": "nightly-0200-utc", "active": True}
     ]
     assert deployments["manual"]["schedules"] == []
+    assert deployments["slurm"]["schedules"] == [] and "slurm" in deployments["slurm"]["tags"]
+    assert load_config(repo_root / deployments["slurm"]["parameters"]["config_file"]).train.launcher == "slurm"
 
 
 def test_up_refuses_a_busy_port_before_starting_anything(tmp_path: Path, repo_root: Path) -> None:
