@@ -61,7 +61,7 @@ def log_pyfunc_model(
     ``Model.log`` with an explicit ``run_id`` (what ``mlflow.pyfunc.log_model``
     calls, minus the fluent "active run"): no run is started or ended here,
     so the pipeline's run stays RUNNING until the flow ends it. Uses the
-    process-wide tracking URI (``tasks/tracking.py: use_tracking_uri``).
+    process-wide tracking URI (``ddpflow/tracking/runs.py: use_tracking_uri``).
 
     The input example is raw feature columns as float64 (what a pandas user
     has), so the signature accepts float64 and, by safe upcast, float32.

@@ -318,7 +318,8 @@ def read_champion(
 
 def _compact(error: BaseException, limit: int = 400) -> str:
     """The whole message on one line (MLflow puts the useful part of a download error on its later lines)."""
-    return f"{type(error).__name__}: {' '.join(str(error).split())}"[:limit]
+    text = " ".join(str(error).replace("#####", "").split())  # MLflow frames each failed file in #####
+    return f"{type(error).__name__}: {text}"[:limit]
 
 
 # ---------------------------------------------------------------- re-running for a finished run
