@@ -14,7 +14,7 @@ import pytest
 from training.config import PipelineConfig
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("flows", "tasks", "training")
+PACKAGES = ("flows", "tasks", "ddpflow", "training")
 
 
 def source_files() -> list[Path]:
@@ -60,14 +60,17 @@ def test_no_shell_strings_are_run(parsed):
     assert offenders == []
 
 
-def test_the_local_stack_binds_loopback_only():
-    from flows import stack
+def test_the_local_stack_starts_its_servers_on_loopback_only(tmp_path):
+    from ddpflow import stack
 
-    assert stack.HOST == "127.0.0.1"
+    layout = stack.StackLayout.for_project(tmp_path)
+    for argv in (stack.prefect_server_argv(4200), stack.mlflow_server_argv(layout, 5000)):
+        assert argv[argv.index("--host") + 1] == "127.0.0.1", argv
 
 
 def test_the_config_holds_no_secrets():
-    """Credentials come from the environment (AWS_*, MLFLOW_TRACKING_*), never from a config file or a run's parameters."""
+    """Credentials come from the environment (AWS_*, MLFLOW_TRACKING_*), never from a config file or a run's
+    parameters."""
     names = PipelineConfig().flat().keys()
     assert [
         name
