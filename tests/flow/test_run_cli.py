@@ -1,49 +1,189 @@
-"""`ddpflow run` as a user runs it: a real subprocess, Prefect's temporary local server, tiny data."""
+"""`ddpflow run` and `ddpflow register` as a user runs them: real subprocesses, real Prefect servers, tiny data.
+
+Every way a run ends (it finishes, a signal, its parent dies) must leave no process
+behind: torchrun, its ranks and the temporary Prefect server all carry the run's
+PREFECT_HOME in their environment, so "nothing left" is "no process with that
+PREFECT_HOME". With the project's stack up, the run uses the stack's server.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
+import httpx
+import psutil
 import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
+from ddpflow import stack as local_stack
 
-def cli_env(cwd: Path) -> dict[str, str]:
+REPO = Path(__file__).resolve().parents[2]
+TRAINING_LINE = "[train]"  # a rank's own log line: the ranks are up and training
+GONE_WITHIN_S = 30.0
+# Enough work that only a signal ends the run while the test watches.
+ENDLESS = {
+    "data.source": "synthetic://classification?rows=20000&features=8&classes=3&seed=2",
+    "train.epochs": 1000,
+    "train.batch_size": 64,
+}
+
+
+def cli_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "180"  # a loaded test machine
+    env["PYTHONUNBUFFERED"] = "1"
     return env
 
 
-def ddpflow(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+def ddpflow(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "flows.cli", *args],
         cwd=cwd,
-        env=cli_env(cwd),
+        env=env or cli_env(),
         capture_output=True,
         text=True,
         timeout=540,
     )
 
 
+def write_config(project: Path, config: dict) -> str:
+    (project / "run.yaml").write_text(yaml.safe_dump(config))
+    return "run.yaml"
+
+
+def processes_with_home(prefect_home: Path) -> list[psutil.Process]:
+    """Every process whose environment carries this PREFECT_HOME: the CLI, its server, torchrun, ranks."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("PREFECT_HOME") == str(prefect_home) and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def wait_until_none_left(prefect_home: Path, within_s: float = GONE_WITHIN_S) -> list[str]:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        left = processes_with_home(prefect_home)
+        if not left:
+            return []
+        time.sleep(0.5)
+    return [f"{p.pid} {' '.join(p.cmdline()[:8])}" for p in processes_with_home(prefect_home)]
+
+
+def is_temporary_server(proc: psutil.Process) -> bool:
+    try:
+        return "prefect.server.api.server:create_app" in proc.cmdline()
+    except psutil.Error:
+        return False
+
+
+class LiveRun:
+    """A command started in the background; its stdout and stderr collected as they come."""
+
+    def __init__(self, argv: list[str], cwd: Path, env: dict[str, str]):
+        self.popen = subprocess.Popen(
+            argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1
+        )
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._readers = [
+            threading.Thread(target=self._read, args=(stream, lines), daemon=True)
+            for stream, lines in ((self.popen.stdout, self.out), (self.popen.stderr, self.err))
+        ]
+        for reader in self._readers:
+            reader.start()
+
+    @staticmethod
+    def _read(stream, lines: list[str]) -> None:
+        for line in stream:
+            lines.append(line)
+
+    def wait_for_line(self, marker: str, within_s: float = 300) -> None:
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            if any(marker in line for line in self.out + self.err):
+                return
+            if self.popen.poll() is not None:
+                break
+            time.sleep(0.2)
+        pytest.fail(f"no {marker!r} line within {within_s} s:\n{self.output[-4000:]}")
+
+    def finish(self, within_s: float = 60) -> int:
+        code = self.popen.wait(timeout=within_s)
+        for reader in self._readers:
+            reader.join(timeout=5)
+        return code
+
+    @property
+    def output(self) -> str:
+        return "".join(self.out + self.err)
+
+    @property
+    def last_error_line(self) -> str:
+        return "".join(self.err).strip().splitlines()[-1]
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait()
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    """One project directory for the module: its Prefect database is created once, later servers start warm."""
+    return tmp_path_factory.mktemp("project")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 @pytest.mark.slow
-def test_run_json_prints_the_summary_and_keeps_prefect_state_in_the_project(make_config, tmp_path):
+def test_run_and_register_use_a_temporary_server_and_leave_nothing_behind(make_config, project):
+    """The normal way out; and a stack.json whose server is gone is passed over with one line."""
+    prefect_home = project / ".ddpflow" / "prefect"
+    stale = local_stack.StackState(prefect_url=f"http://127.0.0.1:{free_port()}", mlflow_url="http://127.0.0.1:1")
+    stale.write(project / ".ddpflow" / "stack.json")
     config = make_config()
-    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(config))
-    result = ddpflow(["run", "--config", "tiny.yaml", "--set", "train.epochs=1", "--json"], tmp_path)
+    run_config = write_config(project, config)
+
+    result = ddpflow(["run", "--config", run_config, "--set", "train.epochs=1", "--json"], project)
     assert result.returncode == 0, result.stderr[-4000:]
     summary = json.loads(result.stdout)  # stdout holds only the summary; Prefect logs to stderr
-    assert summary["decision"] == "promoted"
-    assert str(summary["model_version"]) == "1"
+    assert summary["decision"] == "promoted" and str(summary["model_version"]) == "1"
     assert Path(summary["run_dir"], "model.pt").is_file()
     run = MlflowClient(config["mlflow"]["tracking_uri"]).get_run(summary["mlflow_run_id"])
     assert run.data.params["train.epochs"] == "1", "--set overrides the file"
-    assert (tmp_path / ".ddpflow" / "prefect").is_dir(), "PREFECT_HOME defaults to <project>/.ddpflow/prefect"
+    assert prefect_home.is_dir(), "PREFECT_HOME defaults to <project>/.ddpflow/prefect"
+    assert summary["prefect_server"] == "temporary"
+    assert [line for line in result.stderr.splitlines() if "does not answer" in line] == [
+        f"ddpflow: {project / '.ddpflow' / 'stack.json'} names a Prefect server at {stale.prefect_url} "
+        "that does not answer; using a temporary Prefect server"
+    ]
+    assert "Error logging to API" not in result.stderr, "logs are sent before the server stops"
+    assert wait_until_none_left(prefect_home, within_s=10) == []
+
+    registered = ddpflow(["register", "--run-id", summary["mlflow_run_id"], "--config", run_config, "--json"], project)
+    assert registered.returncode == 0, registered.stderr[-4000:]
+    decision = json.loads(registered.stdout)
+    assert decision["already_registered"] is True and decision["decision"] == "promoted"
+    assert decision["prefect_server"] == "temporary"
+    assert wait_until_none_left(prefect_home, within_s=10) == []
 
 
 def test_run_with_a_bad_value_exits_2_with_the_field_on_the_last_line(tmp_path):
@@ -53,3 +193,108 @@ def test_run_with_a_bad_value_exits_2_with_the_field_on_the_last_line(tmp_path):
     assert last_line.startswith("error:") and "train.epochs" in last_line, result.stderr
     assert result.stdout == ""
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("signum", "status", "last_line"),
+    [
+        (signal.SIGTERM, 143, "error: terminated by SIGTERM"),  # kill, a scheduler, a container runtime
+        (signal.SIGINT, 130, "error: interrupted"),  # Ctrl-C
+        (signal.SIGHUP, 129, "error: terminated by SIGHUP"),  # the terminal closes
+    ],
+    ids=["SIGTERM", "SIGINT", "SIGHUP"],
+)
+def test_a_signal_during_training_stops_the_ranks_and_the_temporary_server(
+    make_config, project, signum, status, last_line
+):
+    prefect_home = project / ".ddpflow" / "prefect"
+    run_config = write_config(project, make_config(**ENDLESS))
+    run = LiveRun([sys.executable, "-m", "flows.cli", "run", "--config", run_config], project, cli_env())
+    try:
+        run.wait_for_line(TRAINING_LINE)
+        started = processes_with_home(prefect_home)
+        assert any(is_temporary_server(p) for p in started), "the scan must see the temporary server"
+        assert any("torch.distributed.run" in " ".join(p.cmdline()) for p in started), "... and torchrun"
+        run.popen.send_signal(signum)
+        assert run.finish() == status, run.output[-4000:]
+    finally:
+        run.kill()
+    assert run.last_error_line == last_line
+    assert wait_until_none_left(prefect_home) == []
+
+
+PARENT = """
+import subprocess, sys
+subprocess.Popen(sys.argv[1:])  # inherits this process's stdout: the test reads the run's lines
+print("started", flush=True)
+import time; time.sleep(3600)
+"""
+
+
+@pytest.mark.slow
+def test_the_parent_dying_stops_the_run_and_everything_it_started(make_config, project):
+    """A wrapper (a script, a supervisor) SIGKILLed: the run gets SIGHUP from Linux and cleans up."""
+    prefect_home = project / ".ddpflow" / "prefect"
+    run_config = write_config(project, make_config(**ENDLESS))
+    argv = [sys.executable, "-c", PARENT, sys.executable, "-m", "flows.cli", "run", "--config", run_config]
+    wrapper = LiveRun(argv, project, cli_env())
+    try:
+        wrapper.wait_for_line(TRAINING_LINE)
+        (cli,) = [p for p in psutil.Process(wrapper.popen.pid).children() if "flows.cli" in p.cmdline()]
+        assert any(is_temporary_server(p) for p in processes_with_home(prefect_home))
+        wrapper.popen.kill()
+        cli.wait(timeout=60)  # not our child: psutil cannot read its status, its last line says it
+        wrapper.finish()  # the run wrote to the wrapper's pipes: read to their end
+    finally:
+        wrapper.kill()
+    assert wrapper.last_error_line == "error: terminated by SIGHUP"  # the parent-death signal
+    assert wait_until_none_left(prefect_home) == []
+
+
+@pytest.fixture(scope="module")
+def running_stack(repo_root: Path, tmp_path_factory):
+    """`ddpflow stack up` for a project directory: its state in <project>/.ddpflow, where `ddpflow run` looks."""
+    project = tmp_path_factory.mktemp("stacked")
+    state = local_stack.up(
+        repo_root,
+        prefect_port=free_port(),
+        mlflow_port=free_port(),
+        state_dir=project / ".ddpflow",
+        mlflow_dir=project / "mlflow",
+    )
+    try:
+        yield project, state
+    finally:
+        local_stack.down(repo_root, state_dir=project / ".ddpflow")
+
+
+@pytest.mark.slow
+def test_run_uses_the_projects_running_stack_and_starts_no_server(make_config, running_stack):
+    project, state = running_stack
+    run = LiveRun(
+        [sys.executable, "-m", "flows.cli", "run", "--config", write_config(project, make_config()), "--json"],
+        project,
+        cli_env(),  # no PREFECT_API_URL
+    )
+    started_by_the_run: set[str] = set()
+    try:
+        while run.popen.poll() is None:  # everything the run starts, while it runs
+            try:
+                started_by_the_run |= {
+                    " ".join(child.cmdline()) for child in psutil.Process(run.popen.pid).children(recursive=True)
+                }
+            except psutil.Error:
+                pass
+            time.sleep(0.5)
+        assert run.finish() == 0, run.output[-4000:]
+    finally:
+        run.kill()
+    assert any("torch.distributed.run" in argv for argv in started_by_the_run), "the scan must see torchrun"
+    assert [argv for argv in started_by_the_run if "uvicorn" in argv or " server start" in argv] == []
+
+    summary = json.loads("".join(run.out))  # stdout holds only the summary
+    assert summary["prefect_server"] == "stack" and summary["prefect_api_url"] == state.prefect_api_url
+    flow_run = httpx.get(f"{state.prefect_api_url}/flow_runs/{summary['flow_run_id']}", timeout=30).json()
+    assert flow_run["state_type"] == "COMPLETED" and flow_run["name"] == summary["flow_run"]
+    assert summary["prefect_run_url"] == f"{state.prefect_url}/runs/flow-run/{summary['flow_run_id']}"
