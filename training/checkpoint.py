@@ -1,9 +1,12 @@
 """Checkpoints: ``RUN_DIR/checkpoints/last.pt`` after every epoch, ``RUN_DIR/model.pt`` at the end.
 
 Writing: rank 0 alone writes, atomically (a temp file in the same directory,
-fsynced, then ``os.replace``), then every rank waits at a barrier. A failed
-write (disk full, file size limit, unwritable directory) raises
-``CheckpointWriteError`` naming the path and leaves the previous file intact.
+fsynced, then ``os.replace``), then every rank waits at a barrier of its own,
+for up to ``train.checkpoint_timeout_s`` (not the collective timeout: a large
+checkpoint on a slow shared filesystem may take longer than any collective
+should). A failed write (disk full, file size limit, unwritable directory)
+raises ``CheckpointWriteError`` naming the path and leaves the previous file
+intact.
 
 Reading: rank 0 reads (``torch.load(weights_only=True)``: files hold only
 tensors and plain Python values) and broadcasts the result, so every rank takes
@@ -36,7 +39,7 @@ from __future__ import annotations
 import os
 import random
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -83,7 +86,7 @@ class Coordinator(Protocol):
 
     is_main: bool
 
-    def barrier(self) -> None: ...
+    def checkpoint_barrier(self, path: Path) -> None: ...
 
     def broadcast_object(self, obj: Any) -> Any: ...
 
@@ -147,6 +150,9 @@ def inference_checkpoint(
         "features": list(manifest.features),
         "feature_mean": list(manifest.feature_mean),
         "feature_std": list(manifest.feature_std),
+        # Regression: the model predicts the standardised target; None (old files too) = raw scale.
+        "label_mean": manifest.label_mean,
+        "label_std": manifest.label_std,
         "task": manifest.task,
         "label": manifest.label,
         "label_mapping": manifest.label_mapping,
@@ -204,9 +210,12 @@ def resume_mismatches(saved: dict[str, Any], config: PipelineConfig, fingerprint
 
 
 class Checkpointer:
-    def __init__(self, run_dir: str | Path, coordinator: Coordinator):
+    def __init__(
+        self, run_dir: str | Path, coordinator: Coordinator, before_write: Callable[[Path], None] = lambda _: None
+    ):
         self.run_dir = Path(run_dir)
         self.coordinator = coordinator
+        self.before_write = before_write  # a test hook (training/faults.py: slow_checkpoint)
         self.last_path = self.run_dir / LAST_CHECKPOINT
         self.final_path = self.run_dir / FINAL_MODEL
 
@@ -218,9 +227,10 @@ class Checkpointer:
 
     def _save(self, obj: dict[str, Any], path: Path) -> None:
         if self.coordinator.is_main:
+            self.before_write(path)
             atomic_save(obj, path)
         # Nobody runs ahead (or exits) before the file is complete.
-        self.coordinator.barrier()
+        self.coordinator.checkpoint_barrier(path)
 
     def load_resumable(self, config: PipelineConfig, fingerprint: str) -> dict[str, Any] | None:
         """last.pt's contents when this run should continue from it; None when there is none."""
@@ -253,9 +263,10 @@ class Checkpointer:
                 return None
             payload = load_checkpoint(path)
             if payload.get("model_spec") != model_spec or payload.get("features") != features:
+                saved_features = len(payload.get("features") or [])
                 print(
-                    f"[train] warm start: {path} has model_spec {payload.get('model_spec')} on {len(payload.get('features') or [])} features, "
-                    f"this run needs {model_spec} on {len(features)} features; training from scratch",
+                    f"[train] warm start: {path} has model_spec {payload.get('model_spec')} on {saved_features} "
+                    f"features, this run needs {model_spec} on {len(features)} features; training from scratch",
                     flush=True,
                 )
                 return None

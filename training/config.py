@@ -88,7 +88,8 @@ class TrainConfig(_Section):
     seed: int = 0
     model: str = Field(
         "mlp",
-        description="'mlp' or a user factory 'package.module:factory' called as factory(n_features, n_outputs, **model_kwargs).",
+        description="'mlp' or a user factory 'package.module:factory' called as "
+        "factory(n_features, n_outputs, **model_kwargs).",
     )
     model_kwargs: dict[str, Any] = Field(default_factory=dict)
     nproc_per_node: int | Literal["auto"] = Field(
@@ -112,6 +113,11 @@ class TrainConfig(_Section):
     )
     collective_timeout_s: float = Field(
         300.0, gt=0, description="Process-group timeout: a stalled collective fails after this."
+    )
+    checkpoint_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="How long the other ranks wait for rank 0 to write a checkpoint (apart from collective_timeout_s).",
     )
     stall_timeout_s: float | None = Field(
         None, gt=0, description="Kill the run when no rank-0 output arrives for this long."

@@ -16,7 +16,7 @@ import re
 import socket
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -44,6 +44,10 @@ class CollectiveTimeout(RuntimeError):
     """A collective waited ``train.collective_timeout_s`` for a peer that never came: a rank stalled or died."""
 
 
+class CheckpointTimeout(CollectiveTimeout):
+    """Rank 0 did not finish writing a checkpoint within ``train.checkpoint_timeout_s``."""
+
+
 # gloo: "Timed out waiting 5000ms for recv operation to complete"; NCCL's watchdog:
 # "... ran for 5000 milliseconds before timing out"; the store: "... wait timeout ...".
 _TIMEOUT_TEXT = re.compile(r"timed out|timing out|timeout", re.IGNORECASE)
@@ -57,16 +61,31 @@ class DistContext:
     local_world_size: int
     device: torch.device
     backend: str
+    checkpoint_timeout_s: float = 1800.0
+    # gloo group whose only collective is the barrier after a checkpoint write (its own timeout).
+    checkpoint_group: Any = field(default=None, repr=False, compare=False)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def barrier(self) -> None:
-        if self.device.type == "cuda":
-            dist.barrier(device_ids=[self.device.index])
-        else:
-            dist.barrier()
+    def checkpoint_barrier(self, path: str | os.PathLike) -> None:
+        """Wait until rank 0 has written ``path``, for up to ``train.checkpoint_timeout_s``.
+
+        A large checkpoint on a slow shared filesystem can take longer than any
+        collective should: the wait runs on a group of its own whose timeout is
+        the checkpoint's, so ``train.collective_timeout_s`` can stay short.
+        """
+        try:
+            dist.barrier(group=self.checkpoint_group)
+        except RuntimeError as error:
+            if not _TIMEOUT_TEXT.search(str(error)):
+                raise
+            raise CheckpointTimeout(
+                f"rank {self.rank}: rank 0 did not finish writing {path} within "
+                f"train.checkpoint_timeout_s={self.checkpoint_timeout_s:g}s (a slow filesystem? raise "
+                f"train.checkpoint_timeout_s for large checkpoints): {str(error).strip()}"
+            ) from error
 
     def broadcast_object(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank (pickled; only for our own small objects)."""
@@ -101,7 +120,7 @@ class SingleProcess:
     rank = 0
     world_size = 1
 
-    def barrier(self) -> None:
+    def checkpoint_barrier(self, path: str | os.PathLike) -> None:
         return None
 
     def broadcast_object(self, obj: Any) -> Any:
@@ -199,7 +218,12 @@ def init_distributed(train: TrainConfig) -> DistContext:
         timeout=timeout,
         device_id=device if device.type == "cuda" else None,
     )
-    return DistContext(rank, world_size, local_rank, local_world_size, device, backend)
+    # gloo on NCCL runs too: a CPU-side wait that needs no GPU stream and whose timeout raises here
+    # (an NCCL watchdog would abort the process instead).
+    checkpoint_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=train.checkpoint_timeout_s))
+    return DistContext(
+        rank, world_size, local_rank, local_world_size, device, backend, train.checkpoint_timeout_s, checkpoint_group
+    )
 
 
 @contextmanager

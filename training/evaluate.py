@@ -25,6 +25,7 @@ from torch import nn
 
 from training.data.manifest import Manifest, read_manifest
 from training.models import ModelSpec, build_model
+from training.normalisation import Normaliser
 
 # What a model.pt must hold (docs/architecture.md) to be evaluated or served.
 REQUIRED_CHECKPOINT_KEYS = (
@@ -123,7 +124,8 @@ def check_compatible(
         return None
     if sorted(map(str, meta["label_mapping"])) != sorted(map(str, manifest.label_mapping)):
         raise IncompatibleModelError(
-            f"{checkpoint} knows classes {meta['label_mapping']}; dataset {manifest.fingerprint} has {manifest.label_mapping}"
+            f"{checkpoint} knows classes {meta['label_mapping']}; "
+            f"dataset {manifest.fingerprint} has {manifest.label_mapping}"
         )
     position = {str(label): index for index, label in enumerate(manifest.label_mapping)}
     return torch.tensor([position[str(label)] for label in meta["label_mapping"]])
@@ -243,14 +245,14 @@ def evaluate_split(
         raise ValueError(f"{dataset_dir}: split {split!r} is empty; nothing to evaluate")
     model, meta = load_model_checkpoint(model_path)
     remap = check_compatible(meta, manifest, model_path)
-    mean = torch.tensor(meta["feature_mean"], dtype=torch.float32)
-    std = torch.tensor(meta["feature_std"], dtype=torch.float32)
+    normaliser = Normaliser.from_checkpoint(meta)  # the model's own statistics, also when re-scoring a champion
     classification = manifest.task == "classification"
     tally = _ClassificationTally(manifest.n_outputs) if classification else _RegressionTally()
     samples, kept_predictions, kept_targets = 0, [], []
     with torch.inference_mode():
         for x, y in _iter_batches(manifest, dataset_dir, split, [*meta["features"], manifest.label], batch_size):
-            output = model((x - mean) / std)
+            # x is this batch's own copy: normalised in place. Outputs on the target's original scale.
+            output = normaliser.target_inverse(model(normaliser.features_(x)))
             predicted = tally.add(output, y, remap) if classification else tally.add(output, y)
             samples += len(y)
             if return_predictions:

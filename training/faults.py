@@ -10,8 +10,16 @@
   run directory, like ``kill`` (marker ``.fault-hang-done``).
 - ``raise``: ``RuntimeError("injected fault ...")``, every time: a permanent error.
 
-``DDPFLOW_RECORD_INDICES=1`` makes every rank write the dataset rows it trained
-on to ``RUN_DIR/indices/rank{r}-epoch{e}.json`` (a JSON list, in order).
+``DDPFLOW_FAULT=slow_checkpoint:rank=0:epoch=E:seconds=S`` makes rank 0 (the
+checkpoint writer) sleep S seconds before writing the checkpoint that ends
+epoch E, as a large checkpoint on a slow shared filesystem would; the other
+ranks wait at the checkpoint barrier (``train.checkpoint_timeout_s``).
+
+``DDPFLOW_RECORD_INDICES=1`` makes every rank append the dataset rows it
+trained on in an epoch, once the epoch is complete, to
+``RUN_DIR/indices/rank{r}-epoch{e}.jsonl``: one line (a JSON list, in order)
+per completed pass. An epoch trained again after a restart shows up as a
+second line, so a test can tell a resume from a retrain.
 """
 
 from __future__ import annotations
@@ -27,7 +35,8 @@ import torch
 
 FAULT_ENV = "DDPFLOW_FAULT"
 RECORD_INDICES_ENV = "DDPFLOW_RECORD_INDICES"
-ACTIONS = ("kill", "hang", "raise")
+ACTIONS = ("kill", "hang", "raise", "slow_checkpoint")
+_FIELDS = ("rank", "epoch", "step", "seconds")
 
 
 @dataclass(frozen=True)
@@ -36,6 +45,7 @@ class Fault:
     rank: int
     epoch: int
     step: int = 0
+    seconds: int = 0  # slow_checkpoint only
 
     @classmethod
     def parse(cls, text: str) -> Fault:
@@ -45,8 +55,8 @@ class Fault:
         values: dict[str, int] = {}
         for field in fields:
             name, _, value = field.partition("=")
-            if name not in ("rank", "epoch", "step") or not value.lstrip("-").isdigit():
-                raise ValueError(f"{FAULT_ENV}={text!r}: {field!r} is not rank=N, epoch=N or step=N")
+            if name not in _FIELDS or not value.lstrip("-").isdigit():
+                raise ValueError(f"{FAULT_ENV}={text!r}: {field!r} is not rank=N, epoch=N, step=N or seconds=N")
             values[name] = int(value)
         if "rank" not in values or "epoch" not in values:
             raise ValueError(f"{FAULT_ENV}={text!r}: needs rank=N and epoch=N")
@@ -57,6 +67,8 @@ class FaultInjector:
     def __init__(self, fault: Fault | None, rank: int, run_dir: str | Path):
         self.fault = fault if fault is not None and fault.rank == rank else None
         self.marker = Path(run_dir) / f".fault-{fault.action}-done" if fault else None
+        self.epoch = -1  # the epoch of the last step seen
+        self.slowed = False
 
     @classmethod
     def from_env(cls, rank: int, run_dir: str | Path) -> FaultInjector:
@@ -64,8 +76,9 @@ class FaultInjector:
         return cls(Fault.parse(text) if text else None, rank, run_dir)
 
     def at_step(self, epoch: int, step: int) -> None:
+        self.epoch = epoch
         fault = self.fault
-        if fault is None or fault.epoch != epoch or fault.step != step:
+        if fault is None or fault.action == "slow_checkpoint" or fault.epoch != epoch or fault.step != step:
             return
         where = f"rank {fault.rank} epoch {epoch} step {step}"
         if fault.action == "raise":
@@ -78,6 +91,18 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGKILL)
         while True:  # hang: no collectives, so peers block until their timeout
             time.sleep(3600)
+
+    def before_checkpoint_write(self, path: Path) -> None:
+        """``slow_checkpoint``: the first checkpoint written after a step of the fault's epoch is late."""
+        fault = self.fault
+        if fault is None or fault.action != "slow_checkpoint" or fault.epoch != self.epoch or self.slowed:
+            return
+        self.slowed = True
+        print(
+            f"[train] {FAULT_ENV}: writing {path} {fault.seconds}s late (rank {fault.rank} epoch {fault.epoch})",
+            flush=True,
+        )
+        time.sleep(fault.seconds)
 
 
 class IndexRecorder:
@@ -99,5 +124,6 @@ class IndexRecorder:
             return
         self.folder.mkdir(parents=True, exist_ok=True)
         rows = torch.cat(self.parts).tolist() if self.parts else []
-        (self.folder / f"rank{self.rank}-epoch{epoch}.json").write_text(json.dumps(rows))
+        with open(self.folder / f"rank{self.rank}-epoch{epoch}.jsonl", "a") as handle:
+            handle.write(json.dumps(rows) + "\n")
         self.parts = []

@@ -3,12 +3,18 @@
 A split is read ONCE into tensors allocated up front from the manifest's row
 counts, then filled record batch by record batch: peak memory is the tensors
 plus one record batch, never a concatenation or a DataFrame copy. Features
-are normalised in place with the manifest's train statistics.
+(and a regression target) are normalised in place by ``training/normalisation.py``,
+the same function evaluation and serving use.
 
 Training batches come from a ``DistributedSampler`` (rank r takes
 ``perm[r::W]`` of a permutation seeded by ``train.seed`` and the epoch) and
 are fetched with ONE tensor index per batch, not row by row: the rank's
 epoch order is one tensor, sliced into batches (no Python list of every row).
+
+``global_rows_in_steps`` counts the real rows all ranks train in a run of
+steps: the divisor that makes each optimizer step's gradient the mean over the
+whole global batch (``training/loop.py``), written next to the sampler rule
+it mirrors.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from training.data.manifest import Manifest
+from training.normalisation import Normaliser
 
 
 class ShardError(ValueError):
@@ -33,7 +40,7 @@ class ShardError(ValueError):
 @dataclass(frozen=True)
 class SplitTensors:
     features: torch.Tensor  # [rows, n_features] float32, normalised
-    labels: torch.Tensor  # [rows] int64 (classification) or float32 (regression)
+    labels: torch.Tensor  # [rows] int64 (classification) or float32 (regression, standardised)
 
     def __len__(self) -> int:
         return self.features.shape[0]
@@ -47,8 +54,7 @@ def load_split(dataset_dir: str | Path, manifest: Manifest, split: str, read_row
     rows = manifest.rows(split)
     features = torch.empty(rows, manifest.n_features, dtype=torch.float32)
     labels = torch.empty(rows, dtype=label_dtype(manifest.task))
-    mean = torch.tensor(manifest.feature_mean, dtype=torch.float32)
-    std = torch.tensor(manifest.feature_std, dtype=torch.float32)
+    normaliser = Normaliser.from_manifest(manifest)
     columns = [*manifest.features, manifest.label]
     offset = 0
     for shard, path in zip(manifest.splits[split].shards, manifest.split_files(dataset_dir, split)):
@@ -62,7 +68,8 @@ def load_split(dataset_dir: str | Path, manifest: Manifest, split: str, read_row
             for j, name in enumerate(manifest.features):
                 block[:, j] = batch.column(name).to_numpy(zero_copy_only=False)
             labels[offset:stop].numpy()[:] = batch.column(manifest.label).to_numpy(zero_copy_only=False)
-            features[offset:stop].sub_(mean).div_(std)
+            normaliser.features_(features[offset:stop])
+            normaliser.target_(labels[offset:stop])
             offset = stop
         # Hand the shard's decode buffers back now: the allocator would keep them resident,
         # and the split's peak memory would grow by a shard's worth on top of the tensors.
@@ -119,6 +126,21 @@ class RankSampler(DistributedSampler):
         if padding > 0 and not self.drop_last:
             order = torch.cat([order, order.repeat(math.ceil(padding / len(order)))[:padding]])
         return order[self.rank : self.total_size : self.num_replicas]
+
+
+def global_rows_in_steps(n_rows: int, world_size: int, batch_size: int, start: int, stop: int) -> int:
+    """Real (unpadded) rows that ALL ranks together train in steps ``[start, stop)`` of an epoch.
+
+    ``DistributedSampler(drop_last=False)`` pads the permutation to
+    ``W * ceil(n / W)`` entries and gives rank r positions ``r, r + W, ...``, so
+    step s of every rank together covers the contiguous padded positions
+    ``[s*b*W, min((s+1)*b, ceil(n/W)) * W)``; the real ones are those below n.
+    Every rank computes the same number, with no collective.
+    """
+    per_rank = math.ceil(n_rows / world_size)  # DistributedSampler.num_samples
+    first = min(start * batch_size, per_rank) * world_size
+    last = min(stop * batch_size, per_rank) * world_size
+    return max(0, min(last, n_rows) - min(first, n_rows))
 
 
 class BatchSlices(Sampler):
@@ -184,6 +206,10 @@ class TrainBatches:
 
     def __len__(self) -> int:
         return len(self.loader)
+
+    def global_rows(self, start: int, stop: int) -> int:
+        """Real rows of steps ``[start, stop)`` summed over all ranks (``global_rows_in_steps``)."""
+        return global_rows_in_steps(len(self.dataset), self.world_size, self.batch_size, start, stop)
 
     def epoch(self, epoch: int) -> Iterator[Batch]:
         self.sampler.set_epoch(epoch)  # a new permutation every epoch, the same on every rank

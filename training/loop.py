@@ -3,6 +3,16 @@
 The loop is written for a DDP-wrapped model but never calls collectives
 itself: DDP all-reduces gradients in ``backward``; the caller sums the
 returned statistics over ranks.
+
+The exact update: every optimizer step's gradient is the mean of the
+per-row loss gradients over the real rows of the WHOLE global batch (all
+ranks, all ``grad_accum`` micro-batches of the step; sampler padding
+excluded), whatever the split size. Each rank backpropagates its loss SUM
+times ``W / N``, N being those real rows (``TrainBatches.global_rows``, the
+same number on every rank); DDP then averages over the W ranks:
+``(1/W) * sum_r (W/N) * sum_{rows of r} grad = (1/N) * sum_{all rows} grad``.
+So W ranks x batch b, one rank x batch W*b and grad_accum k x batch b/k take
+the same steps, also when the last step of an epoch is short.
 """
 
 from __future__ import annotations
@@ -49,20 +59,19 @@ def per_sample_loss(outputs: torch.Tensor, labels: torch.Tensor, task: str) -> t
     return F.mse_loss(outputs.reshape(labels.shape), labels, reduction="none")
 
 
-def batch_loss(per_sample: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-    """Mean over the batch's real rows (sampler padding has weight 0)."""
+def loss_sum(per_sample: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """Sum over the batch's real rows (sampler padding has weight 0)."""
     if weights is None:
-        return per_sample.mean()
-    return (per_sample * weights).sum() / weights.sum().clamp(min=1.0)
+        return per_sample.sum()
+    return (per_sample * weights).sum()
 
 
-def optimizer_step_groups(steps: int, accum: int) -> Callable[[int], tuple[bool, int]]:
-    """For micro-batch i: (is it the last of its accumulation group, size of that group)."""
+def optimizer_step_groups(steps: int, accum: int) -> Callable[[int], range]:
+    """For micro-batch i: the micro-batches ``[first, stop)`` of its optimizer step (the last may be short)."""
 
-    def group(i: int) -> tuple[bool, int]:
+    def group(i: int) -> range:
         first = (i // accum) * accum
-        size = min(accum, steps - first)
-        return i == first + size - 1, size
+        return range(first, min(first + accum, steps))
 
     return group
 
@@ -81,20 +90,24 @@ def train_epoch(
     """One pass over this rank's share. ``on_step(done, samples, loss_fn)`` after each step."""
     model.train()
     steps = len(batches)
-    group = optimizer_step_groups(steps, settings.grad_accum)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=settings.device)  # stays on device: no sync per step
+    group_of = optimizer_step_groups(steps, settings.grad_accum)
+    total = torch.zeros((), dtype=torch.float64, device=settings.device)  # stays on device: no sync per step
     samples = 0
     for i, batch in enumerate(batches.epoch(epoch)):
         before_step(epoch, i)
         on_batch(batch)
-        last_in_group, group_size = group(i)
+        group = group_of(i)
+        last_in_group = i == group[-1]
+        # DDP averages over W ranks: W / (real rows of this optimizer step on all ranks) makes the
+        # step's gradient the mean over its global batch (module docstring).
+        scale = batches.world_size / batches.global_rows(group.start, group.stop)
         # Only the last micro-batch of a group all-reduces; the others accumulate locally.
         sync = nullcontext() if last_in_group else model.no_sync()
         with sync:
             with settings.autocast():
                 outputs = model(batch.features)
             losses = per_sample_loss(outputs, batch.labels, settings.task)
-            (batch_loss(losses, batch.weights) / group_size).backward()
+            (loss_sum(losses, batch.weights) * scale).backward()
         if last_in_group:
             if settings.grad_clip is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
@@ -103,10 +116,10 @@ def train_epoch(
             if scheduler is not None:
                 scheduler.step()
         weighted = losses.detach() if batch.weights is None else losses.detach() * batch.weights
-        loss_sum += weighted.sum(dtype=torch.float64)
+        total.add_(weighted.sum(dtype=torch.float64))
         samples += batch.samples
-        on_step(i + 1, samples, lambda: loss_sum.item() / max(1, samples))
-    return Sums(loss=loss_sum.item(), samples=samples)
+        on_step(i + 1, samples, lambda seen=samples: total.item() / max(1, seen))
+    return Sums(loss=total.item(), samples=samples)
 
 
 @torch.no_grad()

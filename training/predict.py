@@ -1,9 +1,12 @@
 """Predictions for a DataFrame of RAW feature columns, from a ``model.pt``.
 
 The checkpoint carries what inference needs: feature names, the train split's
-mean/std (normalisation happens here, not in the caller) and the class-index
--> original-label mapping. The MLflow pyfunc model (``training/serving.py``)
-wraps this class, so a served model and an evaluation agree by construction.
+feature and target statistics (normalisation happens here, not in the caller,
+through ``training/normalisation.py``, the function training and evaluation
+use) and the class-index -> original-label mapping. Regression predictions
+are on the target's original scale. The MLflow pyfunc model
+(``training/serving.py``) wraps this class, so a served model and an
+evaluation agree by construction.
 
     predictor = Predictor.from_checkpoint("runs/x/model.pt")
     labels = predictor.predict(frame)   # original labels, or floats for regression
@@ -20,6 +23,7 @@ import torch
 from torch import nn
 
 from training.evaluate import load_model_checkpoint
+from training.normalisation import Normaliser
 
 
 class Predictor:
@@ -29,8 +33,7 @@ class Predictor:
         self.features: list[str] = list(meta["features"])
         self.task: str = meta["task"]
         self.batch_size = batch_size
-        self._mean = torch.tensor(meta["feature_mean"], dtype=torch.float32)
-        self._std = torch.tensor(meta["feature_std"], dtype=torch.float32)
+        self._normaliser = Normaliser.from_checkpoint(meta)
         self._labels = np.asarray(meta["label_mapping"]) if self.task == "classification" else None
 
     @classmethod
@@ -50,13 +53,16 @@ class Predictor:
         return matrix
 
     def predict_raw(self, frame: pd.DataFrame) -> np.ndarray:
-        """Class indices (classification) or float predictions (regression)."""
-        matrix = torch.from_numpy(self.features_matrix(frame))
+        """Class indices (classification) or float predictions on the original scale (regression)."""
+        matrix = torch.from_numpy(self.features_matrix(frame))  # our own copy: normalised in place
         outputs = []
         with torch.inference_mode():
             for start in range(0, len(matrix), self.batch_size):
-                output = self.model((matrix[start : start + self.batch_size] - self._mean) / self._std)
-                outputs.append(output.argmax(dim=1) if self.task == "classification" else output.reshape(-1))
+                output = self.model(self._normaliser.features_(matrix[start : start + self.batch_size]))
+                if self.task == "classification":
+                    outputs.append(output.argmax(dim=1))
+                else:
+                    outputs.append(self._normaliser.target_inverse(output.reshape(-1)))
         if not outputs:
             return np.empty(0, dtype=np.int64 if self.task == "classification" else np.float32)
         return torch.cat(outputs).numpy()

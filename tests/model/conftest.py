@@ -4,7 +4,10 @@ The datasets are written straight from the manifest contract
 (training/data/manifest.py) and the models straight from the model.pt
 contract (docs/architecture.md), so these tests do not depend on the prepare
 or training stages. Raw features have a large offset and scale, so a model
-that skipped normalisation would score near chance.
+that skipped normalisation would score near chance. ``target_stats=True``
+writes a regression target's train statistics into the manifest (as prepare
+does), so models train on the standardised target; without it the manifest
+looks like one from before target standardisation (raw scale).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 from training.checkpoint import inference_checkpoint
 from training.data.manifest import Manifest, ShardInfo, SplitInfo, write_manifest
 from training.models import ModelSpec, build_model
+from training.normalisation import Normaliser
 
 CLASS_NAMES = ["cat", "dog", "eel", "fox", "gnu"]
 
@@ -51,6 +55,8 @@ def make_dataset(
     shard_rows: int = 400,
     features: list[str] | None = None,
     fingerprint: str | None = None,
+    label_offset: float = 10.0,
+    target_stats: bool = False,
 ) -> Path:
     rows = rows or {"train": 1500, "val": 200, "test": 997}
     features = features or [f"f{i}" for i in range(n_features)]
@@ -58,17 +64,18 @@ def make_dataset(
     teacher = np.random.default_rng(1234).normal(size=(len(features), n_classes if task == "classification" else 1))
     fingerprint = fingerprint or f"{task[:3]}{seed}{len(features)}{n_classes}"
     dataset_dir = root / fingerprint
-    splits, train_x = {}, None
+    splits, train_x, train_y = {}, None, None
     for split, count in rows.items():
         z = rng.normal(size=(count, len(features)))
         x = (z * 7.0 + 40.0).astype(np.float32)  # raw scale: far from the normalised one
         if task == "classification":
             y = (z @ teacher).argmax(axis=1).astype(np.int64)
         else:
-            y = ((z @ teacher)[:, 0] * 3.0 + 10.0 + rng.normal(scale=0.1, size=count)).astype(np.float32)
+            y = ((z @ teacher)[:, 0] * 3.0 + label_offset + rng.normal(scale=0.1, size=count)).astype(np.float32)
         splits[split] = _write_split(dataset_dir, split, x, y, features, "label", shard_rows)
         if split == "train":
-            train_x = x
+            train_x, train_y = x, y.astype(np.float64)
+    with_stats = target_stats and task == "regression"
     manifest = Manifest(
         fingerprint=fingerprint,
         source=f"synthetic://{task}?seed={seed}",
@@ -85,20 +92,23 @@ def make_dataset(
         config={},
         created_at=dt.datetime.now(dt.timezone.utc).isoformat(),
         versions={},
+        label_mean=float(train_y.mean()) if with_stats else None,
+        label_std=float(train_y.std()) if with_stats else None,
     )
     write_manifest(dataset_dir, manifest)
     return dataset_dir
 
 
 def train_model_file(dataset_dir: Path, path: Path, steps: int = 60, seed: int = 0, lr: float = 0.05) -> Path:
-    """A model.pt per the contract, after ``steps`` full-batch Adam steps on the train split."""
+    """A model.pt per the contract, after ``steps`` full-batch Adam steps on the train split (normalised
+    features; a regression target standardised when the manifest has its statistics)."""
     from training.data.manifest import read_manifest
 
     manifest = read_manifest(dataset_dir)
     table = pa.concat_tables([pq.read_table(f) for f in manifest.split_files(dataset_dir, "train")])
     x = torch.from_numpy(np.column_stack([table[name].to_numpy() for name in manifest.features]).astype(np.float32))
     y = torch.from_numpy(table[manifest.label].to_numpy())
-    mean, std = torch.tensor(manifest.feature_mean), torch.tensor(manifest.feature_std)
+    normaliser = Normaliser.from_manifest(manifest)
     torch.manual_seed(seed)
     spec = ModelSpec(
         model="mlp", n_features=manifest.n_features, n_outputs=manifest.n_outputs, model_kwargs={"hidden": [32]}
@@ -106,10 +116,11 @@ def train_model_file(dataset_dir: Path, path: Path, steps: int = 60, seed: int =
     model = build_model(spec)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     loss_fn = torch.nn.CrossEntropyLoss() if manifest.task == "classification" else torch.nn.MSELoss()
-    target = y.long() if manifest.task == "classification" else y.float().unsqueeze(1)
+    target = y.long() if manifest.task == "classification" else normaliser.target_(y.float()).unsqueeze(1)
+    inputs = normaliser.features(x)
     for _ in range(steps):
         optimizer.zero_grad()
-        loss = loss_fn(model((x - mean) / std), target)
+        loss = loss_fn(model(inputs), target)
         loss.backward()
         optimizer.step()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -22,10 +22,10 @@ class NotMain(SingleProcess):
     is_main = False
 
     def __init__(self):
-        self.barriers = 0
+        self.barriers = []
 
-    def barrier(self) -> None:
-        self.barriers += 1
+    def checkpoint_barrier(self, path) -> None:
+        self.barriers.append(path.name)
 
 
 def saved_state(config, epoch: int = 1, fingerprint: str = "fp") -> dict:
@@ -43,7 +43,8 @@ def saved_state(config, epoch: int = 1, fingerprint: str = "fp") -> dict:
 
 
 def test_a_failed_write_names_the_path_and_keeps_the_good_checkpoint(tmp_path):
-    # A real write failure: RLIMIT_FSIZE in a child process (root ignores chmod), SIGXFSZ ignored so write() fails with EFBIG.
+    # A real write failure: RLIMIT_FSIZE in a child process (root ignores chmod),
+    # SIGXFSZ ignored so that write() fails with EFBIG.
     script = textwrap.dedent(
         f"""
         import resource, signal, torch
@@ -83,10 +84,44 @@ def test_an_unwritable_directory_is_a_clear_error(tmp_path):
 
 def test_only_the_main_rank_writes_but_every_rank_waits(tmp_path):
     coordinator = NotMain()
-    checkpointer = Checkpointer(tmp_path, coordinator)
+    hooked = []
+    checkpointer = Checkpointer(tmp_path, coordinator, before_write=hooked.append)
     checkpointer.save_last({"epoch": 1})
     checkpointer.save_final({"model": {}})
-    assert not any(tmp_path.rglob("*.pt")) and coordinator.barriers == 2
+    assert not any(tmp_path.rglob("*.pt")) and coordinator.barriers == ["last.pt", "model.pt"]
+    assert hooked == []  # the write hook (faults.py: slow_checkpoint) runs on the writer only
+
+    main = Checkpointer(tmp_path, SingleProcess(), before_write=lambda path: hooked.append(path.exists()))
+    main.save_last({"epoch": 1})
+    assert hooked == [False]  # before the file is written
+
+
+def test_a_single_process_group_has_its_own_checkpoint_barrier():
+    """DistContext's barrier after a write runs on a group made with train.checkpoint_timeout_s (one-rank gloo)."""
+    script = textwrap.dedent(
+        """
+        import datetime, torch.distributed as dist
+        from training.config import load_config
+        from training.distributed import distributed
+        config = load_config(None, ["train.checkpoint_timeout_s=7", "train.backend=gloo"])
+        with distributed(config.train) as ctx:
+            group = ctx.checkpoint_group
+            assert group is not None and group is not dist.group.WORLD
+            assert dist.distributed_c10d._get_pg_default_device(group).type == "cpu"
+            ctx.checkpoint_barrier("last.pt")
+            print("TIMEOUT", ctx.checkpoint_timeout_s)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert done.returncode == 0, done.stderr
+    assert "TIMEOUT 7.0" in done.stdout
 
 
 def test_resume_continues_the_same_training_only(tmp_path):

@@ -135,3 +135,59 @@ def test_predictor_normalises_raw_columns_and_returns_original_labels(dataset_fa
     np.testing.assert_array_equal(labels, np.asarray(["cat", "dog", "eel", "fox"])[result.predictions])
     with pytest.raises(ValueError, match=r"missing feature columns \['f2'\]"):
         Predictor.from_checkpoint(model_path).predict(raw.drop(columns=["f2"]))
+
+
+def test_served_regression_predictions_are_on_the_original_scale(dataset_factory, model_factory, tmp_path):
+    """A target with mean ~150: the model.pt predicts its standardised value; evaluation, Predictor and the
+    MLflow pyfunc model all answer on the original scale."""
+    import mlflow.pyfunc
+
+    from training.serving import MODEL_ARTIFACT, MODEL_CODE
+
+    dataset = dataset_factory(
+        task="regression", rows={"train": 1000, "val": 50, "test": 333}, label_offset=150.0, target_stats=True
+    )
+    manifest = read_manifest(dataset)
+    assert 140 < manifest.label_mean < 160 and manifest.label_std > 1
+    model_path = model_factory(dataset, steps=150)
+    model, meta = load_model_checkpoint(model_path)
+    assert (meta["label_mean"], meta["label_std"]) == (manifest.label_mean, manifest.label_std)
+
+    frame = read_split(dataset)
+    truth = frame["label"].to_numpy().astype(np.float64)
+    by_hand = reference_outputs(model_path, frame).reshape(-1).double().numpy() * meta["label_std"] + meta["label_mean"]
+    result = evaluate_split(model_path, dataset, batch_size=100, return_predictions=True)
+    np.testing.assert_allclose(result.predictions, by_hand, rtol=1e-6)
+    assert result.metrics["test_rmse"] == pytest.approx(np.sqrt(np.mean((by_hand - truth) ** 2)), rel=1e-5)
+    assert result.metrics["test_rmse"] < 0.3 * manifest.label_std
+
+    raw = frame[manifest.features].astype("float64")  # raw columns, as a user has them
+    served = Predictor.from_checkpoint(model_path, batch_size=64).predict(raw)
+    np.testing.assert_allclose(served, by_hand, rtol=1e-6)
+    assert abs(served.mean() - truth.mean()) < 0.3 * manifest.label_std
+
+    # The pyfunc model as MLflow saves and loads it (the same files log_pyfunc_model logs), no tracking server.
+    saved = tmp_path / "pyfunc"
+    mlflow.pyfunc.save_model(
+        saved,
+        python_model=str(MODEL_CODE),
+        artifacts={MODEL_ARTIFACT: str(model_path)},
+        code_paths=[str(MODEL_CODE.parent)],
+        pip_requirements=["torch"],
+    )
+    np.testing.assert_allclose(np.asarray(mlflow.pyfunc.load_model(str(saved)).predict(raw)), by_hand, rtol=1e-6)
+
+
+def test_a_model_pt_without_target_statistics_predicts_on_the_raw_scale(dataset_factory, model_factory, tmp_path):
+    """model.pt files written before target standardisation: mean 0, std 1."""
+    dataset = dataset_factory(task="regression", rows={"train": 600, "val": 30, "test": 120})
+    model_path = model_factory(dataset, steps=100)
+    checkpoint = torch.load(model_path, weights_only=True)
+    assert checkpoint["label_mean"] is None  # this dataset's manifest has none
+    old = {key: value for key, value in checkpoint.items() if key not in ("label_mean", "label_std")}
+    torch.save(old, tmp_path / "old.pt")
+    frame = read_split(dataset)
+    outputs = reference_outputs(tmp_path / "old.pt", frame).reshape(-1).numpy()
+    np.testing.assert_allclose(Predictor.from_checkpoint(tmp_path / "old.pt").predict(frame), outputs, rtol=1e-6)
+    result = evaluate_split(tmp_path / "old.pt", dataset, return_predictions=True)
+    np.testing.assert_allclose(result.predictions, outputs, rtol=1e-6)

@@ -1,12 +1,15 @@
-"""Shards -> tensors, per-rank batches, evaluation slices and the fault hooks' parsing (no torchrun)."""
+"""Shards -> tensors, normalisation, per-rank batches and the exact update's divisor, evaluation slices and
+the fault hooks' parsing (no torchrun)."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -16,7 +19,8 @@ from training.config import load_config
 from training.data.manifest import read_manifest
 from training.distributed import shard_range
 from training.faults import Fault, FaultInjector
-from training.loading import RankSampler, ShardError, SplitTensors, TrainBatches, load_split
+from training.loading import RankSampler, ShardError, SplitTensors, TrainBatches, global_rows_in_steps, load_split
+from training.normalisation import Normaliser
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -37,18 +41,53 @@ def prepared(tmp_path_factory):
     return prepare_dataset(data)
 
 
+def read_train_table(prepared) -> pa.Table:
+    manifest = prepared.manifest
+    return pa.concat_tables(pq.read_table(path) for path in manifest.split_files(prepared.dataset_dir, "train"))
+
+
 def test_a_split_loads_into_normalised_tensors_matching_the_shards(prepared):
     manifest = prepared.manifest
     split = load_split(prepared.dataset_dir, manifest, "train", read_rows=64)  # many record batches per shard
     assert len(manifest.splits["train"].shards) > 1
-    table = pa.concat_tables(pq.read_table(path) for path in manifest.split_files(prepared.dataset_dir, "train"))
+    table = read_train_table(prepared)
     raw = torch.stack([torch.from_numpy(table[name].to_numpy()) for name in manifest.features], dim=1)
     expected = (raw - torch.tensor(manifest.feature_mean)) / torch.tensor(manifest.feature_std)
     assert split.features.shape == (manifest.rows("train"), manifest.n_features) and split.features.is_contiguous()
     torch.testing.assert_close(split.features, expected)
-    torch.testing.assert_close(split.labels, torch.from_numpy(table[manifest.label].to_numpy()))
+    # The regression target is standardised with the train split's own statistics (prepare's streaming pass).
+    target = table[manifest.label].to_numpy().astype(np.float64)
+    assert manifest.label_mean == pytest.approx(target.mean(), rel=1e-9)
+    assert manifest.label_std == pytest.approx(target.std(), rel=1e-9)
+    expected_labels = torch.from_numpy((target - manifest.label_mean) / manifest.label_std).float()
+    torch.testing.assert_close(split.labels, expected_labels)
     assert split.labels.dtype == torch.float32  # regression
-    assert abs(float(split.features.mean())) < 0.05
+    assert abs(float(split.features.mean())) < 0.05 and abs(float(split.labels.mean())) < 1e-4
+
+
+def test_a_manifest_without_target_statistics_loads_the_raw_target(prepared):
+    """Manifests written before target standardisation: mean 0, std 1."""
+    old = dataclasses.replace(prepared.manifest, label_mean=None, label_std=None)
+    split = load_split(prepared.dataset_dir, old, "train")
+    table = read_train_table(prepared)
+    torch.testing.assert_close(split.labels, torch.from_numpy(table[old.label].to_numpy()))
+
+
+def test_one_normalisation_in_place_or_copied_and_its_inverse(prepared):
+    norm = Normaliser.from_manifest(prepared.manifest)
+    x = torch.randn(5, prepared.manifest.n_features) * 10 + 3
+    copied = norm.features(x)
+    assert not torch.equal(copied, x)
+    assert torch.equal(norm.features_(x.clone()), copied)  # the same arithmetic both ways
+    y = torch.tensor([-20.0, 0.0, 3.5, 150.0])
+    standardised = norm.target_(y.clone())
+    torch.testing.assert_close(standardised, (y - prepared.manifest.label_mean) / prepared.manifest.label_std)
+    torch.testing.assert_close(norm.target_inverse(standardised), y)
+    assert norm.target_loss_inverse(2.0) == pytest.approx(2.0 * prepared.manifest.label_std**2)
+    meta = {"feature_mean": prepared.manifest.feature_mean, "feature_std": prepared.manifest.feature_std}
+    identity = Normaliser.from_checkpoint(meta)  # a model.pt from before target standardisation
+    assert identity.target_inverse(y) is y and identity.target_loss_inverse(2.0) == 2.0
+    assert torch.equal(identity.target_(y.clone()), y)
 
 
 def test_a_shard_that_disagrees_with_the_manifest_is_named(prepared, tmp_path):
@@ -78,6 +117,48 @@ def test_rank_batches_cover_every_row_once_and_weight_sampler_padding_zero():
     assert sorted(seen) == list(range(rows)) and len(steps) == 1  # same step count on every rank
 
 
+def sampler_steps(rows: int, world: int, batch: int, seed: int = 3) -> list[list[list[int]]]:
+    """``[step][rank]`` -> the rows stock ``DistributedSampler`` (padding included) gives that rank in that step."""
+    per_rank = []
+    for rank in range(world):
+        sampler = torch.utils.data.DistributedSampler(
+            list(range(rows)), num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=False
+        )
+        order = list(iter(sampler))
+        per_rank.append([order[start : start + batch] for start in range(0, len(order), batch)])
+    return [list(step) for step in zip(*per_rank)]
+
+
+def test_the_global_row_count_of_any_steps_matches_an_enumeration_of_distributed_sampler():
+    """Padding repeats rows from the permutation's start, so the real rows that steps [start, stop) add are
+    the distinct rows seen through ``stop`` minus those seen through ``start``: counted without the rule."""
+    for rows, world, batch in ((211, 2, 8), (211, 3, 5), (211, 2, 4), (11, 3, 2), (7, 1, 3), (2, 5, 1), (64, 4, 4)):
+        steps = sampler_steps(rows, world, batch)
+        seen_through = [set()]
+        for step in steps:
+            seen_through.append(seen_through[-1] | {row for share in step for row in share})
+        assert len(seen_through[-1]) == rows
+        for start in range(len(steps)):
+            for stop in range(start + 1, len(steps) + 1):
+                expected = len(seen_through[stop]) - len(seen_through[start])
+                assert global_rows_in_steps(rows, world, batch, start, stop) == expected, (rows, world, batch)
+
+
+def test_every_rank_divides_by_the_real_rows_its_peers_fetch():
+    """``TrainBatches.global_rows`` equals the real rows of that step summed over the ranks' own batches."""
+    rows, world, batch = 211, 3, 5
+    split = SplitTensors(torch.zeros(rows, 1), torch.zeros(rows, dtype=torch.int64))
+    per_rank = [
+        list(TrainBatches(split, r, world, batch, seed=0, device=torch.device("cpu"), pin_memory=False).epoch(1))
+        for r in range(world)
+    ]
+    batches = TrainBatches(split, 0, world, batch, seed=0, device=torch.device("cpu"), pin_memory=False)
+    for step in range(len(batches)):
+        assert batches.global_rows(step, step + 1) == sum(per_rank[r][step].samples for r in range(world))
+    assert [per_rank[r][-1].samples for r in range(world)] == [1, 0, 0]  # 211 = 14 * 15 + 1
+    assert batches.global_rows(0, len(batches)) == rows
+
+
 def test_the_tensor_epoch_order_is_exactly_distributed_samplers():
     for rows, world in ((11, 3), (1024, 2), (2, 5), (7, 1)):
         dataset = list(range(rows))
@@ -99,7 +180,8 @@ def test_evaluation_slices_are_disjoint_unpadded_and_complete():
 def test_fault_specs_parse_and_reject_typos():
     assert Fault.parse("kill:rank=1:epoch=1:step=2") == Fault("kill", 1, 1, 2)
     assert Fault.parse("raise:rank=0:epoch=0") == Fault("raise", 0, 0, 0)
-    for bad in ("explode:rank=1:epoch=0", "kill:rank=1", "hang:rank=1:epoch=0:stp=2"):
+    assert Fault.parse("slow_checkpoint:rank=0:epoch=1:seconds=20") == Fault("slow_checkpoint", 0, 1, seconds=20)
+    for bad in ("explode:rank=1:epoch=0", "kill:rank=1", "hang:rank=1:epoch=0:stp=2", "slow_checkpoint:rank=0"):
         with pytest.raises(ValueError, match="DDPFLOW_FAULT"):
             Fault.parse(bad)
 
@@ -114,7 +196,10 @@ def test_faults_fire_only_on_their_rank_epoch_and_step(tmp_path):
 
 
 def test_a_hang_fault_blocks_once_per_run_directory(tmp_path):
-    script = f"from training.faults import Fault, FaultInjector; FaultInjector(Fault('hang', 0, 0, 0), 0, {str(tmp_path)!r}).at_step(0, 0); print('passed')"
+    script = (
+        "from training.faults import Fault, FaultInjector; "
+        f"FaultInjector(Fault('hang', 0, 0, 0), 0, {str(tmp_path)!r}).at_step(0, 0); print('passed')"
+    )
     child = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60

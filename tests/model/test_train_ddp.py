@@ -1,10 +1,15 @@
-"""The training program under REAL torchrun launches: 2 CPU ranks, gloo, tiny data.
+"""The training program under REAL torchrun launches (gloo, CPU ranks, tiny data), started with the
+production launcher's own argv and environment (``torchrun_command``, ``launch_env``).
 
 One launch feeds several assertions (module-scoped fixtures), so the whole file
-runs a handful of launches. The dataset is written straight from the manifest
-contract with exact split sizes: train rows divisible by every batch used
-(so that 2 ranks x b and 1 rank x 2b see the same rows per step), val rows odd
-(so that exact validation cannot hide behind padding).
+runs a bounded number of launches. Datasets are written straight from the
+manifest contract with exact split sizes:
+
+- ``dataset``: 1024 train rows (divisible by every batch used), 201 val rows
+  (odd, so exact validation cannot hide behind padding);
+- ``uneven``: 211 train rows = 13 x 16 + 3 = 14 x 15 + 1, so 2 ranks x 8 end
+  each epoch on a global batch of 3 rows (2 on rank 0, 1 on rank 1) and
+  3 ranks x 5 on one of 1 row (ranks 1 and 2 hold only sampler padding).
 """
 
 from __future__ import annotations
@@ -20,12 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 
-from training.config import load_config
+from training.config import PipelineConfig, load_config
 from training.data.manifest import Manifest, ShardInfo, SplitInfo, write_manifest
 from training.job import TrainJob
 from training.models import ModelSpec
@@ -37,17 +43,29 @@ TRAIN_ROWS, VAL_ROWS, FEATURES, CLASSES = 1024, 201, 8, 3
 BATCH = 64  # per rank, with 2 ranks
 EPOCHS = 2
 HIDDEN = [32]
+UNEVEN_ROWS, UNEVEN_VAL_ROWS = 211, 101
+EXACT = 1e-5  # final weights of runs that take the same optimizer steps
+# A user factory with dropout: resuming to the same weights needs every rank's RNG restored.
+DROPOUT_MODEL = {"model": "tests.model.dropout_model:dropout_mlp", "model_kwargs": {"hidden": 32, "p": 0.3}}
+TEST_HOOKS = ("DDPFLOW_FAULT", "DDPFLOW_RECORD_INDICES", "DDPFLOW_MLFLOW_RUN_ID")
+
+
+def production_launcher():
+    """The launcher's argv and environment builders: the ONE import to change when they move."""
+    from ddpflow.launch.command import launch_env, torchrun_command
+
+    return launch_env, torchrun_command
 
 
 # --- data and launches -------------------------------------------------------------------------
 
 
-def write_dataset(root: Path, rows: dict[str, int], seed: int = 0) -> Path:
+def write_dataset(root: Path, rows: dict[str, int], seed: int = 0, name: str = "fp-test") -> Path:
     """A prepared dataset per training/data/manifest.py, two shards per split."""
     rng = np.random.default_rng(seed)
     teacher = rng.normal(size=(FEATURES, CLASSES))
     features = [f"f{i}" for i in range(FEATURES)]
-    dataset_dir = root / "fp-test"
+    dataset_dir = root / name
     splits, train_x = {}, None
     for split, count in rows.items():
         z = rng.normal(size=(count, FEATURES))
@@ -65,7 +83,7 @@ def write_dataset(root: Path, rows: dict[str, int], seed: int = 0) -> Path:
     write_manifest(
         dataset_dir,
         Manifest(
-            fingerprint="fp-test",
+            fingerprint=name,
             source="test",
             task="classification",
             label="label",
@@ -96,8 +114,16 @@ class Launch:
     def model(self) -> dict:
         return torch.load(self.run_dir / "model.pt", weights_only=True)
 
+    def passes(self, rank: int, epoch: int) -> list[list[int]]:
+        """Every completed pass of ``rank`` over ``epoch`` (DDPFLOW_RECORD_INDICES appends one line per pass)."""
+        path = self.run_dir / "indices" / f"rank{rank}-epoch{epoch}.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
     def indices(self, rank: int, epoch: int) -> list[int]:
-        return json.loads((self.run_dir / "indices" / f"rank{rank}-epoch{epoch}.json").read_text())
+        """The rows ``rank`` trained on in ``epoch``, which it completed exactly once."""
+        passes = self.passes(rank, epoch)
+        assert len(passes) == 1, f"rank {rank} completed epoch {epoch} {len(passes)} times"
+        return passes[0]
 
 
 def free_port() -> int:
@@ -106,7 +132,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def write_job(run_dir: Path, dataset_dir: Path, init_weights: Path | None = None, **train) -> Path:
+def job_config(nproc: int = 2, max_restarts: int = 0, **train) -> PipelineConfig:
     settings = {
         "epochs": EPOCHS,
         "batch_size": BATCH,
@@ -115,9 +141,14 @@ def write_job(run_dir: Path, dataset_dir: Path, init_weights: Path | None = None
         "lr": 0.01,
         "progress_interval_s": 0.2,
         "collective_timeout_s": 60,
+        "nproc_per_node": nproc,
+        "max_restarts": max_restarts,
         **train,
     }
-    config = load_config(None, [f"train.{key}={json.dumps(value)}" for key, value in settings.items()])
+    return load_config(None, [f"train.{key}={json.dumps(value)}" for key, value in settings.items()])
+
+
+def write_job(run_dir: Path, dataset_dir: Path, config: PipelineConfig, init_weights: Path | None = None) -> Path:
     job = TrainJob(
         config=config,
         dataset_dir=str(dataset_dir),
@@ -127,16 +158,11 @@ def write_job(run_dir: Path, dataset_dir: Path, init_weights: Path | None = None
     return job.write(run_dir / "train_config.json")
 
 
-def torchrun(*launcher_args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", *launcher_args]
-
-
-def rank_env(**extra: str) -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO), **extra}
-    for name in ("DDPFLOW_FAULT", "DDPFLOW_RECORD_INDICES", "DDPFLOW_MLFLOW_RUN_ID"):
-        if name not in extra:
-            env.pop(name, None)
-    return env
+def production_env(config: PipelineConfig, run_dir: Path, **hooks: str) -> dict[str, str]:
+    """What the launcher gives torchrun, on this machine's environment minus stray test hooks, plus ``hooks``."""
+    launch_env, _ = production_launcher()
+    base = {name: value for name, value in os.environ.items() if name not in TEST_HOOKS}
+    return {**launch_env(config, run_dir, gpus=0, base=base), **hooks}
 
 
 def launch(
@@ -148,19 +174,17 @@ def launch(
     init_weights: Path | None = None,
     **train,
 ) -> Launch:
-    config = write_job(run_dir, dataset_dir, init_weights, **train)
-    argv = torchrun(
-        "--standalone",
-        "--nproc-per-node",
-        str(nproc),
-        "--max-restarts",
-        str(max_restarts),
-        "-m",
-        "training.train",
-        "--config",
-        str(config),
+    config = job_config(nproc, max_restarts, **train)
+    job_path = write_job(run_dir, dataset_dir, config, init_weights)
+    _, torchrun_command = production_launcher()
+    done = subprocess.run(
+        torchrun_command(config, job_path, gpus=0),
+        cwd=REPO,
+        env=production_env(config, run_dir, **(env or {})),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
-    done = subprocess.run(argv, cwd=REPO, env=rank_env(**(env or {})), capture_output=True, text=True, timeout=240)
     return Launch(run_dir, done.returncode, done.stdout + done.stderr)
 
 
@@ -169,10 +193,16 @@ def succeeded(result: Launch) -> Launch:
     return result
 
 
-def assert_same_weights(a: dict, b: dict, atol: float) -> None:
+def assert_same_weights(a: dict, b: dict, atol: float) -> float:
+    """Every tensor within ``atol``; returns the largest absolute difference (printed by the exactness tests)."""
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=atol, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
+    return max(float((a[name].double() - b[name].double()).abs().max()) for name in a)
+
+
+def report(what: str, difference: float) -> None:
+    print(f"\n[exactness] {what}: max |weight difference| = {difference:.2e}")
 
 
 # --- fixtures: one launch each, shared by the tests ----------------------------------------------
@@ -184,21 +214,40 @@ def dataset(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def uneven(tmp_path_factory) -> Path:
+    rows = {"train": UNEVEN_ROWS, "val": UNEVEN_VAL_ROWS, "test": 16}
+    return write_dataset(tmp_path_factory.mktemp("uneven"), rows, seed=1, name="fp-uneven")
+
+
+@pytest.fixture(scope="module")
 def two_ranks(dataset, tmp_path_factory) -> Launch:
     return succeeded(launch(tmp_path_factory.mktemp("two_ranks"), dataset, env={"DDPFLOW_RECORD_INDICES": "1"}))
 
 
+def _uneven_launch(uneven, tmp_path_factory, name: str, nproc: int, batch_size: int, **train) -> Launch:
+    run_dir = tmp_path_factory.mktemp(name)
+    recorded = {"DDPFLOW_RECORD_INDICES": "1"}
+    return succeeded(launch(run_dir, uneven, nproc=nproc, batch_size=batch_size, env=recorded, **train))
+
+
 @pytest.fixture(scope="module")
-def one_rank(dataset, tmp_path_factory) -> Launch:
-    return succeeded(
-        launch(
-            tmp_path_factory.mktemp("one_rank"),
-            dataset,
-            nproc=1,
-            batch_size=2 * BATCH,
-            env={"DDPFLOW_RECORD_INDICES": "1"},
-        )
-    )
+def uneven_two_ranks(uneven, tmp_path_factory) -> Launch:
+    return _uneven_launch(uneven, tmp_path_factory, "uneven_w2", nproc=2, batch_size=8)
+
+
+@pytest.fixture(scope="module")
+def uneven_one_rank_double(uneven, tmp_path_factory) -> Launch:
+    return _uneven_launch(uneven, tmp_path_factory, "uneven_w1x2", nproc=1, batch_size=16)
+
+
+@pytest.fixture(scope="module")
+def uneven_three_ranks(uneven, tmp_path_factory) -> Launch:
+    return _uneven_launch(uneven, tmp_path_factory, "uneven_w3", nproc=3, batch_size=5)
+
+
+@pytest.fixture(scope="module")
+def uneven_one_rank_triple(uneven, tmp_path_factory) -> Launch:
+    return _uneven_launch(uneven, tmp_path_factory, "uneven_w1x3", nproc=1, batch_size=15)
 
 
 # --- tests ------------------------------------------------------------------------------------------
@@ -236,52 +285,119 @@ def test_checkpoints_are_complete_and_load_with_weights_only(two_ranks):
     assert final["features"] == [f"f{i}" for i in range(FEATURES)] and final["label_mapping"] == ["a", "b", "c"]
     assert final["task"] == "classification" and final["epochs"] == EPOCHS and final["fingerprint"] == "fp-test"
     assert len(final["feature_mean"]) == FEATURES and final["metrics"]["epoch"] == EPOCHS - 1
+    assert final["label_mean"] is None and final["label_std"] is None  # classification: no target statistics
     assert_same_weights(final["model"], last["model"], atol=0)
 
 
-def test_one_rank_with_double_batch_trains_the_same_weights(two_ranks, one_rank):
-    # The same seed gives the same permutation; DistributedSampler's rank r takes perm[r::2].
+# --- the exact update: W ranks x b, one rank x W*b and grad_accum take the same steps on any split ------------
+
+
+@pytest.mark.parametrize(("world", "double"), [(2, "uneven_one_rank_double"), (3, "uneven_one_rank_triple")])
+def test_the_global_batch_of_w_ranks_is_the_one_rank_batch(world, double, request):
+    """DistributedSampler's rank r takes perm[r::W] of the permutation the one rank walks in order: step s of
+    the W ranks together holds exactly the rows of the one rank's step s (padding excluded)."""
+    ranks = request.getfixturevalue({2: "uneven_two_ranks", 3: "uneven_three_ranks"}[world])
+    single = request.getfixturevalue(double)
     for epoch in range(EPOCHS):
-        order = one_rank.indices(0, epoch)
-        assert two_ranks.indices(0, epoch) == order[0::2] and two_ranks.indices(1, epoch) == order[1::2]
-    assert_same_weights(two_ranks.model()["model"], one_rank.model()["model"], atol=1e-5)
+        order = single.indices(0, epoch)
+        assert sorted(order) == list(range(UNEVEN_ROWS))
+        for rank in range(world):
+            assert ranks.indices(rank, epoch) == order[rank::world]
 
 
-def test_killed_rank_restarts_and_resumes_to_the_uninterrupted_weights(two_ranks, dataset, tmp_path, mlflow_store):
-    from mlflow.tracking import MlflowClient
+def test_two_ranks_train_the_weights_of_one_rank_with_twice_the_batch(uneven_two_ranks, uneven_one_rank_double):
+    # The last step of each epoch holds 3 rows: 2 on rank 0 and 1 (+ 1 padding) on rank 1.
+    difference = assert_same_weights(uneven_two_ranks.model()["model"], uneven_one_rank_double.model()["model"], EXACT)
+    report("2 ranks x 8 vs 1 rank x 16, 211 rows (last global batch 3)", difference)
 
-    uri, artifacts = mlflow_store
-    client = MlflowClient(uri)
-    experiment = client.create_experiment("resume", artifact_location=artifacts)
-    run_id = client.create_run(experiment).info.run_id
-    tracked = {"DDPFLOW_MLFLOW_RUN_ID": run_id, "MLFLOW_TRACKING_URI": uri}
-    run_dir = tmp_path / "resumed"
-    # Stopped after one epoch, then continued with more epochs in the same run directory ...
-    succeeded(launch(run_dir, dataset, epochs=1, env=tracked))
-    # ... where rank 1 is SIGKILLed mid-epoch and torchrun restarts the group, which resumes from last.pt.
-    resumed = succeeded(
-        launch(run_dir, dataset, max_restarts=1, env={**tracked, "DDPFLOW_FAULT": "kill:rank=1:epoch=1:step=2"})
+
+def test_three_ranks_train_the_weights_of_one_rank_with_three_times_the_batch(
+    uneven_three_ranks, uneven_one_rank_triple
+):
+    # The last step of each epoch holds 1 row, on rank 0; ranks 1 and 2 hold only padding.
+    difference = assert_same_weights(
+        uneven_three_ranks.model()["model"], uneven_one_rank_triple.model()["model"], EXACT
     )
+    report("3 ranks x 5 vs 1 rank x 15, 211 rows (last global batch 1)", difference)
+
+
+def test_accumulating_two_micro_batches_trains_the_weights_of_one_double_batch(
+    uneven, uneven_two_ranks, uneven_one_rank_double, tmp_path
+):
+    """2 ranks x 4 rows x grad_accum 2 against 2 ranks x 8: each epoch's last optimizer step is ONE micro-batch
+    (27 per rank) holding 3 real rows and 1 padding, so both the divisor and the short group are exercised."""
+    accumulated = succeeded(launch(tmp_path / "accumulated", uneven, batch_size=4, grad_accum=2))
+    weights = accumulated.model()["model"]
+    difference = assert_same_weights(weights, uneven_two_ranks.model()["model"], EXACT)
+    report("2 ranks x 4 x grad_accum 2 vs 2 ranks x 8, 211 rows (last step: 1 micro-batch)", difference)
+    report("... vs 1 rank x 16", assert_same_weights(weights, uneven_one_rank_double.model()["model"], EXACT))
+    assert [r["train_samples"] for r in accumulated.metrics()] == [UNEVEN_ROWS] * EPOCHS
+
+
+@pytest.mark.parametrize(
+    ("ranks", "single"),
+    [("uneven_two_ranks", "uneven_one_rank_double"), ("uneven_three_ranks", "uneven_one_rank_triple")],
+)
+def test_metrics_count_every_row_once_and_agree_with_one_rank(ranks, single, request):
+    """Per-epoch losses and validation of the W-rank run equal the one-rank run's: each row is counted once
+    (padding excluded) and each rank evaluates its own unpadded slice of the val split."""
+    many, one = request.getfixturevalue(ranks).metrics(), request.getfixturevalue(single).metrics()
+    assert [r["epoch"] for r in many] == [r["epoch"] for r in one] == list(range(EPOCHS))
+    for a, b in zip(many, one):
+        assert a["train_samples"] == b["train_samples"] == UNEVEN_ROWS
+        assert a["val_samples"] == b["val_samples"] == UNEVEN_VAL_ROWS
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
+        assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-5)
+        # The weights agree to ~1e-7: a prediction on a decision boundary is the most that could flip.
+        assert abs(a["val_accuracy"] - b["val_accuracy"]) <= 1 / UNEVEN_VAL_ROWS
+        assert a["weights_in_sync"] is True
+    assert many[-1]["val_loss"] != many[0]["val_loss"]  # it trained: the comparison is not of two constants
+
+
+# --- resume, warm start, several nodes, faults -------------------------------------------------------------
+
+
+def test_a_failed_launch_and_a_killed_rank_resume_at_their_epoch_to_the_uninterrupted_weights(uneven, tmp_path):
+    """With dropout (each rank's RNG matters). Launch 1 fails at the start of epoch 1 (a permanent error: the
+    pipeline's retry path); launch 2 resumes after epoch 0, and rank 1 is SIGKILLed in epoch 2, so torchrun
+    restarts the group, which resumes after epoch 1. Every epoch is completed exactly once overall."""
+    epochs = 3
+    settings = {"epochs": epochs, "batch_size": 8, **DROPOUT_MODEL}
+    reference = succeeded(launch(tmp_path / "uninterrupted", uneven, **settings))
+    run_dir = tmp_path / "resumed"
+    recorded = {"DDPFLOW_RECORD_INDICES": "1"}
+
+    failed = launch(run_dir, uneven, env={**recorded, "DDPFLOW_FAULT": "raise:rank=1:epoch=1"}, **settings)
+    assert failed.returncode != 0 and "injected fault" in failed.output
+    assert torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["epoch"] == 1
+
+    kill = {**recorded, "DDPFLOW_FAULT": "kill:rank=1:epoch=2:step=3"}
+    resumed = succeeded(launch(run_dir, uneven, max_restarts=1, env=kill, **settings))
     assert (run_dir / ".fault-kill-done").exists()
-    assert "resumed from" in resumed.output
-    assert_same_weights(two_ranks.model()["model"], resumed.model()["model"], atol=1e-6)
+    for epoch in range(epochs):  # a restart that began before its checkpoint's epoch would add a second pass
+        rows = [row for rank in range(2) for row in resumed.indices(rank, epoch)]
+        assert sorted(rows) == list(range(UNEVEN_ROWS))
+    assert resumed.output.count("after 1 epoch(s)") == 1 and resumed.output.count("after 2 epoch(s)") == 1
     records = resumed.metrics()
-    assert [r["epoch"] for r in records] == [0, 1]  # nothing logged twice
-    assert [r["restart_count"] for r in records] == [0, 1]
-    history = client.get_metric_history(run_id, "val_accuracy")
-    assert sorted(m.step for m in history) == [0, 1]
-    assert [m.value for m in sorted(client.get_metric_history(run_id, "restart_count"), key=lambda m: m.step)] == [0, 1]
+    assert [r["epoch"] for r in records] == [0, 1, 2]  # nothing logged twice
+    assert [r["restart_count"] for r in records] == [0, 0, 1]
+    difference = assert_same_weights(reference.model()["model"], resumed.model()["model"], atol=1e-6)
+    report("resumed twice (dropout model) vs uninterrupted", difference)
 
 
 def test_two_nodes_on_one_machine_train_like_one_node(two_ranks, dataset, tmp_path):
     """Two torchrun agents (one rank each) rendezvous over c10d. To save a launch they also accumulate
     gradients over 2 micro-batches of BATCH/2 (no_sync on the first): the same rows per optimizer step."""
     run_dir = tmp_path / "two_nodes"
-    config = write_job(run_dir, dataset, batch_size=BATCH // 2, grad_accum=2)
+    config = job_config(nproc=1, batch_size=BATCH // 2, grad_accum=2)
+    job_path = write_job(run_dir, dataset, config)
     endpoint = f"127.0.0.1:{free_port()}"
     agents = [
         subprocess.Popen(
-            torchrun(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
                 "--nnodes",
                 "2",
                 "--node-rank",
@@ -296,15 +412,16 @@ def test_two_nodes_on_one_machine_train_like_one_node(two_ranks, dataset, tmp_pa
                 endpoint,
                 "--rdzv-id",
                 "two-nodes",
+                # Both agents run on this host: say which one hosts the store.
                 "--rdzv-conf",
                 f"is_host={int(node == 0)}",
                 "-m",
                 "training.train",
                 "--config",
-                str(config),
-            ),
+                str(job_path),
+            ],  # fmt: skip
             cwd=REPO,
-            env=rank_env(),
+            env=production_env(config, run_dir),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -322,7 +439,7 @@ def test_two_nodes_on_one_machine_train_like_one_node(two_ranks, dataset, tmp_pa
     assert all(
         r["weights_in_sync"] and r["world_size"] == 2 and r["train_samples"] == TRAIN_ROWS for r in result.metrics()
     )
-    assert_same_weights(two_ranks.model()["model"], result.model()["model"], atol=1e-5)
+    assert_same_weights(two_ranks.model()["model"], result.model()["model"], atol=EXACT)
 
 
 def test_padded_sampler_rows_count_once_on_a_prepared_dataset(two_ranks, tmp_path):
@@ -371,21 +488,93 @@ def test_a_raising_rank_fails_the_launch_with_its_root_cause(two_ranks, dataset,
     assert not (tmp_path / "raised" / "model.pt").exists()
 
 
+def test_a_slow_checkpoint_write_waits_for_checkpoint_timeout_not_the_collective_one(dataset, tmp_path):
+    """Rank 0 takes 18 s to write last.pt, longer than train.collective_timeout_s=10: rank 1 waits at the
+    checkpoint barrier, under train.checkpoint_timeout_s, and the run completes."""
+    slow = {"DDPFLOW_FAULT": "slow_checkpoint:rank=0:epoch=0:seconds=18"}
+    result = succeeded(
+        launch(tmp_path / "slow", dataset, epochs=1, collective_timeout_s=10, checkpoint_timeout_s=300, env=slow)
+    )
+    assert "last.pt 18s late" in result.output
+    assert torch.load(tmp_path / "slow" / "checkpoints" / "last.pt", weights_only=True)["epoch"] == 1
+
+
+def test_a_checkpoint_write_beyond_checkpoint_timeout_fails_naming_it(dataset, tmp_path):
+    slow = {"DDPFLOW_FAULT": "slow_checkpoint:rank=0:epoch=0:seconds=60"}
+    result = launch(tmp_path / "stuck", dataset, epochs=1, checkpoint_timeout_s=4, env=slow)
+    assert result.returncode != 0
+    assert "CheckpointTimeout" in result.output
+    assert "rank 1: rank 0 did not finish writing" in result.output
+    assert "train.checkpoint_timeout_s=4s" in result.output
+
+
+# --- target standardisation ------------------------------------------------------------------------------
+
+
+def write_regression_source(path: Path, rows: int = 1500, seed: int = 7) -> Path:
+    """Raw columns whose target has mean ~150 and std ~10: far from what an untrained network outputs."""
+    rng = np.random.default_rng(seed)
+    z = rng.normal(size=(rows, 4))
+    target = 150.0 + 10.0 * (z @ np.array([0.6, -0.5, 0.4, 0.48])) + rng.normal(scale=0.5, size=rows)
+    frame = pd.DataFrame({f"x{i}": z[:, i] * (i + 1) * 3.0 + 40.0 * i for i in range(4)})
+    frame["price"] = target
+    frame.to_parquet(path)
+    return path
+
+
+def test_regression_trains_on_the_standardised_target_and_reports_the_original_scale(tmp_path):
+    from training.data.prepare import prepare_dataset
+    from training.evaluate import evaluate_split
+    from training.predict import Predictor
+
+    source = write_regression_source(tmp_path / "prices.parquet")
+    data = load_config(None, [f"data.source={source}", "data.label=price", f"data.root={tmp_path / 'shards'}"]).data
+    prepared = prepare_dataset(data)
+    manifest = prepared.manifest
+    train_targets = pd.concat(
+        pq.read_table(path).to_pandas() for path in manifest.split_files(prepared.dataset_dir, "train")
+    )["price"].to_numpy(np.float64)
+    assert manifest.label_mean == pytest.approx(train_targets.mean(), rel=1e-9)
+    assert manifest.label_std == pytest.approx(train_targets.std(), rel=1e-9)
+    assert 140 < manifest.label_mean < 160
+
+    result = succeeded(launch(tmp_path / "run", prepared.dataset_dir, epochs=3, batch_size=32))
+    final = result.model()
+    assert (final["label_mean"], final["label_std"]) == (manifest.label_mean, manifest.label_std)
+
+    # Training's validation and the evaluate stage's agree, both on the original scale.
+    last = result.metrics()[-1]
+    evaluated = evaluate_split(result.run_dir / "model.pt", prepared.dataset_dir, "val").metrics
+    assert last["val_rmse"] == pytest.approx(evaluated["val_rmse"], rel=1e-4)
+    assert last["val_loss"] == pytest.approx(evaluated["val_loss"], rel=1e-4)
+    assert last["val_rmse"] < 0.3 * manifest.label_std  # learned in 3 epochs: it never had to find the mean
+
+    test = evaluate_split(result.run_dir / "model.pt", prepared.dataset_dir, "test", return_predictions=True)
+    assert test.metrics["test_rmse"] < 0.3 * manifest.label_std
+    frame = pd.concat(pq.read_table(p).to_pandas() for p in manifest.split_files(prepared.dataset_dir, "test"))
+    served = Predictor.from_checkpoint(result.run_dir / "model.pt").predict(frame[manifest.features])
+    np.testing.assert_allclose(served, test.predictions, rtol=1e-6)
+    assert abs(float(np.mean(served)) - float(frame["price"].mean())) < 0.3 * manifest.label_std
+
+
 def test_ranks_die_with_a_killed_agent(dataset, tmp_path):
     """PR_SET_PDEATHSIG: SIGKILLing torchrun (which cannot then stop its workers) still ends the ranks."""
     import psutil
 
-    config = write_job(tmp_path / "orphans", dataset, collective_timeout_s=600)
+    run_dir = tmp_path / "orphans"
+    config = job_config(collective_timeout_s=600)
+    job_path = write_job(run_dir, dataset, config)
+    _, torchrun_command = production_launcher()
     agent = subprocess.Popen(
-        torchrun("--standalone", "--nproc-per-node", "2", "-m", "training.train", "--config", str(config)),
+        torchrun_command(config, job_path, gpus=0),
         cwd=REPO,
-        env=rank_env(DDPFLOW_FAULT="hang:rank=0:epoch=0"),
+        env=production_env(config, run_dir, DDPFLOW_FAULT="hang:rank=0:epoch=0"),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     ranks = []
     try:
-        marker = tmp_path / "orphans" / ".fault-hang-done"
+        marker = run_dir / ".fault-hang-done"
         deadline = time.monotonic() + 180
         while not marker.exists() and time.monotonic() < deadline and agent.poll() is None:
             time.sleep(0.2)

@@ -54,6 +54,10 @@ class Manifest:
     created_at: str
     versions: dict[str, str]
     dropped_rows: int = 0
+    # Regression: the train split's target mean and population std (0 -> 1); training standardises the
+    # target with them (training/normalisation.py). None for classification and for older manifests.
+    label_mean: float | None = None
+    label_std: float | None = None
     format_version: int = FORMAT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
 

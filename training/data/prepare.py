@@ -185,8 +185,8 @@ def _check_labels(scan: LabelScan, plan: ColumnPlan, data: DataConfig, source: S
     invalid = scan.nulls + scan.non_finite
     if invalid and data.on_invalid == "error":
         raise DataError(
-            f"{scan.first_invalid_file}: label column {plan.label!r} has {scan.nulls} null and {scan.non_finite} NaN/inf "
-            f"values (first in this file); fix the data or set data.on_invalid=drop"
+            f"{scan.first_invalid_file}: label column {plan.label!r} has {scan.nulls} null and {scan.non_finite} "
+            f"NaN/inf values (first in this file); fix the data or set data.on_invalid=drop"
         )
     if invalid == scan.rows:
         raise DataError(f"{where}: every row's label {plan.label!r} is null, NaN or inf")
@@ -232,6 +232,7 @@ def _build(source: Source, data: DataConfig, fingerprint: str, out_dir: Path) ->
     schema = _shard_schema(plan, source.schema)
     writers = {name: SplitWriter(out_dir, name, schema, data.rows_per_shard, data.row_group_size) for name in SPLITS}
     moments = RunningMoments(len(plan.features))
+    targets = RunningMoments(1) if plan.task == "regression" else None  # standardises the target in training
     invalid = InvalidRows()
     for file, batch in source.iter_batches(plan.columns, data.read_batch_rows):
         rows = _BatchRows(batch, plan, labels.classes)
@@ -244,12 +245,14 @@ def _build(source: Source, data: DataConfig, fingerprint: str, out_dir: Path) ->
             chosen = np.flatnonzero(codes == code)
             if name == "train":
                 moments.update(rows.features[:, chosen])
+                if targets is not None:
+                    targets.update(rows.label.to_numpy(zero_copy_only=False)[chosen][None, :])
             writers[name].add(rows.table(chosen, schema))
     if invalid.rows and data.on_invalid == "error":
         raise invalid.error(source.description)
     splits = {name: writer.close() for name, writer in writers.items()}
     _check_splits(splits, invalid.rows, labels.rows, data, source)
-    return _manifest(source, data, plan, labels, splits, moments, invalid, fingerprint)
+    return _manifest(source, data, plan, labels, splits, moments, targets, invalid, fingerprint)
 
 
 class _BatchRows:
@@ -342,7 +345,7 @@ def _check_splits(splits: dict[str, SplitInfo], dropped: int, total: int, data: 
         )
 
 
-def _manifest(source, data, plan, labels, splits, moments, invalid, fingerprint) -> Manifest:
+def _manifest(source, data, plan, labels, splits, moments, targets, invalid, fingerprint) -> Manifest:
     return Manifest(
         fingerprint=fingerprint,
         source=data.source,
@@ -359,6 +362,8 @@ def _manifest(source, data, plan, labels, splits, moments, invalid, fingerprint)
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         versions=_versions(),
         dropped_rows=invalid.rows,
+        label_mean=float(targets.mean[0]) if targets is not None else None,
+        label_std=float(targets.std()[0]) if targets is not None else None,
         extra={
             "source_identity": source.identity(),
             "source_rows": labels.rows,

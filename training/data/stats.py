@@ -1,4 +1,7 @@
-"""Per-feature mean and standard deviation, merged batch by batch (Chan et al.).
+"""Per-column mean and standard deviation, merged batch by batch (Chan et al.).
+
+Prepare keeps one for the train split's features and, for regression, one for
+its target (``Manifest.label_mean/label_std``).
 
 Each batch's own mean and squared deviations are computed in float64 with
 numpy, then merged into the running totals; this is as accurate as one
