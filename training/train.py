@@ -40,6 +40,7 @@ from training.loading import SplitTensors, TrainBatches
 from training.loop import StepSettings, evaluate, train_epoch, validation_metrics
 from training.metrics_sink import MetricsSink
 from training.models import ModelSpec, build_model
+from training.normalisation import Normaliser
 from training.progress import Progress
 from training.runtime import (
     configure_cpu,
@@ -71,6 +72,7 @@ class Trainer:
     val: SplitTensors
     settings: StepSettings
     checkpointer: Checkpointer
+    normaliser: Normaliser  # reports losses on the target's original scale
     start_epoch: int = 0
     history: list[dict[str, Any]] | None = None
 
@@ -82,7 +84,7 @@ def node_split(job: TrainJob, manifest: Manifest, split: str, ctx: DistContext) 
     return cached.tensors
 
 
-def build_trainer(job: TrainJob, ctx: DistContext) -> Trainer:
+def build_trainer(job: TrainJob, ctx: DistContext, faults: FaultInjector) -> Trainer:
     train = job.config.train
     on_gpu = ctx.device.type == "cuda"
     setup = configure_cpu(train, ctx.local_rank, ctx.local_world_size, pin=not on_gpu) + (
@@ -92,9 +94,9 @@ def build_trainer(job: TrainJob, ctx: DistContext) -> Trainer:
     manifest = read_manifest(job.dataset_dir)
     loaded_at = time.monotonic()
     train_split, val = (node_split(job, manifest, split, ctx) for split in ("train", "val"))
+    seconds = time.monotonic() - loaded_at
     log(
-        ctx,
-        f"loaded {len(train_split)} train / {len(val)} val rows x {manifest.n_features} features in {time.monotonic() - loaded_at:.1f}s",
+        ctx, f"loaded {len(train_split)} train / {len(val)} val rows x {manifest.n_features} features in {seconds:.1f}s"
     )
 
     # The same seed on every rank: identical initial weights (DDP also broadcasts rank 0's).
@@ -102,7 +104,7 @@ def build_trainer(job: TrainJob, ctx: DistContext) -> Trainer:
     random.seed(train.seed)
     spec = ModelSpec(train.model, manifest.n_features, manifest.n_outputs, dict(train.model_kwargs))
     model = build_model(spec)
-    checkpointer = Checkpointer(job.run_dir, ctx)
+    checkpointer = Checkpointer(job.run_dir, ctx, before_write=faults.before_checkpoint_write)
     resumed = checkpointer.load_resumable(job.config, manifest.fingerprint)
     if resumed is None:
         warm = checkpointer.load_warm_start(job.init_weights, spec.to_dict(), manifest.features)
@@ -125,9 +127,11 @@ def build_trainer(job: TrainJob, ctx: DistContext) -> Trainer:
         optimizer_steps = train.epochs * -(-len(batches) // train.grad_accum)
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=optimizer_steps)
     settings = StepSettings(manifest.task, ctx.device, train.grad_accum, train.grad_clip, train.bf16)
+    normaliser = Normaliser.from_manifest(manifest)
     trainer = Trainer(
-        job, ctx, manifest, spec, model, ddp, optimizer, scheduler, batches, val, settings, checkpointer, history=[]
-    )
+        job, ctx, manifest, spec, model, ddp, optimizer, scheduler, batches, val, settings, checkpointer, normaliser,
+        history=[],
+    )  # fmt: skip
     if resumed is not None:
         restore_training_state(trainer, resumed)
     else:
@@ -162,7 +166,7 @@ def restore_training_state(trainer: Trainer, saved: dict[str, Any]) -> None:
 def run_epoch(
     trainer: Trainer, epoch: int, progress: Progress, faults: FaultInjector, indices: IndexRecorder
 ) -> dict[str, Any]:
-    ctx, manifest = trainer.ctx, trainer.manifest
+    ctx, manifest, original_scale = trainer.ctx, trainer.manifest, trainer.normaliser.target_loss_inverse
     started = time.monotonic()
     progress.start_epoch(epoch)
     local = train_epoch(
@@ -172,7 +176,7 @@ def run_epoch(
         trainer.batches,
         epoch,
         trainer.settings,
-        on_step=progress.step,
+        on_step=lambda done, samples, loss: progress.step(done, samples, lambda: original_scale(loss())),
         before_step=faults.at_step,
         on_batch=lambda batch: indices.add(batch.indices),
     )
@@ -192,11 +196,12 @@ def run_epoch(
             f"epoch {epoch}: validation covered {int(val_count)} rows, the val split has {manifest.rows('val')}"
         )
 
+    # Losses on the target's original scale (regression trains on the standardised one).
     return {
-        "train_loss": loss_sum / samples,
+        "train_loss": original_scale(loss_sum / samples),
         "train_samples": int(samples),
         "train_samples_per_s": samples / max(train_seconds, 1e-9),
-        **validation_metrics(val_loss, val_correct, val_count, manifest.task),
+        **validation_metrics(original_scale(val_loss), val_correct, val_count, manifest.task),
         "epoch_seconds": time.monotonic() - started,
         "lr": trainer.optimizer.param_groups[0]["lr"],
         "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
@@ -250,10 +255,10 @@ def run(job: TrainJob, ctx: DistContext) -> None:
 
 
 def train_and_save(job: TrainJob, ctx: DistContext, sink: MetricsSink) -> None:
-    trainer = build_trainer(job, ctx)
+    faults = FaultInjector.from_env(ctx.rank, job.run_dir)
+    trainer = build_trainer(job, ctx, faults)
     train = job.config.train
     progress = Progress(ctx.is_main, train.progress_interval_s, train.epochs, len(trainer.batches), ctx.world_size)
-    faults = FaultInjector.from_env(ctx.rank, job.run_dir)
     indices = IndexRecorder.from_env(ctx.rank, job.run_dir)
     for epoch in range(trainer.start_epoch, train.epochs):
         metrics = run_epoch(trainer, epoch, progress, faults, indices)
