@@ -60,11 +60,18 @@ def test_no_shell_strings_are_run(parsed):
     assert offenders == []
 
 
-def test_the_local_stack_starts_its_servers_on_loopback_only(tmp_path):
-    from ddpflow import stack
+def test_every_server_ddpflow_starts_is_told_to_bind_loopback_only(tmp_path):
+    """The stack's two servers and `ddpflow run`'s temporary Prefect server. Their listening sockets
+    are checked on the running processes too (test_deployments_e2e.py, test_prefect_server.py)."""
+    from ddpflow import prefect_server, stack
 
     layout = stack.StackLayout.for_project(tmp_path)
-    for argv in (stack.prefect_server_argv(4200), stack.mlflow_server_argv(layout, 5000)):
+    argvs = (
+        stack.prefect_server_argv(4200),
+        stack.mlflow_server_argv(layout, 5000),
+        prefect_server.temporary_server_argv(8000),
+    )
+    for argv in argvs:
         assert argv[argv.index("--host") + 1] == "127.0.0.1", argv
 
 
