@@ -209,8 +209,10 @@ def test_a_signal_during_training_stops_the_ranks_and_the_temporary_server(
     make_config, project, signum, status, last_line
 ):
     prefect_home = project / ".ddpflow" / "prefect"
-    run_config = write_config(project, make_config(**ENDLESS))
-    run = LiveRun([sys.executable, "-m", "flows.cli", "run", "--config", run_config], project, cli_env())
+    config = make_config(**ENDLESS)
+    run = LiveRun(
+        [sys.executable, "-m", "flows.cli", "run", "--config", write_config(project, config)], project, cli_env()
+    )
     try:
         run.wait_for_line(TRAINING_LINE)
         started = processes_with_home(prefect_home)
@@ -222,6 +224,9 @@ def test_a_signal_during_training_stops_the_ranks_and_the_temporary_server(
         run.kill()
     assert run.last_error_line == last_line
     assert wait_until_none_left(prefect_home) == []
+    client = MlflowClient(config["mlflow"]["tracking_uri"])
+    experiment = client.get_experiment_by_name(config["mlflow"]["experiment"])
+    assert [r.info.status for r in client.search_runs([experiment.experiment_id])] == ["KILLED"]  # not FAILED
 
 
 PARENT = """
