@@ -197,6 +197,9 @@ def choose_server(project: str | Path, environ: MutableMapping[str, str]) -> Pre
 
 def start_temporary_server(environ: MutableMapping[str, str]) -> PrefectServer:
     """Start Prefect's temporary server on a held loopback port; returns at once (see wait_until_ready)."""
+    if environ.get("PREFECT_HOME"):
+        # Prefect creates only the last level; without the parents its server cannot open its database.
+        Path(environ["PREFECT_HOME"]).expanduser().mkdir(parents=True, exist_ok=True)
     reservation = reserve_port()
     port = reservation.getsockname()[1]
     env = {**environ, **TEMPORARY_SERVER_ENV}
