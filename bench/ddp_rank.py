@@ -1,10 +1,12 @@
 """One rank of a DDP throughput measurement; run under torchrun by bench/scaling.py and bench/gpu.py.
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 -m bench.ddp_rank \\
-        --feed ddpflow --data DATASET_DIR --steps 300 --warmup 30 --out DIR [--affinity] [--bucket-mb 25] [--grad-accum 4]
+        --feed ddpflow --data DATASET_DIR --steps 300 --warmup 30 --out DIR \\
+        [--affinity] [--bucket-mb 25] [--grad-accum 4]
 
-``--feed ddpflow``: ddpflow's own code: loader (``TrainBatches``), CPU setup
-(``configure_cpu``) and training epoch (``training.loop.train_epoch``) on a
+``--feed ddpflow``: ddpflow's own code: the node cache's mapped split, loader
+(``TrainBatches``), CPU setup (``configure_cpu``) and training epoch
+(``training.loop.train_epoch``) on a
 slice of the train split sized so that one epoch is exactly ``steps`` steps
 per rank. ``--feed presliced``/``pandas``: the same model and step fed from
 pre-cut tensors, or the plain way (per-row Dataset over a pandas DataFrame).
@@ -60,7 +62,7 @@ class DdpflowFeed:
         from bench import ddpflow_api
 
         self.api, self.args, self.device = ddpflow_api, args, device
-        split = ddpflow_api.load_train_split(args.data)
+        split = ddpflow_api.node_splits(args.data, ["train"])["train"].tensors  # as training.train gets it
         per_step = args.batch * world
         self.warm = ddpflow_api.train_batches(
             ddpflow_api.first_rows(split, per_step * args.warmup),
@@ -144,7 +146,7 @@ def main() -> None:
     args = parse_args()
     import torch
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.nn.parallel import DistributedDataParallel
 
     from bench.workload import build_model_and_optimizer
 
@@ -168,7 +170,11 @@ def main() -> None:
     dist.init_process_group("nccl" if cuda else "gloo")
     model, optimizer = build_model_and_optimizer(device=device)
     ddp_kwargs = {"bucket_cap_mb": args.bucket_mb} if args.bucket_mb else {}
-    ddp = model if args.independent else DDP(model, device_ids=[local_rank] if cuda else None, **ddp_kwargs)
+    ddp = (
+        model
+        if args.independent
+        else DistributedDataParallel(model, device_ids=[local_rank] if cuda else None, **ddp_kwargs)
+    )
     feed = (DdpflowFeed if args.feed == "ddpflow" else PlainFeed)(args, rank, world, device)
 
     feed.run(ddp, optimizer, timed=False)

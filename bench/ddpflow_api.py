@@ -25,6 +25,16 @@ def load_train_split(dataset_dir: str | Path):
     return load_split(dataset_dir, "train")
 
 
+def node_splits(dataset_dir: str | Path, splits=("train", "val"), cache_dir: str | Path | None = None):
+    """Splits the way every rank gets them (``training.data.node_cache.open_splits``): mapped from the node
+    cache, built there first (in one builder process) when missing. Split name -> ``CachedSplit``
+    (``.tensors``, ``.how``, ``.seconds``)."""
+    from training.data.manifest import read_manifest
+    from training.data.node_cache import open_splits
+
+    return open_splits(dataset_dir, read_manifest(dataset_dir), splits, None if cache_dir is None else str(cache_dir))
+
+
 def train_batches(
     split, *, batch: int, rank: int = 0, world_size: int = 1, seed: int = 0, device: str | torch.device = "cpu"
 ):
@@ -33,6 +43,14 @@ def train_batches(
 
     device = torch.device(device)
     return TrainBatches(split, rank, world_size, batch, seed, device, pin_memory=device.type == "cuda")
+
+
+def on_device(split, device: str | torch.device):
+    """The split copied to ``device`` once, as ``train.data_on_device=true`` does (``training.data.placement``)."""
+    from training.data.placement import place_splits
+
+    placed, _ = place_splits({"train": split}, True, torch.device(device), torch.nn.Module())
+    return placed["train"]
 
 
 def first_rows(split, rows: int):

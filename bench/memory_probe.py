@@ -1,15 +1,27 @@
-"""Peak memory of one job in a fresh process; run by bench/memory.py.
+"""Memory of one job in fresh processes; run by bench/memory.py.
 
     python -m bench.memory_probe load --how preallocated|concat|pandas --dataset DIR
     python -m bench.memory_probe prepare --source FILE --root DIR
+    python -m torch.distributed.run --standalone --nproc_per_node N -m bench.memory_probe \
+        node --how cache|load --dataset DIR --cache-dir DIR --out DIR
 
-Imports everything first, resets the kernel's peak-RSS mark (``/proc/self/clear_refs``),
-does the job while holding its result, and prints ``BENCH {"peak_above_imports": bytes, ...}``.
+``load``/``prepare``: imports everything first, resets the kernel's peak-RSS mark
+(``/proc/self/clear_refs``), does the job while holding its result, and prints
+``BENCH {"peak_above_imports": bytes, ...}``.
+
+``node`` (one rank of N under torchrun): the rank's data PSS (``data_pss``) after
+imports, the process group and the model (its baseline), then the train and val
+splits got the way ranks get them (``cache``: the node cache, as ``training.train``
+does; ``load``: each rank reads the shards itself, as before the cache), then an
+epoch's worth of what a rank touches (every batch of its train share gathered, its
+val slice read), then the data PSS again. Writes ``OUT/rank-<r>.json``: ``{"rank",
+"baseline", "after", "load_seconds", "how"}`` (a file each: ranks' lines would interleave).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 from pathlib import Path
 
@@ -67,9 +79,73 @@ def prepare(source: str, root: str):
     return prepare_dataset(DataConfig(source=source, label="label", root=root))
 
 
+def data_pss(cache_dir: str) -> int:
+    """Proportional set size of what data can occupy: anonymous memory, plus the node cache's file mappings
+    (each page counted 1/N in each of the N processes that map it; the sum over processes is the node's use).
+    Shared libraries are left out: their PSS moves with every other Python process on the machine."""
+    total, counted, cache_dir = 0, False, os.path.realpath(cache_dir)
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split(None, 5)
+            if not fields[0].endswith(":"):  # a mapping's first line: address perms offset dev inode [path]
+                path = fields[5].strip() if len(fields) > 5 else ""
+                counted = path in ("", "[heap]") or path.startswith("[anon") or path.startswith(cache_dir)
+            elif fields[0] == "Pss:" and counted:
+                total += int(fields[1]) * 1024
+    return total
+
+
+def node(how: str, dataset: str, cache_dir: str, out: str) -> None:
+    import json
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import training.data.node_cache  # noqa: F401 - imported before the baseline, as training.train does
+    from bench import ddpflow_api
+    from bench.workload import BATCH, build_model_and_optimizer
+    from training.data.manifest import read_manifest
+    from training.distributed import shard_range
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model_and_optimizer = build_model_and_optimizer()
+    read_manifest(dataset)  # warm the JSON and dataclass machinery before the baseline
+    baseline = data_pss(cache_dir)
+    dist.barrier()
+    started = time.perf_counter()
+    if how == "cache":
+        cached = ddpflow_api.node_splits(dataset, ("train", "val"), cache_dir)
+        train, val = cached["train"].tensors, cached["val"].tensors
+        hows = ",".join(c.how for c in cached.values())
+    else:
+        train, val = (ddpflow_api.load_split(dataset, split) for split in ("train", "val"))
+        hows = "load"
+    load_seconds = time.perf_counter() - started
+    for _ in ddpflow_api.train_batches(train, batch=BATCH, rank=rank, world_size=world).epoch(0):
+        pass
+    start, stop = shard_range(len(val), rank, world)
+    float(val.features[start:stop].sum())
+    dist.barrier()  # every rank holds its data: the node's sum is now complete
+    after = data_pss(cache_dir)
+    figures = {"rank": rank, "baseline": baseline, "after": after, "load_seconds": load_seconds, "how": hows}
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / f"rank-{rank}.json").write_text(json.dumps(figures))
+    dist.barrier()
+    del model_and_optimizer, train, val
+    dist.destroy_process_group()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="job", required=True)
+    node_args = sub.add_parser("node")
+    node_args.add_argument("--how", choices=["cache", "load"], required=True)
+    node_args.add_argument("--dataset", required=True)
+    node_args.add_argument("--cache-dir", required=True)
+    node_args.add_argument("--out", required=True)
     load_args = sub.add_parser("load")
     load_args.add_argument("--how", required=True)
     load_args.add_argument("--dataset", required=True)
@@ -77,6 +153,9 @@ def main() -> None:
     prepare_args.add_argument("--source", required=True)
     prepare_args.add_argument("--root", required=True)
     args = parser.parse_args()
+    if args.job == "node":
+        node(args.how, args.dataset, args.cache_dir, args.out)
+        return
 
     # Import everything the job needs before the baseline, so only the job's data counts.
     import numpy  # noqa: F401

@@ -31,7 +31,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from training.checkpoint import Checkpointer, capture_rng, inference_checkpoint, restore_rng
 from training.data.manifest import Manifest, read_manifest
-from training.data.node_cache import open_split
+from training.data.node_cache import open_splits
 from training.data.placement import place_splits
 from training.distributed import DistContext, distributed, shard_range, wrap_model
 from training.faults import FaultInjector, IndexRecorder
@@ -77,11 +77,12 @@ class Trainer:
     history: list[dict[str, Any]] | None = None
 
 
-def node_split(job: TrainJob, manifest: Manifest, split: str, ctx: DistContext) -> SplitTensors:
-    """The split from the node cache: built once per node, mapped by every local rank (each says how it got it)."""
-    cached = open_split(job.dataset_dir, manifest, split, job.config.data.cache_dir)
-    print(f"[data] rank {ctx.rank}: {cached.describe()}", flush=True)
-    return cached.tensors
+def node_splits(job: TrainJob, manifest: Manifest, ctx: DistContext) -> tuple[SplitTensors, SplitTensors]:
+    """Train and val from the node cache: built once per node, mapped by every local rank (each says how)."""
+    cached = open_splits(job.dataset_dir, manifest, ("train", "val"), job.config.data.cache_dir)
+    for split in cached.values():
+        print(f"[data] rank {ctx.rank}: {split.describe()}", flush=True)
+    return cached["train"].tensors, cached["val"].tensors
 
 
 def build_trainer(job: TrainJob, ctx: DistContext, faults: FaultInjector) -> Trainer:
@@ -93,7 +94,7 @@ def build_trainer(job: TrainJob, ctx: DistContext, faults: FaultInjector) -> Tra
     log(ctx, f"{ctx.world_size} rank(s), backend {ctx.backend}, device {ctx.device.type}, {setup}")
     manifest = read_manifest(job.dataset_dir)
     loaded_at = time.monotonic()
-    train_split, val = (node_split(job, manifest, split, ctx) for split in ("train", "val"))
+    train_split, val = node_splits(job, manifest, ctx)
     seconds = time.monotonic() - loaded_at
     log(
         ctx, f"loaded {len(train_split)} train / {len(val)} val rows x {manifest.n_features} features in {seconds:.1f}s"

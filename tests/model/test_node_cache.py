@@ -242,7 +242,7 @@ def test_a_full_disk_while_building_names_the_path_and_leaves_no_file(dataset, t
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("training.data.node_cache.NodeCacheError: cannot write the node data cache "), last
+    assert last.startswith("training.data.node_cache.NodeCacheError: cannot write the node data cache "), done.stderr
     assert "data.cache_dir=" in last and "File too large" in last
     assert [path.name for path in (cache / read_manifest(dataset).fingerprint).iterdir()] == [
         cache_path(dataset, read_manifest(dataset), "train", str(cache)).name + ".lock"

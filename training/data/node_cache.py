@@ -20,6 +20,11 @@ whole node and each rank's tensors are views of those pages.
   fsynced, then renamed into place); the others block on the lock, then find
   the file valid and map it. Two runs on one node share the lock too. A
   builder that dies releases the lock and leaves no ``.bin`` behind.
+- The build itself runs in a short-lived child process
+  (``python -m training.data.node_cache``, the manifest on stdin): reading
+  Parquet peaks at about 1.5x the split and leaves tens of MB of decode
+  buffers with the allocators, and all of that leaves with the child. The
+  building rank then holds what every other rank holds: the mapping.
 - Validated on every open, from the open file itself: magic, header checksum,
   format and normalisation versions, manifest key, fingerprint, split, rows,
   features, dtypes, offsets and the file's size. A file that fails is rebuilt
@@ -40,11 +45,13 @@ import json
 import os
 import socket
 import struct
+import subprocess
+import sys
 import time
 import warnings
 import zlib
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -54,7 +61,7 @@ import torch
 
 from training.data.manifest import Manifest
 from training.fileio import atomic_write
-from training.loading import SplitTensors, label_dtype, load_split
+from training.loading import ShardError, SplitTensors, label_dtype, load_split
 
 # Bump when the file layout or the header changes: old files then fail validation (and their name).
 FORMAT_VERSION = 1
@@ -82,7 +89,7 @@ class CachedSplit:
     inode: int
     how: str  # "ready" (valid on open), "waited" (another process built it), "built", "rebuilt", "empty"
     detail: str  # why it was rebuilt, or whose build this process waited for
-    seconds: float
+    seconds: float  # until this process held all the splits it asked for together
 
     def describe(self) -> str:
         """One log line: where the split came from, so every rank's line can be compared."""
@@ -112,27 +119,64 @@ def cache_path(dataset_dir: str | Path, manifest: Manifest, split: str, cache_di
 
 
 def open_split(dataset_dir: str | Path, manifest: Manifest, split: str, cache_dir: str | None = None) -> CachedSplit:
-    """The split's tensors, mapped read-only from the node cache; built first if no valid file exists."""
+    """One split's tensors, mapped read-only from the node cache; built first if no valid file exists."""
+    return open_splits(dataset_dir, manifest, [split], cache_dir)[split]
+
+
+def open_splits(
+    dataset_dir: str | Path, manifest: Manifest, splits: Sequence[str], cache_dir: str | None = None
+) -> dict[str, CachedSplit]:
+    """Each split's tensors, mapped read-only from the node cache. Splits without a valid file are built
+    first, all in ONE builder process; ``seconds`` is the time until this process held every split."""
     started = time.monotonic()
-    path = cache_path(dataset_dir, manifest, split, cache_dir)
-    expected = _expected_header(manifest, split)
-    if expected["rows"] == 0:  # nothing to map (mmap refuses empty ranges); an empty split costs nothing
-        return CachedSplit(split, load_split(dataset_dir, manifest, split), path, 0, "empty", "", 0.0)
-    mapped, problem = _try_map(path, expected)
-    how, detail = "ready", ""
-    if mapped is None:
-        with _build_lock(path, cache_dir, expected) as holder:
+    got: dict[str, tuple[SplitTensors, int, str, str]] = {}  # split -> tensors, inode, how, detail
+    missing: dict[str, str] = {}  # split -> why its file is not usable
+    for split in splits:
+        expected = _expected_header(manifest, split)
+        if expected["rows"] == 0:  # nothing to map (mmap refuses empty ranges); an empty split costs nothing
+            got[split] = (load_split(dataset_dir, manifest, split), 0, "empty", "")
+            continue
+        mapped, problem = _try_map(cache_path(dataset_dir, manifest, split, cache_dir), expected)
+        if mapped is None:
+            missing[split] = problem
+        else:
+            got[split] = (*mapped, "ready", "")
+    if missing:
+        got |= _build_missing(dataset_dir, manifest, sorted(missing), cache_dir)
+    seconds = time.monotonic() - started
+    return {
+        split: CachedSplit(
+            split, got[split][0], cache_path(dataset_dir, manifest, split, cache_dir), *got[split][1:], seconds
+        )
+        for split in splits
+    }
+
+
+def _build_missing(
+    dataset_dir: str | Path, manifest: Manifest, splits: list[str], cache_dir: str | None
+) -> dict[str, tuple[SplitTensors, int, str, str]]:
+    """Under each split's lock (taken in sorted order, the same in every process: no deadlock), build the
+    splits still invalid once the lock is ours; the others were built by whoever held it."""
+    got, to_build = {}, {}
+    with ExitStack() as locks:
+        for split in splits:
+            path, expected = cache_path(dataset_dir, manifest, split, cache_dir), _expected_header(manifest, split)
+            holder = locks.enter_context(_build_lock(path, cache_dir, expected))
             mapped, problem = _try_map(path, expected)  # built by the process we waited for?
             if mapped is not None:
-                how, detail = "waited", f"built by {holder}" if holder else ""
+                got[split] = (*mapped, "waited", f"built by {holder}" if holder else "")
             else:
-                how, detail = ("built", "") if problem == "missing" else ("rebuilt", problem)
-                _build(dataset_dir, manifest, split, path, expected, cache_dir)
-                mapped, problem = _try_map(path, expected)
-                if mapped is None:
-                    raise NodeCacheError(f"{path}: the node cache file just built does not validate: {problem}")
-    tensors, inode = mapped
-    return CachedSplit(split, tensors, path, inode, how, detail, time.monotonic() - started)
+                to_build[split] = problem
+                _remove_leftovers(path, split, expected["key"])
+        if to_build:
+            _build_in_child(dataset_dir, manifest, list(to_build), cache_dir)
+        for split, problem in to_build.items():
+            path, expected = cache_path(dataset_dir, manifest, split, cache_dir), _expected_header(manifest, split)
+            mapped, after = _try_map(path, expected)
+            if mapped is None:
+                raise NodeCacheError(f"{path}: the node cache file just built does not validate: {after}")
+            got[split] = (*mapped, *(("built", "") if problem == "missing" else ("rebuilt", problem)))
+    return got
 
 
 # --------------------------------------------------------------------------- header and validation
@@ -261,8 +305,7 @@ def _build(
     expected: dict[str, Any],
     cache_dir: str | None,
 ) -> None:
-    """Load the split the one way (``load_split``), then publish its bytes atomically. Holds the lock."""
-    _remove_leftovers(path, split, expected["key"])
+    """Load the split the one way (``load_split``), then publish its bytes atomically (in the builder child)."""
     tensors = load_split(dataset_dir, manifest, split)
     labels_dtype = str(tensors.labels.dtype).removeprefix("torch.")
     if tensors.features.dtype != torch.float32 or labels_dtype != expected["labels_dtype"]:
@@ -293,3 +336,51 @@ def _remove_leftovers(path: Path, split: str, key: str) -> None:
     for other in path.parent.glob(f"{split}-*-{key}.bin"):
         if other != path:
             other.unlink(missing_ok=True)  # a process still mapping it keeps its pages until it unmaps
+
+
+# --------------------------------------------------------------------------- the builder process
+
+# Errors the builder child reports that keep their type in the rank (bad shards, an unwritable cache dir).
+_ERRORS = {"NodeCacheError": NodeCacheError, "ShardError": ShardError}
+
+
+def _build_in_child(dataset_dir: str | Path, manifest: Manifest, splits: list[str], cache_dir: str | None) -> None:
+    """Run ``_build`` for ``splits`` in a fresh interpreter; its error, if any, is raised here with its message."""
+    package_root = str(Path(__file__).resolve().parents[2])  # the directory holding ``training``
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    argv = [sys.executable, "-m", "training.data.node_cache", str(dataset_dir), cache_dir or "", *splits]
+    done = subprocess.run(argv, input=json.dumps(manifest.to_dict()), env=env, capture_output=True, text=True)
+    if done.returncode == 0:
+        return
+    reported = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if reported:
+        error = json.loads(reported[-1])
+        raise _ERRORS.get(error["type"], RuntimeError)(
+            error["message"] if error["type"] in _ERRORS else f"{error['type']}: {error['message']}"
+        )
+    raise RuntimeError(
+        f"the node cache builder ({', '.join(splits)}) exited with status {done.returncode}: "
+        f"{done.stderr.strip()[-2000:] or 'no output (killed?)'}"
+    )
+
+
+def _builder_main(argv: list[str]) -> int:
+    """``python -m training.data.node_cache DATASET_DIR CACHE_DIR SPLIT...``, the manifest's JSON on stdin;
+    an empty CACHE_DIR means the default (beside the shards)."""
+    from training.runtime import die_with_parent
+
+    die_with_parent()  # a rank that dies takes its builder with it (the locks are already released)
+    dataset_dir, cache_dir, splits = argv[0], argv[1] or None, argv[2:]
+    manifest = Manifest.from_dict(json.loads(sys.stdin.read()))
+    try:
+        for split in splits:
+            path = cache_path(dataset_dir, manifest, split, cache_dir)
+            _build(dataset_dir, manifest, split, path, _expected_header(manifest, split), cache_dir)
+    except Exception as error:  # reported to the rank, which raises it with the same message
+        print(json.dumps({"type": type(error).__name__, "message": str(error)}), flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_builder_main(sys.argv[1:]))
