@@ -26,6 +26,11 @@ import torch
 
 from training.data.manifest import Manifest
 
+# Bump with any change to what these functions compute for the same statistics (or to what
+# training/loading.py: load_split returns): node caches built under the old rule
+# (training/data/node_cache.py) then get another file name and are rebuilt.
+NORMALISATION_VERSION = 1
+
 
 @dataclass(frozen=True)
 class Normaliser:

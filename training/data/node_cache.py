@@ -62,13 +62,12 @@ import torch
 from training.data.manifest import Manifest
 from training.fileio import atomic_write
 from training.loading import ShardError, SplitTensors, label_dtype, load_split
+from training.normalisation import NORMALISATION_VERSION
 
 # Bump when the file layout or the header changes: old files then fail validation (and their name).
+# What load_split returns is versioned where that rule lives (NORMALISATION_VERSION); new manifest
+# statistics need no bump at all: the key hashes the whole manifest.
 FORMAT_VERSION = 1
-# Bump when load_split returns other values for the same manifest (training/normalisation.py,
-# training/loading.py): caches built by the old rule then get another name and are rebuilt.
-# New manifest statistics need no bump: the key hashes the whole manifest.
-NORMALISATION_VERSION = 1
 MAGIC = b"DDPFSPLT"
 HEADER_BYTES = 4096  # the payload starts page-aligned
 ALIGN = 64  # labels start on a cache line
@@ -164,7 +163,7 @@ def _build_missing(
             holder = locks.enter_context(_build_lock(path, cache_dir, expected))
             mapped, problem = _try_map(path, expected)  # built by the process we waited for?
             if mapped is not None:
-                got[split] = (*mapped, "waited", f"built by {holder}" if holder else "")
+                got[split] = (*mapped, "waited", f"built by {holder}") if holder else (*mapped, "ready", "")
             else:
                 to_build[split] = problem
                 _remove_leftovers(path, split, expected["key"])
@@ -311,7 +310,7 @@ def _build(
     if tensors.features.dtype != torch.float32 or labels_dtype != expected["labels_dtype"]:
         raise TypeError(
             f"load_split returned {tensors.features.dtype}/{labels_dtype}, the cache layout expects "
-            f"float32/{expected['labels_dtype']}: bump NORMALISATION_VERSION together with the change"
+            f"float32/{expected['labels_dtype']}: bump training.normalisation.NORMALISATION_VERSION with the change"
         )
     header = {**expected, "built_by": f"pid {os.getpid()} on {socket.gethostname()}", "built_at": time.time()}
     padding = expected["labels_offset"] - HEADER_BYTES - tensors.features.numel() * 4
