@@ -10,7 +10,9 @@ becomes ``-``, leading dots and dashes are dropped, so ``../x`` or ``/etc`` cann
   * that holds the same training: ``training_identity`` (training/checkpoint.py, the one
     resume rule, which the checkpointer applies to last.pt too) of its config.json and
     dataset equals this config's and fingerprint's,
-  * whose training did not finish: ``checkpoints/last.pt`` exists and ``model.pt`` does not,
+  * whose training did not finish: ``checkpoints/last.pt`` exists, or a Slurm job it recorded may
+    still run (ddpflow/launch/slurm.py: ``has_unfinished_job``; the launch then reattaches to it),
+    and ``model.pt`` does not,
   * and that no live launch holds (its ``.launch.lock`` flock is free).
 """
 
@@ -23,6 +25,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from ddpflow.launch.slurm import has_unfinished_job
 from ddpflow.launch.supervisor import is_locked
 from training.checkpoint import training_identity
 from training.config import PipelineConfig
@@ -61,7 +64,8 @@ def find_resumable_run(run_root: str | os.PathLike, fingerprint: str, config: Pi
         return None
     wanted = training_identity(config, fingerprint)
     for run_dir in sorted((p for p in root.iterdir() if p.is_dir()), key=lambda p: p.name, reverse=True):
-        if not (run_dir / LAST_CHECKPOINT).is_file() or (run_dir / FINAL_MODEL).exists():
+        started = (run_dir / LAST_CHECKPOINT).is_file() or has_unfinished_job(run_dir)
+        if not started or (run_dir / FINAL_MODEL).exists():
             continue
         if run_identity(run_dir) == wanted and not is_locked(run_dir):
             return run_dir

@@ -26,6 +26,7 @@ from prefect.exceptions import Abort, TerminationSignal
 from prefect.runtime import deployment, flow_run
 
 from ddpflow.launch.failure import LaunchInterrupted
+from ddpflow.launch.slurm_commands import check_cluster
 from ddpflow.rundirs import find_resumable_run, new_run_dir
 from ddpflow.tracking.registry import champion_checkpoint
 from ddpflow.tracking.runs import (
@@ -71,6 +72,8 @@ def train_pipeline(
     config = resolve_config(config, config_file, overrides)
     # Everything that can be checked without data is checked before anything starts.
     layout = check_machine(config)  # the ranks this machine will run, and the model import
+    if config.train.launcher == "slurm":
+        check_cluster(config)  # the Slurm commands answer, the partition exists and has the nodes
     tracking_uri = resolve_tracking_uri(config)
     check_tracking_reachable(tracking_uri)
 

@@ -15,10 +15,15 @@ and an interruption (signal, cancellation).
 Cancellation: the task polls its flow run's state; when someone cancels the
 flow run (UI, API, ``prefect flow-run cancel``) it kills torchrun's tree within a
 few seconds, even for a flow run in a plain Python process that no worker watches.
+
+``train.launcher: slurm``: the same task runs the stage as one Slurm job instead
+(ddpflow/launch/slurm.py, the same arguments, result and errors; docs/slurm.md) and
+tags the MLflow run with the job's id as soon as it is submitted or found.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from uuid import UUID
 
 from prefect import task
@@ -28,6 +33,7 @@ from prefect.exceptions import Abort
 from prefect.logging import get_run_logger
 
 from ddpflow.launch.failure import LaunchInterrupted, LaunchTimeout
+from ddpflow.launch.slurm import run_training_on_slurm
 from ddpflow.launch.supervisor import OutputLine, TrainResult, run_training
 from ddpflow.tracking.metrics import EpochMetricsFollower
 from training.config import PipelineConfig
@@ -38,6 +44,7 @@ __all__ = ["TrainResult", "train_model"]
 
 KILL_GRACE_S = 10.0  # SIGTERM -> SIGKILL; below the 30 s a Prefect worker waits before its own SIGKILL
 CANCEL_POLL_S = 2.0
+SLURM_JOB_TAG = "slurm.job_id"  # beside the flow's ddp.nnodes and ddp.world_size
 
 
 def _worth_retrying(task, task_run, state) -> bool:
@@ -77,8 +84,9 @@ def train_model(
         )  # fmt: skip
 
     cancel_check = _flow_run_cancelled_check()
+    train_stage = _train_stage(config, logger, mlflow_run_id, tracking_uri)
     try:
-        result = run_training(
+        result = train_stage(
             config,
             dataset_dir,
             run_dir,
@@ -103,6 +111,24 @@ def train_model(
             follower.close()  # the epochs of a failed attempt are in MLflow too
     logger.info("Training finished after %d restart(s): %s -> %s", result.restarts, result.metrics, result.model_path)
     return result
+
+
+def _train_stage(config: PipelineConfig, logger, mlflow_run_id: str | None, tracking_uri: str | None):
+    """``train.launcher``'s backend: torchrun here, or one Slurm job (same arguments, result and errors)."""
+    if config.train.launcher != "slurm":
+        return run_training
+
+    def on_job(job_id: str) -> None:
+        if not (mlflow_run_id and tracking_uri):
+            return
+        try:
+            from mlflow import MlflowClient
+
+            MlflowClient(tracking_uri=tracking_uri).set_tag(mlflow_run_id, SLURM_JOB_TAG, job_id)
+        except Exception as error:  # a tracking hiccup must not cancel the job
+            logger.warning("could not tag MLflow run %s with %s=%s: %s", mlflow_run_id, SLURM_JOB_TAG, job_id, error)
+
+    return partial(run_training_on_slurm, on_job=on_job)
 
 
 class _FlowRunCancelled:

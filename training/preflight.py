@@ -26,13 +26,31 @@ from training.topology import RankLayout, resolve_ranks
 def check_machine(config: PipelineConfig, gpus: int | None = None) -> RankLayout:
     """Machine-level checks; returns the rank layout (training/topology.py) they checked.
 
-    ``gpus=None`` asks torch how many GPUs this machine has.
+    ``gpus=None`` asks torch how many GPUs this machine has. With ``train.launcher: slurm`` the
+    ranks run on the job's nodes instead: see ``_check_slurm_nodes``.
     """
+    if config.train.launcher == "slurm":
+        return _check_slurm_nodes(config)
     layout = resolve_ranks(config.train, gpus)  # ConfigError for NCCL without GPUs
     if layout.nproc_per_node > layout.slots:
         raise ConfigError(
             f"train.nproc_per_node: {layout.nproc_per_node} ranks asked for, "
             f"but this machine has {layout.slots} {layout.slot_kind}"
+        )
+    resolve_factory(config.train.model)  # ModelImportError (a ValueError) names train.model
+    return layout
+
+
+def _check_slurm_nodes(config: PipelineConfig) -> RankLayout:
+    """The layout on each node of a Slurm job: their GPUs are ``slurm.gpus_per_node``, not this machine's
+    (a login node without GPUs submits NCCL jobs), and sbatch itself refuses CPUs a node does not have."""
+    gpus = config.slurm.gpus_per_node
+    if config.train.backend == "nccl" and gpus == 0:
+        raise ConfigError("train.backend: 'nccl' needs GPUs on the job's nodes: set slurm.gpus_per_node")
+    layout = resolve_ranks(config.train, gpus)
+    if gpus and layout.nproc_per_node > gpus:
+        raise ConfigError(
+            f"train.nproc_per_node: {layout.nproc_per_node} ranks asked for, but slurm.gpus_per_node is {gpus}"
         )
     resolve_factory(config.train.model)  # ModelImportError (a ValueError) names train.model
     return layout

@@ -15,8 +15,8 @@ How:
   * following with ``scontrol show job`` every ``slurm.poll_interval_s`` (PENDING reasons are
     said once each), and every node's lines from the job's output file, labelled
     ``[n2 rank 1]`` / ``[n2 torchrun]`` / ``[slurm]``;
-  * the end: COMPLETED -> the result; otherwise the root cause per node, with the local
-    launcher's failure analysis (failure.py) on that node's torchrun lines and logs;
+  * the end (slurm_output.py): COMPLETED -> the result; otherwise the root cause per node, with
+    the local launcher's failure analysis (failure.py) on that node's torchrun lines and logs;
   * any way out before the end (exception, SIGTERM/SIGINT, cancellation, timeout, stall) runs
     ``scancel`` and waits up to 30 s until Slurm says nothing of the job is left;
   * reattach: a launch in a RUN_DIR whose recorded job is still pending or running follows
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import threading
 import time
@@ -43,14 +42,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ddpflow.launch.command import launch_env
-from ddpflow.launch.failure import (
-    LaunchError,
-    LaunchInterrupted,
-    LaunchStalled,
-    LaunchTimeout,
-    RankFailed,
-    failure_from_output,
-)
+from ddpflow.launch.failure import LaunchError, LaunchInterrupted, LaunchStalled, LaunchTimeout
 from ddpflow.launch.slurm_commands import (
     JobInfo,
     SlurmSetupError,
@@ -61,83 +53,28 @@ from ddpflow.launch.slurm_commands import (
     show_job,
     submit,
 )
-from ddpflow.launch.slurm_script import CANNOT_SEE, JobPaths, batch_script, sbatch_command
-from ddpflow.launch.supervisor import (
-    DEFAULT_GRACE_S,
-    OutputLine,
-    TrainResult,
-    last_metrics,
-    parse_line,
-    run_dir_lock,
+from ddpflow.launch.slurm_output import (
+    SRUN_LABEL,
+    OutputTail,
+    SlurmLine,
+    label_line,
+    raise_unless_completed,
+    read_end_record,
 )
+from ddpflow.launch.slurm_script import JobPaths, batch_script, sbatch_command
+from ddpflow.launch.supervisor import DEFAULT_GRACE_S, OutputLine, TrainResult, last_metrics, run_dir_lock
 from ddpflow.launch.supervisor import _chain as chain_to_previous_handler
 from training.config import PipelineConfig
 from training.data.manifest import read_manifest
 from training.fileio import atomic_write_json, atomic_write_text
 from training.job import TrainJob
 from training.layout import CONFIG, FINAL_MODEL, METRICS, TRAIN_JOB, run_file
-from training.preflight import check_data
-from training.topology import RankLayout, resolve_ranks
+from training.preflight import check_data, check_machine
+from training.topology import RankLayout
+
+__all__ = ["SlurmLine", "has_unfinished_job", "run_training_on_slurm"]
 
 _TICK_S = 0.2  # how often new output lines and the end record are looked for
-_SRUN_LABEL = re.compile(r"^\s*(?P<task>\d+): (?P<text>.*)$")  # srun --label: the node's index in the job
-_SRUN_TASK_EXIT = re.compile(r"srun: error: (?P<node>\S+): task \d+: Exited with exit code (?P<code>\d+)")
-_CANNOT_SEE = re.compile(rf"ddpflow: node (?P<node>\S+) {CANNOT_SEE} (?P<path>.+)$")
-
-
-def node_layout(config: PipelineConfig) -> RankLayout:
-    """Ranks and backend on each node of the job: the nodes' GPUs (slurm.gpus_per_node), not this machine's."""
-    return resolve_ranks(config.train, gpus=config.slurm.gpus_per_node)
-
-
-# ----------------------------------------------------------------------------- lines
-
-
-@dataclass(frozen=True)
-class SlurmLine(OutputLine):
-    """A line of the job: ``rank`` is the GLOBAL rank; ``node`` None for the job's own lines and ddpflow's."""
-
-    node: str | None = None
-    warning: bool = False
-
-    def __str__(self) -> str:
-        if self.node is None:
-            return f"[slurm] {self.text}"
-        return f"[{self.node} {'torchrun' if self.rank is None else f'rank {self.rank}'}] {self.text}"
-
-    @property
-    def is_torchrun_warning(self) -> bool:
-        return self.warning or super().is_torchrun_warning
-
-
-def label_line(raw: str, nodes: list[str]) -> SlurmLine:
-    """One line of the job's output file, attributed to its node (srun --label) and rank (torchrun --tee)."""
-    match = _SRUN_LABEL.match(raw)
-    if match is None or not nodes:
-        return SlurmLine(None, raw)
-    task = int(match["task"])
-    inner = parse_line(match["text"])
-    return SlurmLine(inner.rank, inner.text, node=nodes[task] if task < len(nodes) else f"node{task}")
-
-
-class _OutputTail:
-    """New complete lines of a file that another machine appends to."""
-
-    def __init__(self, path: Path, from_end: bool = False):
-        self.path = path
-        self.offset = path.stat().st_size if from_end and path.exists() else 0
-        self.partial = b""
-
-    def read(self) -> list[str]:
-        try:
-            with open(self.path, "rb") as handle:
-                handle.seek(self.offset)
-                chunk = handle.read()
-        except FileNotFoundError:
-            return []
-        self.offset += len(chunk)
-        *lines, self.partial = (self.partial + chunk).split(b"\n")
-        return [line.decode(errors="replace") for line in lines]
 
 
 # ----------------------------------------------------------------------------- the train stage
@@ -162,7 +99,7 @@ def run_training_on_slurm(
 
     ``on_start(layout, sbatch argv)`` is told just before a job is submitted (not when reattaching).
     """
-    layout = node_layout(config) if layout is None else layout
+    layout = check_machine(config) if layout is None else layout  # each node's ranks (slurm.gpus_per_node)
     check_data(config, read_manifest(dataset_dir), layout)  # ConfigError naming the field; nothing submitted yet
     check_cluster(config)  # SlurmSetupError: commands, partition, node count
     run_path = Path(run_dir).resolve()
@@ -170,9 +107,13 @@ def run_training_on_slurm(
     paths = JobPaths(run_path)
     started = time.monotonic()
     with run_dir_lock(run_path):
-        job_id = _job_to_follow(paths, on_line)
-        if job_id is _ALREADY_COMPLETED:
-            return _train_result(run_path, paths, _recorded_job_id(paths))
+        previous = _RecordedJob.read(paths)
+        if previous is not None and previous.completed_training:
+            on_line(SlurmLine(None, f"job {previous.job_id} of this run directory already COMPLETED: nothing to run"))
+            return _train_result(run_path, paths, previous.job_id)
+        job_id = previous.job_id if previous is not None and previous.still_running else None
+        if previous is not None and job_id is None:
+            on_line(SlurmLine(None, f"{previous.how_it_ended()}: submitting a new job", warning=True))
         follower = _JobFollower(paths, config.slurm.poll_interval_s, on_line)
         with follower.scancel_on_signals():
             try:
@@ -188,17 +129,18 @@ def run_training_on_slurm(
                 info = follower.follow(config, started, should_cancel, cancel_check_s)
             finally:
                 follower.stop_unless_ended()  # every way out before the job ended
-        _raise_unless_completed(config, paths, job_id, info, follower.stop_reason)
+        raise_unless_completed(config, paths, job_id, info, follower.stop_reason)
     return _train_result(run_path, paths, job_id)
-
-
-_ALREADY_COMPLETED = "completed"  # _job_to_follow: the recorded job finished training; nothing to submit
 
 
 def _write_job(config, paths: JobPaths, dataset_dir, layout, tracking_uri, init_weights, grace_s) -> list[str]:
     """RUN_DIR/config.json, the TrainJob every rank reads, and the batch script; the sbatch argv."""
+    if "%" in str(paths.folder):
+        raise SlurmSetupError(f"train.run_root: Slurm reads % in output file names as a pattern: {paths.folder}")
     config.write_json(run_file(paths.run_dir, CONFIG))
-    job = TrainJob(config=config, dataset_dir=str(dataset_dir), run_dir=str(paths.run_dir), init_weights=init_weights)
+    # Absolute: the nodes' ranks start in the project root (--chdir), not where the flow runs.
+    dataset_dir = str(Path(dataset_dir).resolve())
+    job = TrainJob(config=config, dataset_dir=dataset_dir, run_dir=str(paths.run_dir), init_weights=init_weights)
     job.write(run_file(paths.run_dir, TRAIN_JOB))
     # Only the variables ddpflow sets (base={}): the job inherits the rest from sbatch's environment.
     env = launch_env(config, paths.run_dir, tracking_uri=tracking_uri, gpus=layout.gpus, grace_s=grace_s, base={})
@@ -214,33 +156,52 @@ def _recorded_job_id(paths: JobPaths) -> str | None:
         return None
 
 
-def read_end_record(paths: JobPaths, job_id: str) -> dict | None:
-    """What the batch script wrote as it ended (exit_code, how, ended_at), or None."""
-    try:
-        return json.loads(paths.end_record(job_id).read_text())
-    except (OSError, ValueError):
-        return None
+def has_unfinished_job(run_dir: str | os.PathLike) -> bool:
+    """RUN_DIR recorded a Slurm job that has not recorded its end: it may still run (files only, no Slurm call).
 
-
-def _job_to_follow(paths: JobPaths, on_line) -> str | None:
-    """The recorded job when it is still pending or running; _ALREADY_COMPLETED; or None: submit one."""
+    The resume rule (ddpflow/rundirs.py) uses it so that a new run of the same config reattaches to
+    that job, even before the job wrote its first checkpoint.
+    """
+    paths = JobPaths(Path(run_dir))
     job_id = _recorded_job_id(paths)
-    if job_id is None:
-        return None
-    end = read_end_record(paths, job_id)
-    try:
-        info = show_job(job_id)
-    except SlurmUnreachable as error:
-        raise LaunchError(f"cannot tell whether Slurm job {job_id} of {paths.run_dir} still runs: {error}") from None
-    if info is not None and not info.ended:
-        return job_id
-    state = info.state if info is not None else "forgotten by scontrol"
-    if end is not None and end.get("exit_code") == 0 and (paths.run_dir / FINAL_MODEL).is_file():
-        on_line(SlurmLine(None, f"job {job_id} of this run directory already COMPLETED ({end.get('ended_at')})"))
-        return _ALREADY_COMPLETED
-    how = f"exit code {end['exit_code']} at {end.get('ended_at')}" if end else "no end record"
-    on_line(SlurmLine(None, f"the previous job {job_id} ended ({state}, {how}): submitting a new one", warning=True))
-    return None
+    return job_id is not None and not paths.end_record(job_id).exists()
+
+
+@dataclass(frozen=True)
+class _RecordedJob:
+    """The job RUN_DIR/slurm/job.json names, as Slurm and its own end record tell it."""
+
+    job_id: str
+    info: JobInfo | None  # None: scontrol has forgotten it (it ended more than MinJobAge ago)
+    end: dict | None  # what the job wrote as it ended (None: it did not, or not yet)
+    model_written: bool
+
+    @classmethod
+    def read(cls, paths: JobPaths) -> _RecordedJob | None:
+        job_id = _recorded_job_id(paths)
+        if job_id is None:
+            return None
+        try:
+            info = show_job(job_id)
+        except SlurmUnreachable as error:
+            raise LaunchError(
+                f"cannot tell whether Slurm job {job_id} of {paths.run_dir} still runs: {error}"
+            ) from None
+        return cls(job_id, info, read_end_record(paths, job_id), (paths.run_dir / FINAL_MODEL).is_file())
+
+    @property
+    def still_running(self) -> bool:
+        """PENDING, RUNNING, COMPLETING...: follow it rather than submit a second job."""
+        return self.info is not None and not self.info.ended
+
+    @property
+    def completed_training(self) -> bool:
+        return not self.still_running and self.end is not None and self.end.get("exit_code") == 0 and self.model_written
+
+    def how_it_ended(self) -> str:
+        state = self.info.state if self.info is not None else "forgotten by scontrol"
+        how = f"exit code {self.end.get('exit_code')} at {self.end.get('ended_at')}" if self.end else "no end record"
+        return f"the previous job {self.job_id} of this run directory ended ({state}, {how})"
 
 
 class _JobFollower:
@@ -253,7 +214,7 @@ class _JobFollower:
         self.job_id: str | None = None
         self.info: JobInfo | None = None
         self.nodes: list[str] = []
-        self.tail: _OutputTail | None = None
+        self.tail: OutputTail | None = None
         self.stop_reason: LaunchError | None = None
         self.ended = False
         self.last_output = time.monotonic()
@@ -269,7 +230,7 @@ class _JobFollower:
             record = {"job_id": job_id, "submitted_at": _now(), "sbatch": argv, "submitted_by_pid": os.getpid()}
             atomic_write_json(self.paths.record, record)
             self.job_id = job_id
-            self.tail = _OutputTail(self.paths.output(job_id))
+            self.tail = OutputTail(self.paths.output(job_id))
         finally:
             self._release_signals(held)
         self._say(f"submitted job {job_id}: {' '.join(argv)}")
@@ -277,8 +238,11 @@ class _JobFollower:
 
     def reattach(self, job_id: str) -> None:
         self.job_id = job_id
-        self.tail = _OutputTail(self.paths.output(job_id), from_end=True)  # the earlier lines were streamed before
-        self._say(f"reattached to job {job_id}, submitted earlier for this run directory (no second job)")
+        self.tail = OutputTail(self.paths.output(job_id), from_end=True)  # the earlier lines were streamed before
+        self._say(
+            f"reattached to job {job_id}, submitted earlier for this run directory (no second job); "
+            f"its earlier lines: {self.paths.output(job_id)}"
+        )
 
     # --- following
 
@@ -342,7 +306,7 @@ class _JobFollower:
 
     def _deliver_new_lines(self) -> None:
         raws = self.tail.read()
-        if not self.nodes and any(_SRUN_LABEL.match(raw) for raw in raws):
+        if not self.nodes and any(SRUN_LABEL.match(raw) for raw in raws):
             self._poll()  # the nodes' names, to label their lines (the job started since the last poll)
         for raw in raws:
             if not raw.strip():
@@ -417,85 +381,6 @@ class _JobFollower:
     def _release_signals(held: set | None) -> None:
         if held is not None:
             signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a signal that came meanwhile is delivered now
-
-
-# ----------------------------------------------------------------------------- the end
-
-
-def _raise_unless_completed(
-    config: PipelineConfig, paths: JobPaths, job_id: str, info: JobInfo | None, stop: LaunchError | None
-) -> None:
-    """Nothing when the job COMPLETED; otherwise the error that says why not."""
-    if stop is not None:
-        raise stop
-    end = read_end_record(paths, job_id)
-    if info is not None:
-        state = info.state
-    elif end is not None:
-        state = "COMPLETED" if end.get("exit_code") == 0 else "FAILED"
-    else:
-        state = "UNKNOWN"
-    if state == "COMPLETED":
-        return
-    where = f"Slurm job {job_id} ended {state}" + (f" on {info.node_list}" if info is not None else "")
-    if state == "TIMEOUT":
-        limit = config.slurm.time_limit or "the partition's default"
-        raise LaunchTimeout(f"{where}: it reached its time limit (slurm.time_limit: {limit})")
-    if state == "CANCELLED":
-        raise LaunchInterrupted(f"{where}: it was cancelled outside ddpflow (scancel, an administrator or preemption)")
-    raise job_failure(paths, job_id, info, where)
-
-
-def job_failure(paths: JobPaths, job_id: str, info: JobInfo | None, where: str) -> LaunchError:
-    """The root cause of a failed job: a node that cannot see a path, else a failed rank, else the job's state."""
-    lines = _OutputTail(paths.output(job_id)).read()
-    unseen = [match for match in map(_CANNOT_SEE.search, lines) if match]
-    if unseen:
-        missing = "; ".join(f"node {m['node']} cannot see {m['path']}" for m in unseen)
-        return SlurmSetupError(
-            f"{where}: {missing}. Every node must see the dataset, RUN_DIR and the Python environment at the "
-            "same paths (a shared filesystem, docs/slurm.md)"
-        )
-    nodes = expand_nodes(info.node_list) if info is not None and info.node_list else []
-    by_node = _torchrun_lines_by_node(lines, nodes)
-    for node in _failed_nodes_first(lines, by_node):
-        node_dir = paths.node_folder(job_id, node)
-        failure = failure_from_output(node_dir, _node_job_dir(paths, job_id, node), by_node[node], returncode=1)
-        if failure.rank is not None:
-            return RankFailed(
-                f"{where}: node {node}: {failure}",
-                rank=failure.rank,
-                exitcode=failure.exitcode,
-                root_cause=failure.root_cause,
-                log_file=failure.log_file,
-            )
-    reason = f" (Reason={info.reason}, ExitCode={info.exit_code})" if info is not None else ""
-    last = next((text for text in reversed(lines) if text.strip()), "no output")
-    hint = " Ask for more with slurm.sbatch_args, e.g. '--mem=16G'." if info and info.state == "OUT_OF_MEMORY" else ""
-    return LaunchError(f"{where}{reason}; its output {paths.output(job_id)} ends: {last}.{hint}")
-
-
-def _torchrun_lines_by_node(lines: list[str], nodes: list[str]) -> dict[str, list[str]]:
-    """Each node's torchrun lines (not its ranks'): where torchrun prints its ChildFailedError summary."""
-    by_node: dict[str, list[str]] = {node: [] for node in nodes}
-    for raw in lines:
-        line = label_line(raw, nodes)
-        if line.node is not None and line.rank is None:
-            by_node.setdefault(line.node, []).append(line.text)
-    return by_node
-
-
-def _failed_nodes_first(lines: list[str], by_node: dict[str, list[str]]) -> list[str]:
-    """Nodes in the order srun saw their agents fail ("task K: Exited with exit code C"), then the rest."""
-    failed = [m["node"] for m in map(_SRUN_TASK_EXIT.search, lines) if m and m["code"] != "0"]
-    ordered = list(dict.fromkeys(node for node in failed if node in by_node))
-    return ordered + [node for node in by_node if node not in ordered]
-
-
-def _node_job_dir(paths: JobPaths, job_id: str, node: str) -> Path | None:
-    """torchrun's log folder on that node for this job: <node>/logs/job-<id>_<random>/."""
-    found = sorted(paths.node_log_dir(job_id, node).glob(f"job-{job_id}_*"), key=lambda p: p.stat().st_mtime)
-    return found[-1] if found else None
 
 
 def _train_result(run_path: Path, paths: JobPaths, job_id: str | None) -> TrainResult:

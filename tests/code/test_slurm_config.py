@@ -110,3 +110,18 @@ def test_yaml_and_overrides_reach_the_slurm_section(tmp_path):
     assert config.slurm.partition == "debug" and config.slurm.time_limit == "00:10:00"
     assert config.slurm.poll_interval_s == 0.5 and config.slurm.account == "ml"
     assert config.flat()["slurm.sbatch_args"] == '["--mem=1G"]', "the section reaches the MLflow params"
+
+
+def test_the_preflight_counts_the_job_nodes_gpus_not_this_machines():
+    """A login node without GPUs submits NCCL jobs: slurm.gpus_per_node is what each node has."""
+    from training.preflight import check_machine
+
+    layout = check_machine(slurm_config(gpus_per_node=4))
+    assert (layout.nproc_per_node, layout.nnodes, layout.world_size, layout.backend) == (4, 2, 8, "nccl")
+    assert check_machine(slurm_config()).backend == "gloo", "no GPUs asked for: CPU ranks"
+    with pytest.raises(ConfigError, match="train.nproc_per_node: 8 ranks asked for, but slurm.gpus_per_node is 4"):
+        check_machine(
+            validate_config({"train": {"launcher": "slurm", "nproc_per_node": 8}, "slurm": {"gpus_per_node": 4}})
+        )
+    with pytest.raises(ConfigError, match="train.backend: 'nccl' needs GPUs on the job's nodes"):
+        check_machine(validate_config({"train": {"launcher": "slurm", "backend": "nccl"}}))
