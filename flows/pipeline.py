@@ -8,7 +8,14 @@ Parameters (see flows/params.py for how they combine):
     overrides: list[str] | None     "section.key=value" strings, like `ddpflow run --set`
 
 Returns a summary dict: model name and version, the gate's decision, test
-metrics, the MLflow run id and URL, the run directory.
+metrics, data drift from the champion's training data, the MLflow run id and
+URL, the run directory.
+
+``train.skip_if_unchanged``: when @champion was trained on this very data with
+the same weight-changing settings (ddpflow/tracking/skip.py), the flow ends
+Completed after prepare and the checks, without training: the decision is
+``skipped`` with the reason (the state's message, a markdown artifact
+``training-skipped``, and an MLflow run tagged ``ddpflow.skipped=true``).
 
 On any failure after the MLflow run exists, the run is ended FAILED (KILLED
 when it was stopped from outside), the run directory (checkpoints, metrics.jsonl) stays on disk, the champion alias is
@@ -22,8 +29,10 @@ from typing import Any
 
 from mlflow import MlflowClient
 from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
 from prefect.exceptions import Abort, TerminationSignal
 from prefect.runtime import deployment, flow_run
+from prefect.states import Completed, State
 
 from ddpflow.launch.failure import LaunchInterrupted
 from ddpflow.launch.slurm_commands import check_cluster
@@ -32,16 +41,20 @@ from ddpflow.tracking.registry import champion_checkpoint
 from ddpflow.tracking.runs import (
     check_tracking_reachable,
     end_pipeline_run,
+    how_to_open,
     resolve_tracking_uri,
     run_url,
     start_pipeline_run,
 )
+from ddpflow.tracking.skip import SKIPPED, SkipCheck, check_unchanged, record_skipped_run
 from flows.params import resolve_config, run_label
+from tasks.drift import measure_data_drift
 from tasks.evaluate import evaluate_model
 from tasks.prepare import prepare_data
 from tasks.register import register_model
 from tasks.train import train_model
 from training.config import PipelineConfig
+from training.data.prepare import PreparedDataset
 from training.preflight import check_data, check_machine
 from training.topology import RankLayout
 
@@ -79,6 +92,11 @@ def train_pipeline(
 
     prepared = prepare_data(config)
     check_data(config, prepared.manifest, layout)
+    if config.train.skip_if_unchanged:
+        unchanged = check_unchanged(config, prepared.fingerprint, tracking_uri)
+        if unchanged.skip:
+            return _skipped(config, prepared, unchanged, layout, tracking_uri)
+        logger.info("train.skip_if_unchanged: training, because %s", unchanged.reason)
 
     run_name = flow_run.name or run_label(config)
     run_dir = find_resumable_run(config.train.run_root, prepared.manifest.fingerprint, config)
@@ -99,6 +117,7 @@ def train_pipeline(
     )
     try:
         _tag_run(tracking_uri, run_id, {RUN_DIR_TAG: str(run_dir)})  # checkpoints and logs, for people
+        drift = measure_data_drift(config, prepared.manifest, run_id, tracking_uri)
         trained = train_model(
             config,
             str(prepared.dataset_dir),
@@ -127,6 +146,7 @@ def train_pipeline(
         "decision": decision.get("decision"),
         "reason": decision.get("reason"),
         "test_metrics": test_metrics,
+        "data_drift": drift,
         "mlflow_run_id": run_id,
         "mlflow_run_url": mlflow_run_url,
         "tracking_uri": tracking_uri,
@@ -135,6 +155,59 @@ def train_pipeline(
         "cache_hit": prepared.cache_hit,
         "restarts": trained.restarts,
     }
+
+
+def _skipped(
+    config: PipelineConfig, prepared: PreparedDataset, unchanged: SkipCheck, layout: RankLayout, tracking_uri: str
+) -> State:
+    """End Completed without training: the night's MLflow run (tagged skipped, FINISHED), an artifact, the reason."""
+    run_name = flow_run.name or run_label(config)
+    run_id = start_pipeline_run(
+        config,
+        run_name=f"skipped-{run_name}",
+        prefect_context=_prefect_context(),
+        fingerprint=prepared.fingerprint,
+        manifest=prepared.manifest,
+        ddp=_ddp_params(config, layout),
+        dataset_dir=prepared.dataset_dir,
+    )
+    try:
+        record_skipped_run(tracking_uri, run_id, unchanged)
+        mlflow_run_url = _mlflow_ui_url(tracking_uri, run_id)
+    except BaseException as error:
+        end_pipeline_run(run_id, tracking_uri, status="KILLED" if isinstance(error, INTERRUPTIONS) else "FAILED")
+        raise
+    end_pipeline_run(run_id, tracking_uri, status="FINISHED")
+    get_run_logger().info("Skipped: %s", unchanged.reason)
+    create_markdown_artifact(
+        markdown=(
+            f"# Training skipped\n\n{unchanged.reason}.\n\n"
+            f"`train.skip_if_unchanged` is true; @champion stays {config.registry.model_name} "
+            f"v{unchanged.champion_version}. Dataset `{prepared.dataset_dir}` (cache hit: {prepared.cache_hit}).\n\n"
+            f"MLflow: {how_to_open(tracking_uri, run_id)} (tagged `ddpflow.skipped=true`)\n"
+        ),
+        key="training-skipped",
+        description=f"Why flow run {run_name} did not train",
+    )
+    summary = {
+        "flow_run": run_name,
+        "flow_run_id": str(flow_run.id),
+        "model_name": config.registry.model_name,
+        "model_version": unchanged.champion_version,
+        "decision": SKIPPED,
+        "reason": unchanged.reason,
+        "fingerprint": unchanged.fingerprint,
+        "training_identity": unchanged.training_identity,
+        "test_metrics": {},
+        "mlflow_run_id": run_id,
+        "mlflow_run_url": mlflow_run_url,
+        "tracking_uri": tracking_uri,
+        "run_dir": None,
+        "dataset_dir": str(prepared.dataset_dir),
+        "cache_hit": prepared.cache_hit,
+        "restarts": 0,
+    }
+    return Completed(message=f"skipped: {unchanged.reason}", data=summary)
 
 
 def _warm_start_weights(config: PipelineConfig, run_dir: Path, logger: Any) -> str | None:

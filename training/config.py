@@ -135,6 +135,11 @@ class TrainConfig(_Section):
         "auto: when a split takes at most a quarter of the GPU memory free after the model (never on CPU).",
     )
     progress_interval_s: float = Field(5.0, gt=0)
+    skip_if_unchanged: bool = Field(
+        False,
+        description="Skip training (no torchrun, no new model version; the MLflow run is tagged ddpflow.skipped) "
+        "when @champion was trained on the same dataset fingerprint with the same weight-changing settings.",
+    )
 
     @model_validator(mode="after")
     def _multi_node_needs_rendezvous(self) -> TrainConfig:
@@ -183,6 +188,13 @@ class RegistryConfig(_Section):
         False,
         description="Opt-in: promote the candidate over a champion whose files are missing or unreadable "
         "(default: the candidate waits as challenger and the run fails).",
+    )
+    max_drift_psi: float | None = Field(
+        None,
+        gt=0,
+        description="Hold the candidate as @challenger, whatever its metric, when a feature of its train split "
+        "drifted from the champion's training data by a population stability index above this (e.g. 0.25); "
+        "none: drift is only reported.",
     )
 
     def gate_metric(self, task: str) -> str:

@@ -10,7 +10,11 @@ Decisions:
   this data (``incompatible``); or the champion is unreadable and the user opted in
   with ``registry.replace_unreadable_champion``.
 - ``challenger``: everything else, including an unreadable champion without the
-  opt-in: the registration step then fails the run (``ChampionUnreadableError``).
+  opt-in: the registration step then fails the run (``ChampionUnreadableError``);
+  and any candidate that would be promoted over a readable champion while one of
+  its features drifted from the champion's training data by more than
+  ``registry.max_drift_psi`` (PSI, ``ddpflow/drift.py``): it waits as challenger
+  whatever its metric, for someone to look at the data first.
 
 ``GateDecision`` is the one place the decision's fields, its tags (on the model
 version and on the MLflow run) and its dict form are defined.
@@ -21,6 +25,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any
+
+from ddpflow.drift import FeatureDrift
 
 PROMOTED, CHALLENGER, REJECTED = "promoted", "challenger", "rejected"
 # champion_status is "<kind>" or "<kind>: <detail>"
@@ -45,6 +51,7 @@ class GateRules:
     min_delta: float = 0.0
     min_metric: float | None = None
     replace_unreadable_champion: bool = False
+    max_drift_psi: float | None = None
 
 
 @dataclass(frozen=True)
@@ -94,8 +101,35 @@ def rejection_reason(metrics: dict[str, float], rules: GateRules) -> str | None:
     return None
 
 
-def decide(candidate: float, champion: ChampionReading, rules: GateRules) -> tuple[str, str]:
-    """(decision, reason) for a candidate that passed ``rejection_reason``."""
+def decide(
+    candidate: float, champion: ChampionReading, rules: GateRules, drift: FeatureDrift | None = None
+) -> tuple[str, str]:
+    """(decision, reason) for a candidate that passed ``rejection_reason``.
+
+    ``drift``: the candidate's most drifted feature against the champion's training data, when measured.
+    """
+    decision, reason = _decide_on_metric(candidate, champion, rules)
+    held = drift_hold_reason(drift, champion, rules)
+    if held is None:
+        return decision, reason
+    return CHALLENGER, f"{held}; held as challenger whatever its metric ({reason})"
+
+
+def drift_hold_reason(drift: FeatureDrift | None, champion: ChampionReading, rules: GateRules) -> str | None:
+    """Why a drifted candidate waits for people, or None: a feature's PSI above ``registry.max_drift_psi``.
+
+    Only against a champion that was read (scored or incompatible): an unreadable one has its own rule.
+    """
+    limit = rules.max_drift_psi
+    if limit is None or drift is None or champion.kind not in (SCORED, INCOMPATIBLE) or not drift.psi > limit:
+        return None
+    return (
+        f"feature {drift.feature!r} drifted from champion v{champion.version}'s training data: "
+        f"PSI {drift.psi:.3g} > registry.max_drift_psi {limit:g}"
+    )
+
+
+def _decide_on_metric(candidate: float, champion: ChampionReading, rules: GateRules) -> tuple[str, str]:
     metric, delta = rules.metric, rules.min_delta
     if champion.kind == NO_CHAMPION:
         return PROMOTED, f"first model: no champion yet ({metric}={candidate:.6g})"
@@ -133,16 +167,26 @@ class GateDecision:
     champion_version: str | None = None
     champion_status: str | None = None
     already_registered: bool = False
+    drift_feature: str | None = None  # the most drifted feature against the champion's training data
+    drift_psi: float | None = None
 
     @classmethod
     def judge(
-        cls, rules: GateRules, model_name: str, run_id: str, version: str, candidate: float, champion: ChampionReading
+        cls,
+        rules: GateRules,
+        model_name: str,
+        run_id: str,
+        version: str,
+        candidate: float,
+        champion: ChampionReading,
+        drift: FeatureDrift | None = None,
     ) -> GateDecision:
-        decision, reason = decide(candidate, champion, rules)
+        decision, reason = decide(candidate, champion, rules, drift)
         return cls(
             decision, reason, model_name, run_id, rules.metric, rules.greater_is_better, float(candidate),
             version=str(version), champion_value=champion.value, champion_version=champion.version,
-            champion_status=champion.status,
+            champion_status=champion.status, drift_feature=drift.feature if drift else None,
+            drift_psi=drift.psi if drift else None,
         )  # fmt: skip
 
     @classmethod
@@ -171,6 +215,8 @@ class GateDecision:
             champion_version=tags.get("gate.champion_version") or None,
             champion_status=tags.get("gate.champion_status"),
             already_registered=already_registered,
+            drift_feature=tags.get("gate.drift_feature") or None,
+            drift_psi=number("gate.drift_psi"),
         )
 
     @property
@@ -198,6 +244,8 @@ class GateDecision:
                 "gate.champion_value": self.champion_value,
                 "gate.champion_version": self.champion_version,
                 "gate.champion_status": self.champion_status,
+                "gate.drift_feature": self.drift_feature,
+                "gate.drift_psi": self.drift_psi,
                 "gate.reason": self.reason,
                 DECISION_TAG: self.decision,
             }

@@ -1,11 +1,18 @@
-"""The evaluation's figure for the MLflow run: a confusion matrix, or residuals for regression.
+"""The MLflow run's figures: the evaluation's (a confusion matrix, or residuals for regression) and data drift.
 
 ``matplotlib.figure.Figure`` directly: no pyplot state, no GUI backend, safe on a worker thread.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from training.evaluate import EvalResult
+
+if TYPE_CHECKING:
+    from ddpflow.drift import DriftReport
+
+DRIFT_FEATURES_SHOWN = 30  # beyond this the labels are unreadable; the report JSON has them all
 
 
 def evaluation_figure(result: EvalResult):
@@ -55,6 +62,47 @@ def residual_figure(result: EvalResult):
         xlabel="predicted",
         ylabel="predicted - true",
         title=f"Residuals (first {len(residuals)} of {result.samples} {result.split} rows)",
+    )
+    figure.tight_layout()
+    return figure
+
+
+def drift_figure(report: DriftReport, reference: str, max_psi: float | None = None):
+    """Per feature, most drifted on top: PSI (the worst in red) and the standardised mean shift.
+
+    ``reference`` names what the data is compared with ("champion v3's training data");
+    ``max_psi`` (``registry.max_drift_psi``) is drawn as a line when set.
+    """
+    from matplotlib.figure import Figure
+
+    shown = report.features[:DRIFT_FEATURES_SHOWN]
+    names = [drift.feature for drift in shown]
+    rows = range(len(shown))
+    figure = Figure(figsize=(10, max(3.0, 0.32 * len(shown) + 1.8)))
+    psi_axes, shift_axes = figure.subplots(1, 2, sharey=True, gridspec_kw={"width_ratios": [3, 2]})
+    colours = ["tab:red" if i == 0 else "tab:blue" for i in rows]  # the worst feature stands out
+    psi_axes.barh(rows, [drift.psi for drift in shown], color=colours)
+    psi_axes.set(yticks=list(rows), xlabel="population stability index (PSI)")
+    psi_axes.set_yticklabels(names)
+    psi_axes.invert_yaxis()  # most drifted on top
+    if max_psi is not None:
+        psi_axes.axvline(max_psi, color="black", linestyle="--", linewidth=1)
+        psi_axes.annotate(
+            f"registry.max_drift_psi = {max_psi:g}", (max_psi, 0), xytext=(4, 0), textcoords="offset points",
+            fontsize=8, va="top",
+        )  # fmt: skip
+    worst = shown[0]
+    psi_axes.annotate(
+        f"{worst.psi:.3g}", (worst.psi, 0), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8
+    )
+    shift_axes.barh(rows, [drift.mean_shift for drift in shown], color=colours)
+    shift_axes.axvline(0.0, color="black", linewidth=0.8)
+    shift_axes.set(xlabel="mean shift (in the reference's std)")
+    more = f" (the {len(shown)} most drifted of {len(report.features)})" if len(report.features) > len(shown) else ""
+    figure.suptitle(
+        f"Data drift of the train split {report.current_fingerprint} from {reference}"
+        f" ({report.reference_fingerprint}){more}",
+        fontsize=10,
     )
     figure.tight_layout()
     return figure

@@ -36,6 +36,8 @@ from mlflow.entities import Metric, RunTag
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 
+from ddpflow.drift import FeatureDrift
+from ddpflow.tracking.drift import drift_from_version
 from ddpflow.tracking.gate import (
     APPLIED,
     DECISION_TAG,
@@ -74,7 +76,7 @@ from ddpflow.tracking.runs import (
     use_tracking_uri,
 )
 from training.config import PipelineConfig, apply_overrides, validate_config
-from training.data.manifest import read_manifest
+from training.data.manifest import Manifest, read_manifest
 from training.evaluate import IncompatibleModelError, evaluate_split, load_model_checkpoint
 
 GateLock = Callable[[str], AbstractContextManager]
@@ -129,6 +131,7 @@ def gate_rules(config: PipelineConfig, task: str) -> GateRules:
         min_delta=registry.min_delta,
         min_metric=registry.min_metric,
         replace_unreadable_champion=registry.replace_unreadable_champion,
+        max_drift_psi=registry.max_drift_psi,
     )
 
 
@@ -217,12 +220,14 @@ class _Registration:
                 self.client, self.config, self.experiment_id, self.run_id, model_path, manifest, dataset_dir
             )
         with self.gate_lock(self.name):
-            decision = self._gate(version, rules, candidate, dataset_dir)
+            decision = self._gate(version, rules, candidate, dataset_dir, manifest)
         log = self.logger.info if decision.decision == PROMOTED else self.logger.warning
         log("%s v%s: %s (%s)", self.name, decision.version, decision.decision, decision.reason)
         return decision
 
-    def _gate(self, version: ModelVersion, rules: GateRules, candidate: float, dataset_dir: str) -> GateDecision:
+    def _gate(
+        self, version: ModelVersion, rules: GateRules, candidate: float, dataset_dir: str, manifest: Manifest
+    ) -> GateDecision:
         """Under the lock: read @champion (it may have moved while we waited), decide, record, then move aliases."""
         champion = find_alias(self.client, self.name, CHAMPION)
         self.hooks.champion_read(None if champion is None else str(champion.version))
@@ -230,7 +235,10 @@ class _Registration:
             decision = self._promoted_earlier(version)
         else:
             reading = read_champion(self.client, champion, dataset_dir, rules.metric, self.config.eval.batch_size)
-            decision = GateDecision.judge(rules, self.name, self.run_id, str(version.version), candidate, reading)
+            drift = self._worst_drift(champion, rules, manifest)
+            decision = GateDecision.judge(
+                rules, self.name, self.run_id, str(version.version), candidate, reading, drift
+            )
         self._record(decision)
         self.hooks.before_aliases(decision)
         if decision.decision == PROMOTED:
@@ -239,6 +247,19 @@ class _Registration:
             mark_challenger(self.client, self.name, decision.version)
         self._mark_applied(decision)
         return decision
+
+    def _worst_drift(self, champion: ModelVersion | None, rules: GateRules, manifest: Manifest) -> FeatureDrift | None:
+        """With ``registry.max_drift_psi`` set: the candidate's most drifted feature against THIS champion's data.
+
+        Measured here, under the lock, so the rule judges the champion the gate compares with.
+        """
+        if rules.max_drift_psi is None or champion is None:
+            return None
+        outcome = drift_from_version(self.client, champion, manifest)
+        if outcome.report is None:
+            self.logger.warning("registry.max_drift_psi is set, but %s; the drift rule is not applied", outcome.message)
+            return None
+        return outcome.report.worst
 
     def _promoted_earlier(self, version: ModelVersion) -> GateDecision:
         """An earlier attempt recorded its promotion and moved @champion, then died: keep what it measured."""

@@ -15,7 +15,7 @@ from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 
-from ddpflow.tracking.runs import resolve_tracking_uri
+from ddpflow.tracking.runs import TRAINING_IDENTITY_TAG, resolve_tracking_uri
 from training.config import PipelineConfig
 from training.data.manifest import Manifest
 
@@ -33,6 +33,7 @@ LINEAGE_RUN_TAGS = (
     "prefect.deployment",
     "git.commit",
     "ddp.world_size",
+    TRAINING_IDENTITY_TAG,  # train.skip_if_unchanged compares the champion's with the next run's
 )
 # MLflow error codes worth retrying: the server or database is busy or restarting.
 TRANSIENT_MLFLOW_CODES = {

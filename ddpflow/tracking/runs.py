@@ -17,6 +17,8 @@ otherwise override the next run's configured URI in the same process.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import subprocess
@@ -36,12 +38,19 @@ from mlflow import MlflowClient
 from mlflow.entities import DatasetInput, InputTag, Metric, Param
 from mlflow.exceptions import MlflowException
 
+from training.checkpoint import training_identity
 from training.config import PipelineConfig
 from training.data.manifest import Manifest
 from training.evaluate import EvalResult
 from training.layout import SPLITS
 
 CONFIG_ARTIFACT = "config.json"  # the run's PipelineConfig, so registration can be re-run later
+# The prepared data's manifest (with its per-feature histograms): what a later run measures drift against,
+# even once the shards are deleted.
+TRAINING_DATA_ARTIFACT = "data/manifest.json"
+# A stable hash of training/checkpoint.py's training_identity (the data's fingerprint and the settings that
+# change the weights), on the run and on its model version: train.skip_if_unchanged compares it.
+TRAINING_IDENTITY_TAG = "ddpflow.training_identity"
 MODEL_PATH_TAG = "ddpflow.model_path"  # set with the evaluation: what `ddpflow register --run-id` needs
 DATASET_DIR_TAG = "ddpflow.dataset_dir"
 TERMINAL_STATUSES = ("FINISHED", "FAILED", "KILLED")
@@ -232,6 +241,12 @@ def run_tags(
     return {key: str(value) for key, value in tags.items() if value is not None}
 
 
+def training_identity_tag(config: PipelineConfig, fingerprint: str) -> str:
+    """16 hex digits of the training identity: equal exactly when the resume rule calls two trainings the same."""
+    text = json.dumps(training_identity(config, fingerprint), sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def dataset_inputs(manifest: Manifest, dataset_dir: str | Path, fingerprint: str) -> list[DatasetInput]:
     """One MLflow dataset per split, pointing at its Parquet shards; no data is read.
 
@@ -285,12 +300,14 @@ def start_pipeline_run(
     """Create the MLflow run for one pipeline run; returns its id.
 
     Params: the flattened config. Tags: Prefect flow run, data fingerprint and
-    source, git commit, DDP layout. Inputs: the train/val/test shards. The
-    config itself is logged as ``config.json`` so ``ddpflow register --run-id``
-    can rebuild it. The run stays RUNNING until ``end_pipeline_run``.
+    source, training identity, git commit, DDP layout. Inputs: the train/val/test
+    shards. The config itself is logged as ``config.json`` so ``ddpflow register
+    --run-id`` can rebuild it, and the manifest as ``data/manifest.json`` (drift is
+    measured against it later). The run stays RUNNING until ``end_pipeline_run``.
     """
     client, experiment_id = configure_mlflow(config)
     tags = run_tags(prefect_context, manifest, fingerprint, ddp)
+    tags[TRAINING_IDENTITY_TAG] = training_identity_tag(config, fingerprint)
     run_id = client.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
     params = [Param(key, str(value)[:6000]) for key, value in config.flat().items()]
     for start in range(0, len(params), 100):  # MLflow accepts at most 100 params per batch
@@ -298,6 +315,7 @@ def start_pipeline_run(
     dataset_dir = _absolute(dataset_dir or Path(config.data.root) / fingerprint)
     client.log_inputs(run_id, datasets=dataset_inputs(manifest, dataset_dir, fingerprint))
     client.log_dict(run_id, config.model_dump(mode="json"), CONFIG_ARTIFACT)
+    client.log_dict(run_id, manifest.to_dict(), TRAINING_DATA_ARTIFACT)
     return run_id
 
 

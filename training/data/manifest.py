@@ -58,6 +58,9 @@ class Manifest:
     # target with them (training/normalisation.py). None for classification and for older manifests.
     label_mean: float | None = None
     label_std: float | None = None
+    # The train split's counts per feature on a dyadic grid (training/data/stats.py: RunningHistogram), in
+    # ``features`` order: what data drift is measured with (ddpflow/drift.py). None in older manifests.
+    feature_histograms: list[dict[str, Any]] | None = None
     format_version: int = FORMAT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -7,7 +7,8 @@ Two streaming passes over the source, never holding it whole:
 1. the label column only: validates the schema and columns early, counts
    invalid labels and collects the classes (indices need all of them first);
 2. all used columns, batch by batch: validity, split by row hash, float32
-   features, class indices, train statistics, shard writing.
+   features, class indices, train statistics (mean, std, per-feature
+   histogram), shard writing.
 
 The result is built in a temp dir and published by an atomic rename, with
 ``manifest.json`` written last inside it (see ``publish.py``). When the
@@ -35,11 +36,11 @@ from training.data.fingerprint import dataset_fingerprint
 from training.data.manifest import Manifest, SplitInfo, read_manifest, write_manifest
 from training.data.publish import discard, is_complete, make_temp_dir, publish, remove_stale_temp_dirs
 from training.data.shards import SplitWriter
-from training.data.sources import Source, open_source
-from training.data.stats import RunningMoments
+from training.data.sources import Source, open_source, source_identity
+from training.data.stats import RunningHistogram, RunningMoments
 from training.layout import SPLITS
 
-__all__ = ["DataError", "PreparedDataset", "prepare_dataset"]
+__all__ = ["DataError", "PreparedDataset", "prepare_dataset", "source_fingerprint"]
 
 # More distinct label values than this is almost surely a regression target or an id.
 MAX_CLASSES = 100_000
@@ -70,7 +71,7 @@ class PreparedDataset:
 
 
 def prepare_dataset(data: DataConfig) -> PreparedDataset:
-    root = Path(data.root).expanduser().resolve()
+    root = _output_root(data)
     # The output root may sit inside a source directory (data/ and data/shards): never read it back.
     source = open_source(data.source, data.format, exclude=root)
     fingerprint = dataset_fingerprint(source.identity(), data)
@@ -93,6 +94,20 @@ def prepare_dataset(data: DataConfig) -> PreparedDataset:
         raise
     # Lost the race: another process published the same fingerprint; use its copy.
     return PreparedDataset(target, manifest if published else read_manifest(target), cache_hit=False)
+
+
+def source_fingerprint(data: DataConfig) -> tuple[dict[str, Any], str]:
+    """(the source's identity, the fingerprint ``prepare_dataset(data)`` would give it now), from a listing alone.
+
+    No file is opened: cheap enough to poll (flows/watch_data.py). Equal to the prepared
+    dataset's fingerprint while the source's files keep their names, sizes and versions.
+    """
+    identity = source_identity(data.source, data.format, exclude=_output_root(data))
+    return identity, dataset_fingerprint(identity, data)
+
+
+def _output_root(data: DataConfig) -> Path:
+    return Path(data.root).expanduser().resolve()
 
 
 def _check_unchanged(source: Source) -> None:
@@ -232,6 +247,7 @@ def _build(source: Source, data: DataConfig, fingerprint: str, out_dir: Path) ->
     schema = _shard_schema(plan, source.schema)
     writers = {name: SplitWriter(out_dir, name, schema, data.rows_per_shard, data.row_group_size) for name in SPLITS}
     moments = RunningMoments(len(plan.features))
+    histograms = RunningHistogram(len(plan.features))  # what drift compares (ddpflow/drift.py)
     targets = RunningMoments(1) if plan.task == "regression" else None  # standardises the target in training
     invalid = InvalidRows()
     for file, batch in source.iter_batches(plan.columns, data.read_batch_rows):
@@ -244,7 +260,9 @@ def _build(source: Source, data: DataConfig, fingerprint: str, out_dir: Path) ->
         for code, name in enumerate(SPLITS):
             chosen = np.flatnonzero(codes == code)
             if name == "train":
-                moments.update(rows.features[:, chosen])
+                train_features = rows.features[:, chosen]  # a copy: taken once for both statistics
+                moments.update(train_features)
+                histograms.update(train_features)
                 if targets is not None:
                     targets.update(rows.label.to_numpy(zero_copy_only=False)[chosen][None, :])
             writers[name].add(rows.table(chosen, schema))
@@ -252,7 +270,7 @@ def _build(source: Source, data: DataConfig, fingerprint: str, out_dir: Path) ->
         raise invalid.error(source.description)
     splits = {name: writer.close() for name, writer in writers.items()}
     _check_splits(splits, invalid.rows, labels.rows, data, source)
-    return _manifest(source, data, plan, labels, splits, moments, targets, invalid, fingerprint)
+    return _manifest(source, data, plan, labels, splits, moments, histograms, targets, invalid, fingerprint)
 
 
 class _BatchRows:
@@ -345,7 +363,7 @@ def _check_splits(splits: dict[str, SplitInfo], dropped: int, total: int, data: 
         )
 
 
-def _manifest(source, data, plan, labels, splits, moments, targets, invalid, fingerprint) -> Manifest:
+def _manifest(source, data, plan, labels, splits, moments, histograms, targets, invalid, fingerprint) -> Manifest:
     return Manifest(
         fingerprint=fingerprint,
         source=data.source,
@@ -364,6 +382,7 @@ def _manifest(source, data, plan, labels, splits, moments, targets, invalid, fin
         dropped_rows=invalid.rows,
         label_mean=float(targets.mean[0]) if targets is not None else None,
         label_std=float(targets.std()[0]) if targets is not None else None,
+        feature_histograms=histograms.to_list(),
         extra={
             "source_identity": source.identity(),
             "source_rows": labels.rows,

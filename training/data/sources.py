@@ -12,6 +12,8 @@ differs per file) are widened to one type; anything else is an error.
 
 The identity (paths, sizes, modification times or ETags, or the synthetic
 spec) is what the fingerprint hashes: change a file and the fingerprint changes.
+``source_identity`` gives the same identity from a listing alone (no file is
+opened), for watching a source for new data.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ class FileSource:
         )
 
     def identity(self) -> dict[str, Any]:
-        return {"format": self.file_format, "files": [[file.display, file.size, file.version] for file in self.files]}
+        return files_identity(self.file_format, self.files)
 
     def changed_files(self) -> list[str]:
         """Files whose size or version differs from when the source was opened (or that are gone)."""
@@ -140,6 +142,11 @@ class SyntheticSource:
 Source = FileSource | SyntheticSource
 
 
+def files_identity(file_format: str, files: list[SourceFile]) -> dict[str, Any]:
+    """A file source's identity: its format and each file's name, size and version (mtime or ETag)."""
+    return {"format": file_format, "files": [[file.display, file.size, file.version] for file in files]}
+
+
 def open_source(source: str, file_format: str = "auto", exclude: Path | None = None) -> Source:
     """``exclude``: a local directory whose files are never data (prepare's own output root)."""
     if synthetic.is_synthetic(source):
@@ -151,7 +158,29 @@ def open_source(source: str, file_format: str = "auto", exclude: Path | None = N
     return _open_local(source, file_format, exclude)
 
 
+def source_identity(source: str, file_format: str = "auto", exclude: Path | None = None) -> dict[str, Any]:
+    """``open_source(...).identity()`` from a listing alone: no file is opened, so watching a source is cheap.
+
+    The same files, in the same order, described the same way, so the fingerprint of
+    this identity is the one prepare will give the data (flows/watch_data.py relies on it).
+    """
+    if synthetic.is_synthetic(source):
+        return SyntheticSource(source).identity()
+    if source.startswith("file://"):
+        source = source.removeprefix("file://")
+    if "://" in source:
+        files, resolved_format = _list_fsspec(source, file_format)[:2]
+    else:
+        files, resolved_format = _list_local(source, file_format, exclude)
+    return files_identity(resolved_format, files)
+
+
 def _open_local(source: str, file_format: str, exclude: Path | None = None) -> FileSource:
+    files, resolved_format = _list_local(source, file_format, exclude)
+    return FileSource(source, files, resolved_format, describe=_local_file)
+
+
+def _list_local(source: str, file_format: str, exclude: Path | None = None) -> tuple[list[SourceFile], str]:
     path = Path(source).expanduser()
     if any(char in source for char in _GLOB_CHARS):
         candidates = [Path(match) for match in glob.glob(str(path), recursive=True)]
@@ -173,8 +202,7 @@ def _open_local(source: str, file_format: str, exclude: Path | None = None) -> F
         raise DataError(f"data.source {source!r}: no such file or directory")
     explicit = path.is_file() and not any(char in source for char in _GLOB_CHARS)
     chosen, resolved_format = _choose_files([str(match) for match in candidates], file_format, source, explicit)
-    files = [_local_file(str(Path(name).resolve())) for name in chosen]
-    return FileSource(source, files, resolved_format, describe=_local_file)
+    return [_local_file(str(Path(name).resolve())) for name in chosen], resolved_format
 
 
 def _local_file(path: str) -> SourceFile:
@@ -183,8 +211,20 @@ def _local_file(path: str) -> SourceFile:
 
 
 def _open_fsspec(source: str, file_format: str) -> FileSource:
-    import fsspec
     from pyarrow.fs import FSSpecHandler, PyFileSystem
+
+    files, resolved_format, fs, protocol = _list_fsspec(source, file_format)
+
+    def describe(name: str) -> SourceFile:
+        fs.invalidate_cache(name)
+        return _fsspec_file(fs, protocol, name)
+
+    return FileSource(source, files, resolved_format, describe=describe, filesystem=PyFileSystem(FSSpecHandler(fs)))
+
+
+def _list_fsspec(source: str, file_format: str) -> tuple[list[SourceFile], str, Any, str]:
+    """(files, format, the filesystem, its protocol)."""
+    import fsspec
 
     try:
         # A fresh instance: a cached one would keep credentials and endpoints from an earlier environment.
@@ -214,12 +254,7 @@ def _open_fsspec(source: str, file_format: str) -> FileSource:
         raise
     except Exception as error:
         raise DataError(f"data.source {source!r}: cannot be listed: {type(error).__name__}: {error}") from None
-
-    def describe(name: str) -> SourceFile:
-        fs.invalidate_cache(name)
-        return _fsspec_file(fs, protocol, name)
-
-    return FileSource(source, files, resolved_format, describe=describe, filesystem=PyFileSystem(FSSpecHandler(fs)))
+    return files, resolved_format, fs, protocol
 
 
 def _inside(path: Path, directory: Path | None) -> bool:
