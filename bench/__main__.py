@@ -30,6 +30,7 @@ FAMILIES = {
     "memory": ("bench.memory", "Memory"),
     "evaluate": ("bench.evaluation", "Evaluate"),
     "launch": ("bench.orchestration", "Launch and orchestration"),
+    "slurm": ("bench.slurm_launch", "Launch through Slurm"),  # skipped (recorded as such) without Slurm
     "scale": ("bench.scale", "Scale"),
     "gpu": ("bench.gpu", "GPU"),  # skipped (recorded as such) without CUDA
 }

@@ -125,4 +125,14 @@ def launch_training(config, dataset_dir: str | Path, run_dir: Path, on_line, tim
     run_training(limited, dataset_dir, run_dir, on_line=on_line)
 
 
+def launch_training_on_slurm(config, dataset_dir: str | Path, run_dir: Path, on_line, timeout_s: float = 600) -> None:
+    """The train stage through Slurm as the Prefect task runs it with ``train.launcher: slurm``
+    (``ddpflow.launch.slurm.run_training_on_slurm``: preflight, job files, sbatch, following), limited to ``timeout_s``.
+    The Slurm commands and SLURM_CONF come from the environment."""
+    from ddpflow.launch.slurm import run_training_on_slurm
+
+    limited = config.model_copy(update={"train": config.train.model_copy(update={"timeout_s": timeout_s})})
+    run_training_on_slurm(limited, dataset_dir, run_dir, on_line=on_line)
+
+
 RANK_MODULE = "training.train"  # what every rank runs: python -m training.train --config RUN_DIR/train_config.json

@@ -7,10 +7,12 @@
 Debian's packages (slurmctld, slurmd, slurm-client, munge; recipe: ../shared/SLURM.md), run as
 root with ``auth/none``, a fresh state directory and free ports: partition ``debug`` (both nodes,
 no time limit, the default) and ``short`` (both nodes, MaxTime 1 minute: a job asking for more
-pends with PartitionTimeLimit). Both nodes share this machine's filesystem and address, except
-that ``n2`` runs in a private mount namespace where ``hidden_from_n2`` is an empty tmpfs: a path
-there exists here and on ``n1`` but not on ``n2``, which is how a node that does not see the
-shared filesystem looks. Nothing here is needed on a real cluster.
+pends with PartitionTimeLimit). Batch jobs are scheduled when submitted (``batch_sched_delay=0``;
+Slurm's default of 3 s suits clusters that take many submissions a second). Both nodes share
+this machine's filesystem and address, except that ``n2`` runs in a private mount namespace where
+``hidden_from_n2`` is an empty tmpfs: a path there exists here and on ``n1`` but not on ``n2``,
+which is how a node that does not see the shared filesystem looks. Nothing here is needed on a
+real cluster.
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ InactiveLimit=0
 KillWait=2
 MinJobAge=300
 Waittime=0
+# Schedule a batch job when it is submitted (the default lets sbatch jobs wait up to 3 s for a batch of them).
+SchedulerParameters=batch_sched_delay=0
 NodeName=n1 NodeHostname={host} NodeAddr=127.0.0.1 Port={n1_port} CPUs={cpus} RealMemory=1000 State=UNKNOWN
 NodeName=n2 NodeHostname={host} NodeAddr=127.0.0.1 Port={n2_port} CPUs={cpus} RealMemory=1000 State=UNKNOWN
 PartitionName={partition} Nodes=n1,n2 Default=YES MaxTime=UNLIMITED State=UP
