@@ -199,7 +199,8 @@ def test_a_killed_flow_is_followed_by_a_run_that_reattaches_to_its_job(champion,
     try:
         outputs = lambda: "".join(p.read_text(errors="replace") for p in run_root.glob("*/slurm/*.out"))  # noqa: E731
         try:
-            wait_until(lambda: "[train] epoch 1/15 step" in outputs(), 180, "the first flow's job to train")
+            # A step line of epoch 1, or its "done" line: progress lines come at most every second.
+            wait_until(lambda: "[train] epoch 1/15 " in outputs(), 180, "the first flow's job to train")
         except TimeoutError as error:
             pytest.fail(f"{error}; the first flow's output ends:\n{log.read_text()[-4000:]}\njob:\n{outputs()[-2000:]}")
     finally:
