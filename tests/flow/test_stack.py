@@ -22,14 +22,15 @@ def test_prefect_yaml_deploys_the_pipeline_with_real_configs(repo_root: Path) ->
     assert spec["build"] is None and spec["push"] is None
     assert spec["pull"] == [{"prefect.deployments.steps.set_working_directory": {"directory": "{{ $PWD }}"}}]
     deployments = {d["name"]: d for d in spec["deployments"]}
-    assert set(deployments) == {"nightly", "manual", "slurm"}
+    assert set(deployments) == {"nightly", "manual", "slurm", "every-10-minutes", "on-new-data"}
     for deployment in deployments.values():
         path, _, function = deployment["entrypoint"].partition(":")
         assert f"def {function}(" in (repo_root / path).read_text()
         assert deployment["work_pool"]["name"] == stack.WORK_POOL
         assert deployment["concurrency_limit"]["limit"] == 1
         # The deployment's config must validate, or every scheduled run would fail.
-        load_config(repo_root / deployment["parameters"]["config_file"])
+        if "config_file" in deployment.get("parameters", {}):  # on-new-data takes it from its event
+            load_config(repo_root / deployment["parameters"]["config_file"])
     assert deployments["nightly"]["schedules"] == [
         {"cron": "0 2 * * *", "timezone": "UTC", "slug": "nightly-0200-utc", "active": True}
     ]
