@@ -62,7 +62,10 @@ def _record(state_dir: Path, name: str, process: psutil.Process, create_time: fl
 
 def test_down_stops_a_recorded_process_and_what_it_left_in_its_session(tmp_path: Path) -> None:
     # A parent that starts a child and exits at once on TERM, leaving the child behind.
-    script = "import subprocess,sys,time; subprocess.Popen([sys.executable,'-c','import time; time.sleep(120)']); time.sleep(120)"
+    script = (
+        "import subprocess,sys,time; subprocess.Popen([sys.executable,'-c','import time; time.sleep(120)']); "
+        "time.sleep(120)"
+    )
     leader = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
     deadline = time.monotonic() + 30
     while not psutil.Process(leader.pid).children() and time.monotonic() < deadline:
