@@ -2,6 +2,8 @@
 
     ddpflow stack up && prefect deployment run 'train-pipeline/manual' --watch
     python docs/screenshots.py [--state-dir .ddpflow] [--out docs/img]
+    python docs/screenshots.py --only --page mlflow-drift.png mlflow \
+        '/#/experiments/1/runs/<run id>/artifacts/drift/data_drift.png'    # one run's drift figure
 
 Needs `chromium` (Debian: apt-get install chromium). Reads the URLs from the
 stack's stack.json, so it shoots whatever `ddpflow stack up` started.
@@ -96,6 +98,11 @@ def main() -> None:
     parser.add_argument("--state-dir", help="default: <project>/.ddpflow")
     parser.add_argument("--out", default="docs/img")
     parser.add_argument("--settle", type=float, default=8.0, help="seconds each page gets to load its data")
+    parser.add_argument(
+        "--page", nargs=3, action="append", default=[], metavar=("FILE", "UI", "PATH"),
+        help="one more page: file name, 'prefect' or 'mlflow', path under that UI (repeatable)",
+    )  # fmt: skip
+    parser.add_argument("--only", action="store_true", help="shoot only the --page pages")
     args = parser.parse_args()
     layout = StackLayout.for_project(args.project, args.state_dir)
     state = StackState.read(layout.stack_file)
@@ -104,6 +111,9 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     bases = {"prefect": state.prefect_url, "mlflow": state.mlflow_url}
+    unknown = [ui for _, ui, _ in args.page if ui not in bases]
+    if unknown:
+        raise SystemExit(f"error: --page UI must be 'prefect' or 'mlflow', not {unknown[0]!r}")
     with tempfile.TemporaryDirectory(prefix="ddpflow-chromium-") as profile:
         argv = [
             chromium(), "--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
@@ -113,7 +123,7 @@ def main() -> None:
         browser = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             page = Page(_devtools_port(Path(profile), browser))
-            for name, ui, path in PAGES:
+            for name, ui, path in ([] if args.only else list(PAGES)) + [tuple(page) for page in args.page]:
                 page.shoot(bases[ui] + path, out / name, args.settle)
                 print(out / name)
         finally:

@@ -178,17 +178,21 @@ def print_summary(summary: dict[str, Any], as_json: bool) -> None:
 
 
 def _for_people(summary: dict[str, Any]) -> dict[str, Any]:
-    """The headline test metrics on one line; per-class precision/recall stay in --json and MLflow."""
+    """The headline test metrics on one line; per-class precision/recall stay in --json and MLflow.
+    Data drift as its one-line message (the per-feature numbers are in --json and the MLflow run)."""
     metrics = summary.get("test_metrics") or {}
     headline = {name: value for name, value in metrics.items() if not re.search(r"_(precision|recall)_", name)}
     shown = ", ".join(
         f"{name}={value:.4g}" if isinstance(value, float) else f"{name}={value}" for name, value in headline.items()
     )
-    return {**summary, "test_metrics": shown}
+    drift = {"data_drift": summary["data_drift"].get("message")} if summary.get("data_drift") else {}
+    return {**summary, "test_metrics": shown, **drift}
 
 
 def _where_to_look(summary: dict[str, Any]) -> str:
-    lines = ["", f"Run directory (checkpoints, metrics.jsonl, model.pt): {summary.get('run_dir')}"]
+    lines = [""]
+    if summary.get("run_dir"):  # a skipped run (train.skip_if_unchanged) has none
+        lines.append(f"Run directory (checkpoints, metrics.jsonl, model.pt): {summary['run_dir']}")
     uri = str(summary.get("tracking_uri") or "")
     if uri.startswith("sqlite:"):
         lines.append(

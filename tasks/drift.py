@@ -17,7 +17,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from ddpflow.tracking.drift import DriftOutcome, log_drift, measure_drift
+from ddpflow.tracking.drift import UNAVAILABLE, DriftOutcome, log_drift, measure_drift
 from ddpflow.tracking.runs import how_to_open
 from tasks.register import retry_on_transient_error
 from training.config import PipelineConfig
@@ -61,7 +61,7 @@ def measure_data_drift(config: PipelineConfig, manifest: Manifest, run_id: str, 
     outcome = measure_drift(client, config.registry.model_name, manifest)
     max_psi = config.registry.max_drift_psi
     log_drift(client, run_id, outcome, max_psi)
-    logger.info("Data drift: %s", outcome.message)
+    (logger.warning if outcome.status == UNAVAILABLE else logger.info)("Data drift: %s", outcome.message)
     create_markdown_artifact(
         markdown=drift_markdown(outcome, max_psi, how_to_open(tracking_uri, run_id)),
         key="data-drift",

@@ -76,32 +76,36 @@ def drift_figure(report: DriftReport, reference: str, max_psi: float | None = No
     from matplotlib.figure import Figure
 
     shown = report.features[:DRIFT_FEATURES_SHOWN]
-    names = [drift.feature for drift in shown]
-    rows = range(len(shown))
-    figure = Figure(figsize=(10, max(3.0, 0.32 * len(shown) + 1.8)))
+    rows = list(range(len(shown)))
+    figure = Figure(figsize=(11, max(3.2, 0.34 * len(shown) + 2.0)))
     psi_axes, shift_axes = figure.subplots(1, 2, sharey=True, gridspec_kw={"width_ratios": [3, 2]})
     colours = ["tab:red" if i == 0 else "tab:blue" for i in rows]  # the worst feature stands out
-    psi_axes.barh(rows, [drift.psi for drift in shown], color=colours)
-    psi_axes.set(yticks=list(rows), xlabel="population stability index (PSI)")
-    psi_axes.set_yticklabels(names)
-    psi_axes.invert_yaxis()  # most drifted on top
-    if max_psi is not None:
-        psi_axes.axvline(max_psi, color="black", linestyle="--", linewidth=1)
+    psi_values = [drift.psi for drift in shown]
+    psi_axes.barh(rows, psi_values, color=colours)
+    for row, value in zip(rows, psi_values):
         psi_axes.annotate(
-            f"registry.max_drift_psi = {max_psi:g}", (max_psi, 0), xytext=(4, 0), textcoords="offset points",
-            fontsize=8, va="top",
-        )  # fmt: skip
-    worst = shown[0]
-    psi_axes.annotate(
-        f"{worst.psi:.3g}", (worst.psi, 0), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8
-    )
+            f"{value:.3f}", (value, row), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8
+        )
+    psi_axes.set(yticks=rows, xlabel="population stability index (PSI)", title="PSI against the reference's deciles")
+    psi_axes.set_yticklabels([drift.feature for drift in shown])
+    psi_axes.invert_yaxis()  # most drifted on top
+    psi_axes.set_xlim(0, max(max(psi_values), max_psi or 0) * 1.15 or 1.0)
+    if max_psi is not None:
+        psi_axes.axvline(
+            max_psi, color="black", linestyle="--", linewidth=1, label=f"registry.max_drift_psi = {max_psi:g}"
+        )
+        psi_axes.legend(loc="lower right", fontsize=8)
     shift_axes.barh(rows, [drift.mean_shift for drift in shown], color=colours)
     shift_axes.axvline(0.0, color="black", linewidth=0.8)
-    shift_axes.set(xlabel="mean shift (in the reference's std)")
-    more = f" (the {len(shown)} most drifted of {len(report.features)})" if len(report.features) > len(shown) else ""
+    shift_axes.set(xlabel="(this mean - reference mean) / reference std", title="mean shift")
+    more = (
+        f"; the {len(shown)} most drifted of {len(report.features)} features"
+        if len(report.features) > len(shown)
+        else ""
+    )
     figure.suptitle(
-        f"Data drift of the train split {report.current_fingerprint} from {reference}"
-        f" ({report.reference_fingerprint}){more}",
+        f"Data drift of train split {report.current_fingerprint} from {reference} "
+        f"({report.reference_fingerprint}){more}",
         fontsize=10,
     )
     figure.tight_layout()

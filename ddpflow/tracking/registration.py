@@ -17,6 +17,9 @@ What the step guarantees (docs/registry.md says the same to users):
   recover (unless ``registry.replace_unreadable_champion`` is set).
 - A retry finishes what an attempt left: a decision only recorded is gated
   again under the lock; one whose @champion move landed is completed as it was.
+- With ``registry.max_drift_psi`` set, the candidate's drift from the champion's
+  training data is measured under the lock, against the champion just read, and
+  a drifted candidate waits as @challenger (``gate.drift_hold_reason``).
 """
 
 from __future__ import annotations
