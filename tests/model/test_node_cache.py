@@ -291,3 +291,13 @@ def test_data_on_device_on_the_cpu_keeps_the_shared_mapping(dataset, tmp_path):
         {"train": SplitTensors(mapped.features, mapped.labels)}, "auto", torch.device("cpu"), model
     )
     assert reasons[0].startswith("train on the host (auto: ")
+
+
+def test_where_the_cache_lives_is_not_part_of_the_dataset_fingerprint():
+    from training.config import DataConfig
+    from training.data.fingerprint import dataset_fingerprint
+
+    identity = {"synthetic": "classification?rows=10"}
+    assert dataset_fingerprint(identity, DataConfig(cache_dir="/scratch/a")) == dataset_fingerprint(
+        identity, DataConfig()
+    )
