@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.families:
             module_name, title = FAMILIES[name]
             log(f"--- {title}")
-            results += run_guarded(name, title, lambda: importlib.import_module(module_name).run(ctx))
+            results += run_guarded(name, title, lambda module=module_name: importlib.import_module(module).run(ctx))
             for result in results[-1:]:
                 log(f"{result.title}: {result.status} {result.ratio.fmt() if result.ratio else result.reason}")
             machine["load_average_end"] = list(os.getloadavg())

@@ -47,7 +47,8 @@ def run(ctx: Context) -> list[Result]:
             samples = ddpflow_api.train_epoch(model, optimizer, batches, repeat)
         train_rates.append(samples / training.seconds)
         log(
-            f"evaluate repeat {repeat + 1}: evaluate {eval_rates[-1]:,.0f} rows/s, training {train_rates[-1]:,.0f} rows/s"
+            f"evaluate repeat {repeat + 1}: evaluate {eval_rates[-1]:,.0f} rows/s, training "
+            f"{train_rates[-1]:,.0f} rows/s"
         )
     ratio = Stats.of(a / b for a, b in zip(eval_rates, train_rates))
     return [
@@ -67,7 +68,8 @@ def run(ctx: Context) -> list[Result]:
                 Row("training epoch on the test split's rows (in memory, batch 512)", Stats.of(train_rates), "rows/s"),
             ],
             notes=[
-                f"{len(test):,} test rows; evaluation time includes loading model.pt, reading the shards and the metrics (confusion matrix, per class)."
+                f"{len(test):,} test rows; evaluation time includes loading model.pt, reading the shards and "
+                "the metrics (confusion matrix, per class)."
             ],
         )
     ]

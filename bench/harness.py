@@ -261,7 +261,8 @@ def render_machine(payload: dict[str, Any]) -> str:
         "| | |",
         "|---|---|",
         f"| measured | {payload['started_at']} ({payload['mode']} run, {payload['wall_s']:.0f} s in all) |",
-        f"| CPU | {machine.get('cpu_model')}, {machine.get('cpus_usable')} usable cores of {machine.get('cpu_count')} |",
+        f"| CPU | {machine.get('cpu_model')}, {machine.get('cpus_usable')} usable cores of "
+        f"{machine.get('cpu_count')} |",
         f"| memory | {machine.get('memory_gib', '?')} GiB |",
         f"| GPU | {gpu['name'] + ' x' + str(gpu['count']) if gpu else 'none'} |",
         f"| load average at start / end | {_load(load)} / {_load(machine.get('load_average_end') or [])} |",
@@ -282,14 +283,16 @@ def render_summary(benchmarks: Sequence[dict[str, Any]]) -> str:
     for bench in benchmarks:
         when = bench.get("measured_at", "")
         lines.append(
-            f"| [{bench['title']}](#{_anchor(bench['title'])}) | {_ratio_cell(bench)} | {bench['target_text']} | {_met_cell(bench)} | {when} |"
+            f"| [{bench['title']}](#{_anchor(bench['title'])}) | {_ratio_cell(bench)} | {bench['target_text']} "
+            f"| {_met_cell(bench)} | {when} |"
         )
     return "\n".join(lines)
 
 
 def render_benchmark(bench: dict[str, Any]) -> str:
     lines = [
-        f"**{bench.get('ratio_label') or 'ratio'}: {_ratio_cell(bench)}**, target {bench['target_text']}: {_met_cell(bench)}."
+        f"**{bench.get('ratio_label') or 'ratio'}: {_ratio_cell(bench)}**, target {bench['target_text']}: "
+        f"{_met_cell(bench)}."
     ]
     if bench["status"] != "ok":
         lines.append("")
@@ -305,7 +308,8 @@ def render_benchmark(bench: dict[str, Any]) -> str:
         lines += [f"- {note}" for note in bench["notes"]]
     lines.append("")
     lines.append(
-        f"<sub>Measured by `python -m bench --only {bench.get('family', bench['name'])}` ({bench['seconds']:.0f} s in this run).</sub>"
+        f"<sub>Measured by `python -m bench --only {bench.get('family', bench['name'])}` "
+        f"({bench['seconds']:.0f} s in this run).</sub>"
     )
     return "\n".join(lines)
 

@@ -75,8 +75,10 @@ def run(ctx: Context) -> list[Result]:
             ratio_label=f"worst stage's per-row cost at {large / 1e6:g}M rows ÷ at {small / 1e6:g}M ({worst})",
             rows=rows_out,
             notes=[
-                f"Sizes {', '.join(f'{rows:,}' for rows in sizes)} rows, one run each. Value: least-squares slope; ratio: per-row cost at the largest size ÷ at the smallest (1.0 = linear).",
-                f"The target reads 'linear' as within {LINEAR_WITHIN}x. Small sizes carry fixed costs (imports warm, file opens), so ratios below 1 are expected.",
+                f"Sizes {', '.join(f'{rows:,}' for rows in sizes)} rows, one run each. Value: least-squares "
+                "slope; ratio: per-row cost at the largest size ÷ at the smallest (1.0 = linear).",
+                f"The target reads 'linear' as within {LINEAR_WITHIN}x. Small sizes carry fixed costs (imports "
+                "warm, file opens), so ratios below 1 are expected.",
             ],
         )
     ]

@@ -50,7 +50,8 @@ def run(ctx: Context) -> list[Result]:
         ],
         notes=[
             f"{rows:,} rows x 32 float32 features + int64 label from one Parquet file; shard settings: {settings}.",
-            "prepare also scans labels, checks for NaN/inf, hashes rows into splits, computes train statistics and publishes atomically.",
+            "prepare also scans labels, checks for NaN/inf, hashes rows into splits, computes train statistics "
+            "and publishes atomically.",
         ],
     )
     return [prepare, shard_size(ctx, rows, source)]
@@ -124,6 +125,7 @@ def shard_size(ctx: Context, rows: int, source: Path) -> Result:
             ),
         ],
         notes=[
-            "Sizes are deterministic for the data: measured once. Random float32 features do not compress; the label column does."
+            "Sizes are deterministic for the data: measured once. Random float32 features do not compress; the "
+            "label column does."
         ],
     )

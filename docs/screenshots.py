@@ -88,7 +88,8 @@ class Page:
 # Close buttons of dialogs and drawers, whatever the UI library names them.
 DISMISS_JS = """
 document.dispatchEvent(new KeyboardEvent('keydown', {key: 'Escape', bubbles: true}));
-for (const b of document.querySelectorAll('button[aria-label="Close"], button[aria-label="close"], [data-testid*="close"]')) b.click();
+const closers = 'button[aria-label="Close"], button[aria-label="close"], [data-testid*="close"]';
+for (const b of document.querySelectorAll(closers)) b.click();
 """
 
 

@@ -45,6 +45,9 @@ def prepare_data(config: PipelineConfig) -> PreparedDataset:
             }
             for split in SPLITS
         ],
-        description=f"Dataset {prepared.fingerprint} ({'cache hit' if prepared.cache_hit else 'prepared'}) from {manifest.source}",
+        description=(
+            f"Dataset {prepared.fingerprint} ({'cache hit' if prepared.cache_hit else 'prepared'}) "
+            f"from {manifest.source}"
+        ),
     )
     return prepared

@@ -54,7 +54,8 @@ class Progress:
         remaining_epochs = self.epochs - self.epoch - 1
         shown = " ".join(f"{key} {metrics[key]:.4f}" for key in _EPOCH_KEYS if key in metrics)
         print(
-            f"[train] epoch {self.epoch + 1}/{self.epochs} done: {shown} {metrics['train_samples_per_s']:,.0f} samples/s "
+            f"[train] epoch {self.epoch + 1}/{self.epochs} done: {shown} {metrics['train_samples_per_s']:,.0f} "
+            "samples/s "
             f"{metrics['epoch_seconds']:.1f}s ETA {_eta(metrics['epoch_seconds'] * remaining_epochs)}",
             flush=True,
         )

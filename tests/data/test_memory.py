@@ -13,7 +13,8 @@ import sys
 import pyarrow as pa
 from training.config import DataConfig
 from training.data.prepare import prepare_dataset
-prepare_dataset(DataConfig(source=sys.argv[1], root=sys.argv[2], key="id", read_batch_rows=8192, row_group_size=8192, rows_per_shard=65536))
+settings = dict(key="id", read_batch_rows=8192, row_group_size=8192, rows_per_shard=65536)
+prepare_dataset(DataConfig(source=sys.argv[1], root=sys.argv[2], **settings))
 print(pa.default_memory_pool().max_memory())
 """
 

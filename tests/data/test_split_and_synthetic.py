@@ -24,7 +24,8 @@ import numpy as np, pyarrow as pa
 from training.data import split
 keys = split.hash_values(pa.array(list(range(1000)))).tolist()
 words = split.hash_values(pa.array([f"user-{i}" for i in range(1000)])).tolist()
-rows = split.hash_rows(np.arange(3000, dtype=np.float32).reshape(1000, 3) / 7, split.hash_values(pa.array([i % 3 for i in range(1000)]))).tolist()
+matrix = np.arange(3000, dtype=np.float32).reshape(1000, 3) / 7
+rows = split.hash_rows(matrix, split.hash_values(pa.array([i % 3 for i in range(1000)]))).tolist()
 print(json.dumps([keys, words, rows]))
 """
 

@@ -73,7 +73,8 @@ def infer_task(kind: pa.DataType, label: str, where: str) -> str:
     if pa.types.is_floating(kind) or pa.types.is_decimal(kind):
         return "regression"
     raise DataError(
-        f"{where}: label column {label!r} has type {kind}, which is neither a class (integer, string, bool) nor a number"
+        f"{where}: label column {label!r} has type {kind}, which is neither a class (integer, string, bool) "
+        "nor a number"
     )
 
 
