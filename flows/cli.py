@@ -289,8 +289,8 @@ def _end_process(status: int) -> None:
     """Exit handlers (Prefect's, MLflow's), flushed streams, then ``os._exit``.
 
     Why: `run` has loaded torch, MLflow, Prefect, pydantic and SQLAlchemy, and the
-    interpreter's teardown (a full garbage collection of all of it) took 1-7 s on
-    2 cores, after everything the command started had stopped: time in every run,
+    interpreter's teardown (a full garbage collection of all of it) took 4-7 s on
+    2 cores under load, after everything the command started had stopped: time in every run,
     and a run that looks alive to whoever signalled it. Nothing is left to free that
     the kernel does not free anyway.
     """
