@@ -18,10 +18,6 @@ from typing import Any
 
 from training.layout import METRICS
 
-# No rank reads this any more. Kept only while the launcher (ddpflow/launch/command.py) imports
-# it to strip an inherited value from the ranks' environment; remove the two together.
-MLFLOW_RUN_ENV = "DDPFLOW_MLFLOW_RUN_ID"
-
 
 def read_metrics_lines(path: str | Path) -> list[dict[str, Any]]:
     """The epochs in a metrics.jsonl; a torn last line (a crash mid-write) is skipped."""
@@ -50,9 +46,6 @@ class MetricsSink:
             return
         self._append({"epoch": epoch, **metrics})
         self.logged.add(epoch)
-
-    def close(self) -> None:
-        """Nothing is buffered: every epoch is on disk once ``log_epoch`` returns."""
 
     def _append(self, record: dict[str, Any]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -248,11 +248,7 @@ def final_model(trainer: Trainer) -> dict[str, Any]:
 
 
 def run(job: TrainJob, ctx: DistContext) -> None:
-    sink = MetricsSink(job.run_dir, enabled=ctx.is_main)  # first: its MLflow import overlaps data loading
-    try:
-        train_and_save(job, ctx, sink)
-    finally:
-        sink.close()
+    train_and_save(job, ctx, MetricsSink(job.run_dir, enabled=ctx.is_main))
 
 
 def train_and_save(job: TrainJob, ctx: DistContext, sink: MetricsSink) -> None:

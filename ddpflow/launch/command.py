@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 from training.config import PipelineConfig
-from training.metrics_sink import MLFLOW_RUN_ENV
 from training.topology import available_cores, resolve_ranks
 
 LOG_DIR = "logs"  # RUN_DIR/logs/<torchrun job>/attempt_<n>/<local rank>/{stdout,stderr}.log
@@ -75,9 +74,6 @@ def launch_env(
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     if tracking_uri:
         env["MLFLOW_TRACKING_URI"] = tracking_uri
-    # The launching process mirrors metrics.jsonl into MLflow (EpochMetricsFollower); a run id
-    # inherited from the caller's shell would have rank 0 log the same epochs as well.
-    env.pop(MLFLOW_RUN_ENV, None)
     # The rank imports training.* : make sure the project is importable whatever the caller's cwd.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH", "")) if p)
     return env

@@ -147,3 +147,15 @@ def with_parent_death_signal(argv: list[str]) -> list[str]:
     if not sys.platform.startswith("linux"):
         return argv
     return [sys.executable, "-I", "-c", _PDEATHSIG_SHIM, str(os.getpid()), *argv]
+
+
+def chain_to_previous_handler(previous, signum: int, frame) -> None:
+    """Do what the signal handler we replaced would have done (launchers stop their ranks first, then call this)."""
+    if callable(previous):
+        previous(signum, frame)  # e.g. Prefect's bridge (raises TerminationSignal) or KeyboardInterrupt
+    elif previous == signal.SIG_DFL:
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)  # die of the signal, as the default would
+    # SIG_IGN: the stop reason set by the handler ends the wait with LaunchInterrupted.

@@ -43,6 +43,7 @@ from pathlib import Path
 
 from ddpflow.launch.command import launch_env
 from ddpflow.launch.failure import LaunchError, LaunchInterrupted, LaunchStalled, LaunchTimeout
+from ddpflow.launch.process_tree import chain_to_previous_handler
 from ddpflow.launch.slurm_commands import (
     JobInfo,
     SlurmSetupError,
@@ -63,7 +64,6 @@ from ddpflow.launch.slurm_output import (
 )
 from ddpflow.launch.slurm_script import JobPaths, batch_script, sbatch_command
 from ddpflow.launch.supervisor import DEFAULT_GRACE_S, OutputLine, TrainResult, last_metrics, run_dir_lock
-from ddpflow.launch.supervisor import _chain as chain_to_previous_handler
 from training.config import PipelineConfig
 from training.data.manifest import read_manifest
 from training.fileio import atomic_write_json, atomic_write_text

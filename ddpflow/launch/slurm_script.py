@@ -37,7 +37,6 @@ from ddpflow.launch import command
 from ddpflow.launch.command import ERROR_FILE, LOG_DIR, PROJECT_ROOT
 from training.config import PipelineConfig
 from training.layout import MANIFEST, TRAIN_JOB
-from training.metrics_sink import MLFLOW_RUN_ENV
 from training.topology import RankLayout
 
 SLURM_DIR = "slurm"
@@ -157,7 +156,6 @@ def batch_script(
         "",
         "# What every rank inherits (ddpflow/launch/command.py: launch_env).",
         *(f"export {key}={q(value)}" for key, value in exports.items()),
-        f"unset {MLFLOW_RUN_ENV}  # the launching process mirrors metrics.jsonl into MLflow itself",
         "",
         "# 1. Every node must see the dataset, the run directory and the Python interpreter.",
         "srun --ntasks-per-node=1 --kill-on-bad-exit=0 /bin/sh -c \\",

@@ -51,7 +51,7 @@ from typing import Any
 
 from ddpflow.launch.command import ERROR_FILE, LOG_DIR, PROJECT_ROOT, launch_env, torchrun_command
 from ddpflow.launch.failure import LaunchError, LaunchInterrupted, LaunchStalled, LaunchTimeout, failure_from_output
-from ddpflow.launch.process_tree import ProcessTree, with_parent_death_signal
+from ddpflow.launch.process_tree import ProcessTree, chain_to_previous_handler, with_parent_death_signal
 from training.config import PipelineConfig
 from training.data.manifest import read_manifest
 from training.fileio import atomic_write_json
@@ -387,7 +387,7 @@ class _Launcher:
             )
             if self.tree is not None:
                 self.tree.terminate(self.grace_s)
-            _chain(previous[signum], signum, frame)
+            chain_to_previous_handler(previous[signum], signum, frame)
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             previous[sig] = signal.signal(sig, handler)
@@ -396,18 +396,6 @@ class _Launcher:
         finally:
             for sig, old in previous.items():
                 signal.signal(sig, old)
-
-
-def _chain(previous, signum: int, frame) -> None:
-    """Do what the handler we replaced would have done."""
-    if callable(previous):
-        previous(signum, frame)  # e.g. Prefect's bridge (raises TerminationSignal) or KeyboardInterrupt
-    elif previous == signal.SIG_DFL:
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)  # die of the signal, as the default would
-    # SIG_IGN: the stop reason set by the handler ends the wait with LaunchInterrupted.
 
 
 def _new_job_dir(log_root: Path, before: set[Path]) -> Path | None:

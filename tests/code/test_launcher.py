@@ -57,14 +57,10 @@ def test_several_nodes_argv_names_the_rendezvous(tmp_path):
 
 
 def test_environment_sets_threads_unbuffered_mlflow_and_error_file(tmp_path):
-    env = launch_env(
-        config(nproc_per_node=1), tmp_path, tracking_uri="sqlite:///x.db", gpus=0, base={"DDPFLOW_MLFLOW_RUN_ID": "abc"}
-    )
+    env = launch_env(config(nproc_per_node=1), tmp_path, tracking_uri="sqlite:///x.db", gpus=0, base={})
     assert env["PYTHONUNBUFFERED"] == "1"
     assert int(env["OMP_NUM_THREADS"]) >= 1
-    assert (
-        env["MLFLOW_TRACKING_URI"] == "sqlite:///x.db" and "DDPFLOW_MLFLOW_RUN_ID" not in env
-    )  # the launcher mirrors metrics itself
+    assert env["MLFLOW_TRACKING_URI"] == "sqlite:///x.db"
     assert Path(env["TORCHELASTIC_ERROR_FILE"]).parent == tmp_path
     assert int(launch_env(config(num_threads=3), tmp_path, gpus=0, base={})["OMP_NUM_THREADS"]) == 3
 

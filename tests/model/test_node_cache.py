@@ -95,7 +95,7 @@ def start(run_dir: Path, dataset_dir: Path, nproc: int, cache_dir: Path, preexec
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
     env["DDPFLOW_RECORD_INDICES"] = "1"
-    for name in ("DDPFLOW_FAULT", "DDPFLOW_MLFLOW_RUN_ID"):
+    for name in ("DDPFLOW_FAULT",):
         env.pop(name, None)
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     argv += ["-m", "training.train", "--config", str(job)]

@@ -47,7 +47,7 @@ UNEVEN_ROWS, UNEVEN_VAL_ROWS = 211, 101
 EXACT = 1e-5  # final weights of runs that take the same optimizer steps
 # A user factory with dropout: resuming to the same weights needs every rank's RNG restored.
 DROPOUT_MODEL = {"model": "tests.model.dropout_model:dropout_mlp", "model_kwargs": {"hidden": 32, "p": 0.3}}
-TEST_HOOKS = ("DDPFLOW_FAULT", "DDPFLOW_RECORD_INDICES", "DDPFLOW_MLFLOW_RUN_ID")
+TEST_HOOKS = ("DDPFLOW_FAULT", "DDPFLOW_RECORD_INDICES")
 
 
 def production_launcher():

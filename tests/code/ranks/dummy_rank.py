@@ -38,7 +38,7 @@ def main() -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if args.mode == "flaky" and rank == args.fail_rank and attempt == 0:
         raise RuntimeError(f"flaky failure on rank {rank}, attempt {attempt}")
-    print(f"rank {rank} started pid={os.getpid()} mlflow_run_id={os.environ.get('DDPFLOW_MLFLOW_RUN_ID')}", flush=True)
+    print(f"rank {rank} started pid={os.getpid()}", flush=True)
 
     if args.mode == "spawn":
         # A grandchild in its own session, like a data-loader worker or a helper daemon.
