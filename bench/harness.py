@@ -11,7 +11,6 @@ min/max show the spread.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
@@ -23,6 +22,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+from training.fileio import atomic_write_json
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DOCS_BEGIN = "<!-- bench:{name}:begin -->"
@@ -242,11 +243,7 @@ def write_results(
             key=lambda bench: list(order).index(bench["family"]) if bench.get("family") in order else len(order),
         ),
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2, default=str))
-    os.replace(tmp, path)
-    return path
+    return atomic_write_json(path, payload)
 
 
 # --------------------------------------------------------------------------- docs

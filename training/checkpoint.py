@@ -1,7 +1,7 @@
 """Checkpoints: ``RUN_DIR/checkpoints/last.pt`` after every epoch, ``RUN_DIR/model.pt`` at the end.
 
-Writing: rank 0 alone writes, atomically (a temp file in the same directory,
-fsynced, then ``os.replace``), then every rank waits at a barrier of its own,
+Writing: rank 0 alone writes, atomically (``training/fileio.py``: a temp
+file fsynced, then renamed over the old one), then every rank waits at a barrier of its own,
 for up to ``train.checkpoint_timeout_s`` (not the collective timeout: a large
 checkpoint on a slow shared filesystem may take longer than any collective
 should). A failed write (disk full, file size limit, unwritable directory)
@@ -36,9 +36,7 @@ message says so.
 
 from __future__ import annotations
 
-import os
 import random
-import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -47,6 +45,7 @@ import torch
 
 from training.config import PipelineConfig
 from training.data.manifest import Manifest
+from training.fileio import atomic_write
 from training.layout import FINAL_MODEL, LAST_CHECKPOINT
 from training.models import ModelSpec
 
@@ -92,41 +91,13 @@ class Coordinator(Protocol):
 
 
 def atomic_save(obj: Any, path: str | Path) -> Path:
-    path = Path(path)
+    """``torch.save`` through the project's one atomic write; any failure names the path, the old file stays."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-", suffix=".tmp")
-    except OSError as error:
-        raise CheckpointWriteError(f"cannot write checkpoint {path}: {error}") from error
-    try:
-        os.fchmod(fd, 0o644)  # mkstemp makes it 0600; a checkpoint is an ordinary, readable file
-        with os.fdopen(fd, "wb") as handle:
-            torch.save(obj, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException as error:
-        Path(tmp).unlink(missing_ok=True)
-        if isinstance(error, Exception):
-            raise CheckpointWriteError(
-                f"cannot write checkpoint {path}: {error}; the previous file (if any) is unchanged"
-            ) from error
-        raise
-    _fsync_directory(path.parent)  # make the rename itself durable
-    return path
-
-
-def _fsync_directory(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        return atomic_write(path, lambda handle: torch.save(obj, handle))
+    except Exception as error:
+        raise CheckpointWriteError(
+            f"cannot write checkpoint {path}: {error}; the previous file (if any) is unchanged"
+        ) from error
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:

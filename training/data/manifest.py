@@ -12,12 +12,11 @@ float32 for regression) and the key column when ``data.key`` is set.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from training.fileio import atomic_write_json
 from training.layout import MANIFEST, SPLITS
 
 FORMAT_VERSION = 1
@@ -92,20 +91,8 @@ class Manifest:
 
 
 def write_manifest(dataset_dir: str | Path, manifest: Manifest) -> Path:
-    """Atomic: a temp file in the same directory, fsynced, then ``os.replace``."""
-    dataset_dir = Path(dataset_dir)
-    target = dataset_dir / MANIFEST
-    fd, tmp = tempfile.mkstemp(dir=dataset_dir, prefix=".manifest-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(manifest.to_dict(), handle, indent=2)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
+    """Atomic (training/fileio.py): its presence means the dataset is complete."""
+    return atomic_write_json(Path(dataset_dir) / MANIFEST, manifest.to_dict())
 
 
 def read_manifest(path: str | Path) -> Manifest:
