@@ -124,7 +124,8 @@ def run(ctx: Context) -> list[Result]:
             Stats.of(rates["ddpflow"]),
             "samples/s",
             headline,
-            note=f"one full epoch from the node cache's mapping (built in {load.seconds:.2f} s before it)",
+            note=f"one full epoch from the node cache's mapping (got in {load.seconds:.2f} s, "
+            "a build included if missing)",
         ),
     ]
     rows.append(
