@@ -23,6 +23,7 @@ import logging
 import os
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -161,18 +162,37 @@ def configure_mlflow(config: PipelineConfig, tracking_uri: str | None = None) ->
 
 @contextmanager
 def use_tracking_uri(uri: str) -> Iterator[None]:
-    """MLflow's fluent API points at ``uri`` inside the block; the environment is restored after."""
-    saved_env = os.environ.get("MLFLOW_TRACKING_URI")
-    previous = mlflow.get_tracking_uri()
-    mlflow.set_tracking_uri(uri)
+    """MLflow's fluent API points at ``uri`` inside the block; the environment is restored after.
+
+    MLflow's URI (and ``$MLFLOW_TRACKING_URI``, which setting it writes) is process-wide, and
+    registrations can overlap in one process (threads, concurrent task runs). So the state to
+    restore is saved by the first block to enter and restored by the last to leave: a block that
+    saved another block's URI would otherwise put it back for good, and every later run in this
+    process would log into that store.
+    """
+    global _uri_users, _uri_saved
+    with _uri_lock:
+        if _uri_users == 0:
+            _uri_saved = (os.environ.get("MLFLOW_TRACKING_URI"), mlflow.get_tracking_uri())
+        _uri_users += 1
+        mlflow.set_tracking_uri(uri)
     try:
         yield
     finally:
-        mlflow.set_tracking_uri(previous)
-        if saved_env is None:
-            os.environ.pop("MLFLOW_TRACKING_URI", None)
-        else:
-            os.environ["MLFLOW_TRACKING_URI"] = saved_env
+        with _uri_lock:
+            _uri_users -= 1
+            if _uri_users == 0:
+                saved_env, previous = _uri_saved
+                mlflow.set_tracking_uri(previous)
+                if saved_env is None:
+                    os.environ.pop("MLFLOW_TRACKING_URI", None)
+                else:
+                    os.environ["MLFLOW_TRACKING_URI"] = saved_env
+
+
+_uri_lock = threading.Lock()
+_uri_users = 0  # blocks of use_tracking_uri open in this process
+_uri_saved: tuple[str | None, str] | None = None  # what the first of them found
 
 
 def ensure_experiment(client: MlflowClient, name: str, artifact_location: str | None) -> str:

@@ -12,6 +12,7 @@ aliases, so the wait times out and the order is strict.
 from __future__ import annotations
 
 import contextvars
+import os
 import threading
 from pathlib import Path
 
@@ -83,6 +84,7 @@ def test_two_registrations_at_once_end_with_the_better_model_as_champion(
             errors.append(error)
 
     # Each thread runs in a copy of this context: it holds the Prefect test server's settings.
+    uri_before = os.environ.get("MLFLOW_TRACKING_URI")
     threads = [
         threading.Thread(target=contextvars.copy_context().run, args=(registration, name))
         for name in ("medium", "strong")
@@ -93,6 +95,8 @@ def test_two_registrations_at_once_end_with_the_better_model_as_champion(
         thread.join(timeout=300)
     assert not errors, errors
     assert not any(thread.is_alive() for thread in threads)
+    # Overlapping registrations leave the process's tracking URI as they found it (later runs log elsewhere).
+    assert os.environ.get("MLFLOW_TRACKING_URI") == uri_before
 
     # One at a time: each read of @champion is followed by that registration's own alias move.
     kinds = [(kind, name) for kind, name, _ in events]
