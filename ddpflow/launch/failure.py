@@ -169,6 +169,11 @@ def _last_attempt(job_dir: Path | None) -> Path | None:
     return attempts[-1] if attempts else None
 
 
+def is_peer_lost(message: str | None) -> bool:
+    """A rank's error that only says a PEER went away: never the root cause while another rank has its own."""
+    return bool(message) and _PEER_LOST.search(message) is not None
+
+
 def _original_failure(attempt: Path | None, local_rank: int | None) -> tuple[int, str] | None:
     """The rank whose error is its own, when torchrun blamed a rank that only lost its peer."""
     if attempt is None or local_rank is None:

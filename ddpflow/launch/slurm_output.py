@@ -17,7 +17,14 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddpflow.launch.failure import LaunchError, LaunchInterrupted, LaunchTimeout, RankFailed, failure_from_output
+from ddpflow.launch.failure import (
+    LaunchError,
+    LaunchInterrupted,
+    LaunchTimeout,
+    RankFailed,
+    failure_from_output,
+    is_peer_lost,
+)
 from ddpflow.launch.slurm_commands import JobInfo, SlurmSetupError, expand_nodes
 from ddpflow.launch.slurm_script import CANNOT_SEE, JobPaths
 from ddpflow.launch.supervisor import OutputLine, parse_line
@@ -119,17 +126,22 @@ def job_failure(paths: JobPaths, job_id: str, info: JobInfo | None, where: str) 
         )
     nodes = expand_nodes(info.node_list) if info is not None and info.node_list else []
     by_node = _torchrun_lines_by_node(lines, nodes)
+    failures = []
     for node in _failed_nodes_first(lines, by_node):
         node_dir = paths.node_folder(job_id, node)
         failure = failure_from_output(node_dir, _node_job_dir(paths, job_id, node), by_node[node], returncode=1)
         if failure.rank is not None:
-            return RankFailed(
-                f"{where}: node {node}: {failure}",
-                rank=failure.rank,
-                exitcode=failure.exitcode,
-                root_cause=failure.root_cause,
-                log_file=failure.log_file,
-            )
+            failures.append((node, failure))
+    # srun may see the node whose rank only lost its peer fail first: prefer a rank's own error.
+    own = [(node, failure) for node, failure in failures if not is_peer_lost(failure.root_cause)]
+    for node, failure in (own or failures)[:1]:
+        return RankFailed(
+            f"{where}: node {node}: {failure}",
+            rank=failure.rank,
+            exitcode=failure.exitcode,
+            root_cause=failure.root_cause,
+            log_file=failure.log_file,
+        )
     reason = f" (Reason={info.reason}, ExitCode={info.exit_code})" if info is not None else ""
     last = next((text for text in reversed(lines) if text.strip()), "no output")
     hint = " Ask for more with slurm.sbatch_args, e.g. '--mem=16G'." if info and info.state == "OUT_OF_MEMORY" else ""
