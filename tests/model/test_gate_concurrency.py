@@ -14,8 +14,8 @@ from __future__ import annotations
 import contextvars
 import os
 import threading
-from pathlib import Path
 
+import model.test_gate as gate_tests  # its evaluated_run: what the pipeline has before registering
 import pytest
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
@@ -23,26 +23,13 @@ from prefect.client.orchestration import get_client
 from ddpflow.tracking.gate import GateDecision
 from ddpflow.tracking.registration import GateHooks, register_candidate
 from ddpflow.tracking.registry import find_alias
-from ddpflow.tracking.runs import log_evaluation, start_pipeline_run
 from tasks.register import gate_lock, gate_lock_name
 from training.config import PipelineConfig
-from training.data.manifest import read_manifest
-from training.evaluate import evaluate_split
-from training.fileio import atomic_write_json
 
 pytestmark = pytest.mark.slow  # the Prefect test server (once per session)
 
 MODEL = "raced-model"
 WAIT_FOR_THE_OTHER_S = 5.0  # how long a registration holding the lock waits for the other to read @champion
-
-
-def evaluated_run(config: PipelineConfig, dataset: Path, model_path: Path, name: str) -> tuple[str, dict]:
-    manifest = read_manifest(dataset)
-    run_id = start_pipeline_run(config, name, {}, manifest.fingerprint, manifest, {"nproc_per_node": 1}, dataset)
-    result = evaluate_split(model_path, dataset)
-    metrics_path = atomic_write_json(model_path.parent / "eval" / "metrics.json", result.to_dict())
-    log_evaluation(config.mlflow.tracking_uri, run_id, result, metrics_path, model_path, dataset)
-    return run_id, result.metrics
 
 
 def test_two_registrations_at_once_end_with_the_better_model_as_champion(
@@ -55,9 +42,9 @@ def test_two_registrations_at_once_end_with_the_better_model_as_champion(
     dataset = dataset_factory()
     paths = {name: model_factory(dataset, name, steps=steps) for name, steps in (("weak", 3), ("medium", 15))}
     paths["strong"] = model_factory(dataset, "strong", steps=80)
-    weak_run, weak_metrics = evaluated_run(config, dataset, paths["weak"], "weak")
+    weak_run, weak_metrics = gate_tests.evaluated_run(config, dataset, paths["weak"], "weak")
     champion = register_candidate(config, weak_run, str(paths["weak"]), str(dataset), weak_metrics, uri)
-    runs = {name: evaluated_run(config, dataset, paths[name], name) for name in ("medium", "strong")}
+    runs = {name: gate_tests.evaluated_run(config, dataset, paths[name], name) for name in ("medium", "strong")}
     accuracy = {name: metrics["test_accuracy"] for name, (_, metrics) in runs.items()}
     assert champion.candidate_value < accuracy["medium"] < accuracy["strong"], (champion, accuracy)
 
