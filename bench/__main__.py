@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             ctx.cleanup()
     payload = _read(out)
     if docs:
-        render_docs(payload, docs)
+        render_docs(payload, docs, args.families)
         log(f"docs regenerated: {docs}")
     log(f"results: {out} ({payload['wall_s']:.0f} s)")
     for bench in payload["benchmarks"]:

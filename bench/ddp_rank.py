@@ -2,7 +2,7 @@
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 -m bench.ddp_rank \\
         --feed ddpflow --data DATASET_DIR --steps 300 --warmup 30 --out DIR \\
-        [--affinity] [--bucket-mb 25] [--grad-accum 4]
+        [--affinity] [--bucket-mb 25] [--poll] [--grad-accum 4]
 
 ``--feed ddpflow``: ddpflow's own code: the node cache's mapped split, loader
 (``TrainBatches``), CPU setup (``configure_cpu``) and training epoch
@@ -42,6 +42,9 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument(
         "--allreduce-probe", type=int, default=0, help="after training, time N all-reduces of the gradients' size"
+    )
+    parser.add_argument(
+        "--poll", action="store_true", help="ddpflow's polling wait for the gradient all-reduce (CPU, needs DDP)"
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--bf16", action="store_true")
@@ -175,6 +178,10 @@ def main() -> None:
         if args.independent
         else DistributedDataParallel(model, device_ids=[local_rank] if cuda else None, **ddp_kwargs)
     )
+    if args.poll and not args.independent:
+        from bench import ddpflow_api
+
+        ddpflow_api.poll_allreduce(ddp)
     feed = (DdpflowFeed if args.feed == "ddpflow" else PlainFeed)(args, rank, world, device)
 
     feed.run(ddp, optimizer, timed=False)

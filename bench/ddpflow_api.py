@@ -87,7 +87,8 @@ def configure_cpu(affinity: bool, local_rank: int, local_world_size: int, thread
     from training.config import TrainConfig
     from training.runtime import configure_cpu as ddpflow_configure_cpu
 
-    return ddpflow_configure_cpu(TrainConfig(cpu_affinity=affinity, num_threads=threads), local_rank, local_world_size)
+    train = TrainConfig(cpu_affinity=affinity, num_threads=threads)
+    return ddpflow_configure_cpu(train, local_rank, local_world_size).describe()
 
 
 def bucket_cap_mb() -> float:
@@ -95,6 +96,14 @@ def bucket_cap_mb() -> float:
     from training.distributed import BUCKET_CAP_MB
 
     return float(BUCKET_CAP_MB)
+
+
+def poll_allreduce(ddp) -> None:
+    """ddpflow's polling wait for the gradient all-reduce (``train.cpu_poll_allreduce``, on by default for
+    pinned CPU ranks)."""
+    from training.allreduce_poll import register_polling_allreduce
+
+    register_polling_allreduce(ddp)
 
 
 def prepare(data_config):

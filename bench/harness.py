@@ -17,7 +17,7 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -275,15 +275,28 @@ def _load(values: Sequence[float]) -> str:
     return " ".join(f"{value:.1f}" for value in values) or "?"
 
 
-def render_summary(benchmarks: Sequence[dict[str, Any]]) -> str:
+def render_summary(benchmarks: Sequence[dict[str, Any]], kept_rows: dict[str, str] | None = None) -> str:
+    """One row per benchmark; ``kept_rows`` (title -> row) replaces the rendered row of a benchmark not re-run."""
     lines = ["| benchmark | measured ratio: median (min–max) | target | met | measured at |", "|---|---|---|---|---|"]
     for bench in benchmarks:
         when = bench.get("measured_at", "")
-        lines.append(
+        rendered = (
             f"| [{bench['title']}](#{_anchor(bench['title'])}) | {_ratio_cell(bench)} | {bench['target_text']} "
             f"| {_met_cell(bench)} | {when} |"
         )
+        lines.append((kept_rows or {}).get(bench["title"], rendered))
     return "\n".join(lines)
+
+
+def summary_rows(text: str) -> dict[str, str]:
+    """The rows of the summary block in ``text``, by benchmark title."""
+    begin, end = DOCS_BEGIN.format(name="summary"), DOCS_END.format(name="summary")
+    block = text.partition(begin)[2].partition(end)[0]
+    rows = {}
+    for line in block.splitlines():
+        if line.startswith("| ["):
+            rows[line[3:].partition("](")[0]] = line
+    return rows
 
 
 def render_benchmark(bench: dict[str, Any]) -> str:
@@ -346,13 +359,30 @@ def replace_block(text: str, name: str, body: str) -> str:
     return text.rstrip() + "\n\n" + block + "\n"
 
 
-def render_docs(payload: dict[str, Any], docs_path: Path) -> Path:
-    """Regenerate only the marked blocks; the hand-written prose around them stays."""
+def render_docs(payload: dict[str, Any], docs_path: Path, families: Collection[str] | None = None) -> Path:
+    """Regenerate only the marked blocks; the hand-written prose around them stays.
+
+    ``families``: only these families' blocks and summary rows are re-rendered (a ``--only`` run); the
+    others keep what the docs say, which may come from a run whose figures results.json no longer holds.
+    """
     text = docs_path.read_text() if docs_path.exists() else "# Benchmarks\n"
+
+    def rerun(bench: dict[str, Any]) -> bool:
+        return families is None or bench.get("family", bench["name"]) in families
+
+    existing = summary_rows(text)
+    kept_rows = {
+        bench["title"]: existing[bench["title"]]
+        for bench in payload["benchmarks"]
+        if not rerun(bench) and bench["title"] in existing
+    }
     text = replace_block(text, "machine", render_machine(payload))
-    text = replace_block(text, "summary", render_summary(payload["benchmarks"]))
+    text = replace_block(text, "summary", render_summary(payload["benchmarks"], kept_rows))
     for bench in payload["benchmarks"]:
-        if f"<!-- bench:{bench['name']}:begin -->" not in text:
+        present = f"<!-- bench:{bench['name']}:begin -->" in text
+        if present and not rerun(bench):
+            continue
+        if not present:
             text = text.rstrip() + f"\n\n## {bench['title']}\n"
         text = replace_block(text, bench["name"], render_benchmark(bench))
     docs_path.parent.mkdir(parents=True, exist_ok=True)

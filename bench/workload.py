@@ -32,14 +32,24 @@ class Sizes:
     steps: int = 400
     warmup: int = 20
     # torchrun measurements (per launch)
-    ddp_steps: int = 300
+    ddp_steps: int = 800  # ~6 s per launch: short windows let one burst of host noise decide a repeat
     ddp_warmup: int = 30
     naive_steps: int = 15
     grad_accum: int = 4
     grad_accum_more: int = (
         8  # the headline: the accumulation this machine needs to hide its all-reduce (docs/benchmarks.md)
     )
-    ddp_configs: tuple[str, ...] = ("one", "plain", "affinity", "bucket", "alone", "accum", "accum_more", "naive")
+    ddp_configs: tuple[str, ...] = (
+        "one",
+        "plain",
+        "affinity",
+        "bucket",
+        "poll",
+        "alone",
+        "accum",
+        "accum_more",
+        "naive",
+    )
     ddp_repeats: int = 3
     memory_repeats: int = 2
     # rows for the memory and scale families

@@ -126,6 +126,12 @@ class TrainConfig(_Section):
     init_from: str | None = Field(None, description="Warm start: 'champion' (the registry alias) or a model.pt path.")
     num_threads: int | None = Field(None, ge=1, description="Torch threads per rank; default cores // local ranks.")
     cpu_affinity: bool = Field(True, description="Pin each CPU rank to its own cores.")
+    cpu_poll_allreduce: bool | Literal["auto"] = Field(
+        "auto",
+        description="CPU ranks poll for the gradient all-reduce, yielding their core, instead of sleeping in it "
+        "(a sleeping core can wake a scheduler tick late); auto: when each rank has cores of its own "
+        "(train.cpu_affinity). Never on GPUs.",
+    )
     bf16: bool = Field(True, description="bf16 autocast on CUDA.")
     tf32: bool = Field(True, description="Allow TF32 matmuls on CUDA.")
     pin_memory: bool = True

@@ -26,6 +26,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from training import topology
+from training.allreduce_poll import register_polling_allreduce
 from training.config import TrainConfig
 
 # DDP's default puts the first gradient bucket at 1 MiB and the rest at 25 MiB,
@@ -246,13 +247,19 @@ def distributed(train: TrainConfig) -> Iterator[DistContext]:
             dist.destroy_process_group()
 
 
-def wrap_model(model: nn.Module, ctx: DistContext) -> DistributedDataParallel:
-    """DDP on this rank's device. DDP broadcasts rank 0's weights and buffers at construction."""
+def wrap_model(model: nn.Module, ctx: DistContext, poll_allreduce: bool = False) -> DistributedDataParallel:
+    """DDP on this rank's device. DDP broadcasts rank 0's weights and buffers at construction.
+
+    ``poll_allreduce``: CPU ranks wait for the gradient all-reduce by polling (training/allreduce_poll.py).
+    """
     if ctx.device.type == "cuda":
         return DistributedDataParallel(
             model, device_ids=[ctx.device.index], output_device=ctx.device.index, bucket_cap_mb=BUCKET_CAP_MB
         )
-    return DistributedDataParallel(model, bucket_cap_mb=BUCKET_CAP_MB)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=BUCKET_CAP_MB)
+    if poll_allreduce:
+        register_polling_allreduce(ddp)
+    return ddp
 
 
 def shard_range(n_rows: int, rank: int, world_size: int) -> tuple[int, int]:

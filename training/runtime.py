@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+from dataclasses import dataclass
 
 import torch
 
@@ -36,8 +37,24 @@ def die_with_parent() -> None:
         return
 
 
-def configure_cpu(train: TrainConfig, local_rank: int, local_world_size: int, pin: bool = True) -> str:
-    """Threads and cores of a CPU rank; returns a one-line description.
+@dataclass(frozen=True)
+class CpuSetup:
+    """What ``configure_cpu`` gave this rank: its intra-op threads, and its cores when pinned."""
+
+    threads: int
+    cores: tuple[int, ...] = ()
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self.cores)
+
+    def describe(self) -> str:
+        pinned = f", pinned to cores {self.cores[0]}-{self.cores[-1]}" if self.cores else ""
+        return f"{self.threads} threads{pinned}"
+
+
+def configure_cpu(train: TrainConfig, local_rank: int, local_world_size: int, pin: bool = True) -> CpuSetup:
+    """Threads and cores of a CPU rank.
 
     Ranks on one node share its cores. Each rank gets cores // local ranks
     intra-op threads (torchrun would otherwise force OMP_NUM_THREADS=1), and
@@ -50,14 +67,13 @@ def configure_cpu(train: TrainConfig, local_rank: int, local_world_size: int, pi
     """
     allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     share = len(allowed) // max(1, local_world_size)
-    pinned = ""
+    cores: list[int] = []
     if pin and train.cpu_affinity and share >= 1 and hasattr(os, "sched_setaffinity"):
         cores = allowed[local_rank * share : (local_rank + 1) * share]
         _pin_every_thread(cores)
-        pinned = f", pinned to cores {cores[0]}-{cores[-1]}"
     threads = train.num_threads or max(1, share)
     torch.set_num_threads(threads)
-    return f"{threads} threads{pinned}"
+    return CpuSetup(threads, tuple(cores))
 
 
 def _pin_every_thread(cores: list[int]) -> None:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from training.allreduce_poll import wants_polling
 from training.checkpoint import Checkpointer, capture_rng, inference_checkpoint, restore_rng
 from training.data.manifest import Manifest, read_manifest
 from training.data.node_cache import open_splits
@@ -88,9 +89,10 @@ def node_splits(job: TrainJob, manifest: Manifest, ctx: DistContext) -> tuple[Sp
 def build_trainer(job: TrainJob, ctx: DistContext, faults: FaultInjector) -> Trainer:
     train = job.config.train
     on_gpu = ctx.device.type == "cuda"
-    setup = configure_cpu(train, ctx.local_rank, ctx.local_world_size, pin=not on_gpu) + (
-        ", " + configure_cuda(train) if on_gpu else ""
-    )
+    cpu = configure_cpu(train, ctx.local_rank, ctx.local_world_size, pin=not on_gpu)
+    poll_allreduce = wants_polling(train.cpu_poll_allreduce, ctx.device, ctx.world_size, cpu.pinned)
+    setup = cpu.describe() + (", " + configure_cuda(train) if on_gpu else "")
+    setup += ", polling for the gradient all-reduce" if poll_allreduce else ""
     log(ctx, f"{ctx.world_size} rank(s), backend {ctx.backend}, device {ctx.device.type}, {setup}")
     manifest = read_manifest(job.dataset_dir)
     loaded_at = time.monotonic()
@@ -114,7 +116,7 @@ def build_trainer(job: TrainJob, ctx: DistContext, faults: FaultInjector) -> Tra
     else:
         model.load_state_dict(resumed["model"])
     model.to(ctx.device)
-    ddp = wrap_model(model, ctx)
+    ddp = wrap_model(model, ctx, poll_allreduce)
     placed, where = place_splits({"train": train_split, "val": val}, train.data_on_device, ctx.device, model)
     train_split, val = placed["train"], placed["val"]
     log(ctx, "data: " + "; ".join(where))

@@ -62,6 +62,22 @@ def test_docs_blocks_are_replaced_and_prose_kept(tmp_path):
     assert replace_block("x", "new", "body").endswith("<!-- bench:new:begin -->\nbody\n<!-- bench:new:end -->\n")
 
 
+def test_an_only_run_rerenders_its_own_families_and_keeps_the_others_as_the_docs_say(tmp_path):
+    """The docs may hold figures of a run that results.json no longer holds: a --only run must not overwrite them."""
+    measured = {"mode": "full", "started_at": "now", "wall_s": 1.0, "machine": {"versions": {}, "gpu": None}}
+
+    def bench(name: str, ratio: float) -> dict:
+        result = Result(name, name.title(), ratio=Stats.of([ratio - 0.05, ratio + 0.05]), target=1.0, rows=[])
+        return {**result.to_dict(), "family": name}
+
+    docs = render_docs({**measured, "benchmarks": [bench("ddp", 0.9), bench("launch", 7.0)]}, tmp_path / "b.md")
+    hand_measured = docs.read_text().replace("7 (6.95–7.05)", "11.6 (11.5–11.7)")
+    docs.write_text(hand_measured)
+    text = render_docs({**measured, "benchmarks": [bench("ddp", 1.2), bench("launch", 7.0)]}, docs, ["ddp"]).read_text()
+    assert "1.2 (1.15–1.25)" in text and "0.9 (0.85–0.95)" not in text  # the family run now
+    assert text.count("11.6 (11.5–11.7)") == 2 and "7 (6.95–7.05)" not in text  # its block and summary row kept
+
+
 @pytest.mark.slow
 def test_quick_run_measures_each_path_and_writes_results_and_docs(tmp_path, repo_root):
     out, docs = tmp_path / "results.json", tmp_path / "benchmarks.md"

@@ -1,4 +1,5 @@
-"""training/runtime.py: a rank's start-up preload and its exit without interpreter teardown."""
+"""training/runtime.py and training/allreduce_poll.py: a rank's start-up preload, its exit without interpreter
+teardown, its CPU pinning, and its polling wait for the all-reduce."""
 
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def test_cpu_affinity_pins_threads_that_started_before_it():
             started.set(); stop.wait()
         thread = threading.Thread(target=early); thread.start(); started.wait()
         cores = len(os.sched_getaffinity(0))
-        print(configure_cpu(TrainConfig(cpu_affinity=True), local_rank=1, local_world_size=cores))
+        print(configure_cpu(TrainConfig(cpu_affinity=True), local_rank=1, local_world_size=cores).describe())
         thread_cores = os.sched_getaffinity(thread.native_id)
         print(sorted(os.sched_getaffinity(0)) == sorted(thread_cores), len(thread_cores))
         stop.set()
@@ -72,3 +73,53 @@ def test_cpu_affinity_pins_threads_that_started_before_it():
     assert done.returncode == 0, done.stderr
     described, same = done.stdout.splitlines()
     assert "pinned to cores" in described and same == "True 1"
+
+
+# --- training/allreduce_poll.py: when a rank polls, and that a poll always ends ---------------------------------
+
+
+@pytest.mark.parametrize(
+    ("setting", "device", "world", "pinned", "polls"),
+    [
+        ("auto", "cpu", 2, True, True),  # ranks with cores of their own
+        ("auto", "cpu", 2, False, False),  # ranks share cores: polling would slow the peer down
+        ("auto", "cpu", 1, True, False),  # nobody to wait for
+        (True, "cpu", 2, False, True),
+        (False, "cpu", 2, True, False),
+        ("auto", "cuda", 2, True, False),  # NCCL waits on the GPU
+        (True, "cuda", 2, True, False),
+    ],
+)
+def test_ranks_poll_for_the_all_reduce_only_on_cpu_with_a_peer(setting, device, world, pinned, polls):
+    import torch
+
+    from training.allreduce_poll import wants_polling
+
+    assert wants_polling(setting, torch.device(device), world, pinned) is polls
+
+
+def test_polling_returns_once_every_future_is_done():
+    import threading
+
+    import torch
+
+    from training.allreduce_poll import poll
+
+    futures = [torch.futures.Future() for _ in range(2)]
+    timers = [threading.Timer(0.02 * (i + 1), future.set_result, (i,)) for i, future in enumerate(futures)]
+    for timer in timers:
+        timer.start()
+    poll(futures, limit_s=60)
+    assert all(future.done() for future in futures)
+
+
+def test_polling_gives_up_at_its_limit_and_leaves_the_wait_to_ddp():
+    """A peer that is more than a step behind (or stalled): the rank stops polling and DDP's own wait,
+    with its timeout, takes over."""
+    import torch
+
+    from training.allreduce_poll import poll
+
+    never = torch.futures.Future()
+    poll([never], limit_s=0.05)
+    assert not never.done()

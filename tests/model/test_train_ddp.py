@@ -232,7 +232,8 @@ def _uneven_launch(uneven, tmp_path_factory, name: str, nproc: int, batch_size: 
 
 @pytest.fixture(scope="module")
 def uneven_two_ranks(uneven, tmp_path_factory) -> Launch:
-    return _uneven_launch(uneven, tmp_path_factory, "uneven_w2", nproc=2, batch_size=8)
+    # Polling asked for explicitly: the exactness tests then cover the polling hook on any number of cores.
+    return _uneven_launch(uneven, tmp_path_factory, "uneven_w2", nproc=2, batch_size=8, cpu_poll_allreduce=True)
 
 
 @pytest.fixture(scope="module")
@@ -274,6 +275,14 @@ def test_per_epoch_metrics_are_exact_and_ranks_agree(two_ranks):
     assert two_ranks.output.count("epoch 1/2 done") == 1  # rank 0 alone prints
 
 
+def test_pinned_cpu_ranks_poll_for_the_all_reduce_by_default(two_ranks, uneven_two_ranks):
+    # train.cpu_poll_allreduce=auto: on when each rank has a core of its own (pinned), as with 2 ranks here.
+    own_cores = len(os.sched_getaffinity(0)) >= 2
+    assert ("pinned to cores" in two_ranks.output) == own_cores
+    assert ("polling for the gradient all-reduce" in two_ranks.output) == own_cores
+    assert "polling for the gradient all-reduce" in uneven_two_ranks.output  # asked for: polls unpinned too
+
+
 def test_checkpoints_are_complete_and_load_with_weights_only(two_ranks):
     assert sorted(p.name for p in (two_ranks.run_dir / "checkpoints").iterdir()) == ["last.pt"]  # no temp files left
     last = torch.load(two_ranks.run_dir / "checkpoints" / "last.pt", weights_only=True)
@@ -306,7 +315,8 @@ def test_the_global_batch_of_w_ranks_is_the_one_rank_batch(world, double, reques
 
 
 def test_two_ranks_train_the_weights_of_one_rank_with_twice_the_batch(uneven_two_ranks, uneven_one_rank_double):
-    # The last step of each epoch holds 3 rows: 2 on rank 0 and 1 (+ 1 padding) on rank 1.
+    # The last step of each epoch holds 3 rows: 2 on rank 0 and 1 (+ 1 padding) on rank 1. The 2 ranks poll for
+    # their all-reduce (train.cpu_poll_allreduce): the hook leaves the arithmetic to torch's allreduce_hook.
     difference = assert_same_weights(uneven_two_ranks.model()["model"], uneven_one_rank_double.model()["model"], EXACT)
     report("2 ranks x 8 vs 1 rank x 16, 211 rows (last global batch 3)", difference)
 
