@@ -90,12 +90,27 @@ def is_temporary_server(proc: psutil.Process) -> bool:
         return False
 
 
+def as_from_a_terminal() -> None:
+    """The signal dispositions a command typed at a terminal starts with. A suite started in the background
+    (``nohup``, ``cmd &`` in a script) ignores SIGINT and SIGHUP, its children inherit that, and a command
+    that ignores them rightly keeps running."""
+    for signum in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 class LiveRun:
     """A command started in the background; its stdout and stderr collected as they come."""
 
     def __init__(self, argv: list[str], cwd: Path, env: dict[str, str]):
         self.popen = subprocess.Popen(
-            argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1
+            argv,
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+            preexec_fn=as_from_a_terminal,
         )
         self.out: list[str] = []
         self.err: list[str] = []
