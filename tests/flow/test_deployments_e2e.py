@@ -1,10 +1,12 @@
-"""End to end through the real stack: `ddpflow stack up` (Prefect server, work
-pool, `prefect deploy --all` from the real prefect.yaml, process worker, MLflow
-server), deployment runs through the worker, the UIs, then `ddpflow stack down`.
+"""End to end through the real stack: `ddpflow stack up` (Prefect server with its event and trigger services,
+work pool, `prefect deploy --all` from the real prefect.yaml, process worker, MLflow server); deployment runs
+through the worker, cancellation, new data starting a training through the deployment trigger, `ddpflow run`
+in the stack's project, the UIs, then `ddpflow stack down`.
 
-One stack per module (start-up costs ~30 s). Every store is in a temp dir: the
-stack's state, the MLflow SQLite store (the worker's MLFLOW_TRACKING_URI), the
-prepared data and the run directories (flow-run parameter overrides).
+One stack for the module: it costs 30-60 s to start on 2 cores, so every test that needs a running stack is
+here. Every store is in a temp dir, which is also the stack's project directory (its state in
+``<tmp>/.ddpflow``): the MLflow SQLite store (the worker's MLFLOW_TRACKING_URI), the prepared data and the
+run directories (flow-run parameter overrides). Tests keep apart by model name, run root and source.
 """
 
 from __future__ import annotations
@@ -20,9 +22,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
+import pandas as pd
 import psutil
 import pytest
+import yaml
+from flow.test_run_cli import LiveRun, cli_env, write_config
 from mlflow import MlflowClient
+
+from ddpflow.watch import EVENT, variable_name
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +56,7 @@ class Stack:
 
     def __init__(self, repo: Path, tmp: Path, env: dict[str, str], up: dict[str, Any]):
         self.repo, self.tmp, self.env, self.up = repo, tmp, env, up
-        self.state_dir = tmp / "state"
+        self.state_dir = tmp / ".ddpflow"  # tmp is a project: `ddpflow run` there finds this stack
         self.mlflow_uri = f"sqlite:///{tmp / 'mlflow' / 'mlflow.db'}"
         self.prefect_url = up["prefect_ui"]
         self.mlflow_url = up["mlflow_ui"]
@@ -149,7 +157,7 @@ def stack(repo_root: Path, tmp_path_factory: pytest.TempPathFactory):
     }
     env.pop("MLFLOW_TRACKING_URI", None)
     env.pop("PREFECT_API_URL", None)
-    args = ("--project", str(repo_root), "--state-dir", str(tmp / "state"), "--mlflow-dir", str(tmp / "mlflow"))
+    args = ("--project", str(repo_root), "--state-dir", str(tmp / ".ddpflow"), "--mlflow-dir", str(tmp / "mlflow"))
     result = ddpflow(
         "stack",
         "up",
@@ -283,6 +291,139 @@ def test_cancelling_a_worker_run_kills_every_process_and_keeps_the_champion(stac
     mlflow_run = stack.mlflow_runs_by_flow_run()[flow_run_id]
     assert mlflow_run.info.status == "KILLED"  # stopped from outside, not a failure
     assert client.search_model_versions(f"name='{MODEL_NAME}' and run_id='{mlflow_run.info.run_id}'") == []
+
+
+# --- new data starts a training (issue 15): watch-data, its event, the deployment trigger ----------------------
+# `watch-data/every-10-minutes` runs three times through the worker, on an unseen source (recorded, no event),
+# the same source (no event), and the source with rows appended (`ddpflow.data.changed`); the deployment
+# trigger of `train-pipeline/on-new-data` then starts exactly one training, with that config, which completes.
+
+WATCH_MODEL_NAME = "ddpflow-watch-e2e"
+TRIGGER_WAIT_S = 120  # event -> automation -> flow run: seconds, unless the machine is very busy
+
+
+def write_rows(path: Path, rows: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    frame = pd.DataFrame({f"f{i}": rng.normal(size=rows) for i in range(4)})
+    frame["label"] = (frame["f0"] - frame["f2"] > 0).astype(int)
+    frame.to_csv(path, mode="a" if path.exists() else "w", header=not path.exists(), index=False)
+
+
+def watched_config(running: Stack) -> Path:
+    source = running.tmp / "incoming" / "sales.csv"
+    source.parent.mkdir(parents=True)
+    write_rows(source, 2000, seed=0)
+    config = {
+        "data": {"source": str(source), "label": "label", "root": str(running.tmp / "watch-shards")},
+        "train": {"epochs": 1, "nproc_per_node": 1, "batch_size": 128, "run_root": str(running.tmp / "watch-runs")},
+        "registry": {"model_name": WATCH_MODEL_NAME},
+        "mlflow": {"artifact_location": str(running.tmp / "mlflow" / "mlartifacts")},
+    }
+    path = running.tmp / "watched.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def run_watch(running: Stack, config_file: Path) -> dict[str, Any]:
+    params = json.dumps({"config_file": str(config_file)})
+    result = running.prefect("deployment", "run", "watch-data/every-10-minutes", "--params", params)
+    assert result.returncode == 0, result.stdout + result.stderr
+    flow_run_id = re.search(r"UUID:\s*([0-9a-f-]{36})", result.stdout).group(1)
+    run = running.wait_for_terminal([flow_run_id], timeout_s=240)[flow_run_id]
+    assert run["state_type"] == "COMPLETED", (run["state_name"], running.log_tail("worker"))
+    return run
+
+
+def flow_runs_of(running: Stack, deployment_id: str) -> list[dict[str, Any]]:
+    return running.api("POST", "/flow_runs/filter", json={"flow_runs": {"deployment_id": {"any_": [deployment_id]}}})
+
+
+def changed_events(running: Stack, source: Path) -> list[dict[str, Any]]:
+    body = {"filter": {"event": {"name": [EVENT]}, "resource": {"labels": {"ddpflow.source": str(source)}}}}
+    return running.api("POST", "/events/filter", json=body)["events"]
+
+
+def test_new_data_starts_one_training_through_the_trigger_and_unchanged_data_none(stack: Stack) -> None:
+    on_new_data = stack.deployment("on-new-data")
+    watch = stack.api("GET", "/deployments/name/watch-data/every-10-minutes")
+    assert [schedule["schedule"]["interval"] for schedule in watch["schedules"]] == [600.0]
+    # `prefect deploy` turned the deployment's trigger into an automation that runs it.
+    automations = stack.api("GET", f"/automations/related-to/prefect.deployment.{on_new_data['id']}")
+    assert [(a["trigger"]["expect"], a["actions"][0]["deployment_id"]) for a in automations] == [
+        ([EVENT], on_new_data["id"])
+    ]
+
+    config_file = watched_config(stack)
+    source = stack.tmp / "incoming" / "sales.csv"
+    variable = variable_name(str(config_file), None)
+
+    run_watch(stack, config_file)  # first look: recorded, nothing emitted
+    first_seen = stack.api("GET", f"/variables/name/{variable}")["value"]
+    run_watch(stack, config_file)  # unchanged: nothing emitted
+    time.sleep(10)  # an event would have reached the server and its trigger by now
+    assert changed_events(stack, source) == []
+    assert flow_runs_of(stack, on_new_data["id"]) == []
+
+    write_rows(source, 50, seed=1)  # new rows land
+    run_watch(stack, config_file)
+    deadline = time.monotonic() + TRIGGER_WAIT_S
+    while not (triggered := flow_runs_of(stack, on_new_data["id"])) and time.monotonic() < deadline:
+        time.sleep(2)
+    assert len(triggered) == 1, f"no training started by the trigger: {stack.log_tail('prefect-server')}"
+    training = stack.wait_for_terminal([triggered[0]["id"]], timeout_s=RUN_TIMEOUT_S)[triggered[0]["id"]]
+    assert training["state_type"] == "COMPLETED", (training["state_name"], stack.log_tail("worker"))
+    assert training["parameters"] == {"config_file": str(config_file), "overrides": []}
+
+    # Exactly one event, for the appended rows, carrying the old and new identity.
+    events = changed_events(stack, source)
+    assert len(events) == 1, events
+    payload = events[0]["payload"]
+    now_seen = stack.api("GET", f"/variables/name/{variable}")["value"]
+    assert payload["previous"]["fingerprint"] == first_seen["fingerprint"] != now_seen["fingerprint"]
+    assert payload["current"]["fingerprint"] == now_seen["fingerprint"]
+    assert payload["current"]["bytes"] > payload["previous"]["bytes"]
+    assert events[0]["resource"]["ddpflow.config"] == str(config_file)
+    # The training used the new data and registered a model from it.
+    mlflow_run = stack.mlflow_runs_by_flow_run()[training["id"]]
+    assert mlflow_run.data.tags["data.fingerprint"] == now_seen["fingerprint"]
+    versions = MlflowClient(tracking_uri=stack.mlflow_uri).search_model_versions(f"name='{WATCH_MODEL_NAME}'")
+    assert [v.run_id for v in versions] == [mlflow_run.info.run_id]
+    assert [run["id"] for run in flow_runs_of(stack, on_new_data["id"])] == [training["id"]]  # one event, one run
+
+
+# --- `ddpflow run` in the stack's project uses the stack's server (issue 16) ----------------------------------
+
+
+def test_run_uses_the_projects_running_stack_and_starts_no_server(make_config, stack: Stack) -> None:
+    """`ddpflow run` in a project whose stack is up (its stack.json in <project>/.ddpflow) runs the flow on the
+    stack's Prefect server and starts no server of its own."""
+    project, prefect_api_url = stack.tmp, f"{stack.prefect_url}/api"
+    run = LiveRun(
+        [sys.executable, "-m", "flows.cli", "run", "--config", write_config(project, make_config()), "--json"],
+        project,
+        cli_env(),  # no PREFECT_API_URL
+    )
+    started_by_the_run: set[str] = set()
+    try:
+        while run.popen.poll() is None:  # everything the run starts, while it runs
+            try:
+                started_by_the_run |= {
+                    " ".join(child.cmdline()) for child in psutil.Process(run.popen.pid).children(recursive=True)
+                }
+            except psutil.Error:
+                pass
+            time.sleep(0.5)
+        assert run.finish() == 0, run.output[-4000:]
+    finally:
+        run.kill()
+    assert any("torch.distributed.run" in argv for argv in started_by_the_run), "the scan must see torchrun"
+    assert [argv for argv in started_by_the_run if "uvicorn" in argv or " server start" in argv] == []
+
+    summary = json.loads("".join(run.out))  # stdout holds only the summary
+    assert summary["prefect_server"] == "stack" and summary["prefect_api_url"] == prefect_api_url
+    flow_run = httpx.get(f"{prefect_api_url}/flow_runs/{summary['flow_run_id']}", timeout=30).json()
+    assert flow_run["state_type"] == "COMPLETED" and flow_run["name"] == summary["flow_run"]
+    assert summary["prefect_run_url"] == f"{stack.prefect_url}/runs/flow-run/{summary['flow_run_id']}"
 
 
 def test_both_uis_answer(stack: Stack) -> None:

@@ -18,7 +18,6 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 import psutil
 import pytest
 import yaml
@@ -270,51 +269,3 @@ def test_the_parent_dying_stops_the_run_and_everything_it_started(make_config, p
         wrapper.kill()
     assert wrapper.last_error_line == "error: terminated by SIGHUP"  # the parent-death signal
     assert wait_until_none_left(prefect_home) == []
-
-
-@pytest.fixture(scope="module")
-def running_stack(repo_root: Path, tmp_path_factory):
-    """`ddpflow stack up` for a project directory: its state in <project>/.ddpflow, where `ddpflow run` looks."""
-    project = tmp_path_factory.mktemp("stacked")
-    state = local_stack.up(
-        repo_root,
-        prefect_port=free_port(),
-        mlflow_port=free_port(),
-        state_dir=project / ".ddpflow",
-        mlflow_dir=project / "mlflow",
-    )
-    try:
-        yield project, state
-    finally:
-        local_stack.down(repo_root, state_dir=project / ".ddpflow")
-
-
-@pytest.mark.slow
-def test_run_uses_the_projects_running_stack_and_starts_no_server(make_config, running_stack):
-    project, state = running_stack
-    run = LiveRun(
-        [sys.executable, "-m", "flows.cli", "run", "--config", write_config(project, make_config()), "--json"],
-        project,
-        cli_env(),  # no PREFECT_API_URL
-    )
-    started_by_the_run: set[str] = set()
-    try:
-        while run.popen.poll() is None:  # everything the run starts, while it runs
-            try:
-                started_by_the_run |= {
-                    " ".join(child.cmdline()) for child in psutil.Process(run.popen.pid).children(recursive=True)
-                }
-            except psutil.Error:
-                pass
-            time.sleep(0.5)
-        assert run.finish() == 0, run.output[-4000:]
-    finally:
-        run.kill()
-    assert any("torch.distributed.run" in argv for argv in started_by_the_run), "the scan must see torchrun"
-    assert [argv for argv in started_by_the_run if "uvicorn" in argv or " server start" in argv] == []
-
-    summary = json.loads("".join(run.out))  # stdout holds only the summary
-    assert summary["prefect_server"] == "stack" and summary["prefect_api_url"] == state.prefect_api_url
-    flow_run = httpx.get(f"{state.prefect_api_url}/flow_runs/{summary['flow_run_id']}", timeout=30).json()
-    assert flow_run["state_type"] == "COMPLETED" and flow_run["name"] == summary["flow_run"]
-    assert summary["prefect_run_url"] == f"{state.prefect_url}/runs/flow-run/{summary['flow_run_id']}"
