@@ -206,10 +206,10 @@ def test_deploy_all_again_updates_in_place(stack: Stack) -> None:
     assert [s["slug"] for s in after["schedules"]] == ["nightly-0200-utc"]
 
 
-def test_three_manual_runs_at_once_complete_in_turn_and_register_models(stack: Stack) -> None:
-    """`prefect deployment run` x3 through the worker: the limit queues them, each keeps its own files."""
-    flow_run_ids = [stack.submit_manual_run() for _ in range(3)]
-    runs = stack.wait_for_terminal(flow_run_ids, timeout_s=3 * RUN_TIMEOUT_S)
+def test_two_manual_runs_at_once_complete_in_turn_and_register_models(stack: Stack) -> None:
+    """`prefect deployment run` x2 through the worker: the limit queues the second, each keeps its own files."""
+    flow_run_ids = [stack.submit_manual_run() for _ in range(2)]
+    runs = stack.wait_for_terminal(flow_run_ids, timeout_s=2 * RUN_TIMEOUT_S)
     failed = {
         run["name"]: (run["state_name"], (run["state"] or {}).get("message"))
         for run in runs.values()
@@ -223,11 +223,11 @@ def test_three_manual_runs_at_once_complete_in_turn_and_register_models(stack: S
     # One MLflow run per flow run, each FINISHED, with its artifacts in the temp store (not the project).
     mlflow_runs = stack.mlflow_runs_by_flow_run()
     ours = [mlflow_runs[run_id] for run_id in flow_run_ids]
-    assert len({run.info.run_id for run in ours}) == 3
+    assert len({run.info.run_id for run in ours}) == 2
     assert all(run.info.status == "FINISHED" and str(stack.tmp) in run.info.artifact_uri for run in ours)
     # Each run got its own directory, with its own model.
     run_dirs = [d for d in stack.run_root.iterdir() if d.is_dir()]
-    assert len(run_dirs) == 3 and all((d / "model.pt").is_file() and (d / "config.json").is_file() for d in run_dirs)
+    assert len(run_dirs) == 2 and all((d / "model.pt").is_file() and (d / "config.json").is_file() for d in run_dirs)
     # The registry has new versions, each from one of these runs, and a champion.
     client = MlflowClient(tracking_uri=stack.mlflow_uri)
     versions = client.search_model_versions(f"name='{MODEL_NAME}'")

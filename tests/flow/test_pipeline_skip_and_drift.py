@@ -91,7 +91,10 @@ def story(prefect_harness, make_config, tmp_path_factory):
 
 
 def cli_run_json(config: dict, tmp: Path) -> dict:
-    """`ddpflow run --config ... --json` in a subprocess, with its own temporary Prefect server."""
+    """`ddpflow run --config ... --json` in a subprocess, on the session harness's Prefect server (PREFECT_API_URL:
+    a temporary server of its own would cost 10-20 s to create its database; tests/flow/test_run_cli.py covers it)."""
+    from prefect.settings import get_current_settings
+
     config_file = tmp / "config.yaml"
     config_file.write_text(yaml.safe_dump(config))
     done = subprocess.run(
@@ -101,8 +104,7 @@ def cli_run_json(config: dict, tmp: Path) -> dict:
             **{key: value for key, value in os.environ.items() if not key.startswith("PREFECT_")},
             "PYTHONPATH": str(REPO),
             "PREFECT_HOME": str(tmp / "prefect-home"),
-            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
+            "PREFECT_API_URL": str(get_current_settings().api.url),
         },
         capture_output=True,
         text=True,
