@@ -398,8 +398,10 @@ def test_run_uses_the_projects_running_stack_and_starts_no_server(make_config, s
     """`ddpflow run` in a project whose stack is up (its stack.json in <project>/.ddpflow) runs the flow on the
     stack's Prefect server and starts no server of its own."""
     project, prefect_api_url = stack.tmp, f"{stack.prefect_url}/api"
+    # Shards of its own: the session's shared cache stays cold for test_pipeline.py's first run (cache_hit False).
+    own_shards = make_config(**{"data.root": str(project / "run-shards")})
     run = LiveRun(
-        [sys.executable, "-m", "flows.cli", "run", "--config", write_config(project, make_config()), "--json"],
+        [sys.executable, "-m", "flows.cli", "run", "--config", write_config(project, own_shards), "--json"],
         project,
         cli_env(),  # no PREFECT_API_URL
     )
