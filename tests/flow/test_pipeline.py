@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import copy
 import json
-import time
 from pathlib import Path
 
 import pytest
+from flow.flow_logs import flow_run_logs
 from mlflow.tracking import MlflowClient
 
 from training.layout import EVAL_METRICS, FINAL_MODEL, METRICS, TRAIN_JOB
@@ -99,23 +99,6 @@ def test_second_run_hits_the_cache_and_stays_challenger_behind_the_champion(two_
     assert gated.info.status == "FINISHED" and gated.data.tags["registry.champion_version"] == "1"
     # The champion was re-scored on the same test shards: its number is the first run's own.
     assert gated.data.metrics["gate_champion_test_accuracy"] == pytest.approx(first["test_metrics"]["test_accuracy"])
-
-
-def flow_run_logs(flow_run_id: str, *needles: str, deadline_s: float = 30.0) -> str:
-    """The flow run's log as the Prefect server holds it (what the UI shows), once it has every needle."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
-
-    text = ""
-    stop = time.monotonic() + deadline_s
-    while time.monotonic() < stop:
-        with get_client(sync_client=True) as client:
-            logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
-        text = "\n".join(log.message for log in logs)
-        if all(needle in text for needle in needles):
-            break
-        time.sleep(0.5)  # logs reach the server in batches
-    return text
 
 
 def test_second_run_warm_starts_from_the_champion(two_runs):

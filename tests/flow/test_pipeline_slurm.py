@@ -11,11 +11,11 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import yaml
+from flow.flow_logs import flow_run_logs
 from mlflow.tracking import MlflowClient
 from slurm_cluster import processes_mentioning, wait_until
 
@@ -38,22 +38,6 @@ def config(make_config):
 def jobs_of(cluster, run_dir: str | Path) -> list[str]:
     script = str(Path(run_dir) / "slurm" / "job.sh")
     return [job_id for job_id in cluster.job_ids() if cluster.job(job_id).get("Command") == script]
-
-
-def flow_run_logs(flow_run_id: str, *needles: str, deadline_s: float = 30.0) -> str:
-    """The flow run's log as the Prefect server holds it, once it has every needle (logs arrive in batches)."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
-
-    text, stop = "", time.monotonic() + deadline_s
-    while time.monotonic() < stop:
-        with get_client(sync_client=True) as client:
-            logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
-        text = "\n".join(log.message for log in logs)
-        if all(needle in text for needle in needles):
-            break
-        time.sleep(0.5)
-    return text
 
 
 @pytest.fixture(scope="module")
