@@ -2,14 +2,25 @@
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 -m bench.ddp_rank \\
         --feed ddpflow --data DATASET_DIR --steps 300 --warmup 30 --out DIR \\
-        [--affinity] [--bucket-mb 25] [--poll] [--grad-accum 4]
+        [--ranks ddpflow [--set train.cpu_poll_allreduce=true ...]] [--affinity] [--bucket-mb 25] [--grad-accum 4]
 
-``--feed ddpflow``: ddpflow's own code: the node cache's mapped split, loader
-(``TrainBatches``), CPU setup (``configure_cpu``) and training epoch
-(``training.loop.train_epoch``) on a
-slice of the train split sized so that one epoch is exactly ``steps`` steps
-per rank. ``--feed presliced``/``pandas``: the same model and step fed from
-pre-cut tensors, or the plain way (per-row Dataset over a pandas DataFrame).
+How the rank is set up (``--ranks``):
+
+- ``ddpflow``: by ddpflow's own code, as every training rank is (``Trainer``'s
+  first steps): the process group (``training.distributed.distributed``), the
+  process configuration (``training.runtime.configure_process``: threads,
+  pinning, the all-reduce's wait) and the DDP wrapper (``wrap_model``), for
+  ddpflow's defaults plus the ``--set`` overrides. What "ddpflow's defaults"
+  means in docs/benchmarks.md.
+- ``plain`` (the default): plain PyTorch, the reference rows:
+  ``init_process_group``, ``DistributedDataParallel`` with ``--bucket-mb``,
+  and ``--affinity`` pinning the process to its own cores before it joins.
+
+What a step trains on (``--feed``): ``ddpflow``: ddpflow's node cache mapping,
+loader (``TrainBatches``) and step (``training.loop.TrainStep``) on a slice of
+the train split sized so that one epoch is exactly ``steps`` steps per rank.
+``presliced``/``pandas``: the same model and step fed from pre-cut tensors,
+or the plain way (per-row Dataset over a pandas DataFrame).
 
 Each rank writes ``DIR/rank-<r>.json`` with its samples and seconds. The timed
 part lies between two barriers, so every rank's clock covers the same window.
@@ -29,22 +40,23 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--feed", choices=["presliced", "ddpflow", "pandas"], required=True)
     parser.add_argument(
+        "--ranks", choices=["plain", "ddpflow"], default="plain", help="plain PyTorch, or ddpflow's rank set-up"
+    )
+    parser.add_argument("--set", action="append", default=[], help="--ranks ddpflow: a train.* override (repeatable)")
+    parser.add_argument(
         "--data", required=True, help="presliced/pandas: a .npz of x, y; ddpflow: a prepared dataset dir"
     )
     parser.add_argument("--steps", type=int, required=True, help="timed micro-batch steps per rank")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--batch", type=int, default=512)
-    parser.add_argument("--affinity", action="store_true", help="pin each rank to its own core(s)")
-    parser.add_argument("--bucket-mb", type=float, default=None, help="DDP bucket_cap_mb; unset: DDP's defaults")
+    parser.add_argument("--affinity", action="store_true", help="plain: pin each rank to its own core(s)")
+    parser.add_argument("--bucket-mb", type=float, default=None, help="plain: DDP bucket_cap_mb; unset: DDP's own")
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step, no_sync between")
     parser.add_argument(
         "--independent", action="store_true", help="no DDP: each rank trains alone (the compute-only ceiling)"
     )
     parser.add_argument(
         "--allreduce-probe", type=int, default=0, help="after training, time N all-reduces of the gradients' size"
-    )
-    parser.add_argument(
-        "--poll", action="store_true", help="ddpflow's polling wait for the gradient all-reduce (CPU, needs DDP)"
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--bf16", action="store_true")
@@ -147,6 +159,20 @@ class PlainFeed:
 
 def main() -> None:
     args = parse_args()
+    if args.ranks == "ddpflow":
+        from bench import ddpflow_api
+        from bench.workload import build_model_and_optimizer
+
+        with ddpflow_api.ddpflow_rank(args.set) as rank:
+            ctx = rank.ctx
+            model, optimizer = build_model_and_optimizer(device=ctx.device)
+            measure(args, ctx.rank, ctx.world_size, ctx.device, rank.wrap(model), optimizer, rank.setup)
+        return
+    plain_rank(args)
+
+
+def plain_rank(args) -> None:
+    """The reference: plain PyTorch's process group, pinning and DDP wrapper."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -162,14 +188,9 @@ def main() -> None:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-        if args.feed == "ddpflow":
-            from bench import ddpflow_api
-
-            ddpflow_api.configure_cpu(args.affinity, local_rank, local_world, threads=1)
-        else:
-            if args.affinity:
-                pin_to_own_cores(local_rank, local_world)
-            torch.set_num_threads(1)
+        if args.affinity:
+            pin_to_own_cores(local_rank, local_world)
+        torch.set_num_threads(1)
     dist.init_process_group("nccl" if cuda else "gloo")
     model, optimizer = build_model_and_optimizer(device=device)
     ddp_kwargs = {"bucket_cap_mb": args.bucket_mb} if args.bucket_mb else {}
@@ -178,11 +199,18 @@ def main() -> None:
         if args.independent
         else DistributedDataParallel(model, device_ids=[local_rank] if cuda else None, **ddp_kwargs)
     )
-    if args.poll and not args.independent:
-        from bench import ddpflow_api
+    measure(args, rank, world, device, ddp, optimizer)
+    dist.destroy_process_group()
 
-        ddpflow_api.poll_allreduce(ddp)
+
+def measure(args, rank: int, world: int, device, ddp, optimizer, setup=None) -> None:
+    """Warm up, then time ``args.steps`` steps between two barriers; write this rank's figures."""
+    import torch
+    import torch.distributed as dist
+
+    model = getattr(ddp, "module", ddp)
     feed = (DdpflowFeed if args.feed == "ddpflow" else PlainFeed)(args, rank, world, device)
+    cuda = device.type == "cuda"
 
     feed.run(ddp, optimizer, timed=False)
     if cuda:
@@ -205,11 +233,13 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "effective_batch": args.batch * args.grad_accum * (1 if args.independent else world),
         "feed": args.feed,
+        "ranks": args.ranks,
+        "setup": setup.describe() if setup is not None else "plain PyTorch",
+        "polls": bool(setup is not None and setup.poll_allreduce),
         "device": str(device),
         **(allreduce_latency_ms(model, args.allreduce_probe) if args.allreduce_probe else {}),
     }
     (out / f"rank-{rank}.json").write_text(json.dumps(figures))
-    dist.destroy_process_group()
 
 
 def allreduce_latency_ms(model, times: int) -> dict[str, float]:

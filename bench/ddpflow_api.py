@@ -8,7 +8,11 @@ data) are imported directly.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -74,21 +78,49 @@ def train_epoch(
     grad_accum: int = 1,
     bf16: bool = False,
 ) -> int:
-    """ddpflow's training epoch (``training.loop.train_epoch``); returns the samples trained."""
-    from training.loop import StepSettings
-    from training.loop import train_epoch as ddpflow_train_epoch
+    """ddpflow's training epoch: ``Trainer.run_epoch``'s loop over ``training.loop.TrainStep`` (the exact update),
+    without the Trainer's validation and hooks; returns the samples trained."""
+    from training.loop import StepSettings, TrainStep
 
-    settings = StepSettings("classification", torch.device(device), grad_accum=grad_accum, bf16=bf16)
-    return ddpflow_train_epoch(model, optimizer, None, batches, epoch, settings).samples
+    device = torch.device(device)
+    train_step = TrainStep(
+        model, optimizer, None, batches, StepSettings("classification", device, grad_accum, bf16=bf16)
+    )
+    model.train()
+    loss = torch.zeros((), dtype=torch.float64, device=device)  # summed on the device, as a rank does
+    samples = 0
+    for step, batch in enumerate(batches.epoch(epoch)):
+        loss.add_(train_step(step, batch))
+        samples += batch.samples
+    return samples
 
 
-def configure_cpu(affinity: bool, local_rank: int, local_world_size: int, threads: int = 1) -> str:
-    """ddpflow's per-rank CPU setup (threads, and cores with ``train.cpu_affinity``)."""
-    from training.config import TrainConfig
-    from training.runtime import configure_cpu as ddpflow_configure_cpu
+@dataclass(frozen=True)
+class DdpflowRank:
+    """A rank joined and configured by ddpflow's own code, as ``training.train.Trainer`` sets one up."""
 
-    train = TrainConfig(cpu_affinity=affinity, num_threads=threads)
-    return ddpflow_configure_cpu(train, local_rank, local_world_size).describe()
+    ctx: Any  # training.distributed.DistContext
+    setup: Any  # training.runtime.ProcessSetup: threads, cores, whether it polls for the all-reduce
+
+    def wrap(self, model):
+        """``training.distributed.wrap_model``: DDP with ddpflow's bucket size, and its polling hook when asked."""
+        from training.distributed import wrap_model
+
+        return wrap_model(model, self.ctx, self.setup.poll_allreduce)
+
+
+@contextmanager
+def ddpflow_rank(overrides: list[str]) -> Iterator[DdpflowRank]:
+    """Join the process group and configure this process exactly as every training rank does
+    (``training.distributed.distributed``, ``training.runtime.configure_process``), for ddpflow's defaults
+    plus ``overrides`` (``train.num_threads=1``, ``train.cpu_poll_allreduce=true``, ...); leave it after."""
+    from training.config import load_config
+    from training.distributed import distributed
+    from training.runtime import configure_process
+
+    train = load_config(None, overrides).train
+    with distributed(train) as ctx:
+        yield DdpflowRank(ctx, configure_process(train, ctx))
 
 
 def bucket_cap_mb() -> float:
@@ -96,14 +128,6 @@ def bucket_cap_mb() -> float:
     from training.distributed import BUCKET_CAP_MB
 
     return float(BUCKET_CAP_MB)
-
-
-def poll_allreduce(ddp) -> None:
-    """ddpflow's polling wait for the gradient all-reduce (``train.cpu_poll_allreduce``, on by default for
-    pinned CPU ranks)."""
-    from training.allreduce_poll import register_polling_allreduce
-
-    register_polling_allreduce(ddp)
 
 
 def prepare(data_config):

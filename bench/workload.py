@@ -44,6 +44,7 @@ class Sizes:
         "plain",
         "affinity",
         "bucket",
+        "defaults",
         "poll",
         "alone",
         "accum",
@@ -73,7 +74,7 @@ QUICK = Sizes(
     ddp_warmup=3,
     naive_steps=5,
     grad_accum=2,
-    ddp_configs=("one", "plain"),  # two launches: proves the torchrun path, measures nothing
+    ddp_configs=("one", "plain", "defaults"),  # proves both rank set-ups and the headline, measures nothing
     ddp_repeats=1,
     memory_repeats=1,
     prepare_memory_rows=(5_000, 20_000),

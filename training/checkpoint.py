@@ -36,7 +36,6 @@ message says so.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -47,6 +46,7 @@ from training.config import PipelineConfig
 from training.data.manifest import Manifest
 from training.fileio import atomic_write
 from training.layout import FINAL_MODEL, LAST_CHECKPOINT
+from training.log import log_rank
 from training.models import ModelSpec
 
 # The train settings that change the trained weights: with the data's fingerprint, a training's identity.
@@ -133,21 +133,6 @@ def inference_checkpoint(
     }
 
 
-def capture_rng() -> dict[str, Any]:
-    """This process's RNG streams; plain tensors and tuples (no numpy) for weights_only loading."""
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def restore_rng(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
 def training_identity(config: PipelineConfig | Mapping[str, Any], fingerprint: str | None) -> dict[str, Any]:
     """What makes two trainings the same one: the data's fingerprint and the train WEIGHT_FIELDS.
 
@@ -173,10 +158,20 @@ def identity_differences(saved: Mapping[str, Any], wanted: Mapping[str, Any]) ->
     return problems
 
 
+# The entries of last.pt the resume rule reads: ``identity_entries`` writes them, ``resume_mismatches`` reads them.
+CONFIG_ENTRY, FINGERPRINT_ENTRY = "config", "fingerprint"
+
+
+def identity_entries(config: PipelineConfig, fingerprint: str) -> dict[str, Any]:
+    """What a last.pt must hold besides the training state, for the resume rule to recognise its training."""
+    return {CONFIG_ENTRY: config.model_dump(mode="json"), FINGERPRINT_ENTRY: fingerprint}
+
+
 def resume_mismatches(saved: dict[str, Any], config: PipelineConfig, fingerprint: str) -> list[str]:
     """Why the checkpoint ``saved`` cannot be continued with ``config``; empty when it can."""
     return identity_differences(
-        training_identity(saved.get("config") or {}, saved.get("fingerprint")), training_identity(config, fingerprint)
+        training_identity(saved.get(CONFIG_ENTRY) or {}, saved.get(FINGERPRINT_ENTRY)),
+        training_identity(config, fingerprint),
     )
 
 
@@ -230,18 +225,17 @@ class Checkpointer:
         def read() -> dict[str, torch.Tensor] | None:
             path = Path(init_weights)
             if not path.exists():
-                print(f"[train] warm start: {path} does not exist; training from scratch", flush=True)
+                log_rank(f"warm start: {path} does not exist; training from scratch")
                 return None
             payload = load_checkpoint(path)
             if payload.get("model_spec") != model_spec or payload.get("features") != features:
                 saved_features = len(payload.get("features") or [])
-                print(
-                    f"[train] warm start: {path} has model_spec {payload.get('model_spec')} on {saved_features} "
-                    f"features, this run needs {model_spec} on {len(features)} features; training from scratch",
-                    flush=True,
+                log_rank(
+                    f"warm start: {path} has model_spec {payload.get('model_spec')} on {saved_features} "
+                    f"features, this run needs {model_spec} on {len(features)} features; training from scratch"
                 )
                 return None
-            print(f"[train] warm start: weights from {path}", flush=True)
+            log_rank(f"warm start: weights from {path}")
             return payload["model"]
 
         return self._read_on_main(read)

@@ -127,10 +127,12 @@ class TrainConfig(_Section):
     num_threads: int | None = Field(None, ge=1, description="Torch threads per rank; default cores // local ranks.")
     cpu_affinity: bool = Field(True, description="Pin each CPU rank to its own cores.")
     cpu_poll_allreduce: bool | Literal["auto"] = Field(
-        "auto",
-        description="CPU ranks poll for the gradient all-reduce, yielding their core, instead of sleeping in it "
-        "(a sleeping core can wake a scheduler tick late); auto: when each rank has cores of its own "
-        "(train.cpu_affinity). Never on GPUs.",
+        False,
+        description="Opt-in: CPU ranks poll for the gradient all-reduce, yielding their core, instead of sleeping "
+        "in it. It costs a core spun for up to 0.1 s every step, taken from a hyperthread sibling or from "
+        "data-loading workers; it helps only where an idle vCPU wakes late (often a scheduler tick, on some VMs). "
+        "true: every CPU rank; auto: only ranks pinned to cores of their own (train.cpu_affinity). Never on GPUs; "
+        "the arithmetic is DDP's own either way.",
     )
     bf16: bool = Field(True, description="bf16 autocast on CUDA.")
     tf32: bool = Field(True, description="Allow TF32 matmuls on CUDA.")

@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from training import topology
 from training.allreduce_poll import register_polling_allreduce
 from training.config import TrainConfig
+from training.log import log_rank
 
 # DDP's default puts the first gradient bucket at 1 MiB and the rest at 25 MiB,
 # so even a small model pays two all-reduces per step. Passing the cap
@@ -197,10 +198,9 @@ def _group_store(rank: int, world_size: int, local_world_size: int, timeout: tim
     if local_world_size == world_size:
         return dist.PrefixStore(f"ddpflow/restart-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     if rank == 0 and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
-        print(
-            "[train] warning: torchrun shares its rendezvous store with the workers, so a restart on several nodes "
-            "can hang at start-up (pytorch/pytorch#135712); set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for every agent",
-            flush=True,
+        log_rank(
+            "warning: torchrun shares its rendezvous store with the workers, so a restart on several nodes "
+            "can hang at start-up (pytorch/pytorch#135712); set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for every agent"
         )
     return store
 

@@ -20,6 +20,10 @@ trained on in an epoch, once the epoch is complete, to
 ``RUN_DIR/indices/rank{r}-epoch{e}.jsonl``: one line (a JSON list, in order)
 per completed pass. An epoch trained again after a restart shows up as a
 second line, so a test can tell a resume from a retrain.
+
+Both reach the training program through ONE object, ``TrainHooks``: the
+Trainer calls its methods at fixed points, and by default (``NO_HOOKS``) each
+does nothing. ``hooks_from_env`` builds the hooks these variables ask for.
 """
 
 from __future__ import annotations
@@ -33,10 +37,31 @@ from pathlib import Path
 
 import torch
 
+from training.log import log_rank
+
 FAULT_ENV = "DDPFLOW_FAULT"
 RECORD_INDICES_ENV = "DDPFLOW_RECORD_INDICES"
 ACTIONS = ("kill", "hang", "raise", "slow_checkpoint")
 _FIELDS = ("rank", "epoch", "step", "seconds")
+
+
+class TrainHooks:
+    """Where tests reach into a rank's training. Every method does nothing here; ``NO_HOOKS`` is the default."""
+
+    def at_step(self, epoch: int, step: int) -> None:
+        """Before training step ``step`` of ``epoch`` (both 0-based)."""
+
+    def on_batch(self, indices: torch.Tensor) -> None:
+        """The dataset rows of the batch about to be trained (sampler padding excluded)."""
+
+    def end_epoch(self, epoch: int) -> None:
+        """After the last training step of ``epoch``, before validation."""
+
+    def before_checkpoint_write(self, path: Path) -> None:
+        """On the writing rank, just before ``path`` is written."""
+
+
+NO_HOOKS = TrainHooks()
 
 
 @dataclass(frozen=True)
@@ -86,7 +111,7 @@ class FaultInjector:
         if self.marker.exists():
             return
         self.marker.write_text(where)
-        print(f"[train] {FAULT_ENV}: {fault.action} at {where}", flush=True)
+        log_rank(f"{FAULT_ENV}: {fault.action} at {where}")
         if fault.action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         while True:  # hang: no collectives, so peers block until their timeout
@@ -98,10 +123,7 @@ class FaultInjector:
         if fault is None or fault.action != "slow_checkpoint" or fault.epoch != self.epoch or self.slowed:
             return
         self.slowed = True
-        print(
-            f"[train] {FAULT_ENV}: writing {path} {fault.seconds}s late (rank {fault.rank} epoch {fault.epoch})",
-            flush=True,
-        )
+        log_rank(f"{FAULT_ENV}: writing {path} {fault.seconds}s late (rank {fault.rank} epoch {fault.epoch})")
         time.sleep(fault.seconds)
 
 
@@ -127,3 +149,29 @@ class IndexRecorder:
         with open(self.folder / f"rank{self.rank}-epoch{epoch}.jsonl", "a") as handle:
             handle.write(json.dumps(rows) + "\n")
         self.parts = []
+
+
+class EnvironmentHooks(TrainHooks):
+    """The hooks ``DDPFLOW_FAULT`` and ``DDPFLOW_RECORD_INDICES`` ask for."""
+
+    def __init__(self, faults: FaultInjector, indices: IndexRecorder):
+        self.faults, self.indices = faults, indices
+
+    def at_step(self, epoch: int, step: int) -> None:
+        self.faults.at_step(epoch, step)
+
+    def on_batch(self, indices: torch.Tensor) -> None:
+        self.indices.add(indices)
+
+    def end_epoch(self, epoch: int) -> None:
+        self.indices.write(epoch)
+
+    def before_checkpoint_write(self, path: Path) -> None:
+        self.faults.before_checkpoint_write(path)
+
+
+def hooks_from_env(rank: int, run_dir: str | Path) -> TrainHooks:
+    """``NO_HOOKS`` unless a test hook's variable is set."""
+    if not os.environ.get(FAULT_ENV) and os.environ.get(RECORD_INDICES_ENV) != "1":
+        return NO_HOOKS
+    return EnvironmentHooks(FaultInjector.from_env(rank, run_dir), IndexRecorder.from_env(rank, run_dir))

@@ -1,8 +1,10 @@
-"""One training epoch and one exact validation pass, on one rank.
+"""The step arithmetic of one rank: ``TrainStep`` (one micro-batch of the exact update) and
+``evaluate`` (one exact validation pass). The epoch loop that calls them is ``Trainer.run_epoch``
+(training/train.py).
 
-The loop is written for a DDP-wrapped model but never calls collectives
-itself: DDP all-reduces gradients in ``backward``; the caller sums the
-returned statistics over ranks.
+Written for a DDP-wrapped model but never calling collectives itself: DDP
+all-reduces gradients in ``backward``; the caller sums the returned
+statistics over ranks.
 
 The exact update: every optimizer step's gradient is the mean of the
 per-row loss gradients over the real rows of the WHOLE global batch (all
@@ -18,7 +20,6 @@ the same steps, also when the last step of an epoch is short.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -66,60 +67,56 @@ def loss_sum(per_sample: torch.Tensor, weights: torch.Tensor | None) -> torch.Te
     return (per_sample * weights).sum()
 
 
-def optimizer_step_groups(steps: int, accum: int) -> Callable[[int], range]:
-    """For micro-batch i: the micro-batches ``[first, stop)`` of its optimizer step (the last may be short)."""
+class TrainStep:
+    """One micro-batch of the exact update (module docstring), called for micro-batches 0, 1, ... of an epoch.
 
-    def group(i: int) -> range:
-        first = (i // accum) * accum
-        return range(first, min(first + accum, steps))
+    Micro-batches ``[k * grad_accum, (k + 1) * grad_accum)`` form optimizer step k (the epoch's last may be
+    short); only the last of a step all-reduces (the others run under ``no_sync``), then the step clips,
+    updates, zeroes the gradients and advances the schedule.
+    """
 
-    return group
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+        batches: TrainBatches,
+        settings: StepSettings,
+    ):
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.batches, self.settings = batches, settings
 
-
-def train_epoch(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
-    batches: TrainBatches,
-    epoch: int,
-    settings: StepSettings,
-    on_step: Callable[[int, int, Callable[[], float]], None] = lambda *_: None,
-    before_step: Callable[[int, int], None] = lambda *_: None,
-    on_batch: Callable[[Batch], None] = lambda _: None,
-) -> Sums:
-    """One pass over this rank's share. ``on_step(done, samples, loss_fn)`` after each step."""
-    model.train()
-    steps = len(batches)
-    group_of = optimizer_step_groups(steps, settings.grad_accum)
-    total = torch.zeros((), dtype=torch.float64, device=settings.device)  # stays on device: no sync per step
-    samples = 0
-    for i, batch in enumerate(batches.epoch(epoch)):
-        before_step(epoch, i)
-        on_batch(batch)
-        group = group_of(i)
-        last_in_group = i == group[-1]
+    def __call__(self, index: int, batch: Batch) -> torch.Tensor:
+        """Train micro-batch ``index``; returns its loss summed over real rows (float64, detached, on the device)."""
+        group = self._optimizer_step_of(index)
+        last_in_group = index == group[-1]
         # DDP averages over W ranks: W / (real rows of this optimizer step on all ranks) makes the
         # step's gradient the mean over its global batch (module docstring).
-        scale = batches.world_size / batches.global_rows(group.start, group.stop)
+        scale = self.batches.world_size / self.batches.global_rows(group.start, group.stop)
         # Only the last micro-batch of a group all-reduces; the others accumulate locally.
-        sync = nullcontext() if last_in_group else model.no_sync()
-        with sync:
-            with settings.autocast():
-                outputs = model(batch.features)
-            losses = per_sample_loss(outputs, batch.labels, settings.task)
+        with nullcontext() if last_in_group else self.model.no_sync():
+            with self.settings.autocast():
+                outputs = self.model(batch.features)
+            losses = per_sample_loss(outputs, batch.labels, self.settings.task)
             (loss_sum(losses, batch.weights) * scale).backward()
         if last_in_group:
-            if settings.grad_clip is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if scheduler is not None:
-                scheduler.step()
+            self._update()
         weighted = losses.detach() if batch.weights is None else losses.detach() * batch.weights
-        total.add_(weighted.sum(dtype=torch.float64))
-        samples += batch.samples
-        on_step(i + 1, samples, lambda seen=samples: total.item() / max(1, seen))
-    return Sums(loss=total.item(), samples=samples)
+        return weighted.sum(dtype=torch.float64)
+
+    def _optimizer_step_of(self, index: int) -> range:
+        """The micro-batches ``[first, stop)`` of micro-batch ``index``'s optimizer step."""
+        accum = self.settings.grad_accum
+        first = (index // accum) * accum
+        return range(first, min(first + accum, len(self.batches)))
+
+    def _update(self) -> None:
+        if self.settings.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()
 
 
 @torch.no_grad()

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from training.log import log_rank
+
 _EPOCH_KEYS = ("train_loss", "val_loss", "val_accuracy", "val_rmse")
 
 
@@ -42,10 +44,9 @@ class Progress:
         per_step = elapsed / max(1, done_steps)
         remaining = (self.steps - done_steps) + self.steps * (self.epochs - self.epoch - 1)
         rate = local_samples * self.world_size / max(elapsed, 1e-9)
-        print(
-            f"[train] epoch {self.epoch + 1}/{self.epochs} step {done_steps}/{self.steps} "
-            f"loss {loss():.4f} {rate:,.0f} samples/s ETA {_eta(per_step * remaining)}",
-            flush=True,
+        log_rank(
+            f"epoch {self.epoch + 1}/{self.epochs} step {done_steps}/{self.steps} "
+            f"loss {loss():.4f} {rate:,.0f} samples/s ETA {_eta(per_step * remaining)}"
         )
 
     def end_epoch(self, metrics: dict[str, Any]) -> None:
@@ -53,9 +54,7 @@ class Progress:
             return
         remaining_epochs = self.epochs - self.epoch - 1
         shown = " ".join(f"{key} {metrics[key]:.4f}" for key in _EPOCH_KEYS if key in metrics)
-        print(
-            f"[train] epoch {self.epoch + 1}/{self.epochs} done: {shown} {metrics['train_samples_per_s']:,.0f} "
-            "samples/s "
-            f"{metrics['epoch_seconds']:.1f}s ETA {_eta(metrics['epoch_seconds'] * remaining_epochs)}",
-            flush=True,
+        log_rank(
+            f"epoch {self.epoch + 1}/{self.epochs} done: {shown} {metrics['train_samples_per_s']:,.0f} samples/s "
+            f"{metrics['epoch_seconds']:.1f}s ETA {_eta(metrics['epoch_seconds'] * remaining_epochs)}"
         )

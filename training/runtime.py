@@ -1,4 +1,5 @@
-"""Per-process settings of a rank: orphan protection, CPU threads and cores, CUDA math modes,
+"""Per-process settings of a rank: orphan protection, CPU threads and cores, CUDA math modes, the
+all-reduce's wait (``configure_process``: all of them, as every rank and bench/ddp_rank.py take them),
 and the two start-up/exit costs a rank can avoid (DDP's lazy imports, interpreter teardown)."""
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+from training.allreduce_poll import wants_polling
 from training.config import TrainConfig
+from training.distributed import DistContext
 
 _PR_SET_PDEATHSIG = 1
 
@@ -97,6 +100,28 @@ def configure_cuda(train: TrainConfig) -> str:
     torch.set_float32_matmul_precision("high" if train.tf32 else "highest")
     torch.backends.cudnn.allow_tf32 = train.tf32
     return f"bf16 autocast {'on' if train.bf16 else 'off'}, tf32 {'on' if train.tf32 else 'off'}"
+
+
+@dataclass(frozen=True)
+class ProcessSetup:
+    """What ``configure_process`` settled for this rank."""
+
+    cpu: CpuSetup
+    poll_allreduce: bool  # train.cpu_poll_allreduce, resolved (training/allreduce_poll.py)
+    cuda: str = ""  # the CUDA math modes, on a GPU rank
+
+    def describe(self) -> str:
+        parts = [self.cpu.describe(), *([self.cuda] if self.cuda else [])]
+        parts += ["polling for the gradient all-reduce"] if self.poll_allreduce else []
+        return ", ".join(parts)
+
+
+def configure_process(train: TrainConfig, ctx: DistContext) -> ProcessSetup:
+    """Threads and cores (pinned on CPU ranks only), CUDA math modes on GPU ranks, and whether to poll."""
+    on_gpu = ctx.device.type == "cuda"
+    cpu = configure_cpu(train, ctx.local_rank, ctx.local_world_size, pin=not on_gpu)
+    poll = wants_polling(train.cpu_poll_allreduce, ctx.device, ctx.world_size, cpu.pinned)
+    return ProcessSetup(cpu, poll, configure_cuda(train) if on_gpu else "")
 
 
 def exit_without_teardown(code: int = 0) -> None:
