@@ -27,6 +27,7 @@ from bench import processes
 from bench.ddpflow_api import EVALUATE_IN_A_PROCESS, RANK_MODULE
 from bench.harness import REPO_ROOT, Result, Row, Stats, Timer, log
 from bench.workload import BATCH, Context, synthetic_url
+from training.log import TRAIN
 
 NOOP_RANK = """import torch.distributed as dist
 dist.init_process_group("gloo")
@@ -156,7 +157,7 @@ def ddpflow_first_step(ctx: Context, dataset: Path, root: Path) -> dict[str, flo
 
     def on_line(line) -> None:
         now = time.perf_counter()
-        if line.rank == 0 and line.text.startswith("[train]"):
+        if line.rank == 0 and line.text.startswith(TRAIN):
             seen.setdefault("first line", now)
         if line.rank in (0, None) and FIRST_STEP in line.text:
             seen.setdefault("first step", now)

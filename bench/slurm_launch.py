@@ -23,6 +23,7 @@ from bench.harness import Result, Row, Stats, log, skipped, turns
 from bench.orchestration import FIRST_STEP, NOOP_RANK, free_port, small_config, small_dataset
 from bench.workload import Context
 from ddpflow.launch.slurm_local_cluster import LocalSlurmCluster, missing_requirements, start, stop
+from training.log import TRAIN
 
 NAME, TITLE = "slurm", "Launch through Slurm"
 NODES = 2
@@ -117,7 +118,7 @@ def ddpflow_first_step(ctx: Context, dataset: Path, root: Path) -> dict[str, flo
         now = time.perf_counter()
         if line.rank is None and line.text.startswith("ddpflow: rendezvous on "):
             seen.setdefault("rendezvous", now)
-        if line.rank == 0 and line.text.startswith("[train]"):
+        if line.rank == 0 and line.text.startswith(TRAIN):
             seen.setdefault("first line", now)
         if line.rank == 0 and FIRST_STEP in line.text:
             seen.setdefault("first step", now)

@@ -1,5 +1,5 @@
 """training/runtime.py and training/allreduce_poll.py: a rank's start-up preload, its exit without interpreter
-teardown, its CPU pinning, and its polling wait for the all-reduce."""
+teardown, its CPU pinning, and that its polling wait for the all-reduce always ends."""
 
 from __future__ import annotations
 
@@ -75,27 +75,7 @@ def test_cpu_affinity_pins_threads_that_started_before_it():
     assert "pinned to cores" in described and same == "True 1"
 
 
-# --- training/allreduce_poll.py: when a rank polls, and that a poll always ends ---------------------------------
-
-
-@pytest.mark.parametrize(
-    ("setting", "device", "world", "pinned", "polls"),
-    [
-        ("auto", "cpu", 2, True, True),  # ranks with cores of their own
-        ("auto", "cpu", 2, False, False),  # ranks share cores: polling would slow the peer down
-        ("auto", "cpu", 1, True, False),  # nobody to wait for
-        (True, "cpu", 2, False, True),
-        (False, "cpu", 2, True, False),
-        ("auto", "cuda", 2, True, False),  # NCCL waits on the GPU
-        (True, "cuda", 2, True, False),
-    ],
-)
-def test_ranks_poll_for_the_all_reduce_only_on_cpu_with_a_peer(setting, device, world, pinned, polls):
-    import torch
-
-    from training.allreduce_poll import wants_polling
-
-    assert wants_polling(setting, torch.device(device), world, pinned) is polls
+# --- training/allreduce_poll.py: a poll always ends (its arithmetic: tests/model/test_train_ddp.py) ----------
 
 
 def test_polling_returns_once_every_future_is_done():

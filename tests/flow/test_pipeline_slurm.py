@@ -23,6 +23,7 @@ from ddpflow.launch.slurm_commands import SlurmSetupError
 from training.config import ConfigError
 from training.data.manifest import read_manifest
 from training.layout import FINAL_MODEL
+from training.log import TRAIN
 
 pytestmark = pytest.mark.slow
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -184,7 +185,7 @@ def test_a_killed_flow_is_followed_by_a_run_that_reattaches_to_its_job(champion,
         outputs = lambda: "".join(p.read_text(errors="replace") for p in run_root.glob("*/slurm/*.out"))  # noqa: E731
         try:
             # A step line of epoch 1, or its "done" line: progress lines come at most every second.
-            wait_until(lambda: "[train] epoch 1/15 " in outputs(), 180, "the first flow's job to train")
+            wait_until(lambda: f"{TRAIN} epoch 1/15 " in outputs(), 180, "the first flow's job to train")
         except TimeoutError as error:
             pytest.fail(f"{error}; the first flow's output ends:\n{log.read_text()[-4000:]}\njob:\n{outputs()[-2000:]}")
     finally:

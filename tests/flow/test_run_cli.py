@@ -24,9 +24,10 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from ddpflow import stack as local_stack
+from training.log import TRAIN
 
 REPO = Path(__file__).resolve().parents[2]
-TRAINING_LINE = "[train]"  # a rank's own log line: the ranks are up and training
+TRAINING_LINE = TRAIN  # a rank's own log line: the ranks are up and training
 GONE_WITHIN_S = 30.0
 # Enough work that only a signal ends the run while the test watches.
 ENDLESS = {

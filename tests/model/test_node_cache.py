@@ -5,7 +5,9 @@ prepare stage: one rank builds the cache while the others wait, every rank maps
 the same file, the data equals ``load_split``'s, a truncated or corrupt file is
 rebuilt, two runs starting together build it once, and a read-only cache dir
 stops the run with the setting named. Which rank built, waited or found the
-file ready is read from each rank's ``[data] rank R: ...`` line.
+file ready is read from each rank's data line (``training.log.DATA``, then
+``rank R: ...``). A split placed on a GPU yields the host's batches (GPU only:
+on the CPU the device is the host, and placement keeps the shared mapping).
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ from training.data.manifest import read_manifest
 from training.data.node_cache import HEADER_BYTES, cache_path, open_split
 from training.data.placement import decide, place_splits
 from training.job import TrainJob
-from training.loading import RankSampler, SplitTensors, load_split
+from training.loading import RankSampler, SplitTensors, TrainBatches, load_split
+from training.log import DATA
 
 REPO = Path(__file__).resolve().parents[2]
 SEED = 7
-DATA_LINE = re.compile(r"\[data\] rank (\d+): (\w+): (\d+) rows mapped from (\S+) \(inode (\d+)\); (\w+)")
+DATA_LINE = re.compile(re.escape(DATA) + r" rank (\d+): (\w+): (\d+) rows mapped from (\S+) \(inode (\d+)\); (\w+)")
 
 
 # --- data, launches and what the ranks said ---------------------------------------------------------
@@ -170,7 +173,7 @@ def test_three_ranks_build_the_cache_once_and_train_from_one_mapped_file(dataset
 
 
 @pytest.mark.slow
-def test_a_truncated_or_corrupt_cache_is_rebuilt_and_data_on_device_trains_the_same(dataset, tmp_path):
+def test_a_truncated_or_corrupt_cache_is_rebuilt_once_and_then_found_ready(dataset, tmp_path):
     cache, manifest = tmp_path / "cache", read_manifest(dataset)
     for split in ("train", "val"):
         open_split(dataset, manifest, split, str(cache))
@@ -181,20 +184,16 @@ def test_a_truncated_or_corrupt_cache_is_rebuilt_and_data_on_device_trains_the_s
     with open(val_file, "r+b") as handle:
         handle.write(b"garbage!")  # a header overwritten
 
-    on_device = launch(tmp_path / "on", dataset, 2, cache, epochs=2, data_on_device=True)
+    repaired = launch(tmp_path / "repaired", dataset, 2, cache)
     for split, reason in (("train", "truncated"), ("val", "corrupt header")):
-        mapped = on_device.mapped(split)
+        mapped = repaired.mapped(split)
         assert_one_file_for_all(mapped, 2)
         assert [m.how for m in mapped].count("rebuilt") == 1 and "built" not in [m.how for m in mapped]
-        assert on_device.output.count(f"rebuilt ({reason}") == 1, on_device.output[-3000:]
-    assert "train on cpu (train.data_on_device=true)" in on_device.output
+        assert repaired.output.count(f"rebuilt ({reason}") == 1, repaired.output[-3000:]
 
-    # Once the cache exists no rank reads the shards, and gathering on the host gives the same weights.
-    on_host = launch(tmp_path / "host", dataset, 2, cache, epochs=2, data_on_device=False)
-    assert [m.how for m in on_host.mapped("train") + on_host.mapped("val")] == ["ready"] * 4
-    assert "train on the host (train.data_on_device=false)" in on_host.output
-    for name, tensor in on_device.weights().items():
-        assert torch.equal(tensor, on_host.weights()[name]), name
+    # Once the cache is whole again no rank reads the shards.
+    again = launch(tmp_path / "again", dataset, 2, cache)
+    assert [m.how for m in again.mapped("train") + again.mapped("val")] == ["ready"] * 4
 
 
 @pytest.mark.slow
@@ -271,7 +270,8 @@ def test_the_default_cache_lives_beside_the_shards(dataset):
 
 def test_auto_places_a_split_on_a_gpu_only_when_it_fits_and_never_on_the_cpu():
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
-    assert decide("auto", gpu, needed=250, free=1000) == (True, decide("auto", gpu, 250, 1000)[1])
+    placed, why = decide("auto", gpu, needed=250, free=1000)
+    assert placed is True and "at most a quarter" in why  # exactly a quarter still fits
     assert decide("auto", gpu, needed=251, free=1000)[0] is False
     assert "more than a quarter" in decide("auto", gpu, needed=251, free=1000)[1]
     assert decide("auto", gpu, needed=1, free=-5)[0] is False  # the model alone fills the device
@@ -291,6 +291,26 @@ def test_data_on_device_on_the_cpu_keeps_the_shared_mapping(dataset, tmp_path):
         {"train": SplitTensors(mapped.features, mapped.labels)}, "auto", torch.device("cpu"), model
     )
     assert reasons[0].startswith("train on the host (auto: ")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: on the CPU the device is the host")
+def test_a_split_placed_on_the_gpu_lives_there_and_yields_the_host_batches(dataset, tmp_path):
+    """train.data_on_device=true on a GPU: the split is copied there once, each batch is gathered there, and the
+    batches (rows, features, labels, padding weights) are those gathered on the host and copied over."""
+    manifest, gpu = read_manifest(dataset), torch.device("cuda", 0)
+    host = open_split(dataset, manifest, "train", str(tmp_path)).tensors
+    model = torch.nn.Linear(manifest.n_features, 3).to(gpu)
+    placed, reasons = place_splits({"train": host}, True, gpu, model)
+    assert placed["train"].features.device == gpu and placed["train"].labels.device == gpu
+    assert host.features.device.type == "cpu" and reasons == ["train on cuda:0 (train.data_on_device=true)"]
+    on_gpu = TrainBatches(placed["train"], 1, 2, 64, SEED, gpu, pin_memory=True)
+    from_host = TrainBatches(host, 1, 2, 64, SEED, gpu, pin_memory=True)
+    pairs = list(zip(on_gpu.epoch(1), from_host.epoch(1), strict=True))
+    assert pairs and pairs[-1][0].weights is not None  # the last batch holds sampler padding
+    for a, b in pairs:
+        assert a.features.device == gpu and torch.equal(a.indices, b.indices)
+        assert torch.equal(a.features, b.features) and torch.equal(a.labels, b.labels)
+        assert (a.weights is None and b.weights is None) or torch.equal(a.weights, b.weights)
 
 
 def test_where_the_cache_lives_is_not_part_of_the_dataset_fingerprint():

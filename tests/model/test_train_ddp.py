@@ -232,8 +232,13 @@ def _uneven_launch(uneven, tmp_path_factory, name: str, nproc: int, batch_size: 
 
 @pytest.fixture(scope="module")
 def uneven_two_ranks(uneven, tmp_path_factory) -> Launch:
-    # Polling asked for explicitly: the exactness tests then cover the polling hook on any number of cores.
-    return _uneven_launch(uneven, tmp_path_factory, "uneven_w2", nproc=2, batch_size=8, cpu_poll_allreduce=True)
+    return _uneven_launch(uneven, tmp_path_factory, "uneven_w2", nproc=2, batch_size=8)
+
+
+@pytest.fixture(scope="module")
+def uneven_two_ranks_polling(uneven, tmp_path_factory) -> Launch:
+    # true, not auto: polls whether or not this machine has a core per rank to pin.
+    return _uneven_launch(uneven, tmp_path_factory, "uneven_w2_poll", nproc=2, batch_size=8, cpu_poll_allreduce=True)
 
 
 @pytest.fixture(scope="module")
@@ -244,6 +249,11 @@ def uneven_one_rank_double(uneven, tmp_path_factory) -> Launch:
 @pytest.fixture(scope="module")
 def uneven_three_ranks(uneven, tmp_path_factory) -> Launch:
     return _uneven_launch(uneven, tmp_path_factory, "uneven_w3", nproc=3, batch_size=5)
+
+
+@pytest.fixture(scope="module")
+def uneven_three_ranks_polling(uneven, tmp_path_factory) -> Launch:
+    return _uneven_launch(uneven, tmp_path_factory, "uneven_w3_poll", nproc=3, batch_size=5, cpu_poll_allreduce=True)
 
 
 @pytest.fixture(scope="module")
@@ -275,12 +285,24 @@ def test_per_epoch_metrics_are_exact_and_ranks_agree(two_ranks):
     assert two_ranks.output.count("epoch 1/2 done") == 1  # rank 0 alone prints
 
 
-def test_pinned_cpu_ranks_poll_for_the_all_reduce_by_default(two_ranks, uneven_two_ranks):
-    # train.cpu_poll_allreduce=auto: on when each rank has a core of its own (pinned), as with 2 ranks here.
-    own_cores = len(os.sched_getaffinity(0)) >= 2
-    assert ("pinned to cores" in two_ranks.output) == own_cores
-    assert ("polling for the gradient all-reduce" in two_ranks.output) == own_cores
-    assert "polling for the gradient all-reduce" in uneven_two_ranks.output  # asked for: polls unpinned too
+POLLING_LINE = "polling for the gradient all-reduce"  # rank 0's set-up line (training/runtime.py: ProcessSetup)
+
+
+@pytest.mark.parametrize(
+    ("sleeping", "polling"),
+    [("uneven_two_ranks", "uneven_two_ranks_polling"), ("uneven_three_ranks", "uneven_three_ranks_polling")],
+)
+def test_polling_for_the_all_reduce_trains_bit_identical_weights_at_the_same_world_size(sleeping, polling, request):
+    """train.cpu_poll_allreduce=true against the default (false), the same data and world size, W=2 and W=3.
+    Tolerance 0: the weights are bit-identical, because the polling hook averages each bucket as DDP's reducer
+    does (times 1/W, then SUM). With torch's allreduce_hook (divide by W) W=3 differs in the last bits."""
+    off, on = request.getfixturevalue(sleeping), request.getfixturevalue(polling)
+    assert POLLING_LINE in on.output and POLLING_LINE not in off.output  # opt-in: the default does not poll
+    weights_off, weights_on = off.model()["model"], on.model()["model"]
+    assert weights_off.keys() == weights_on.keys()
+    differing = [name for name in weights_off if not torch.equal(weights_off[name], weights_on[name])]
+    assert differing == [], f"polling changed {differing}"
+    assert on.metrics() != [] and [r["train_loss"] for r in on.metrics()] == [r["train_loss"] for r in off.metrics()]
 
 
 def test_checkpoints_are_complete_and_load_with_weights_only(two_ranks):
@@ -315,8 +337,7 @@ def test_the_global_batch_of_w_ranks_is_the_one_rank_batch(world, double, reques
 
 
 def test_two_ranks_train_the_weights_of_one_rank_with_twice_the_batch(uneven_two_ranks, uneven_one_rank_double):
-    # The last step of each epoch holds 3 rows: 2 on rank 0 and 1 (+ 1 padding) on rank 1. The 2 ranks poll for
-    # their all-reduce (train.cpu_poll_allreduce): the hook leaves the arithmetic to torch's allreduce_hook.
+    # The last step of each epoch holds 3 rows: 2 on rank 0 and 1 (+ 1 padding) on rank 1.
     difference = assert_same_weights(uneven_two_ranks.model()["model"], uneven_one_rank_double.model()["model"], EXACT)
     report("2 ranks x 8 vs 1 rank x 16, 211 rows (last global batch 3)", difference)
 
@@ -368,9 +389,11 @@ def test_metrics_count_every_row_once_and_agree_with_one_rank(ranks, single, req
 
 
 def test_a_failed_launch_and_a_killed_rank_resume_at_their_epoch_to_the_uninterrupted_weights(uneven, tmp_path):
-    """With dropout (each rank's RNG matters). Launch 1 fails at the start of epoch 1 (a permanent error: the
-    pipeline's retry path); launch 2 resumes after epoch 0, and rank 1 is SIGKILLed in epoch 2, so torchrun
-    restarts the group, which resumes after epoch 1. Every epoch is completed exactly once overall."""
+    """``Trainer.state_dict()`` round-trips: a Trainer resumed from last.pt ends with the uninterrupted run's
+    weights, bit for bit (tolerance 0). With dropout (each rank's RNG matters). Launch 1 fails at the start of
+    epoch 1 (a permanent error: the pipeline's retry path); launch 2 resumes after epoch 0, and rank 1 is
+    SIGKILLed in epoch 2, so torchrun restarts the group, which resumes after epoch 1. Every epoch is completed
+    exactly once overall."""
     epochs = 3
     settings = {"epochs": epochs, "batch_size": 8, **DROPOUT_MODEL}
     reference = succeeded(launch(tmp_path / "uninterrupted", uneven, **settings))
@@ -391,7 +414,7 @@ def test_a_failed_launch_and_a_killed_rank_resume_at_their_epoch_to_the_uninterr
     records = resumed.metrics()
     assert [r["epoch"] for r in records] == [0, 1, 2]  # nothing logged twice
     assert [r["restart_count"] for r in records] == [0, 0, 1]
-    difference = assert_same_weights(reference.model()["model"], resumed.model()["model"], atol=1e-6)
+    difference = assert_same_weights(reference.model()["model"], resumed.model()["model"], atol=0)
     report("resumed twice (dropout model) vs uninterrupted", difference)
 
 
