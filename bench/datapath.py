@@ -120,7 +120,7 @@ def run(ctx: Context) -> list[Result]:
             note=f"{epoch_steps} steps, one epoch's worth",
         ),
         Row(
-            "ddpflow: TrainBatches + training.loop.train_epoch",
+            "ddpflow: TrainBatches + training.loop.TrainStep",
             Stats.of(rates["ddpflow"]),
             "samples/s",
             headline,

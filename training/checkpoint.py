@@ -12,6 +12,10 @@ Reading: rank 0 reads (``torch.load(weights_only=True)``: files hold only
 tensors and plain Python values) and broadcasts the result, so every rank takes
 the same decision and only one reads the disk.
 
+What last.pt holds is ``Trainer.state_dict()``'s business (training/train.py);
+the Checkpointer knows only the entries the resume rule reads
+(``identity_entries``: ``CONFIG_ENTRY``, ``FINGERPRINT_ENTRY``).
+
 Resume rule, the only one (ddpflow/rundirs.py picks the run directory to
 resume with it too): a run continues only the SAME training, and two trainings
 are the same when ``training_identity(config, fingerprint)`` is equal: the
