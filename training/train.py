@@ -136,9 +136,9 @@ class Trainer:
             {"train": self.train_split, "val": self.val}, train.data_on_device, ctx.device, self.model
         )
         log_main(ctx.is_main, "data: " + "; ".join(where))
-        self.val = placed["val"]
+        self.train_split, self.val = placed["train"], placed["val"]  # a host copy placed elsewhere is let go
         self.batches = TrainBatches(
-            placed["train"], ctx.rank, ctx.world_size, train.batch_size, train.seed, ctx.device, train.pin_memory
+            self.train_split, ctx.rank, ctx.world_size, train.batch_size, train.seed, ctx.device, train.pin_memory
         )
 
     def _build_optimizer(self) -> None:
