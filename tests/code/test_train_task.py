@@ -18,7 +18,7 @@ from prefect import flow
 
 import ddpflow.launch.command
 from ddpflow.launch.failure import RankFailed
-from tasks.train import TrainResult, train_model
+from tasks.train import TrainRequest, TrainResult, train_model
 from training.config import PipelineConfig
 
 TRAIN_FLOW = Path(__file__).parent / "ranks" / "train_flow.py"
@@ -43,9 +43,8 @@ def train_flow(
     mlflow_run_id: str | None = None,
     tracking_uri: str | None = None,
 ) -> TrainResult:
-    return train_model(
-        config, dataset_dir, run_dir, mlflow_run_id=mlflow_run_id, tracking_uri=tracking_uri, kill_grace_s=2
-    )
+    request = TrainRequest(config, dataset_dir, run_dir, tracking_uri=tracking_uri, grace_s=2)
+    return train_model(request, mlflow_run_id=mlflow_run_id)
 
 
 def flow_logs(flow_run_id) -> list[str]:
