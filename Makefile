@@ -15,11 +15,12 @@ venv: $(STAMP)
 
 # torch==2.13.0 first: a CPU build from the local wheel. Installing the project
 # first would let pip resolve `torch>=2.4` to a multi-GB CUDA build.
-$(STAMP): pyproject.toml
+# constraints.txt: the exact versions the suite passed with (pyproject.toml stays loose for users).
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
 	touch $@
 
 demo: venv

@@ -149,23 +149,17 @@ EVALUATE_IN_A_PROCESS = (
 )
 
 
-def launch_training(config, dataset_dir: str | Path, run_dir: Path, on_line, timeout_s: float = 600) -> None:
-    """The train stage exactly as the Prefect task runs it (``ddpflow.launch.supervisor.run_training``:
-    the preflight, the job file, torchrun), limited to ``timeout_s``."""
-    from ddpflow.launch.supervisor import run_training
+def launch_training(request, timeout_s: float = 600):
+    """The train stage exactly as the Prefect task runs it: ``request`` (a ``ddpflow.launch.stage.TrainRequest``)
+    through the launcher its ``train.launcher`` names (local: preflight, job file, torchrun; slurm: preflight,
+    job files, sbatch, following), limited to ``timeout_s``. The Slurm commands and SLURM_CONF come from the
+    environment. Returns the ``TrainResult``."""
+    from dataclasses import replace
 
-    limited = config.model_copy(update={"train": config.train.model_copy(update={"timeout_s": timeout_s})})
-    run_training(limited, dataset_dir, run_dir, on_line=on_line)
+    from ddpflow.launch.stage import run_train_stage
 
-
-def launch_training_on_slurm(config, dataset_dir: str | Path, run_dir: Path, on_line, timeout_s: float = 600) -> None:
-    """The train stage through Slurm as the Prefect task runs it with ``train.launcher: slurm``
-    (``ddpflow.launch.slurm.run_training_on_slurm``: preflight, job files, sbatch, following), limited to ``timeout_s``.
-    The Slurm commands and SLURM_CONF come from the environment."""
-    from ddpflow.launch.slurm import run_training_on_slurm
-
-    limited = config.model_copy(update={"train": config.train.model_copy(update={"timeout_s": timeout_s})})
-    run_training_on_slurm(limited, dataset_dir, run_dir, on_line=on_line)
+    train = request.config.train.model_copy(update={"timeout_s": timeout_s})
+    return run_train_stage(replace(request, config=request.config.model_copy(update={"train": train})))
 
 
 RANK_MODULE = "training.train"  # what every rank runs: python -m training.train --config RUN_DIR/train_config.json

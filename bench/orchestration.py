@@ -1,6 +1,6 @@
 """Launch latency and orchestration overhead, on small data (the fixed costs are the point).
 
-Launch: from the train stage's start (``ddpflow.launch.supervisor.run_training``:
+Launch: from the train stage's start (``ddpflow.launch.local.run_training``:
 preflight, job file, launch) to rank 0's first training step, minus the wall time of a bare torchrun whose
 2 ranks only join the process group and leave.
 
@@ -17,7 +17,6 @@ a run.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from bench import processes
 from bench.ddpflow_api import EVALUATE_IN_A_PROCESS, RANK_MODULE
 from bench.harness import REPO_ROOT, Result, Row, Stats, Timer, log
 from bench.workload import BATCH, Context, synthetic_url
+from devtools.ports import free_port
 from training.log import TRAIN
 
 NOOP_RANK = """import torch.distributed as dist
@@ -151,6 +151,7 @@ def launch_latency(ctx: Context) -> Result:
 def ddpflow_first_step(ctx: Context, dataset: Path, root: Path) -> dict[str, float]:
     """Seconds from the launcher's start to rank 0's first line, to its first step, and to the end."""
     from bench.ddpflow_api import launch_training
+    from ddpflow.launch.stage import TrainRequest
 
     config = small_config(ctx, root, progress_interval_s=1e-6)
     seen: dict[str, float] = {}
@@ -163,7 +164,7 @@ def ddpflow_first_step(ctx: Context, dataset: Path, root: Path) -> dict[str, flo
             seen.setdefault("first step", now)
 
     start = time.perf_counter()
-    launch_training(config, dataset, root / "run", on_line, timeout_s=300)
+    launch_training(TrainRequest(config, dataset, root / "run", on_line=on_line), timeout_s=300)
     seen["end"] = time.perf_counter()
     if "first step" not in seen:
         raise RuntimeError(f"no line with {FIRST_STEP!r} from rank 0 in the launch under {root / 'run'}")
@@ -326,9 +327,3 @@ def bare_train_eval_wall(ctx: Context, dataset: Path, root: Path, env: dict[str,
             env=bare_env,
         )
     return wall.seconds
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

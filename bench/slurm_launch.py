@@ -7,7 +7,7 @@ step. Reference: a bare ``srun torchrun`` no-op on the same cluster, from this p
 allocation, one agent per node, the c10d rendezvous and a rank per node that joins the process
 group and leaves, to exit. The headline is the difference, 2 nodes x 1 rank each.
 
-The cluster is ddpflow/launch/slurm_local_cluster.py (one slurmctld, two slurmd, Debian's
+The cluster is devtools/slurm_local_cluster.py (one slurmctld, two slurmd, Debian's
 packages, root). Where that cannot run, the family is skipped with the reason.
 """
 
@@ -22,7 +22,7 @@ from bench import processes
 from bench.harness import Result, Row, Stats, log, skipped, turns
 from bench.orchestration import FIRST_STEP, NOOP_RANK, free_port, small_config, small_dataset
 from bench.workload import Context
-from ddpflow.launch.slurm_local_cluster import LocalSlurmCluster, missing_requirements, start, stop
+from devtools.slurm_local_cluster import LocalSlurmCluster, missing_requirements, start, stop
 from training.log import TRAIN
 
 NAME, TITLE = "slurm", "Launch through Slurm"
@@ -94,7 +94,7 @@ def launch_overhead(ctx: Context, cluster: LocalSlurmCluster) -> Result:
         ],
         notes=[
             f"{ctx.sizes.orchestration_rows:,}-row dataset, {NODES} nodes x 1 rank, 1 epoch, on a two-node "
-            "cluster on this machine (ddpflow/launch/slurm_local_cluster.py): both nodes share its cores.",
+            "cluster on this machine (devtools/slurm_local_cluster.py): both nodes share its cores.",
             "Each repeat runs ddpflow's launch and the bare no-op back to back (order alternating); "
             "differences are taken within a repeat.",
             "The cluster schedules a batch job when it is submitted (batch_sched_delay=0); with Slurm's "
@@ -109,7 +109,8 @@ def _stats(samples: list[dict[str, float]], key: str) -> Stats:
 
 def ddpflow_first_step(ctx: Context, dataset: Path, root: Path) -> dict[str, float]:
     """Seconds from the train stage's start to the job's rendezvous line, rank 0's first line, first step, the end."""
-    from bench.ddpflow_api import launch_training_on_slurm
+    from bench.ddpflow_api import launch_training
+    from ddpflow.launch.stage import TrainRequest
 
     config = small_config(ctx, root, launcher="slurm", nnodes=NODES, nproc_per_node=1, progress_interval_s=1e-6)
     seen: dict[str, float] = {}
@@ -124,7 +125,7 @@ def ddpflow_first_step(ctx: Context, dataset: Path, root: Path) -> dict[str, flo
             seen.setdefault("first step", now)
 
     start = time.perf_counter()
-    launch_training_on_slurm(config, dataset, root / "run", on_line, timeout_s=600)
+    launch_training(TrainRequest(config, dataset, root / "run", on_line=on_line), timeout_s=600)
     seen["end"] = time.perf_counter()
     if "first step" not in seen:
         raise RuntimeError(f"no line with {FIRST_STEP!r} from rank 0 in the Slurm launch under {root / 'run'}")

@@ -27,7 +27,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from mlflow import MlflowClient
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.exceptions import Abort, TerminationSignal
@@ -39,12 +38,15 @@ from ddpflow.launch.slurm_commands import check_cluster
 from ddpflow.rundirs import find_resumable_run, new_run_dir
 from ddpflow.tracking.registry import champion_checkpoint
 from ddpflow.tracking.runs import (
+    RESTARTS_TAG,
+    RUN_DIR_TAG,
     check_tracking_reachable,
     end_pipeline_run,
     how_to_open,
     resolve_tracking_uri,
-    run_url,
     start_pipeline_run,
+    tag_run,
+    ui_url,
 )
 from ddpflow.tracking.skip import SKIPPED, SkipCheck, check_unchanged, record_skipped_run
 from flows.params import resolve_config, run_label
@@ -52,17 +54,15 @@ from tasks.drift import measure_data_drift
 from tasks.evaluate import evaluate_model
 from tasks.prepare import prepare_data
 from tasks.register import register_model
-from tasks.train import train_model
+from tasks.train import KILL_GRACE_S, TrainRequest, train_model
 from training.config import PipelineConfig
 from training.data.prepare import PreparedDataset
 from training.preflight import check_data, check_machine
 from training.topology import RankLayout
 
-RUN_DIR_TAG = "ddpflow.run_dir"
 # Stopped from outside (Ctrl-C, a signal, a cancelled flow run): the MLflow run ends KILLED, not FAILED.
 # Abort: train_model's answer to a cancelled flow run; TerminationSignal: Prefect's SIGTERM (a worker cancelling).
 INTERRUPTIONS = (KeyboardInterrupt, SystemExit, LaunchInterrupted, Abort, TerminationSignal)
-LOCAL_MLFLOW_UI = "http://127.0.0.1:5000"  # `mlflow ui --backend-store-uri sqlite:///...` serves here
 
 
 def _flow_run_name() -> str:
@@ -116,21 +116,22 @@ def train_pipeline(
         dataset_dir=prepared.dataset_dir,
     )
     try:
-        _tag_run(tracking_uri, run_id, {RUN_DIR_TAG: str(run_dir)})  # checkpoints and logs, for people
+        tag_run(tracking_uri, run_id, {RUN_DIR_TAG: str(run_dir)})
         drift = measure_data_drift(config, prepared.manifest, run_id, tracking_uri)
-        trained = train_model(
+        request = TrainRequest(
             config,
             str(prepared.dataset_dir),
             str(run_dir),
-            mlflow_run_id=run_id,
-            tracking_uri=tracking_uri,
             init_weights=init_weights,
-            layout=layout,  # checked above: the task does not check again
+            tracking_uri=tracking_uri,
+            layout=layout,  # checked above: the launcher does not check again
+            grace_s=KILL_GRACE_S,
         )
-        _tag_run(tracking_uri, run_id, {"ddp.restarts": str(trained.restarts)})
+        trained = train_model(request, mlflow_run_id=run_id)
+        tag_run(tracking_uri, run_id, {RESTARTS_TAG: str(trained.restarts)})
         test_metrics = evaluate_model(trained.model_path, str(prepared.dataset_dir), run_id, tracking_uri, config)
         # Everything that can fail runs before the gate: once @champion moves, the flow must not fail.
-        mlflow_run_url = _mlflow_ui_url(tracking_uri, run_id)
+        mlflow_run_url = ui_url(tracking_uri, run_id)
         decision = register_model(
             config, run_id, trained.model_path, str(prepared.dataset_dir), test_metrics, tracking_uri
         )
@@ -173,7 +174,7 @@ def _skipped(
     )
     try:
         record_skipped_run(tracking_uri, run_id, unchanged)
-        mlflow_run_url = _mlflow_ui_url(tracking_uri, run_id)
+        mlflow_run_url = ui_url(tracking_uri, run_id)
     except BaseException as error:
         end_pipeline_run(run_id, tracking_uri, status="KILLED" if isinstance(error, INTERRUPTIONS) else "FAILED")
         raise
@@ -230,21 +231,6 @@ def _warm_start_weights(config: PipelineConfig, run_dir: Path, logger: Any) -> s
         return None
     logger.info("Warm start from the champion's weights: %s", checkpoint)
     return str(checkpoint)
-
-
-def _tag_run(tracking_uri: str, run_id: str, tags: dict[str, str]) -> None:
-    client = MlflowClient(tracking_uri=tracking_uri)
-    for key, value in tags.items():
-        client.set_tag(run_id, key, value)
-
-
-def _mlflow_ui_url(tracking_uri: str, run_id: str) -> str:
-    """The run's page: on the tracking server, or where `mlflow ui` serves a local store by default."""
-    url = run_url(tracking_uri, run_id)
-    if url:
-        return url
-    experiment_id = MlflowClient(tracking_uri=tracking_uri).get_run(run_id).info.experiment_id
-    return f"{LOCAL_MLFLOW_UI}/#/experiments/{experiment_id}/runs/{run_id}"
 
 
 def _prefect_context() -> dict[str, Any]:

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlflow import MlflowClient
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from ddpflow.tracking.drift import UNAVAILABLE, DriftOutcome, log_drift, measure_drift
+from ddpflow.tracking.drift import UNAVAILABLE, DriftOutcome, measure_and_log_drift
 from ddpflow.tracking.runs import how_to_open
 from tasks.register import retry_on_transient_error
 from training.config import PipelineConfig
@@ -57,10 +56,8 @@ def drift_markdown(outcome: DriftOutcome, max_psi: float | None, run_link: str) 
 def measure_data_drift(config: PipelineConfig, manifest: Manifest, run_id: str, tracking_uri: str) -> dict[str, Any]:
     """Compare with @champion's training data, log the figure and metric to the run; returns a summary."""
     logger = get_run_logger()
-    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
-    outcome = measure_drift(client, config.registry.model_name, manifest)
     max_psi = config.registry.max_drift_psi
-    log_drift(client, run_id, outcome, max_psi)
+    outcome = measure_and_log_drift(tracking_uri, config.registry.model_name, manifest, run_id, max_psi)
     (logger.warning if outcome.status == UNAVAILABLE else logger.info)("Data drift: %s", outcome.message)
     create_markdown_artifact(
         markdown=drift_markdown(outcome, max_psi, how_to_open(tracking_uri, run_id)),

@@ -1,10 +1,11 @@
-"""Prefect task for the train stage: ``train_model(...) -> TrainResult``.
+"""Prefect task for the train stage: ``train_model(TrainRequest(...), mlflow_run_id) -> TrainResult``.
 
-The work is ddpflow/launch/supervisor.py's ``run_training`` (the data checks, the
-job file, torchrun, its whole process tree, the root cause of a failure); this
-task names the step, retries it, logs every rank's line to the Prefect run
-logger, mirrors epoch metrics into MLflow from this process
-(EpochMetricsFollower), and stops training when its flow run is cancelled.
+The work is the launcher ``train.launcher`` names (ddpflow/launch/stage.py: one
+``TrainRequest`` in, a ``TrainResult`` out: the data checks, the job file, the
+ranks, their whole process tree, the root cause of a failure); this task names
+the step, retries it, logs every rank's line to the Prefect run logger, mirrors
+epoch metrics into MLflow from this process (EpochMetricsFollower), and stops
+training when its flow run is cancelled.
 
 Retries: one. A retry resumes from checkpoints/last.pt, so it helps with a
 transient failure (a rank killed by the OOM killer, a stalled collective). It is
@@ -17,13 +18,13 @@ flow run (UI, API, ``prefect flow-run cancel``) it kills torchrun's tree within 
 few seconds, even for a flow run in a plain Python process that no worker watches.
 
 ``train.launcher: slurm``: the same task runs the stage as one Slurm job instead
-(ddpflow/launch/slurm.py, the same arguments, result and errors; docs/slurm.md) and
+(ddpflow/launch/slurm.py, the same request, result and errors; docs/slurm.md) and
 tags the MLflow run with the job's id as soon as it is submitted or found.
 """
 
 from __future__ import annotations
 
-from functools import partial
+from dataclasses import replace
 from uuid import UUID
 
 from prefect import task
@@ -33,18 +34,18 @@ from prefect.exceptions import Abort
 from prefect.logging import get_run_logger
 
 from ddpflow.launch.failure import LaunchInterrupted, LaunchTimeout
-from ddpflow.launch.slurm import run_training_on_slurm
-from ddpflow.launch.supervisor import OutputLine, TrainResult, run_training
+from ddpflow.launch.stage import TrainRequest, TrainResult, run_train_stage
+from ddpflow.launch.supervisor import OutputLine
 from ddpflow.tracking.metrics import EpochMetricsFollower
-from training.config import PipelineConfig
+from ddpflow.tracking.runs import SLURM_JOB_TAG, tag_run
 from training.layout import METRICS, run_file
 from training.topology import RankLayout
 
-__all__ = ["TrainResult", "train_model"]
+__all__ = ["KILL_GRACE_S", "TrainRequest", "TrainResult", "train_model"]
 
-KILL_GRACE_S = 10.0  # SIGTERM -> SIGKILL; below the 30 s a Prefect worker waits before its own SIGKILL
+# SIGTERM -> SIGKILL for TrainRequest.grace_s under Prefect: below the 30 s a worker waits before its own SIGKILL.
+KILL_GRACE_S = 10.0
 CANCEL_POLL_S = 2.0
-SLURM_JOB_TAG = "slurm.job_id"  # beside the flow's ddp.nnodes and ddp.world_size
 
 
 def _worth_retrying(task, task_run, state) -> bool:
@@ -54,18 +55,13 @@ def _worth_retrying(task, task_run, state) -> bool:
 
 
 @task(name="train-model", retries=1, retry_condition_fn=_worth_retrying, cache_policy=NO_CACHE)
-def train_model(
-    config: PipelineConfig,
-    dataset_dir: str,
-    run_dir: str,
-    mlflow_run_id: str | None = None,
-    tracking_uri: str | None = None,
-    init_weights: str | None = None,
-    kill_grace_s: float = KILL_GRACE_S,
-    layout: RankLayout | None = None,
-) -> TrainResult:
-    """``layout``: what the flow's ``check_machine`` returned (None: the machine is checked here)."""
+def train_model(request: TrainRequest, mlflow_run_id: str | None = None) -> TrainResult:
+    """Run the train stage ``request`` describes; its events (lines, start, job, cancellation) are this task's.
+
+    ``mlflow_run_id``: the pipeline's run, which this process (never a rank) mirrors the epochs into.
+    """
     logger = get_run_logger()
+    tracking_uri, run_dir = request.tracking_uri, request.run_dir
     follower = (
         EpochMetricsFollower(run_file(run_dir, METRICS), mlflow_run_id, tracking_uri).start()
         if mlflow_run_id and tracking_uri
@@ -83,22 +79,19 @@ def train_model(
             ranks.nproc_per_node, ranks.nnodes, ranks.backend, run_dir, " ".join(argv),
         )  # fmt: skip
 
+    def on_job(job_id: str) -> None:
+        if not (mlflow_run_id and tracking_uri):
+            return
+        try:
+            tag_run(tracking_uri, mlflow_run_id, {SLURM_JOB_TAG: job_id})
+        except Exception as error:  # a tracking hiccup must not cancel the job
+            logger.warning("could not tag MLflow run %s with %s=%s: %s", mlflow_run_id, SLURM_JOB_TAG, job_id, error)
+
     cancel_check = _flow_run_cancelled_check()
-    train_stage = _train_stage(config, logger, mlflow_run_id, tracking_uri)
+    events = {"on_line": on_line, "on_start": on_start, "on_job": on_job}
+    request = replace(request, **events, should_cancel=cancel_check, cancel_check_s=CANCEL_POLL_S)
     try:
-        result = train_stage(
-            config,
-            dataset_dir,
-            run_dir,
-            on_line=on_line,
-            on_start=on_start,
-            layout=layout,
-            tracking_uri=tracking_uri,
-            init_weights=init_weights,
-            grace_s=kill_grace_s,
-            should_cancel=cancel_check,
-            cancel_check_s=CANCEL_POLL_S,
-        )
+        result = run_train_stage(request)
     except LaunchInterrupted as error:
         if cancel_check is not None and cancel_check.fired:
             cancel_check.finish_cancellation(str(error))
@@ -111,24 +104,6 @@ def train_model(
             follower.close()  # the epochs of a failed attempt are in MLflow too
     logger.info("Training finished after %d restart(s): %s -> %s", result.restarts, result.metrics, result.model_path)
     return result
-
-
-def _train_stage(config: PipelineConfig, logger, mlflow_run_id: str | None, tracking_uri: str | None):
-    """``train.launcher``'s backend: torchrun here, or one Slurm job (same arguments, result and errors)."""
-    if config.train.launcher != "slurm":
-        return run_training
-
-    def on_job(job_id: str) -> None:
-        if not (mlflow_run_id and tracking_uri):
-            return
-        try:
-            from mlflow import MlflowClient
-
-            MlflowClient(tracking_uri=tracking_uri).set_tag(mlflow_run_id, SLURM_JOB_TAG, job_id)
-        except Exception as error:  # a tracking hiccup must not cancel the job
-            logger.warning("could not tag MLflow run %s with %s=%s: %s", mlflow_run_id, SLURM_JOB_TAG, job_id, error)
-
-    return partial(run_training_on_slurm, on_job=on_job)
 
 
 class _FlowRunCancelled:

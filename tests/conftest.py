@@ -22,6 +22,9 @@ os.environ.pop("PREFECT_API_URL", None)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
+# devtools/ and bench/ are not installed: tests import them from the repository root, however pytest was started.
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
 # tests/slurm_cluster.py: the session's two-node Slurm cluster (the `slurm_cluster` fixture) and its probes.
 sys.path.append(str(Path(__file__).parent))
 from slurm_cluster import slurm_cluster  # noqa: E402, F401

@@ -1,4 +1,4 @@
-"""The session's two-node Slurm cluster for tests (ddpflow/launch/slurm_local_cluster.py), and probes.
+"""The session's two-node Slurm cluster for tests (devtools/slurm_local_cluster.py), and probes.
 
 One ``slurmctld`` and two ``slurmd`` (nodes ``n1`` and ``n2``) per test session, started with
 ``Popen(start_new_session=True)`` and stopped by PID (TERM, 5 s, KILL). The session's
@@ -17,20 +17,30 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from ddpflow.launch.slurm_local_cluster import LocalSlurmCluster, missing_requirements, start, stop, wait_until
+from devtools.slurm_local_cluster import LocalSlurmCluster, missing_requirements, start, stop, wait_until
 
-__all__ = ["LocalSlurmCluster", "processes_mentioning", "require_slurm", "slurm_cluster", "wait_until"]
+__all__ = [
+    "LocalSlurmCluster",
+    "processes_mentioning",
+    "require_slurm",
+    "skip_or_fail_in_ci",
+    "slurm_cluster",
+    "wait_until",
+]
 
 
 def require_slurm() -> None:
     """Skip outside CI when Slurm cannot run here; in CI (CI=true) fail instead."""
     missing = missing_requirements()
-    if not missing:
-        return
-    message = f"Slurm tests need {', '.join(missing)} (install: .ci/run, or ../shared/SLURM.md)"
+    if missing:
+        skip_or_fail_in_ci(f"Slurm tests need {', '.join(missing)} (install: .ci/run, or ../shared/SLURM.md)")
+
+
+def skip_or_fail_in_ci(reason: str) -> None:
+    """What this machine cannot do skips the test, with the reason; in CI (CI=true) it fails it instead."""
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-        pytest.fail(message, pytrace=False)
-    pytest.skip(message)
+        pytest.fail(reason, pytrace=False)
+    pytest.skip(reason)
 
 
 def processes_mentioning(text: str) -> list[psutil.Process]:

@@ -19,11 +19,11 @@ the Checkpointer knows only the entries the resume rule reads
 Resume rule, the only one (ddpflow/rundirs.py picks the run directory to
 resume with it too): a run continues only the SAME training, and two trainings
 are the same when ``training_identity(config, fingerprint)`` is equal: the
-dataset fingerprint plus the train settings that change the trained weights
-(``WEIGHT_FIELDS``: model, model_kwargs, epochs, batch_size, lr, weight_decay,
-lr_schedule, grad_clip, grad_accum, seed, nproc_per_node, nnodes, bf16, tf32).
-Every other setting (timeouts, restarts, threads, paths, backend, init_from,
-progress interval) may change between attempts.
+dataset fingerprint plus the train settings that change the trained weights, each
+declared so on the field itself in training/config.py (``ChangesWeights[...]``: the
+model, the optimisation, the batch, the seed, the world, the numerics). Every other
+setting (``KeepsWeights[...]``: timeouts, restarts, threads, paths, backend,
+init_from, progress interval) may change between attempts.
 ``train.epochs`` is part of it: raising it is a new training (the pipeline
 opens a fresh run directory; last.pt of another epoch count is refused here).
 Why: one rule anyone can predict, and a resumed run ends with the weights an
@@ -46,30 +46,12 @@ from typing import Any, Protocol
 
 import torch
 
-from training.config import PipelineConfig
+from training.config import PipelineConfig, TrainConfig
 from training.data.manifest import Manifest
 from training.fileio import atomic_write
 from training.layout import FINAL_MODEL, LAST_CHECKPOINT
 from training.log import log_rank
 from training.models import ModelSpec
-
-# The train settings that change the trained weights: with the data's fingerprint, a training's identity.
-WEIGHT_FIELDS = (
-    "model",
-    "model_kwargs",
-    "epochs",
-    "batch_size",
-    "lr",
-    "weight_decay",
-    "lr_schedule",
-    "grad_clip",
-    "grad_accum",
-    "seed",
-    "nproc_per_node",
-    "nnodes",
-    "bf16",
-    "tf32",
-)
 
 
 class CheckpointWriteError(OSError):
@@ -138,7 +120,7 @@ def inference_checkpoint(
 
 
 def training_identity(config: PipelineConfig | Mapping[str, Any], fingerprint: str | None) -> dict[str, Any]:
-    """What makes two trainings the same one: the data's fingerprint and the train WEIGHT_FIELDS.
+    """What makes two trainings the same one: the data's fingerprint and the train fields that change the weights.
 
     ``config`` is a PipelineConfig or its JSON form (a run's config.json, a checkpoint's
     "config"). Equal identities: a run may continue the other's checkpoint, and two models
@@ -148,7 +130,7 @@ def training_identity(config: PipelineConfig | Mapping[str, Any], fingerprint: s
         train = config.train.model_dump(mode="json")
     else:
         train = dict(config.get("train") or {})
-    return {"fingerprint": fingerprint, "train": {name: train.get(name) for name in WEIGHT_FIELDS}}
+    return {"fingerprint": fingerprint, "train": {name: train.get(name) for name in TrainConfig.weight_fields()}}
 
 
 def identity_differences(saved: Mapping[str, Any], wanted: Mapping[str, Any]) -> list[str]:
@@ -156,7 +138,7 @@ def identity_differences(saved: Mapping[str, Any], wanted: Mapping[str, Any]) ->
     problems = []
     if saved["fingerprint"] != wanted["fingerprint"]:
         problems.append(f"dataset fingerprint {saved['fingerprint']!r} != {wanted['fingerprint']!r}")
-    for name in WEIGHT_FIELDS:
+    for name in TrainConfig.weight_fields():
         if saved["train"].get(name) != wanted["train"].get(name):
             problems.append(f"train.{name} {saved['train'].get(name)!r} != {wanted['train'].get(name)!r}")
     return problems

@@ -17,8 +17,9 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -26,6 +27,25 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 class ConfigError(ValueError):
     """A user's configuration is wrong; the message names the field."""
+
+
+@dataclass(frozen=True)
+class WeightsEffect:
+    """Declared on every train field: whether it changes the trained weights.
+
+    The fields that do, with the data's fingerprint, are a training's identity
+    (training/checkpoint.py: ``training_identity``): a run resumes only a checkpoint of the
+    same identity, and ``train.skip_if_unchanged`` compares it with the champion's. The
+    others (timeouts, restarts, threads, paths, launcher, progress...) may change between
+    attempts of one training.
+    """
+
+    changes_weights: bool
+
+
+_T = TypeVar("_T")
+ChangesWeights = Annotated[_T, WeightsEffect(True)]  # part of the training identity
+KeepsWeights = Annotated[_T, WeightsEffect(False)]  # may change between attempts of one training
 
 
 class _Section(BaseModel):
@@ -76,57 +96,65 @@ class DataConfig(_Section):
 
 
 class TrainConfig(_Section):
-    epochs: int = Field(5, ge=1)
-    batch_size: int = Field(512, ge=1, description="Per rank.")
-    lr: float = Field(1e-3, gt=0)
-    weight_decay: float = Field(0.01, ge=0)
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    grad_clip: float | None = Field(None, gt=0, description="Max global grad norm; none disables clipping.")
-    grad_accum: int = Field(
+    epochs: ChangesWeights[int] = Field(5, ge=1)
+    batch_size: ChangesWeights[int] = Field(512, ge=1, description="Per rank.")
+    lr: ChangesWeights[float] = Field(1e-3, gt=0)
+    weight_decay: ChangesWeights[float] = Field(0.01, ge=0)
+    lr_schedule: ChangesWeights[Literal["constant", "cosine"]] = "constant"
+    grad_clip: ChangesWeights[float | None] = Field(
+        None, gt=0, description="Max global grad norm; none disables clipping."
+    )
+    grad_accum: ChangesWeights[int] = Field(
         1, ge=1, description="Micro-batches per optimizer step (no_sync accumulation); changes the effective batch."
     )
-    seed: int = 0
-    model: str = Field(
+    seed: ChangesWeights[int] = 0
+    model: ChangesWeights[str] = Field(
         "mlp",
         description="'mlp' or a user factory 'package.module:factory' called as "
         "factory(n_features, n_outputs, **model_kwargs).",
     )
-    model_kwargs: dict[str, Any] = Field(default_factory=dict)
-    nproc_per_node: int | Literal["auto"] = Field(
+    model_kwargs: ChangesWeights[dict[str, Any]] = Field(default_factory=dict)
+    nproc_per_node: ChangesWeights[int | Literal["auto"]] = Field(
         "auto", description="Ranks per node; auto: one per GPU, or 1 on CPU (see docs)."
     )
-    launcher: Literal["local", "slurm"] = Field(
+    launcher: KeepsWeights[Literal["local", "slurm"]] = Field(
         "local",
         description="local: torchrun on this machine (several nodes: the same flow on each, node_rank apart); "
         "slurm: one batch job of nnodes nodes through sbatch (see the slurm section and docs/slurm.md).",
     )
-    nnodes: int = Field(1, ge=1, description="Nodes; with launcher slurm, the job's node count.")
-    node_rank: int = Field(0, ge=0)
-    rdzv_endpoint: str | None = Field(
+    nnodes: ChangesWeights[int] = Field(1, ge=1, description="Nodes; with launcher slurm, the job's node count.")
+    node_rank: KeepsWeights[int] = Field(0, ge=0)
+    rdzv_endpoint: KeepsWeights[str | None] = Field(
         None, description="host:port of the c10d rendezvous, required when nnodes > 1 (launcher local)."
     )
-    rdzv_id: str | None = None
-    backend: Literal["auto", "nccl", "gloo"] = "auto"
-    max_restarts: int = Field(1, ge=0, description="torchrun restarts of the worker group; each resumes from last.pt.")
-    timeout_s: float = Field(
+    rdzv_id: KeepsWeights[str | None] = None
+    backend: KeepsWeights[Literal["auto", "nccl", "gloo"]] = "auto"
+    max_restarts: KeepsWeights[int] = Field(
+        1, ge=0, description="torchrun restarts of the worker group; each resumes from last.pt."
+    )
+    timeout_s: KeepsWeights[float] = Field(
         3600.0, gt=0, description="Wall-clock limit for the whole torchrun launch, enforced by the task."
     )
-    collective_timeout_s: float = Field(
+    collective_timeout_s: KeepsWeights[float] = Field(
         300.0, gt=0, description="Process-group timeout: a stalled collective fails after this."
     )
-    checkpoint_timeout_s: float = Field(
+    checkpoint_timeout_s: KeepsWeights[float] = Field(
         1800.0,
         gt=0,
         description="How long the other ranks wait for rank 0 to write a checkpoint (apart from collective_timeout_s).",
     )
-    stall_timeout_s: float | None = Field(
+    stall_timeout_s: KeepsWeights[float | None] = Field(
         None, gt=0, description="Kill the run when no rank-0 output arrives for this long."
     )
-    run_root: str = Field("runs", description="Every run gets its own directory under here.")
-    init_from: str | None = Field(None, description="Warm start: 'champion' (the registry alias) or a model.pt path.")
-    num_threads: int | None = Field(None, ge=1, description="Torch threads per rank; default cores // local ranks.")
-    cpu_affinity: bool = Field(True, description="Pin each CPU rank to its own cores.")
-    cpu_poll_allreduce: bool | Literal["auto"] = Field(
+    run_root: KeepsWeights[str] = Field("runs", description="Every run gets its own directory under here.")
+    init_from: KeepsWeights[str | None] = Field(
+        None, description="Warm start: 'champion' (the registry alias) or a model.pt path."
+    )
+    num_threads: KeepsWeights[int | None] = Field(
+        None, ge=1, description="Torch threads per rank; default cores // local ranks."
+    )
+    cpu_affinity: KeepsWeights[bool] = Field(True, description="Pin each CPU rank to its own cores.")
+    cpu_poll_allreduce: KeepsWeights[bool | Literal["auto"]] = Field(
         False,
         description="Opt-in: CPU ranks poll for the gradient all-reduce, yielding their core, instead of sleeping "
         "in it. It costs a core spun for up to 0.1 s every step, taken from a hyperthread sibling or from "
@@ -134,20 +162,29 @@ class TrainConfig(_Section):
         "true: every CPU rank; auto: only ranks pinned to cores of their own (train.cpu_affinity). Never on GPUs; "
         "the arithmetic is DDP's own either way.",
     )
-    bf16: bool = Field(True, description="bf16 autocast on CUDA.")
-    tf32: bool = Field(True, description="Allow TF32 matmuls on CUDA.")
-    pin_memory: bool = True
-    data_on_device: bool | Literal["auto"] = Field(
+    bf16: ChangesWeights[bool] = Field(True, description="bf16 autocast on CUDA.")
+    tf32: ChangesWeights[bool] = Field(True, description="Allow TF32 matmuls on CUDA.")
+    pin_memory: KeepsWeights[bool] = True
+    data_on_device: KeepsWeights[bool | Literal["auto"]] = Field(
         "auto",
         description="Copy the train and val splits to the GPU once and gather batches there; "
         "auto: when a split takes at most a quarter of the GPU memory free after the model (never on CPU).",
     )
-    progress_interval_s: float = Field(5.0, gt=0)
-    skip_if_unchanged: bool = Field(
+    progress_interval_s: KeepsWeights[float] = Field(5.0, gt=0)
+    skip_if_unchanged: KeepsWeights[bool] = Field(
         False,
         description="Skip training (no torchrun, no new model version; the MLflow run is tagged ddpflow.skipped) "
         "when @champion was trained on the same dataset fingerprint with the same weight-changing settings.",
     )
+
+    @classmethod
+    def weight_fields(cls) -> tuple[str, ...]:
+        """The fields declared ``ChangesWeights``, in order; TypeError naming any field declared neither way."""
+        effects = {name: _weights_effect(info.metadata) for name, info in cls.model_fields.items()}
+        undeclared = [name for name, effect in effects.items() if effect is None]
+        if undeclared:
+            raise TypeError(f"train fields {undeclared} declare neither ChangesWeights[...] nor KeepsWeights[...]")
+        return tuple(name for name, effect in effects.items() if effect.changes_weights)
 
     @model_validator(mode="after")
     def _multi_node_needs_rendezvous(self) -> TrainConfig:
@@ -178,6 +215,11 @@ class TrainConfig(_Section):
         if value != "mlp" and (":" not in value or not all(value.split(":", 1))):
             raise ValueError(f"{value!r} is neither 'mlp' nor an import path 'package.module:factory'")
         return value
+
+
+def _weights_effect(metadata: list[Any]) -> WeightsEffect | None:
+    effects = [item for item in metadata if isinstance(item, WeightsEffect)]
+    return effects[-1] if effects else None
 
 
 class EvalConfig(_Section):

@@ -1,12 +1,12 @@
 """Train on a Slurm cluster: the train stage's contract, through ``sbatch`` (plain Python, no Prefect).
 
-    result = run_training_on_slurm(config, dataset_dir, run_dir, on_line=print, on_job=record_job_id)
+    result = run_training_on_slurm(TrainRequest(config, dataset_dir, run_dir, on_line=print, on_job=record_job_id))
 
-The same contract as ``supervisor.run_training`` (the local backend): run the ranks to
-completion, stream every line to ``on_line`` in the calling thread, stop on cancellation,
-signals and ``train.timeout_s``, and end with a ``TrainResult`` or one of the same errors
-(``RankFailed`` with the root cause, ``LaunchTimeout``, ``LaunchStalled``, ``LaunchInterrupted``,
-``LaunchError``). A Kubernetes backend would be one more module with this signature.
+The train stage's contract (stage.py), as the local launcher (local.py) keeps it: run the ranks
+to completion, stream every line to ``request.on_line`` in the calling thread, stop on
+cancellation, signals and ``train.timeout_s``, and end with a ``TrainResult`` or one of the same
+errors (``RankFailed`` with the root cause, ``LaunchTimeout``, ``LaunchStalled``,
+``LaunchInterrupted``, ``LaunchError``). ``LAUNCHERS["slurm"]`` in stage.py.
 
 How:
   * preflight (slurm_commands.check_cluster): the commands answer, the partition exists;
@@ -35,7 +35,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -63,13 +63,11 @@ from ddpflow.launch.slurm_output import (
     read_end_record,
 )
 from ddpflow.launch.slurm_script import JobPaths, batch_script, sbatch_command
-from ddpflow.launch.supervisor import DEFAULT_GRACE_S, OutputLine, TrainResult, last_metrics, run_dir_lock
+from ddpflow.launch.stage import TrainRequest, TrainResult, check_request, finished_result, write_job
+from ddpflow.launch.supervisor import run_dir_lock
 from training.config import PipelineConfig
-from training.data.manifest import read_manifest
 from training.fileio import atomic_write_json, atomic_write_text
-from training.job import TrainJob
-from training.layout import CONFIG, FINAL_MODEL, METRICS, TRAIN_JOB, run_file
-from training.preflight import check_data, check_machine
+from training.layout import FINAL_MODEL
 from training.topology import RankLayout
 
 __all__ = ["SlurmLine", "has_unfinished_job", "run_training_on_slurm"]
@@ -80,32 +78,20 @@ _TICK_S = 0.2  # how often new output lines and the end record are looked for
 # ----------------------------------------------------------------------------- the train stage
 
 
-def run_training_on_slurm(
-    config: PipelineConfig,
-    dataset_dir: str | os.PathLike,
-    run_dir: str | os.PathLike,
-    *,
-    on_line: Callable[[OutputLine], None] = print,
-    on_start: Callable[[RankLayout, list[str]], None] | None = None,
-    layout: RankLayout | None = None,
-    tracking_uri: str | None = None,
-    init_weights: str | None = None,
-    grace_s: float = DEFAULT_GRACE_S,
-    should_cancel: Callable[[], str | None] | None = None,
-    cancel_check_s: float = 2.0,
-    on_job: Callable[[str], None] | None = None,
-) -> TrainResult:
-    """``supervisor.run_training``'s contract on Slurm; ``on_job(job_id)`` is told the job it submitted or found.
+def run_training_on_slurm(request: TrainRequest) -> TrainResult:
+    """The train stage's contract (stage.py) as one Slurm job.
 
-    ``on_start(layout, sbatch argv)`` is told just before a job is submitted (not when reattaching).
+    ``request.on_start(layout, sbatch argv)`` is told just before a job is submitted (not when
+    reattaching); ``request.on_job(job_id)`` the job it submitted or found.
     """
-    layout = check_machine(config) if layout is None else layout  # each node's ranks (slurm.gpus_per_node)
-    check_data(config, read_manifest(dataset_dir), layout)  # ConfigError naming the field; nothing submitted yet
+    config = request.config
+    layout = check_request(request)  # each node's ranks (slurm.gpus_per_node); ConfigError: nothing submitted
     check_cluster(config)  # SlurmSetupError: commands, partition, node count
-    run_path = Path(run_dir).resolve()
+    run_path = Path(request.run_dir).resolve()
     run_path.mkdir(parents=True, exist_ok=True)
     paths = JobPaths(run_path)
     started = time.monotonic()
+    on_line = request.on_line
     with run_dir_lock(run_path):
         previous = _RecordedJob.read(paths)
         if previous is not None and previous.completed_training:
@@ -118,32 +104,33 @@ def run_training_on_slurm(
         with follower.scancel_on_signals():
             try:
                 if job_id is None:
-                    argv = _write_job(config, paths, dataset_dir, layout, tracking_uri, init_weights, grace_s)
-                    if on_start is not None:
-                        on_start(layout, argv)
+                    argv = _write_job(request, paths, layout)
+                    if request.on_start is not None:
+                        request.on_start(layout, argv)
                     job_id = follower.submit(argv)
                 else:
                     follower.reattach(job_id)
-                if on_job is not None:
-                    on_job(job_id)
-                info = follower.follow(config, started, should_cancel, cancel_check_s)
+                if request.on_job is not None:
+                    request.on_job(job_id)
+                info = follower.follow(config, started, request.should_cancel, request.cancel_check_s)
             finally:
                 follower.stop_unless_ended()  # every way out before the job ended
         raise_unless_completed(config, paths, job_id, info, follower.stop_reason)
     return _train_result(run_path, paths, job_id)
 
 
-def _write_job(config, paths: JobPaths, dataset_dir, layout, tracking_uri, init_weights, grace_s) -> list[str]:
+def _write_job(request: TrainRequest, paths: JobPaths, layout: RankLayout) -> list[str]:
     """RUN_DIR/config.json, the TrainJob every rank reads, and the batch script; the sbatch argv."""
+    config = request.config
     if "%" in str(paths.folder):
         raise SlurmSetupError(f"train.run_root: Slurm reads % in output file names as a pattern: {paths.folder}")
-    config.write_json(run_file(paths.run_dir, CONFIG))
     # Absolute: the nodes' ranks start in the project root (--chdir), not where the flow runs.
-    dataset_dir = str(Path(dataset_dir).resolve())
-    job = TrainJob(config=config, dataset_dir=dataset_dir, run_dir=str(paths.run_dir), init_weights=init_weights)
-    job.write(run_file(paths.run_dir, TRAIN_JOB))
+    dataset_dir = str(Path(request.dataset_dir).resolve())
+    write_job(request, paths.run_dir, dataset_dir)
     # Only the variables ddpflow sets (base={}): the job inherits the rest from sbatch's environment.
-    env = launch_env(config, paths.run_dir, tracking_uri=tracking_uri, gpus=layout.gpus, grace_s=grace_s, base={})
+    env = launch_env(
+        config, paths.run_dir, tracking_uri=request.tracking_uri, gpus=layout.gpus, grace_s=request.grace_s, base={}
+    )
     paths.folder.mkdir(parents=True, exist_ok=True)
     atomic_write_text(paths.script, batch_script(config, paths, dataset_dir, layout, env), durable=False)
     return sbatch_command(config, paths, layout)
@@ -384,15 +371,12 @@ class _JobFollower:
 
 
 def _train_result(run_path: Path, paths: JobPaths, job_id: str | None) -> TrainResult:
-    model_path = run_file(run_path, FINAL_MODEL)
-    if not model_path.is_file():
-        raise RuntimeError(f"Slurm job {job_id} COMPLETED but wrote no {model_path}: training did not finish")
     restarts = 0
     if job_id is not None:
         for node_dir in paths.job_folder(job_id).glob("*/logs"):
             attempts = len(list(node_dir.glob(f"job-{job_id}_*/attempt_*")))
             restarts = max(restarts, attempts - 1)
-    return TrainResult(str(run_path), str(model_path), last_metrics(run_file(run_path, METRICS)), restarts)
+    return finished_result(run_path, restarts, ended=f"Slurm job {job_id} COMPLETED")
 
 
 def _now() -> str:

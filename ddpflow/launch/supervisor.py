@@ -1,12 +1,12 @@
 """Run torchrun and own its whole process tree until it ends (plain Python, no Prefect).
 
-    result = run_training(config, dataset_dir, run_dir, on_line=print)       # the train stage
     result = launch(argv, run_dir, env=env, on_line=print, timeout_s=3600)   # any torchrun argv
 
-``run_training`` is the train stage for every caller (the Prefect task, bench/):
-the data checks of the preflight, the job file, the argv and environment
-(command.py), ``launch``, and the result. ``launch`` starts torchrun, streams its
-lines to ``on_line`` in the calling thread, and stops the tree on every way out.
+This module only supervises processes: ``launch`` starts torchrun, streams its lines
+to ``on_line`` in the calling thread, enforces the timeouts and the stall watchdog,
+answers cancellation and signals, holds the run-dir lock, and stops the tree on
+every way out. The train stage around it (preflight, job file, result) is
+stage.py and the local launcher, local.py.
 
 Why the launcher must own the tree: torchrun starts every rank in its OWN
 session (``start_new_session=True`` in torch's SubprocessHandler), so killing
@@ -35,7 +35,6 @@ Why a launch failed: failure.py.
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import queue
 import re
@@ -47,18 +46,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from ddpflow.launch.command import ERROR_FILE, LOG_DIR, PROJECT_ROOT, launch_env, torchrun_command
+from ddpflow.launch.command import ERROR_FILE, LOG_DIR, PROJECT_ROOT
 from ddpflow.launch.failure import LaunchError, LaunchInterrupted, LaunchStalled, LaunchTimeout, failure_from_output
 from ddpflow.launch.process_tree import ProcessTree, chain_to_previous_handler, with_parent_death_signal
-from training.config import PipelineConfig
-from training.data.manifest import read_manifest
 from training.fileio import atomic_write_json
-from training.job import TrainJob
-from training.layout import CONFIG, FINAL_MODEL, METRICS, TRAIN_JOB, run_file
-from training.preflight import check_data, check_machine
-from training.topology import RankLayout
 
 PID_FILE = "torchrun.pid"
 LOCK_FILE = ".launch.lock"
@@ -68,75 +60,6 @@ DEFAULT_GRACE_S = 5.0  # SIGTERM -> SIGKILL
 _RANK_PREFIX = re.compile(r"^\[(?P<role>[A-Za-z_]*?)(?P<rank>\d+)\]:(?P<text>.*)$")
 _POLL_S = 0.2  # how often the wait loop checks exit, deadlines and cancellation
 _SCAN_S = 1.0  # how often the descendants are recorded
-
-
-# ----------------------------------------------------------------------------- the train stage
-
-
-@dataclass
-class TrainResult:
-    run_dir: str
-    model_path: str
-    metrics: dict[str, Any] = field(default_factory=dict)  # the last line of RUN_DIR/metrics.jsonl
-    restarts: int = 0  # torchrun worker-group restarts used by this launch
-
-
-def run_training(
-    config: PipelineConfig,
-    dataset_dir: str | os.PathLike,
-    run_dir: str | os.PathLike,
-    *,
-    on_line: Callable[[OutputLine], None] = print,
-    on_start: Callable[[RankLayout, list[str]], None] | None = None,
-    layout: RankLayout | None = None,
-    tracking_uri: str | None = None,
-    init_weights: str | None = None,
-    grace_s: float = DEFAULT_GRACE_S,
-    should_cancel: Callable[[], str | None] | None = None,
-    cancel_check_s: float = 2.0,
-) -> TrainResult:
-    """Train ``config`` on the prepared ``dataset_dir`` in ``run_dir``; raise a LaunchError naming why not.
-
-    ``layout``: what ``check_machine`` returned when the caller already ran it (the pipeline
-    does, before preparing data); None runs it here. Then the data checks, RUN_DIR/config.json
-    and the job every rank reads, and the launch, limited by ``train.timeout_s`` and
-    ``train.stall_timeout_s``. ``on_start(layout, argv)`` is told just before torchrun starts.
-    """
-    layout = check_machine(config) if layout is None else layout
-    check_data(config, read_manifest(dataset_dir), layout)  # ConfigError naming the field; nothing started yet
-    run_path = Path(run_dir)
-    config.write_json(run_file(run_path, CONFIG))
-    job = TrainJob(config=config, dataset_dir=str(dataset_dir), run_dir=str(run_path), init_weights=init_weights)
-    job_path = job.write(run_file(run_path, TRAIN_JOB))
-    argv = torchrun_command(config, job_path, gpus=layout.gpus)
-    env = launch_env(config, run_path, tracking_uri=tracking_uri, gpus=layout.gpus, grace_s=grace_s)
-    if on_start is not None:
-        on_start(layout, argv)
-    result = launch(
-        argv,
-        run_path,
-        env=env,
-        on_line=on_line,
-        timeout_s=config.train.timeout_s,
-        stall_timeout_s=config.train.stall_timeout_s,
-        grace_s=grace_s,
-        should_cancel=should_cancel,
-        cancel_check_s=cancel_check_s,
-    )
-    model_path = run_file(run_path, FINAL_MODEL)
-    if not model_path.is_file():
-        raise RuntimeError(f"torchrun exited 0 but wrote no {model_path}: training did not finish")
-    metrics = last_metrics(run_file(run_path, METRICS))
-    return TrainResult(run_dir=str(run_path), model_path=str(model_path), metrics=metrics, restarts=result.restarts)
-
-
-def last_metrics(path: Path) -> dict[str, Any]:
-    """The last JSON line of metrics.jsonl ({} when there is none)."""
-    try:
-        lines = [text for text in path.read_text().splitlines() if text.strip()]
-    except FileNotFoundError:
-        return {}
-    return json.loads(lines[-1]) if lines else {}
 
 
 # ----------------------------------------------------------------------------- output

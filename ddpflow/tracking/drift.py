@@ -2,6 +2,7 @@
 
     outcome = measure_drift(client, model_name, manifest)   # against the current @champion's training data
     log_drift(client, run_id, outcome, max_psi)             # drift/data_drift.png, data_drift_max_psi, ...
+    outcome = measure_and_log_drift(tracking_uri, model_name, manifest, run_id, max_psi)   # both, for the task
 
 The champion's training data is the ``data/manifest.json`` its MLflow run logged at
 start (``runs.py: TRAINING_DATA_ARTIFACT``), so drift survives the deletion of old
@@ -64,6 +65,16 @@ class DriftOutcome:
                 ],
             }
         return summary
+
+
+def measure_and_log_drift(
+    tracking_uri: str, model_name: str, manifest: Manifest, run_id: str, max_psi: float | None = None
+) -> DriftOutcome:
+    """``measure_drift`` then ``log_drift`` on the store at ``tracking_uri`` (models and runs in one store)."""
+    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    outcome = measure_drift(client, model_name, manifest)
+    log_drift(client, run_id, outcome, max_psi)
+    return outcome
 
 
 def measure_drift(client: MlflowClient, model_name: str, manifest: Manifest) -> DriftOutcome:

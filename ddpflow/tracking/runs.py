@@ -54,6 +54,10 @@ TRAINING_DATA_ARTIFACT = "data/manifest.json"
 TRAINING_IDENTITY_TAG = "ddpflow.training_identity"
 MODEL_PATH_TAG = "ddpflow.model_path"  # set with the evaluation: what `ddpflow register --run-id` needs
 DATASET_DIR_TAG = "ddpflow.dataset_dir"
+RUN_DIR_TAG = "ddpflow.run_dir"  # the run directory (checkpoints and logs), for people
+RESTARTS_TAG = "ddp.restarts"  # beside ddp.nnodes and ddp.world_size
+SLURM_JOB_TAG = "slurm.job_id"  # the Slurm job that trained (train.launcher: slurm)
+LOCAL_MLFLOW_UI = "http://127.0.0.1:5000"  # `mlflow ui --backend-store-uri sqlite:///...` serves here
 TERMINAL_STATUSES = ("FINISHED", "FAILED", "KILLED")
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -349,6 +353,13 @@ def end_pipeline_run(run_id: str, tracking_uri: str, status: str = "FINISHED") -
         logger.warning("could not mark MLflow run %s %s in %s: %s", run_id, status, tracking_uri, error)
 
 
+def tag_run(tracking_uri: str, run_id: str, tags: dict[str, str]) -> None:
+    """Set ``tags`` on the run (string values)."""
+    client = MlflowClient(tracking_uri=tracking_uri)
+    for key, value in tags.items():
+        client.set_tag(run_id, key, value)
+
+
 def read_run_config(client: MlflowClient, run_id: str) -> PipelineConfig:
     """The PipelineConfig that ``start_pipeline_run`` logged with the run."""
     with tempfile.TemporaryDirectory() as scratch:
@@ -389,6 +400,15 @@ def run_url(tracking_uri: str, run_id: str) -> str | None:
         return None
     experiment_id = MlflowClient(tracking_uri=tracking_uri).get_run(run_id).info.experiment_id
     return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+def ui_url(tracking_uri: str, run_id: str) -> str:
+    """The run's page: on the tracking server, or where `mlflow ui` serves a local store by default."""
+    url = run_url(tracking_uri, run_id)
+    if url:
+        return url
+    experiment_id = MlflowClient(tracking_uri=tracking_uri).get_run(run_id).info.experiment_id
+    return f"{LOCAL_MLFLOW_UI}/#/experiments/{experiment_id}/runs/{run_id}"
 
 
 def how_to_open(tracking_uri: str, run_id: str) -> str:

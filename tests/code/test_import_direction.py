@@ -1,8 +1,9 @@
 """Imports run one way, flows -> tasks -> ddpflow -> training; no work at import time.
 
 A rank must start without Prefect, MLflow's client or the launcher; the plain
-libraries in ddpflow/ must be usable (and testable) without Prefect; and the CLI
-is a leaf that nothing imports.
+libraries in ddpflow/ must be usable (and testable) without Prefect; the CLI
+is a leaf that nothing imports; and MLflow is called from ddpflow/tracking/ only
+(training/ may import it lazily, for the logged pyfunc model).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import pkgutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import ddpflow
 import training
@@ -78,3 +81,29 @@ def test_no_module_imports_the_cli():
             continue
         cli = sorted(name for name in imported_names(path) if name in ("flows.cli", "flows.cli.main"))
         assert cli == [], f"{path.relative_to(REPO)} imports the CLI ({cli}); the CLI calls plain functions, not back"
+
+
+def test_mlflow_is_imported_only_in_the_tracking_layer_and_the_rank_side_serving_model():
+    allowed = (REPO / "ddpflow" / "tracking", REPO / "training")
+    offenders = {}
+    for path in python_files(*PRODUCT_PACKAGES):
+        if any(path.is_relative_to(folder) for folder in allowed):
+            continue
+        mlflow = sorted(name for name in imported_names(path) if name.split(".")[0] == "mlflow")
+        if mlflow:
+            offenders[str(path.relative_to(REPO))] = mlflow
+    assert offenders == {}, f"call ddpflow/tracking/ instead of MLflow: {offenders}"
+
+
+def test_the_installed_package_holds_no_test_or_bench_code_and_needs_none():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    from setuptools import find_packages
+
+    find = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    shipped = find_packages(str(REPO), include=find["include"])
+    assert {"ddpflow.launch", "training.data", "flows", "tasks"} <= set(shipped)
+    assert [name for name in shipped if name.split(".")[0] in ("devtools", "bench", "tests")] == []
+    for path in python_files("flows", "tasks", "ddpflow", "training"):
+        dev = sorted(name for name in imported_names(path) if name.split(".")[0] in ("devtools", "bench", "tests"))
+        assert dev == [], f"{path.relative_to(REPO)} imports {dev}, which is not installed"

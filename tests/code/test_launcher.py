@@ -3,6 +3,7 @@ and the one rule for ranks and backend (training/topology.py) as every user of i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -12,8 +13,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-from launch_helpers import dummy_rank_argv, is_alive, make_manifest, still_alive
+from launch_helpers import DUMMY_RANK, dummy_rank_argv, is_alive, make_manifest, still_alive
 
+import ddpflow.launch.command
 from ddpflow.launch.command import launch_env, torchrun_command
 from ddpflow.launch.failure import LaunchStalled, LaunchTimeout, RankFailed, failure_from_output
 from ddpflow.launch.supervisor import launch
@@ -86,8 +88,28 @@ def test_the_preflight_the_argv_and_the_environment_resolve_ranks_alike(tmp_path
     assert layout.world_size == ranks * cfg.train.nnodes
     argv = torchrun_command(cfg, tmp_path / "job.json", gpus=gpus)  # what torchrun starts
     assert argv[argv.index("--nproc-per-node") + 1] == str(ranks)
-    threads = int(launch_env(cfg, tmp_path, gpus=gpus, base={})["OMP_NUM_THREADS"])  # each local rank's share
-    assert threads == max(1, topology.available_cores() // ranks)
+    assert_threads_share_the_cores(cfg, ranks, gpus, tmp_path)
+
+
+def assert_threads_share_the_cores(cfg: PipelineConfig, ranks: int, gpus: int, run_dir: Path) -> None:
+    """The node's ranks together use its cores: none oversubscribed (unless there are fewer cores than
+    ranks: one thread each), and no more than one rank's share left idle."""
+    threads = int(launch_env(cfg, run_dir, gpus=gpus, base={})["OMP_NUM_THREADS"])
+    cores = topology.available_cores()
+    assert threads >= 1
+    if cores >= ranks:
+        assert threads * ranks <= cores < (threads + 1) * ranks, (threads, ranks, cores)
+    else:
+        assert threads == 1
+
+
+@pytest.mark.parametrize("cores", [1, 2, 3, 8, 64])
+def test_each_local_rank_gets_its_share_of_the_cores_the_process_may_use(monkeypatch, tmp_path, cores):
+    """The share follows the cores this process may run on (affinity, cgroup), not the machine's count."""
+    monkeypatch.setattr(topology, "available_cores", lambda: cores)
+    monkeypatch.setattr(ddpflow.launch.command, "available_cores", lambda: cores)
+    for ranks in (1, 2, 4):
+        assert_threads_share_the_cores(config(nproc_per_node=ranks), ranks, 0, tmp_path)
 
 
 def test_more_gloo_ranks_than_gpus_are_rejected_before_they_start():
@@ -97,10 +119,11 @@ def test_more_gloo_ranks_than_gpus_are_rejected_before_they_start():
     assert check_machine(config(backend="gloo", nproc_per_node=2), gpus=2).nproc_per_node == 2
 
 
-def test_the_rank_resolves_its_backend_by_the_same_rule():
-    """training/distributed.py (the rank's side) gives what the launcher resolved on this machine."""
+def test_the_rank_resolves_its_backend_as_the_preflight_did_on_this_machine():
+    """training/distributed.py (the rank's side) starts the backend the launcher resolved, and refuses
+    NCCL without GPUs with the preflight's own message."""
     gpus = topology.visible_gpus()
-    assert distributed.resolve_backend("auto") == topology.resolve_ranks(config().train, gpus).backend
+    assert distributed.resolve_backend("auto") == ("nccl" if gpus else "gloo")
     assert distributed.resolve_backend("gloo") == "gloo"
     if gpus == 0:
         with pytest.raises(ConfigError, match=r"train\.backend: 'nccl' needs CUDA GPUs") as on_rank:
@@ -109,7 +132,7 @@ def test_the_rank_resolves_its_backend_by_the_same_rule():
             check_machine(config(backend="nccl"), gpus=gpus)
         assert str(on_rank.value) == str(in_preflight.value)
     else:
-        assert distributed.resolve_backend("nccl") == check_machine(config(backend="nccl"), gpus=gpus).backend
+        assert distributed.resolve_backend("nccl") == "nccl"
 
 
 # ----------------------------------------------------------------------------- preflight
@@ -136,6 +159,56 @@ def test_the_data_check_rejects_a_batch_larger_than_a_ranks_share(tmp_path):
     check_data(config(batch_size=500, nproc_per_node=2), manifest, two_ranks)  # fits: no error
     with pytest.raises(ConfigError, match=r"train\.model_kwargs"):
         check_data(config(batch_size=10, model_kwargs={"no_such_argument": 1}), manifest, two_ranks)
+
+
+# ----------------------------------------------------------------------------- the train stage's contract
+
+
+def test_every_train_launcher_choice_has_one_launcher_that_takes_the_request():
+    import inspect
+    import typing
+
+    from ddpflow.launch.stage import LAUNCHERS, TrainRequest, launcher_for
+    from training.config import TrainConfig
+
+    choices = typing.get_args(TrainConfig.model_fields["launcher"].annotation)
+    assert sorted(LAUNCHERS) == sorted(choices), "train.launcher's choices and LAUNCHERS must name the same launchers"
+    for name in choices:
+        launcher = launcher_for(config(launcher=name, nnodes=1))
+        [parameter] = inspect.signature(launcher).parameters.values()
+        assert parameter.annotation in (TrainRequest, "TrainRequest"), (name, parameter)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        TrainRequest(config(), "data", "run").run_dir = "elsewhere"
+
+
+def test_the_local_launcher_runs_the_request_and_tells_its_start(tmp_path, monkeypatch):
+    from ddpflow.launch.stage import TrainRequest, run_train_stage
+
+    monkeypatch.setattr(ddpflow.launch.command, "RANK_ENTRYPOINT", str(DUMMY_RANK))
+    started, lines = [], []
+    request = TrainRequest(
+        config(nproc_per_node=2, batch_size=10, epochs=2),
+        make_manifest(tmp_path / "fp123"),
+        tmp_path / "run",
+        on_line=lines.append,
+        on_start=lambda layout, argv: started.append((layout.world_size, argv)),
+    )
+    result = run_train_stage(request)
+    [(world_size, argv)] = started
+    assert world_size == 2 and argv[-2:] == ["--config", str(tmp_path / "run" / "train_config.json")]
+    assert result.metrics == {"epoch": 1, "val_loss": 0.5, "world_size": 2} and result.restarts == 0
+    assert result.model_path == str(tmp_path / "run" / "model.pt")
+    assert {line.rank for line in lines if line.text.endswith(" done")} == {0, 1}
+
+
+def test_a_launch_that_exits_0_without_a_model_is_not_a_result(tmp_path, monkeypatch):
+    from ddpflow.launch.stage import TrainRequest, run_train_stage
+
+    monkeypatch.setattr(ddpflow.launch.command, "RANK_ENTRYPOINT", str(DUMMY_RANK))
+    monkeypatch.setenv("DUMMY_RANK_MODE", "no-model")  # ends well, writes metrics.jsonl, no model.pt
+    request = TrainRequest(config(batch_size=10), make_manifest(tmp_path / "fp123"), tmp_path / "run", on_line=print)
+    with pytest.raises(RuntimeError, match=r"torchrun exited 0 but wrote no .*model\.pt: training did not finish"):
+        run_train_stage(request)
 
 
 # ----------------------------------------------------------------------------- launching

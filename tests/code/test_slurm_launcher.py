@@ -15,12 +15,13 @@ from pathlib import Path
 
 import pytest
 from launch_helpers import DUMMY_RANK, make_manifest
-from slurm_cluster import processes_mentioning, wait_until
+from slurm_cluster import processes_mentioning, skip_or_fail_in_ci, wait_until
 
 import ddpflow.launch.command
 from ddpflow.launch.failure import LaunchInterrupted, LaunchTimeout, RankFailed
-from ddpflow.launch.slurm import SlurmLine, run_training_on_slurm
+from ddpflow.launch.slurm import SlurmLine
 from ddpflow.launch.slurm_commands import SlurmSetupError
+from ddpflow.launch.stage import TrainRequest, TrainResult, run_train_stage
 from training.config import PipelineConfig
 
 pytestmark = pytest.mark.slow
@@ -44,6 +45,11 @@ def slurm_config(train: dict | None = None, slurm: dict | None = None) -> Pipeli
             "slurm": {"poll_interval_s": 0.5, **(slurm or {})},
         }
     )  # fmt: skip
+
+
+def train_on_slurm(config: PipelineConfig, dataset_dir: Path, run_dir: Path, **events) -> TrainResult:
+    """The train stage through the launcher registry, as the Prefect task runs it (train.launcher: slurm)."""
+    return run_train_stage(TrainRequest(config, dataset_dir, run_dir, **events))
 
 
 def jobs_of(cluster, run_dir: Path) -> list[str]:
@@ -73,7 +79,7 @@ def completed(slurm_cluster, tmp_path_factory):
     lines, jobs = [], []
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(ddpflow.launch.command, "RANK_ENTRYPOINT", str(DUMMY_RANK))
-        result = run_training_on_slurm(
+        result = train_on_slurm(
             slurm_config(), make_manifest(tmp / "fp123"), run_dir, on_line=lines.append, on_job=jobs.append
         )
     return run_dir, result, lines, jobs
@@ -82,7 +88,8 @@ def completed(slurm_cluster, tmp_path_factory):
 def test_a_two_node_job_completes_and_streams_every_rank_labelled_with_its_node(completed, slurm_cluster):
     run_dir, result, lines, jobs = completed
     assert result.model_path == str(run_dir / "model.pt") and Path(result.model_path).is_file()
-    assert result.metrics == {"epoch": 1, "val_loss": 0.5} and result.restarts == 0
+    # The stand-in's last epoch line (train.epochs=5), from rank 0 of a world of two nodes x one rank.
+    assert result.metrics == {"epoch": 4, "val_loss": 0.2, "world_size": 2} and result.restarts == 0
     [job_id] = jobs
     job = slurm_cluster.job(job_id)
     assert job["JobState"] == "COMPLETED" and job["NumNodes"] == "2" and job["NodeList"] == "n[1-2]", job
@@ -114,7 +121,7 @@ def test_the_job_is_recorded_in_the_run_directory_for_people_and_for_reattaching
 def test_a_run_directory_whose_job_completed_is_not_run_again(completed, slurm_cluster):
     run_dir, first, _, jobs = completed
     lines = []
-    again = run_training_on_slurm(slurm_config(), run_dir.parent / "fp123", run_dir, on_line=lines.append)
+    again = train_on_slurm(slurm_config(), run_dir.parent / "fp123", run_dir, on_line=lines.append)
     assert again.model_path == first.model_path
     assert jobs_of(slurm_cluster, run_dir) == jobs, "no second job"
     assert any("already COMPLETED" in line.text for line in lines)
@@ -126,7 +133,7 @@ def test_a_run_directory_whose_job_completed_is_not_run_again(completed, slurm_c
 def test_a_failing_rank_is_reported_with_its_node_rank_and_exception(slurm_cluster, stand_in_rank, tmp_path):
     stand_in_rank.setenv("DUMMY_RANK_MODE", "raise")  # rank 1 raises at its first step; sbatch passes the env on
     with pytest.raises(RankFailed) as failure:
-        run_training_on_slurm(slurm_config(), make_manifest(tmp_path / "fp123"), tmp_path / "run", on_line=print)
+        train_on_slurm(slurm_config(), make_manifest(tmp_path / "fp123"), tmp_path / "run", on_line=print)
     message = str(failure.value)
     assert failure.value.rank == 1 and failure.value.exitcode == 1
     assert "ended FAILED on n[1-2]: node n" in message, message
@@ -138,11 +145,11 @@ def test_a_node_that_cannot_see_the_dataset_stops_the_job_naming_the_node_and_th
     slurm_cluster, stand_in_rank, tmp_path
 ):
     if slurm_cluster.hidden_from_n2 is None:
-        pytest.skip("this machine cannot make the private mount namespace that hides a folder from n2")
+        skip_or_fail_in_ci("this machine cannot make the private mount namespace that hides a folder from n2")
     dataset = make_manifest(slurm_cluster.hidden_from_n2 / "fp-hidden")  # here and on n1, not on n2
     lines = []
     with pytest.raises(SlurmSetupError) as failure:
-        run_training_on_slurm(slurm_config(), dataset, tmp_path / "run", on_line=lines.append)
+        train_on_slurm(slurm_config(), dataset, tmp_path / "run", on_line=lines.append)
     message = str(failure.value)
     assert f"node n2 cannot see {dataset / 'manifest.json'}" in message, message
     assert "node n1" not in message and "shared filesystem" in message
@@ -165,7 +172,7 @@ def test_a_job_slurm_cannot_run_fails_before_anything_is_submitted(
     slurm_cluster, stand_in_rank, tmp_path, train, slurm, says
 ):
     with pytest.raises(SlurmSetupError) as failure:
-        run_training_on_slurm(slurm_config(train, slurm), make_manifest(tmp_path / "fp123"), tmp_path / "run")
+        train_on_slurm(slurm_config(train, slurm), make_manifest(tmp_path / "fp123"), tmp_path / "run")
     assert says in str(failure.value), str(failure.value)
     assert isinstance(failure.value, ValueError), "not retried: it would fail the same way"
     # (A submission sbatch refuses still leaves a FAILED record in Slurm: nothing of it ever ran.)
@@ -177,7 +184,7 @@ def test_missing_slurm_commands_are_named_before_anything_is_submitted(slurm_clu
     empty.mkdir()
     stand_in_rank.setenv("PATH", str(empty))
     with pytest.raises(SlurmSetupError, match=r"not found on PATH: sbatch, scontrol, scancel"):
-        run_training_on_slurm(slurm_config(), make_manifest(tmp_path / "fp123"), tmp_path / "run")
+        train_on_slurm(slurm_config(), make_manifest(tmp_path / "fp123"), tmp_path / "run")
     assert not (tmp_path / "run" / "slurm").exists()
 
 
@@ -189,7 +196,7 @@ def test_a_pending_reason_is_said_and_the_timeout_cancels_the_pending_job(slurm_
     config = slurm_config({"timeout_s": 4}, {"partition": "short", "time_limit": "00:05:00"})
     lines = []
     with pytest.raises(LaunchTimeout) as failure:
-        run_training_on_slurm(config, make_manifest(tmp_path / "fp123"), tmp_path / "run", on_line=lines.append)
+        train_on_slurm(config, make_manifest(tmp_path / "fp123"), tmp_path / "run", on_line=lines.append)
     message = str(failure.value)
     assert "train.timeout_s=4s while Slurm job" in message and "PENDING (PartitionTimeLimit" in message, message
     said = [line for line in lines if "is PENDING: PartitionTimeLimit" in line.text]
@@ -211,7 +218,7 @@ def test_cancellation_runs_scancel_and_nothing_of_the_job_is_left(slurm_cluster,
         return "flow run X was cancelled (Cancelling)" if started == {0, 1} else None
 
     with pytest.raises(LaunchInterrupted, match=r"flow run X was cancelled \(Cancelling\); cancelled Slurm job \d+"):
-        run_training_on_slurm(
+        train_on_slurm(
             slurm_config(), make_manifest(tmp_path / "fp123"), run_dir, on_line=on_line, should_cancel=cancelled,
             cancel_check_s=0.2,
         )  # fmt: skip
@@ -275,9 +282,7 @@ def test_a_killed_launcher_is_reattached_to_its_running_job_not_resubmitted(slur
     assert slurm_cluster.job(job_id)["JobState"] == "RUNNING", "the job does not depend on the launcher's process"
 
     lines, jobs = [], []
-    result = run_training_on_slurm(
-        slurm_config(), tmp_path / "fp123", run_dir, on_line=lines.append, on_job=jobs.append
-    )
+    result = train_on_slurm(slurm_config(), tmp_path / "fp123", run_dir, on_line=lines.append, on_job=jobs.append)
     assert jobs == [job_id] and jobs_of(slurm_cluster, run_dir) == [job_id], "no second job"
     assert any(f"reattached to job {job_id}" in line.text for line in lines)
     assert any(line.text == "rank 1 done" for line in lines), "the reattached launcher streams the job's lines"

@@ -18,7 +18,7 @@ from prefect import flow
 
 import ddpflow.launch.command
 from ddpflow.launch.failure import RankFailed
-from tasks.train import TrainResult, train_model
+from tasks.train import TrainRequest, TrainResult, train_model
 from training.config import PipelineConfig
 
 TRAIN_FLOW = Path(__file__).parent / "ranks" / "train_flow.py"
@@ -43,9 +43,8 @@ def train_flow(
     mlflow_run_id: str | None = None,
     tracking_uri: str | None = None,
 ) -> TrainResult:
-    return train_model(
-        config, dataset_dir, run_dir, mlflow_run_id=mlflow_run_id, tracking_uri=tracking_uri, kill_grace_s=2
-    )
+    request = TrainRequest(config, dataset_dir, run_dir, tracking_uri=tracking_uri, grace_s=2)
+    return train_model(request, mlflow_run_id=mlflow_run_id)
 
 
 def flow_logs(flow_run_id) -> list[str]:
@@ -59,13 +58,14 @@ def flow_logs(flow_run_id) -> list[str]:
 def test_train_model_writes_the_job_streams_rank_lines_and_returns_the_result(prefect_harness, stand_in_rank, tmp_path):
     dataset = make_manifest(tmp_path / "fp123")
     run_dir = tmp_path / "run"
-    state = train_flow(two_ranks(), str(dataset), str(run_dir), return_state=True)
+    state = train_flow(two_ranks(epochs=3), str(dataset), str(run_dir), return_state=True)
     result = state.result()
     assert result.model_path == str(run_dir / "model.pt") and Path(result.model_path).is_file()
-    assert result.metrics == {"epoch": 1, "val_loss": 0.5} and result.restarts == 0
+    # The stand-in's last epoch line (of train.epochs=3, from the job it read), as both ranks saw the world.
+    assert result.metrics == {"epoch": 2, "val_loss": 1 / 3, "world_size": 2} and result.restarts == 0
     job = json.loads((run_dir / "train_config.json").read_text())
     assert job["dataset_dir"] == str(dataset) and job["run_dir"] == str(run_dir)
-    assert PipelineConfig.model_validate_json((run_dir / "config.json").read_text()) == two_ranks()
+    assert PipelineConfig.model_validate_json((run_dir / "config.json").read_text()) == two_ranks(epochs=3)
     deadline = time.monotonic() + 20  # logs reach the API in batches
     while (
         not any("[rank 1] rank 1 done" in m for m in flow_logs(state.state_details.flow_run_id))
@@ -85,19 +85,20 @@ def test_epoch_metrics_reach_the_mlflow_run_from_the_task_and_no_rank_is_given_t
     run_id = client.create_run(client.create_experiment("follow", artifact_location=artifacts)).info.run_id
     run_dir = tmp_path / "run"
     state = train_flow(
-        two_ranks(), str(make_manifest(tmp_path / "fp123")), str(run_dir), run_id, uri, return_state=True
+        two_ranks(epochs=3), str(make_manifest(tmp_path / "fp123")), str(run_dir), run_id, uri, return_state=True
     )
     assert state.is_completed()
-    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "val_loss")] == [
-        (1, 0.5)
-    ]  # the stand-in's one epoch
-    deadline = time.monotonic() + 20  # logs reach the API in batches
-    while (
-        len(started := [m for m in flow_logs(state.state_details.flow_run_id) if " started pid=" in m]) < 2
-        and time.monotonic() < deadline
-    ):
-        time.sleep(0.5)
-    assert len(started) == 2, started
+    history = [(m.step, m.value) for m in client.get_metric_history(run_id, "val_loss")]
+    assert sorted(history) == [(0, 1.0), (1, 0.5), (2, 1 / 3)]  # every epoch the stand-in wrote, once
+    # The task's process mirrors metrics.jsonl; the ranks get the tracking URI, never the run.
+    envs = {path.stem: json.loads(path.read_text()) for path in (run_dir / "rank-env").glob("*.json")}
+    assert sorted(envs) == ["0", "1"]
+    for rank, env in envs.items():
+        assert env["MLFLOW_TRACKING_URI"] == uri, rank
+        assert [key for key in env if key.startswith("MLFLOW_") and key != "MLFLOW_TRACKING_URI"] == [], rank
+        assert [key for key, value in env.items() if run_id in value] == [], f"rank {rank} was given the run"
+    for given in ("train_config.json", "config.json"):
+        assert run_id not in (run_dir / given).read_text(), f"{given} names the run"
 
 
 def test_metrics_follower_logs_each_epoch_once_as_lines_land(tmp_path, mlflow_store):

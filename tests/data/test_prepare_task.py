@@ -47,16 +47,27 @@ def test_prepare_task_logs_and_publishes_an_artifact(prefect_harness, tmp_path):
 
 @pytest.mark.slow
 def test_prepare_task_fails_once_on_bad_input(prefect_harness, tmp_path):
+    """Bad input fails the same way every time: the task runs once, with no retry, and fails with the cause."""
     from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     from tasks.prepare import prepare_data
 
     config = load_config(None, [f"data.source={tmp_path / 'missing.parquet'}", f"data.root={tmp_path}"])
-    assert prepare_data.retries == 0
+    flow_runs = []
 
     @flow
     def prepare_only(config):
+        from prefect.runtime import flow_run
+
+        flow_runs.append(flow_run.id)
         return prepare_data(config)
 
     with pytest.raises(DataError, match="missing.parquet.*no such file"):
         prepare_only(config)
+    with get_client(sync_client=True) as client:
+        [task_run] = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=flow_runs)))
+        states = [state.name for state in client.read_task_run_states(task_run.id)]
+    assert task_run.run_count == 1 and states[-1] == "Failed", states
+    assert not {"AwaitingRetry", "Retrying"} & set(states), states

@@ -3,22 +3,16 @@
 from __future__ import annotations
 
 import io
-import socket
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from devtools.ports import free_port
 from training.data.prepare import DataError, prepare_dataset
 
 pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture
@@ -26,7 +20,7 @@ def s3_bucket(monkeypatch):
     """A fresh bucket on a local moto server; s3fs finds it through AWS_ENDPOINT_URL_S3."""
     import boto3
 
-    port = _free_port()
+    port = free_port()
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     endpoint = f"http://127.0.0.1:{port}"

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -31,18 +30,13 @@ from flow.test_run_cli import LiveRun, cli_env, write_config
 from mlflow import MlflowClient
 
 from ddpflow.watch import EVENT, variable_name
+from devtools.ports import free_port
 
 pytestmark = pytest.mark.slow
 
 MODEL_NAME = "ddpflow-e2e"
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 RUN_TIMEOUT_S = 420
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def ddpflow(*args: str, env: dict[str, str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
 from prefect.exceptions import ParameterTypeError
+
+from devtools.ports import free_port
 
 
 def nothing_ran(config) -> None:
@@ -39,16 +40,10 @@ def test_invalid_config_is_rejected_before_any_process_starts(prefect_harness, m
     nothing_ran(config)
 
 
-def closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]  # closed again when the socket is
-
-
 def test_unreachable_mlflow_fails_fast_before_preparing_or_training(prefect_harness, make_config, tmp_path):
     from flows.pipeline import train_pipeline
 
-    uri = f"http://127.0.0.1:{closed_port()}"
+    uri = f"http://127.0.0.1:{free_port()}"
     config = make_config(**{"mlflow.tracking_uri": uri})
     config["data"]["root"] = str(tmp_path / "shards")
     with pytest.raises(Exception) as failure:

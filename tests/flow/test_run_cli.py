@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +23,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from ddpflow import stack as local_stack
+from devtools.ports import free_port
 from training.log import TRAIN
 
 REPO = Path(__file__).resolve().parents[2]
@@ -160,12 +160,6 @@ class LiveRun:
 def project(tmp_path_factory) -> Path:
     """One project directory for the module: its Prefect database is created once, later servers start warm."""
     return tmp_path_factory.mktemp("project")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import socket
 import subprocess
 import sys
@@ -97,7 +96,7 @@ def test_down_never_signals_a_reused_pid(tmp_path: Path) -> None:
         bystander.wait()
 
 
-def test_status_without_a_stack(tmp_path: Path) -> None:
+def test_status_without_a_stack_says_where_it_looked(tmp_path: Path) -> None:
     summary = stack.status(tmp_path, state_dir=tmp_path)
-    assert summary["running"] is False
-    assert json.dumps(summary)
+    assert summary == {"running": False, "state": f"{tmp_path / 'stack.json'} (none)"}
+    assert not (tmp_path / "stack.json").exists(), "asking wrote nothing"

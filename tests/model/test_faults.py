@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from ddpflow.launch.failure import RankFailed
 from ddpflow.launch.supervisor import PID_FILE, launch
 from ddpflow.tracking.registry import RegistryUnavailable
 from ddpflow.tracking.runs import start_pipeline_run
+from devtools.ports import free_port
 from tasks.evaluate import evaluate_model
 from tasks.register import register_model
 from training.config import PipelineConfig
@@ -95,12 +95,6 @@ def test_a_hung_rank_fails_the_launch_through_the_collective_timeout_and_leaves_
 
 
 # ----------------------------------------------------------------------------- MLflow down at registration
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class MlflowServer:

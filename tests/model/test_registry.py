@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import socket
 from pathlib import Path
 
 import mlflow
@@ -26,6 +25,7 @@ from ddpflow.tracking.runs import (
     start_pipeline_run,
     use_tracking_uri,
 )
+from devtools.ports import free_port
 from training.config import PipelineConfig
 from training.data.manifest import read_manifest
 from training.evaluate import evaluate_split, load_model_checkpoint
@@ -293,14 +293,8 @@ def test_missing_gate_metric_is_a_clear_error(make_config, dataset_factory, mode
         pipeline(config, dataset, model_factory(dataset, steps=1))
 
 
-def free_loopback_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def test_unreachable_tracking_server_is_named():
-    uri = f"http://127.0.0.1:{free_loopback_port()}"  # bound, then released: nothing listens there
+    uri = f"http://127.0.0.1:{free_port()}"  # bound, then released: nothing listens there
     with pytest.raises(TrackingUnreachableError, match=uri.replace(".", r"\.")):
         check_tracking_reachable(uri, timeout_s=2)
 

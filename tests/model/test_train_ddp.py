@@ -17,7 +17,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from devtools.ports import free_port
 from training.config import PipelineConfig, load_config
 from training.data.manifest import Manifest, ShardInfo, SplitInfo, write_manifest
 from training.job import TrainJob
@@ -124,12 +124,6 @@ class Launch:
         passes = self.passes(rank, epoch)
         assert len(passes) == 1, f"rank {rank} completed epoch {epoch} {len(passes)} times"
         return passes[0]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def job_config(nproc: int = 2, max_restarts: int = 0, **train) -> PipelineConfig:

@@ -1,4 +1,4 @@
-"""Runs ddpflow.launch.slurm.run_training_on_slurm on the stand-in rank in its own process, for signal tests.
+"""Runs the Slurm launcher (ddpflow/launch/slurm.py) on the stand-in rank in its own process, for signal tests.
 
     run_slurm_launcher.py CONFIG_JSON DATASET_DIR RUN_DIR
 
@@ -19,6 +19,7 @@ from launch_helpers import DUMMY_RANK
 import ddpflow.launch.command
 from ddpflow.launch.failure import LaunchError
 from ddpflow.launch.slurm import run_training_on_slurm
+from ddpflow.launch.stage import TrainRequest
 from training.config import PipelineConfig
 
 ddpflow.launch.command.RANK_ENTRYPOINT = str(DUMMY_RANK)
@@ -28,13 +29,14 @@ def main() -> None:
     config_json, dataset_dir, run_dir = sys.argv[1:4]
     config = PipelineConfig.model_validate_json(Path(config_json).read_text())
     try:
-        run_training_on_slurm(
+        request = TrainRequest(
             config,
             dataset_dir,
             run_dir,
             on_line=lambda line: print(line, flush=True),
             on_job=lambda job_id: print(f"JOB {job_id}", flush=True),
         )
+        run_training_on_slurm(request)
     except LaunchError as error:
         print(f"LAUNCH-ERROR: {type(error).__name__}: {error}", flush=True)
         raise

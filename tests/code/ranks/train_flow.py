@@ -19,14 +19,14 @@ ddpflow.launch.command.RANK_ENTRYPOINT = str(DUMMY_RANK)
 
 from prefect import flow  # noqa: E402
 
-from tasks.train import train_model  # noqa: E402
+from tasks.train import TrainRequest, train_model  # noqa: E402
 from training.config import PipelineConfig  # noqa: E402
 
 
 @flow(name="train-stand-in")
 def train_stand_in(run_dir: str, dataset_dir: str):
     config = PipelineConfig.model_validate({"train": {"nproc_per_node": 2, "batch_size": 10}})
-    return train_model(config, dataset_dir, run_dir, kill_grace_s=3)
+    return train_model(TrainRequest(config, dataset_dir, run_dir, grace_s=3))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ Slurm's default of 3 s suits clusters that take many submissions a second). Both
 this machine's filesystem and address, except that ``n2`` runs in a private mount namespace where
 ``hidden_from_n2`` is an empty tmpfs: a path there exists here and on ``n1`` but not on ``n2``,
 which is how a node that does not see the shared filesystem looks. Nothing here is needed on a
-real cluster.
+real cluster, and it is not installed with ddpflow (devtools/ is for tests and bench/ only).
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from devtools.ports import free_ports
 
 DAEMONS = ("slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "scontrol", "scancel", "sinfo", "squeue")
@@ -136,17 +138,6 @@ def missing_requirements() -> list[str]:
     if os.geteuid() != 0:
         missing.append("root (slurmd runs as root)")
     return missing
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def can_hide_paths() -> bool:

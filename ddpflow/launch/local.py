@@ -1,0 +1,44 @@
+"""The local launcher: the train stage as torchrun on this machine (``train.launcher: local``).
+
+    result = run_training(TrainRequest(config, dataset_dir, run_dir, on_line=print))
+
+The preflight's data checks, RUN_DIR/config.json and the job every rank reads (stage.py),
+the torchrun argv and the ranks' environment (command.py), then supervisor.py's ``launch``
+(streaming, timeouts, stall watchdog, cancellation, signals, the run-dir lock), limited by
+``train.timeout_s`` and ``train.stall_timeout_s``; then the result.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ddpflow.launch.command import launch_env, torchrun_command
+from ddpflow.launch.stage import TrainRequest, TrainResult, check_request, finished_result, write_job
+from ddpflow.launch.supervisor import launch
+
+
+def run_training(request: TrainRequest) -> TrainResult:
+    """Train as ``request`` says, with torchrun here; raise a LaunchError naming why not.
+
+    ``request.on_start(layout, argv)`` is told just before torchrun starts.
+    """
+    config = request.config
+    layout = check_request(request)  # ConfigError naming the field; nothing started yet
+    run_dir = Path(request.run_dir)
+    job_path = write_job(request, run_dir, request.dataset_dir)
+    argv = torchrun_command(config, job_path, gpus=layout.gpus)
+    env = launch_env(config, run_dir, tracking_uri=request.tracking_uri, gpus=layout.gpus, grace_s=request.grace_s)
+    if request.on_start is not None:
+        request.on_start(layout, argv)
+    launched = launch(
+        argv,
+        run_dir,
+        env=env,
+        on_line=request.on_line,
+        timeout_s=config.train.timeout_s,
+        stall_timeout_s=config.train.stall_timeout_s,
+        grace_s=request.grace_s,
+        should_cancel=request.should_cancel,
+        cancel_check_s=request.cancel_check_s,
+    )
+    return finished_result(run_dir, launched.restarts, ended="torchrun exited 0")

@@ -1,0 +1,62 @@
+"""Which train fields are a training's identity (resume and skip), as each field declares it in training/config.py."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import pytest
+from pydantic import Field
+
+from ddpflow.tracking.runs import training_identity_tag
+from training.checkpoint import resume_mismatches, training_identity
+from training.config import ChangesWeights, KeepsWeights, PipelineConfig, TrainConfig
+
+
+def config(**train) -> PipelineConfig:
+    return PipelineConfig.model_validate({"train": train})
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("lr", 0.01), ("epochs", 7), ("seed", 3), ("model_kwargs", {"hidden": [8]}), ("nproc_per_node", 2)],
+)
+def test_a_setting_that_changes_the_weights_changes_the_identity(field, value):
+    assert training_identity(config(**{field: value}), "fp") != training_identity(config(), "fp")
+    assert training_identity_tag(config(**{field: value}), "fp") != training_identity_tag(config(), "fp")
+    saved = {"config": config(**{field: value}).model_dump(mode="json"), "fingerprint": "fp"}  # a checkpoint's
+    assert [problem.split(" ")[0] for problem in resume_mismatches(saved, config(), "fp")] == [f"train.{field}"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("progress_interval_s", 1.0), ("timeout_s", 60.0), ("max_restarts", 3), ("run_root", "elsewhere")],
+)
+def test_a_setting_that_keeps_the_weights_leaves_the_identity(field, value):
+    assert training_identity(config(**{field: value}), "fp") == training_identity(config(), "fp")
+    saved = {"config": config(**{field: value}).model_dump(mode="json"), "fingerprint": "fp"}  # a checkpoint's
+    assert resume_mismatches(saved, config(), "fp") == []
+
+
+def test_the_identity_of_runs_recorded_before_stays_the_same():
+    """The tag on existing runs and model versions (skip_if_unchanged compares it): a lost or added
+    ChangesWeights declaration changes these hashes, and every champion would stop matching."""
+    assert training_identity_tag(PipelineConfig(), "fp0") == "aba5fe4681d3c94b"
+    changed = config(lr=0.01, model_kwargs={"hidden": [8]}, nproc_per_node=2)
+    assert training_identity_tag(changed, "fp1") == "c6294b16f1623240"
+
+
+def test_every_train_field_is_declared_one_way_or_the_other():
+    weights = TrainConfig.weight_fields()  # raises TypeError for a field declared neither way
+    assert {"lr", "epochs", "model"} <= set(weights) and "progress_interval_s" not in weights
+
+    class WithAnUndeclaredField(TrainConfig):
+        new_knob: Literal["a", "b"] = Field("a")
+
+    with pytest.raises(TypeError, match=r"\['new_knob'\] declare neither"):
+        WithAnUndeclaredField.weight_fields()
+
+    class Declared(TrainConfig):
+        new_weight: ChangesWeights[int] = 1
+        new_timeout: KeepsWeights[float] = 1.0
+
+    assert Declared.weight_fields() == (*weights, "new_weight")
