@@ -26,6 +26,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(Path(__file__).parent))
 from slurm_cluster import slurm_cluster  # noqa: E402, F401
 
+# The marks torchrun, server and slurm, the guard that keeps them true, --reverse-modules.
+pytest_plugins = ["suite_marks"]
+
 
 @pytest.fixture(scope="session")
 def repo_root() -> Path:

@@ -23,7 +23,7 @@ from ddpflow.launch.slurm import SlurmLine, run_training_on_slurm
 from ddpflow.launch.slurm_commands import SlurmSetupError
 from training.config import PipelineConfig
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.torchrun
 RUN_SLURM_LAUNCHER = Path(__file__).parent / "ranks" / "run_slurm_launcher.py"
 
 

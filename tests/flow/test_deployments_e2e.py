@@ -32,7 +32,7 @@ from mlflow import MlflowClient
 
 from ddpflow.watch import EVENT, variable_name
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.server, pytest.mark.torchrun]  # the stack; its runs train
 
 MODEL_NAME = "ddpflow-e2e"
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}

@@ -12,7 +12,7 @@ from mlflow.tracking import MlflowClient
 
 from training.layout import EVAL_METRICS, FINAL_MODEL, METRICS, TRAIN_JOB
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.torchrun
 
 
 @pytest.fixture(scope="module")

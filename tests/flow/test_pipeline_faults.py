@@ -16,7 +16,7 @@ from mlflow.tracking import MlflowClient
 from training.data.errors import DataError
 from training.layout import FINAL_MODEL, LAST_CHECKPOINT, METRICS
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.torchrun
 
 # Helper B's fault hooks (training/faults.py). kill: rank 1 SIGKILLs itself at epoch 1,
 # step 2, once per run dir. raise: rank 1 raises there every time, a permanent error

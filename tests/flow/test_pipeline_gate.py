@@ -20,7 +20,7 @@ from mlflow.tracking import MlflowClient
 from ddpflow.tracking.gate import ChampionUnreadableError
 from ddpflow.tracking.registry import MODEL_PT_IN_MODEL
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.torchrun
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from training.config import ConfigError
 from training.data.manifest import read_manifest
 from training.layout import FINAL_MODEL
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.torchrun
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 

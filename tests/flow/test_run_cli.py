@@ -167,7 +167,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.mark.slow
+@pytest.mark.torchrun
+@pytest.mark.server  # a temporary Prefect server
 def test_run_and_register_use_a_temporary_server_and_leave_nothing_behind(make_config, project):
     """The normal way out; and a stack.json whose server is gone is passed over with one line."""
     prefect_home = project / ".ddpflow" / "prefect"
@@ -209,7 +210,8 @@ def test_run_with_a_bad_value_exits_2_with_the_field_on_the_last_line(tmp_path):
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.torchrun
+@pytest.mark.server  # a temporary Prefect server
 @pytest.mark.parametrize(
     ("signum", "status", "last_line"),
     [
@@ -251,7 +253,8 @@ import time; time.sleep(3600)
 """
 
 
-@pytest.mark.slow
+@pytest.mark.torchrun
+@pytest.mark.server  # a temporary Prefect server
 def test_the_parent_dying_stops_the_run_and_everything_it_started(make_config, project):
     """A wrapper (a script, a supervisor) SIGKILLed: the run gets SIGHUP from Linux and cleans up."""
     prefect_home = project / ".ddpflow" / "prefect"
