@@ -105,11 +105,18 @@ class Stack:
         return json.dumps({"overrides": overrides})
 
     def submit_manual_run(self, *extra: str) -> str:
+        """`prefect deployment run train-pipeline/manual`, as a user types it."""
         result = self.prefect("deployment", "run", "train-pipeline/manual", "--params", self.tiny_run_params(*extra))
         assert result.returncode == 0, result.stdout + result.stderr
         match = re.search(r"UUID:\s*([0-9a-f-]{36})", result.stdout)
         assert match, result.stdout
         return match.group(1)
+
+    def create_flow_run(self, deployment: str, parameters: dict[str, Any]) -> str:
+        """The flow run `prefect deployment run` creates, through the API: the worker runs it the same way, and no
+        CLI process (4-8 s of imports) starts. For tests whose subject is not the CLI."""
+        deployment_id = self.api("GET", f"/deployments/name/{deployment}")["id"]
+        return self.api("POST", f"/deployments/{deployment_id}/create_flow_run", json={"parameters": parameters})["id"]
 
     def wait_for_terminal(self, flow_run_ids: list[str], timeout_s: float = RUN_TIMEOUT_S) -> dict[str, dict[str, Any]]:
         deadline = time.monotonic() + timeout_s
@@ -291,13 +298,14 @@ def test_cancelling_a_worker_run_kills_every_process_and_keeps_the_champion(stac
     client = MlflowClient(tracking_uri=stack.mlflow_uri)
     champion_before = stack.champion_version()
     run_root = stack.tmp / "runs-cancelled"
-    flow_run_id = stack.submit_manual_run(
+    parameters = stack.tiny_run_params(
         "data.source=synthetic://classification?rows=20000&features=8&classes=3&seed=2",
         f"train.run_root={run_root}",
         "train.epochs=1000",  # far more than the test waits for: only the cancel can end it
         "train.nproc_per_node=2",
         "train.batch_size=64",
     )
+    flow_run_id = stack.create_flow_run("train-pipeline/manual", json.loads(parameters))
     run_dir, pids = wait_for_training(run_root)
     assert len(pids) >= 4, pids  # the flow-run process, torchrun, 2 ranks
 
@@ -351,10 +359,7 @@ def watched_config(running: Stack) -> Path:
 
 
 def run_watch(running: Stack, config_file: Path) -> dict[str, Any]:
-    params = json.dumps({"config_file": str(config_file)})
-    result = running.prefect("deployment", "run", "watch-data/every-10-minutes", "--params", params)
-    assert result.returncode == 0, result.stdout + result.stderr
-    flow_run_id = re.search(r"UUID:\s*([0-9a-f-]{36})", result.stdout).group(1)
+    flow_run_id = running.create_flow_run("watch-data/every-10-minutes", {"config_file": str(config_file)})
     run = running.wait_for_terminal([flow_run_id], timeout_s=240)[flow_run_id]
     assert run["state_type"] == "COMPLETED", (run["state_name"], running.log_tail("worker"))
     return run
@@ -428,7 +433,18 @@ def test_run_uses_the_projects_running_stack_and_starts_no_server(make_config, s
     project, prefect_api_url = stack.tmp, f"{stack.prefect_url}/api"
     config = make_config()
     run = LiveRun(
-        [sys.executable, "-m", "flows.cli", "run", "--config", write_config(project, config), "--json"],
+        # One epoch: what is checked is which server the run uses and what it starts.
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "run",
+            "--config",
+            write_config(project, config),
+            "--set",
+            "train.epochs=1",
+            "--json",
+        ],
         project,
         cli_env(),  # no PREFECT_API_URL
     )
