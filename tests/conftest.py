@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -29,18 +30,31 @@ if str(REPO_ROOT) not in sys.path:
 sys.path.append(str(Path(__file__).parent))
 from slurm_cluster import slurm_cluster  # noqa: E402, F401
 
+# The marks torchrun, server and slurm, the guard that keeps them true, --reverse-modules.
+pytest_plugins = ["suite_marks"]
+
 
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO_ROOT
 
 
+@pytest.fixture(scope="session")
+def _migrated_mlflow_db(tmp_path_factory) -> Path:
+    """An empty MLflow SQLite database with its schema migrated, made once per session."""
+    from mlflow import MlflowClient
+
+    path = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
+    MlflowClient(f"sqlite:///{path}").search_experiments()  # creates and migrates the tables
+    return path
+
+
 @pytest.fixture
-def mlflow_store(tmp_path):
-    """A real SQLite-backed MLflow store in a temp dir: (tracking_uri, artifact_root)."""
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    artifacts = (tmp_path / "mlartifacts").as_uri()
-    return uri, artifacts
+def mlflow_store(tmp_path, _migrated_mlflow_db):
+    """A real SQLite-backed MLflow store in a temp dir, (tracking_uri, artifact_root), started from a migrated
+    copy: a fresh migration costs seconds per test."""
+    shutil.copy(_migrated_mlflow_db, tmp_path / "mlflow.db")
+    return f"sqlite:///{tmp_path / 'mlflow.db'}", (tmp_path / "mlartifacts").as_uri()
 
 
 @pytest.fixture(scope="session")

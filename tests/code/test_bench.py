@@ -78,7 +78,6 @@ def test_an_only_run_rerenders_its_own_families_and_keeps_the_others_as_the_docs
     assert text.count("11.6 (11.5–11.7)") == 2 and "7 (6.95–7.05)" not in text  # its block and summary row kept
 
 
-@pytest.mark.slow
 def test_quick_run_measures_each_path_and_writes_results_and_docs(tmp_path, repo_root):
     out, docs = tmp_path / "results.json", tmp_path / "benchmarks.md"
     command = [

@@ -218,6 +218,7 @@ def torchrun_pid(run_dir: Path) -> int:
     return json.loads((run_dir / "torchrun.pid").read_text())["torchrun_pid"]
 
 
+@pytest.mark.torchrun
 def test_lines_stream_while_torchrun_runs_labelled_by_rank(tmp_path):
     seen = []
 
@@ -240,6 +241,7 @@ def test_lines_stream_while_torchrun_runs_labelled_by_rank(tmp_path):
     assert str(first_line).startswith(f"[rank {first_line.rank}] ")
 
 
+@pytest.mark.torchrun
 def test_a_rank_that_raises_fails_with_its_rank_exit_code_and_exception(tmp_path):
     with pytest.raises(RankFailed) as caught:
         launch(dummy_rank_argv(tmp_path, "--mode", "raise", "--fail-rank", "1"), tmp_path, on_line=lambda line: None)
@@ -248,12 +250,13 @@ def test_a_rank_that_raises_fails_with_its_rank_exit_code_and_exception(tmp_path
     assert "ValueError: dummy failure on rank 1" in str(error) and "rank 1" in str(error)
 
 
+@pytest.mark.torchrun
 def test_a_restart_is_counted_and_the_second_attempt_succeeds(tmp_path):
     result = launch(dummy_rank_argv(tmp_path, "--mode", "flaky", max_restarts=1), tmp_path, on_line=lambda line: None)
     assert result.returncode == 0 and result.restarts == 1
 
 
-@pytest.mark.slow
+@pytest.mark.torchrun
 def test_timeout_kills_the_tree_even_a_rank_that_ignores_sigterm(tmp_path):
     stubborn = []
     on_line = lambda line: stubborn.append(line.rank) if "ignores SIGTERM" in line.text else None  # noqa: E731
@@ -273,7 +276,7 @@ def test_timeout_kills_the_tree_even_a_rank_that_ignores_sigterm(tmp_path):
     assert "killed torchrun and its ranks" in str(caught.value)
 
 
-@pytest.mark.slow
+@pytest.mark.torchrun
 def test_stall_watchdog_kills_a_silent_run(tmp_path):
     # The ranks print, then go silent; 8 s also covers a slow, silent torchrun start-up.
     with pytest.raises(LaunchStalled, match=r"train\.stall_timeout_s=8s"):
@@ -329,7 +332,7 @@ def start_launcher(
     return proc, pids
 
 
-@pytest.mark.slow
+@pytest.mark.torchrun
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_to_the_launcher_kills_every_process_of_the_run(tmp_path, sig, leftovers):
     proc, pids = start_launcher(tmp_path, "--mode", "spawn", "--lines", "1", leftovers=leftovers)
@@ -340,7 +343,7 @@ def test_signal_to_the_launcher_kills_every_process_of_the_run(tmp_path, sig, le
     assert still_alive(pids) == [], output
 
 
-@pytest.mark.slow
+@pytest.mark.torchrun
 def test_sigkill_of_the_launcher_still_takes_torchrun_and_ranks_down(tmp_path, leftovers):
     """Prefect's worker escalates to SIGKILL: PR_SET_PDEATHSIG makes torchrun stop its ranks."""
     proc, pids = start_launcher(tmp_path, "--mode", "hang", "--lines", "1", leftovers=leftovers)
@@ -349,7 +352,7 @@ def test_sigkill_of_the_launcher_still_takes_torchrun_and_ranks_down(tmp_path, l
     assert still_alive(pids) == []
 
 
-@pytest.mark.slow
+@pytest.mark.torchrun
 def test_launcher_in_a_worker_thread_dies_with_its_process(tmp_path, leftovers):
     """No signal handler can be set off the main thread: SIGTERM kills the process, PDEATHSIG does the rest."""
     proc, pids = start_launcher(tmp_path, "--mode", "hang", "--lines", "1", thread="--thread", leftovers=leftovers)
@@ -358,7 +361,7 @@ def test_launcher_in_a_worker_thread_dies_with_its_process(tmp_path, leftovers):
     assert still_alive(pids) == []
 
 
-@pytest.mark.slow
+@pytest.mark.torchrun
 def test_launcher_in_a_worker_thread_stops_the_tree_when_the_main_thread_ends(tmp_path, leftovers):
     """Interpreter shutdown would wait for the worker thread (and torchrun) forever; the launcher notices it instead."""
     proc, pids = start_launcher(
@@ -369,6 +372,7 @@ def test_launcher_in_a_worker_thread_stops_the_tree_when_the_main_thread_ends(tm
     assert still_alive(pids) == []
 
 
+@pytest.mark.torchrun
 def test_an_nccl_watchdog_abort_is_reported_as_the_collective_timeout_of_the_cpu_path(tmp_path):
     """On GPUs a collective timeout kills the rank with SIGABRT and no Python exception: the launcher
     reads NCCL's watchdog text in the rank's log and names the setting and the rank, as on CPU."""

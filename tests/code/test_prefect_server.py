@@ -19,7 +19,7 @@ from ddpflow import stack
 from ddpflow.launch.process_tree import is_running, session_members
 from ddpflow.prefect_server import FROM_STACK, TEMPORARY, choose_server, start_temporary_server
 
-pytestmark = pytest.mark.slow  # each test starts a Prefect server: 5-15 s
+pytestmark = pytest.mark.server  # each test starts a Prefect server: 5-15 s
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -24,7 +24,7 @@ from ddpflow.launch.slurm_commands import SlurmSetupError
 from ddpflow.launch.stage import TrainRequest, TrainResult, run_train_stage
 from training.config import PipelineConfig
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.torchrun
 RUN_SLURM_LAUNCHER = Path(__file__).parent / "ranks" / "run_slurm_launcher.py"
 
 

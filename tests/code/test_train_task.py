@@ -142,7 +142,7 @@ def test_a_failing_rank_fails_the_task_with_its_exception_after_one_retry(prefec
     assert len(list((run_dir / "logs").iterdir())) == 2  # the first launch and the retry
 
 
-@pytest.mark.slow
+@pytest.mark.torchrun
 def test_cancelling_the_flow_run_through_the_api_kills_every_process_and_ends_cancelled(prefect_harness, tmp_path):
     """A flow in a plain process (no worker): cancel it via the API, as the UI does."""
     from prefect.client.orchestration import get_client
@@ -209,7 +209,7 @@ def flow_run_of(client, flow_name: str):
     return running[0].id
 
 
-@pytest.mark.slow
+@pytest.mark.torchrun
 def test_train_model_runs_the_real_rank_program(prefect_harness, tmp_path):
     """training.train under torchrun, on a tiny prepared dataset: model.pt and the last epoch's metrics come back."""
     from training.data.prepare import prepare_dataset
@@ -229,7 +229,7 @@ def test_train_model_runs_the_real_rank_program(prefect_harness, tmp_path):
     assert result.metrics["epoch"] == 0 and "val_loss" in result.metrics
 
 
-@pytest.mark.slow
+@pytest.mark.torchrun
 def test_sigterm_to_the_flow_process_kills_every_process_through_prefects_handler(prefect_harness, tmp_path):
     """Our handler runs first, then chains to Prefect's SIGTERM bridge: the run ends Crashed, no rank survives."""
     from prefect.client.orchestration import get_client

@@ -8,15 +8,19 @@ import subprocess
 import sys
 import time
 
+from waiting import wait_until
+
 from training.data.manifest import read_manifest
 from training.data.publish import make_temp_dir, publish, remove_stale_temp_dirs
 from training.layout import SPLITS
 
+# Each process says it is ready (pyarrow and prepare imported), then starts on the parent's "go".
 _PREPARE_WHEN_GO = """
 import json, sys, time
 from pathlib import Path
 from training.config import DataConfig
 from training.data.prepare import prepare_dataset
+Path(sys.argv[4]).touch()
 go = Path(sys.argv[1])
 while not go.exists():
     time.sleep(0.005)
@@ -30,19 +34,22 @@ def test_two_processes_prepare_one_copy(tmp_path, repo_root):
     source = "synthetic://classification?rows=60000&features=8&classes=3&seed=7"
     go = tmp_path / "go"
     env = {**os.environ, "PYTHONPATH": str(repo_root)}
+    ready = [tmp_path / f"ready-{number}" for number in range(2)]
     processes = [
         subprocess.Popen(
-            [sys.executable, "-c", _PREPARE_WHEN_GO, str(go), source, str(root)],
+            [sys.executable, "-c", _PREPARE_WHEN_GO, str(go), source, str(root), str(flag)],
             env=env,
             cwd=repo_root,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
-        for _ in range(2)
+        for flag in ready
     ]
-    time.sleep(1.5)  # both have imported pyarrow and are polling
-    go.touch()
+    try:
+        wait_until(lambda: all(flag.exists() for flag in ready), 120, "both processes to be ready", interval_s=0.05)
+    finally:
+        go.touch()  # also on a timeout: the processes end instead of polling forever
     results = []
     for process in processes:
         stdout, stderr = process.communicate(timeout=120)

@@ -10,7 +10,6 @@ from training.config import load_config
 from training.data.prepare import DataError
 
 
-@pytest.mark.slow
 def test_prepare_task_logs_and_publishes_an_artifact(prefect_harness, tmp_path):
     from prefect import flow
     from prefect.artifacts import Artifact
@@ -45,7 +44,6 @@ def test_prepare_task_logs_and_publishes_an_artifact(prefect_harness, tmp_path):
     assert [row["rows"] for row in table] == [first.manifest.rows(split) for split in ("train", "val", "test")]
 
 
-@pytest.mark.slow
 def test_prepare_task_fails_once_on_bad_input(prefect_harness, tmp_path):
     """Bad input fails the same way every time: the task runs once, with no retry, and fails with the cause."""
     from prefect import flow

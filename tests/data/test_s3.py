@@ -45,7 +45,7 @@ def _put_parquet(client, bucket: str, key: str, table: pa.Table) -> None:
     client.put_object(Bucket=bucket, Key=key, Body=buffer.getvalue())
 
 
-@pytest.mark.slow
+@pytest.mark.server  # moto's S3, on a thread
 def test_prepare_from_s3_prefix_and_object(s3_bucket, make_config, dh):
     client, bucket = s3_bucket
     _put_parquet(client, bucket, "raw/part-0.parquet", dh.numeric_table(rows=2000, start=0))
@@ -66,7 +66,7 @@ def test_prepare_from_s3_prefix_and_object(s3_bucket, make_config, dh):
     assert sum(single.summary()["rows"].values()) == 2000
 
 
-@pytest.mark.slow
+@pytest.mark.server  # moto's S3, on a thread
 def test_missing_s3_object_is_a_data_error(s3_bucket, make_config):
     _, bucket = s3_bucket
     with pytest.raises(DataError, match=rf"s3://{bucket}/nothing/here.parquet.*no such file"):

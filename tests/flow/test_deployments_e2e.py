@@ -28,11 +28,12 @@ import pytest
 import yaml
 from flow.test_run_cli import LiveRun, cli_env, write_config
 from mlflow import MlflowClient
+from waiting import wait_until
 
 from ddpflow.watch import EVENT, variable_name
 from devtools.ports import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.server, pytest.mark.torchrun]  # the stack; its runs train
 
 MODEL_NAME = "ddpflow-e2e"
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
@@ -98,11 +99,18 @@ class Stack:
         return json.dumps({"overrides": overrides})
 
     def submit_manual_run(self, *extra: str) -> str:
+        """`prefect deployment run train-pipeline/manual`, as a user types it."""
         result = self.prefect("deployment", "run", "train-pipeline/manual", "--params", self.tiny_run_params(*extra))
         assert result.returncode == 0, result.stdout + result.stderr
         match = re.search(r"UUID:\s*([0-9a-f-]{36})", result.stdout)
         assert match, result.stdout
         return match.group(1)
+
+    def create_flow_run(self, deployment: str, parameters: dict[str, Any]) -> str:
+        """The flow run `prefect deployment run` creates, through the API: the worker runs it the same way, and no
+        CLI process (4-8 s of imports) starts. For tests whose subject is not the CLI."""
+        deployment_id = self.api("GET", f"/deployments/name/{deployment}")["id"]
+        return self.api("POST", f"/deployments/{deployment_id}/create_flow_run", json={"parameters": parameters})["id"]
 
     def wait_for_terminal(self, flow_run_ids: list[str], timeout_s: float = RUN_TIMEOUT_S) -> dict[str, dict[str, Any]]:
         deadline = time.monotonic() + timeout_s
@@ -111,7 +119,7 @@ class Stack:
             runs = {run_id: self.api("GET", f"/flow_runs/{run_id}") for run_id in flow_run_ids}
             if all(run["state_type"] in TERMINAL for run in runs.values()):
                 return runs
-            time.sleep(2)
+            time.sleep(0.5)
         states = {run_id: (run["state_type"], run["state_name"]) for run_id, run in runs.items()}
         pytest.fail(f"flow runs not finished after {timeout_s} s: {states}; worker log: {self.log_tail('worker')}")
 
@@ -169,7 +177,32 @@ def stack(repo_root: Path, tmp_path_factory: pytest.TempPathFactory):
     try:
         yield running
     finally:
-        ddpflow("stack", "down", *running.stack_args, env=env, cwd=repo_root, timeout=120)
+        try:
+            stack_down_leaves_no_process_alive(running)
+        finally:
+            ddpflow("stack", "down", *running.stack_args, env=env, cwd=repo_root, timeout=120)  # a no-op if down
+
+
+def stack_down_leaves_no_process_alive(stack: Stack) -> None:
+    """`ddpflow stack down`, checked where it runs: at the end of the module, whatever order the tests ran in
+    (a failure here shows as an error at the last test's teardown)."""
+    pids = stack.recorded_pids()
+    assert set(pids) == {"prefect-server", "mlflow", "worker"}
+    # Children too (uvicorn/gunicorn workers, flow-run processes).
+    family = {pid: [c.pid for c in psutil.Process(pid).children(recursive=True)] for pid in pids.values()}
+    result = ddpflow("stack", "down", *stack.stack_args, "--json", env=stack.env, cwd=stack.repo, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert sorted(json.loads(result.stdout)["stopped"]) == ["mlflow", "prefect-server", "worker"]
+    survivors = [
+        pid
+        for parent, children in family.items()
+        for pid in (parent, *children)
+        if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    ]
+    assert survivors == []
+    assert not (stack.state_dir / "stack.json").exists()
+    status = json.loads(ddpflow("stack", "status", *stack.stack_args, "--json", env=stack.env, cwd=stack.repo).stdout)
+    assert status["running"] is False
 
 
 def test_deploy_all_creates_both_deployments_from_prefect_yaml(stack: Stack) -> None:
@@ -259,13 +292,14 @@ def test_cancelling_a_worker_run_kills_every_process_and_keeps_the_champion(stac
     client = MlflowClient(tracking_uri=stack.mlflow_uri)
     champion_before = stack.champion_version()
     run_root = stack.tmp / "runs-cancelled"
-    flow_run_id = stack.submit_manual_run(
+    parameters = stack.tiny_run_params(
         "data.source=synthetic://classification?rows=20000&features=8&classes=3&seed=2",
         f"train.run_root={run_root}",
         "train.epochs=1000",  # far more than the test waits for: only the cancel can end it
         "train.nproc_per_node=2",
         "train.batch_size=64",
     )
+    flow_run_id = stack.create_flow_run("train-pipeline/manual", json.loads(parameters))
     run_dir, pids = wait_for_training(run_root)
     assert len(pids) >= 4, pids  # the flow-run process, torchrun, 2 ranks
 
@@ -319,10 +353,7 @@ def watched_config(running: Stack) -> Path:
 
 
 def run_watch(running: Stack, config_file: Path) -> dict[str, Any]:
-    params = json.dumps({"config_file": str(config_file)})
-    result = running.prefect("deployment", "run", "watch-data/every-10-minutes", "--params", params)
-    assert result.returncode == 0, result.stdout + result.stderr
-    flow_run_id = re.search(r"UUID:\s*([0-9a-f-]{36})", result.stdout).group(1)
+    flow_run_id = running.create_flow_run("watch-data/every-10-minutes", {"config_file": str(config_file)})
     run = running.wait_for_terminal([flow_run_id], timeout_s=240)[flow_run_id]
     assert run["state_type"] == "COMPLETED", (run["state_name"], running.log_tail("worker"))
     return run
@@ -354,16 +385,18 @@ def test_new_data_starts_one_training_through_the_trigger_and_unchanged_data_non
     run_watch(stack, config_file)  # first look: recorded, nothing emitted
     first_seen = stack.api("GET", f"/variables/name/{variable}")["value"]
     run_watch(stack, config_file)  # unchanged: nothing emitted
-    time.sleep(10)  # an event would have reached the server and its trigger by now
-    assert changed_events(stack, source) == []
-    assert flow_runs_of(stack, on_new_data["id"]) == []
+    # The run saw "unchanged": it writes the variable only on a change (a first look or new data).
+    assert stack.api("GET", f"/variables/name/{variable}")["value"] == first_seen
+    # That it emitted nothing, and nothing was started, is checked below, once the appended rows' event has
+    # arrived and its training has finished: an event from this earlier run would have arrived by then too.
 
     write_rows(source, 50, seed=1)  # new rows land
     run_watch(stack, config_file)
-    deadline = time.monotonic() + TRIGGER_WAIT_S
-    while not (triggered := flow_runs_of(stack, on_new_data["id"])) and time.monotonic() < deadline:
-        time.sleep(2)
-    assert len(triggered) == 1, f"no training started by the trigger: {stack.log_tail('prefect-server')}"
+    try:
+        triggered = wait_until(lambda: flow_runs_of(stack, on_new_data["id"]), TRIGGER_WAIT_S, "the trigger's run")
+    except TimeoutError as error:
+        pytest.fail(f"{error}: no training started by the trigger: {stack.log_tail('prefect-server')}")
+    assert len(triggered) == 1, triggered
     training = stack.wait_for_terminal([triggered[0]["id"]], timeout_s=RUN_TIMEOUT_S)[triggered[0]["id"]]
     assert training["state_type"] == "COMPLETED", (training["state_name"], stack.log_tail("worker"))
     assert training["parameters"] == {"config_file": str(config_file), "overrides": []}
@@ -392,10 +425,20 @@ def test_run_uses_the_projects_running_stack_and_starts_no_server(make_config, s
     """`ddpflow run` in a project whose stack is up (its stack.json in <project>/.ddpflow) runs the flow on the
     stack's Prefect server and starts no server of its own."""
     project, prefect_api_url = stack.tmp, f"{stack.prefect_url}/api"
-    # Shards of its own: the session's shared cache stays cold for test_pipeline.py's first run (cache_hit False).
-    own_shards = make_config(**{"data.root": str(project / "run-shards")})
+    config = make_config()
     run = LiveRun(
-        [sys.executable, "-m", "flows.cli", "run", "--config", write_config(project, own_shards), "--json"],
+        # One epoch: what is checked is which server the run uses and what it starts.
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "run",
+            "--config",
+            write_config(project, config),
+            "--set",
+            "train.epochs=1",
+            "--json",
+        ],
         project,
         cli_env(),  # no PREFECT_API_URL
     )
@@ -450,23 +493,3 @@ def test_the_stack_listens_on_loopback_only(stack: Stack) -> None:
                 pass
     assert listening, "no listening socket found: the scan is broken"
     assert [entry for entry in listening if entry[1] not in ("127.0.0.1", "::1")] == []
-
-
-def test_stack_down_leaves_no_process_alive(stack: Stack) -> None:
-    pids = stack.recorded_pids()
-    assert set(pids) == {"prefect-server", "mlflow", "worker"}
-    # Children too (uvicorn/gunicorn workers, flow-run processes).
-    family = {pid: [c.pid for c in psutil.Process(pid).children(recursive=True)] for pid in pids.values()}
-    result = ddpflow("stack", "down", *stack.stack_args, "--json", env=stack.env, cwd=stack.repo, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert sorted(json.loads(result.stdout)["stopped"]) == ["mlflow", "prefect-server", "worker"]
-    survivors = [
-        pid
-        for parent, children in family.items()
-        for pid in (parent, *children)
-        if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    ]
-    assert survivors == []
-    assert not (stack.state_dir / "stack.json").exists()
-    status = json.loads(ddpflow("stack", "status", *stack.stack_args, "--json", env=stack.env, cwd=stack.repo).stdout)
-    assert status["running"] is False

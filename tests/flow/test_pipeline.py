@@ -12,17 +12,18 @@ from mlflow.tracking import MlflowClient
 
 from training.layout import EVAL_METRICS, FINAL_MODEL, METRICS, TRAIN_JOB
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.torchrun
 
 
 @pytest.fixture(scope="module")
-def two_runs(prefect_harness, make_config):
+def two_runs(prefect_harness, make_config, tmp_path_factory):
     """The same data twice: the second run hits the shard cache, starts from the
     first's weights (train.init_from: champion) and meets it at the gate, which it
-    cannot pass: no accuracy beats another by more than registry.min_delta=1."""
+    cannot pass: no accuracy beats another by more than registry.min_delta=1.
+    Shards of their own: the first run's cache miss holds whatever ran before."""
     from flows.pipeline import train_pipeline
 
-    config = make_config()
+    config = make_config(**{"data.root": str(tmp_path_factory.mktemp("pipeline-shards"))})
     first = train_pipeline(config=config)
     warm = copy.deepcopy(config)
     warm["train"]["init_from"] = "champion"

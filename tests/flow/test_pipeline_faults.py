@@ -11,12 +11,14 @@ import json
 from pathlib import Path
 
 import pytest
+from flow.flow_logs import flow_run_logs
 from mlflow.tracking import MlflowClient
 
 from training.data.errors import DataError
 from training.layout import FINAL_MODEL, LAST_CHECKPOINT, METRICS
+from training.metrics_sink import read_metrics_lines
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.torchrun
 
 # Helper B's fault hooks (training/faults.py). kill: rank 1 SIGKILLs itself at epoch 1,
 # step 2, once per run dir. raise: rank 1 raises there every time, a permanent error
@@ -93,11 +95,17 @@ def test_bad_data_fails_at_prepare_and_registers_nothing(champion_run, config, c
     assert champion_version(client, config) == str(champion_run["model_version"])
 
 
+def epoch_progress(epoch: int, epochs: int) -> str:
+    """What training/progress.py says on every line about 1-based ``epoch``: its steps and its end."""
+    return f"epoch {epoch}/{epochs} "
+
+
 def test_restarts_exhausted_fail_with_the_root_cause_then_the_same_config_resumes(champion_run, config, client):
     from flows.pipeline import train_pipeline
 
     fragile = copy.deepcopy(config)
     fragile["train"]["max_restarts"] = 0
+    epochs = fragile["train"]["epochs"]
     run_root = Path(config["train"]["run_root"]).resolve()
     dirs_before = set(run_root.iterdir())
 
@@ -113,6 +121,8 @@ def test_restarts_exhausted_fail_with_the_root_cause_then_the_same_config_resume
     failed_dir = failed_dirs.pop()
     assert (failed_dir / LAST_CHECKPOINT).is_file(), "the finished epoch's checkpoint stays on disk"
     assert not (failed_dir / FINAL_MODEL).exists()
+    before_fault = read_metrics_lines(failed_dir / METRICS)
+    assert [line["epoch"] for line in before_fault] == [0], "epoch 0 finished, the fault hit epoch 1"
     failed_run = max(runs_in(client, config), key=lambda run: run.info.start_time)
     assert failed_run.info.status == "FAILED"
     assert champion_version(client, config) == str(champion_run["model_version"]), (
@@ -122,3 +132,11 @@ def test_restarts_exhausted_fail_with_the_root_cause_then_the_same_config_resume
     resumed = train_pipeline(config=fragile)
     assert Path(resumed["run_dir"]) == failed_dir, "the same config resumes the unfinished run instead of starting over"
     assert (failed_dir / FINAL_MODEL).is_file()
+    # It started at the checkpointed epoch: the rank says so, and only the last epoch was trained.
+    resumed_line = f"resumed from {failed_dir / LAST_CHECKPOINT} after 1 epoch(s)"
+    logs = flow_run_logs(resumed["flow_run_id"], resumed_line, epoch_progress(epochs, epochs))
+    assert resumed_line in logs, logs[-3000:]
+    assert epoch_progress(epochs, epochs) in logs, logs[-3000:]
+    assert epoch_progress(1, epochs) not in logs, f"epoch 1 was trained again:\n{logs[-3000:]}"
+    after = read_metrics_lines(failed_dir / METRICS)
+    assert [line["epoch"] for line in after] == [0, 1] and after[0] == before_fault[0], after

@@ -2,7 +2,8 @@
 @champion, and the recovery command the error names works as written (`ddpflow register --run-id`).
 
 Real components: the session's Prefect test harness, 2 gloo ranks, the session's SQLite
-MLflow store, and the `ddpflow` CLI as a subprocess with its own temporary Prefect server.
+MLflow store, and the `ddpflow` CLI as a subprocess on the harness's server (PREFECT_API_URL: a
+temporary server of its own would cost 10-20 s; tests/flow/test_run_cli.py covers that one).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from mlflow.tracking import MlflowClient
 from ddpflow.tracking.gate import ChampionUnreadableError
 from ddpflow.tracking.registry import MODEL_PT_IN_MODEL
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.torchrun
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +59,8 @@ def test_an_unreadable_champion_fails_the_run_and_never_moves_the_champion(unrea
 
 
 def test_the_recovery_command_in_the_error_replaces_the_champion(unreadable, tmp_path):
+    from prefect.settings import get_current_settings
+
     config, client, first, message = unreadable
     name = config["registry"]["model_name"]
     command = message.rsplit("with this model: ", 1)[1]  # "MLFLOW_TRACKING_URI=... ddpflow register ... --set ..."
@@ -72,7 +75,8 @@ def test_the_recovery_command_in_the_error_replaces_the_champion(unreadable, tmp
             **{key: value for key, value in os.environ.items() if not key.startswith("PREFECT_")},
             "MLFLOW_TRACKING_URI": uri,
             "PYTHONPATH": str(repo),
-            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
+            "PREFECT_HOME": str(tmp_path / "prefect-home"),
+            "PREFECT_API_URL": str(get_current_settings().api.url),
         },
         capture_output=True,
         text=True,

@@ -29,7 +29,7 @@ from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 FEATURES = ["f0", "f1", "f2", "f3"]

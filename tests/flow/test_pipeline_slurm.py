@@ -25,7 +25,7 @@ from training.data.manifest import read_manifest
 from training.layout import FINAL_MODEL
 from training.log import TRAIN
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.torchrun
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 

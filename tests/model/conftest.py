@@ -13,7 +13,6 @@ looks like one from before target standardisation (raw scale).
 from __future__ import annotations
 
 import datetime as dt
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -145,20 +144,3 @@ def model_factory(tmp_path):
         return train_model_file(dataset_dir, tmp_path / "runs" / name / "model.pt", **kwargs)
 
     return factory
-
-
-@pytest.fixture(scope="session")
-def _migrated_mlflow_db(tmp_path_factory) -> Path:
-    """An empty MLflow SQLite database with its schema migrated, made once per session."""
-    from mlflow import MlflowClient
-
-    path = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
-    MlflowClient(f"sqlite:///{path}").search_experiments()  # creates and migrates the tables
-    return path
-
-
-@pytest.fixture
-def mlflow_store(tmp_path, _migrated_mlflow_db):
-    """tests/conftest.py's real SQLite store, started from a migrated copy: a fresh migration costs seconds per test."""
-    shutil.copy(_migrated_mlflow_db, tmp_path / "mlflow.db")
-    return f"sqlite:///{tmp_path / 'mlflow.db'}", (tmp_path / "mlartifacts").as_uri()

@@ -34,8 +34,6 @@ from training.config import PipelineConfig
 from training.data.manifest import read_manifest
 from training.job import TrainJob
 
-pytestmark = pytest.mark.slow
-
 COLLECTIVE_TIMEOUT_S = 10  # long enough for 2 ranks to start together on a busy machine
 
 
@@ -55,6 +53,7 @@ def alive(pid: int) -> bool:
 
 
 @pytest.mark.timeout(150)  # the guard: without the collective timeout this test would wait forever
+@pytest.mark.torchrun
 def test_a_hung_rank_fails_the_launch_through_the_collective_timeout_and_leaves_no_process(dataset_factory, tmp_path):
     """Rank 1 stops before step 2 (no collective); rank 0 waits in DDP's all-reduce until
     train.collective_timeout_s, fails naming the timeout, torchrun stops rank 1."""

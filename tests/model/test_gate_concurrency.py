@@ -16,7 +16,6 @@ import os
 import threading
 
 import model.test_gate as gate_tests  # its evaluated_run: what the pipeline has before registering
-import pytest
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
 
@@ -25,8 +24,6 @@ from ddpflow.tracking.registration import GateHooks, register_candidate
 from ddpflow.tracking.registry import find_alias
 from tasks.register import gate_lock, gate_lock_name
 from training.config import PipelineConfig
-
-pytestmark = pytest.mark.slow  # the Prefect test server (once per session)
 
 MODEL = "raced-model"
 WAIT_FOR_THE_OTHER_S = 5.0  # how long a registration holding the lock waits for the other to read @champion

@@ -144,7 +144,7 @@ def without_write_override():
 # --- torchrun -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.torchrun
 def test_three_ranks_build_the_cache_once_and_train_from_one_mapped_file(dataset, tmp_path):
     cache = tmp_path / "cache"
     result = launch(tmp_path / "run", dataset, 3, cache)
@@ -172,7 +172,7 @@ def test_three_ranks_build_the_cache_once_and_train_from_one_mapped_file(dataset
     assert sorted(path.name.split("-")[0] for path in (cache / manifest.fingerprint).glob("*.bin")) == ["train", "val"]
 
 
-@pytest.mark.slow
+@pytest.mark.torchrun
 def test_a_truncated_or_corrupt_cache_is_rebuilt_once_and_then_found_ready(dataset, tmp_path):
     cache, manifest = tmp_path / "cache", read_manifest(dataset)
     for split in ("train", "val"):
@@ -196,7 +196,7 @@ def test_a_truncated_or_corrupt_cache_is_rebuilt_once_and_then_found_ready(datas
     assert [m.how for m in again.mapped("train") + again.mapped("val")] == ["ready"] * 4
 
 
-@pytest.mark.slow
+@pytest.mark.torchrun
 def test_two_runs_starting_together_build_the_cache_once(dataset, tmp_path):
     cache = tmp_path / "cache"
     runs = [start(tmp_path / name, dataset, 2, cache) for name in ("a", "b")]
@@ -208,7 +208,7 @@ def test_two_runs_starting_together_build_the_cache_once(dataset, tmp_path):
         assert [m.how for m in mapped].count("built") == 1, [m.how for m in mapped]
 
 
-@pytest.mark.slow
+@pytest.mark.torchrun
 def test_a_read_only_cache_dir_stops_the_run_naming_the_setting(dataset, tmp_path):
     cache = tmp_path / "read-only"
     cache.mkdir()

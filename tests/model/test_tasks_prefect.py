@@ -16,8 +16,6 @@ from tasks.register import gate_lock_name, register_model
 from training.config import PipelineConfig
 from training.data.manifest import read_manifest
 
-pytestmark = pytest.mark.slow  # starts a Prefect server (once per session)
-
 
 def test_evaluate_then_register_under_prefect(prefect_harness, mlflow_store, dataset_factory, model_factory, tmp_path):
     uri, artifacts = mlflow_store

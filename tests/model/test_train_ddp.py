@@ -36,7 +36,7 @@ from training.data.manifest import Manifest, ShardInfo, SplitInfo, write_manifes
 from training.job import TrainJob
 from training.models import ModelSpec
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN_ROWS, VAL_ROWS, FEATURES, CLASSES = 1024, 201, 8, 3
