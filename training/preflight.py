@@ -10,9 +10,9 @@ These need the machine or the prepared data:
 import path that does not import. ``check_data``: a batch larger than a rank's
 share of the train split, a model that cannot be built for the data's shapes.
 The pipeline runs the first before preparing the data and the train stage
-(ddpflow/launch/supervisor.py: ``run_training``) the second, just before it
-starts torchrun; ``run_training`` runs ``check_machine`` itself only when its
-caller did not. Every error is a ConfigError (a ValueError) naming the field.
+(every launcher, through ddpflow/launch/stage.py: ``check_request``) the second,
+just before the ranks start; ``check_request`` runs ``check_machine`` itself only
+when the request carries no layout. Every error is a ConfigError (a ValueError) naming the field.
 """
 
 from __future__ import annotations

@@ -201,14 +201,14 @@ def test_the_local_launcher_runs_the_request_and_tells_its_start(tmp_path, monke
     assert {line.rank for line in lines if line.text.endswith(" done")} == {0, 1}
 
 
-def test_a_launch_that_exits_0_without_a_model_is_not_a_result(tmp_path, monkeypatch):
-    from ddpflow.launch.stage import TrainRequest, run_train_stage
+def test_a_launch_that_ended_well_without_a_model_is_not_a_result(tmp_path):
+    from ddpflow.launch.stage import finished_result
 
-    monkeypatch.setattr(ddpflow.launch.command, "RANK_ENTRYPOINT", str(DUMMY_RANK))
-    monkeypatch.setenv("DUMMY_RANK_MODE", "no-model")  # ends well, writes metrics.jsonl, no model.pt
-    request = TrainRequest(config(batch_size=10), make_manifest(tmp_path / "fp123"), tmp_path / "run", on_line=print)
+    (tmp_path / "metrics.jsonl").write_text('{"epoch": 0}\n')  # ranks that ended well, before model.pt
     with pytest.raises(RuntimeError, match=r"torchrun exited 0 but wrote no .*model\.pt: training did not finish"):
-        run_train_stage(request)
+        finished_result(tmp_path, restarts=0, ended="torchrun exited 0")
+    (tmp_path / "model.pt").write_bytes(b"weights")
+    assert finished_result(tmp_path, restarts=1, ended="torchrun exited 0").metrics == {"epoch": 0}
 
 
 # ----------------------------------------------------------------------------- launching

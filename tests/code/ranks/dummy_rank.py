@@ -1,12 +1,10 @@
 """A stand-in rank for launcher tests: prints, sleeps, raises, hangs or spawns children.
 
-    dummy_rank.py --mode ok|raise|flaky|hang|spawn|stubborn|nccl-timeout|no-model
-                  [--lines N] [--interval S] [--fail-rank R]
+    dummy_rank.py --mode ok|raise|flaky|hang|spawn|stubborn|nccl-timeout [--lines N] [--interval S] [--fail-rank R]
 
 nccl-timeout: the fail rank dies as NCCL's watchdog makes a rank die on a collective timeout
 (on stderr, the log text of a real rank that NCCL's watchdog aborted: nccl_watchdog_abort.log; then SIGABRT);
 the others stall, as the peer that never joined the collective would.
-no-model: as ok, but rank 0 writes no model.pt (a rank program that ends well without finishing).
 
 Defaults come from DUMMY_RANK_* environment variables, so the Prefect task (which always
 passes only ``--config RUN_DIR/train_config.json``) can drive it too. Run with --config, every
@@ -30,7 +28,7 @@ def main() -> None:
     parser.add_argument(
         "--mode",
         default=env("DUMMY_RANK_MODE", "ok"),
-        choices=["ok", "raise", "flaky", "hang", "spawn", "stubborn", "nccl-timeout", "no-model"],
+        choices=["ok", "raise", "flaky", "hang", "spawn", "stubborn", "nccl-timeout"],
     )
     parser.add_argument("--lines", type=int, default=int(env("DUMMY_RANK_LINES", "3")))
     parser.add_argument("--interval", type=float, default=float(env("DUMMY_RANK_INTERVAL", "0.1")))
@@ -67,11 +65,11 @@ def main() -> None:
     if args.mode in ("hang", "spawn", "stubborn", "nccl-timeout"):
         time.sleep(600)  # silent: only a kill ends it
     if args.config:
-        write_outputs(args.config, rank, model=args.mode != "no-model")
+        write_outputs(args.config, rank)
     print(f"rank {rank} done", flush=True)
 
 
-def write_outputs(config_path: str, rank: int, model: bool = True) -> None:
+def write_outputs(config_path: str, rank: int) -> None:
     """What a real run leaves, from the job: every rank its environment (RUN_DIR/rank-env/RANK.json, for the
     tests of what ranks are given); rank 0 one metrics line per train.epochs and a model.pt marker."""
     import json
@@ -88,8 +86,7 @@ def write_outputs(config_path: str, rank: int, model: bool = True) -> None:
         {"epoch": e, "val_loss": 1 / (e + 1), "world_size": world_size} for e in range(job["config"]["train"]["epochs"])
     ]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in epochs))
-    if model:
-        (run_dir / "model.pt").write_bytes(b"stand-in")
+    (run_dir / "model.pt").write_bytes(b"stand-in")
 
 
 if __name__ == "__main__":
