@@ -181,6 +181,7 @@ def test_every_train_launcher_choice_has_one_launcher_that_takes_the_request():
         TrainRequest(config(), "data", "run").run_dir = "elsewhere"
 
 
+@pytest.mark.torchrun
 def test_the_local_launcher_runs_the_request_and_tells_its_start(tmp_path, monkeypatch):
     from ddpflow.launch.stage import TrainRequest, run_train_stage
 
