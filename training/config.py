@@ -311,8 +311,9 @@ class RegistryConfig(_Section):
     def higher_is_better(self, task: str) -> bool:
         if self.greater_is_better is not None:
             return self.greater_is_better
-        metric = self.gate_metric(task)
-        return not any(word in metric for word in ("loss", "rmse", "mae", "error"))
+        from training.spec.directions import higher_is_better  # the one rule; torch-free
+
+        return higher_is_better(self.gate_metric(task))
 
 
 class MlflowConfig(_Section):

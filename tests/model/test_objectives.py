@@ -172,7 +172,7 @@ def test_an_objective_that_does_not_fit_is_named(overrides, manifest, message):
         build_objective(train(*overrides), manifest)
 
 
-USER_OBJECTIVES = '''
+USER_OBJECTIVES = """
 import torch
 from training.spec.objectives import Objective
 
@@ -203,7 +203,7 @@ def summed(n_classes):
 
 def not_an_objective(n_classes):
     return "mse"
-'''
+"""
 
 
 @pytest.fixture
