@@ -296,3 +296,29 @@ def test_roc_auc_is_the_known_answer_with_ties(scores, labels, auc):
 
 def test_roc_auc_is_undefined_for_one_class():
     assert math.isnan(roc_auc(np.array([0.2, 0.3]), np.array([1, 1])))
+
+
+# --- the preflight ----------------------------------------------------------------------------------------
+
+
+def test_the_preflight_names_an_objective_that_does_not_import_fit_or_return_one_loss_per_row(
+    dataset_factory, user_objectives
+):
+    from training.data.manifest import read_manifest
+    from training.preflight import check_data, check_machine
+
+    with pytest.raises(ConfigError, match="train.objective: cannot import module 'nowhere'"):
+        check_machine(load_config(None, ["train.objective=nowhere:make"]), gpus=0)
+    manifest = read_manifest(dataset_factory(n_classes=3, rows={"train": 200, "val": 20, "test": 20}))
+    small = ["train.batch_size=16"]
+    config = load_config(None, [*small, "train.objective=binary"])
+    with pytest.raises(ConfigError, match="'binary' needs a label of exactly 2 classes; this one has 3"):
+        check_data(config, manifest, check_machine(config, gpus=0))
+    config = load_config(None, [*small, f"train.objective={user_objectives}:summed"])
+    with pytest.raises(ConfigError, match=r"summed.per_row_loss failed on outputs of shape \(2, 3\)"):
+        check_data(config, manifest, check_machine(config, gpus=0))  # a value loss on 3 class logits
+    regression = read_manifest(dataset_factory(task="regression", rows={"train": 200, "val": 20, "test": 20}))
+    with pytest.raises(ConfigError, match=r"summed.per_row_loss returned shape \(\) .* shape \(2,\)"):
+        check_data(config, regression, check_machine(config, gpus=0))
+    fine = load_config(None, [*small, "train.class_weights={cat: 2.0}", "train.label_smoothing=0.1"])
+    check_data(fine, manifest, check_machine(fine, gpus=0))
