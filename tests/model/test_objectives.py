@@ -322,3 +322,21 @@ def test_the_preflight_names_an_objective_that_does_not_import_fit_or_return_one
         check_data(config, regression, check_machine(config, gpus=0))
     fine = load_config(None, [*small, "train.class_weights={cat: 2.0}", "train.label_smoothing=0.1"])
     check_data(fine, manifest, check_machine(fine, gpus=0))
+
+
+def test_prepare_records_the_train_splits_class_counts(tmp_path):
+    import pyarrow.parquet as pq
+
+    from training.data.prepare import prepare_dataset
+
+    data = load_config(
+        None,
+        ["data.source=synthetic://classification?rows=900&features=3&classes=3&seed=2", f"data.root={tmp_path}"],
+    ).data
+    prepared = prepare_dataset(data)
+    manifest = prepared.manifest
+    labels = np.concatenate(
+        [pq.read_table(path)["label"].to_numpy() for path in manifest.split_files(prepared.dataset_dir, "train")]
+    )
+    assert manifest.train_class_counts == np.bincount(labels, minlength=3).tolist()
+    assert sum(manifest.train_class_counts) == manifest.rows("train")
