@@ -159,11 +159,6 @@ class Multilabel(Objective):
     def tally(self, n_classes):
         return MultilabelTally(n_classes, self.per_row_loss)
 
-    def row_weights(self, labels):
-        if self.class_weights is not None:
-            raise ConfigError("train.class_weights: not defined for the multilabel objective")
-        return None
-
 
 class MeanSquaredError(Objective):
     name, label_kind, loss_scale_power = "mse", VALUE, 2
