@@ -26,7 +26,6 @@ from torch import nn
 from training.data.manifest import Manifest, read_manifest
 from training.models import ModelSpec, build_model
 from training.normalisation import Normaliser
-from training.spec.metrics import roc_auc
 from training.spec.objectives import Objective, objective_from_checkpoint
 
 # What a model.pt must hold (docs/architecture.md) to be evaluated or served.
@@ -162,8 +161,6 @@ class _ClassificationEvaluation:
         self.confusion = (
             torch.zeros(n_classes * n_classes, dtype=torch.int64) if n_classes <= CONFUSION_MAX_CLASSES else None
         )
-        self.scores: list[np.ndarray] | None = [] if objective.name == "binary" else None
-        self.positives: list[np.ndarray] = []
 
     def add(self, outputs: torch.Tensor, target: torch.Tensor, remap: torch.Tensor | None) -> torch.Tensor:
         target = target.long()
@@ -173,16 +170,11 @@ class _ClassificationEvaluation:
         predicted, probabilities = self.objective.decode(outputs)
         if self.confusion is not None:
             self.confusion += torch.bincount(target * self.n_classes + predicted, minlength=self.n_classes**2)
-        if self.scores is not None:
-            self.scores.append(outputs.float().reshape(-1).numpy())  # the logit: ranks as the probability does
-            self.positives.append((target == 1).numpy())
         return predicted
 
     def metrics(self, split: str, labels: list[Any]) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
         sums = self.tally.sums()
-        metrics = self.tally.metrics(sums, split)
-        if self.scores is not None:
-            metrics[f"{split}_roc_auc"] = roc_auc(np.concatenate(self.scores), np.concatenate(self.positives))
+        metrics = self.tally.metrics(sums, split, scored=self.tally.scored_rows())  # binary: ROC AUC
         precision, recall, support = self.tally.per_class(sums)
         per_class = {}
         for index, label in enumerate(labels):

@@ -30,6 +30,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -114,12 +115,21 @@ def weighted_losses(per_row: torch.Tensor, weights: torch.Tensor | None) -> torc
     return per_row if weights is None else per_row * weights
 
 
+@dataclass(frozen=True)
+class ValidationPass:
+    """One rank's share of validation: the tally's sums (all-reduced by the caller) and, where a metric ranks
+    rows (binary's ROC AUC), every row's score (gathered by the caller)."""
+
+    sums: torch.Tensor  # float64, on the device
+    scored: tuple | None = None  # (scores, is positive) numpy arrays; None: sums only
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module, split: SplitTensors, start: int, stop: int, batch_size: int, settings: StepSettings
-) -> torch.Tensor:
-    """The objective's tally sums (training/spec/metrics.py) over rows [start, stop) of ``split``: the caller
-    gives each rank a disjoint, unpadded slice and all-reduces the returned float64 vector.
+) -> ValidationPass:
+    """The objective's tally (training/spec/metrics.py) over rows [start, stop) of ``split``: the caller
+    gives each rank a disjoint, unpadded slice, all-reduces the sums and gathers the scored rows.
 
     ``model`` is the plain module (not DDP): ranks may run different numbers of
     batches here, and DDP's forward could enter a collective.
@@ -136,15 +146,21 @@ def evaluate(
             outputs = model(features)
         tally.add(outputs.float(), labels, objective.row_weights(labels))
     model.train(was_training)
-    return tally.sums().to(settings.device)
+    return ValidationPass(tally.sums().to(settings.device), tally.scored_rows())
 
 
-def validation_metrics(sums: list[float], settings: StepSettings, target_std: float = 1.0) -> dict[str, float]:
-    """``val_*`` from the all-reduced ``evaluate`` sums; losses on the target's original scale (``target_std``)."""
+def validation_metrics(
+    sums: list[float], settings: StepSettings, target_std: float = 1.0, scored: list[tuple] | None = None
+) -> dict[str, float]:
+    """``val_*`` from the all-reduced ``evaluate`` sums (and every rank's scored rows, in rank order, where the
+    objective ranks them); losses on the target's original scale (``target_std``)."""
     objective = settings.loss()
     tally = objective.tally(objective.n_classes)
     total = torch.tensor(sums, dtype=torch.float64)
     count = tally.rows(total)
     if count == 0:
         return {"val_samples": 0}
-    return {**tally.metrics(total, "val", target_std), "val_samples": count}
+    extra = {}
+    if scored is not None:  # every rank's rows: the rank metrics (ROC AUC) see the whole val split
+        extra["scored"] = tuple(np.concatenate(parts) for parts in zip(*scored))
+    return {**tally.metrics(total, "val", target_std, **extra), "val_samples": count}

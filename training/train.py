@@ -208,8 +208,9 @@ class Trainer:
                 f"epoch {epoch}: ranks trained on {int(samples)} rows, the train split has {manifest.rows('train')}"
             )
         start, stop = shard_range(manifest.rows("val"), ctx.rank, ctx.world_size)
-        val_sums = evaluate(self.model, self.val, start, stop, self.job.config.eval.batch_size, self.settings)
-        val = validation_metrics(ctx.all_reduce_sum(val_sums.unbind()), self.settings, target_std)
+        val_pass = evaluate(self.model, self.val, start, stop, self.job.config.eval.batch_size, self.settings)
+        scored = ctx.gather_objects(val_pass.scored) if val_pass.scored is not None else None  # binary: AUC
+        val = validation_metrics(ctx.all_reduce_sum(val_pass.sums.unbind()), self.settings, target_std, scored)
         if val["val_samples"] != manifest.rows("val"):
             raise RuntimeError(
                 f"epoch {epoch}: validation covered {val['val_samples']} rows, the val split has {manifest.rows('val')}"

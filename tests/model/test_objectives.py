@@ -340,3 +340,33 @@ def test_prepare_records_the_train_splits_class_counts(tmp_path):
     )
     assert manifest.train_class_counts == np.bincount(labels, minlength=3).tolist()
     assert sum(manifest.train_class_counts) == manifest.rows("train")
+
+
+@pytest.mark.parametrize("objective", [Binary(2), Softmax(3), make_objective("huber", "regression", None)])
+def test_validation_sharded_over_ranks_reports_what_one_pass_does(objective):
+    """Two ranks' slices of the val split, their sums added (the all-reduce) and scored rows gathered, give
+    the metrics of one pass over the whole split: ROC AUC included for binary."""
+    from training.loop import evaluate, validation_metrics
+
+    generator = torch.Generator().manual_seed(4)
+    classes = objective.n_classes or 0
+    labels = (
+        torch.randint(0, classes, (101,), generator=generator) if classes else torch.randn(101, generator=generator)
+    )
+    split = SplitTensors(torch.randn(101, 5, generator=generator), labels)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, objective.n_outputs(objective.n_classes))
+    settings = StepSettings("classification" if classes else "regression", torch.device("cpu"), objective=objective)
+    whole = evaluate(model, split, 0, 101, 16, settings)
+    shards = [evaluate(model, split, 0, 50, 16, settings), evaluate(model, split, 50, 101, 7, settings)]
+    gathered = [shard.scored for shard in shards] if whole.scored is not None else None
+    one = validation_metrics(whole.sums.tolist(), settings, 2.0, [whole.scored] if whole.scored else None)
+    two = validation_metrics((shards[0].sums + shards[1].sums).tolist(), settings, 2.0, gathered)
+    # Counts are exact; float32 outputs of other batch sizes differ in the last bits.
+    assert one == pytest.approx(two, rel=1e-6) and one["val_samples"] == 101
+    expected = {Binary: "val_roc_auc", Softmax: "val_macro_f1", Huber: "val_rmse"}[type(objective)]
+    assert expected in one
+    if isinstance(objective, Binary):
+        assert "val_roc_auc" in one and one["val_roc_auc"] == pytest.approx(
+            roc_auc(model(split.features).detach().reshape(-1).numpy(), (labels == 1).numpy())
+        )

@@ -18,7 +18,8 @@ Built-ins (``train.objective``):
 - ``softmax``: C outputs, a class index label; cross entropy (with ``train.label_smoothing``);
   metrics: loss, accuracy, macro-F1, log loss, top-5 accuracy above 10 classes.
 - ``binary``: ONE logit, the class index 0/1 of a 2-class label (index 1, the second label in sorted
-  order, is the positive class); BCE with logits; the same metrics, plus ROC AUC on the test split.
+  order, is the positive class); BCE with logits; the same metrics, plus ROC AUC (exact: every row's
+  score is kept and ranked).
 - ``multilabel``: C outputs, a sigmoid each, a multi-hot label; BCE AVERAGED over the C labels of the
   row (so the loss does not grow with C; as ``BCEWithLogitsLoss(reduction="mean")`` over ``[B, C]``);
   metrics: loss, micro-F1, macro-F1 (threshold 0.5), exact match.
@@ -139,7 +140,11 @@ class Binary(Objective):
         return (logits > 0).long(), torch.stack([1 - positive, positive], dim=1)
 
     def tally(self, n_classes):
-        return ClassTally(2, self.per_row_loss, self.per_row_loss, self.decode)
+        return ClassTally(2, self.per_row_loss, self.per_row_loss, self.decode, score=self.positive_score)
+
+    def positive_score(self, outputs):
+        """The row's logit for class 1: it ranks rows as its probability does (ROC AUC)."""
+        return outputs.float().reshape(len(outputs))
 
     def remap_outputs(self, outputs, remap):
         # One logit for class index 1: a model whose classes are the other way round scores the other class.
