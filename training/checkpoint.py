@@ -130,7 +130,12 @@ def training_identity(config: PipelineConfig | Mapping[str, Any], fingerprint: s
         train = config.train.model_dump(mode="json")
     else:
         train = dict(config.get("train") or {})
-    return {"fingerprint": fingerprint, "train": {name: train.get(name) for name in TrainConfig.weight_fields()}}
+    omitted = TrainConfig.identity_defaults()  # at its default (or absent: recorded before it existed): left out
+    fields = {name: train.get(name, omitted.get(name)) for name in TrainConfig.weight_fields()}
+    return {
+        "fingerprint": fingerprint,
+        "train": {name: value for name, value in fields.items() if name not in omitted or value != omitted[name]},
+    }
 
 
 def identity_differences(saved: Mapping[str, Any], wanted: Mapping[str, Any]) -> list[str]:

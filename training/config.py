@@ -41,11 +41,19 @@ class WeightsEffect:
     """
 
     changes_weights: bool
+    # A field added after identities were first recorded (on runs, model versions, last.pt): left out of
+    # the identity while it holds its default, so every identity recorded before it existed stays the same.
+    omitted_at_default: bool = False
 
 
 _T = TypeVar("_T")
 ChangesWeights = Annotated[_T, WeightsEffect(True)]  # part of the training identity
+# Part of the identity once set away from its default (a field added later: WeightsEffect.omitted_at_default).
+ChangesWeightsWhenSet = Annotated[_T, WeightsEffect(True, omitted_at_default=True)]
 KeepsWeights = Annotated[_T, WeightsEffect(False)]  # may change between attempts of one training
+
+
+OBJECTIVES = ("auto", "softmax", "binary", "multilabel", "mse", "huber")  # train.objective's built-in names
 
 
 class _Section(BaseModel):
@@ -114,6 +122,24 @@ class TrainConfig(_Section):
         "factory(n_features, n_outputs, **model_kwargs).",
     )
     model_kwargs: ChangesWeights[dict[str, Any]] = Field(default_factory=dict)
+    objective: ChangesWeightsWhenSet[str] = Field(
+        "auto",
+        description="The loss: auto (classification -> softmax, a list<string> label -> multilabel, regression -> "
+        "mse), softmax, binary, multilabel, mse, huber, or a user objective 'package.module:factory' "
+        "(docs/objectives.md).",
+    )
+    objective_kwargs: ChangesWeightsWhenSet[dict[str, Any]] = Field(
+        default_factory=dict, description="Passed to the objective: huber's delta; a user factory's keywords."
+    )
+    class_weights: ChangesWeightsWhenSet[Literal["none", "balanced"] | dict[str, float]] = Field(
+        "none",
+        description="Per-class loss weights (softmax, binary): none; balanced (n / (classes * count), from the "
+        "train split's class counts); or {label: weight}, 1 for classes not named. They weigh each row's loss "
+        "and the step's denominator alike, so the update stays exact.",
+    )
+    label_smoothing: ChangesWeightsWhenSet[float] = Field(
+        0.0, ge=0.0, lt=1.0, description="Cross-entropy label smoothing (softmax only)."
+    )
     nproc_per_node: ChangesWeights[int | Literal["auto"]] = Field(
         "auto", description="Ranks per node; auto: one per GPU, or 1 on CPU (see docs)."
     )
@@ -186,6 +212,15 @@ class TrainConfig(_Section):
             raise TypeError(f"train fields {undeclared} declare neither ChangesWeights[...] nor KeepsWeights[...]")
         return tuple(name for name, effect in effects.items() if effect.changes_weights)
 
+    @classmethod
+    def identity_defaults(cls) -> dict[str, Any]:
+        """The weight fields left out of the identity at their default (``ChangesWeightsWhenSet``): name -> default."""
+        return {
+            name: info.get_default(call_default_factory=True)
+            for name, info in cls.model_fields.items()
+            if (effect := _weights_effect(info.metadata)) is not None and effect.omitted_at_default
+        }
+
     @model_validator(mode="after")
     def _multi_node_needs_rendezvous(self) -> TrainConfig:
         if self.launcher == "slurm":
@@ -208,6 +243,29 @@ class TrainConfig(_Section):
         if isinstance(value, int) and value < 1:
             raise ValueError("must be >= 1 or 'auto'")
         return value
+
+    @field_validator("objective")
+    @classmethod
+    def _objective_name_or_import_path(cls, value: str) -> str:
+        if value not in OBJECTIVES and (":" not in value or not all(value.split(":", 1))):
+            raise ValueError(
+                f"{value!r} is neither one of {list(OBJECTIVES)} nor an import path 'package.module:factory'"
+            )
+        return value
+
+    @field_validator("class_weights", mode="before")
+    @classmethod
+    def _class_weights_by_label(cls, value: Any) -> Any:
+        if not isinstance(value, dict):
+            return value
+        # YAML reads a label 1 as a number: a class is named by its label's text (str of the label value).
+        weights = {str(label): weight for label, weight in value.items()}
+        bad = {
+            label: weight for label, weight in weights.items() if not (isinstance(weight, (int, float)) and weight > 0)
+        }
+        if bad:
+            raise ValueError(f"class weights must be positive numbers; got {bad}")
+        return weights
 
     @field_validator("model")
     @classmethod
@@ -253,8 +311,9 @@ class RegistryConfig(_Section):
     def higher_is_better(self, task: str) -> bool:
         if self.greater_is_better is not None:
             return self.greater_is_better
-        metric = self.gate_metric(task)
-        return not any(word in metric for word in ("loss", "rmse", "mae", "error"))
+        from training.spec.directions import higher_is_better  # the one rule; torch-free
+
+        return higher_is_better(self.gate_metric(task))
 
 
 class MlflowConfig(_Section):
