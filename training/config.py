@@ -179,7 +179,8 @@ class TrainConfig(_Section):
         "mlp",
         description="'mlp' (embeddings for categorical and hashed inputs), 'auto' (the built-in model for the "
         "inputs: mlp for tables) or a user factory 'package.module:factory' called as "
-        "factory(inputs, n_outputs, **model_kwargs) (docs/models.md; factory(n_features, n_outputs) for numeric inputs).",
+        "factory(inputs, n_outputs, **model_kwargs) (docs/models.md; the older factory(n_features, n_outputs) "
+        "takes numeric inputs).",
     )
     model_kwargs: ChangesWeights[dict[str, Any]] = Field(default_factory=dict)
     nproc_per_node: ChangesWeights[int | Literal["auto"]] = Field(

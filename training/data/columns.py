@@ -88,9 +88,7 @@ def plan_columns(schema: pa.Schema, data: DataConfig, where: str) -> ColumnPlan:
     else:
         inputs = {name: ("numeric", {}) for name in _features(schema, data, where)}
     features = [name for name, (kind, _options) in inputs.items() if kind == "numeric"]
-    return ColumnPlan(
-        label=data.label, key=data.key, features=features, task=task, inputs=inputs, weight=data.weight
-    )
+    return ColumnPlan(label=data.label, key=data.key, features=features, task=task, inputs=inputs, weight=data.weight)
 
 
 def is_vector(kind: pa.DataType) -> bool:
@@ -176,9 +174,7 @@ def _features(schema: pa.Schema, data: DataConfig, where: str) -> list[str]:
         raise DataError(f"data.features lists {duplicates} more than once")
     for name in data.features:
         if name in reserved:
-            raise DataError(
-                f"data.features: {name!r} is the label, key or weight column and cannot also be a feature"
-            )
+            raise DataError(f"data.features: {name!r} is the label, key or weight column and cannot also be a feature")
         if name not in schema.names:
             raise DataError(
                 f"{where}: feature column {name!r} (data.features) not found; the columns are {schema.names}"

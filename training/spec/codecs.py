@@ -278,7 +278,9 @@ def _arrow_type(name: str) -> pa.DataType:
 
 def encoder_states(codecs: dict[str, Codec]) -> dict[str, Any]:
     """Every input's kind, options and fitted state, in input order: what encoders.json holds."""
-    return {name: {"kind": codec.kind, "options": codec.options, "state": codec.fit()} for name, codec in codecs.items()}
+    return {
+        name: {"kind": codec.kind, "options": codec.options, "state": codec.fit()} for name, codec in codecs.items()
+    }
 
 
 def encoders_text(states: dict[str, Any]) -> str:
