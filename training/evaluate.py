@@ -26,6 +26,8 @@ from torch import nn
 from training.data.manifest import Manifest, read_manifest
 from training.models import ModelSpec, build_model
 from training.normalisation import Normaliser
+from training.spec.codecs import Codec, codecs_for, encode_columns
+from training.spec.inputs import InputInfo, inputs_from_manifest
 
 # What a model.pt must hold (docs/architecture.md) to be evaluated or served.
 REQUIRED_CHECKPOINT_KEYS = (
@@ -87,11 +89,23 @@ def load_model_checkpoint(path: str | Path) -> tuple[nn.Module, dict[str, Any]]:
         raise ValueError(
             f"model checkpoint {path} lacks keys {missing}; is it a final model.pt (not checkpoints/last.pt)?"
         )
-    model = build_model(ModelSpec.from_dict(checkpoint["model_spec"]))
+    spec = ModelSpec.from_dict(checkpoint["model_spec"], checkpoint["features"])
+    model = build_model(spec, checkpoint["features"])
     model.load_state_dict(checkpoint["model"])
     model.eval()
     meta = {key: value for key, value in checkpoint.items() if key != "model"}
+    meta["model_spec"] = spec.to_dict()  # with its inputs, also for a model.pt from before typed inputs
     return model, meta
+
+
+def checkpoint_inputs(meta: dict[str, Any]) -> dict[str, InputInfo]:
+    """The model's inputs, in order (a model.pt from before typed inputs: its features, numeric)."""
+    return ModelSpec.from_dict(meta["model_spec"], meta["features"]).input_infos(meta["features"])
+
+
+def checkpoint_codecs(meta: dict[str, Any]) -> dict[str, Codec]:
+    """The model's own encoders (fitted on ITS train split): they encode any dataset's raw shards alike."""
+    return codecs_for(checkpoint_inputs(meta), meta.get("encoders") or {})
 
 
 def metric_label(value: Any) -> str:
@@ -111,10 +125,20 @@ def check_compatible(
         raise IncompatibleModelError(
             f"{checkpoint} is a {meta['task']} model; the dataset {manifest.fingerprint} is {manifest.task}"
         )
-    missing = [name for name in meta["features"] if name not in manifest.features]
+    needed, present = checkpoint_inputs(meta), inputs_from_manifest(manifest)
+    missing = [name for name in needed if name not in present]
     if missing:
         raise IncompatibleModelError(
             f"{checkpoint} needs feature columns {missing} that dataset {manifest.fingerprint} lacks"
+        )
+    other_kind = [
+        f"{name} ({info.kind}, here {present[name].kind})"
+        for name, info in needed.items()
+        if present[name].kind != info.kind
+    ]
+    if other_kind:
+        raise IncompatibleModelError(
+            f"{checkpoint} takes inputs of other kinds than dataset {manifest.fingerprint}: {other_kind}"
         )
     if meta["label"] != manifest.label:
         raise IncompatibleModelError(
@@ -131,18 +155,19 @@ def check_compatible(
     return torch.tensor([position[str(label)] for label in meta["label_mapping"]])
 
 
-def _iter_batches(manifest: Manifest, dataset_dir: Path, split: str, columns: list[str], batch_size: int):
-    """(features float32 [n, F], labels) per record batch, over every shard in order."""
-    features, label = columns[:-1], columns[-1]
+def _iter_batches(manifest: Manifest, dataset_dir: Path, split: str, meta: dict[str, Any], batch_size: int):
+    """(the model's batch dict, labels) per record batch, over every shard in order: the raw shard columns
+    through the model's own codecs and normalisation (``encode_columns``, what serving calls too)."""
+    inputs, codecs = checkpoint_inputs(meta), checkpoint_codecs(meta)
+    normaliser = Normaliser.from_checkpoint(meta)  # the model's own statistics, also when re-scoring a champion
+    columns = [*inputs, manifest.label]
     for shard in manifest.split_files(dataset_dir, split):
         parquet = pq.ParquetFile(shard)
         for batch in parquet.iter_batches(batch_size=batch_size, columns=columns):
-            x = np.column_stack([batch.column(name).to_numpy(zero_copy_only=False) for name in features]).astype(
-                np.float32, copy=False
-            )
+            encoded = encode_columns({name: batch.column(name) for name in inputs}, inputs, codecs, normaliser)
             # Copy: Arrow's buffers are read-only and torch warns about sharing them.
-            y = batch.column(label).to_numpy(zero_copy_only=False).copy()
-            yield torch.from_numpy(x), torch.from_numpy(y)
+            y = batch.column(manifest.label).to_numpy(zero_copy_only=False).copy()
+            yield encoded, torch.from_numpy(y)
 
 
 class _ClassificationTally:
@@ -245,14 +270,14 @@ def evaluate_split(
         raise ValueError(f"{dataset_dir}: split {split!r} is empty; nothing to evaluate")
     model, meta = load_model_checkpoint(model_path)
     remap = check_compatible(meta, manifest, model_path)
-    normaliser = Normaliser.from_checkpoint(meta)  # the model's own statistics, also when re-scoring a champion
+    normaliser = Normaliser.from_checkpoint(meta)
     classification = manifest.task == "classification"
     tally = _ClassificationTally(manifest.n_outputs) if classification else _RegressionTally()
     samples, kept_predictions, kept_targets = 0, [], []
     with torch.inference_mode():
-        for x, y in _iter_batches(manifest, dataset_dir, split, [*meta["features"], manifest.label], batch_size):
-            # x is this batch's own copy: normalised in place. Outputs on the target's original scale.
-            output = normaliser.target_inverse(model(normaliser.features_(x)))
+        for x, y in _iter_batches(manifest, dataset_dir, split, meta, batch_size):
+            # Outputs on the target's original scale.
+            output = normaliser.target_inverse(model(x))
             predicted = tally.add(output, y, remap) if classification else tally.add(output, y)
             samples += len(y)
             if return_predictions:

@@ -96,7 +96,7 @@ class TrainStep:
         # Only the last micro-batch of a group all-reduces; the others accumulate locally.
         with nullcontext() if last_in_group else self.model.no_sync():
             with self.settings.autocast():
-                outputs = self.model(batch.features)
+                outputs = self.model(batch.inputs)
             losses = per_sample_loss(outputs, batch.labels, self.settings.task)
             (loss_sum(losses, batch.weights) * scale).backward()
         if last_in_group:
@@ -134,10 +134,12 @@ def evaluate(
     correct = torch.zeros((), dtype=torch.float64, device=settings.device)
     for first in range(start, stop, batch_size):
         last = min(stop, first + batch_size)
-        features = split.features[first:last].to(settings.device, non_blocking=True)
+        inputs = {
+            name: tensor.to(settings.device, non_blocking=True) for name, tensor in split.rows(first, last).items()
+        }
         labels = split.labels[first:last].to(settings.device, non_blocking=True)
         with settings.autocast():
-            outputs = model(features)
+            outputs = model(inputs)
         loss_sum += per_sample_loss(outputs, labels, settings.task).sum(dtype=torch.float64)
         if settings.task == "classification":
             correct += (outputs.argmax(dim=-1) == labels).sum()

@@ -20,6 +20,7 @@ from __future__ import annotations
 from training.config import ConfigError, PipelineConfig
 from training.data.manifest import Manifest
 from training.models import ModelSpec, build_model, resolve_factory
+from training.spec.inputs import inputs_from_manifest
 from training.topology import RankLayout, resolve_ranks
 
 
@@ -65,7 +66,8 @@ def check_data(config: PipelineConfig, manifest: Manifest, layout: RankLayout) -
             f"train.batch_size: {config.train.batch_size} is larger than each rank's share of the train split "
             f"({train_rows} rows / {layout.world_size} ranks = {per_rank}); lower it or add data"
         )
-    spec = ModelSpec(config.train.model, manifest.n_features, manifest.n_outputs, dict(config.train.model_kwargs))
+    inputs = inputs_from_manifest(manifest)
+    spec = ModelSpec.for_inputs(config.train.model, inputs, manifest.n_outputs, config.train.model_kwargs)
     try:
         build_model(spec)
     except TypeError as error:  # a factory that rejects model_kwargs

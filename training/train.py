@@ -50,6 +50,8 @@ from training.normalisation import Normaliser
 from training.progress import Progress
 from training.rng import capture_rng, rank_seed, restore_rng, seed_process
 from training.runtime import configure_process, die_with_parent, exit_without_teardown, preload_in_background
+from training.spec.codecs import read_encoders
+from training.spec.inputs import inputs_from_manifest
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -116,7 +118,8 @@ class Trainer:
         train, manifest = self.config, self.manifest
         # The same seed on every rank: identical initial weights (DDP also broadcasts rank 0's).
         seed_process(train.seed)
-        self.spec = ModelSpec(train.model, manifest.n_features, manifest.n_outputs, dict(train.model_kwargs))
+        inputs = inputs_from_manifest(manifest)
+        self.spec = ModelSpec.for_inputs(train.model, inputs, manifest.n_outputs, train.model_kwargs)
         self.model = build_model(self.spec)  # the plain module: evaluation, checkpoints
         saved = self.checkpointer.load_resumable(self.job.config, manifest.fingerprint)
         if saved is None:
@@ -266,7 +269,8 @@ class Trainer:
         """model.pt: the weights and what evaluation and serving need (``inference_checkpoint``)."""
         metrics = self.history[-1] if self.history else {}
         weights = on_cpu(self.model.state_dict())
-        return inference_checkpoint(weights, self.spec, self.manifest, self.config.epochs, metrics)
+        encoders = read_encoders(self.job.dataset_dir, self.manifest)  # served with the model: raw rows in
+        return inference_checkpoint(weights, self.spec, self.manifest, self.config.epochs, metrics, encoders)
 
 
 def on_cpu(tree: Any) -> Any:

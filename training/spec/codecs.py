@@ -324,3 +324,28 @@ def codecs_for(inputs: dict[str, InputInfo], states: dict[str, Any]) -> dict[str
                 raise ValueError(f"input {name!r} ({info.kind}) has no stored encoder state")
             known[name] = NumericCodec(name)
     return {name: known[name] for name in inputs}
+
+
+# --------------------------------------------------------------------------- raw columns -> the batch dict
+
+
+def encode_columns(
+    columns: dict[str, pa.Array], inputs: dict[str, InputInfo], codecs: dict[str, Codec], normaliser
+) -> dict[str, Any]:
+    """Raw columns (a shard's record batch, a served DataFrame's) -> the model's batch dict of tensors.
+
+    The numeric inputs are encoded into one float32 block, normalised in place (``normaliser``:
+    training/normalisation.py), and handed over as views of its columns, as the loader does."""
+    import torch
+
+    numeric = [name for name, info in inputs.items() if info.kind == "numeric"]
+    rows = len(next(iter(columns.values()))) if columns else 0
+    block = np.empty((rows, len(numeric)), dtype=np.float32)
+    for j, name in enumerate(numeric):
+        block[:, j] = codecs[name].encode(columns[name])
+    features = normaliser.features_(torch.from_numpy(block))
+    batch = {name: features[:, j] for j, name in enumerate(numeric)}
+    for name, info in inputs.items():
+        if info.kind != "numeric":
+            batch[name] = torch.from_numpy(np.ascontiguousarray(codecs[name].encode(columns[name])))
+    return batch
