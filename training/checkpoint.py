@@ -222,10 +222,11 @@ class Checkpointer:
                 log_rank(f"warm start: {path} does not exist; training from scratch")
                 return None
             payload = load_checkpoint(path)
-            saved_spec = payload.get("model_spec")
-            if isinstance(saved_spec, dict):  # a spec from before typed inputs: its features, numeric
+            # Specs from before typed inputs compare with their features as numeric inputs.
+            saved_spec, wanted_spec = payload.get("model_spec"), ModelSpec.from_dict(model_spec, features).to_dict()
+            if isinstance(saved_spec, dict):
                 saved_spec = ModelSpec.from_dict(saved_spec, payload.get("features")).to_dict()
-            if saved_spec != model_spec or payload.get("features") != features:
+            if saved_spec != wanted_spec or payload.get("features") != features:
                 saved_features = len(payload.get("features") or [])
                 log_rank(
                     f"warm start: {path} has model_spec {payload.get('model_spec')} on {saved_features} "
