@@ -7,7 +7,8 @@ category scored as unknown), the train split's feature and target statistics
 (normalisation happens here, not in the caller, through
 ``training/normalisation.py``, the function training and evaluation use)
 and the class-index -> original-label mapping. Regression predictions are on
-the target's original scale. The MLflow pyfunc model (``training/serving.py``) wraps this class, so a served model and an
+the target's original scale. The MLflow pyfunc model (``training/serving.py``) wraps
+this class, so a served model and an
 evaluation agree by construction.
 
     predictor = Predictor.from_checkpoint("runs/x/model.pt")
