@@ -3,11 +3,8 @@ the default leaves out, row weights (training/spec/codecs.py, training/data/prep
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from training.config import ConfigError, load_config
