@@ -267,6 +267,7 @@ def _build(source: Source, data: DataConfig, fingerprint: str, out_dir: Path) ->
     targets = RunningMoments(1) if plan.task == "regression" else None  # standardises the target in training
     invalid = InvalidRows()
     checks = _ColumnChecks(plan)
+    drift_stats = _DriftStats(plan, codecs, labels.classes)
     for file, batch in source.iter_batches(plan.columns, data.read_batch_rows):
         rows = _BatchRows(batch, plan, labels.classes, codecs, file)
         if rows.wrong_lengths and data.on_invalid == "error":
@@ -286,6 +287,7 @@ def _build(source: Source, data: DataConfig, fingerprint: str, out_dir: Path) ->
                 if targets is not None:
                     targets.update(rows.label.to_numpy(zero_copy_only=False)[chosen][None, :])
                 rows.observe(chosen)
+                drift_stats.update(rows, chosen)
             writers[name].add(rows.table(chosen, schema))
     if invalid.rows and data.on_invalid == "error":
         raise invalid.error(source.description)
@@ -299,7 +301,12 @@ def _build(source: Source, data: DataConfig, fingerprint: str, out_dir: Path) ->
         inputs=[codec.info().to_dict() for codec in codecs.values()],
         encoders=encoders,
         weight=plan.weight,
-        extra={**manifest.extra, "left_out": left_out, "warnings": checks.warnings()},
+        extra={
+            **manifest.extra,
+            "left_out": left_out,
+            "warnings": checks.warnings(),
+            "drift_stats": drift_stats.to_dict(),
+        },
     )
 
 
@@ -357,6 +364,53 @@ class _ColumnChecks:
 
 
 FLOAT32_EXACT = 2**24
+DRIFT_TOP_CATEGORIES = 1000  # per categorical input: the most frequent values' train counts, the rest together
+
+
+class _DriftStats:
+    """What drift compares beyond the numeric histograms (ddpflow/drift.py), over the train split: each
+    vector input's per-dimension mean and std, the label's distribution; the categorical counts come from
+    the fitted vocabulary (``to_dict``)."""
+
+    def __init__(self, plan: ColumnPlan, codecs: dict[str, Codec], classes: pa.Array | None):
+        self.plan, self.codecs = plan, codecs
+        self.vectors: dict[str, RunningMoments] = {}
+        self.classes = np.zeros(len(classes), dtype=np.int64) if classes is not None else None
+        self.target = RunningHistogram(1) if classes is None else None
+
+    def update(self, rows: _BatchRows, chosen: np.ndarray) -> None:
+        indices = pa.array(chosen, type=pa.int64())
+        for name, column in rows.others.items():
+            codec = self.codecs[name]
+            if codec.kind == "vector" and len(chosen):
+                moments = self.vectors.setdefault(name, RunningMoments(codec.dim))
+                moments.update(codec.encode(column.take(indices)).T)
+        label = rows.label.to_numpy(zero_copy_only=False)[chosen]
+        if self.classes is not None:
+            self.classes += np.bincount(label.astype(np.int64), minlength=len(self.classes))
+        elif len(label):
+            self.target.update(label[None, :].astype(np.float32))
+
+    def to_dict(self) -> dict[str, Any]:
+        inputs: dict[str, Any] = {}
+        for name, codec in self.codecs.items():
+            if codec.kind == "categorical" and codec.vocabulary is not None:
+                state = codec.fit()
+                top = DRIFT_TOP_CATEGORIES
+                inputs[name] = {
+                    "kind": "categorical",
+                    "counts": dict(zip(map(str, state["values"][:top]), state["counts"][:top])),
+                    "other": int(sum(state["counts"][top:])) + int(codec.observed_rows - sum(state["counts"])),
+                }
+            elif name in self.vectors:
+                moments = self.vectors[name]
+                inputs[name] = {"kind": "vector", "mean": moments.mean.tolist(), "std": moments.std().tolist()}
+        label = (
+            {"kind": "classes", "counts": self.classes.tolist()}
+            if self.classes is not None
+            else {"kind": "histogram", "histogram": self.target.to_list()[0]}
+        )
+        return {"inputs": inputs, "label": label}
 
 
 class _BatchRows:

@@ -114,7 +114,7 @@ class CategoricalCodec(Codec):
     def __init__(self, name: str, options: dict[str, Any] | None = None):
         super().__init__(name, {"min_count": 1, **(options or {})})
         self._counts: list[pa.Table] = []
-        self._rows = 0
+        self.observed_rows = 0
         self.vocabulary: pa.Array | None = None
 
     def stored_type(self, source_type: pa.DataType) -> pa.DataType:
@@ -122,7 +122,7 @@ class CategoricalCodec(Codec):
 
     def observe(self, array: pa.Array) -> None:
         array = plain(array)
-        self._rows += len(array) - array.null_count
+        self.observed_rows += len(array) - array.null_count
         counts = pc.value_counts(array.drop_null()).flatten()
         self._counts.append(pa.table({"value": counts[0], "count": counts[1]}))
         if len(self._counts) > 32:  # keep the pending tables few however many batches
@@ -136,9 +136,10 @@ class CategoricalCodec(Codec):
 
     def fit(self) -> dict[str, Any]:
         counts = self._merged()
-        if self._rows >= ID_LIKE_MIN_ROWS and counts.num_rows > ID_LIKE_SHARE * self._rows:
+        if self.observed_rows >= ID_LIKE_MIN_ROWS and counts.num_rows > ID_LIKE_SHARE * self.observed_rows:
             raise DataError(
-                f"categorical input {self.name!r}: {counts.num_rows} distinct values in {self._rows} train rows; "
+                f"categorical input {self.name!r}: {counts.num_rows} distinct values in {self.observed_rows} "
+                "train rows; "
                 f"it looks like an id: use {{kind: hashed, buckets: N}} for data.inputs.{self.name}"
             )
         ordered = counts.sort_by([("count", "descending"), ("value", "ascending")])
