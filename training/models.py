@@ -138,7 +138,7 @@ class MLP(nn.Module):
     def forward(self, batch):
         if isinstance(batch, torch.Tensor):
             return self.net(batch)
-        parts = [torch.stack([batch[name] for name in self.numeric], dim=1)] if self.numeric else []
+        parts = [numeric_block(batch, self.numeric)] if self.numeric else []
         parts += [batch[name] for name in self.vectors]
         parts += [self.embeddings[name](batch[name]) for name in self.embedded]
         return self.net(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
@@ -207,5 +207,27 @@ def _legacy_model(factory: Callable[..., nn.Module], spec: ModelSpec, inputs: di
 def _stacked(args: tuple, names: list[str]) -> tuple | None:
     """The batch dict as the [B, F] matrix an older factory's forward takes; a tensor passes as it is."""
     if args and isinstance(args[0], dict):
-        return (torch.stack([args[0][name] for name in names], dim=1), *args[1:])
+        return (numeric_block(args[0], names), *args[1:])
     return None
+
+
+def numeric_block(batch: dict[str, torch.Tensor], names: Sequence[str]) -> torch.Tensor:
+    """The numeric inputs ``names`` as one ``[B, F]`` matrix, in that order.
+
+    The loader hands them over as column views of the one block it gathered (training/loading.py); when
+    they are exactly its columns, in order, that block IS the matrix and no copy is made. Otherwise (a
+    dict built by hand, another order) they are stacked: the same values either way."""
+    first = batch[names[0]]
+    block = first._base
+    if (
+        block is not None
+        and block.dim() == 2
+        and block.shape == (first.shape[0], len(names))
+        and block.is_contiguous()
+        and all(
+            batch[name]._base is block and batch[name].storage_offset() == block.storage_offset() + j
+            for j, name in enumerate(names)
+        )
+    ):
+        return block
+    return torch.stack([batch[name] for name in names], dim=1)

@@ -98,7 +98,11 @@ def test_a_mixed_table_trains_through_ddpflow_run_and_serves_raw_rows(make_confi
     predicted = np.asarray(served.predict(raw))
     evaluated = evaluate_split(run_dir / "model.pt", dataset, return_predictions=True).predictions
     np.testing.assert_array_equal(predicted, np.asarray(manifest.label_mapping)[evaluated])
-    assert served.metadata.get_input_schema().input_names() == list(INPUTS)
+    # The inputs in the manifest's order (the config's: yaml.safe_dump sorted it), raw types in the schema.
+    assert served.metadata.get_input_schema().input_names() == manifest.input_names()
+    assert sorted(manifest.input_names()) == sorted(INPUTS)
+    schema = {spec.name: str(spec.type) for spec in served.metadata.get_input_schema().inputs}
+    assert schema["country"] == "string" and schema["tenure"] == "double" and "Array" in schema["embedding"]
     unseen = raw.head(3).copy()
     unseen["country"] = "atlantis"  # never seen in training: scored as unknown, never an error
     scored = served.predict(unseen, params={"output": "probabilities"})

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from training.models import MLP, ModelImportError, ModelSpec, build_model, embedding_dim, pick_model
+from training.models import MLP, ModelImportError, ModelSpec, build_model, embedding_dim, numeric_block, pick_model
 from training.spec.inputs import InputInfo, numeric_input
 
 NUMERIC = {name: numeric_input(name) for name in ("a", "b", "c")}
@@ -50,6 +50,10 @@ def test_numeric_only_mlp_draws_the_earlier_weights_and_keys_and_takes_the_batch
     batch = batch_of(NUMERIC)
     stacked = torch.stack([batch["a"], batch["b"], batch["c"]], dim=1)
     assert torch.equal(model(batch), model(stacked))
+    # The loader's dict (views of the columns of one gathered block): that block, no copy; any other order stacks.
+    views = {name: stacked[:, j] for j, name in enumerate(NUMERIC)}
+    assert numeric_block(views, list(NUMERIC)) is stacked
+    assert torch.equal(numeric_block(views, ["c", "a", "b"]), stacked[:, [2, 0, 1]])
 
 
 def test_mlp_embeds_categorical_and_hashed_inputs_by_the_documented_rule():
