@@ -60,6 +60,7 @@ def cli_env() -> dict[str, str]:
 @pytest.mark.server  # ddpflow run starts a temporary Prefect server
 def test_a_mixed_table_trains_through_ddpflow_run_and_serves_raw_rows(make_config, tmp_path):
     import mlflow
+    from mlflow.types import DataType
 
     from ddpflow.tracking.runs import use_tracking_uri
     from training.data.manifest import read_manifest
@@ -101,8 +102,9 @@ def test_a_mixed_table_trains_through_ddpflow_run_and_serves_raw_rows(make_confi
     # The inputs in the manifest's order (the config's: yaml.safe_dump sorted it), raw types in the schema.
     assert served.metadata.get_input_schema().input_names() == manifest.input_names()
     assert sorted(manifest.input_names()) == sorted(INPUTS)
-    schema = {spec.name: str(spec.type) for spec in served.metadata.get_input_schema().inputs}
-    assert schema["country"] == "string" and schema["tenure"] == "double" and "Array" in schema["embedding"]
+    schema = {spec.name: spec.type for spec in served.metadata.get_input_schema().inputs}
+    assert schema["country"] == DataType.string and schema["tenure"] == DataType.double
+    assert "Array" in str(schema["embedding"])
     unseen = raw.head(3).copy()
     unseen["country"] = "atlantis"  # never seen in training: scored as unknown, never an error
     scored = served.predict(unseen, params={"output": "probabilities"})
