@@ -110,3 +110,49 @@ def test_a_mixed_table_trains_through_ddpflow_run_and_serves_raw_rows(make_confi
     scored = served.predict(unseen, params={"output": "probabilities"})
     assert isinstance(scored, pd.DataFrame) and list(scored.columns) == ["label", "probability_0", "probability_1"]
     np.testing.assert_allclose(scored[["probability_0", "probability_1"]].sum(axis=1), 1.0, rtol=1e-5)
+
+    # `mlflow models serve` answers /invocations with raw rows over HTTP, as the evaluation scored them.
+    rows = raw.head(20)
+    answered = invocations(config, rows, tmp_path)
+    np.testing.assert_array_equal(np.asarray(answered), np.asarray(manifest.label_mapping)[evaluated[:20]])
+
+
+def invocations(config: dict, rows: pd.DataFrame, tmp_path: Path) -> list:
+    """Serve the champion on a loopback port (``--env-manager local``), POST ``rows``, stop the server by PID."""
+    import urllib.request
+
+    from waiting import wait_until
+
+    from devtools.ports import free_port
+
+    port = free_port()
+    env = {**cli_env(), "MLFLOW_TRACKING_URI": config["mlflow"]["tracking_uri"]}
+    model_uri = f"models:/{config['registry']['model_name']}@champion"
+    command = [sys.executable, "-m", "mlflow", "models", "serve", "-m", model_uri, "--env-manager", "local"]
+    log = (tmp_path / "serve.log").open("w")
+    server = subprocess.Popen(
+        [*command, "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+        cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _answers(f"{url}/ping") or server.poll() is not None, 120, "mlflow models serve /ping")
+        assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+        body = json.dumps({"dataframe_split": json.loads(rows.to_json(orient="split", index=False))}).encode()
+        request = urllib.request.Request(f"{url}/invocations", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return json.loads(response.read())["predictions"]
+    finally:
+        os.killpg(server.pid, 15)  # the server and its one worker: the session this test started
+        server.wait(timeout=30)
+        log.close()
+
+
+def _answers(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
