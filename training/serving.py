@@ -82,7 +82,11 @@ def user_code_paths(model: str) -> list[str]:
         return []
     import importlib
 
-    top = importlib.import_module(model.partition(":")[0].split(".")[0])
+    module_name = model.partition(":")[0]
+    top = importlib.import_module(module_name.split(".")[0])
+    if top.__file__ is None:  # a namespace package (no __init__.py): the directory that holds the module
+        module_file = Path(importlib.import_module(module_name).__file__).resolve()
+        return [next(str(Path(p).resolve()) for p in top.__path__ if Path(p).resolve() in module_file.parents)]
     path = Path(top.__file__)
     return [str(path.parent if path.name == "__init__.py" else path)]
 

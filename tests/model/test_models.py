@@ -3,6 +3,8 @@ n_outputs) for numeric inputs, the built-in mlp with embeddings, auto, and specs
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -106,3 +108,11 @@ def test_a_spec_from_before_typed_inputs_rebuilds_on_its_features():
     assert list(spec.input_infos()) == ["p", "q"] and spec.to_dict()["inputs"][0]["kind"] == "numeric"
     model = build_model(ModelSpec.from_dict(old))  # no names: x0, x1
     assert model({"x0": torch.ones(2), "x1": torch.ones(2)}).shape == (2, 3)
+
+
+def test_a_user_factorys_package_is_shipped_with_the_served_model():
+    from training.serving import user_code_paths
+
+    (shipped,) = user_code_paths("tests.model.dropout_model:dropout_mlp")
+    assert shipped == str(Path(__file__).resolve().parents[1])  # the top-level package: tests/
+    assert user_code_paths("mlp") == [] and user_code_paths("auto") == []
