@@ -108,8 +108,10 @@ class DataConfig(_Section):
         None, description="Optional column of per-row weights (finite, >= 0, not all 0)."
     )
     key: str | None = Field(None, description="Optional stable row id; the split hashes it (else the row's content).")
-    task: Literal["classification", "regression"] | None = Field(
-        None, description="Inferred from the label when not given."
+    task: Literal["classification", "regression", "multilabel"] | None = Field(
+        None,
+        description="Inferred from the label when not given; multilabel: a list<string> (or list<int>) label, "
+        "any number of classes per row.",
     )
     on_invalid: Literal["error", "drop"] = Field("error", description="What to do with rows holding NaN, inf or null.")
     root: str = Field("data/shards", description="Where prepared shards live: <root>/<fingerprint>/{train,val,test}/.")

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
@@ -54,7 +55,8 @@ class SplitArrays:
     for any number of them); every other input is a section of its own (``inputs``)."""
 
     features: torch.Tensor  # [rows, F] float32, normalised: the numeric inputs (F may be 0)
-    labels: torch.Tensor  # [rows] int64 (classification) or float32 (regression, standardised)
+    # [rows] int64 (classification), float32 (regression, standardised); [rows, C] float32 multi-hot (multilabel)
+    labels: torch.Tensor
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # the other inputs, [rows, *shape]
     weights: torch.Tensor | None = None  # [rows] float32: data.weight; None without one
     numeric: tuple[str, ...] = ()  # the names of the columns of ``features``
@@ -95,6 +97,7 @@ SplitTensors = SplitArrays  # the name before typed inputs: SplitTensors(feature
 
 
 def label_dtype(task: str) -> torch.dtype:
+    """int64 class indices (classification); float32 standardised values (regression), multi-hot (multilabel)."""
     return torch.int64 if task == "classification" else torch.float32
 
 
@@ -114,7 +117,8 @@ def split_layout(manifest: Manifest) -> list[Section]:
     for name, info in inputs.items():
         if info.kind != "numeric":
             sections.append(Section(INPUT_PREFIX + name, getattr(torch, info.dtype), info.shape))
-    sections.append(Section(LABELS, label_dtype(manifest.task), ()))
+    label_shape = (manifest.n_outputs,) if manifest.task == "multilabel" else ()  # multi-hot [rows, C]
+    sections.append(Section(LABELS, label_dtype(manifest.task), label_shape))
     if manifest.weight:
         sections.append(Section(WEIGHTS, torch.float32, ()))
     return sections
@@ -174,7 +178,7 @@ def fill_split(
                 block[:, j] = batch.column(name).to_numpy(zero_copy_only=False)
             for name in others:
                 sections[INPUT_PREFIX + name][offset:stop].numpy()[:] = _encoded(codecs[name], batch, name, path)
-            sections[LABELS][offset:stop].numpy()[:] = batch.column(manifest.label).to_numpy(zero_copy_only=False)
+            _fill_labels(sections[LABELS][offset:stop].numpy(), batch.column(manifest.label), manifest.task)
             if manifest.weight:
                 sections[WEIGHTS][offset:stop].numpy()[:] = batch.column(manifest.weight).to_numpy()
             normaliser.features_(sections[FEATURES][offset:stop])
@@ -187,6 +191,16 @@ def fill_split(
             raise ShardError(f"{path}: holds {offset - start} rows, the manifest says {shard.rows}")
     if offset != rows:
         raise ShardError(f"{dataset_dir}: the {split} split's shards hold {offset} rows, the manifest says {rows}")
+
+
+def _fill_labels(block, column: pa.Array, task: str) -> None:
+    """Class indices or values as they are; a multilabel row's class-index list as a multi-hot row."""
+    if task != "multilabel":
+        block[:] = column.to_numpy(zero_copy_only=False)
+        return
+    block[:] = 0
+    parents = pc.list_parent_indices(column).to_numpy(zero_copy_only=False)
+    block[parents, pc.list_flatten(column).to_numpy(zero_copy_only=False)] = 1
 
 
 def _encoded(codec: Codec, batch: pa.RecordBatch, name: str, path: Path):

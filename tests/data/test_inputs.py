@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+import torch
 
 from training.config import ConfigError, load_config
 from training.data.prepare import DataError, prepare_dataset
@@ -172,3 +174,25 @@ def test_row_weights_are_checked(table_file, make_config):
     with pytest.raises(DataError) as caught:
         prepare_dataset(make_config(zero, label="churned", key="customer", inputs={"tenure": "numeric"}, weight="w"))
     assert "weight column 'w'" in str(caught.value) and "400 rows" in str(caught.value)
+
+
+def test_a_list_label_is_multilabel_with_multi_hot_rows(table_file, make_config):
+    from training.loading import load_split
+
+    rng = np.random.default_rng(2)
+    tags = [sorted(set(rng.choice(["news", "sport", "tech"], size=rng.integers(0, 3)).tolist())) for _ in range(600)]
+    path = table_file({"x": rng.normal(size=600), "tags": pa.array(tags, type=pa.list_(pa.string()))})
+    prepared = prepare_dataset(make_config(path, label="tags"))
+    manifest = prepared.manifest
+    assert manifest.task == "multilabel" and manifest.label_mapping == ["news", "sport", "tech"]
+    assert manifest.n_outputs == 3
+    split = load_split(prepared.dataset_dir, manifest, "train")
+    assert split.labels.dtype == torch.float32 and split.labels.shape == (manifest.rows("train"), 3)
+    shards = pa.concat_tables([pq.read_table(p) for p in manifest.split_files(prepared.dataset_dir, "train")])
+    expected = np.zeros((len(shards), 3), dtype=np.float32)
+    for row, indices in enumerate(shards["tags"].to_pylist()):
+        expected[row, indices] = 1
+    assert np.array_equal(split.labels.numpy(), expected) and expected.sum(axis=1).max() == 2
+    with_null = table_file({"x": np.zeros(3), "tags": pa.array([["a"], None, ["b"]])}, "null.parquet")
+    with pytest.raises(DataError, match="label column 'tags' has 1 null"):
+        prepare_dataset(make_config(with_null, label="tags"))

@@ -138,8 +138,16 @@ def _kind_hint(kind: pa.DataType) -> str:
     return f" (a {kind} column fits: {', '.join(fitting)})" if fitting else ""
 
 
+def is_label_list(kind: pa.DataType) -> bool:
+    """A multilabel label: a list of strings or integers (the classes a row has)."""
+    list_kind = pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
+    return list_kind and (is_text(kind.value_type) or pa.types.is_integer(kind.value_type))
+
+
 def infer_task(kind: pa.DataType, label: str, where: str) -> str:
     kind = value_type(kind)
+    if is_label_list(kind):
+        return "multilabel"
     if pa.types.is_integer(kind) or pa.types.is_boolean(kind) or is_text(kind):
         return "classification"
     if pa.types.is_floating(kind) or pa.types.is_decimal(kind):
@@ -154,6 +162,10 @@ def _check_label_type(kind: pa.DataType, label: str, task: str, where: str) -> N
     kind = value_type(kind)
     if task == "regression" and not is_numeric(kind):
         raise DataError(f"{where}: label column {label!r} has type {kind}; regression needs a numeric label")
+    if task == "multilabel" and not is_label_list(kind):
+        raise DataError(
+            f"{where}: label column {label!r} has type {kind}; multilabel needs a list of strings or integers"
+        )
     if task == "classification" and not (is_numeric(kind) or is_text(kind)):
         raise DataError(
             f"{where}: label column {label!r} has type {kind}; classification needs integer, string or bool labels"

@@ -26,6 +26,7 @@ from training.fileio import atomic_write_json
 from training.layout import MANIFEST, SPLITS
 
 FORMAT_VERSION = 1
+CLASS_TASKS = ("classification", "multilabel")  # tasks whose label_mapping lists the classes
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class SplitInfo:
 class Manifest:
     fingerprint: str
     source: str
-    task: str  # "classification" | "regression"
+    task: str  # "classification" | "regression" | "multilabel" (label: list<int64> class indices in the shards)
     label: str
     key: str | None
     features: list[str]
@@ -82,7 +83,7 @@ class Manifest:
 
     @property
     def n_outputs(self) -> int:
-        return len(self.label_mapping) if self.task == "classification" else 1
+        return len(self.label_mapping) if self.task in CLASS_TASKS else 1
 
     def input_names(self) -> list[str]:
         return [entry["name"] for entry in self.inputs] if self.inputs else list(self.features)

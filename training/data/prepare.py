@@ -34,7 +34,7 @@ from training.data import split as row_split
 from training.data.columns import ColumnPlan, left_out_columns, plan_columns, value_type
 from training.data.errors import DataError
 from training.data.fingerprint import dataset_fingerprint
-from training.data.manifest import Manifest, SplitInfo, read_manifest, write_manifest
+from training.data.manifest import CLASS_TASKS, Manifest, SplitInfo, read_manifest, write_manifest
 from training.data.publish import discard, is_complete, make_temp_dir, publish, remove_stale_temp_dirs
 from training.data.shards import SplitWriter
 from training.data.sources import Source, open_source, source_identity
@@ -78,7 +78,7 @@ class PreparedDataset:
             "inputs": {entry["name"]: entry["kind"] for entry in manifest.inputs or []},
             "left_out": manifest.extra.get("left_out", []),
             "warnings": manifest.extra.get("warnings", []),
-            "n_classes": len(manifest.label_mapping) if manifest.task == "classification" else None,
+            "n_classes": len(manifest.label_mapping) if manifest.task in CLASS_TASKS else None,
             "rows": {split: manifest.rows(split) for split in SPLITS},
             "dropped_rows": manifest.dropped_rows,
         }
@@ -165,17 +165,20 @@ def _scan_labels(source: Source, plan: ColumnPlan, batch_rows: int) -> LabelScan
     for file, batch in source.iter_batches([plan.label], batch_rows):
         labels = _plain(batch.column(0))
         nulls, non_finite = labels.null_count, _count_non_finite(labels)
+        if plan.task == "multilabel":  # the classes are the lists' values; a null list or value is invalid
+            labels = _plain(pc.list_flatten(labels))
+            nulls += labels.null_count
         scan.rows += len(labels)
         scan.nulls += nulls
         scan.non_finite += non_finite
         if (nulls or non_finite) and scan.first_invalid_file is None:
             scan.first_invalid_file = file
-        if plan.task == "classification":
+        if plan.task in CLASS_TASKS:
             distinct.append(pc.unique(labels.drop_null()))
             if len(distinct) > 64:  # keep the pending set small however many batches
                 distinct = [pc.unique(pa.concat_arrays(distinct))]
                 _check_class_count(len(distinct[0]), plan, source)
-    if plan.task == "classification":
+    if plan.task in CLASS_TASKS:
         values = pc.unique(pa.concat_arrays(distinct)) if distinct else pa.array([], type=pa.int64())
         if pa.types.is_floating(values.type):
             values = values.filter(pc.is_finite(values))
@@ -219,7 +222,7 @@ def _check_labels(scan: LabelScan, plan: ColumnPlan, data: DataConfig, source: S
         )
     if invalid == scan.rows:
         raise DataError(f"{where}: every row's label {plan.label!r} is null, NaN or inf")
-    if plan.task == "classification" and len(scan.classes) < 2:
+    if plan.task in CLASS_TASKS and len(scan.classes) < 2:
         raise DataError(
             f"{where}: label column {plan.label!r} holds a single class ({scan.classes.to_pylist()[0]!r}); "
             "classification needs at least two"
@@ -385,6 +388,10 @@ class _DriftStats:
             if codec.kind == "vector" and len(chosen):
                 moments = self.vectors.setdefault(name, RunningMoments(codec.dim))
                 moments.update(codec.encode(column.take(indices)).T)
+        if self.plan.task == "multilabel":
+            taken = rows.label.take(pa.array(chosen, type=pa.int64()))
+            self.classes += np.bincount(pc.list_flatten(taken).to_numpy(), minlength=len(self.classes))
+            return
         label = rows.label.to_numpy(zero_copy_only=False)[chosen]
         if self.classes is not None:
             self.classes += np.bincount(label.astype(np.int64), minlength=len(self.classes))
@@ -431,6 +438,8 @@ class _BatchRows:
         self.raw_label = _plain(batch.column(plan.label))
         if plan.task == "classification":
             self.label = pc.index_in(self.raw_label, value_set=classes)  # null where the label is invalid
+        elif plan.task == "multilabel":
+            self.label = _class_lists(self.raw_label, classes)
         else:
             self.label = pc.cast(self.raw_label, pa.float32())
         self.key = batch.column(plan.key) if plan.key else None
@@ -486,6 +495,8 @@ class _BatchRows:
         if self.key is not None:
             return row_split.hash_values(self.key)
         label_for_hash = self.raw_label if self.plan.task == "classification" else self.label
+        if self.plan.task == "multilabel":  # a row's classes, as one sorted string
+            label_for_hash = pa.array(["\x1f".join(map(str, sorted(row))) for row in self.raw_label.to_pylist()])
         extra = row_split.hash_values(label_for_hash)
         for name, column in self.others.items():  # none for numeric tables: their split is as before
             if self.codecs[name].kind == "vector":
@@ -504,6 +515,21 @@ class _BatchRows:
         if self.weight is not None:
             columns.append(pa.array(self.weight[rows].astype(np.float32)))
         return pa.Table.from_arrays(columns, schema=schema)
+
+
+def _class_lists(raw: pa.Array, classes: pa.Array) -> pa.Array:
+    """list<int64> of class indices per row; null where the list, or any value in it, is null."""
+    raw = raw.combine_chunks() if isinstance(raw, pa.ChunkedArray) else raw
+    lengths = pc.fill_null(pc.list_value_length(raw), 0).to_numpy(zero_copy_only=False)
+    offsets = np.zeros(len(raw) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    indices = pc.index_in(_plain(pc.list_flatten(raw)), value_set=classes)
+    bad = np.zeros(len(raw), dtype=bool)
+    parents = pc.list_parent_indices(raw).to_numpy(zero_copy_only=False)
+    bad[parents[pc.is_null(indices).to_numpy(zero_copy_only=False)]] = True
+    bad |= pc.is_null(raw).to_numpy(zero_copy_only=False)
+    values = pc.cast(pc.fill_null(indices, 0), pa.int64())
+    return pa.ListArray.from_arrays(pa.array(offsets), values, mask=pa.array(bad))
 
 
 def _weights(column: pa.Array) -> np.ndarray:
@@ -542,7 +568,8 @@ def _valid_mask(array: pa.Array) -> np.ndarray:
 def _shard_schema(plan: ColumnPlan, source_schema: pa.Schema, codecs: dict[str, Codec]) -> pa.Schema:
     fields = [pa.field(name, pa.float32()) for name in plan.features]
     fields += [pa.field(name, codecs[name].stored_type(source_schema.field(name).type)) for name in plan.others]
-    fields.append(pa.field(plan.label, pa.int64() if plan.task == "classification" else pa.float32()))
+    label_type = {"classification": pa.int64(), "multilabel": pa.list_(pa.int64())}.get(plan.task, pa.float32())
+    fields.append(pa.field(plan.label, label_type))
     if plan.key:
         fields.append(pa.field(plan.key, value_type(source_schema.field(plan.key).type)))
     if plan.weight:
@@ -568,7 +595,7 @@ def _manifest(source, data, plan, labels, splits, moments, histograms, targets, 
         label=plan.label,
         key=plan.key,
         features=plan.features,
-        label_mapping=labels.classes.to_pylist() if plan.task == "classification" else None,
+        label_mapping=labels.classes.to_pylist() if plan.task in CLASS_TASKS else None,
         feature_mean=moments.mean.tolist(),
         feature_std=moments.std().tolist(),
         splits=splits,
