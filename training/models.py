@@ -216,7 +216,11 @@ def numeric_block(batch: dict[str, torch.Tensor], names: Sequence[str]) -> torch
 
     The loader hands them over as column views of the one block it gathered (training/loading.py); when
     they are exactly its columns, in order, that block IS the matrix and no copy is made. Otherwise (a
-    dict built by hand, another order) they are stacked: the same values either way."""
+    dict built by hand, another order) they are stacked: the same values either way. A model built from a
+    bare feature count (``ModelSpec`` without inputs: names x0, x1, ...) takes a dict of as many numeric
+    entries, whatever their names, in the dict's order."""
+    if names[0] not in batch and len(batch) == len(names) and all(name.startswith("x") for name in names):
+        batch, names = dict(zip(names, batch.values())), list(names)
     first = batch[names[0]]
     block = first._base
     if (

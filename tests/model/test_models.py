@@ -108,6 +108,10 @@ def test_a_spec_from_before_typed_inputs_rebuilds_on_its_features():
     assert list(spec.input_infos()) == ["p", "q"] and spec.to_dict()["inputs"][0]["kind"] == "numeric"
     model = build_model(ModelSpec.from_dict(old))  # no names: x0, x1
     assert model({"x0": torch.ones(2), "x1": torch.ones(2)}).shape == (2, 3)
+    # Built from a bare count, it takes any two numeric entries in order (bench/ builds models that way).
+    assert torch.equal(
+        model({"p": torch.ones(2), "q": torch.zeros(2)}), model({"x0": torch.ones(2), "x1": torch.zeros(2)})
+    )
 
 
 def test_a_user_factorys_package_is_shipped_with_the_served_model():
