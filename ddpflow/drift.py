@@ -151,7 +151,7 @@ def _equal_share_groups(reference: np.ndarray, groups: int) -> np.ndarray:
 def compare(reference: Manifest, current: Manifest) -> DriftReport:
     """Drift of ``current``'s train split from ``reference``'s, for every feature both have."""
     for manifest, which in ((reference, "reference"), (current, "current")):
-        if not manifest.feature_histograms:
+        if manifest.feature_histograms is None:
             raise DriftUnavailable(
                 f"the {which} dataset {manifest.fingerprint} was prepared without feature histograms "
                 "(by an older ddpflow); drift needs both datasets prepared by this version"
@@ -159,12 +159,12 @@ def compare(reference: Manifest, current: Manifest) -> DriftReport:
     reference_index = {name: i for i, name in enumerate(reference.features)}
     current_index = {name: i for i, name in enumerate(current.features)}
     shared = [name for name in current.features if name in reference_index]
-    if not shared:
+    drifts = [_feature_drift(name, reference, reference_index[name], current, current_index[name]) for name in shared]
+    drifts += other_kinds_drift(reference, current)
+    if not drifts:
         raise DriftUnavailable(
             f"datasets {reference.fingerprint} and {current.fingerprint} have no feature column in common"
         )
-    drifts = [_feature_drift(name, reference, reference_index[name], current, current_index[name]) for name in shared]
-    drifts += other_kinds_drift(reference, current)
     drifts.sort(key=lambda drift: (-drift.psi, -abs(drift.mean_shift), drift.feature))
     return DriftReport(
         reference_fingerprint=reference.fingerprint,
