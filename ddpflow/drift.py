@@ -21,6 +21,17 @@ a rule of thumb reads < 0.1 as no real change, 0.1-0.25 as moderate, > 0.25 as l
 
 Mean shift, per feature: (current mean - reference mean) / reference std, the
 shift in units of the reference's spread.
+
+Other input kinds and the label, from the manifests' ``extra["drift_stats"]``
+(prepare's train-split counts, training/data/prepare.py):
+- a categorical input: PSI over its category frequencies (the reference's most
+  frequent values, the rest as one "other" bucket, and one "unseen" bucket for
+  values the reference never had); mean shift 0;
+- a vector input: the mean shift of each dimension, the largest in size
+  reported (``feature`` is ``name[d]``); PSI 0 (no histogram per dimension);
+- the label (``DriftReport.label``, ``feature`` is ``label:<name>``): PSI over
+  the class counts (classification) or its histogram (regression); not an
+  input, so not part of ``max_psi`` (what the gate's max_drift_psi reads).
 """
 
 from __future__ import annotations
@@ -60,6 +71,7 @@ class DriftReport:
     features: tuple[FeatureDrift, ...]
     only_in_reference: tuple[str, ...] = ()
     only_in_current: tuple[str, ...] = ()
+    label: FeatureDrift | None = None  # the label's distribution; not an input, so not in max_psi
 
     @property
     def max_psi(self) -> float:
@@ -139,7 +151,7 @@ def _equal_share_groups(reference: np.ndarray, groups: int) -> np.ndarray:
 def compare(reference: Manifest, current: Manifest) -> DriftReport:
     """Drift of ``current``'s train split from ``reference``'s, for every feature both have."""
     for manifest, which in ((reference, "reference"), (current, "current")):
-        if not manifest.feature_histograms:
+        if manifest.feature_histograms is None:
             raise DriftUnavailable(
                 f"the {which} dataset {manifest.fingerprint} was prepared without feature histograms "
                 "(by an older ddpflow); drift needs both datasets prepared by this version"
@@ -147,11 +159,12 @@ def compare(reference: Manifest, current: Manifest) -> DriftReport:
     reference_index = {name: i for i, name in enumerate(reference.features)}
     current_index = {name: i for i, name in enumerate(current.features)}
     shared = [name for name in current.features if name in reference_index]
-    if not shared:
+    drifts = [_feature_drift(name, reference, reference_index[name], current, current_index[name]) for name in shared]
+    drifts += other_kinds_drift(reference, current)
+    if not drifts:
         raise DriftUnavailable(
             f"datasets {reference.fingerprint} and {current.fingerprint} have no feature column in common"
         )
-    drifts = [_feature_drift(name, reference, reference_index[name], current, current_index[name]) for name in shared]
     drifts.sort(key=lambda drift: (-drift.psi, -abs(drift.mean_shift), drift.feature))
     return DriftReport(
         reference_fingerprint=reference.fingerprint,
@@ -159,6 +172,7 @@ def compare(reference: Manifest, current: Manifest) -> DriftReport:
         features=tuple(drifts),
         only_in_reference=tuple(name for name in reference.features if name not in current_index),
         only_in_current=tuple(name for name in current.features if name not in reference_index),
+        label=label_drift(reference, current),
     )
 
 
@@ -172,3 +186,58 @@ def _feature_drift(name: str, reference: Manifest, i: int, current: Manifest, j:
         reference_mean=reference_mean,
         current_mean=current_mean,
     )
+
+
+# ---------------------------------------------------------------- other input kinds and the label
+
+UNSEEN, OTHER = "__unseen__", "__other__"
+
+
+def category_psi(reference: dict[str, Any], current: dict[str, Any]) -> float:
+    """PSI over category frequencies: the reference's categories, its "other" bucket, and an "unseen" bucket
+    for the current values the reference never had."""
+    names = list(reference["counts"])
+    expected = [*(reference["counts"][name] for name in names), reference.get("other", 0), 0]
+    seen = set(names)
+    unseen = sum(count for name, count in current["counts"].items() if name not in seen)
+    actual = [*(current["counts"].get(name, 0) for name in names), current.get("other", 0), unseen]
+    return population_stability_index(expected, actual)
+
+
+def other_kinds_drift(reference: Manifest, current: Manifest) -> list[FeatureDrift]:
+    """Drift of the categorical and vector inputs both datasets have (module docstring)."""
+    ref, cur = reference.extra.get("drift_stats"), current.extra.get("drift_stats")
+    if not ref or not cur:
+        return []
+    drifts = []
+    for name, stats in cur["inputs"].items():
+        before = ref["inputs"].get(name)
+        if before is None or before["kind"] != stats["kind"]:
+            continue
+        if stats["kind"] == "categorical":
+            drifts.append(FeatureDrift(name, category_psi(before, stats), 0.0, 0.0, 0.0))
+        elif stats["kind"] == "vector" and len(before["mean"]) == len(stats["mean"]):
+            drifts.append(_vector_drift(name, before, stats))
+    return drifts
+
+
+def _vector_drift(name: str, reference: dict[str, Any], current: dict[str, Any]) -> FeatureDrift:
+    before, after = np.asarray(reference["mean"]), np.asarray(current["mean"])
+    shifts = (after - before) / np.asarray(reference["std"])
+    worst = int(np.argmax(np.abs(shifts)))
+    return FeatureDrift(f"{name}[{worst}]", 0.0, float(shifts[worst]), float(before[worst]), float(after[worst]))
+
+
+def label_drift(reference: Manifest, current: Manifest) -> FeatureDrift | None:
+    """The label's distribution (``feature`` is ``label:<name>``); None without the statistics or the same label."""
+    ref, cur = reference.extra.get("drift_stats"), current.extra.get("drift_stats")
+    if not ref or not cur or reference.label != current.label or ref["label"]["kind"] != cur["label"]["kind"]:
+        return None
+    name, before, after = f"label:{current.label}", ref["label"], cur["label"]
+    if before["kind"] == "histogram":
+        return FeatureDrift(name, histogram_psi(before["histogram"], after["histogram"]), 0.0, 0.0, 0.0)
+    # Classes by their original values: the two datasets may index them differently.
+    counts_before = dict(zip(map(str, reference.label_mapping), before["counts"]))
+    counts_after = dict(zip(map(str, current.label_mapping), after["counts"]))
+    psi = category_psi({"counts": counts_before}, {"counts": counts_after})
+    return FeatureDrift(name, psi, 0.0, 0.0, 0.0)

@@ -2,7 +2,10 @@
 
 The work is ``training.data.prepare.prepare_dataset``; this wrapper adds the
 Prefect view: a log line saying whether the dataset was reused (cache hit) or
-prepared, and a table artifact with the rows and shards per split. No retries
+prepared, and a table artifact with the rows and shards per split; a warning
+and a second table artifact (``prepared-dataset-left-out``) for every column the
+default inputs left out, with the ``data.inputs`` entry that would include it;
+and prepare's warnings (integers beyond float32's exact range). No retries
 (bad input fails the same way every time) and no Prefect caching: prepare's
 own fingerprint cache works across processes and flow runs.
 """
@@ -34,6 +37,24 @@ def prepare_data(config: PipelineConfig) -> PreparedDataset:
         "/".join(str(manifest.rows(split)) for split in SPLITS),
         manifest.dropped_rows,
     )
+    for warning in manifest.extra.get("warnings", []):
+        logger.warning("data: %s", warning)
+    left_out = manifest.extra.get("left_out", [])
+    for column in left_out:
+        logger.warning(
+            "data: column %r (%s) is left out of the inputs (%s); to include it: data.inputs.%s: %s",
+            column["column"], column["type"], column["why"], column["column"], column["suggest"],
+        )  # fmt: skip
+    if left_out:
+        create_table_artifact(
+            key="prepared-dataset-left-out",
+            table=[
+                {"column": c["column"], "type": c["type"], "data.inputs entry": c["suggest"], "why": c["why"]}
+                for c in left_out
+            ],
+            description="Columns the default inputs (every numeric column) left out, with the data.inputs "
+            "entry that would include each",
+        )
     create_table_artifact(
         key="prepared-dataset",
         table=[

@@ -97,7 +97,12 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
 
 
 def inference_checkpoint(
-    state_dict: dict[str, Any], spec: ModelSpec, manifest: Manifest, epochs: int, metrics: dict[str, Any]
+    state_dict: dict[str, Any],
+    spec: ModelSpec,
+    manifest: Manifest,
+    epochs: int,
+    metrics: dict[str, Any],
+    encoders: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``model.pt``: the weights plus everything evaluation and serving need to rebuild
     the model and feed it raw columns (architecture, feature order, normalisation, labels)."""
@@ -116,6 +121,9 @@ def inference_checkpoint(
         "fingerprint": manifest.fingerprint,
         "epochs": epochs,
         "metrics": metrics,
+        # The fitted encoders (training/spec/codecs.py: encoders.json) and the weight column: raw rows in.
+        "encoders": encoders or {},
+        "weight": manifest.weight,
     }
 
 
@@ -219,7 +227,11 @@ class Checkpointer:
                 log_rank(f"warm start: {path} does not exist; training from scratch")
                 return None
             payload = load_checkpoint(path)
-            if payload.get("model_spec") != model_spec or payload.get("features") != features:
+            # Specs from before typed inputs compare with their features as numeric inputs.
+            saved_spec, wanted_spec = payload.get("model_spec"), ModelSpec.from_dict(model_spec, features).to_dict()
+            if isinstance(saved_spec, dict):
+                saved_spec = ModelSpec.from_dict(saved_spec, payload.get("features")).to_dict()
+            if saved_spec != wanted_spec or payload.get("features") != features:
                 saved_features = len(payload.get("features") or [])
                 log_rank(
                     f"warm start: {path} has model_spec {payload.get('model_spec')} on {saved_features} "

@@ -61,6 +61,40 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+INPUT_KINDS = ("numeric", "categorical", "hashed", "vector")  # image and text come with their own issues
+
+
+class InputSpec(_Section):
+    """One entry of ``data.inputs``, long form: ``{kind: categorical, min_count: 5, max_size: 100000}``.
+
+    The short form is the kind alone (``country: categorical``). Options belong to one kind each:
+    categorical ``min_count`` (default 1) and ``max_size`` (default: no limit); hashed ``buckets`` (required).
+    """
+
+    kind: Literal["numeric", "categorical", "hashed", "vector"]
+    min_count: int | None = Field(None, ge=1, description="categorical: values seen fewer times in train are unknown.")
+    max_size: int | None = Field(None, ge=1, description="categorical: keep at most this many most frequent values.")
+    buckets: int | None = Field(None, ge=1, description="hashed: the number of hash buckets (required).")
+
+    @model_validator(mode="after")
+    def _options_fit_the_kind(self) -> InputSpec:
+        allowed = {"categorical": {"min_count", "max_size"}, "hashed": {"buckets"}}.get(self.kind, set())
+        given = {name for name in ("min_count", "max_size", "buckets") if getattr(self, name) is not None}
+        if given - allowed:
+            raise ValueError(f"kind {self.kind!r} takes no option {sorted(given - allowed)}")
+        if self.kind == "hashed" and self.buckets is None:
+            raise ValueError("kind 'hashed' needs buckets (e.g. {kind: hashed, buckets: 1000003})")
+        return self
+
+    def options(self) -> dict[str, int]:
+        """The options with the defaults filled in (what the codec is built from)."""
+        if self.kind == "categorical":
+            return {"min_count": self.min_count or 1, **({"max_size": self.max_size} if self.max_size else {})}
+        if self.kind == "hashed":
+            return {"buckets": int(self.buckets)}
+        return {}
+
+
 class DataConfig(_Section):
     source: str = Field(
         "synthetic://classification?rows=20000&features=16&classes=4&seed=0",
@@ -73,9 +107,19 @@ class DataConfig(_Section):
     features: list[str] | None = Field(
         None, description="Feature columns; default: every numeric column except label and key."
     )
+    inputs: ChangesWeights[dict[str, InputSpec] | None] = Field(
+        None,
+        description="The model's inputs, name -> kind (numeric | categorical | hashed | vector) or "
+        "{kind: ..., options}; default: every numeric column except label, key and weight (data.features).",
+    )
+    weight: ChangesWeights[str | None] = Field(
+        None, description="Optional column of per-row weights (finite, >= 0, not all 0)."
+    )
     key: str | None = Field(None, description="Optional stable row id; the split hashes it (else the row's content).")
-    task: Literal["classification", "regression"] | None = Field(
-        None, description="Inferred from the label when not given."
+    task: Literal["classification", "regression", "multilabel"] | None = Field(
+        None,
+        description="Inferred from the label when not given; multilabel: a list<string> (or list<int>) label, "
+        "any number of classes per row.",
     )
     on_invalid: Literal["error", "drop"] = Field("error", description="What to do with rows holding NaN, inf or null.")
     root: str = Field("data/shards", description="Where prepared shards live: <root>/<fingerprint>/{train,val,test}/.")
@@ -100,7 +144,32 @@ class DataConfig(_Section):
             )
         if self.features is not None and len(self.features) == 0:
             raise ValueError("features, when given, must list at least one column")
+        if self.features is not None and self.inputs is not None:
+            raise ValueError("set data.inputs or data.features, not both (features means numeric inputs)")
+        if self.inputs is not None and len(self.inputs) == 0:
+            raise ValueError("inputs, when given, must list at least one column")
+        reserved = {"label": self.label, "key": self.key, "weight": self.weight}
+        for name in self.inputs or {}:
+            role = next((role for role, column in reserved.items() if column == name), None)
+            if role is not None:
+                raise ValueError(f"inputs.{name}: {name!r} is the {role} column and cannot also be an input")
         return self
+
+    @field_validator("inputs", mode="before")
+    @classmethod
+    def _short_form(cls, value: Any) -> Any:
+        """``name: kind`` is ``name: {kind: kind}``."""
+        if isinstance(value, dict):
+            return {name: {"kind": spec} if isinstance(spec, str) else spec for name, spec in value.items()}
+        return value
+
+    def input_specs(self) -> dict[str, InputSpec] | None:
+        """``data.inputs``, or ``data.features`` as numeric inputs, or None (the default columns)."""
+        if self.inputs is not None:
+            return dict(self.inputs)
+        if self.features is not None:
+            return {name: InputSpec(kind="numeric") for name in self.features}
+        return None
 
 
 class TrainConfig(_Section):
@@ -118,8 +187,10 @@ class TrainConfig(_Section):
     seed: ChangesWeights[int] = 0
     model: ChangesWeights[str] = Field(
         "mlp",
-        description="'mlp' or a user factory 'package.module:factory' called as "
-        "factory(n_features, n_outputs, **model_kwargs).",
+        description="'mlp' (embeddings for categorical and hashed inputs), 'auto' (the built-in model for the "
+        "inputs: mlp for tables) or a user factory 'package.module:factory' called as "
+        "factory(inputs, n_outputs, **model_kwargs) (docs/models.md; the older factory(n_features, n_outputs) "
+        "takes numeric inputs).",
     )
     model_kwargs: ChangesWeights[dict[str, Any]] = Field(default_factory=dict)
     objective: ChangesWeightsWhenSet[str] = Field(
@@ -270,8 +341,8 @@ class TrainConfig(_Section):
     @field_validator("model")
     @classmethod
     def _model_name_or_import_path(cls, value: str) -> str:
-        if value != "mlp" and (":" not in value or not all(value.split(":", 1))):
-            raise ValueError(f"{value!r} is neither 'mlp' nor an import path 'package.module:factory'")
+        if value not in ("mlp", "auto") and (":" not in value or not all(value.split(":", 1))):
+            raise ValueError(f"{value!r} is neither 'mlp', 'auto' nor an import path 'package.module:factory'")
         return value
 
 

@@ -26,6 +26,8 @@ from torch import nn
 from training.data.manifest import Manifest, read_manifest
 from training.models import ModelSpec, build_model
 from training.normalisation import Normaliser
+from training.spec.codecs import Codec, codecs_for, encode_columns
+from training.spec.inputs import InputInfo, inputs_from_manifest
 from training.spec.objectives import Objective, objective_from_checkpoint
 
 # What a model.pt must hold (docs/architecture.md) to be evaluated or served.
@@ -89,11 +91,23 @@ def load_model_checkpoint(path: str | Path) -> tuple[nn.Module, dict[str, Any]]:
         raise ValueError(
             f"model checkpoint {path} lacks keys {missing}; is it a final model.pt (not checkpoints/last.pt)?"
         )
-    model = build_model(ModelSpec.from_dict(checkpoint["model_spec"]))
+    spec = ModelSpec.from_dict(checkpoint["model_spec"], checkpoint["features"])
+    model = build_model(spec, checkpoint["features"])
     model.load_state_dict(checkpoint["model"])
     model.eval()
     meta = {key: value for key, value in checkpoint.items() if key != "model"}
+    meta["model_spec"] = spec.to_dict()  # with its inputs, also for a model.pt from before typed inputs
     return model, meta
+
+
+def checkpoint_inputs(meta: dict[str, Any]) -> dict[str, InputInfo]:
+    """The model's inputs, in order (a model.pt from before typed inputs: its features, numeric)."""
+    return ModelSpec.from_dict(meta["model_spec"], meta["features"]).input_infos(meta["features"])
+
+
+def checkpoint_codecs(meta: dict[str, Any]) -> dict[str, Codec]:
+    """The model's own encoders (fitted on ITS train split): they encode any dataset's raw shards alike."""
+    return codecs_for(checkpoint_inputs(meta), meta.get("encoders") or {})
 
 
 def metric_label(value: Any) -> str:
@@ -113,10 +127,20 @@ def check_compatible(
         raise IncompatibleModelError(
             f"{checkpoint} is a {meta['task']} model; the dataset {manifest.fingerprint} is {manifest.task}"
         )
-    missing = [name for name in meta["features"] if name not in manifest.features]
+    needed, present = checkpoint_inputs(meta), inputs_from_manifest(manifest)
+    missing = [name for name in needed if name not in present]
     if missing:
         raise IncompatibleModelError(
             f"{checkpoint} needs feature columns {missing} that dataset {manifest.fingerprint} lacks"
+        )
+    other_kind = [
+        f"{name} ({info.kind}, here {present[name].kind})"
+        for name, info in needed.items()
+        if present[name].kind != info.kind
+    ]
+    if other_kind:
+        raise IncompatibleModelError(
+            f"{checkpoint} takes inputs of other kinds than dataset {manifest.fingerprint}: {other_kind}"
         )
     if meta["label"] != manifest.label:
         raise IncompatibleModelError(
@@ -133,18 +157,19 @@ def check_compatible(
     return torch.tensor([position[str(label)] for label in meta["label_mapping"]])
 
 
-def _iter_batches(manifest: Manifest, dataset_dir: Path, split: str, columns: list[str], batch_size: int):
-    """(features float32 [n, F], labels) per record batch, over every shard in order."""
-    features, label = columns[:-1], columns[-1]
+def _iter_batches(manifest: Manifest, dataset_dir: Path, split: str, meta: dict[str, Any], batch_size: int):
+    """(the model's batch dict, labels) per record batch, over every shard in order: the raw shard columns
+    through the model's own codecs and normalisation (``encode_columns``, what serving calls too)."""
+    inputs, codecs = checkpoint_inputs(meta), checkpoint_codecs(meta)
+    normaliser = Normaliser.from_checkpoint(meta)  # the model's own statistics, also when re-scoring a champion
+    columns = [*inputs, manifest.label]
     for shard in manifest.split_files(dataset_dir, split):
         parquet = pq.ParquetFile(shard)
         for batch in parquet.iter_batches(batch_size=batch_size, columns=columns):
-            x = np.column_stack([batch.column(name).to_numpy(zero_copy_only=False) for name in features]).astype(
-                np.float32, copy=False
-            )
+            encoded = encode_columns({name: batch.column(name) for name in inputs}, inputs, codecs, normaliser)
             # Copy: Arrow's buffers are read-only and torch warns about sharing them.
-            y = batch.column(label).to_numpy(zero_copy_only=False).copy()
-            yield torch.from_numpy(x), torch.from_numpy(y)
+            y = batch.column(manifest.label).to_numpy(zero_copy_only=False).copy()
+            yield encoded, torch.from_numpy(y)
 
 
 CONFUSION_MAX_CLASSES = 50  # above: per-class metrics only (a confusion matrix is C² counts, unreadable anyway)
@@ -224,8 +249,8 @@ def evaluate_split(
         tally = objective.tally(None)
     samples, kept_predictions, kept_targets = 0, [], []
     with torch.inference_mode():
-        for x, y in _iter_batches(manifest, dataset_dir, split, [*meta["features"], manifest.label], batch_size):
-            output = model(normaliser.features_(x))  # x is this batch's own copy: normalised in place
+        for x, y in _iter_batches(manifest, dataset_dir, split, meta, batch_size):
+            output = model(x)  # x: the batch dict, through the model's own codecs and normalisation
             if classification:
                 predicted = evaluation.add(output, y, remap)
             else:

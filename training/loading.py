@@ -1,10 +1,13 @@
 """Prepared shards -> tensors in memory -> one rank's batches.
 
-A split is read ONCE into tensors allocated up front from the manifest's row
-counts, then filled record batch by record batch: peak memory is the tensors
-plus one record batch, never a concatenation or a DataFrame copy. Features
-(and a regression target) are normalised in place by ``training/normalisation.py``,
-the same function evaluation and serving use.
+A split is read ONCE into sections allocated up front from the manifest's row
+counts (``split_layout``: the numeric block, one section per other input, the
+labels, the weights), then filled record batch by record batch (``fill_split``,
+into tensors here or straight into the node cache's mapped file): peak memory
+is the sections plus one record batch, never a concatenation or a DataFrame
+copy. Non-numeric inputs go through their codec (training/spec/codecs.py, the
+one encoding serving uses too); numeric features (and a regression target) are
+normalised in place by ``training/normalisation.py``.
 
 Training batches come from a ``DistributedSampler`` (rank r takes
 ``perm[r::W]`` of a permutation seeded by ``train.seed`` and the epoch) and
@@ -21,41 +24,147 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from training.data.manifest import Manifest
 from training.normalisation import Normaliser
+from training.spec.codecs import Codec, codecs_for, read_encoders
+from training.spec.inputs import inputs_from_manifest, numeric_names
 
 
 class ShardError(ValueError):
     """A shard does not match its manifest (rows, columns)."""
 
 
+FEATURES, LABELS, WEIGHTS = "features", "labels", "weights"
+INPUT_PREFIX = "input."  # a non-numeric input's section: "input.<name>"
+
+
 @dataclass(frozen=True)
-class SplitTensors:
-    features: torch.Tensor  # [rows, n_features] float32, normalised
-    labels: torch.Tensor  # [rows] int64 (classification) or float32 (regression, standardised)
+class SplitArrays:
+    """A split as sections of equal row count, what the node cache maps and the loader gathers from.
+
+    The numeric inputs are ONE block (``features``, normalised, in manifest order: one gather per batch
+    for any number of them); every other input is a section of its own (``inputs``)."""
+
+    features: torch.Tensor  # [rows, F] float32, normalised: the numeric inputs (F may be 0)
+    # [rows] int64 (classification), float32 (regression, standardised); [rows, C] float32 multi-hot (multilabel)
+    labels: torch.Tensor
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # the other inputs, [rows, *shape]
+    weights: torch.Tensor | None = None  # [rows] float32: data.weight; None without one
+    numeric: tuple[str, ...] = ()  # the names of the columns of ``features``
 
     def __len__(self) -> int:
-        return self.features.shape[0]
+        return self.labels.shape[0]
+
+    def sections(self) -> dict[str, torch.Tensor]:
+        """Every tensor by its section name (``FEATURES``, ``input.<name>``, ``LABELS``, ``WEIGHTS``)."""
+        sections = {FEATURES: self.features, **{INPUT_PREFIX + n: t for n, t in self.inputs.items()}}
+        sections[LABELS] = self.labels
+        if self.weights is not None:
+            sections[WEIGHTS] = self.weights
+        return sections
+
+    def with_sections(self, sections: dict[str, torch.Tensor]) -> SplitArrays:
+        """The same split with each section replaced (moved to a device, gathered rows...)."""
+        return SplitArrays(
+            features=sections[FEATURES],
+            labels=sections[LABELS],
+            inputs={name: sections[INPUT_PREFIX + name] for name in self.inputs},
+            weights=sections.get(WEIGHTS),
+            numeric=self.numeric,
+        )
+
+    def batch_inputs(self, features: torch.Tensor, others: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The model's batch dict: every numeric input as a [B] view of the gathered block, then the others."""
+        names = self.numeric or tuple(f"x{j}" for j in range(features.shape[1]))
+        return {**{name: features[:, j] for j, name in enumerate(names)}, **others}
+
+    def rows(self, start: int, stop: int) -> dict[str, torch.Tensor]:
+        """Rows ``[start, stop)`` as the model's batch dict (views)."""
+        others = {name: tensor[start:stop] for name, tensor in self.inputs.items()}
+        return self.batch_inputs(self.features[start:stop], others)
+
+
+SplitTensors = SplitArrays  # the name before typed inputs: SplitTensors(features, labels) still builds one
 
 
 def label_dtype(task: str) -> torch.dtype:
+    """int64 class indices (classification); float32 standardised values (regression), multi-hot (multilabel)."""
     return torch.int64 if task == "classification" else torch.float32
 
 
-def load_split(dataset_dir: str | Path, manifest: Manifest, split: str, read_rows: int = 16_384) -> SplitTensors:
+@dataclass(frozen=True)
+class Section:
+    """One section of a split's layout: its name, dtype and per-row shape."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]  # per row
+
+
+def split_layout(manifest: Manifest) -> list[Section]:
+    """The sections of a split of ``manifest``, in file order (the node cache's layout)."""
+    inputs = inputs_from_manifest(manifest)
+    sections = [Section(FEATURES, torch.float32, (manifest.n_features,))]
+    for name, info in inputs.items():
+        if info.kind != "numeric":
+            sections.append(Section(INPUT_PREFIX + name, getattr(torch, info.dtype), info.shape))
+    label_shape = (manifest.n_outputs,) if manifest.task == "multilabel" else ()  # multi-hot [rows, C]
+    sections.append(Section(LABELS, label_dtype(manifest.task), label_shape))
+    if manifest.weight:
+        sections.append(Section(WEIGHTS, torch.float32, ()))
+    return sections
+
+
+def empty_split(manifest: Manifest, rows: int, make=torch.empty) -> dict[str, torch.Tensor]:
+    return {section.name: make((rows, *section.shape), dtype=section.dtype) for section in split_layout(manifest)}
+
+
+def split_from_sections(manifest: Manifest, sections: dict[str, torch.Tensor]) -> SplitArrays:
+    inputs = inputs_from_manifest(manifest)
+    return SplitArrays(
+        features=sections[FEATURES],
+        labels=sections[LABELS],
+        inputs={name: sections[INPUT_PREFIX + name] for name, info in inputs.items() if info.kind != "numeric"},
+        weights=sections.get(WEIGHTS),
+        numeric=tuple(numeric_names(inputs)),
+    )
+
+
+def manifest_codecs(dataset_dir: str | Path, manifest: Manifest) -> dict[str, Codec]:
+    """A codec per input, fitted from the dataset's encoders.json (checked against the manifest)."""
+    return codecs_for(inputs_from_manifest(manifest), read_encoders(dataset_dir, manifest))
+
+
+def load_split(dataset_dir: str | Path, manifest: Manifest, split: str, read_rows: int = 16_384) -> SplitArrays:
+    """The split in tensors allocated here, filled record batch by record batch (``fill_split``)."""
+    sections = empty_split(manifest, manifest.rows(split))
+    fill_split(dataset_dir, manifest, split, sections, read_rows)
+    return split_from_sections(manifest, sections)
+
+
+def fill_split(
+    dataset_dir: str | Path,
+    manifest: Manifest,
+    split: str,
+    sections: dict[str, torch.Tensor],
+    read_rows: int = 16_384,
+) -> None:
+    """Fill preallocated ``sections`` (tensors, or views of a mapped file) with the split, encoded and
+    normalised, one record batch at a time: memory beyond the sections is one record batch."""
     rows = manifest.rows(split)
-    features = torch.empty(rows, manifest.n_features, dtype=torch.float32)
-    labels = torch.empty(rows, dtype=label_dtype(manifest.task))
     normaliser = Normaliser.from_manifest(manifest)
-    columns = [*manifest.features, manifest.label]
+    codecs = manifest_codecs(dataset_dir, manifest)
+    others = [name for name, codec in codecs.items() if codec.kind != "numeric"]
+    columns = [*manifest.features, *others, manifest.label, *([manifest.weight] if manifest.weight else [])]
     offset = 0
     for shard, path in zip(manifest.splits[split].shards, manifest.split_files(dataset_dir, split)):
         start = offset
@@ -64,12 +173,16 @@ def load_split(dataset_dir: str | Path, manifest: Manifest, split: str, read_row
             if stop > rows:
                 raise ShardError(f"{path}: the {split} split holds more rows than the manifest's {rows}")
             # Written through numpy views of the preallocated tensors: no temporaries, dtype cast on copy.
-            block = features[offset:stop].numpy()
+            block = sections[FEATURES][offset:stop].numpy()
             for j, name in enumerate(manifest.features):
                 block[:, j] = batch.column(name).to_numpy(zero_copy_only=False)
-            labels[offset:stop].numpy()[:] = batch.column(manifest.label).to_numpy(zero_copy_only=False)
-            normaliser.features_(features[offset:stop])
-            normaliser.target_(labels[offset:stop])
+            for name in others:
+                sections[INPUT_PREFIX + name][offset:stop].numpy()[:] = _encoded(codecs[name], batch, name, path)
+            _fill_labels(sections[LABELS][offset:stop].numpy(), batch.column(manifest.label), manifest.task)
+            if manifest.weight:
+                sections[WEIGHTS][offset:stop].numpy()[:] = batch.column(manifest.weight).to_numpy()
+            normaliser.features_(sections[FEATURES][offset:stop])
+            normaliser.target_(sections[LABELS][offset:stop])
             offset = stop
         # Hand the shard's decode buffers back now: the allocator would keep them resident,
         # and the split's peak memory would grow by a shard's worth on top of the tensors.
@@ -78,7 +191,23 @@ def load_split(dataset_dir: str | Path, manifest: Manifest, split: str, read_row
             raise ShardError(f"{path}: holds {offset - start} rows, the manifest says {shard.rows}")
     if offset != rows:
         raise ShardError(f"{dataset_dir}: the {split} split's shards hold {offset} rows, the manifest says {rows}")
-    return SplitTensors(features, labels)
+
+
+def _fill_labels(block, column: pa.Array, task: str) -> None:
+    """Class indices or values as they are; a multilabel row's class-index list as a multi-hot row."""
+    if task != "multilabel":
+        block[:] = column.to_numpy(zero_copy_only=False)
+        return
+    block[:] = 0
+    parents = pc.list_parent_indices(column).to_numpy(zero_copy_only=False)
+    block[parents, pc.list_flatten(column).to_numpy(zero_copy_only=False)] = 1
+
+
+def _encoded(codec: Codec, batch: pa.RecordBatch, name: str, path: Path):
+    try:
+        return codec.encode(batch.column(name))
+    except ValueError as error:
+        raise ShardError(f"{path}: {error}") from None
 
 
 def _record_batches(path: Path, columns: list[str], read_rows: int):
@@ -93,21 +222,23 @@ def _record_batches(path: Path, columns: list[str], read_rows: int):
 
 
 class InMemoryDataset(Dataset):
-    """Map-style dataset over in-memory tensors, indexed by a whole batch of row numbers at once."""
+    """Map-style dataset over in-memory sections, indexed by a whole batch of row numbers at once."""
 
-    def __init__(self, split: SplitTensors):
+    def __init__(self, split: SplitArrays):
         self.split = split
 
     def __len__(self) -> int:
         return len(self.split)
 
-    def __getitem__(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        # One gather per tensor for the whole batch (index_select: ~3x faster than x[rows] on CPU), where the
+    def __getitem__(self, rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        # One gather per section for the whole batch (index_select: ~3x faster than x[rows] on CPU), where the
         # split lives: on the device (train.data_on_device) only the row numbers cross over; on the CPU .to is a no-op.
-        where = rows.to(self.split.features.device, non_blocking=True)
-        return rows, self.split.features.index_select(0, where), self.split.labels.index_select(0, where)
+        where = rows.to(self.split.labels.device, non_blocking=True)
+        # The row weights are not gathered here: TrainBatches weighs each batch from its own row weights.
+        sections = {name: tensor for name, tensor in self.split.sections().items() if name != WEIGHTS}
+        return rows, {name: tensor.index_select(0, where) for name, tensor in sections.items()}
 
-    def __getitems__(self, rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def __getitems__(self, rows: Sequence[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return self[torch.as_tensor(rows, dtype=torch.int64)]
 
 
@@ -175,10 +306,23 @@ def _batch_as_is(batch):
 @dataclass(frozen=True)
 class Batch:
     indices: torch.Tensor  # CPU, the dataset rows this rank trains on (padding excluded)
-    features: torch.Tensor  # on the device
+    features: torch.Tensor  # on the device: the numeric block [B, F] (``inputs`` holds views of its columns)
     labels: torch.Tensor  # on the device
-    weights: torch.Tensor | None  # on the device: the row's weight (1 without), 0 sampler padding; None: all 1
+    # On the device [B] float32: the row's weight (data.weight times its class weight, 1 without either)
+    # times 1 for a real row, 0 for sampler padding; None when every row weighs 1.
+    weights: torch.Tensor | None
     samples: int  # real rows in the batch
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # the model's batch dict, on the device
+
+
+def combined_row_weights(data_weights: torch.Tensor | None, class_weights: torch.Tensor | None) -> torch.Tensor | None:
+    """w_i = data.weight_i x class weight_i, on the CPU ([rows] float32); None when every row weighs 1.
+
+    With only a data.weight column the node cache's mapped section is used as it is (no private copy)."""
+    present = [w.to("cpu", torch.float32) for w in (data_weights, class_weights) if w is not None]
+    if not present:
+        return None
+    return present[0] if len(present) == 1 else present[0] * present[1]
 
 
 class TrainBatches:
@@ -192,7 +336,7 @@ class TrainBatches:
 
     def __init__(
         self,
-        split: SplitTensors,
+        split: SplitArrays,
         rank: int,
         world_size: int,
         batch_size: int,
@@ -202,8 +346,9 @@ class TrainBatches:
         row_weights: torch.Tensor | None = None,
     ):
         self.dataset = InMemoryDataset(split)
-        # Each train row's loss weight ([rows] float32; None: all 1): its class weight (train.class_weights).
-        self.row_weights = None if row_weights is None else row_weights.to("cpu", torch.float32)
+        # Each train row's loss weight ([rows] float32; None: all 1): its data.weight times its class weight
+        # (``row_weights``, from train.class_weights); the one place both come in.
+        self.row_weights = combined_row_weights(split.weights, row_weights)
         self._weight_before: torch.Tensor | None = None  # this epoch: weight of padded positions [0, p), float64
         self.rank, self.world_size, self.batch_size, self.device = rank, world_size, batch_size, device
         self.sampler = RankSampler(
@@ -215,7 +360,7 @@ class TrainBatches:
             sampler=BatchSlices(self.sampler, batch_size),
             collate_fn=_batch_as_is,
             num_workers=0,  # the data is already in memory: workers would only copy it
-            pin_memory=pin_memory and device.type == "cuda" and split.features.device.type == "cpu",
+            pin_memory=pin_memory and device.type == "cuda" and split.labels.device.type == "cpu",
         )
         self.padded = len(split) % world_size != 0
 
@@ -241,14 +386,19 @@ class TrainBatches:
             order = self.sampler.epoch_order()[: len(self.dataset)]  # the real positions
             in_order = self.row_weights.index_select(0, order).double()
             self._weight_before = torch.cat([torch.zeros(1, dtype=torch.float64), in_order.cumsum(0)])
-        for step, (indices, features, labels) in enumerate(self.loader):
+        split = self.dataset.split
+        for step, (indices, sections) in enumerate(self.loader):
             real = self._real_rows(step, len(indices))
+            on_device = {name: tensor.to(self.device, non_blocking=True) for name, tensor in sections.items()}
+            features = on_device[FEATURES]
+            others = {name: on_device[INPUT_PREFIX + name] for name in split.inputs}
             yield Batch(
                 indices=indices if real is None else indices[real],
-                features=features.to(self.device, non_blocking=True),
-                labels=labels.to(self.device, non_blocking=True),
+                features=features,
+                labels=on_device[LABELS],
                 weights=self._weights(indices, real),
                 samples=len(indices) if real is None else int(real.sum()),
+                inputs=split.batch_inputs(features, others),
             )
 
     def _weights(self, indices: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor | None:

@@ -88,7 +88,7 @@ class TrainStep:
         # Only the last micro-batch of a group all-reduces; the others accumulate locally.
         with nullcontext() if last_in_group else self.model.no_sync():
             with self.settings.autocast():
-                outputs = self.model(batch.features)
+                outputs = self.model(batch.inputs)
             weighted = weighted_losses(self.objective.per_row_loss(outputs, batch.labels), batch.weights)
             (weighted.sum() * scale).backward()
         if last_in_group:
@@ -140,10 +140,12 @@ def evaluate(
     model.eval()
     for first in range(start, stop, batch_size):
         last = min(stop, first + batch_size)
-        features = split.features[first:last].to(settings.device, non_blocking=True)
+        inputs = {
+            name: tensor.to(settings.device, non_blocking=True) for name, tensor in split.rows(first, last).items()
+        }
         labels = split.labels[first:last].to(settings.device, non_blocking=True)
         with settings.autocast():
-            outputs = model(features)
+            outputs = model(inputs)
         tally.add(outputs.float(), labels, objective.row_weights(labels))
     model.train(was_training)
     return ValidationPass(tally.sums().to(settings.device), tally.scored_rows())

@@ -1,11 +1,14 @@
-"""Predictions for a DataFrame of RAW feature columns, from a ``model.pt``.
+"""Predictions for a DataFrame of RAW input columns, from a ``model.pt``.
 
-The checkpoint carries what inference needs: feature names, the train split's
-feature and target statistics (normalisation happens here, not in the caller,
-through ``training/normalisation.py``, the function training and evaluation
-use) and the class-index -> original-label mapping. Regression predictions
-are on the target's original scale. The MLflow pyfunc model
-(``training/serving.py``) wraps this class, so a served model and an
+The checkpoint carries what inference needs: its inputs and their fitted
+encoders (training/spec/codecs.py: the same ``encode`` the node cache and
+evaluation use: strings for categoricals, lists for vectors, an unseen
+category scored as unknown), the train split's feature and target statistics
+(normalisation happens here, not in the caller, through
+``training/normalisation.py``, the function training and evaluation use)
+and the class-index -> original-label mapping. Regression predictions are on
+the target's original scale. The MLflow pyfunc model (``training/serving.py``) wraps
+this class, so a served model and an
 evaluation agree by construction.
 
     predictor = Predictor.from_checkpoint("runs/x/model.pt")
@@ -19,11 +22,14 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import torch
 from torch import nn
 
-from training.evaluate import load_model_checkpoint
+from training.evaluate import checkpoint_codecs, checkpoint_inputs, load_model_checkpoint
 from training.normalisation import Normaliser
+from training.spec.codecs import encode_columns
+from training.spec.inputs import InputInfo
 from training.spec.objectives import objective_from_checkpoint
 
 
@@ -31,45 +37,74 @@ class Predictor:
     def __init__(self, model: nn.Module, meta: dict[str, Any], batch_size: int = 65_536):
         self.model = model.eval()
         self.meta = meta
-        self.features: list[str] = list(meta["features"])
+        self.inputs: dict[str, InputInfo] = checkpoint_inputs(meta)
+        self.features: list[str] = list(self.inputs)  # every input column the model needs, in order
         self.task: str = meta["task"]
         self.batch_size = batch_size
+        self._codecs = checkpoint_codecs(meta)
         self._normaliser = Normaliser.from_checkpoint(meta)
-        self._objective = objective_from_checkpoint(meta)  # reads the outputs (a binary model has one logit)
         self._labels = np.asarray(meta["label_mapping"]) if self.task == "classification" else None
+        self._objective = objective_from_checkpoint(meta)  # reads the outputs (a binary model has one logit)
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, batch_size: int = 65_536) -> Predictor:
         model, meta = load_model_checkpoint(path)
         return cls(model, meta, batch_size)
 
-    def features_matrix(self, frame: pd.DataFrame) -> np.ndarray:
-        """The model's feature columns, in its order, as float32; names what is missing."""
+    def batch_inputs(self, frame: pd.DataFrame) -> dict[str, torch.Tensor]:
+        """The raw input columns -> the model's batch dict, through the codecs evaluation uses; names what is
+        missing or invalid. An unseen category is the unknown index (never an error)."""
         missing = [name for name in self.features if name not in frame.columns]
         if missing:
             raise ValueError(f"input is missing feature columns {missing}; the model needs {self.features}")
-        matrix = frame[self.features].to_numpy(dtype=np.float32, copy=True)
-        if not np.isfinite(matrix).all():
-            bad = [name for name, ok in zip(self.features, np.isfinite(matrix).all(axis=0)) if not ok]
+        columns = {name: _arrow(frame[name], name) for name in self.features}
+        numeric = [name for name, info in self.inputs.items() if info.kind == "numeric"]
+        bad = [name for name in numeric if not np.isfinite(self._codecs[name].encode(columns[name])).all()]
+        if bad:
             raise ValueError(f"input columns {bad} hold NaN or infinite values")
-        return matrix
+        try:
+            return encode_columns(columns, self.inputs, self._codecs, self._normaliser)
+        except ValueError as error:
+            raise ValueError(f"input rows cannot be encoded: {error}") from None
+
+    def outputs(self, frame: pd.DataFrame) -> torch.Tensor:
+        """The model's outputs for every row (regression: on the original scale)."""
+        batch = self.batch_inputs(frame)
+        outputs = []
+        with torch.inference_mode():
+            for start in range(0, len(frame), self.batch_size):
+                rows = {name: tensor[start : start + self.batch_size] for name, tensor in batch.items()}
+                output = self.model(rows)
+                outputs.append(output if self.task == "classification" else self._normaliser.target_inverse(output))
+        if not outputs:
+            return torch.empty(0, len(self._labels) if self._labels is not None else 1)
+        return torch.cat(outputs)
 
     def predict_raw(self, frame: pd.DataFrame) -> np.ndarray:
         """Class indices (classification) or float predictions on the original scale (regression)."""
-        matrix = torch.from_numpy(self.features_matrix(frame))  # our own copy: normalised in place
-        outputs = []
-        with torch.inference_mode():
-            for start in range(0, len(matrix), self.batch_size):
-                output = self.model(self._normaliser.features_(matrix[start : start + self.batch_size]))
-                if self.task == "classification":
-                    outputs.append(self._objective.decode(output)[0])
-                else:
-                    outputs.append(self._normaliser.target_inverse(output.reshape(-1)))
-        if not outputs:
+        if len(frame) == 0:
             return np.empty(0, dtype=np.int64 if self.task == "classification" else np.float32)
-        return torch.cat(outputs).numpy()
+        outputs = self.outputs(frame)
+        if self.task == "classification":
+            return self._objective.decode(outputs)[0].numpy()
+        return outputs.reshape(-1).float().numpy()
 
     def predict(self, frame: pd.DataFrame) -> np.ndarray:
         """Original labels (classification) or float predictions (regression)."""
         raw = self.predict_raw(frame)
         return self._labels[raw] if self._labels is not None else raw
+
+    def predict_proba(self, frame: pd.DataFrame) -> pd.DataFrame:
+        """Classification: a column per class (its original label), each row's probabilities."""
+        if self._labels is None:
+            raise ValueError("predict_proba: a regression model has no class probabilities")
+        probabilities = self._objective.decode(self.outputs(frame))[1].numpy()
+        return pd.DataFrame(probabilities, columns=[str(label) for label in self._labels], index=frame.index)
+
+
+def _arrow(series: pd.Series, name: str) -> pa.Array:
+    """A DataFrame column as Arrow (lists stay lists, strings strings)."""
+    try:
+        return pa.array(series.tolist() if series.dtype == object else series.to_numpy(), from_pandas=True)
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as error:
+        raise ValueError(f"input column {name!r} cannot be read: {error}") from None

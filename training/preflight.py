@@ -23,6 +23,7 @@ from __future__ import annotations
 from training.config import ConfigError, PipelineConfig
 from training.data.manifest import Manifest
 from training.models import ModelSpec, build_model, resolve_factory
+from training.spec.inputs import inputs_from_manifest
 from training.spec.objectives import BUILT_IN, build_objective, check_objective, resolve_user_objective
 from training.topology import RankLayout, resolve_ranks
 
@@ -80,7 +81,8 @@ def check_data(config: PipelineConfig, manifest: Manifest, layout: RankLayout) -
     objective = build_objective(config.train, manifest)  # ConfigError naming the field that does not fit
     check_objective(objective, objective.n_classes)
     n_outputs = objective.n_outputs(objective.n_classes)
-    spec = ModelSpec(config.train.model, manifest.n_features, n_outputs, dict(config.train.model_kwargs))
+    inputs = inputs_from_manifest(manifest)
+    spec = ModelSpec.for_inputs(config.train.model, inputs, n_outputs, config.train.model_kwargs)
     try:
         build_model(spec)
     except TypeError as error:  # a factory that rejects model_kwargs

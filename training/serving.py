@@ -36,14 +36,59 @@ MODEL_NAME = "model"  # the logged model's name
 MODEL_CODE = Path(__file__).resolve().with_name("serving_model.py")
 
 
+OUTPUTS = ("label", "probabilities")  # params={"output": ...}: the labels, or labels and class probabilities
+
+
 class TabularTorchModel(mlflow.pyfunc.PythonModel):
-    """Raw feature columns in, original labels (or regression values) out."""
+    """Raw input columns in (numbers, strings for categoricals and ids, lists for vectors), original labels
+    (or regression values) out; with ``params={"output": "probabilities"}`` a classifier returns a frame of
+    the label and one ``probability_<class>`` column per class. An unseen category is scored as unknown."""
 
     def load_context(self, context) -> None:
         self._predictor = Predictor.from_checkpoint(context.artifacts[MODEL_ARTIFACT])
 
     def predict(self, context, model_input: pd.DataFrame, params: dict[str, Any] | None = None):
-        return self._predictor.predict(model_input)
+        return predictions(self._predictor, model_input, (params or {}).get("output", "label"))
+
+
+def predictions(predictor: Predictor, frame: pd.DataFrame, output: str = "label"):
+    """What the served model returns for ``output`` (``OUTPUTS``)."""
+    if output not in OUTPUTS:
+        raise ValueError(f"params.output must be one of {OUTPUTS}, not {output!r}")
+    if output == "label" or predictor.task != "classification":
+        return predictor.predict(frame)
+    probabilities = predictor.predict_proba(frame)
+    result = pd.DataFrame({"label": predictor.predict(frame)}, index=frame.index)
+    for label in probabilities.columns:
+        result[f"probability_{label}"] = probabilities[label].to_numpy()
+    return result
+
+
+def raw_example(predictor: Predictor, frame: pd.DataFrame) -> pd.DataFrame:
+    """The input columns as a user sends them: numbers as float64, strings and lists as they are."""
+    example = frame[predictor.features].copy()
+    for name, info in predictor.inputs.items():
+        if info.kind == "numeric":
+            example[name] = example[name].astype("float64")
+        elif info.kind == "vector":
+            example[name] = [list(map(float, row)) for row in example[name]]
+    return example
+
+
+def user_code_paths(model: str) -> list[str]:
+    """A user factory's code to ship with the model (``train.model: package.module:factory``): its top-level
+    package directory (or the module's file when it has none), so the model loads outside this repository."""
+    if ":" not in model:
+        return []
+    import importlib
+
+    module_name = model.partition(":")[0]
+    top = importlib.import_module(module_name.split(".")[0])
+    if top.__file__ is None:  # a namespace package (no __init__.py): the directory that holds the module
+        module_file = Path(importlib.import_module(module_name).__file__).resolve()
+        return [next(str(Path(p).resolve()) for p in top.__path__ if Path(p).resolve() in module_file.parents)]
+    path = Path(top.__file__)
+    return [str(path.parent if path.name == "__init__.py" else path)]
 
 
 def pip_requirements() -> list[str]:
@@ -63,14 +108,16 @@ def log_pyfunc_model(
     so the pipeline's run stays RUNNING until the flow ends it. Uses the
     process-wide tracking URI (``ddpflow/tracking/runs.py: use_tracking_uri``).
 
-    The input example is raw feature columns as float64 (what a pandas user
-    has), so the signature accepts float64 and, by safe upcast, float32.
+    The input example is raw input columns (numbers as float64, what a pandas
+    user has, so the signature accepts float64 and, by safe upcast, float32;
+    strings for categoricals and ids; lists for vectors); the signature has
+    the ``output`` param (``OUTPUTS``).
     """
     from mlflow.models import Model, infer_signature
 
     model_path = Path(model_path)
     predictor = Predictor.from_checkpoint(model_path)
-    example = input_example[predictor.features].astype("float64")
+    example = raw_example(predictor, input_example)
     # Created here, in the run's experiment: given only run_id, Model.log would
     # put the model in the fluent "current" experiment (the Default one).
     client = mlflow.MlflowClient()
@@ -84,8 +131,8 @@ def log_pyfunc_model(
         model_id=logged.model_id,
         python_model=str(MODEL_CODE),
         artifacts={MODEL_ARTIFACT: str(model_path)},
-        code_paths=[str(MODEL_CODE.parent)],
-        signature=infer_signature(example, predictor.predict(example)),
+        code_paths=[str(MODEL_CODE.parent), *user_code_paths(predictor.meta["model_spec"]["model"])],
+        signature=infer_signature(example, predictor.predict(example), params={"output": "label"}),
         input_example=example,
         pip_requirements=pip_requirements(),
         metadata={"python_version": platform.python_version(), "task": predictor.task, "features": predictor.features},

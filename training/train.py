@@ -50,6 +50,8 @@ from training.normalisation import Normaliser
 from training.progress import Progress
 from training.rng import capture_rng, rank_seed, restore_rng, seed_process
 from training.runtime import configure_process, die_with_parent, exit_without_teardown, preload_in_background
+from training.spec.codecs import read_encoders
+from training.spec.inputs import inputs_from_manifest
 from training.spec.objectives import build_objective
 
 
@@ -119,7 +121,8 @@ class Trainer:
         seed_process(train.seed)
         self.objective = build_objective(train, manifest)  # the loss contract (training/spec/objectives.py)
         n_outputs = self.objective.n_outputs(self.objective.n_classes)
-        self.spec = ModelSpec(train.model, manifest.n_features, n_outputs, dict(train.model_kwargs))
+        inputs = inputs_from_manifest(manifest)  # the model contract (training/spec/inputs.py)
+        self.spec = ModelSpec.for_inputs(train.model, inputs, n_outputs, train.model_kwargs)
         self.model = build_model(self.spec)  # the plain module: evaluation, checkpoints
         saved = self.checkpointer.load_resumable(self.job.config, manifest.fingerprint)
         if saved is None:
@@ -275,7 +278,8 @@ class Trainer:
         """model.pt: the weights and what evaluation and serving need (``inference_checkpoint``)."""
         metrics = self.history[-1] if self.history else {}
         weights = on_cpu(self.model.state_dict())
-        checkpoint = inference_checkpoint(weights, self.spec, self.manifest, self.config.epochs, metrics)
+        encoders = read_encoders(self.job.dataset_dir, self.manifest)  # served with the model: raw rows in
+        checkpoint = inference_checkpoint(weights, self.spec, self.manifest, self.config.epochs, metrics, encoders)
         return {**checkpoint, "objective": self.objective.describe()}
 
 

@@ -185,9 +185,9 @@ def existing_logged_model(client: MlflowClient, experiment_id: str, run_id: str)
 
 
 def input_example(manifest: Manifest, dataset_dir: str | Path, rows: int = 5):
-    """The first rows of the first test shard: raw feature columns, as users send them."""
+    """The first rows of the first test shard: raw input columns, as users send them."""
     first_shard = manifest.split_files(dataset_dir, "test")[0]
-    batch = next(pq.ParquetFile(first_shard).iter_batches(batch_size=rows, columns=list(manifest.features)))
+    batch = next(pq.ParquetFile(first_shard).iter_batches(batch_size=rows, columns=manifest.input_names()))
     return batch.to_pandas()
 
 

@@ -170,3 +170,53 @@ def test_a_file_changing_during_prepare_is_not_published(table_file, make_config
     with pytest.raises(DataError, match=r"data.parquet: changed while it was being prepared"):
         prepare_dataset(config)
     assert dh.nothing_complete(Path(config.root))
+
+
+# --- typed inputs (data.inputs): each bad input named by its column -----------------------------------------
+
+
+def typed_table(dh, **columns) -> pa.Table:
+    table = dh.numeric_table()
+    for name, values in columns.items():
+        table = table.append_column(name, values if isinstance(values, pa.Array) else pa.array(values))
+    return table
+
+
+def test_a_listed_input_that_is_missing(table_file, expect_error, dh):
+    path = table_file(dh.numeric_table())
+    expect_error(
+        path, str(path), "input column 'city'", "data.inputs.city", "not found", inputs={"city": "categorical"}
+    )
+
+
+def test_a_kind_that_does_not_fit_the_column(table_file, expect_error, dh):
+    path = table_file(typed_table(dh, city=["oslo"] * dh.rows))
+    expect_error(
+        path, "input column 'city'", "type string", "vector", "fits: categorical, hashed", inputs={"city": "vector"}
+    )
+    expect_error(path, "input column 'city'", "numeric", inputs={"city": "numeric"})
+    expect_error(path, "input column 'x0'", "categorical", inputs={"x0": "categorical"})
+
+
+def test_a_vector_of_another_length_errors_or_is_dropped_and_counted(table_file, expect_error, make_config, dh):
+    vectors = [[1.0, 2.0, 3.0]] * dh.rows
+    vectors[1234] = [1.0, 2.0]
+    vectors[4321] = [1.0, 2.0, 3.0, 4.0]
+    path = table_file(typed_table(dh, emb=pa.array(vectors)))
+    expect_error(path, str(path), "vector column 'emb'", "length 3", "on_invalid=drop", inputs={"emb": "vector"})
+    prepared = prepare_dataset(make_config(path, inputs={"emb": "vector", "x0": "numeric"}, on_invalid="drop"))
+    assert prepared.manifest.dropped_rows == 2 and prepared.manifest.extra["invalid_per_column"] == {"emb": 2}
+    assert sum(prepared.manifest.rows(split) for split in ("train", "val", "test")) == dh.rows - 2
+
+
+def test_a_categorical_that_is_almost_all_unique_looks_like_an_id(table_file, expect_error, dh):
+    path = table_file(typed_table(dh, user=[f"user-{i}" for i in range(dh.rows)]))
+    message = expect_error(path, "'user'", "looks like an id", "hashed", inputs={"user": "categorical"})
+    assert "data.inputs.user" in message
+
+
+def test_an_integer_feature_beyond_float32s_exact_range_is_warned_about(table_file, make_config, dh):
+    ids = np.arange(dh.rows, dtype=np.int64) + 2**24 + 1
+    prepared = prepare_dataset(make_config(table_file(typed_table(dh, account=ids))))
+    (warning,) = prepared.manifest.extra["warnings"]
+    assert "'account'" in warning and "2^24" in warning and "categorical" in warning and "hashed" in warning

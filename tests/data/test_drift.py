@@ -218,3 +218,39 @@ def test_datasets_with_no_feature_in_common_cannot_be_compared(table_file, make_
     renamed = dataclasses.replace(current, features=[f"other_{name}" for name in current.features])
     with pytest.raises(DriftUnavailable, match="no feature column in common"):
         compare(renamed, current)
+
+
+def test_drift_per_kind_categorical_frequencies_vector_dimensions_and_the_label(tmp_path):
+    """Categorical PSI over category frequencies with an unseen bucket, a vector's per-dimension mean shift,
+    and the label's distribution: 0 for the same data, large where only that part changed."""
+    import pyarrow.parquet as pq
+
+    from training.config import load_config
+    from training.data.prepare import prepare_dataset
+
+    def prepared(name: str, colours, shift: float, positive: float):
+        rng = np.random.default_rng(0)
+        rows = 3000
+        table = pa.table(
+            {
+                "x": rng.normal(size=rows),
+                "colour": rng.choice(colours, size=rows),
+                "vec": (rng.normal(size=(rows, 3)) + [0.0, shift, 0.0]).tolist(),
+                "y": (rng.uniform(size=rows) < positive).astype(np.int64),
+            }
+        )
+        pq.write_table(table, tmp_path / f"{name}.parquet")
+        inputs = '{"x": numeric, "colour": categorical, "vec": vector}'
+        overrides = [f"data.source={tmp_path / name}.parquet", f"data.root={tmp_path / 'shards'}", "data.label=y"]
+        return prepare_dataset(load_config(None, [*overrides, f"data.inputs={inputs}"]).data).manifest
+
+    reference = prepared("reference", ["red", "green"], 0.0, 0.5)
+    same = compare(reference, prepared("same", ["red", "green"], 0.0, 0.5))
+    assert same.max_psi == 0.0 and "colour" in {d.feature for d in same.features} and same.label.psi == 0.0
+    vector = next(d for d in same.features if d.feature.startswith("vec["))
+    assert vector.mean_shift == 0.0
+    changed = compare(reference, prepared("changed", ["red", "blue"], 2.0, 0.9))  # blue: never seen before
+    by_name = {d.feature: d for d in changed.features}
+    assert by_name["colour"].psi > 1.0 and by_name["x"].psi < 0.1 and changed.worst.feature == "colour"
+    assert changed.label.feature == "label:y" and changed.label.psi > 0.25
+    assert "vec[1]" in by_name and by_name["vec[1]"].mean_shift == pytest.approx(2.0, abs=0.15)

@@ -69,3 +69,47 @@ def test_prepare_task_fails_once_on_bad_input(prefect_harness, tmp_path):
         states = [state.name for state in client.read_task_run_states(task_run.id)]
     assert task_run.run_count == 1 and states[-1] == "Failed", states
     assert not {"AwaitingRetry", "Retrying"} & set(states), states
+
+
+def test_prepare_task_names_every_column_left_out_in_its_log_and_an_artifact(prefect_harness, tmp_path):
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from prefect import flow
+    from prefect.artifacts import Artifact
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    from tasks.prepare import prepare_data
+
+    rows = 600
+    rng = np.random.default_rng(1)
+    source = tmp_path / "churn.parquet"
+    table = {
+        "tenure": rng.normal(size=rows),
+        "country": rng.choice(["no", "se"], rows),
+        "label": rng.integers(0, 2, rows),
+    }
+    table["merchant_id"] = [f"m{i}" for i in range(rows)]
+    pq.write_table(pa.table(table), source)
+    config = load_config(None, [f"data.source={source}", f"data.root={tmp_path / 'shards'}"])
+
+    @flow
+    def prepare_once(config):
+        from prefect.runtime import flow_run
+
+        return prepare_data(config), flow_run.id
+
+    prepared, flow_run_id = prepare_once(config)
+    assert prepared.manifest.features == ["tenure"]
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+    messages = [log.message for log in logs]
+    assert any("'country'" in m and "data.inputs.country: categorical" in m for m in messages), messages
+    assert any("'merchant_id'" in m and "data.inputs.merchant_id: {kind: hashed" in m for m in messages), messages
+    artifact = Artifact.get("prepared-dataset-left-out")
+    left = json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
+    assert {row["column"]: row["data.inputs entry"].split(",")[0] for row in left} == {
+        "country": "categorical",
+        "merchant_id": "{kind: hashed",
+    }

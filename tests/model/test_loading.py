@@ -212,3 +212,97 @@ def test_a_hang_fault_blocks_once_per_run_directory(tmp_path):
         child.wait()
     again = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert again.stdout.strip() == "passed"  # the marker stops a restarted worker from hanging again
+
+
+def test_the_global_weight_of_any_steps_sums_the_row_weights_every_rank_fetches():
+    """``global_weight``: computed locally from the shared permutation, it equals the sum over the ranks of
+    their batches' weights (data.weight times 0 for padding); without a weight column, the real rows."""
+    rows, world, batch = 23, 3, 4  # 23 rows over 3 ranks: padded
+    weights = torch.linspace(0.5, 3.0, rows)
+    split = SplitTensors(torch.zeros(rows, 1), torch.zeros(rows, dtype=torch.int64), weights=weights)
+    make = lambda r, s=split: TrainBatches(s, r, world, batch, seed=5, device=torch.device("cpu"), pin_memory=False)  # noqa: E731
+    per_rank = [list(make(r).epoch(2)) for r in range(world)]
+    local = make(1)
+    list(local.epoch(2))  # the epoch's permutation, as a training rank has it
+    for step in range(len(local)):
+        fetched = sum(float(per_rank[r][step].weights.sum()) for r in range(world))
+        assert local.global_weight(step, step + 1) == pytest.approx(fetched, rel=1e-6)
+        real_rows = per_rank[0][step].indices, per_rank[1][step].indices, per_rank[2][step].indices
+        assert fetched == pytest.approx(float(sum(weights[r].sum() for r in real_rows)), rel=1e-6)
+    assert local.global_weight(0, len(local)) == pytest.approx(float(weights.sum()), rel=1e-6)
+    plain = TrainBatches(
+        SplitTensors(torch.zeros(rows, 1), torch.zeros(rows, dtype=torch.int64)),
+        0,
+        world,
+        batch,
+        5,
+        torch.device("cpu"),
+        False,
+    )
+    list(plain.epoch(2))
+    assert plain.global_weight(0, 2) == plain.global_rows(0, 2)
+
+
+def mixed_dataset(tmp_path) -> tuple[Path, object]:
+    rng = np.random.default_rng(3)
+    rows = 900
+    table = pa.table(
+        {
+            "x": rng.normal(size=rows),
+            "city": pa.array(rng.choice(["a", "b", "c", None], size=rows).tolist(), type=pa.string()),
+            "shop": [f"s{i}" for i in range(rows)],
+            "vec": [rng.normal(size=2).tolist() for _ in range(rows)],
+            "w": rng.uniform(0.1, 1.0, size=rows),
+            "y": rng.integers(0, 2, size=rows),
+        }
+    )
+    pq.write_table(table, tmp_path / "mixed.parquet")
+    from training.data.prepare import prepare_dataset
+
+    inputs = {"x": "numeric", "city": "categorical", "shop": {"kind": "hashed", "buckets": 13}, "vec": "vector"}
+    config = load_config(
+        None,
+        [
+            f"data.source={tmp_path / 'mixed.parquet'}",
+            "data.label=y",
+            f"data.root={tmp_path / 'shards'}",
+            "data.rows_per_shard=200",
+            "data.weight=w",
+            f"data.inputs={inputs}",
+        ],
+    ).data
+    prepared = prepare_dataset(config)
+    return Path(prepared.dataset_dir), prepared.manifest
+
+
+def test_each_input_is_a_section_encoded_by_its_codec_and_the_node_cache_maps_the_same(tmp_path):
+    from training.data.node_cache import open_split
+    from training.loading import manifest_codecs
+
+    dataset, manifest = mixed_dataset(tmp_path)
+    split = load_split(dataset, manifest, "train", read_rows=64)
+    table = pa.concat_tables([pq.read_table(path) for path in manifest.split_files(dataset, "train")])
+    codecs = manifest_codecs(dataset, manifest)
+    assert split.numeric == ("x",) and list(split.inputs) == ["city", "shop", "vec"]
+    assert split.inputs["city"].dtype == torch.int64 and split.inputs["vec"].shape == (len(table), 2)
+    for name in ("city", "shop", "vec"):
+        assert np.array_equal(split.inputs[name].numpy(), codecs[name].encode(table[name]))
+    assert int(split.inputs["city"].min()) == 0  # the nulls: index 0
+    assert torch.equal(split.weights, torch.from_numpy(table["w"].to_numpy()))
+    batch = split.rows(3, 7)
+    assert list(batch) == ["x", "city", "shop", "vec"] and batch["x"].shape == (4,)
+    mapped = open_split(dataset, manifest, "train")  # built streaming by the builder child, then mapped
+    assert mapped.how == "built"
+    for name, tensor in split.sections().items():
+        assert torch.equal(mapped.tensors.sections()[name], tensor), name
+
+
+def test_a_ragged_section_gathers_rows_of_any_length_with_one_index():
+    from training.data.ragged import RaggedArray
+
+    ragged = RaggedArray.from_rows([[1, 2, 3], [], [4], [5, 6]])
+    assert ragged.lengths().tolist() == [3, 0, 1, 2] and ragged.row(3).tolist() == [5, 6]
+    values, offsets = ragged.gather(torch.tensor([3, 1, 0, 3]))
+    assert values.tolist() == [5, 6, 1, 2, 3, 5, 6] and offsets.tolist() == [0, 2, 2, 5, 7]
+    with pytest.raises(ValueError, match="offsets must run from 0"):
+        RaggedArray(torch.tensor([1, 2]), torch.tensor([0, 1]))

@@ -27,7 +27,7 @@ import torch
 
 from training.config import load_config
 from training.data.manifest import read_manifest
-from training.data.node_cache import HEADER_BYTES, cache_path, open_split
+from training.data.node_cache import FORMAT_VERSION, HEADER_BYTES, cache_path, open_split
 from training.data.placement import decide, place_splits
 from training.job import TrainJob
 from training.loading import RankSampler, SplitTensors, TrainBatches, load_split
@@ -253,7 +253,8 @@ def test_a_stale_file_and_older_versions_are_replaced_by_a_fresh_build(dataset, 
     val = open_split(dataset, manifest, "val", str(tmp_path))
     train_file = cache_path(dataset, manifest, "train", str(tmp_path))
     shutil.copy(val.path, train_file)  # a valid cache, of another split
-    older = train_file.with_name(train_file.name.replace("-f1n", "-f0n"))
+    older = train_file.with_name(train_file.name.replace(f"-f{FORMAT_VERSION}n", "-f0n"))
+    assert older != train_file
     shutil.copy(val.path, older)  # a file of an older format version
     train = open_split(dataset, manifest, "train", str(tmp_path))
     assert train.how == "rebuilt" and "stale: " in train.detail and "split 'val' (expected 'train')" in train.detail

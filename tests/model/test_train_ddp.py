@@ -35,6 +35,7 @@ from training.config import PipelineConfig, load_config
 from training.data.manifest import Manifest, ShardInfo, SplitInfo, write_manifest
 from training.job import TrainJob
 from training.models import ModelSpec
+from training.spec.inputs import numeric_input
 
 pytestmark = pytest.mark.torchrun
 
@@ -317,7 +318,8 @@ def test_checkpoints_are_complete_and_load_with_weights_only(two_ranks):
     assert len(last["rng"]["per_rank"]) == 2 and last["config"]["train"]["batch_size"] == BATCH
     assert {"model", "optimizer", "scheduler", "metrics"} <= last.keys()
     final = two_ranks.model()
-    assert final["model_spec"] == ModelSpec("mlp", FEATURES, CLASSES, {"hidden": HIDDEN}).to_dict()
+    numeric = [numeric_input(f"f{i}").to_dict() for i in range(FEATURES)]
+    assert final["model_spec"] == ModelSpec("mlp", FEATURES, CLASSES, {"hidden": HIDDEN}, numeric).to_dict()
     assert final["features"] == [f"f{i}" for i in range(FEATURES)] and final["label_mapping"] == ["a", "b", "c"]
     assert final["task"] == "classification" and final["epochs"] == EPOCHS and final["fingerprint"] == "fp-test"
     assert len(final["feature_mean"]) == FEATURES and final["metrics"]["epoch"] == EPOCHS - 1
@@ -422,6 +424,58 @@ def test_accumulating_two_micro_batches_trains_the_weights_of_one_double_batch(
     report("2 ranks x 4 x grad_accum 2 vs 2 ranks x 8, 211 rows (last step: 1 micro-batch)", difference)
     report("... vs 1 rank x 16", assert_same_weights(weights, uneven_one_rank_double.model()["model"], EXACT))
     assert [r["train_samples"] for r in accumulated.metrics()] == [UNEVEN_ROWS] * EPOCHS
+
+
+def write_categorical_dataset(root: Path) -> Path:
+    """A table the numeric column cannot explain (the label is a function of a categorical), with a hashed id
+    and a vector, prepared by the real prepare stage: 237 train-ish rows, so 2 ranks end on a padded step."""
+    from training.data.prepare import prepare_dataset
+
+    rng = np.random.default_rng(5)
+    rows = 300
+    colour = rng.choice(["red", "green", "blue", "grey"], size=rows)
+    table = pa.table(
+        {
+            "noise": rng.normal(size=rows),
+            "colour": colour,
+            "shop": [f"shop-{i % 40}" for i in range(rows)],
+            "vec": [rng.normal(size=2).tolist() for _ in range(rows)],
+            "label": np.isin(colour, ["red", "blue"]).astype(np.int64),
+        }
+    )
+    source = root / "categorical.parquet"
+    pq.write_table(table, source)
+    inputs = {"noise": "numeric", "colour": "categorical", "shop": {"kind": "hashed", "buckets": 31}, "vec": "vector"}
+    data = load_config(
+        None, [f"data.source={source}", f"data.root={root / 'shards'}", f"data.inputs={json.dumps(inputs)}"]
+    ).data
+    return Path(prepare_dataset(data).dataset_dir)
+
+
+def test_a_categorical_model_on_two_ranks_trains_the_weights_of_one_rank_with_twice_the_batch(tmp_path):
+    """The exact update with embeddings (a categorical, a hashed id) and a vector: 2 ranks x 8 against 1 rank x 16
+    on an uneven split; and the model served on raw rows predicts what evaluation scores."""
+    from training.evaluate import evaluate_split
+    from training.predict import Predictor
+
+    dataset = write_categorical_dataset(tmp_path)
+    train_rows = json.loads((dataset / "manifest.json").read_text())["splits"]["train"]["rows"]
+    assert train_rows % 16, "pick rows whose last global step is short"
+    # lr 0.002: Adam divides by the gradient's own size, so a unit with a near-zero gradient turns the
+    # summation order's rounding into a step of up to lr; at 0.01 one bias of 32 moved 3.6e-5 apart.
+    two = succeeded(launch(tmp_path / "w2", dataset, nproc=2, batch_size=8, lr=0.002))
+    one = succeeded(launch(tmp_path / "w1", dataset, nproc=1, batch_size=16, lr=0.002))
+    weights_two, weights_one = two.model()["model"], one.model()["model"]
+    assert any(name.startswith("embeddings.colour") for name in weights_two)
+    report("categorical 2 ranks x 8 vs 1 rank x 16", assert_same_weights(weights_two, weights_one, atol=EXACT))
+    evaluation = evaluate_split(two.run_dir / "model.pt", dataset, "test", return_predictions=True)
+    manifest = json.loads((dataset / "manifest.json").read_text())
+    frame = pd.concat(
+        [pq.read_table(dataset / shard["file"]).to_pandas() for shard in manifest["splits"]["test"]["shards"]]
+    )
+    served = Predictor.from_checkpoint(two.run_dir / "model.pt").predict(frame)
+    labels = np.asarray(manifest["label_mapping"])
+    assert (served == labels[evaluation.predictions]).all()
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,8 @@ from training.config import DataConfig
 # Bump when prepare's output changes for the same input (layout, dtypes, split rule, manifest statistics).
 # 2: regression manifests carry label_mean/label_std (target standardisation).
 # 3: manifests carry feature_histograms (data drift).
-PREPARE_VERSION = 3
+# 4: typed inputs (data.inputs, data.weight): raw columns in the shards, encoders.json, Manifest.inputs.
+PREPARE_VERSION = 4
 # DataConfig fields that do not change the prepared output.
 _NOT_OUTPUT_FIELDS = frozenset({"root", "read_batch_rows", "source", "cache_dir"})
 

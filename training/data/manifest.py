@@ -4,9 +4,15 @@
 presence is what marks a prepared dataset complete: prepare writes it last and
 atomically, so a crash mid-way never leaves a directory that looks done.
 
-Shard files hold the feature columns (float32, in ``features`` order), the
-label column under its own name (int64 class index for classification,
-float32 for regression) and the key column when ``data.key`` is set.
+Shard files hold the validated raw inputs: numeric ones as float32 (``features``
+are the numeric inputs, in input order), categorical and hashed ones as their
+plain values (strings stay strings), vectors as list<float32>; the label column
+under its own name (int64 class index for classification, float32 for
+regression), the key column when ``data.key`` is set and the weight column
+(float32) when ``data.weight`` is. ``inputs`` lists every input's kind, dtype,
+shape and cardinality (training/spec/inputs.py); the encoders fitted on the
+train split are in ``encoders.json`` beside the manifest, its sha256 in
+``encoders`` (so whatever hashes the manifest covers them).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from training.fileio import atomic_write_json
 from training.layout import MANIFEST, SPLITS
 
 FORMAT_VERSION = 1
+CLASS_TASKS = ("classification", "multilabel")  # tasks whose label_mapping lists the classes
 
 
 @dataclass(frozen=True)
@@ -39,7 +46,7 @@ class SplitInfo:
 class Manifest:
     fingerprint: str
     source: str
-    task: str  # "classification" | "regression"
+    task: str  # "classification" | "regression" | "multilabel" (label: list<int64> class indices in the shards)
     label: str
     key: str | None
     features: list[str]
@@ -63,7 +70,14 @@ class Manifest:
     # Classification: the train split's rows per class, in ``label_mapping`` order (prepare's
     # training/data/stats.py: ClassCounts); what train.class_weights: balanced divides by. None in older manifests.
     train_class_counts: list[int] | None = None
+    # Every input, in order: InputInfo.to_dict() (training/spec/inputs.py). None in older manifests: the
+    # features, all numeric.
+    inputs: list[dict[str, Any]] | None = None
+    encoders: dict[str, str] | None = None  # {"file": "encoders.json", "sha256": ...}; None: no encoders
+    weight: str | None = None  # the row-weight column (data.weight), float32 in the shards
     format_version: int = FORMAT_VERSION
+    # Also: "left_out" (columns the default inputs left out, with the entry that would include each),
+    # "warnings" (what prepare warns about, e.g. integers beyond float32's exact range).
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -72,7 +86,10 @@ class Manifest:
 
     @property
     def n_outputs(self) -> int:
-        return len(self.label_mapping) if self.task == "classification" else 1
+        return len(self.label_mapping) if self.task in CLASS_TASKS else 1
+
+    def input_names(self) -> list[str]:
+        return [entry["name"] for entry in self.inputs] if self.inputs else list(self.features)
 
     def split_files(self, dataset_dir: str | Path, split: str) -> list[Path]:
         return [Path(dataset_dir) / shard.file for shard in self.splits[split].shards]

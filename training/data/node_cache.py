@@ -7,7 +7,8 @@ reading and normalising stay in exactly one place), and writes the tensors
 out in the layout the loader gathers from::
 
     <cache dir>/<split>-f<format>n<normalisation>-<key>.bin
-        4096-byte header | features float32 [rows, n_features] | (pad to 64 B) | labels [rows]
+        4096-byte header | features float32 [rows, n_features] | input.<name> [rows, *shape] ... |
+        labels [rows] | weights float32 [rows] (with data.weight); each section 64-byte aligned
 
 The cache dir is ``<data.cache_dir>/<fingerprint>/``, or ``<dataset dir>/cache/``
 beside the shards when ``data.cache_dir`` is not set. ``key`` hashes the whole
@@ -21,13 +22,15 @@ whole node and each rank's tensors are views of those pages.
   the file valid and map it. Two runs on one node share the lock too. A
   builder that dies releases the lock and leaves no ``.bin`` behind.
 - The build itself runs in a short-lived child process
-  (``python -m training.data.node_cache``, the manifest on stdin): reading
-  Parquet peaks at about 1.5x the split and leaves tens of MB of decode
-  buffers with the allocators, and all of that leaves with the child. The
-  building rank then holds what every other rank holds: the mapping.
+  (``python -m training.data.node_cache``, the manifest on stdin). It sizes
+  the file up front, maps it and fills every section record batch by record
+  batch (``training.loading.fill_split``, the one loading rule): its memory
+  beyond the file's pages is one record batch, and the decode buffers the
+  allocators keep leave with the child. The building rank then holds what
+  every other rank holds: the mapping.
 - Validated on every open, from the open file itself: magic, header checksum,
   format and normalisation versions, manifest key, fingerprint, split, rows,
-  features, dtypes, offsets and the file's size. A file that fails is rebuilt
+  features, every section's name, dtype, shape and offset, and the file's size. A file that fails is rebuilt
   and the reason is returned for the log line.
 - A cache dir that cannot be written (read-only, full disk, no permission)
   raises ``NodeCacheError`` naming the path and ``data.cache_dir``; the temp
@@ -42,6 +45,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import mmap
 import os
 import socket
 import struct
@@ -61,16 +65,17 @@ import torch
 
 from training.data.manifest import Manifest
 from training.fileio import atomic_write
-from training.loading import ShardError, SplitTensors, label_dtype, load_split
+from training.loading import ShardError, SplitArrays, fill_split, load_split, split_from_sections, split_layout
 from training.normalisation import NORMALISATION_VERSION
 
 # Bump when the file layout or the header changes: old files then fail validation (and their name).
 # What load_split returns is versioned where that rule lives (NORMALISATION_VERSION); new manifest
 # statistics need no bump at all: the key hashes the whole manifest.
-FORMAT_VERSION = 1
+# 2: sections (the numeric block, one per other input, labels, weights), listed in the header.
+FORMAT_VERSION = 2
 MAGIC = b"DDPFSPLT"
 HEADER_BYTES = 4096  # the payload starts page-aligned
-ALIGN = 64  # labels start on a cache line
+ALIGN = 64  # every section starts on a cache line
 _PREFIX = struct.Struct("<8sII")  # magic, JSON length, CRC-32 of the JSON
 
 
@@ -83,7 +88,7 @@ class CachedSplit:
     """A split mapped from its node cache file, and how this process got it."""
 
     name: str
-    tensors: SplitTensors
+    tensors: SplitArrays
     path: Path
     inode: int
     how: str  # "ready" (valid on open), "waited" (another process built it), "built", "rebuilt", "empty"
@@ -128,14 +133,14 @@ def open_splits(
     """Each split's tensors, mapped read-only from the node cache. Splits without a valid file are built
     first, all in ONE builder process; ``seconds`` is the time until this process held every split."""
     started = time.monotonic()
-    got: dict[str, tuple[SplitTensors, int, str, str]] = {}  # split -> tensors, inode, how, detail
+    got: dict[str, tuple[SplitArrays, int, str, str]] = {}  # split -> tensors, inode, how, detail
     missing: dict[str, str] = {}  # split -> why its file is not usable
     for split in splits:
         expected = _expected_header(manifest, split)
         if expected["rows"] == 0:  # nothing to map (mmap refuses empty ranges); an empty split costs nothing
             got[split] = (load_split(dataset_dir, manifest, split), 0, "empty", "")
             continue
-        mapped, problem = _try_map(cache_path(dataset_dir, manifest, split, cache_dir), expected)
+        mapped, problem = _try_map(cache_path(dataset_dir, manifest, split, cache_dir), expected, manifest)
         if mapped is None:
             missing[split] = problem
         else:
@@ -153,7 +158,7 @@ def open_splits(
 
 def _build_missing(
     dataset_dir: str | Path, manifest: Manifest, splits: list[str], cache_dir: str | None
-) -> dict[str, tuple[SplitTensors, int, str, str]]:
+) -> dict[str, tuple[SplitArrays, int, str, str]]:
     """Under each split's lock (taken in sorted order, the same in every process: no deadlock), build the
     splits still invalid once the lock is ours; the others were built by whoever held it."""
     got, to_build = {}, {}
@@ -161,7 +166,7 @@ def _build_missing(
         for split in splits:
             path, expected = cache_path(dataset_dir, manifest, split, cache_dir), _expected_header(manifest, split)
             holder = locks.enter_context(_build_lock(path, cache_dir, expected))
-            mapped, problem = _try_map(path, expected)  # built by the process we waited for?
+            mapped, problem = _try_map(path, expected, manifest)  # built by the process we waited for?
             if mapped is not None:
                 got[split] = (*mapped, "waited", f"built by {holder}") if holder else (*mapped, "ready", "")
             else:
@@ -171,7 +176,7 @@ def _build_missing(
             _build_in_child(dataset_dir, manifest, list(to_build), cache_dir)
         for split, problem in to_build.items():
             path, expected = cache_path(dataset_dir, manifest, split, cache_dir), _expected_header(manifest, split)
-            mapped, after = _try_map(path, expected)
+            mapped, after = _try_map(path, expected, manifest)
             if mapped is None:
                 raise NodeCacheError(f"{path}: the node cache file just built does not validate: {after}")
             got[split] = (*mapped, *(("built", "") if problem == "missing" else ("rebuilt", problem)))
@@ -182,11 +187,14 @@ def _build_missing(
 
 
 def _expected_header(manifest: Manifest, split: str) -> dict[str, Any]:
-    rows, n_features = manifest.rows(split), manifest.n_features
-    labels_dtype = str(label_dtype(manifest.task)).removeprefix("torch.")
-    features_bytes = rows * n_features * 4
-    labels_offset = HEADER_BYTES + -(-features_bytes // ALIGN) * ALIGN
-    labels_bytes = rows * np.dtype(labels_dtype).itemsize
+    """The header a valid file of ``split`` has: the manifest's key, the rows and every section's place."""
+    rows = manifest.rows(split)
+    sections, offset = [], HEADER_BYTES
+    for section in split_layout(manifest):
+        dtype = str(section.dtype).removeprefix("torch.")
+        size = rows * int(np.prod(section.shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        sections.append({"name": section.name, "dtype": dtype, "shape": [rows, *section.shape], "offset": offset})
+        offset = -(-(offset + size) // ALIGN) * ALIGN  # each section starts on a cache line
     return {
         "format_version": FORMAT_VERSION,
         "normalisation_version": NORMALISATION_VERSION,
@@ -194,12 +202,9 @@ def _expected_header(manifest: Manifest, split: str) -> dict[str, Any]:
         "fingerprint": manifest.fingerprint,
         "split": split,
         "rows": rows,
-        "n_features": n_features,
-        "features_dtype": "float32",
-        "labels_dtype": labels_dtype,
-        "features_offset": HEADER_BYTES,
-        "labels_offset": labels_offset,
-        "file_bytes": labels_offset + labels_bytes,
+        "n_features": manifest.n_features,
+        "sections": sections,
+        "file_bytes": offset,
     }
 
 
@@ -235,8 +240,18 @@ def _header_problem(handle: IO[bytes], expected: dict[str, Any]) -> str | None:
     return None
 
 
-def _try_map(path: Path, expected: dict[str, Any]) -> tuple[tuple[SplitTensors, int] | None, str]:
-    """(tensors, inode) of a valid file, else (None, why not). Validates and maps the SAME open file."""
+def _section_views(buffer: np.ndarray, expected: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Each section of the header as a numpy view of ``buffer`` (the whole file)."""
+    views = {}
+    for section in expected["sections"]:
+        dtype, shape = np.dtype(section["dtype"]), tuple(section["shape"])
+        size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        views[section["name"]] = buffer[section["offset"] : section["offset"] + size].view(dtype).reshape(shape)
+    return views
+
+
+def _try_map(path: Path, expected: dict[str, Any], manifest: Manifest) -> tuple[tuple[SplitArrays, int] | None, str]:
+    """(sections, inode) of a valid file, else (None, why not). Validates and maps the SAME open file."""
     try:
         with open(path, "rb") as handle:
             problem = _header_problem(handle, expected)
@@ -246,15 +261,12 @@ def _try_map(path: Path, expected: dict[str, Any]) -> tuple[tuple[SplitTensors, 
             inode = os.fstat(handle.fileno()).st_ino
     except FileNotFoundError:
         return None, "missing"
-    rows, n_features = expected["rows"], expected["n_features"]
-    features_end = HEADER_BYTES + rows * n_features * 4
-    features = buffer[HEADER_BYTES:features_end].view(np.float32).reshape(rows, n_features)
-    labels = buffer[expected["labels_offset"] :].view(np.dtype(expected["labels_dtype"]))
     with warnings.catch_warnings():
         # The mapping is read-only on purpose (one copy for the node); torch warns that it cannot mark
         # a tensor read-only. Nothing writes to these tensors: batches are gathered into new ones.
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return (SplitTensors(torch.from_numpy(features), torch.from_numpy(labels)), inode), ""
+        sections = {name: torch.from_numpy(view) for name, view in _section_views(buffer, expected).items()}
+    return (split_from_sections(manifest, sections), inode), ""
 
 
 # --------------------------------------------------------------------------- building
@@ -304,22 +316,25 @@ def _build(
     expected: dict[str, Any],
     cache_dir: str | None,
 ) -> None:
-    """Load the split the one way (``load_split``), then publish its bytes atomically (in the builder child)."""
-    tensors = load_split(dataset_dir, manifest, split)
-    labels_dtype = str(tensors.labels.dtype).removeprefix("torch.")
-    if tensors.features.dtype != torch.float32 or labels_dtype != expected["labels_dtype"]:
-        raise TypeError(
-            f"load_split returned {tensors.features.dtype}/{labels_dtype}, the cache layout expects "
-            f"float32/{expected['labels_dtype']}: bump training.normalisation.NORMALISATION_VERSION with the change"
-        )
+    """Fill a file sized up front, mapped, record batch by record batch (``fill_split``, the one loading
+    rule), then publish it atomically (in the builder child): its memory beyond the mapping's pages is
+    one record batch, never the split."""
     header = {**expected, "built_by": f"pid {os.getpid()} on {socket.gethostname()}", "built_at": time.time()}
-    padding = expected["labels_offset"] - HEADER_BYTES - tensors.features.numel() * 4
 
     def write(handle: IO[bytes]) -> None:
         handle.write(_encode_header(header))
-        handle.write(memoryview(tensors.features.numpy()).cast("B"))  # straight from the tensor: no copy
-        handle.write(b"\0" * padding)
-        handle.write(memoryview(tensors.labels.numpy()).cast("B"))
+        handle.flush()
+        os.ftruncate(handle.fileno(), expected["file_bytes"])  # the whole file, zero-filled (sparse)
+        mapping = mmap.mmap(handle.fileno(), expected["file_bytes"])  # mkstemp's descriptor is read-write
+        try:
+            buffer = np.frombuffer(mapping, dtype=np.uint8)
+            sections = {name: torch.from_numpy(view) for name, view in _section_views(buffer, expected).items()}
+            fill_split(dataset_dir, manifest, split, sections)
+            del sections, buffer
+            mapping.flush()
+        finally:
+            mapping.close()
+        handle.seek(0, os.SEEK_END)
 
     try:
         atomic_write(path, write)

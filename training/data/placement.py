@@ -2,7 +2,7 @@
 
 On the device, a split is copied there ONCE and ``training/loading.py`` gathers
 each batch where the split lives: per step only the batch's row numbers
-(8 bytes a row) cross to the device, not its features and labels.
+(8 bytes a row) cross to the device, not its sections (features, inputs, labels, weights).
 
 - ``false``: the split stays on the host (the node cache's shared mapping);
   each batch is gathered there and copied over (pinned, non-blocking on CUDA).
@@ -23,15 +23,16 @@ from typing import Literal
 import torch
 from torch import nn
 
-from training.loading import SplitTensors
+from training.loading import SplitArrays
 
 DataOnDevice = bool | Literal["auto"]
 AUTO_SHARE = 4  # auto: a split may take at most 1/AUTO_SHARE of the free device memory
 STATE_COPIES_TO_COME = 3  # per parameter, allocated after placement: its gradient and AdamW's two moments
 
 
-def split_bytes(split: SplitTensors) -> int:
-    return split.features.numel() * split.features.element_size() + split.labels.numel() * split.labels.element_size()
+def split_bytes(split: SplitArrays) -> int:
+    """Every section's bytes: the numeric block, the other inputs, labels and weights."""
+    return sum(tensor.numel() * tensor.element_size() for tensor in split.sections().values())
 
 
 def training_state_to_come(model: nn.Module) -> int:
@@ -53,8 +54,8 @@ def decide(mode: DataOnDevice, device: torch.device, needed: int, free: int) -> 
 
 
 def place_splits(
-    splits: dict[str, SplitTensors], mode: DataOnDevice, device: torch.device, model: nn.Module
-) -> tuple[dict[str, SplitTensors], list[str]]:
+    splits: dict[str, SplitArrays], mode: DataOnDevice, device: torch.device, model: nn.Module
+) -> tuple[dict[str, SplitArrays], list[str]]:
     """The splits, each moved to ``device`` or left where it is, in order; and one reason per split."""
     free = _free_device_bytes(device) - training_state_to_come(model)
     placed, reasons = {}, []
@@ -67,9 +68,9 @@ def place_splits(
     return placed, reasons
 
 
-def _to_device(name: str, split: SplitTensors, device: torch.device) -> SplitTensors:
+def _to_device(name: str, split: SplitArrays, device: torch.device) -> SplitArrays:
     try:
-        return SplitTensors(split.features.to(device), split.labels.to(device))
+        return split.with_sections({section: tensor.to(device) for section, tensor in split.sections().items()})
     except torch.OutOfMemoryError as error:
         raise RuntimeError(
             f"train.data_on_device=true: the {name} split ({_mb(split_bytes(split))}) does not fit on {device}; "

@@ -31,15 +31,25 @@ import pyarrow.compute as pc
 
 from training.config import DataConfig
 from training.data import split as row_split
-from training.data.columns import ColumnPlan, plan_columns, value_type
+from training.data.columns import ColumnPlan, left_out_columns, plan_columns, value_type
 from training.data.errors import DataError
 from training.data.fingerprint import dataset_fingerprint
-from training.data.manifest import Manifest, SplitInfo, read_manifest, write_manifest
+from training.data.manifest import CLASS_TASKS, Manifest, SplitInfo, read_manifest, write_manifest
 from training.data.publish import discard, is_complete, make_temp_dir, publish, remove_stale_temp_dirs
 from training.data.shards import SplitWriter
 from training.data.sources import Source, open_source, source_identity
 from training.data.stats import ClassCounts, RunningHistogram, RunningMoments
+from training.fileio import atomic_write_text
 from training.layout import SPLITS
+from training.spec.codecs import (
+    ENCODERS_FILE,
+    Codec,
+    encoder_states,
+    encoders_sha256,
+    encoders_text,
+    make_codec,
+    plain,
+)
 
 __all__ = ["DataError", "PreparedDataset", "prepare_dataset", "source_fingerprint"]
 
@@ -65,7 +75,10 @@ class PreparedDataset:
             "cache_hit": self.cache_hit,
             "task": manifest.task,
             "n_features": manifest.n_features,
-            "n_classes": len(manifest.label_mapping) if manifest.task == "classification" else None,
+            "inputs": {entry["name"]: entry["kind"] for entry in manifest.inputs or []},
+            "left_out": manifest.extra.get("left_out", []),
+            "warnings": manifest.extra.get("warnings", []),
+            "n_classes": len(manifest.label_mapping) if manifest.task in CLASS_TASKS else None,
             "rows": {split: manifest.rows(split) for split in SPLITS},
             "dropped_rows": manifest.dropped_rows,
         }
@@ -152,17 +165,20 @@ def _scan_labels(source: Source, plan: ColumnPlan, batch_rows: int) -> LabelScan
     for file, batch in source.iter_batches([plan.label], batch_rows):
         labels = _plain(batch.column(0))
         nulls, non_finite = labels.null_count, _count_non_finite(labels)
+        if plan.task == "multilabel":  # the classes are the lists' values; a null list or value is invalid
+            labels = _plain(pc.list_flatten(labels))
+            nulls += labels.null_count
         scan.rows += len(labels)
         scan.nulls += nulls
         scan.non_finite += non_finite
         if (nulls or non_finite) and scan.first_invalid_file is None:
             scan.first_invalid_file = file
-        if plan.task == "classification":
+        if plan.task in CLASS_TASKS:
             distinct.append(pc.unique(labels.drop_null()))
             if len(distinct) > 64:  # keep the pending set small however many batches
                 distinct = [pc.unique(pa.concat_arrays(distinct))]
                 _check_class_count(len(distinct[0]), plan, source)
-    if plan.task == "classification":
+    if plan.task in CLASS_TASKS:
         values = pc.unique(pa.concat_arrays(distinct)) if distinct else pa.array([], type=pa.int64())
         if pa.types.is_floating(values.type):
             values = values.filter(pc.is_finite(values))
@@ -206,7 +222,7 @@ def _check_labels(scan: LabelScan, plan: ColumnPlan, data: DataConfig, source: S
         )
     if invalid == scan.rows:
         raise DataError(f"{where}: every row's label {plan.label!r} is null, NaN or inf")
-    if plan.task == "classification" and len(scan.classes) < 2:
+    if plan.task in CLASS_TASKS and len(scan.classes) < 2:
         raise DataError(
             f"{where}: label column {plan.label!r} holds a single class ({scan.classes.to_pylist()[0]!r}); "
             "classification needs at least two"
@@ -245,19 +261,26 @@ def _build(source: Source, data: DataConfig, fingerprint: str, out_dir: Path) ->
     plan = plan_columns(source.schema, data, source.description)
     labels = _scan_labels(source, plan, data.read_batch_rows)
     _check_labels(labels, plan, data, source)
-    schema = _shard_schema(plan, source.schema)
+    left_out = _left_out(source, plan, data)
+    codecs = {name: make_codec(name, kind, options) for name, (kind, options) in plan.inputs.items()}
+    schema = _shard_schema(plan, source.schema, codecs)
     writers = {name: SplitWriter(out_dir, name, schema, data.rows_per_shard, data.row_group_size) for name in SPLITS}
     moments = RunningMoments(len(plan.features))
     histograms = RunningHistogram(len(plan.features))  # what drift compares (ddpflow/drift.py)
     targets = RunningMoments(1) if plan.task == "regression" else None  # standardises the target in training
     class_counts = ClassCounts(len(labels.classes)) if plan.task == "classification" else None  # class weights
     invalid = InvalidRows()
+    checks = _ColumnChecks(plan)
+    drift_stats = _DriftStats(plan, codecs, labels.classes)
     for file, batch in source.iter_batches(plan.columns, data.read_batch_rows):
-        rows = _BatchRows(batch, plan, labels.classes)
+        rows = _BatchRows(batch, plan, labels.classes, codecs, file)
+        if rows.wrong_lengths and data.on_invalid == "error":
+            raise rows.wrong_lengths[0]
         invalid.add(file, rows.invalid_counts(), rows.invalid_rows)
         if invalid.rows and data.on_invalid == "error":
             continue  # keep counting so the error reports every bad row, but write nothing more
         rows.keep_valid()
+        checks.update(rows)
         codes = row_split.assign_splits(rows.hashes(), data.val_fraction, data.test_fraction)
         for code, name in enumerate(SPLITS):
             chosen = np.flatnonzero(codes == code)
@@ -269,36 +292,175 @@ def _build(source: Source, data: DataConfig, fingerprint: str, out_dir: Path) ->
                     targets.update(rows.label.to_numpy(zero_copy_only=False)[chosen][None, :])
                 if class_counts is not None:
                     class_counts.update(rows.label.to_numpy(zero_copy_only=False)[chosen])
+                rows.observe(chosen)
+                drift_stats.update(rows, chosen)
             writers[name].add(rows.table(chosen, schema))
     if invalid.rows and data.on_invalid == "error":
         raise invalid.error(source.description)
     splits = {name: writer.close() for name, writer in writers.items()}
     _check_splits(splits, invalid.rows, labels.rows, data, source)
+    checks.check_weights(source, sum(split.rows for split in splits.values()))
+    encoders = _write_encoders(out_dir, codecs)
     manifest = _manifest(source, data, plan, labels, splits, moments, histograms, targets, invalid, fingerprint)
-    return with_class_counts(manifest, class_counts)
+    return dataclasses.replace(
+        manifest,
+        inputs=[codec.info().to_dict() for codec in codecs.values()],
+        encoders=encoders,
+        weight=plan.weight,
+        train_class_counts=class_counts.to_list() if class_counts is not None else None,  # class weights
+        extra={
+            **manifest.extra,
+            "left_out": left_out,
+            "warnings": checks.warnings(),
+            "drift_stats": drift_stats.to_dict(),
+        },
+    )
 
 
-def with_class_counts(manifest: Manifest, counts: ClassCounts | None) -> Manifest:
-    """The manifest with the train split's class counts (classification), for ``train.class_weights``."""
-    return dataclasses.replace(manifest, train_class_counts=counts.to_list() if counts is not None else None)
+def _left_out(source: Source, plan: ColumnPlan, data: DataConfig) -> list[dict[str, str]]:
+    """Without data.inputs or data.features: the columns left out, with the entry that would include each."""
+    if data.inputs is not None or data.features is not None:
+        return []
+    left = [name for name in source.schema.names if name not in plan.columns]
+    if not left:
+        return []
+    sample = next(iter(source.iter_batches(left, min(data.read_batch_rows, 10_000))), (None, None))[1]
+    return left_out_columns(source.schema, plan, sample)
+
+
+def _write_encoders(out_dir: Path, codecs: dict[str, Codec]) -> dict[str, str]:
+    """encoders.json: every codec's state fitted on the train split; its sha256 goes in the manifest."""
+    text = encoders_text(encoder_states(codecs))
+    atomic_write_text(out_dir / ENCODERS_FILE, text)
+    return {"file": ENCODERS_FILE, "sha256": encoders_sha256(text)}
+
+
+class _ColumnChecks:
+    """What prepare warns about or refuses over the whole source, not one batch: integer features beyond
+    float32's exact range, and row weights that are all zero."""
+
+    def __init__(self, plan: ColumnPlan):
+        self.plan = plan
+        self.largest: dict[str, int] = {}  # integer numeric input -> its largest magnitude
+        self.weight_sum = 0.0
+
+    def update(self, rows: _BatchRows) -> None:
+        for name in self.plan.features:
+            column = rows.raw_numeric.get(name)
+            if column is not None and len(column):
+                largest = pc.max(pc.abs_checked(pc.cast(column, pa.int64()))).as_py() or 0
+                self.largest[name] = max(self.largest.get(name, 0), largest)
+        if rows.weight is not None:
+            self.weight_sum += float(rows.weight.sum())
+
+    def warnings(self) -> list[str]:
+        return [
+            f"integer feature {name!r} holds values up to {largest}, beyond float32's exact range (2^24 = "
+            f"{FLOAT32_EXACT}): neighbouring values collapse; if it is an id or a code, list it in data.inputs "
+            f"as categorical or {{kind: hashed, buckets: N}}"
+            for name, largest in self.largest.items()
+            if largest > FLOAT32_EXACT
+        ]
+
+    def check_weights(self, source: Source, rows: int) -> None:
+        if self.plan.weight is not None and not self.weight_sum > 0:
+            raise DataError(
+                f"{source.description}: weight column {self.plan.weight!r} (data.weight) is 0 in all {rows} "
+                "rows kept: nothing would be learnt"
+            )
+
+
+FLOAT32_EXACT = 2**24
+DRIFT_TOP_CATEGORIES = 1000  # per categorical input: the most frequent values' train counts, the rest together
+
+
+class _DriftStats:
+    """What drift compares beyond the numeric histograms (ddpflow/drift.py), over the train split: each
+    vector input's per-dimension mean and std, the label's distribution; the categorical counts come from
+    the fitted vocabulary (``to_dict``)."""
+
+    def __init__(self, plan: ColumnPlan, codecs: dict[str, Codec], classes: pa.Array | None):
+        self.plan, self.codecs = plan, codecs
+        self.vectors: dict[str, RunningMoments] = {}
+        self.classes = np.zeros(len(classes), dtype=np.int64) if classes is not None else None
+        self.target = RunningHistogram(1) if classes is None else None
+
+    def update(self, rows: _BatchRows, chosen: np.ndarray) -> None:
+        indices = pa.array(chosen, type=pa.int64())
+        for name, column in rows.others.items():
+            codec = self.codecs[name]
+            if codec.kind == "vector" and len(chosen):
+                moments = self.vectors.setdefault(name, RunningMoments(codec.dim))
+                moments.update(codec.encode(column.take(indices)).T)
+        if self.plan.task == "multilabel":
+            taken = rows.label.take(pa.array(chosen, type=pa.int64()))
+            self.classes += np.bincount(pc.list_flatten(taken).to_numpy(), minlength=len(self.classes))
+            return
+        label = rows.label.to_numpy(zero_copy_only=False)[chosen]
+        if self.classes is not None:
+            self.classes += np.bincount(label.astype(np.int64), minlength=len(self.classes))
+        elif len(label):
+            self.target.update(label[None, :].astype(np.float32))
+
+    def to_dict(self) -> dict[str, Any]:
+        inputs: dict[str, Any] = {}
+        for name, codec in self.codecs.items():
+            if codec.kind == "categorical" and codec.vocabulary is not None:
+                state = codec.fit()
+                top = DRIFT_TOP_CATEGORIES
+                inputs[name] = {
+                    "kind": "categorical",
+                    "counts": dict(zip(map(str, state["values"][:top]), state["counts"][:top])),
+                    "other": int(sum(state["counts"][top:])) + int(codec.observed_rows - sum(state["counts"])),
+                }
+            elif name in self.vectors:
+                moments = self.vectors[name]
+                inputs[name] = {"kind": "vector", "mean": moments.mean.tolist(), "std": moments.std().tolist()}
+        label = (
+            {"kind": "classes", "counts": self.classes.tolist()}
+            if self.classes is not None
+            else {"kind": "histogram", "histogram": self.target.to_list()[0]}
+        )
+        return {"inputs": inputs, "label": label}
 
 
 class _BatchRows:
-    """One record batch as a (features x rows) float32 matrix, label values and key, with validity."""
+    """One record batch: the numeric inputs as a (features x rows) float32 matrix, the other inputs as their
+    raw (plain) values, label values, key and weight, with validity."""
 
-    def __init__(self, batch: pa.RecordBatch, plan: ColumnPlan, classes: pa.Array | None):
-        self.plan = plan
+    def __init__(
+        self, batch: pa.RecordBatch, plan: ColumnPlan, classes: pa.Array | None, codecs: dict[str, Codec], file: str
+    ):
+        self.plan, self.codecs = plan, codecs
         self.features = _feature_matrix(batch, plan.features)
+        self.raw_numeric = {
+            name: batch.column(name)
+            for name in plan.features
+            if pa.types.is_integer(value_type(batch.column(name).type))
+        }
+        self.others = {name: plain(batch.column(name)) for name in plan.others}
         self.raw_label = _plain(batch.column(plan.label))
         if plan.task == "classification":
             self.label = pc.index_in(self.raw_label, value_set=classes)  # null where the label is invalid
+        elif plan.task == "multilabel":
+            self.label = _class_lists(self.raw_label, classes)
         else:
             self.label = pc.cast(self.raw_label, pa.float32())
         self.key = batch.column(plan.key) if plan.key else None
+        self.weight = _weights(batch.column(plan.weight)) if plan.weight else None
         self._feature_ok = np.isfinite(self.features)
+        self._others_ok = {name: codecs[name].valid(column, file) for name, column in self.others.items()}
+        self.wrong_lengths = [
+            _wrong_length(file, name, codecs[name], column, ok)
+            for name, column in self.others.items()
+            if codecs[name].kind == "vector" and not (ok := self._others_ok[name]).all()
+        ]
         self._label_ok = _valid_mask(self.label)
         self._key_ok = _valid_mask(self.key) if self.key is not None else True
-        self.valid = self._feature_ok.all(axis=0) & self._label_ok & self._key_ok
+        self._weight_ok = np.isfinite(self.weight) & (self.weight >= 0) if self.weight is not None else True
+        self.valid = self._feature_ok.all(axis=0) & self._label_ok & self._key_ok & self._weight_ok
+        for ok in self._others_ok.values():
+            self.valid &= ok
 
     @property
     def invalid_rows(self) -> int:
@@ -306,9 +468,12 @@ class _BatchRows:
 
     def invalid_counts(self) -> dict[str, int]:
         counts = dict(zip(self.plan.features, (~self._feature_ok).sum(axis=1).tolist()))
+        counts |= {name: int((~ok).sum()) for name, ok in self._others_ok.items()}
         counts[self.plan.label] = int((~self._label_ok).sum())
         if self.key is not None:
             counts[self.plan.key] = int((~self._key_ok).sum())
+        if self.weight is not None:
+            counts[self.plan.weight] = int((~self._weight_ok).sum())
         return counts
 
     def keep_valid(self) -> None:
@@ -316,24 +481,73 @@ class _BatchRows:
             return
         mask = pa.array(self.valid)
         self.features = self.features[:, self.valid]
+        self.raw_numeric = {name: column.filter(mask) for name, column in self.raw_numeric.items()}
+        self.others = {name: column.filter(mask) for name, column in self.others.items()}
         self.raw_label = self.raw_label.filter(mask)
         self.label = self.label.filter(mask)
         self.key = self.key.filter(mask) if self.key is not None else None
+        self.weight = self.weight[self.valid] if self.weight is not None else None
+
+    def observe(self, rows: np.ndarray) -> None:
+        """The train rows, for the encoders that learn from them (the categorical vocabulary)."""
+        indices = pa.array(rows, type=pa.int64())
+        for name, column in self.others.items():
+            self.codecs[name].observe(column.take(indices))
 
     def hashes(self) -> np.ndarray:
-        """The split hash: the key when there is one, else the row's content (stored features + label)."""
+        """The split hash: the key when there is one, else the row's content (stored inputs + label)."""
         if self.key is not None:
             return row_split.hash_values(self.key)
         label_for_hash = self.raw_label if self.plan.task == "classification" else self.label
-        return row_split.hash_rows(self.features.T, row_split.hash_values(label_for_hash))
+        if self.plan.task == "multilabel":  # a row's classes, as one sorted string
+            label_for_hash = pa.array(["\x1f".join(map(str, sorted(row))) for row in self.raw_label.to_pylist()])
+        extra = row_split.hash_values(label_for_hash)
+        for name, column in self.others.items():  # none for numeric tables: their split is as before
+            if self.codecs[name].kind == "vector":
+                extra = row_split.hash_rows(self.codecs[name].encode(column).astype(np.float64), extra)
+            else:
+                extra = row_split.combine_hashes(extra, row_split.hash_values(column))
+        return row_split.hash_rows(self.features.T, extra)
 
     def table(self, rows: np.ndarray, schema: pa.Schema) -> pa.Table:
         indices = pa.array(rows, type=pa.int64())
         columns = [pa.array(self.features[i][rows]) for i in range(len(self.plan.features))]
+        columns += [pc.cast(self.others[name].take(indices), schema.field(name).type) for name in self.plan.others]
         columns.append(pc.cast(self.label.take(indices), schema.field(self.plan.label).type))
         if self.key is not None:
             columns.append(self.key.take(indices))
+        if self.weight is not None:
+            columns.append(pa.array(self.weight[rows].astype(np.float32)))
         return pa.Table.from_arrays(columns, schema=schema)
+
+
+def _class_lists(raw: pa.Array, classes: pa.Array) -> pa.Array:
+    """list<int64> of class indices per row; null where the list, or any value in it, is null."""
+    raw = raw.combine_chunks() if isinstance(raw, pa.ChunkedArray) else raw
+    lengths = pc.fill_null(pc.list_value_length(raw), 0).to_numpy(zero_copy_only=False)
+    offsets = np.zeros(len(raw) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    indices = pc.index_in(_plain(pc.list_flatten(raw)), value_set=classes)
+    bad = np.zeros(len(raw), dtype=bool)
+    parents = pc.list_parent_indices(raw).to_numpy(zero_copy_only=False)
+    bad[parents[pc.is_null(indices).to_numpy(zero_copy_only=False)]] = True
+    bad |= pc.is_null(raw).to_numpy(zero_copy_only=False)
+    values = pc.cast(pc.fill_null(indices, 0), pa.int64())
+    return pa.ListArray.from_arrays(pa.array(offsets), values, mask=pa.array(bad))
+
+
+def _weights(column: pa.Array) -> np.ndarray:
+    """float64 row weights; null -> NaN (invalid)."""
+    return pc.fill_null(pc.cast(plain(column), pa.float64()), np.nan).to_numpy(zero_copy_only=False)
+
+
+def _wrong_length(file: str, name: str, codec: Codec, column: pa.Array, ok: np.ndarray) -> DataError:
+    lengths = codec.bad_lengths(column)
+    what = f"rows of length {lengths}" if lengths else "null rows or non-finite elements"
+    return DataError(
+        f"{file}: vector column {name!r} has {int((~ok).sum())} {what} in one read batch; every row must have "
+        f"length {codec.dim} (its first row's) and finite values: fix the data or set data.on_invalid=drop"
+    )
 
 
 def _feature_matrix(batch: pa.RecordBatch, features: list[str]) -> np.ndarray:
@@ -355,11 +569,15 @@ def _valid_mask(array: pa.Array) -> np.ndarray:
     return valid.to_numpy(zero_copy_only=False).astype(bool, copy=False)
 
 
-def _shard_schema(plan: ColumnPlan, source_schema: pa.Schema) -> pa.Schema:
+def _shard_schema(plan: ColumnPlan, source_schema: pa.Schema, codecs: dict[str, Codec]) -> pa.Schema:
     fields = [pa.field(name, pa.float32()) for name in plan.features]
-    fields.append(pa.field(plan.label, pa.int64() if plan.task == "classification" else pa.float32()))
+    fields += [pa.field(name, codecs[name].stored_type(source_schema.field(name).type)) for name in plan.others]
+    label_type = {"classification": pa.int64(), "multilabel": pa.list_(pa.int64())}.get(plan.task, pa.float32())
+    fields.append(pa.field(plan.label, label_type))
     if plan.key:
         fields.append(pa.field(plan.key, value_type(source_schema.field(plan.key).type)))
+    if plan.weight:
+        fields.append(pa.field(plan.weight, pa.float32()))
     return pa.schema(fields)
 
 
@@ -381,7 +599,7 @@ def _manifest(source, data, plan, labels, splits, moments, histograms, targets, 
         label=plan.label,
         key=plan.key,
         features=plan.features,
-        label_mapping=labels.classes.to_pylist() if plan.task == "classification" else None,
+        label_mapping=labels.classes.to_pylist() if plan.task in CLASS_TASKS else None,
         feature_mean=moments.mean.tolist(),
         feature_std=moments.std().tolist(),
         splits=splits,

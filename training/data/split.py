@@ -45,6 +45,12 @@ def hash_rows(features: np.ndarray, label_hash: np.ndarray) -> np.ndarray:
     return pd.util.hash_pandas_object(frame, index=False, categorize=False).to_numpy()
 
 
+def combine_hashes(first: np.ndarray, second: np.ndarray) -> np.ndarray:
+    """One stable uint64 per row from two per-row hashes (order matters)."""
+    frame = pd.DataFrame({"a": first, "b": second}, copy=False)
+    return pd.util.hash_pandas_object(frame, index=False, categorize=False).to_numpy()
+
+
 def assign_splits(hashes: np.ndarray, val_fraction: float, test_fraction: float) -> np.ndarray:
     """TRAIN/VAL/TEST code per row: the hash's top 53 bits as a uniform number in [0, 1)."""
     uniform = (hashes >> np.uint64(11)).astype(np.float64) * _TOP_53_BITS

@@ -1,0 +1,198 @@
+"""Typed inputs at prepare: data.inputs, the encoders fitted on train, raw columns in the shards, the columns
+the default leaves out, row weights (training/spec/codecs.py, training/data/prepare.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from training.config import ConfigError, load_config
+from training.data.prepare import DataError, prepare_dataset
+from training.spec.codecs import ENCODERS_FILE, encoders_sha256, make_codec, read_encoders
+
+ROWS = 2000
+
+
+def mixed_table(rows: int = ROWS, seed: int = 0) -> pa.Table:
+    """A numeric column, three categoricals (one with a rare value), an id, a vector, a long text column."""
+    rng = np.random.default_rng(seed)
+    country = rng.choice(["no", "se", "dk"], size=rows, p=[0.5, 0.3, 0.2]).astype(object)
+    country[::97] = None  # nulls are a category of their own (index 0)
+    plan = rng.choice(["basic", "pro"], size=rows).astype(object)
+    plan[0] = "rare"  # seen once: below min_count 2
+    return pa.table(
+        {
+            "customer": np.arange(rows),
+            "tenure": rng.normal(size=rows),
+            "country": pa.array(country, type=pa.string()),
+            "plan": pa.array(plan, type=pa.string()),
+            "device": rng.choice(["ios", "android", "web"], size=rows),
+            "merchant_id": [f"m-{i:06d}" for i in rng.permutation(rows)],
+            "embedding": [rng.normal(size=3).tolist() for _ in range(rows)],
+            "big_id": rng.integers(0, 2**40, size=rows),
+            "notes": ["a free-text remark about this customer, long enough to read as text"] * rows,
+            "w": rng.uniform(0.5, 2.0, size=rows),
+            "churned": (country == "no").astype(np.int64),
+        }
+    )
+
+
+INPUTS = {
+    "tenure": "numeric",
+    "country": "categorical",
+    "plan": {"kind": "categorical", "min_count": 2},
+    "device": {"kind": "categorical", "max_size": 2},
+    "merchant_id": {"kind": "hashed", "buckets": 97},
+    "embedding": "vector",
+}
+
+
+@pytest.fixture
+def mixed(table_file, make_config):
+    path = table_file(mixed_table())
+    config = make_config(path, label="churned", key="customer", inputs=INPUTS, weight="w")
+    return prepare_dataset(config), path
+
+
+def test_short_and_long_forms_and_errors_that_name_the_path():
+    config = load_config(None, ["data.inputs={a: categorical, b: {kind: hashed, buckets: 7}}"])
+    assert config.data.inputs["a"].options() == {"min_count": 1}
+    assert config.data.inputs["b"].options() == {"buckets": 7}
+    for override, fragment in (
+        ("data.inputs={a: hashed}", "data.inputs.a: kind 'hashed' needs buckets"),
+        ("data.inputs={a: {kind: numeric, min_count: 2}}", "data.inputs.a: kind 'numeric' takes no option"),
+        ("data.inputs={a: image}", "data.inputs.a.kind"),
+        ("data.inputs={label: numeric}", "inputs.label: 'label' is the label column"),
+    ):
+        with pytest.raises(ConfigError) as caught:
+            load_config(None, [override])
+        assert fragment in str(caught.value)
+    with pytest.raises(ConfigError, match="data.inputs or data.features, not both"):
+        load_config(None, ["data.inputs={a: numeric}", "data.features=[a]"])
+
+
+def test_manifest_records_each_input_and_shards_keep_raw_values(mixed, dh):
+    prepared, _ = mixed
+    manifest = prepared.manifest
+    kinds = {entry["name"]: (entry["kind"], entry["dtype"], tuple(entry["shape"])) for entry in manifest.inputs}
+    assert kinds == {
+        "tenure": ("numeric", "float32", ()),
+        "country": ("categorical", "int64", ()),
+        "plan": ("categorical", "int64", ()),
+        "device": ("categorical", "int64", ()),
+        "merchant_id": ("hashed", "int64", ()),
+        "embedding": ("vector", "float32", (3,)),
+    }
+    cardinality = {entry["name"]: entry["cardinality"] for entry in manifest.inputs}
+    assert cardinality["country"] == 3 + 2 and cardinality["plan"] == 2 + 2 and cardinality["device"] == 2 + 2
+    assert cardinality["merchant_id"] == 97 + 1
+    assert manifest.features == ["tenure"] and manifest.weight == "w"
+    train = dh.read_split(prepared, "train")
+    assert train.schema.field("country").type == pa.string() and train.schema.field("w").type == pa.float32()
+    assert train.schema.field("embedding").type == pa.list_(pa.float32())
+    assert set(train["country"].drop_null().to_pylist()) == {"no", "se", "dk"}  # strings stay strings
+
+
+def test_encoders_fitted_on_train_only_deterministic_and_hashed_into_the_manifest(mixed, dh, make_config):
+    prepared, path = mixed
+    text = (prepared.dataset_dir / ENCODERS_FILE).read_text()
+    assert prepared.manifest.encoders == {"file": ENCODERS_FILE, "sha256": encoders_sha256(text)}
+    states = read_encoders(prepared.dataset_dir, prepared.manifest)
+    train = dh.read_split(prepared, "train")
+    counts = {}
+    for value in train["country"].drop_null().to_pylist():
+        counts[value] = counts.get(value, 0) + 1
+    expected = sorted(counts, key=lambda value: (-counts[value], value))  # count descending, then value
+    assert states["country"]["state"]["values"] == expected
+    assert states["country"]["state"]["counts"] == [counts[value] for value in expected]
+    assert "rare" not in states["plan"]["state"]["values"]  # below min_count
+    assert len(states["device"]["state"]["values"]) == 2  # max_size
+    # Another root, the same source and config: the same encoders, byte for byte.
+    again = prepare_dataset(
+        make_config(
+            path,
+            label="churned",
+            key="customer",
+            inputs=INPUTS,
+            weight="w",
+            root=str(prepared.dataset_dir.parent.parent / "again"),
+        )
+    )
+    assert (again.dataset_dir / ENCODERS_FILE).read_text() == text
+    (prepared.dataset_dir / ENCODERS_FILE).write_text(text.replace('"no"', '"xx"'))
+    with pytest.raises(ValueError, match="sha256 does not match"):
+        read_encoders(prepared.dataset_dir, prepared.manifest)
+
+
+def test_codecs_reserve_null_and_unknown_and_hash_stably():
+    codec = make_codec("c", "categorical", {"min_count": 1})
+    codec.observe(pa.array(["b", "a", "b", None]))
+    codec.load(codec.fit())
+    assert codec.encode(pa.array(["b", "a", None, "never-seen"])).tolist() == [2, 3, 0, 1]
+    hashed = make_codec("h", "hashed", {"buckets": 10})
+    first = hashed.encode(pa.array(["x", "y", None, "x"]))
+    assert first[2] == 0 and first[0] == first[3] and all(1 <= first[i] <= 10 for i in (0, 1, 3))
+    # A stable hash (pandas' SipHash with a fixed key), not Python's salted hash(): fixed buckets.
+    assert hashed.encode(pa.array(["x", "y"])).tolist() == first[:2].tolist()
+    assert make_codec("h", "hashed", {"buckets": 1_000_003}).encode(pa.array([42, 43])).tolist() == [
+        EXPECTED_INT_BUCKETS[42],
+        EXPECTED_INT_BUCKETS[43],
+    ]
+    vector = make_codec("v", "vector")
+    assert vector.valid(pa.array([[1.0, 2.0], [3.0], None, [np.nan, 1.0]]), "f").tolist() == [True, False, False, False]
+    assert vector.encode(pa.array([[1.0, 2.0], [3.0, 4.0]])).shape == (2, 2)
+
+
+# pandas.util.hash_array of the int64 values, mod 1_000_003, plus 1: the same on every machine and run.
+EXPECTED_INT_BUCKETS = {42: 836832, 43: 352817}
+
+
+def test_default_inputs_name_every_column_left_out_and_warn_on_big_integers(table_file, make_config):
+    prepared = prepare_dataset(make_config(table_file(mixed_table()), label="churned", key="customer"))
+    left = {entry["column"]: entry["suggest"] for entry in prepared.manifest.extra["left_out"]}
+    assert left["country"] == "categorical" and left["plan"] == "categorical" and left["device"] == "categorical"
+    assert left["merchant_id"].startswith("{kind: hashed")
+    assert left["embedding"] == "vector" and left["notes"].startswith("text")
+    assert "tenure" not in left and "big_id" not in left  # numeric: taken as features, as before
+    warnings = prepared.manifest.extra["warnings"]
+    assert len(warnings) == 1 and "'big_id'" in warnings[0] and "categorical" in warnings[0]
+    assert "hashed" in warnings[0]
+
+
+def test_row_weights_are_checked(table_file, make_config):
+    table = mixed_table(400)
+    weights = table["w"].to_numpy().copy()
+    weights[7] = -1.0
+    path = table_file(table.set_column(table.schema.get_field_index("w"), "w", pa.array(weights)))
+    with pytest.raises(DataError) as caught:
+        prepare_dataset(make_config(path, label="churned", key="customer", inputs={"tenure": "numeric"}, weight="w"))
+    assert str(path) in str(caught.value) and "column 'w': 1" in str(caught.value)
+    zero = table_file(table.set_column(table.schema.get_field_index("w"), "w", pa.array(np.zeros(400))), "zero.parquet")
+    with pytest.raises(DataError) as caught:
+        prepare_dataset(make_config(zero, label="churned", key="customer", inputs={"tenure": "numeric"}, weight="w"))
+    assert "weight column 'w'" in str(caught.value) and "400 rows" in str(caught.value)
+
+
+def test_a_list_label_is_multilabel_with_multi_hot_rows(table_file, make_config):
+    from training.loading import load_split
+
+    rng = np.random.default_rng(2)
+    tags = [sorted(set(rng.choice(["news", "sport", "tech"], size=rng.integers(0, 3)).tolist())) for _ in range(600)]
+    path = table_file({"x": rng.normal(size=600), "tags": pa.array(tags, type=pa.list_(pa.string()))})
+    prepared = prepare_dataset(make_config(path, label="tags"))
+    manifest = prepared.manifest
+    assert manifest.task == "multilabel" and manifest.label_mapping == ["news", "sport", "tech"]
+    assert manifest.n_outputs == 3
+    split = load_split(prepared.dataset_dir, manifest, "train")
+    assert split.labels.dtype == torch.float32 and split.labels.shape == (manifest.rows("train"), 3)
+    shards = pa.concat_tables([pq.read_table(p) for p in manifest.split_files(prepared.dataset_dir, "train")])
+    expected = np.zeros((len(shards), 3), dtype=np.float32)
+    for row, indices in enumerate(shards["tags"].to_pylist()):
+        expected[row, indices] = 1
+    assert np.array_equal(split.labels.numpy(), expected) and expected.sum(axis=1).max() == 2
+    with_null = table_file({"x": np.zeros(3), "tags": pa.array([["a"], None, ["b"]])}, "null.parquet")
+    with pytest.raises(DataError, match="label column 'tags' has 1 null"):
+        prepare_dataset(make_config(with_null, label="tags"))

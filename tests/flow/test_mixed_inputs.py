@@ -1,0 +1,158 @@
+"""A mixed table (numeric + 3 categoricals + a hashed id + a vector) through `ddpflow run` end to end, one
+torchrun launch: it beats the majority class where its numeric column cannot (the label is a function of a
+categorical), and the champion's pyfunc, given raw rows (strings, lists, an unseen category), predicts what
+the evaluation scored."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+ROWS = 3000
+INPUTS = {
+    "tenure": "numeric",
+    "country": "categorical",
+    "plan": {"kind": "categorical", "min_count": 5},
+    "device": "categorical",
+    "merchant_id": {"kind": "hashed", "buckets": 211},
+    "embedding": "vector",
+}
+
+
+def churn_table(rows: int = ROWS, seed: int = 0) -> pa.Table:
+    """``churned`` is 1 for two of five countries (40 % of rows): the majority class is 0 at about 60 %."""
+    rng = np.random.default_rng(seed)
+    country = rng.choice(["no", "se", "dk", "fi", "is"], size=rows)
+    return pa.table(
+        {
+            "customer_id": np.arange(rows),
+            "tenure": rng.normal(size=rows),  # noise: alone, no better than the majority class
+            "country": country,
+            "plan": rng.choice(["basic", "pro", "team"], size=rows),
+            "device": rng.choice(["ios", "android", "web"], size=rows),
+            "merchant_id": [f"m-{i % 500:04d}" for i in rng.permutation(rows)],
+            "embedding": [rng.normal(size=4).tolist() for _ in range(rows)],
+            "churned": np.isin(country, ["no", "dk"]).astype(np.int64),
+        }
+    )
+
+
+def cli_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "180"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+@pytest.mark.torchrun
+@pytest.mark.server  # ddpflow run starts a temporary Prefect server
+def test_a_mixed_table_trains_through_ddpflow_run_and_serves_raw_rows(make_config, tmp_path):
+    import mlflow
+    from mlflow.types import DataType
+
+    from ddpflow.tracking.runs import use_tracking_uri
+    from training.data.manifest import read_manifest
+    from training.evaluate import evaluate_split
+
+    source = tmp_path / "churn.parquet"
+    pq.write_table(churn_table(), source)
+    config = make_config(
+        **{
+            "data.source": str(source),
+            "data.label": "churned",
+            "data.key": "customer_id",
+            "data.inputs": INPUTS,
+            "train.epochs": 3,
+            "train.batch_size": 64,
+        }
+    )
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    done = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "run", "--config", "run.yaml", "--json"],
+        cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=540,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    summary = json.loads(done.stdout)
+    assert summary["decision"] == "promoted"
+    run_dir, dataset = Path(summary["run_dir"]), Path(summary["dataset_dir"])
+    manifest = read_manifest(dataset)
+    test = pa.concat_tables([pq.read_table(path) for path in manifest.split_files(dataset, "test")]).to_pandas()
+    majority = max(np.mean(test["churned"] == 0), np.mean(test["churned"] == 1))
+    accuracy = summary["test_metrics"]["test_accuracy"]
+    assert accuracy > majority + 0.2, f"test accuracy {accuracy:.3f} vs the majority class's {majority:.3f}"
+
+    with use_tracking_uri(config["mlflow"]["tracking_uri"]):
+        served = mlflow.pyfunc.load_model(f"models:/{config['registry']['model_name']}@champion")
+    raw = test[list(INPUTS)].copy()  # strings for the categoricals and the id, lists for the vector
+    predicted = np.asarray(served.predict(raw))
+    evaluated = evaluate_split(run_dir / "model.pt", dataset, return_predictions=True).predictions
+    np.testing.assert_array_equal(predicted, np.asarray(manifest.label_mapping)[evaluated])
+    # The inputs in the manifest's order (the config's: yaml.safe_dump sorted it), raw types in the schema.
+    assert served.metadata.get_input_schema().input_names() == manifest.input_names()
+    assert sorted(manifest.input_names()) == sorted(INPUTS)
+    schema = {spec.name: spec.type for spec in served.metadata.get_input_schema().inputs}
+    assert schema["country"] == DataType.string and schema["tenure"] == DataType.double
+    assert "Array" in str(schema["embedding"])
+    unseen = raw.head(3).copy()
+    unseen["country"] = "atlantis"  # never seen in training: scored as unknown, never an error
+    scored = served.predict(unseen, params={"output": "probabilities"})
+    assert isinstance(scored, pd.DataFrame) and list(scored.columns) == ["label", "probability_0", "probability_1"]
+    np.testing.assert_allclose(scored[["probability_0", "probability_1"]].sum(axis=1), 1.0, rtol=1e-5)
+
+    # `mlflow models serve` answers /invocations with raw rows over HTTP, as the evaluation scored them.
+    rows = raw.head(20)
+    answered = invocations(config, rows, tmp_path)
+    np.testing.assert_array_equal(np.asarray(answered), np.asarray(manifest.label_mapping)[evaluated[:20]])
+
+
+def invocations(config: dict, rows: pd.DataFrame, tmp_path: Path) -> list:
+    """Serve the champion on a loopback port (``--env-manager local``), POST ``rows``, stop the server by PID."""
+    import urllib.request
+
+    from waiting import wait_until
+
+    from devtools.ports import free_port
+
+    port = free_port()
+    env = {**cli_env(), "MLFLOW_TRACKING_URI": config["mlflow"]["tracking_uri"]}
+    model_uri = f"models:/{config['registry']['model_name']}@champion"
+    command = [sys.executable, "-m", "mlflow", "models", "serve", "-m", model_uri, "--env-manager", "local"]
+    log = (tmp_path / "serve.log").open("w")
+    server = subprocess.Popen(
+        [*command, "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+        cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _answers(f"{url}/ping") or server.poll() is not None, 120, "mlflow models serve /ping")
+        assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+        body = json.dumps({"dataframe_split": json.loads(rows.to_json(orient="split", index=False))}).encode()
+        request = urllib.request.Request(f"{url}/invocations", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return json.loads(response.read())["predictions"]
+    finally:
+        os.killpg(server.pid, 15)  # the server and its one worker: the session this test started
+        server.wait(timeout=30)
+        log.close()
+
+
+def _answers(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False

@@ -1,0 +1,78 @@
+"""What the model is told about each input: ``InputInfo``, from the manifest.
+
+Every input kind (numeric, categorical, hashed, vector; images and text come with their own issues)
+reaches the model the same way: one entry of the batch dict, a tensor ``[B, *shape]`` of ``dtype``.
+A model factory (``training/models.py``) is called with ``inputs: dict[str, InputInfo]`` in the
+manifest's order, so it can size embeddings from ``cardinality`` and layers from ``shape``.
+
+    inputs = inputs_from_manifest(manifest)        # {"tenure_days": InputInfo(kind="numeric", ...), ...}
+    inputs["country"].cardinality                  # embedding rows: null + unknown + the vocabulary
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+KINDS = ("numeric", "categorical", "hashed", "vector")
+EMBEDDED_KINDS = ("categorical", "hashed")  # integer indices into an embedding of ``cardinality`` rows
+
+
+@dataclass(frozen=True)
+class InputInfo:
+    name: str
+    kind: str  # one of KINDS
+    dtype: str  # the batch tensor's torch dtype name: "float32" | "int64"
+    shape: tuple[int, ...] = ()  # per row: () a scalar, (D,) a vector
+    cardinality: int | None = None  # categorical / hashed: embedding rows, index 0 null, 1 unknown (categorical)
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"input {self.name!r}: unknown kind {self.kind!r} (known: {', '.join(KINDS)})")
+        object.__setattr__(self, "shape", tuple(int(size) for size in self.shape))
+
+    def mask_name(self) -> str:
+        """The batch dict's entry for this input's mask, where a kind needs one (no tabular kind does)."""
+        return f"{self.name}_mask"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "cardinality": self.cardinality,
+            "options": dict(self.options),
+        }
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> InputInfo:
+        return cls(
+            name=raw["name"],
+            kind=raw["kind"],
+            dtype=raw["dtype"],
+            shape=tuple(raw.get("shape") or ()),
+            cardinality=raw.get("cardinality"),
+            options=dict(raw.get("options") or {}),
+        )
+
+
+def numeric_input(name: str) -> InputInfo:
+    return InputInfo(name=name, kind="numeric", dtype="float32")
+
+
+def inputs_from_dicts(raw: list[dict[str, Any]]) -> dict[str, InputInfo]:
+    return {entry["name"]: InputInfo.from_dict(entry) for entry in raw}
+
+
+def inputs_from_manifest(manifest) -> dict[str, InputInfo]:
+    """The manifest's inputs, in order; a manifest from before typed inputs: its features, all numeric."""
+    if getattr(manifest, "inputs", None):
+        return inputs_from_dicts(manifest.inputs)
+    return {name: numeric_input(name) for name in manifest.features}
+
+
+def numeric_names(inputs: dict[str, InputInfo]) -> list[str]:
+    """The numeric inputs in order: the columns of the numeric block (``Manifest.features``)."""
+    return [name for name, info in inputs.items() if info.kind == "numeric"]
