@@ -69,12 +69,24 @@ class RecordingSGD(torch.optim.SGD):
         self.steps.append([p.grad.clone() for group in self.param_groups for p in group["params"]])
 
 
+class NumericLinear(torch.nn.Module):
+    """A linear layer over the batch dict's numeric columns (the model contract: forward takes the dict)."""
+
+    def __init__(self, n_features: int, n_outputs: int):
+        super().__init__()
+        self.names = [f"x{j}" for j in range(n_features)]
+        self.linear = torch.nn.Linear(n_features, n_outputs)
+
+    def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.linear(torch.stack([inputs[name] for name in self.names], dim=1))
+
+
 def simulated_ddp_gradients(split, objective, world: int, batch: int) -> list[list[torch.Tensor]]:
     """Each optimizer step's gradient as DDP would all-reduce it: the mean over ``world`` ranks."""
     per_rank = []
     for rank in range(world):
         torch.manual_seed(0)
-        model = torch.nn.Linear(split.features.shape[1], 3)
+        model = NumericLinear(split.features.shape[1], 3)
         optimizer = RecordingSGD(model.parameters())
         batches = TrainBatches(
             split, rank, world, batch, seed=5, device=torch.device("cpu"), pin_memory=False,
@@ -355,7 +367,7 @@ def test_validation_sharded_over_ranks_reports_what_one_pass_does(objective):
     )
     split = SplitTensors(torch.randn(101, 5, generator=generator), labels)
     torch.manual_seed(0)
-    model = torch.nn.Linear(5, objective.n_outputs(objective.n_classes))
+    model = NumericLinear(5, objective.n_outputs(objective.n_classes))
     settings = StepSettings("classification" if classes else "regression", torch.device("cpu"), objective=objective)
     whole = evaluate(model, split, 0, 101, 16, settings)
     shards = [evaluate(model, split, 0, 50, 16, settings), evaluate(model, split, 50, 101, 7, settings)]
@@ -368,5 +380,5 @@ def test_validation_sharded_over_ranks_reports_what_one_pass_does(objective):
     assert expected in one
     if isinstance(objective, Binary):
         assert "val_roc_auc" in one and one["val_roc_auc"] == pytest.approx(
-            roc_auc(model(split.features).detach().reshape(-1).numpy(), (labels == 1).numpy())
+            roc_auc(model.linear(split.features).detach().reshape(-1).numpy(), (labels == 1).numpy())
         )
