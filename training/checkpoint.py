@@ -97,10 +97,18 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
 
 
 def inference_checkpoint(
-    state_dict: dict[str, Any], spec: ModelSpec, manifest: Manifest, epochs: int, metrics: dict[str, Any]
+    state_dict: dict[str, Any],
+    spec: ModelSpec,
+    manifest: Manifest,
+    epochs: int,
+    metrics: dict[str, Any],
+    selection: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``model.pt``: the weights plus everything evaluation and serving need to rebuild
-    the model and feed it raw columns (architecture, feature order, normalisation, labels)."""
+    the model and feed it raw columns (architecture, feature order, normalisation, labels).
+
+    ``epochs``: the epochs trained; ``metrics``: the selected epoch's; ``selection``: which epoch the
+    weights are from and why (``training/selection.py: Selection.describe``; None: the last one)."""
     return {
         "model": state_dict,
         "model_spec": spec.to_dict(),
@@ -116,6 +124,8 @@ def inference_checkpoint(
         "fingerprint": manifest.fingerprint,
         "epochs": epochs,
         "metrics": metrics,
+        "selected_epoch": selection["selected_epoch"] if selection else metrics.get("epoch", epochs - 1),
+        "selection": selection,
     }
 
 
@@ -130,7 +140,12 @@ def training_identity(config: PipelineConfig | Mapping[str, Any], fingerprint: s
         train = config.train.model_dump(mode="json")
     else:
         train = dict(config.get("train") or {})
-    return {"fingerprint": fingerprint, "train": {name: train.get(name) for name in TrainConfig.weight_fields()}}
+    omitted = TrainConfig.identity_defaults()  # at its default (or absent: recorded before it existed): left out
+    fields = {name: train.get(name, omitted.get(name)) for name in TrainConfig.weight_fields()}
+    return {
+        "fingerprint": fingerprint,
+        "train": {name: value for name, value in fields.items() if name not in omitted or value != omitted[name]},
+    }
 
 
 def identity_differences(saved: Mapping[str, Any], wanted: Mapping[str, Any]) -> list[str]:
@@ -163,11 +178,16 @@ def resume_mismatches(saved: dict[str, Any], config: PipelineConfig, fingerprint
 
 class Checkpointer:
     def __init__(
-        self, run_dir: str | Path, coordinator: Coordinator, before_write: Callable[[Path], None] = lambda _: None
+        self,
+        run_dir: str | Path,
+        coordinator: Coordinator,
+        before_write: Callable[[Path], None] = lambda _: None,
+        after_write: Callable[[Path], None] = lambda _: None,
     ):
         self.run_dir = Path(run_dir)
         self.coordinator = coordinator
-        self.before_write = before_write  # a test hook (training/faults.py: slow_checkpoint)
+        # Test hooks (training/faults.py: slow_checkpoint, DDPFLOW_KEEP_CHECKPOINTS), on the writer.
+        self.before_write, self.after_write = before_write, after_write
         self.last_path = self.run_dir / LAST_CHECKPOINT
         self.final_path = self.run_dir / FINAL_MODEL
 
@@ -181,6 +201,7 @@ class Checkpointer:
         if self.coordinator.is_main:
             self.before_write(path)
             atomic_save(obj, path)
+            self.after_write(path)
         # Nobody runs ahead (or exits) before the file is complete.
         self.coordinator.checkpoint_barrier(path)
 

@@ -24,6 +24,8 @@ from typing import Annotated, Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from training.monitor import higher_is_better
+
 
 class ConfigError(ValueError):
     """A user's configuration is wrong; the message names the field."""
@@ -41,10 +43,15 @@ class WeightsEffect:
     """
 
     changes_weights: bool
+    # A field added after identities were first recorded (on runs, model versions, last.pt): left out of
+    # the identity while it holds its default, so every identity recorded before it existed stays the same.
+    omitted_at_default: bool = False
 
 
 _T = TypeVar("_T")
 ChangesWeights = Annotated[_T, WeightsEffect(True)]  # part of the training identity
+# Part of the identity once set away from its default (a field added later: WeightsEffect.omitted_at_default).
+ChangesWeightsWhenSet = Annotated[_T, WeightsEffect(True, omitted_at_default=True)]
 KeepsWeights = Annotated[_T, WeightsEffect(False)]  # may change between attempts of one training
 
 
@@ -171,6 +178,31 @@ class TrainConfig(_Section):
         "auto: when a split takes at most a quarter of the GPU memory free after the model (never on CPU).",
     )
     progress_interval_s: KeepsWeights[float] = Field(5.0, gt=0)
+    # Which epoch's weights model.pt holds, and when training stops (training/selection.py).
+    select: ChangesWeightsWhenSet[Literal["best", "last"]] = Field(
+        "best", description="model.pt holds the weights of the best epoch by train.monitor, or of the last one."
+    )
+    monitor: ChangesWeightsWhenSet[str] = Field(
+        "val_loss", description="The validation metric that judges epochs (val_loss, val_accuracy, val_rmse...)."
+    )
+    monitor_mode: ChangesWeightsWhenSet[Literal["auto", "min", "max"]] = Field(
+        "auto", description="auto: lower is better for a loss or an error (as the gate infers), else higher."
+    )
+    min_delta: ChangesWeightsWhenSet[float] = Field(0.0, ge=0, description="An epoch improves by more than this.")
+    early_stopping_patience: ChangesWeightsWhenSet[int | None] = Field(
+        None, ge=1, description="Stop after this many epochs without improvement of train.monitor; none: never."
+    )
+    # The optimizer and its schedule (training/optim.py).
+    optimizer: ChangesWeightsWhenSet[Literal["adamw", "adam", "sgd"]] = "adamw"
+    optimizer_kwargs: ChangesWeightsWhenSet[dict[str, Any]] = Field(
+        default_factory=dict, description="Passed to the torch optimizer: betas, eps, momentum, nesterov..."
+    )
+    warmup_steps: ChangesWeightsWhenSet[int] = Field(
+        0, ge=0, description="Optimizer steps of linear warmup before the constant or cosine schedule."
+    )
+    log_every_steps: KeepsWeights[int | None] = Field(
+        50, ge=1, description="Train loss, lr and gradient norm to MLflow every N optimizer steps; none: off."
+    )
     skip_if_unchanged: KeepsWeights[bool] = Field(
         False,
         description="Skip training (no torchrun, no new model version; the MLflow run is tagged ddpflow.skipped) "
@@ -185,6 +217,15 @@ class TrainConfig(_Section):
         if undeclared:
             raise TypeError(f"train fields {undeclared} declare neither ChangesWeights[...] nor KeepsWeights[...]")
         return tuple(name for name, effect in effects.items() if effect.changes_weights)
+
+    @classmethod
+    def identity_defaults(cls) -> dict[str, Any]:
+        """The weight fields left out of the identity at their default (``ChangesWeightsWhenSet``): name -> default."""
+        return {
+            name: info.get_default(call_default_factory=True)
+            for name, info in cls.model_fields.items()
+            if (effect := _weights_effect(info.metadata)) is not None and effect.omitted_at_default
+        }
 
     @model_validator(mode="after")
     def _multi_node_needs_rendezvous(self) -> TrainConfig:
@@ -208,6 +249,25 @@ class TrainConfig(_Section):
         if isinstance(value, int) and value < 1:
             raise ValueError("must be >= 1 or 'auto'")
         return value
+
+    @field_validator("monitor")
+    @classmethod
+    def _validation_metric(cls, value: str) -> str:
+        if not value.startswith("val_"):
+            raise ValueError(f"{value!r} is not a validation metric: name one such as val_loss or val_accuracy")
+        return value
+
+    @field_validator("optimizer_kwargs")
+    @classmethod
+    def _kwargs_without_own_fields(cls, value: dict[str, Any]) -> dict[str, Any]:
+        owned = sorted({"lr", "weight_decay", "params"} & set(value))
+        if owned:
+            raise ValueError(f"{owned} have their own train fields (train.lr, train.weight_decay); remove them here")
+        return value
+
+    def monitor_higher_is_better(self) -> bool:
+        """train.monitor_mode, or the gate's rule on the metric's name (training/monitor.py)."""
+        return higher_is_better(self.monitor) if self.monitor_mode == "auto" else self.monitor_mode == "max"
 
     @field_validator("model")
     @classmethod
@@ -253,8 +313,7 @@ class RegistryConfig(_Section):
     def higher_is_better(self, task: str) -> bool:
         if self.greater_is_better is not None:
             return self.greater_is_better
-        metric = self.gate_metric(task)
-        return not any(word in metric for word in ("loss", "rmse", "mae", "error"))
+        return higher_is_better(self.gate_metric(task))
 
 
 class MlflowConfig(_Section):

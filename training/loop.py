@@ -20,6 +20,7 @@ the same steps, also when the last step of an epoch is short.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from training.loading import Batch, SplitTensors, TrainBatches
+from training.nonfinite import NonFiniteStep
 
 
 @dataclass(frozen=True)
@@ -82,9 +84,12 @@ class TrainStep:
         scheduler: torch.optim.lr_scheduler.LRScheduler | None,
         batches: TrainBatches,
         settings: StepSettings,
+        on_update: Callable[[StepReport], None] = lambda _: None,
     ):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.batches, self.settings = batches, settings
+        self.on_update = on_update  # after each optimizer step (the per-step curves: training/metrics_sink.py)
+        self._step_loss, self._step_rows = None, 0  # this rank's loss sum and rows of the optimizer step so far
 
     def __call__(self, index: int, batch: Batch) -> torch.Tensor:
         """Train micro-batch ``index``; returns its loss summed over real rows (float64, detached, on the device)."""
@@ -99,10 +104,14 @@ class TrainStep:
                 outputs = self.model(batch.features)
             losses = per_sample_loss(outputs, batch.labels, self.settings.task)
             (loss_sum(losses, batch.weights) * scale).backward()
-        if last_in_group:
-            self._update()
         weighted = losses.detach() if batch.weights is None else losses.detach() * batch.weights
-        return weighted.sum(dtype=torch.float64)
+        summed = weighted.sum(dtype=torch.float64)
+        first = index == group.start
+        self._step_loss = summed if first else self._step_loss + summed
+        self._step_rows = batch.samples + (0 if first else self._step_rows)
+        if last_in_group:
+            self._update(group)
+        return summed
 
     def _optimizer_step_of(self, index: int) -> range:
         """The micro-batches ``[first, stop)`` of micro-batch ``index``'s optimizer step."""
@@ -110,13 +119,41 @@ class TrainStep:
         first = (index // accum) * accum
         return range(first, min(first + accum, len(self.batches)))
 
-    def _update(self) -> None:
+    def _update(self, group: range) -> None:
+        """Check, clip, step. Raises ``NonFiniteStep`` (training/nonfinite.py) before a NaN or inf update."""
         if self.settings.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)
+        else:
+            norm = gradient_norm(self.model.parameters())
+        # The step's one device->host copy: its loss sum and the (all-reduced) gradient norm together.
+        loss, grad_norm = torch.stack([self._step_loss, norm.to(torch.float64)]).tolist()
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            raise NonFiniteStep(group, loss, grad_norm)
+        lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
+        self.on_update(StepReport(group.start // self.settings.grad_accum, loss, self._step_rows, grad_norm, lr))
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One optimizer step on this rank: its index in the epoch, loss sum and real rows, gradient norm, lr."""
+
+    index: int
+    loss_sum: float
+    rows: int
+    grad_norm: float
+    lr: float
+
+
+def gradient_norm(parameters) -> torch.Tensor:
+    """The global 2-norm of the gradients (what ``clip_grad_norm_`` computes), without clipping."""
+    grads = [p.grad.detach() for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, 2.0) for g in grads]), 2.0)
 
 
 @torch.no_grad()

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ddpflow.drift import FeatureDrift
+from training.monitor import is_better
 
 PROMOTED, CHALLENGER, REJECTED = "promoted", "challenger", "rejected"
 # champion_status is "<kind>" or "<kind>: <detail>"
@@ -82,10 +83,6 @@ class ChampionReading:
     @property
     def status(self) -> str:
         return f"{self.kind}: {self.detail}" if self.detail else self.kind
-
-
-def is_better(candidate: float, champion: float, higher_is_better: bool, min_delta: float) -> bool:
-    return candidate > champion + min_delta if higher_is_better else candidate < champion - min_delta
 
 
 def rejection_reason(metrics: dict[str, float], rules: GateRules) -> str | None:
