@@ -26,6 +26,15 @@ ADVICE = (
 )
 
 
+WHAT = "non-finite training values"  # in every message: how a launcher's error is recognised as this one
+
+
+def is_non_finite_failure(message: str) -> bool:
+    """A launch failed because training diverged: resuming from last.pt would diverge again at the same step
+    (a resume is bit-exact), so the train task does not retry it."""
+    return WHAT in message
+
+
 class NonFiniteStep(FloatingPointError):
     """This rank's optimizer step over micro-batches ``steps`` has a NaN or inf loss sum or gradient norm."""
 
@@ -54,7 +63,7 @@ def non_finite_error(bad: NonFiniteStep, rank: int, epoch: int, loss_ranks: list
     else:
         origin = f"the loss sum on this rank was {bad.loss}"
     return NonFiniteTrainingError(
-        f"rank {rank}: non-finite training values at epoch {epoch} {where}: gradient norm {bad.grad_norm}, "
+        f"rank {rank}: {WHAT} at epoch {epoch} {where}: gradient norm {bad.grad_norm}, "
         f"{origin}; stopped before the update (the checkpoints of earlier epochs stay, nothing is registered): "
         f"{ADVICE}"
     )

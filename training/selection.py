@@ -105,3 +105,32 @@ class Selection:
             return
         self.best_epoch, self.best_value = state["best_epoch"], state["best_value"]
         self.epochs_without_improvement, self.stopped = state["epochs_without_improvement"], state["stopped"]
+
+
+def selection_summary(last_line: dict[str, Any], train: TrainConfig) -> dict[str, Any] | None:
+    """What the run's summary says about the selection, from metrics.jsonl's last line (the train stage's
+    result); None for a run without one."""
+    if "selected_epoch" not in last_line or "epoch" not in last_line:
+        return None
+    return {
+        "select": train.select,
+        "monitor": train.monitor,
+        "selected_epoch": last_line["selected_epoch"],
+        "value": last_line.get(SELECTED_PREFIX + train.monitor),
+        "epochs_trained": last_line["epoch"] + 1,
+        "epochs": train.epochs,
+    }
+
+
+def describe_selection(summary: dict[str, Any]) -> str:
+    """One line for people, epochs counted from 1 as the progress lines do: "epoch 4 of 14 (best val_loss
+    0.2315); stopped early, 60 planned"."""
+    value = summary.get("value")
+    shown = f" {value:.4g}" if isinstance(value, (int, float)) else ""
+    line = (
+        f"epoch {summary['selected_epoch'] + 1} of {summary['epochs_trained']} "
+        f"({summary['select']} {summary['monitor']}{shown})"
+    )
+    if summary["epochs_trained"] < summary["epochs"]:
+        line += f"; stopped early, {summary['epochs']} planned"
+    return line
