@@ -7,8 +7,9 @@ These need the machine or the prepared data:
     check_data(config, prepared.manifest, layout)     # after prepare: the data fits the ranks
 
 ``check_machine``: NCCL without GPUs, more ranks than the machine has, a model
-import path that does not import. ``check_data``: a batch larger than a rank's
-share of the train split, a model that cannot be built for the data's shapes.
+import path that does not import, optimizer keywords the optimizer does not take.
+``check_data``: a batch larger than a rank's share of the train split, a model
+that cannot be built for the data's shapes, early stopping without a val split.
 The pipeline runs the first before preparing the data and the train stage
 (every launcher, through ddpflow/launch/stage.py: ``check_request``) the second,
 just before the ranks start; ``check_request`` runs ``check_machine`` itself only
@@ -38,7 +39,20 @@ def check_machine(config: PipelineConfig, gpus: int | None = None) -> RankLayout
             f"but this machine has {layout.slots} {layout.slot_kind}"
         )
     resolve_factory(config.train.model)  # ModelImportError (a ValueError) names train.model
+    check_optimizer(config)
     return layout
+
+
+def check_optimizer(config: PipelineConfig) -> None:
+    """``train.optimizer_kwargs`` that ``train.optimizer`` does not take fail here, not in every rank."""
+    import torch
+
+    from training.optim import build_optimizer
+
+    try:
+        build_optimizer(torch.nn.Linear(1, 1), config.train)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def _check_slurm_nodes(config: PipelineConfig) -> RankLayout:
@@ -53,6 +67,7 @@ def _check_slurm_nodes(config: PipelineConfig) -> RankLayout:
             f"train.nproc_per_node: {layout.nproc_per_node} ranks asked for, but slurm.gpus_per_node is {gpus}"
         )
     resolve_factory(config.train.model)  # ModelImportError (a ValueError) names train.model
+    check_optimizer(config)
     return layout
 
 
@@ -64,6 +79,11 @@ def check_data(config: PipelineConfig, manifest: Manifest, layout: RankLayout) -
         raise ConfigError(
             f"train.batch_size: {config.train.batch_size} is larger than each rank's share of the train split "
             f"({train_rows} rows / {layout.world_size} ranks = {per_rank}); lower it or add data"
+        )
+    if config.train.early_stopping_patience is not None and manifest.rows("val") == 0:
+        raise ConfigError(
+            "train.early_stopping_patience: the val split is empty, so no epoch can be judged; "
+            "set data.val_fraction above 0 or remove it"
         )
     spec = ModelSpec(config.train.model, manifest.n_features, manifest.n_outputs, dict(config.train.model_kwargs))
     try:

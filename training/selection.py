@@ -53,7 +53,10 @@ class Selection:
         return self.select == "best"
 
     def observe(self, epoch: int, metrics: dict[str, Any]) -> bool:
-        """Judge ``epoch`` by its validation ``metrics``; True when it is the new best."""
+        """Judge ``epoch`` by its validation ``metrics``; True when it is the new best. Without a val split
+        nothing is judged: the last epoch is selected (the preflight refuses early stopping then)."""
+        if metrics.get("val_samples") == 0:
+            return False
         if self.monitor not in metrics:
             available = sorted(name for name in metrics if name.startswith("val_"))
             raise ValueError(

@@ -214,7 +214,7 @@ class Trainer:
             selection = self.selection
             log_rank(
                 f"rank {self.ctx.rank}: early stopping after epoch {epoch}: {selection.monitor} has not improved "
-                f"for {selection.epochs_without_improvement} epoch(s) (best {selection.best_value:.6g} "
+                f"for {selection.epochs_without_improvement} epoch(s) (best {selection.best_value} "
                 f"at epoch {selection.best_epoch})"
             )
 

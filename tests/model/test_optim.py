@@ -74,6 +74,10 @@ def test_bad_optimizer_keywords_are_named():
         build_optimizer(nn.Linear(3, 2), train_config("optimizer_kwargs={nesterov: true}"))
     with pytest.raises(ConfigError, match=r"train.optimizer_kwargs: \['lr'\] have their own train fields"):
         train_config("optimizer_kwargs={lr: 0.1}")
+    from training.preflight import check_machine  # before anything starts: the flow's first check
+
+    with pytest.raises(ConfigError, match=r"train.optimizer_kwargs .*'momentum'"):
+        check_machine(load_config(None, ["train.optimizer=adam", "train.optimizer_kwargs={momentum: 0.9}"]), gpus=0)
 
 
 def lrs(schedule: str, warmup: int, steps: int, lr: float = 0.1) -> list[float]:
@@ -157,6 +161,22 @@ def test_patience_counts_epochs_without_an_improvement_beyond_min_delta():
     # 0.95 and 0.69 do not beat the best by more than 0.02: epochs 1-2 and 4-5 are two without improvement.
     assert (selection.best_epoch, selection.stopped, selection.epochs_without_improvement) == (3, True, 2)
     assert judged([1.0, 2.0, 3.0, 4.0]).stopped is False  # no patience: never stops
+
+
+def test_without_a_val_split_the_last_epoch_is_selected_and_early_stopping_is_refused(tmp_path):
+    from model.conftest import make_dataset
+
+    from training.data.manifest import read_manifest
+    from training.preflight import check_data, check_machine
+
+    selection = Selection.from_config(train_config("early_stopping_patience=1"))
+    for epoch in range(3):
+        assert selection.observe(epoch, {"val_samples": 0}) is False
+    assert selection.selected_epoch(last_epoch=2) == 2 and not selection.stopped
+    manifest = read_manifest(make_dataset(tmp_path, rows={"train": 64, "val": 0, "test": 8}))
+    config = load_config(None, ["train.early_stopping_patience=2", "train.batch_size=8", "train.nproc_per_node=1"])
+    with pytest.raises(ConfigError, match="train.early_stopping_patience: the val split is empty"):
+        check_data(config, manifest, check_machine(config, gpus=0))
 
 
 def test_a_nan_never_improves_and_select_last_takes_the_last_epoch():
