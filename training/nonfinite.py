@@ -55,7 +55,7 @@ class NonFiniteTrainingError(RuntimeError):
 def non_finite_error(bad: NonFiniteStep, rank: int, epoch: int, loss_ranks: list[int] | None) -> NonFiniteTrainingError:
     """The error for ``bad`` on ``rank``; ``loss_ranks``: the ranks whose loss was non-finite, when known."""
     steps = bad.steps
-    where = f"step {steps.start}" if len(steps) == 1 else f"steps {steps.start}-{steps.stop - 1} (one optimizer step)"
+    where = f"step {steps.start}" if len(steps) == 1 else f"steps {steps.start}-{steps.stop - 1}"
     if loss_ranks:
         origin = f"the loss was non-finite on rank(s) {loss_ranks}"
     elif loss_ranks is not None:
@@ -63,7 +63,8 @@ def non_finite_error(bad: NonFiniteStep, rank: int, epoch: int, loss_ranks: list
     else:
         origin = f"the loss sum on this rank was {bad.loss}"
     return NonFiniteTrainingError(
-        f"rank {rank}: {WHAT} at epoch {epoch} {where}: gradient norm {bad.grad_norm}, "
+        f"rank {rank}: {WHAT} at epoch {epoch} {where} (counted from 0; one optimizer step): "
+        f"gradient norm {bad.grad_norm}, "
         f"{origin}; stopped before the update (the checkpoints of earlier epochs stay, nothing is registered): "
         f"{ADVICE}"
     )

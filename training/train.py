@@ -199,7 +199,7 @@ class Trainer:
             record.update(self.selection.selected_metrics(self.history))  # selected_epoch, selected_val_*
             self.sink.log_epoch(epoch, record)
             self.checkpointer.save_last(self.state_dict())
-            self.progress.end_epoch(metrics)
+            self.progress.end_epoch(record)
         self.checkpointer.save_final(self.final_model() if self.ctx.is_main else {})
         log_main(self.ctx.is_main, f"wrote {self.checkpointer.final_path} ({self._selection_line()})")
 
@@ -213,16 +213,17 @@ class Trainer:
         if self.selection.stopped:
             selection = self.selection
             log_rank(
-                f"rank {self.ctx.rank}: early stopping after epoch {epoch}: {selection.monitor} has not improved "
-                f"for {selection.epochs_without_improvement} epoch(s) (best {selection.best_value} "
-                f"at epoch {selection.best_epoch})"
+                f"rank {self.ctx.rank}: early stopping after epoch {epoch + 1}/{self.config.epochs}: "
+                f"{selection.monitor} has not improved for {selection.epochs_without_improvement} epoch(s) "
+                f"(best {selection.best_value} in epoch {_counted_from_1(selection.best_epoch)})"
             )
 
     def _selection_line(self) -> str:
+        """Which epoch model.pt holds, counted from 1 as the progress lines count epochs."""
         selected = self.selection.selected_epoch(self.epochs_done - 1)
         stopped = ", stopped early" if self.selection.stopped and self.epochs_done < self.config.epochs else ""
         return (
-            f"epoch {selected} of {self.epochs_done} trained (select {self.selection.select} by "
+            f"the weights of epoch {selected + 1} of {self.epochs_done} trained (select {self.selection.select} by "
             f"{self.selection.monitor}{stopped})"
         )
 
@@ -335,6 +336,10 @@ class Trainer:
         kept = self.best_weights if selected != self.epochs_done - 1 else None
         weights = kept if kept is not None else on_cpu(self.model.state_dict())
         return inference_checkpoint(weights, self.spec, self.manifest, self.epochs_done, metrics, selection)
+
+
+def _counted_from_1(epoch: int | None) -> str:
+    return "none" if epoch is None else str(epoch + 1)
 
 
 def on_cpu(tree: Any) -> Any:

@@ -27,6 +27,8 @@ from mlflow.entities import Metric
 from training.layout import STEP_METRICS
 from training.metrics_sink import STEP_CURVES, STEP_KEY, read_metrics_lines
 
+STEP_LR = STEP_CURVES[1]  # every step line has it (a line whose rank-0 rows were all padding has no loss)
+
 STEP_PROBE_METRIC = "train_loss"  # every epoch line has it: its history says which epochs the run holds
 
 
@@ -63,7 +65,7 @@ class EpochMetricsFollower:
         self.tracking_uri = tracking_uri
         self._files = [
             _Followed(self.path, "epoch", STEP_PROBE_METRIC),
-            _Followed(self.path.with_name(STEP_METRICS), STEP_KEY, STEP_CURVES[0], drop=("epoch",)),
+            _Followed(self.path.with_name(STEP_METRICS), STEP_KEY, STEP_LR, drop=("epoch",)),
         ]
         self._wake = threading.Event()
         self._closing = False

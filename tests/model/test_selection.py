@@ -71,7 +71,8 @@ def test_early_stopping_stops_every_rank_at_the_same_epoch_and_ends_normally(sto
     best, last = best_epoch(records), records[-1]["epoch"]
     assert last == best + PATIENCE < EPOCHS - 1, "stopped PATIENCE epochs after the best, before the end"
     for rank in (0, 1):
-        assert stopped.output.count(f"rank {rank}: early stopping after epoch {last}:") == 1, stopped.output[-3000:]
+        line = f"rank {rank}: early stopping after epoch {last + 1}/{EPOCHS}: val_loss has not improved for {PATIENCE}"
+        assert stopped.output.count(line) == 1, stopped.output[-3000:]  # epochs counted from 1, as progress lines
     final = stopped.model()
     assert final["epochs"] == last + 1 and final["selection"]["stopped_early"] is True
     assert final["selection"]["epochs_without_improvement"] == PATIENCE
@@ -107,6 +108,7 @@ def test_a_resume_after_the_stop_keeps_the_best_weights_and_trains_no_further(st
     again = succeeded(launch(stopped.run_dir, regression, **SETTINGS))
     epochs = len(stopped.metrics())
     assert f"after {epochs} epoch(s)" in again.output and "early stopping" not in again.output
+    assert f"(the weights of epoch {best_epoch(again.metrics()) + 1} of {epochs} trained" in again.output
     assert len(again.metrics()) == epochs
     after = again.model()
     assert_same_weights(after["model"], before["model"], atol=0)
