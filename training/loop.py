@@ -153,6 +153,8 @@ def gradient_norm(parameters) -> torch.Tensor:
     grads = [p.grad.detach() for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros(())
+    if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6: clip_grad_norm_'s own (foreach) computation
+        return torch.nn.utils.get_total_norm(grads)
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, 2.0) for g in grads]), 2.0)
 
 
