@@ -24,8 +24,6 @@ from typing import Annotated, Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from training.monitor import higher_is_better
-
 
 class ConfigError(ValueError):
     """A user's configuration is wrong; the message names the field."""
@@ -53,6 +51,9 @@ ChangesWeights = Annotated[_T, WeightsEffect(True)]  # part of the training iden
 # Part of the identity once set away from its default (a field added later: WeightsEffect.omitted_at_default).
 ChangesWeightsWhenSet = Annotated[_T, WeightsEffect(True, omitted_at_default=True)]
 KeepsWeights = Annotated[_T, WeightsEffect(False)]  # may change between attempts of one training
+
+
+OBJECTIVES = ("auto", "softmax", "binary", "multilabel", "mse", "huber")  # train.objective's built-in names
 
 
 class _Section(BaseModel):
@@ -121,6 +122,24 @@ class TrainConfig(_Section):
         "factory(n_features, n_outputs, **model_kwargs).",
     )
     model_kwargs: ChangesWeights[dict[str, Any]] = Field(default_factory=dict)
+    objective: ChangesWeightsWhenSet[str] = Field(
+        "auto",
+        description="The loss: auto (classification -> softmax, a list<string> label -> multilabel, regression -> "
+        "mse), softmax, binary, multilabel, mse, huber, or a user objective 'package.module:factory' "
+        "(docs/objectives.md).",
+    )
+    objective_kwargs: ChangesWeightsWhenSet[dict[str, Any]] = Field(
+        default_factory=dict, description="Passed to the objective: huber's delta; a user factory's keywords."
+    )
+    class_weights: ChangesWeightsWhenSet[Literal["none", "balanced"] | dict[str, float]] = Field(
+        "none",
+        description="Per-class loss weights (softmax, binary): none; balanced (n / (classes * count), from the "
+        "train split's class counts); or {label: weight}, 1 for classes not named. They weigh each row's loss "
+        "and the step's denominator alike, so the update stays exact.",
+    )
+    label_smoothing: ChangesWeightsWhenSet[float] = Field(
+        0.0, ge=0.0, lt=1.0, description="Cross-entropy label smoothing (softmax only)."
+    )
     nproc_per_node: ChangesWeights[int | Literal["auto"]] = Field(
         "auto", description="Ranks per node; auto: one per GPU, or 1 on CPU (see docs)."
     )
@@ -250,6 +269,29 @@ class TrainConfig(_Section):
             raise ValueError("must be >= 1 or 'auto'")
         return value
 
+    @field_validator("objective")
+    @classmethod
+    def _objective_name_or_import_path(cls, value: str) -> str:
+        if value not in OBJECTIVES and (":" not in value or not all(value.split(":", 1))):
+            raise ValueError(
+                f"{value!r} is neither one of {list(OBJECTIVES)} nor an import path 'package.module:factory'"
+            )
+        return value
+
+    @field_validator("class_weights", mode="before")
+    @classmethod
+    def _class_weights_by_label(cls, value: Any) -> Any:
+        if not isinstance(value, dict):
+            return value
+        # YAML reads a label 1 as a number: a class is named by its label's text (str of the label value).
+        weights = {str(label): weight for label, weight in value.items()}
+        bad = {
+            label: weight for label, weight in weights.items() if not (isinstance(weight, (int, float)) and weight > 0)
+        }
+        if bad:
+            raise ValueError(f"class weights must be positive numbers; got {bad}")
+        return weights
+
     @field_validator("monitor")
     @classmethod
     def _validation_metric(cls, value: str) -> str:
@@ -266,7 +308,9 @@ class TrainConfig(_Section):
         return value
 
     def monitor_higher_is_better(self) -> bool:
-        """train.monitor_mode, or the gate's rule on the metric's name (training/monitor.py)."""
+        """train.monitor_mode, or the gate's rule on the metric's name (training/spec/directions.py)."""
+        from training.spec.directions import higher_is_better  # the one rule; torch-free
+
         return higher_is_better(self.monitor) if self.monitor_mode == "auto" else self.monitor_mode == "max"
 
     @field_validator("model")
@@ -313,6 +357,8 @@ class RegistryConfig(_Section):
     def higher_is_better(self, task: str) -> bool:
         if self.greater_is_better is not None:
             return self.greater_is_better
+        from training.spec.directions import higher_is_better  # the one rule; torch-free
+
         return higher_is_better(self.gate_metric(task))
 
 

@@ -26,6 +26,7 @@ from torch import nn
 from training.data.manifest import Manifest, read_manifest
 from training.models import ModelSpec, build_model
 from training.normalisation import Normaliser
+from training.spec.objectives import Objective, objective_from_checkpoint
 
 # What a model.pt must hold (docs/architecture.md) to be evaluated or served.
 REQUIRED_CHECKPOINT_KEYS = (
@@ -52,7 +53,8 @@ class EvalResult:
     metrics: dict[str, float]  # flat, MLflow-ready: "<split>_accuracy", "<split>_rmse", ...
     seconds: float
     class_labels: list[str] | None = None  # the dataset's classes, in index order
-    confusion_matrix: list[list[int]] | None = None  # rows: true class, columns: predicted
+    # Rows: true class, columns: predicted; None above CONFUSION_MAX_CLASSES classes (per_class has them all).
+    confusion_matrix: list[list[int]] | None = None
     per_class: dict[str, dict[str, float]] | None = None  # label -> precision, recall, support
     # Only with return_predictions: class indices (dataset's index space) or regression values.
     predictions: np.ndarray | None = field(default=None, repr=False)
@@ -145,43 +147,35 @@ def _iter_batches(manifest: Manifest, dataset_dir: Path, split: str, columns: li
             yield torch.from_numpy(x), torch.from_numpy(y)
 
 
-class _ClassificationTally:
-    def __init__(self, n_classes: int):
-        self.n_classes = n_classes
-        self.confusion = torch.zeros(n_classes * n_classes, dtype=torch.int64)
-        self.loss_sum = 0.0
+CONFUSION_MAX_CLASSES = 50  # above: per-class metrics only (a confusion matrix is C² counts, unreadable anyway)
 
-    def add(self, logits: torch.Tensor, target: torch.Tensor, remap: torch.Tensor | None) -> torch.Tensor:
+
+class _ClassificationEvaluation:
+    """softmax and binary on one split: the objective's tally (training/spec/metrics.py, the same formulas as
+    validation), per-class precision and recall, a confusion matrix up to ``CONFUSION_MAX_CLASSES`` classes and,
+    for binary, the exact ROC AUC over every row's score (the evaluation sees every row in one process)."""
+
+    def __init__(self, objective: Objective, n_classes: int):
+        self.objective, self.n_classes = objective, n_classes
+        self.tally = objective.tally(n_classes)
+        self.confusion = (
+            torch.zeros(n_classes * n_classes, dtype=torch.int64) if n_classes <= CONFUSION_MAX_CLASSES else None
+        )
+
+    def add(self, outputs: torch.Tensor, target: torch.Tensor, remap: torch.Tensor | None) -> torch.Tensor:
         target = target.long()
         if remap is not None:  # reorder the model's classes into the dataset's index order
-            logits = torch.empty_like(logits).index_copy_(1, remap, logits)
-        self.loss_sum += float(nn.functional.cross_entropy(logits.float(), target, reduction="sum"))
-        predicted = logits.argmax(dim=1)
-        self.confusion += torch.bincount(target * self.n_classes + predicted, minlength=self.n_classes**2)
+            outputs = self.objective.remap_outputs(outputs, remap)
+        self.tally.add(outputs, target)
+        predicted, probabilities = self.objective.decode(outputs)
+        if self.confusion is not None:
+            self.confusion += torch.bincount(target * self.n_classes + predicted, minlength=self.n_classes**2)
         return predicted
 
-    def metrics(
-        self, split: str, samples: int, labels: list[Any]
-    ) -> tuple[dict[str, float], dict[str, dict[str, float]], list[list[int]]]:
-        matrix = self.confusion.view(self.n_classes, self.n_classes).double()
-        true_positive = matrix.diag()
-        predicted_count = matrix.sum(dim=0)
-        support = matrix.sum(dim=1)
-        # A class never predicted has precision 0 (not NaN): the sklearn zero_division=0 convention.
-        precision = torch.where(
-            predicted_count > 0, true_positive / predicted_count.clamp(min=1), torch.zeros_like(true_positive)
-        )
-        recall = torch.where(support > 0, true_positive / support.clamp(min=1), torch.zeros_like(true_positive))
-        f1 = torch.where(
-            precision + recall > 0,
-            2 * precision * recall / (precision + recall).clamp(min=1e-12),
-            torch.zeros_like(precision),
-        )
-        metrics = {
-            f"{split}_loss": self.loss_sum / samples,
-            f"{split}_accuracy": float(true_positive.sum()) / samples,
-            f"{split}_macro_f1": float(f1.mean()),
-        }
+    def metrics(self, split: str, labels: list[Any]) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+        sums = self.tally.sums()
+        metrics = self.tally.metrics(sums, split, scored=self.tally.scored_rows())  # binary: ROC AUC
+        precision, recall, support = self.tally.per_class(sums)
         per_class = {}
         for index, label in enumerate(labels):
             name = metric_label(label)
@@ -192,34 +186,10 @@ class _ClassificationTally:
                 "recall": float(recall[index]),
                 "support": int(support[index]),
             }
-        return metrics, per_class, matrix.long().tolist()
+        return metrics, per_class
 
-
-class _RegressionTally:
-    def __init__(self):
-        # float64 sums: millions of float32 rows would otherwise lose precision.
-        self.squared = self.absolute = self.y_sum = self.y_squared = 0.0
-
-    def add(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        predicted = output.reshape(-1).double()
-        target = target.double()
-        error = predicted - target
-        self.squared += float(error.square().sum())
-        self.absolute += float(error.abs().sum())
-        self.y_sum += float(target.sum())
-        self.y_squared += float(target.square().sum())
-        return predicted.float()
-
-    def metrics(self, split: str, samples: int) -> dict[str, float]:
-        mse = self.squared / samples
-        total = self.y_squared - self.y_sum**2 / samples
-        return {
-            f"{split}_loss": mse,
-            f"{split}_rmse": mse**0.5,
-            f"{split}_mae": self.absolute / samples,
-            # Constant target: R^2 is undefined; report 0 rather than inf/NaN.
-            f"{split}_r2": 1.0 - self.squared / total if total > 0 else 0.0,
-        }
+    def confusion_matrix(self) -> list[list[int]] | None:
+        return None if self.confusion is None else self.confusion.view(self.n_classes, self.n_classes).tolist()
 
 
 def evaluate_split(
@@ -246,14 +216,23 @@ def evaluate_split(
     model, meta = load_model_checkpoint(model_path)
     remap = check_compatible(meta, manifest, model_path)
     normaliser = Normaliser.from_checkpoint(meta)  # the model's own statistics, also when re-scoring a champion
+    objective = objective_from_checkpoint(meta)  # how its outputs are read: model.pt's objective
     classification = manifest.task == "classification"
-    tally = _ClassificationTally(manifest.n_outputs) if classification else _RegressionTally()
+    if classification:
+        evaluation = _ClassificationEvaluation(objective, manifest.n_outputs)
+    else:
+        tally = objective.tally(None)
     samples, kept_predictions, kept_targets = 0, [], []
     with torch.inference_mode():
         for x, y in _iter_batches(manifest, dataset_dir, split, [*meta["features"], manifest.label], batch_size):
-            # x is this batch's own copy: normalised in place. Outputs on the target's original scale.
-            output = normaliser.target_inverse(model(normaliser.features_(x)))
-            predicted = tally.add(output, y, remap) if classification else tally.add(output, y)
+            output = model(normaliser.features_(x))  # x is this batch's own copy: normalised in place
+            if classification:
+                predicted = evaluation.add(output, y, remap)
+            else:
+                # Scored on the standardised scale the model trained on, as validation is; reported on the
+                # original one (the tally's target_std); predictions on the original scale.
+                tally.add(output, normaliser.target_(y.float().clone()))
+                predicted = normaliser.target_inverse(output.reshape(-1).float())
             samples += len(y)
             if return_predictions:
                 room = len(y) if max_predictions is None else max(0, max_predictions - sum(map(len, kept_targets)))
@@ -264,12 +243,11 @@ def evaluate_split(
         raise RuntimeError(f"{dataset_dir}: read {samples} {split} rows but the manifest lists {manifest.rows(split)}")
     result = EvalResult(task=manifest.task, split=split, samples=samples, metrics={}, seconds=0.0)
     if classification:
-        result.metrics, result.per_class, result.confusion_matrix = tally.metrics(
-            split, samples, manifest.label_mapping
-        )
+        result.metrics, result.per_class = evaluation.metrics(split, manifest.label_mapping)
+        result.confusion_matrix = evaluation.confusion_matrix()
         result.class_labels = [str(label) for label in manifest.label_mapping]
     else:
-        result.metrics = tally.metrics(split, samples)
+        result.metrics = tally.metrics(tally.sums(), split, normaliser.target_std)
     result.metrics[f"{split}_samples"] = float(samples)
     if return_predictions:
         result.predictions = np.concatenate(kept_predictions) if kept_predictions else np.empty(0)

@@ -116,6 +116,10 @@ class RankSampler(DistributedSampler):
     order is also available as ONE tensor, so no Python list of every row is built."""
 
     def rank_indices(self) -> torch.Tensor:
+        return self.epoch_order()[self.rank : self.total_size : self.num_replicas]
+
+    def epoch_order(self) -> torch.Tensor:
+        """The epoch's padded permutation, the same on every rank: rank r takes positions r, r + W, ..."""
         # The same steps as DistributedSampler.__iter__ (tests/model/test_loading.py checks it).
         generator = torch.Generator()
         generator.manual_seed(self.seed + self.epoch)
@@ -125,7 +129,7 @@ class RankSampler(DistributedSampler):
         padding = self.total_size - len(order)
         if padding > 0 and not self.drop_last:
             order = torch.cat([order, order.repeat(math.ceil(padding / len(order)))[:padding]])
-        return order[self.rank : self.total_size : self.num_replicas]
+        return order
 
 
 def global_rows_in_steps(n_rows: int, world_size: int, batch_size: int, start: int, stop: int) -> int:
@@ -137,10 +141,17 @@ def global_rows_in_steps(n_rows: int, world_size: int, batch_size: int, start: i
     ``[s*b*W, min((s+1)*b, ceil(n/W)) * W)``; the real ones are those below n.
     Every rank computes the same number, with no collective.
     """
+    first, last = global_positions_of_steps(n_rows, world_size, batch_size, start, stop)
+    return last - first
+
+
+def global_positions_of_steps(n_rows: int, world_size: int, batch_size: int, start: int, stop: int) -> tuple[int, int]:
+    """The real positions ``[first, last)`` of the epoch's padded permutation that steps ``[start, stop)`` of
+    all ranks train (``global_rows_in_steps``' rule; the rows there are ``epoch_order()[first:last]``)."""
     per_rank = math.ceil(n_rows / world_size)  # DistributedSampler.num_samples
     first = min(start * batch_size, per_rank) * world_size
     last = min(stop * batch_size, per_rank) * world_size
-    return max(0, min(last, n_rows) - min(first, n_rows))
+    return min(first, n_rows), max(min(first, n_rows), min(last, n_rows))
 
 
 class BatchSlices(Sampler):
@@ -166,7 +177,7 @@ class Batch:
     indices: torch.Tensor  # CPU, the dataset rows this rank trains on (padding excluded)
     features: torch.Tensor  # on the device
     labels: torch.Tensor  # on the device
-    weights: torch.Tensor | None  # on the device: 1 real row, 0 sampler padding; None: no padding
+    weights: torch.Tensor | None  # on the device: the row's weight (1 without), 0 sampler padding; None: all 1
     samples: int  # real rows in the batch
 
 
@@ -188,8 +199,12 @@ class TrainBatches:
         seed: int,
         device: torch.device,
         pin_memory: bool,
+        row_weights: torch.Tensor | None = None,
     ):
         self.dataset = InMemoryDataset(split)
+        # Each train row's loss weight ([rows] float32; None: all 1): its class weight (train.class_weights).
+        self.row_weights = None if row_weights is None else row_weights.to("cpu", torch.float32)
+        self._weight_before: torch.Tensor | None = None  # this epoch: weight of padded positions [0, p), float64
         self.rank, self.world_size, self.batch_size, self.device = rank, world_size, batch_size, device
         self.sampler = RankSampler(
             self.dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=False
@@ -211,17 +226,39 @@ class TrainBatches:
         """Real rows of steps ``[start, stop)`` summed over all ranks (``global_rows_in_steps``)."""
         return global_rows_in_steps(len(self.dataset), self.world_size, self.batch_size, start, stop)
 
+    def global_weight(self, start: int, stop: int) -> float:
+        """The weight Σ w_i of the real rows of steps ``[start, stop)`` on all ranks: the exact update's divisor
+        (training/loop.py). Every rank computes it from the epoch's permutation, which all ranks share, with no
+        collective; ``global_rows`` when every row weighs 1."""
+        if self._weight_before is None:
+            return float(self.global_rows(start, stop))
+        first, last = global_positions_of_steps(len(self.dataset), self.world_size, self.batch_size, start, stop)
+        return float(self._weight_before[last] - self._weight_before[first])
+
     def epoch(self, epoch: int) -> Iterator[Batch]:
         self.sampler.set_epoch(epoch)  # a new permutation every epoch, the same on every rank
+        if self.row_weights is not None:
+            order = self.sampler.epoch_order()[: len(self.dataset)]  # the real positions
+            in_order = self.row_weights.index_select(0, order).double()
+            self._weight_before = torch.cat([torch.zeros(1, dtype=torch.float64), in_order.cumsum(0)])
         for step, (indices, features, labels) in enumerate(self.loader):
             real = self._real_rows(step, len(indices))
             yield Batch(
                 indices=indices if real is None else indices[real],
                 features=features.to(self.device, non_blocking=True),
                 labels=labels.to(self.device, non_blocking=True),
-                weights=None if real is None else real.to(self.device, torch.float32, non_blocking=True),
+                weights=self._weights(indices, real),
                 samples=len(indices) if real is None else int(real.sum()),
             )
+
+    def _weights(self, indices: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor | None:
+        """The batch's row weights times its padding mask (None: every row weighs 1)."""
+        if self.row_weights is None:
+            return None if real is None else real.to(self.device, torch.float32, non_blocking=True)
+        weights = self.row_weights.index_select(0, indices)
+        if real is not None:
+            weights = weights * real
+        return weights.to(self.device, non_blocking=True)
 
     def _real_rows(self, step: int, size: int) -> torch.Tensor | None:
         if not self.padded:

@@ -6,15 +6,23 @@ Written for a DDP-wrapped model but never calling collectives itself: DDP
 all-reduces gradients in ``backward``; the caller sums the returned
 statistics over ranks.
 
-The exact update: every optimizer step's gradient is the mean of the
-per-row loss gradients over the real rows of the WHOLE global batch (all
-ranks, all ``grad_accum`` micro-batches of the step; sampler padding
-excluded), whatever the split size. Each rank backpropagates its loss SUM
-times ``W / N``, N being those real rows (``TrainBatches.global_rows``, the
-same number on every rank); DDP then averages over the W ranks:
-``(1/W) * sum_r (W/N) * sum_{rows of r} grad = (1/N) * sum_{all rows} grad``.
+The exact update: every optimizer step minimises the one loss contract
+(training/spec/objectives.py)
+
+    L = Σ_i w_i · ℓ_i / Σ_i w_i
+
+over the real rows i of the WHOLE global batch (all ranks, all ``grad_accum``
+micro-batches of the step; sampler padding has w = 0), ℓ_i the objective's
+per-row loss and w_i the row's weight (its class weight, ``train.class_weights``;
+1 without). Each rank backpropagates its weighted loss SUM times ``W / Σw``, Σw
+being the weight of the step's real rows on ALL ranks
+(``TrainBatches.global_weight``, the same number on every rank, computed
+without a collective; ``global_rows`` when every row weighs 1); DDP then
+averages over the W ranks:
+``(1/W) * sum_r (W/Σw) * sum_{rows of r} w_i grad_i = (1/Σw) * sum_{all rows} w_i grad_i = grad L``.
 So W ranks x batch b, one rank x batch W*b and grad_accum k x batch b/k take
-the same steps, also when the last step of an epoch is short.
+the same steps, for every objective and weighting, also when the last step of
+an epoch is short.
 """
 
 from __future__ import annotations
@@ -24,12 +32,13 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from training.loading import Batch, SplitTensors, TrainBatches
 from training.nonfinite import NonFiniteStep
+from training.spec.objectives import Objective, auto_objective, make_objective
 
 
 @dataclass(frozen=True)
@@ -39,34 +48,17 @@ class StepSettings:
     grad_accum: int = 1
     grad_clip: float | None = None
     bf16: bool = False  # autocast; only takes effect on CUDA
+    objective: Objective | None = None  # None: the default objective of ``task`` (auto)
+
+    def loss(self) -> Objective:
+        if self.objective is not None:
+            return self.objective
+        return make_objective(auto_objective(self.task), self.task, None)
 
     def autocast(self):
         if self.bf16 and self.device.type == "cuda":
             return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
         return nullcontext()
-
-
-@dataclass(frozen=True)
-class Sums:
-    """Per-rank sums; the caller all-reduces them."""
-
-    loss: float
-    samples: int
-    correct: float = 0.0
-
-
-def per_sample_loss(outputs: torch.Tensor, labels: torch.Tensor, task: str) -> torch.Tensor:
-    outputs = outputs.float()  # the loss in fp32 also under bf16 autocast
-    if task == "classification":
-        return F.cross_entropy(outputs, labels, reduction="none")
-    return F.mse_loss(outputs.reshape(labels.shape), labels, reduction="none")
-
-
-def loss_sum(per_sample: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-    """Sum over the batch's real rows (sampler padding has weight 0)."""
-    if weights is None:
-        return per_sample.sum()
-    return (per_sample * weights).sum()
 
 
 class TrainStep:
@@ -90,22 +82,22 @@ class TrainStep:
         self.batches, self.settings = batches, settings
         self.on_update = on_update  # after each optimizer step (the per-step curves: training/metrics_sink.py)
         self._step_loss, self._step_rows = None, 0  # this rank's loss sum and rows of the optimizer step so far
+        self.objective = settings.loss()
 
     def __call__(self, index: int, batch: Batch) -> torch.Tensor:
-        """Train micro-batch ``index``; returns its loss summed over real rows (float64, detached, on the device)."""
+        """Train micro-batch ``index``; returns its weighted loss sum Σ w_i ℓ_i (float64, detached, on the device)."""
         group = self._optimizer_step_of(index)
         last_in_group = index == group[-1]
-        # DDP averages over W ranks: W / (real rows of this optimizer step on all ranks) makes the
-        # step's gradient the mean over its global batch (module docstring).
-        scale = self.batches.world_size / self.batches.global_rows(group.start, group.stop)
+        # DDP averages over W ranks: W / (weight of this optimizer step's real rows on all ranks) makes
+        # the step's gradient that of Σ w·ℓ / Σ w over its global batch (module docstring).
+        scale = self.batches.world_size / self.batches.global_weight(group.start, group.stop)
         # Only the last micro-batch of a group all-reduces; the others accumulate locally.
         with nullcontext() if last_in_group else self.model.no_sync():
             with self.settings.autocast():
                 outputs = self.model(batch.features)
-            losses = per_sample_loss(outputs, batch.labels, self.settings.task)
-            (loss_sum(losses, batch.weights) * scale).backward()
-        weighted = losses.detach() if batch.weights is None else losses.detach() * batch.weights
-        summed = weighted.sum(dtype=torch.float64)
+            weighted = weighted_losses(self.objective.per_row_loss(outputs, batch.labels), batch.weights)
+            (weighted.sum() * scale).backward()
+        summed = weighted.detach().sum(dtype=torch.float64)
         first = index == group.start
         self._step_loss = summed if first else self._step_loss + summed
         self._step_rows = batch.samples + (0 if first else self._step_rows)
@@ -158,38 +150,57 @@ def gradient_norm(parameters) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, 2.0) for g in grads]), 2.0)
 
 
+def weighted_losses(per_row: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """w_i · ℓ_i per row (``Batch.weights``: the row's weight, 0 for sampler padding; None: every row 1)."""
+    return per_row if weights is None else per_row * weights
+
+
+@dataclass(frozen=True)
+class ValidationPass:
+    """One rank's share of validation: the tally's sums (all-reduced by the caller) and, where a metric ranks
+    rows (binary's ROC AUC), every row's score (gathered by the caller)."""
+
+    sums: torch.Tensor  # float64, on the device
+    scored: tuple | None = None  # (scores, is positive) numpy arrays; None: sums only
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module, split: SplitTensors, start: int, stop: int, batch_size: int, settings: StepSettings
-) -> Sums:
-    """Sums over rows [start, stop) of ``split``: the caller gives each rank a disjoint, unpadded slice.
+) -> ValidationPass:
+    """The objective's tally (training/spec/metrics.py) over rows [start, stop) of ``split``: the caller
+    gives each rank a disjoint, unpadded slice, all-reduces the sums and gathers the scored rows.
 
     ``model`` is the plain module (not DDP): ranks may run different numbers of
     batches here, and DDP's forward could enter a collective.
     """
+    objective = settings.loss()
+    tally = objective.tally(objective.n_classes)
     was_training = model.training
     model.eval()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=settings.device)
-    correct = torch.zeros((), dtype=torch.float64, device=settings.device)
     for first in range(start, stop, batch_size):
         last = min(stop, first + batch_size)
         features = split.features[first:last].to(settings.device, non_blocking=True)
         labels = split.labels[first:last].to(settings.device, non_blocking=True)
         with settings.autocast():
             outputs = model(features)
-        loss_sum += per_sample_loss(outputs, labels, settings.task).sum(dtype=torch.float64)
-        if settings.task == "classification":
-            correct += (outputs.argmax(dim=-1) == labels).sum()
+        tally.add(outputs.float(), labels, objective.row_weights(labels))
     model.train(was_training)
-    return Sums(loss=loss_sum.item(), samples=stop - start, correct=correct.item())
+    return ValidationPass(tally.sums().to(settings.device), tally.scored_rows())
 
 
-def validation_metrics(loss_sum: float, correct: float, count: float, task: str) -> dict[str, float]:
+def validation_metrics(
+    sums: list[float], settings: StepSettings, target_std: float = 1.0, scored: list[tuple] | None = None
+) -> dict[str, float]:
+    """``val_*`` from the all-reduced ``evaluate`` sums (and every rank's scored rows, in rank order, where the
+    objective ranks them); losses on the target's original scale (``target_std``)."""
+    objective = settings.loss()
+    tally = objective.tally(objective.n_classes)
+    total = torch.tensor(sums, dtype=torch.float64)
+    count = tally.rows(total)
     if count == 0:
         return {"val_samples": 0}
-    metrics = {"val_loss": loss_sum / count, "val_samples": int(count)}
-    if task == "classification":
-        metrics["val_accuracy"] = correct / count
-    else:
-        metrics["val_rmse"] = math.sqrt(loss_sum / count)
-    return metrics
+    extra = {}
+    if scored is not None:  # every rank's rows: the rank metrics (ROC AUC) see the whole val split
+        extra["scored"] = tuple(np.concatenate(parts) for parts in zip(*scored))
+    return {**tally.metrics(total, "val", target_std, **extra), "val_samples": count}

@@ -24,6 +24,7 @@ from torch import nn
 
 from training.evaluate import load_model_checkpoint
 from training.normalisation import Normaliser
+from training.spec.objectives import objective_from_checkpoint
 
 
 class Predictor:
@@ -34,6 +35,7 @@ class Predictor:
         self.task: str = meta["task"]
         self.batch_size = batch_size
         self._normaliser = Normaliser.from_checkpoint(meta)
+        self._objective = objective_from_checkpoint(meta)  # reads the outputs (a binary model has one logit)
         self._labels = np.asarray(meta["label_mapping"]) if self.task == "classification" else None
 
     @classmethod
@@ -60,7 +62,7 @@ class Predictor:
             for start in range(0, len(matrix), self.batch_size):
                 output = self.model(self._normaliser.features_(matrix[start : start + self.batch_size]))
                 if self.task == "classification":
-                    outputs.append(output.argmax(dim=1))
+                    outputs.append(self._objective.decode(output)[0])
                 else:
                     outputs.append(self._normaliser.target_inverse(output.reshape(-1)))
         if not outputs:

@@ -7,9 +7,12 @@ These need the machine or the prepared data:
     check_data(config, prepared.manifest, layout)     # after prepare: the data fits the ranks
 
 ``check_machine``: NCCL without GPUs, more ranks than the machine has, a model
-import path that does not import, optimizer keywords the optimizer does not take.
-``check_data``: a batch larger than a rank's share of the train split, a model
-that cannot be built for the data's shapes, early stopping without a val split.
+import path that does not import, an objective (``train.objective``) that does not import.
+``check_data``: a batch larger than a rank's share of the train split, an objective
+that does not fit the label (binary on 3 classes, label smoothing outside softmax,
+balanced class weights without class counts) or whose per-row loss is not one value
+per row (called on a tiny batch), a model that cannot be built for the data's shapes,
+an optimizer keyword the optimizer does not take, early stopping without a val split.
 The pipeline runs the first before preparing the data and the train stage
 (every launcher, through ddpflow/launch/stage.py: ``check_request``) the second,
 just before the ranks start; ``check_request`` runs ``check_machine`` itself only
@@ -21,6 +24,7 @@ from __future__ import annotations
 from training.config import ConfigError, PipelineConfig
 from training.data.manifest import Manifest
 from training.models import ModelSpec, build_model, resolve_factory
+from training.spec.objectives import BUILT_IN, build_objective, check_objective, resolve_user_objective
 from training.topology import RankLayout, resolve_ranks
 
 
@@ -39,6 +43,7 @@ def check_machine(config: PipelineConfig, gpus: int | None = None) -> RankLayout
             f"but this machine has {layout.slots} {layout.slot_kind}"
         )
     resolve_factory(config.train.model)  # ModelImportError (a ValueError) names train.model
+    _check_objective_imports(config)
     check_optimizer(config)
     return layout
 
@@ -67,8 +72,15 @@ def _check_slurm_nodes(config: PipelineConfig) -> RankLayout:
             f"train.nproc_per_node: {layout.nproc_per_node} ranks asked for, but slurm.gpus_per_node is {gpus}"
         )
     resolve_factory(config.train.model)  # ModelImportError (a ValueError) names train.model
+    _check_objective_imports(config)
     check_optimizer(config)
     return layout
+
+
+def _check_objective_imports(config: PipelineConfig) -> None:
+    name = config.train.objective
+    if name != "auto" and name not in BUILT_IN:
+        resolve_user_objective(name)  # ConfigError naming train.objective
 
 
 def check_data(config: PipelineConfig, manifest: Manifest, layout: RankLayout) -> None:
@@ -85,7 +97,10 @@ def check_data(config: PipelineConfig, manifest: Manifest, layout: RankLayout) -
             "train.early_stopping_patience: the val split is empty, so no epoch can be judged; "
             "set data.val_fraction above 0 or remove it"
         )
-    spec = ModelSpec(config.train.model, manifest.n_features, manifest.n_outputs, dict(config.train.model_kwargs))
+    objective = build_objective(config.train, manifest)  # ConfigError naming the field that does not fit
+    check_objective(objective, objective.n_classes)
+    n_outputs = objective.n_outputs(objective.n_classes)
+    spec = ModelSpec(config.train.model, manifest.n_features, n_outputs, dict(config.train.model_kwargs))
     try:
         build_model(spec)
     except TypeError as error:  # a factory that rejects model_kwargs

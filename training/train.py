@@ -54,6 +54,7 @@ from training.progress import Progress
 from training.rng import capture_rng, rank_seed, restore_rng, seed_process
 from training.runtime import configure_process, die_with_parent, exit_without_teardown, preload_in_background
 from training.selection import Selection
+from training.spec.objectives import build_objective
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -125,7 +126,9 @@ class Trainer:
         train, manifest = self.config, self.manifest
         # The same seed on every rank: identical initial weights (DDP also broadcasts rank 0's).
         seed_process(train.seed)
-        self.spec = ModelSpec(train.model, manifest.n_features, manifest.n_outputs, dict(train.model_kwargs))
+        self.objective = build_objective(train, manifest)  # the loss contract (training/spec/objectives.py)
+        n_outputs = self.objective.n_outputs(self.objective.n_classes)
+        self.spec = ModelSpec(train.model, manifest.n_features, n_outputs, dict(train.model_kwargs))
         self.model = build_model(self.spec)  # the plain module: evaluation, checkpoints
         saved = self.checkpointer.load_resumable(self.job.config, manifest.fingerprint)
         if saved is None:
@@ -151,8 +154,9 @@ class Trainer:
         log_main(ctx.is_main, "data: " + "; ".join(where))
         self.train_split, self.val = placed["train"], placed["val"]  # a host copy placed elsewhere is let go
         self.batches = TrainBatches(
-            self.train_split, ctx.rank, ctx.world_size, train.batch_size, train.seed, ctx.device, train.pin_memory
-        )
+            self.train_split, ctx.rank, ctx.world_size, train.batch_size, train.seed, ctx.device, train.pin_memory,
+            row_weights=self.objective.row_weights(self.train_split.labels),
+        )  # fmt: skip
 
     def _build_optimizer(self) -> None:
         """The optimizer and its schedule over every optimizer step of the run (training/optim.py), the step
@@ -161,10 +165,12 @@ class Trainer:
         steps_per_epoch = -(-len(self.batches) // train.grad_accum)
         self.optimizer = build_optimizer(self.model, train)
         self.scheduler = build_schedule(self.optimizer, train, train.epochs * steps_per_epoch)
-        self.settings = StepSettings(self.manifest.task, self.ctx.device, train.grad_accum, train.grad_clip, train.bf16)
+        self.settings = StepSettings(
+            self.manifest.task, self.ctx.device, train.grad_accum, train.grad_clip, train.bf16, self.objective
+        )
         self.step_sink = StepMetricsSink(
             self.job.run_dir, self.ctx.is_main, train.log_every_steps, steps_per_epoch,
-            self.normaliser.target_loss_inverse,
+            lambda loss: loss * self.normaliser.target_std**self.objective.loss_scale_power,  # as run_epoch's
         )  # fmt: skip
         self.epoch = 0
 
@@ -229,7 +235,9 @@ class Trainer:
 
     def run_epoch(self, epoch: int) -> dict[str, Any]:
         """Train this rank's share of ``epoch``, then validate; every figure returned is over all ranks."""
-        ctx, manifest, original_scale = self.ctx, self.manifest, self.normaliser.target_loss_inverse
+        ctx, manifest, target_std = self.ctx, self.manifest, self.normaliser.target_std
+        # Losses on the target's original scale (mse: times std², exact; other objectives: as trained).
+        scale = target_std**self.objective.loss_scale_power
         started = time.monotonic()
         self.progress.start_epoch(epoch)
         self.ddp.train()
@@ -244,9 +252,10 @@ class Trainer:
             except NonFiniteStep as bad:
                 raise self._non_finite(epoch, bad) from None
             samples += batch.samples
-            self.progress.step(step + 1, samples, lambda seen=samples: original_scale(loss.item() / max(1, seen)))
+            self.progress.step(step + 1, samples, lambda seen=samples: scale * loss.item() / max(1, seen))
         train_seconds = time.monotonic() - started
         self.hooks.end_epoch(epoch)
+        weight = self.batches.global_weight(0, len(self.batches))  # the epoch's Σ w, all ranks (train_loss)
 
         loss_sum, samples = ctx.all_reduce_sum([loss, samples])
         if int(samples) != manifest.rows("train"):
@@ -254,19 +263,19 @@ class Trainer:
                 f"epoch {epoch}: ranks trained on {int(samples)} rows, the train split has {manifest.rows('train')}"
             )
         start, stop = shard_range(manifest.rows("val"), ctx.rank, ctx.world_size)
-        val = evaluate(self.model, self.val, start, stop, self.job.config.eval.batch_size, self.settings)
-        val_loss, val_correct, val_count = ctx.all_reduce_sum([val.loss, val.correct, val.samples])
-        if int(val_count) != manifest.rows("val"):
+        val_pass = evaluate(self.model, self.val, start, stop, self.job.config.eval.batch_size, self.settings)
+        scored = ctx.gather_objects(val_pass.scored) if val_pass.scored is not None else None  # binary: AUC
+        val = validation_metrics(ctx.all_reduce_sum(val_pass.sums.unbind()), self.settings, target_std, scored)
+        if val["val_samples"] != manifest.rows("val"):
             raise RuntimeError(
-                f"epoch {epoch}: validation covered {int(val_count)} rows, the val split has {manifest.rows('val')}"
+                f"epoch {epoch}: validation covered {val['val_samples']} rows, the val split has {manifest.rows('val')}"
             )
 
-        # Losses on the target's original scale (regression trains on the standardised one).
         return {
-            "train_loss": original_scale(loss_sum / samples),
+            "train_loss": scale * loss_sum / weight,
             "train_samples": int(samples),
             "train_samples_per_s": samples / max(train_seconds, 1e-9),
-            **validation_metrics(original_scale(val_loss), val_correct, val_count, manifest.task),
+            **val,
             "epoch_seconds": time.monotonic() - started,
             "lr": self.optimizer.param_groups[0]["lr"],
             "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
@@ -335,7 +344,8 @@ class Trainer:
         metrics = next((line for line in self.history if line["epoch"] == selected), {})
         kept = self.best_weights if selected != self.epochs_done - 1 else None
         weights = kept if kept is not None else on_cpu(self.model.state_dict())
-        return inference_checkpoint(weights, self.spec, self.manifest, self.epochs_done, metrics, selection)
+        checkpoint = inference_checkpoint(weights, self.spec, self.manifest, self.epochs_done, metrics, selection)
+        return {**checkpoint, "objective": self.objective.describe()}
 
 
 def _counted_from_1(epoch: int | None) -> str:

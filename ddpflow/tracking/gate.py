@@ -16,6 +16,10 @@ Decisions:
   ``registry.max_drift_psi`` (PSI, ``ddpflow/drift.py``): it waits as challenger
   whatever its metric, for someone to look at the data first.
 
+A metric's direction, when ``registry.greater_is_better`` is not given, is inferred from its kind
+(``metric_higher_is_better``: training/spec/directions.py): losses and errors (``test_log_loss``,
+``test_rmse``) lower is better; accuracy, F1, ROC AUC, R², precision, recall higher.
+
 ``GateDecision`` is the one place the decision's fields, its tags (on the model
 version and on the MLflow run) and its dict form are defined.
 """
@@ -28,6 +32,7 @@ from typing import Any
 
 from ddpflow.drift import FeatureDrift
 from training.monitor import is_better
+from training.spec.directions import higher_is_better as metric_higher_is_better  # noqa: F401 (the gate's rule)
 
 PROMOTED, CHALLENGER, REJECTED = "promoted", "challenger", "rejected"
 # champion_status is "<kind>" or "<kind>: <detail>"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from training.evaluate import EvalResult
+from training.evaluate import CONFUSION_MAX_CLASSES, EvalResult
 
 if TYPE_CHECKING:
     from ddpflow.drift import DriftReport
@@ -16,10 +16,36 @@ DRIFT_FEATURES_SHOWN = 30  # beyond this the labels are unreadable; the report J
 
 
 def evaluation_figure(result: EvalResult):
-    """(the figure, its file name under ``eval/``)."""
+    """(the figure, its file name under ``eval/``): a confusion matrix up to ``CONFUSION_MAX_CLASSES`` classes
+    (training/evaluate.py), above that the per-class recall (a C x C matrix neither fits in memory nor reads)."""
     if result.task == "classification":
+        if result.confusion_matrix is None:
+            return per_class_recall_figure(result), "per_class_recall.png"
         return confusion_figure(result), "confusion_matrix.png"
     return residual_figure(result), "residuals.png"
+
+
+def per_class_recall_figure(result: EvalResult):
+    """The classes of lowest recall (where the model fails), each with its support; all are in eval/metrics.json."""
+    from matplotlib.figure import Figure
+
+    classes = sorted(result.per_class.items(), key=lambda item: (item[1]["recall"], item[0]))[:DRIFT_FEATURES_SHOWN]
+    rows = list(range(len(classes)))
+    figure = Figure(figsize=(8, max(3.2, 0.3 * len(classes) + 2.0)))
+    axes = figure.add_subplot()
+    axes.barh(rows, [values["recall"] for _, values in classes], color="tab:blue")
+    axes.set(
+        yticks=rows,
+        xlim=(0, 1),
+        xlabel="recall",
+        title=f"Lowest recall of {len(result.per_class)} classes ({result.samples} {result.split} rows): "
+        f"above {CONFUSION_MAX_CLASSES} classes no confusion matrix is drawn; every class is in eval/metrics.json",
+    )
+    axes.set_yticklabels([f"{label} (n={values['support']})" for label, values in classes])
+    axes.invert_yaxis()
+    axes.title.set_fontsize(8)
+    figure.tight_layout()
+    return figure
 
 
 def confusion_figure(result: EvalResult):

@@ -55,6 +55,7 @@ def flow_logs(flow_run_id) -> list[str]:
         return [log.message for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))]
 
 
+@pytest.mark.torchrun
 def test_train_model_writes_the_job_streams_rank_lines_and_returns_the_result(prefect_harness, stand_in_rank, tmp_path):
     dataset = make_manifest(tmp_path / "fp123")
     run_dir = tmp_path / "run"
@@ -75,6 +76,7 @@ def test_train_model_writes_the_job_streams_rank_lines_and_returns_the_result(pr
     assert any("[rank 1] rank 1 done" in m for m in flow_logs(state.state_details.flow_run_id))
 
 
+@pytest.mark.torchrun
 def test_epoch_metrics_reach_the_mlflow_run_from_the_task_and_no_rank_is_given_the_run(
     prefect_harness, stand_in_rank, tmp_path, mlflow_store
 ):
@@ -133,6 +135,7 @@ def test_bad_config_fails_before_any_process_starts_and_is_not_retried(prefect_h
     assert not (run_dir / "torchrun.pid").exists() and not (run_dir / "logs").exists()
 
 
+@pytest.mark.torchrun
 def test_a_failing_rank_fails_the_task_with_its_exception_after_one_retry(prefect_harness, stand_in_rank, tmp_path):
     stand_in_rank.setenv("DUMMY_RANK_MODE", "raise")
     dataset = make_manifest(tmp_path / "fp123")

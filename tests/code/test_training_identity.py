@@ -18,8 +18,13 @@ def config(**train) -> PipelineConfig:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("lr", 0.01), ("epochs", 7), ("seed", 3), ("model_kwargs", {"hidden": [8]}), ("nproc_per_node", 2)],
-)
+    [
+        ("lr", 0.01), ("epochs", 7), ("seed", 3), ("model_kwargs", {"hidden": [8]}), ("nproc_per_node", 2),
+        # Added later (ChangesWeightsWhenSet): part of the identity once set away from the default.
+        ("objective", "binary"), ("objective_kwargs", {"delta": 0.5}), ("class_weights", "balanced"),
+        ("label_smoothing", 0.1),
+    ],
+)  # fmt: skip
 def test_a_setting_that_changes_the_weights_changes_the_identity(field, value):
     assert training_identity(config(**{field: value}), "fp") != training_identity(config(), "fp")
     assert training_identity_tag(config(**{field: value}), "fp") != training_identity_tag(config(), "fp")
@@ -60,3 +65,17 @@ def test_every_train_field_is_declared_one_way_or_the_other():
         new_timeout: KeepsWeights[float] = 1.0
 
     assert Declared.weight_fields() == (*weights, "new_weight")
+
+
+def test_a_checkpoint_recorded_before_a_field_existed_keeps_its_identity():
+    """A weight field added later (ChangesWeightsWhenSet) is left out at its default: a last.pt or a champion
+    recorded without it is the same training as today's config at the default."""
+    added = TrainConfig.identity_defaults()
+    assert {"objective": "auto", "class_weights": "none", "label_smoothing": 0.0}.items() <= added.items()
+    old = config().model_dump(mode="json")
+    for name in added:
+        del old["train"][name]
+    saved = {"config": old, "fingerprint": "fp"}
+    assert resume_mismatches(saved, config(), "fp") == []
+    assert training_identity(old, "fp") == training_identity(config(), "fp")
+    assert [p.split(" ")[0] for p in resume_mismatches(saved, config(objective="binary"), "fp")] == ["train.objective"]

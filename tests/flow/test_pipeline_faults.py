@@ -139,7 +139,7 @@ def test_restarts_exhausted_fail_with_the_root_cause_then_the_same_config_resume
     logs = flow_run_logs(resumed["flow_run_id"], resumed_line, epoch_progress(epochs, epochs))
     assert resumed_line in logs, logs[-3000:]
     assert epoch_progress(epochs, epochs) in logs, logs[-3000:]
-    assert epoch_progress(1, epochs) not in logs, f"epoch 1 was trained again:\n{logs[-3000:]}"
+    assert epoch_progress(1, epochs) not in logs, f"the first epoch was trained again:\n{logs[-3000:]}"
     after = read_metrics_lines(failed_dir / METRICS)
     assert [line["epoch"] for line in after] == [0, 1] and after[0] == before_fault[0], after
 

@@ -191,3 +191,75 @@ def test_a_model_pt_without_target_statistics_predicts_on_the_raw_scale(dataset_
     np.testing.assert_allclose(Predictor.from_checkpoint(tmp_path / "old.pt").predict(frame), outputs, rtol=1e-6)
     result = evaluate_split(tmp_path / "old.pt", dataset, return_predictions=True)
     np.testing.assert_allclose(result.predictions, outputs, rtol=1e-6)
+
+
+# --- metrics per objective ------------------------------------------------------------------------------
+
+
+def binary_model_file(dataset_dir, path, steps: int = 40):
+    """A model.pt of the binary objective (one logit), trained full-batch on the train split."""
+    from training.checkpoint import inference_checkpoint
+    from training.models import ModelSpec, build_model
+    from training.normalisation import Normaliser
+    from training.spec.objectives import Binary
+
+    manifest = read_manifest(dataset_dir)
+    frame = read_split(dataset_dir, "train")
+    x = Normaliser.from_manifest(manifest).features(torch.tensor(frame[manifest.features].to_numpy(np.float32)))
+    y = torch.tensor(frame["label"].to_numpy())
+    torch.manual_seed(0)
+    spec = ModelSpec("mlp", manifest.n_features, 1, {"hidden": [16]})
+    model = build_model(spec)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        Binary(2).per_row_loss(model(x), y).mean().backward()
+        optimizer.step()
+    checkpoint = inference_checkpoint(model.state_dict(), spec, manifest, epochs=1, metrics={})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({**checkpoint, "objective": {"name": "binary", "kwargs": {}}}, path)
+    return path
+
+
+def pairwise_auc(scores: np.ndarray, positive: np.ndarray) -> float:
+    """ROC AUC by its definition, every (positive, negative) pair: 1 when the positive scores higher, 1/2 on a tie."""
+    pos, neg = scores[positive], scores[~positive]
+    return float(((pos[:, None] > neg[None, :]) + 0.5 * (pos[:, None] == neg[None, :])).mean())
+
+
+def test_binary_evaluation_reports_the_exact_roc_auc_and_serves_labels(dataset_factory, tmp_path):
+    dataset = dataset_factory(n_classes=2, rows={"train": 600, "val": 50, "test": 257}, shard_rows=100)
+    model_path = binary_model_file(dataset, tmp_path / "binary" / "model.pt")
+    result = evaluate_split(model_path, dataset, batch_size=64, return_predictions=True)
+    frame = read_split(dataset)
+    logits = reference_outputs(model_path, frame).reshape(-1)
+    target = frame["label"].to_numpy()
+    assert result.metrics["test_roc_auc"] == pytest.approx(pairwise_auc(logits.numpy(), target == 1), abs=1e-12)
+    assert 0.8 < result.metrics["test_roc_auc"] <= 1.0
+    np.testing.assert_array_equal(result.predictions, (logits > 0).long().numpy())
+    assert result.metrics["test_accuracy"] == pytest.approx(float(((logits > 0).numpy() == target).mean()))
+    bce = torch.nn.functional.binary_cross_entropy_with_logits(logits, torch.tensor(target, dtype=torch.float32))
+    assert result.metrics["test_log_loss"] == pytest.approx(float(bce), rel=1e-5)
+    assert {"test_macro_f1", "test_precision_cat", "test_recall_dog"} <= result.metrics.keys()
+    served = Predictor.from_checkpoint(model_path).predict(frame[read_manifest(dataset).features])
+    np.testing.assert_array_equal(served, np.asarray(["cat", "dog"])[result.predictions])
+
+
+def test_above_fifty_classes_there_is_no_confusion_matrix_but_every_class_is_reported(
+    dataset_factory, model_factory, tmp_path
+):
+    import dataclasses
+
+    from ddpflow.tracking.plots import evaluation_figure
+
+    dataset = dataset_factory(n_classes=51, n_features=8, rows={"train": 2000, "val": 50, "test": 300})
+    manifest = read_manifest(dataset)
+    write_manifest(dataset, dataclasses.replace(manifest, label_mapping=[f"c{i}" for i in range(51)]))
+    result = evaluate_split(model_factory(dataset, steps=20), dataset)
+    assert result.confusion_matrix is None and result.to_dict()["confusion_matrix"] is None
+    assert len(result.per_class) == 51 and sum(v["support"] for v in result.per_class.values()) == 300
+    assert {"test_precision_c50", "test_recall_c0", "test_top5_accuracy", "test_log_loss"} <= result.metrics.keys()
+    assert result.metrics["test_top5_accuracy"] >= result.metrics["test_accuracy"]
+    figure, name = evaluation_figure(result)
+    assert name == "per_class_recall.png"  # says so, instead of a 51 x 51 matrix
+    assert "above 50 classes" in figure.axes[0].get_title()

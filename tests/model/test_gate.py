@@ -23,12 +23,13 @@ from ddpflow.tracking.gate import (
     GateDecision,
     GateRules,
     decide,
+    metric_higher_is_better,
     recorded_complete,
 )
 from ddpflow.tracking.registration import GateHooks, register_candidate, register_run
 from ddpflow.tracking.registry import MODEL_PT_IN_MODEL, ChampionDownloadError, champion_checkpoint, find_alias
 from ddpflow.tracking.runs import log_evaluation, start_pipeline_run
-from training.config import PipelineConfig
+from training.config import PipelineConfig, load_config
 from training.data.manifest import read_manifest
 from training.evaluate import evaluate_split
 from training.fileio import atomic_write_json
@@ -52,6 +53,26 @@ def test_decide_for_every_kind_of_champion():
     opted_in = GateRules("test_accuracy", True, replace_unreadable_champion=True)
     decision, reason = decide(0.1, ChampionReading.unreadable("3", "model.pt is gone"), opted_in)
     assert decision == "promoted" and "was unreadable" in reason and "replace_unreadable_champion" in reason
+
+
+@pytest.mark.parametrize(
+    ("metric", "higher"),
+    [
+        ("test_log_loss", False), ("val_log_loss", False), ("test_loss", False), ("test_rmse", False),
+        ("test_mae", False), ("test_mse", False), ("val_huber", False),
+        ("test_accuracy", True), ("test_top5_accuracy", True), ("test_macro_f1", True), ("test_micro_f1", True),
+        ("test_roc_auc", True), ("test_r2", True), ("val_exact_match", True),
+        # A class's own metric: its kind decides, not a class label that reads like a cost.
+        ("test_precision_error", True), ("test_recall_loss", True),
+        ("test_my_error_rate", False), ("test_within_one", True),  # a user objective's: the cost words
+    ],
+)  # fmt: skip
+def test_the_gate_infers_each_metrics_direction_from_its_kind(metric, higher):
+    assert metric_higher_is_better(metric) is higher
+    registry = load_config(None, [f"registry.metric={metric}"]).registry
+    assert registry.higher_is_better("classification") is higher  # the config's default: the same rule
+    given = load_config(None, [f"registry.metric={metric}", f"registry.greater_is_better={not higher}"]).registry
+    assert given.higher_is_better("classification") is (not higher)  # given: it wins
 
 
 def test_the_decision_reads_back_from_its_version_tags():

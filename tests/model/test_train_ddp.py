@@ -60,17 +60,24 @@ def production_launcher():
 # --- data and launches -------------------------------------------------------------------------
 
 
-def write_dataset(root: Path, rows: dict[str, int], seed: int = 0, name: str = "fp-test") -> Path:
-    """A prepared dataset per training/data/manifest.py, two shards per split."""
+def write_dataset(
+    root: Path, rows: dict[str, int], seed: int = 0, name: str = "fp-test", classes: int = CLASSES
+) -> Path:
+    """A prepared dataset per training/data/manifest.py, two shards per split; ``classes`` 0: a regression
+    target (standardised in training by the manifest's label_mean/label_std)."""
     rng = np.random.default_rng(seed)
-    teacher = rng.normal(size=(FEATURES, CLASSES))
+    teacher = rng.normal(size=(FEATURES, max(classes, 1)))
     features = [f"f{i}" for i in range(FEATURES)]
     dataset_dir = root / name
-    splits, train_x = {}, None
+    splits, train_x, train_y = {}, None, None
     for split, count in rows.items():
         z = rng.normal(size=(count, FEATURES))
         x = (z * 5.0 + 20.0).astype(np.float32)
-        y = (z @ teacher).argmax(axis=1).astype(np.int64)
+        if classes:
+            # A skewed first class (+0.8): balanced class weights then differ from 1.
+            y = (z @ teacher + np.eye(classes)[0] * 0.8).argmax(axis=1).astype(np.int64)
+        else:
+            y = (3.0 * (z @ teacher)[:, 0] + 7.0).astype(np.float32)
         (dataset_dir / split).mkdir(parents=True)
         shards, half = [], count // 2
         for number, (lo, hi) in enumerate([(0, half), (half, count)]):
@@ -79,17 +86,18 @@ def write_dataset(root: Path, rows: dict[str, int], seed: int = 0, name: str = "
             pq.write_table(table, dataset_dir / relative, row_group_size=100)
             shards.append(ShardInfo(relative, hi - lo, (dataset_dir / relative).stat().st_size))
         splits[split] = SplitInfo(count, shards)
-        train_x = x if split == "train" else train_x
+        if split == "train":
+            train_x, train_y = x, y
     write_manifest(
         dataset_dir,
         Manifest(
             fingerprint=name,
             source="test",
-            task="classification",
+            task="classification" if classes else "regression",
             label="label",
             key=None,
             features=features,
-            label_mapping=["a", "b", "c"],
+            label_mapping=["a", "b", "c", "d", "e"][:classes] if classes else None,
             feature_mean=train_x.mean(axis=0).tolist(),
             feature_std=train_x.std(axis=0).tolist(),
             splits=splits,
@@ -97,6 +105,9 @@ def write_dataset(root: Path, rows: dict[str, int], seed: int = 0, name: str = "
             config={},
             created_at=dt.datetime.now(dt.timezone.utc).isoformat(),
             versions={},
+            label_mean=None if classes else float(train_y.mean()),
+            label_std=None if classes else float(train_y.std()),
+            train_class_counts=np.bincount(train_y, minlength=classes).tolist() if classes else None,
         ),
     )
     return dataset_dir
@@ -330,10 +341,64 @@ def test_the_global_batch_of_w_ranks_is_the_one_rank_batch(world, double, reques
             assert ranks.indices(rank, epoch) == order[rank::world]
 
 
-def test_two_ranks_train_the_weights_of_one_rank_with_twice_the_batch(uneven_two_ranks, uneven_one_rank_double):
-    # The last step of each epoch holds 3 rows: 2 on rank 0 and 1 (+ 1 padding) on rank 1.
-    difference = assert_same_weights(uneven_two_ranks.model()["model"], uneven_one_rank_double.model()["model"], EXACT)
-    report("2 ranks x 8 vs 1 rank x 16, 211 rows (last global batch 3)", difference)
+# Objectives and weightings beyond the default (softmax, unweighted): (dataset classes, train settings, the
+# metrics validation must report). One case may check several settings: each pair of launches costs ~10 s.
+OBJECTIVE_CASES = {
+    "default": (CLASSES, {}, ("val_accuracy", "val_macro_f1", "val_log_loss")),
+    # Balanced class weights and label smoothing enter the per-row loss and the step's denominator.
+    "softmax_balanced_smoothed": (
+        CLASSES,
+        {"class_weights": "balanced", "label_smoothing": 0.1},
+        ("val_accuracy", "val_macro_f1", "val_log_loss"),
+    ),
+    "binary_class_weights": (
+        2,
+        {"objective": "binary", "class_weights": {"b": 3.0}},
+        ("val_accuracy", "val_macro_f1", "val_log_loss", "val_roc_auc"),
+    ),
+    "huber": (0, {"objective": "huber", "objective_kwargs": {"delta": 0.5}}, ("val_rmse", "val_mae", "val_r2")),
+}
+
+
+@pytest.fixture(scope="module")
+def objective_launches(uneven, uneven_two_ranks, uneven_one_rank_double, tmp_path_factory):
+    """(2 ranks x 8, 1 rank x 16) on a 211-row train split, per OBJECTIVE_CASES entry, launched on first use."""
+    launched = {"default": (uneven_two_ranks, uneven_one_rank_double)}
+
+    def pair(case: str) -> tuple[Launch, Launch]:
+        if case not in launched:
+            classes, train, _ = OBJECTIVE_CASES[case]
+            rows = {"train": UNEVEN_ROWS, "val": UNEVEN_VAL_ROWS, "test": 16}
+            data = write_dataset(tmp_path_factory.mktemp(case), rows, seed=1, name=f"fp-{case}", classes=classes)
+            launched[case] = (
+                _uneven_launch(data, tmp_path_factory, f"{case}_w2", nproc=2, batch_size=8, **train),
+                _uneven_launch(data, tmp_path_factory, f"{case}_w1x2", nproc=1, batch_size=16, **train),
+            )
+        return launched[case]
+
+    return pair
+
+
+@pytest.mark.parametrize("case", OBJECTIVE_CASES)
+def test_two_ranks_train_the_weights_of_one_rank_with_twice_the_batch(case, objective_launches):
+    """For every objective and class weighting: the last step of each epoch holds 3 rows, 2 on rank 0 and
+    1 (+ 1 padding) on rank 1; the weights, losses and metrics of 2 ranks x 8 equal those of 1 rank x 16."""
+    ranks, single = objective_launches(case)
+    difference = assert_same_weights(ranks.model()["model"], single.model()["model"], EXACT)
+    report(f"{case}: 2 ranks x 8 vs 1 rank x 16, 211 rows (last global batch 3)", difference)
+    _, train, reported = OBJECTIVE_CASES[case]
+    for a, b in zip(ranks.metrics(), single.metrics(), strict=True):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
+        assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-5)
+        for name in reported:
+            assert a[name] == pytest.approx(b[name], abs=2 / UNEVEN_VAL_ROWS), name  # a boundary row may flip
+    final = ranks.model()
+    assert final["objective"]["name"] == train.get("objective", "softmax")
+    assert final["model_spec"]["n_outputs"] == {"binary": 1, "huber": 1}.get(train.get("objective"), CLASSES)
+    if train.get("class_weights") or train.get("label_smoothing"):
+        # The weighted, smoothed loss is not the plain log loss: the settings reached the ranks.
+        last = ranks.metrics()[-1]
+        assert abs(last["val_loss"] - last["val_log_loss"]) > 1e-3
 
 
 def test_three_ranks_train_the_weights_of_one_rank_with_three_times_the_batch(

@@ -60,6 +60,9 @@ class Manifest:
     # The train split's counts per feature on a dyadic grid (training/data/stats.py: RunningHistogram), in
     # ``features`` order: what data drift is measured with (ddpflow/drift.py). None in older manifests.
     feature_histograms: list[dict[str, Any]] | None = None
+    # Classification: the train split's rows per class, in ``label_mapping`` order (prepare's
+    # training/data/stats.py: ClassCounts); what train.class_weights: balanced divides by. None in older manifests.
+    train_class_counts: list[int] | None = None
     format_version: int = FORMAT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
 

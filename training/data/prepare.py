@@ -17,6 +17,7 @@ fingerprint's directory already has a manifest, it is reused (``cache_hit``).
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 import shutil
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ from training.data.manifest import Manifest, SplitInfo, read_manifest, write_man
 from training.data.publish import discard, is_complete, make_temp_dir, publish, remove_stale_temp_dirs
 from training.data.shards import SplitWriter
 from training.data.sources import Source, open_source, source_identity
-from training.data.stats import RunningHistogram, RunningMoments
+from training.data.stats import ClassCounts, RunningHistogram, RunningMoments
 from training.layout import SPLITS
 
 __all__ = ["DataError", "PreparedDataset", "prepare_dataset", "source_fingerprint"]
@@ -249,6 +250,7 @@ def _build(source: Source, data: DataConfig, fingerprint: str, out_dir: Path) ->
     moments = RunningMoments(len(plan.features))
     histograms = RunningHistogram(len(plan.features))  # what drift compares (ddpflow/drift.py)
     targets = RunningMoments(1) if plan.task == "regression" else None  # standardises the target in training
+    class_counts = ClassCounts(len(labels.classes)) if plan.task == "classification" else None  # class weights
     invalid = InvalidRows()
     for file, batch in source.iter_batches(plan.columns, data.read_batch_rows):
         rows = _BatchRows(batch, plan, labels.classes)
@@ -265,12 +267,20 @@ def _build(source: Source, data: DataConfig, fingerprint: str, out_dir: Path) ->
                 histograms.update(train_features)
                 if targets is not None:
                     targets.update(rows.label.to_numpy(zero_copy_only=False)[chosen][None, :])
+                if class_counts is not None:
+                    class_counts.update(rows.label.to_numpy(zero_copy_only=False)[chosen])
             writers[name].add(rows.table(chosen, schema))
     if invalid.rows and data.on_invalid == "error":
         raise invalid.error(source.description)
     splits = {name: writer.close() for name, writer in writers.items()}
     _check_splits(splits, invalid.rows, labels.rows, data, source)
-    return _manifest(source, data, plan, labels, splits, moments, histograms, targets, invalid, fingerprint)
+    manifest = _manifest(source, data, plan, labels, splits, moments, histograms, targets, invalid, fingerprint)
+    return with_class_counts(manifest, class_counts)
+
+
+def with_class_counts(manifest: Manifest, counts: ClassCounts | None) -> Manifest:
+    """The manifest with the train split's class counts (classification), for ``train.class_weights``."""
+    return dataclasses.replace(manifest, train_class_counts=counts.to_list() if counts is not None else None)
 
 
 class _BatchRows:

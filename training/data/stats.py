@@ -148,3 +148,17 @@ def _smallest_exponent(low: float, high: float, bins: int) -> int:
         return max(int(np.floor(np.log2(span / bins))), _MIN_EXPONENT)
     magnitude = max(abs(low), 1.0)  # a constant column: bins far finer than its value
     return max(int(np.floor(np.log2(magnitude))) - _CONSTANT_RESOLUTION_BITS, _MIN_EXPONENT)
+
+
+class ClassCounts:
+    """The train split's rows per class index (``Manifest.train_class_counts``): what
+    ``train.class_weights: balanced`` weighs classes by (training/spec/objectives.py)."""
+
+    def __init__(self, n_classes: int):
+        self.counts = np.zeros(n_classes, dtype=np.int64)
+
+    def update(self, class_indices: np.ndarray) -> None:
+        self.counts += np.bincount(class_indices.astype(np.int64, copy=False), minlength=len(self.counts))
+
+    def to_list(self) -> list[int]:
+        return self.counts.tolist()
