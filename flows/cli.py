@@ -37,6 +37,7 @@ from ddpflow.lifetime import Terminated, ended_by_signals, shielded
 from ddpflow.prefect_server import PrefectServer, PrefectServerError, prefect_server
 from flows.environment import set_local_defaults
 from training.config import ConfigError, PipelineConfig, load_config
+from training.selection import describe_selection
 
 # Errors that are the user's to fix: print the message, not a traceback.
 # ConnectionError: an unreachable tracking server names its URI.
@@ -186,7 +187,8 @@ def _for_people(summary: dict[str, Any]) -> dict[str, Any]:
         f"{name}={value:.4g}" if isinstance(value, float) else f"{name}={value}" for name, value in headline.items()
     )
     drift = {"data_drift": summary["data_drift"].get("message")} if summary.get("data_drift") else {}
-    return {**summary, "test_metrics": shown, **drift}
+    selection = {"selection": describe_selection(summary["selection"])} if summary.get("selection") else {}
+    return {**summary, "test_metrics": shown, **drift, **selection}
 
 
 def _where_to_look(summary: dict[str, Any]) -> str:

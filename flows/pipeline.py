@@ -58,6 +58,7 @@ from tasks.train import KILL_GRACE_S, TrainRequest, train_model
 from training.config import PipelineConfig
 from training.data.prepare import PreparedDataset
 from training.preflight import check_data, check_machine
+from training.selection import selection_summary
 from training.topology import RankLayout
 
 # Stopped from outside (Ctrl-C, a signal, a cancelled flow run): the MLflow run ends KILLED, not FAILED.
@@ -147,6 +148,7 @@ def train_pipeline(
         "decision": decision.get("decision"),
         "reason": decision.get("reason"),
         "test_metrics": test_metrics,
+        "selection": selection_summary(trained.metrics, config.train),  # the epoch model.pt holds
         "data_drift": drift,
         "mlflow_run_id": run_id,
         "mlflow_run_url": mlflow_run_url,

@@ -103,9 +103,13 @@ def inference_checkpoint(
     epochs: int,
     metrics: dict[str, Any],
     encoders: dict[str, Any] | None = None,
+    selection: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``model.pt``: the weights plus everything evaluation and serving need to rebuild
-    the model and feed it raw columns (architecture, feature order, normalisation, labels)."""
+    the model and feed it raw columns (architecture, feature order, normalisation, labels).
+
+    ``epochs``: the epochs trained; ``metrics``: the selected epoch's; ``selection``: which epoch the
+    weights are from and why (``training/selection.py: Selection.describe``; None: the last one)."""
     return {
         "model": state_dict,
         "model_spec": spec.to_dict(),
@@ -124,6 +128,8 @@ def inference_checkpoint(
         # The fitted encoders (training/spec/codecs.py: encoders.json) and the weight column: raw rows in.
         "encoders": encoders or {},
         "weight": manifest.weight,
+        "selected_epoch": selection["selected_epoch"] if selection else metrics.get("epoch", epochs - 1),
+        "selection": selection,
     }
 
 
@@ -176,11 +182,16 @@ def resume_mismatches(saved: dict[str, Any], config: PipelineConfig, fingerprint
 
 class Checkpointer:
     def __init__(
-        self, run_dir: str | Path, coordinator: Coordinator, before_write: Callable[[Path], None] = lambda _: None
+        self,
+        run_dir: str | Path,
+        coordinator: Coordinator,
+        before_write: Callable[[Path], None] = lambda _: None,
+        after_write: Callable[[Path], None] = lambda _: None,
     ):
         self.run_dir = Path(run_dir)
         self.coordinator = coordinator
-        self.before_write = before_write  # a test hook (training/faults.py: slow_checkpoint)
+        # Test hooks (training/faults.py: slow_checkpoint, DDPFLOW_KEEP_CHECKPOINTS), on the writer.
+        self.before_write, self.after_write = before_write, after_write
         self.last_path = self.run_dir / LAST_CHECKPOINT
         self.final_path = self.run_dir / FINAL_MODEL
 
@@ -194,6 +205,7 @@ class Checkpointer:
         if self.coordinator.is_main:
             self.before_write(path)
             atomic_save(obj, path)
+            self.after_write(path)
         # Nobody runs ahead (or exits) before the file is complete.
         self.coordinator.checkpoint_barrier(path)
 

@@ -268,6 +268,31 @@ class TrainConfig(_Section):
         "auto: when a split takes at most a quarter of the GPU memory free after the model (never on CPU).",
     )
     progress_interval_s: KeepsWeights[float] = Field(5.0, gt=0)
+    # Which epoch's weights model.pt holds, and when training stops (training/selection.py).
+    select: ChangesWeightsWhenSet[Literal["best", "last"]] = Field(
+        "best", description="model.pt holds the weights of the best epoch by train.monitor, or of the last one."
+    )
+    monitor: ChangesWeightsWhenSet[str] = Field(
+        "val_loss", description="The validation metric that judges epochs (val_loss, val_accuracy, val_rmse...)."
+    )
+    monitor_mode: ChangesWeightsWhenSet[Literal["auto", "min", "max"]] = Field(
+        "auto", description="auto: lower is better for a loss or an error (as the gate infers), else higher."
+    )
+    min_delta: ChangesWeightsWhenSet[float] = Field(0.0, ge=0, description="An epoch improves by more than this.")
+    early_stopping_patience: ChangesWeightsWhenSet[int | None] = Field(
+        None, ge=1, description="Stop after this many epochs without improvement of train.monitor; none: never."
+    )
+    # The optimizer and its schedule (training/optim.py).
+    optimizer: ChangesWeightsWhenSet[Literal["adamw", "adam", "sgd"]] = "adamw"
+    optimizer_kwargs: ChangesWeightsWhenSet[dict[str, Any]] = Field(
+        default_factory=dict, description="Passed to the torch optimizer: betas, eps, momentum, nesterov..."
+    )
+    warmup_steps: ChangesWeightsWhenSet[int] = Field(
+        0, ge=0, description="Optimizer steps of linear warmup before the constant or cosine schedule."
+    )
+    log_every_steps: KeepsWeights[int | None] = Field(
+        50, ge=1, description="Train loss, lr and gradient norm to MLflow every N optimizer steps; none: off."
+    )
     skip_if_unchanged: KeepsWeights[bool] = Field(
         False,
         description="Skip training (no torchrun, no new model version; the MLflow run is tagged ddpflow.skipped) "
@@ -337,6 +362,27 @@ class TrainConfig(_Section):
         if bad:
             raise ValueError(f"class weights must be positive numbers; got {bad}")
         return weights
+
+    @field_validator("monitor")
+    @classmethod
+    def _validation_metric(cls, value: str) -> str:
+        if not value.startswith("val_"):
+            raise ValueError(f"{value!r} is not a validation metric: name one such as val_loss or val_accuracy")
+        return value
+
+    @field_validator("optimizer_kwargs")
+    @classmethod
+    def _kwargs_without_own_fields(cls, value: dict[str, Any]) -> dict[str, Any]:
+        owned = sorted({"lr", "weight_decay", "params"} & set(value))
+        if owned:
+            raise ValueError(f"{owned} have their own train fields (train.lr, train.weight_decay); remove them here")
+        return value
+
+    def monitor_higher_is_better(self) -> bool:
+        """train.monitor_mode, or the gate's rule on the metric's name (training/spec/directions.py)."""
+        from training.spec.directions import higher_is_better  # the one rule; torch-free
+
+        return higher_is_better(self.monitor) if self.monitor_mode == "auto" else self.monitor_mode == "max"
 
     @field_validator("model")
     @classmethod

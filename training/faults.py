@@ -9,11 +9,17 @@
 - ``hang``:  sleep forever without entering a collective (a stuck rank). Once per
   run directory, like ``kill`` (marker ``.fault-hang-done``).
 - ``raise``: ``RuntimeError("injected fault ...")``, every time: a permanent error.
+- ``nan``:   the model's output in that training step is NaN, every time (a diverged
+  step: the non-finite check, training/nonfinite.py, must stop the run there).
 
 ``DDPFLOW_FAULT=slow_checkpoint:rank=0:epoch=E:seconds=S`` makes rank 0 (the
 checkpoint writer) sleep S seconds before writing the checkpoint that ends
 epoch E, as a large checkpoint on a slow shared filesystem would; the other
 ranks wait at the checkpoint barrier (``train.checkpoint_timeout_s``).
+
+``DDPFLOW_KEEP_CHECKPOINTS=1`` makes rank 0 copy last.pt, after each epoch's write,
+to ``RUN_DIR/checkpoints/epoch{e}.pt`` (e: the epoch just finished, 0-based), so a test
+can compare model.pt with the selected epoch's weights.
 
 ``DDPFLOW_RECORD_INDICES=1`` makes every rank append the dataset rows it
 trained on in an epoch, once the epoch is complete, to
@@ -21,7 +27,7 @@ trained on in an epoch, once the epoch is complete, to
 per completed pass. An epoch trained again after a restart shows up as a
 second line, so a test can tell a resume from a retrain.
 
-Both reach the training program through ONE object, ``TrainHooks``: the
+They reach the training program through ONE object, ``TrainHooks``: the
 Trainer calls its methods at fixed points, and by default (``NO_HOOKS``) each
 does nothing. ``hooks_from_env`` builds the hooks these variables ask for.
 """
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import time
 from dataclasses import dataclass
@@ -41,12 +48,16 @@ from training.log import log_rank
 
 FAULT_ENV = "DDPFLOW_FAULT"
 RECORD_INDICES_ENV = "DDPFLOW_RECORD_INDICES"
-ACTIONS = ("kill", "hang", "raise", "slow_checkpoint")
+KEEP_CHECKPOINTS_ENV = "DDPFLOW_KEEP_CHECKPOINTS"
+ACTIONS = ("kill", "hang", "raise", "nan", "slow_checkpoint")
 _FIELDS = ("rank", "epoch", "step", "seconds")
 
 
 class TrainHooks:
     """Where tests reach into a rank's training. Every method does nothing here; ``NO_HOOKS`` is the default."""
+
+    def on_model(self, model: torch.nn.Module) -> None:
+        """The plain module, once built (before DDP wraps it)."""
 
     def at_step(self, epoch: int, step: int) -> None:
         """Before training step ``step`` of ``epoch`` (both 0-based)."""
@@ -59,6 +70,9 @@ class TrainHooks:
 
     def before_checkpoint_write(self, path: Path) -> None:
         """On the writing rank, just before ``path`` is written."""
+
+    def after_checkpoint_write(self, path: Path) -> None:
+        """On the writing rank, once ``path`` is complete."""
 
 
 NO_HOOKS = TrainHooks()
@@ -94,11 +108,22 @@ class FaultInjector:
         self.marker = Path(run_dir) / f".fault-{fault.action}-done" if fault else None
         self.epoch = -1  # the epoch of the last step seen
         self.slowed = False
+        self.poison_next_output = False  # nan: the next training forward returns NaN
 
     @classmethod
     def from_env(cls, rank: int, run_dir: str | Path) -> FaultInjector:
         text = os.environ.get(FAULT_ENV)
         return cls(Fault.parse(text) if text else None, rank, run_dir)
+
+    def on_model(self, model: torch.nn.Module) -> None:
+        if self.fault is not None and self.fault.action == "nan":
+            model.register_forward_hook(self._poison)
+
+    def _poison(self, module: torch.nn.Module, inputs, output):
+        if not (self.poison_next_output and module.training):
+            return None
+        self.poison_next_output = False
+        return output * float("nan")
 
     def at_step(self, epoch: int, step: int) -> None:
         self.epoch = epoch
@@ -108,6 +133,10 @@ class FaultInjector:
         where = f"rank {fault.rank} epoch {epoch} step {step}"
         if fault.action == "raise":
             raise RuntimeError(f"injected fault ({FAULT_ENV}) at {where}")
+        if fault.action == "nan":
+            log_rank(f"{FAULT_ENV}: NaN output at {where}")
+            self.poison_next_output = True
+            return
         if self.marker.exists():
             return
         self.marker.write_text(where)
@@ -151,11 +180,26 @@ class IndexRecorder:
         self.parts = []
 
 
-class EnvironmentHooks(TrainHooks):
-    """The hooks ``DDPFLOW_FAULT`` and ``DDPFLOW_RECORD_INDICES`` ask for."""
+class CheckpointKeeper:
+    """``DDPFLOW_KEEP_CHECKPOINTS``: a copy of each epoch's last.pt as ``epoch{e}.pt`` beside it."""
 
-    def __init__(self, faults: FaultInjector, indices: IndexRecorder):
+    def __init__(self, enabled: bool):
+        self.enabled, self.epoch = enabled, -1
+
+    def after_write(self, path: Path) -> None:
+        if self.enabled and path.name == "last.pt" and self.epoch >= 0:
+            shutil.copyfile(path, path.with_name(f"epoch{self.epoch}.pt"))
+
+
+class EnvironmentHooks(TrainHooks):
+    """The hooks ``DDPFLOW_FAULT``, ``DDPFLOW_KEEP_CHECKPOINTS`` and ``DDPFLOW_RECORD_INDICES`` ask for."""
+
+    def __init__(self, faults: FaultInjector, indices: IndexRecorder, keeper: CheckpointKeeper | None = None):
         self.faults, self.indices = faults, indices
+        self.keeper = keeper or CheckpointKeeper(False)
+
+    def on_model(self, model: torch.nn.Module) -> None:
+        self.faults.on_model(model)
 
     def at_step(self, epoch: int, step: int) -> None:
         self.faults.at_step(epoch, step)
@@ -165,13 +209,20 @@ class EnvironmentHooks(TrainHooks):
 
     def end_epoch(self, epoch: int) -> None:
         self.indices.write(epoch)
+        self.keeper.epoch = epoch
 
     def before_checkpoint_write(self, path: Path) -> None:
         self.faults.before_checkpoint_write(path)
 
+    def after_checkpoint_write(self, path: Path) -> None:
+        self.keeper.after_write(path)
+
 
 def hooks_from_env(rank: int, run_dir: str | Path) -> TrainHooks:
     """``NO_HOOKS`` unless a test hook's variable is set."""
-    if not os.environ.get(FAULT_ENV) and os.environ.get(RECORD_INDICES_ENV) != "1":
+    keep = os.environ.get(KEEP_CHECKPOINTS_ENV) == "1"
+    if not os.environ.get(FAULT_ENV) and os.environ.get(RECORD_INDICES_ENV) != "1" and not keep:
         return NO_HOOKS
-    return EnvironmentHooks(FaultInjector.from_env(rank, run_dir), IndexRecorder.from_env(rank, run_dir))
+    return EnvironmentHooks(
+        FaultInjector.from_env(rank, run_dir), IndexRecorder.from_env(rank, run_dir), CheckpointKeeper(keep)
+    )

@@ -6,8 +6,9 @@ A training run:       <train.run_root>/<run name>/
                           config.json          the PipelineConfig of the run
                           train_config.json    the job every rank reads (TrainJob)
                           metrics.jsonl        one line per epoch, from rank 0
+                          steps.jsonl          train loss, lr, gradient norm every train.log_every_steps
                           checkpoints/last.pt  resumable state, after every epoch
-                          model.pt             final weights + what inference needs
+                          model.pt             the selected epoch's weights + what inference needs
                           eval/metrics.json    the evaluate stage's metrics
 """
 
@@ -20,6 +21,7 @@ MANIFEST = "manifest.json"
 CONFIG = "config.json"
 TRAIN_JOB = "train_config.json"
 METRICS = "metrics.jsonl"
+STEP_METRICS = "steps.jsonl"
 LAST_CHECKPOINT = "checkpoints/last.pt"
 FINAL_MODEL = "model.pt"
 EVAL_METRICS = "eval/metrics.json"

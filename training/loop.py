@@ -27,6 +27,8 @@ an epoch is short.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -35,6 +37,7 @@ import torch
 from torch import nn
 
 from training.loading import Batch, SplitTensors, TrainBatches
+from training.nonfinite import NonFiniteStep
 from training.spec.objectives import Objective, auto_objective, make_objective
 
 
@@ -73,9 +76,12 @@ class TrainStep:
         scheduler: torch.optim.lr_scheduler.LRScheduler | None,
         batches: TrainBatches,
         settings: StepSettings,
+        on_update: Callable[[StepReport], None] = lambda _: None,
     ):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.batches, self.settings = batches, settings
+        self.on_update = on_update  # after each optimizer step (the per-step curves: training/metrics_sink.py)
+        self._step_loss, self._step_rows = None, 0  # this rank's loss sum and rows of the optimizer step so far
         self.objective = settings.loss()
 
     def __call__(self, index: int, batch: Batch) -> torch.Tensor:
@@ -91,9 +97,13 @@ class TrainStep:
                 outputs = self.model(batch.inputs)
             weighted = weighted_losses(self.objective.per_row_loss(outputs, batch.labels), batch.weights)
             (weighted.sum() * scale).backward()
+        summed = weighted.detach().sum(dtype=torch.float64)
+        first = index == group.start
+        self._step_loss = summed if first else self._step_loss + summed
+        self._step_rows = batch.samples + (0 if first else self._step_rows)
         if last_in_group:
-            self._update()
-        return weighted.detach().sum(dtype=torch.float64)
+            self._update(group)
+        return summed
 
     def _optimizer_step_of(self, index: int) -> range:
         """The micro-batches ``[first, stop)`` of micro-batch ``index``'s optimizer step."""
@@ -101,13 +111,43 @@ class TrainStep:
         first = (index // accum) * accum
         return range(first, min(first + accum, len(self.batches)))
 
-    def _update(self) -> None:
+    def _update(self, group: range) -> None:
+        """Check, clip, step. Raises ``NonFiniteStep`` (training/nonfinite.py) before a NaN or inf update."""
         if self.settings.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)
+        else:
+            norm = gradient_norm(self.model.parameters())
+        # The step's one device->host copy: its loss sum and the (all-reduced) gradient norm together.
+        loss, grad_norm = torch.stack([self._step_loss, norm.to(torch.float64)]).tolist()
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            raise NonFiniteStep(group, loss, grad_norm)
+        lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
+        self.on_update(StepReport(group.start // self.settings.grad_accum, loss, self._step_rows, grad_norm, lr))
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One optimizer step on this rank: its index in the epoch, loss sum and real rows, gradient norm, lr."""
+
+    index: int
+    loss_sum: float
+    rows: int
+    grad_norm: float
+    lr: float
+
+
+def gradient_norm(parameters) -> torch.Tensor:
+    """The global 2-norm of the gradients (what ``clip_grad_norm_`` computes), without clipping."""
+    grads = [p.grad.detach() for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6: clip_grad_norm_'s own (foreach) computation
+        return torch.nn.utils.get_total_norm(grads)
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, 2.0) for g in grads]), 2.0)
 
 
 def weighted_losses(per_row: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:

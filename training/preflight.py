@@ -11,7 +11,8 @@ import path that does not import, an objective (``train.objective``) that does n
 ``check_data``: a batch larger than a rank's share of the train split, an objective
 that does not fit the label (binary on 3 classes, label smoothing outside softmax,
 balanced class weights without class counts) or whose per-row loss is not one value
-per row (called on a tiny batch), a model that cannot be built for the data's shapes.
+per row (called on a tiny batch), a model that cannot be built for the data's shapes,
+an optimizer keyword the optimizer does not take, early stopping without a val split.
 The pipeline runs the first before preparing the data and the train stage
 (every launcher, through ddpflow/launch/stage.py: ``check_request``) the second,
 just before the ranks start; ``check_request`` runs ``check_machine`` itself only
@@ -44,7 +45,20 @@ def check_machine(config: PipelineConfig, gpus: int | None = None) -> RankLayout
         )
     resolve_factory(config.train.model)  # ModelImportError (a ValueError) names train.model
     _check_objective_imports(config)
+    check_optimizer(config)
     return layout
+
+
+def check_optimizer(config: PipelineConfig) -> None:
+    """``train.optimizer_kwargs`` that ``train.optimizer`` does not take fail here, not in every rank."""
+    import torch
+
+    from training.optim import build_optimizer
+
+    try:
+        build_optimizer(torch.nn.Linear(1, 1), config.train)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def _check_slurm_nodes(config: PipelineConfig) -> RankLayout:
@@ -60,6 +74,7 @@ def _check_slurm_nodes(config: PipelineConfig) -> RankLayout:
         )
     resolve_factory(config.train.model)  # ModelImportError (a ValueError) names train.model
     _check_objective_imports(config)
+    check_optimizer(config)
     return layout
 
 
@@ -77,6 +92,11 @@ def check_data(config: PipelineConfig, manifest: Manifest, layout: RankLayout) -
         raise ConfigError(
             f"train.batch_size: {config.train.batch_size} is larger than each rank's share of the train split "
             f"({train_rows} rows / {layout.world_size} ranks = {per_rank}); lower it or add data"
+        )
+    if config.train.early_stopping_patience is not None and manifest.rows("val") == 0:
+        raise ConfigError(
+            "train.early_stopping_patience: the val split is empty, so no epoch can be judged; "
+            "set data.val_fraction above 0 or remove it"
         )
     objective = build_objective(config.train, manifest)  # ConfigError naming the field that does not fit
     check_objective(objective, objective.n_classes)

@@ -54,6 +54,8 @@ class Progress:
             return
         remaining_epochs = self.epochs - self.epoch - 1
         shown = " ".join(f"{key} {metrics[key]:.4f}" for key in _EPOCH_KEYS if key in metrics)
+        if "selected_epoch" in metrics:  # counted from 1, as this line counts epochs (training/selection.py)
+            shown += f" selected epoch {metrics['selected_epoch'] + 1}"
         log_rank(
             f"epoch {self.epoch + 1}/{self.epochs} done: {shown} {metrics['train_samples_per_s']:,.0f} samples/s "
             f"{metrics['epoch_seconds']:.1f}s ETA {_eta(metrics['epoch_seconds'] * remaining_epochs)}"

@@ -27,6 +27,7 @@ only place that knows what last.pt holds.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import time
 from typing import Any
@@ -44,12 +45,15 @@ from training.job import TrainJob
 from training.loading import TrainBatches
 from training.log import DATA, log_main, log_rank
 from training.loop import StepSettings, TrainStep, evaluate, validation_metrics
-from training.metrics_sink import MetricsSink
+from training.metrics_sink import MetricsSink, StepMetricsSink
 from training.models import ModelSpec, build_model
+from training.nonfinite import NonFiniteStep, non_finite_error
 from training.normalisation import Normaliser
+from training.optim import build_optimizer, build_schedule, optimizer_states_per_parameter
 from training.progress import Progress
 from training.rng import capture_rng, rank_seed, restore_rng, seed_process
 from training.runtime import configure_process, die_with_parent, exit_without_teardown, preload_in_background
+from training.selection import Selection
 from training.spec.codecs import read_encoders
 from training.spec.inputs import inputs_from_manifest
 from training.spec.objectives import build_objective
@@ -78,12 +82,17 @@ class Trainer:
     def __init__(self, job: TrainJob, ctx: DistContext, hooks: TrainHooks = NO_HOOKS):
         self.job, self.ctx, self.hooks = job, ctx, hooks
         self.config = job.config.train
-        self.checkpointer = Checkpointer(job.run_dir, ctx, before_write=hooks.before_checkpoint_write)
+        self.checkpointer = Checkpointer(
+            job.run_dir, ctx, before_write=hooks.before_checkpoint_write, after_write=hooks.after_checkpoint_write
+        )
         self.sink = MetricsSink(job.run_dir, enabled=ctx.is_main)
         self.epochs_done, self.history = 0, []
+        self.selection = Selection.from_config(self.config)  # which epoch model.pt holds, when to stop
+        self.best_weights: dict[str, torch.Tensor] | None = None  # rank 0: the best epoch's, on the CPU
         self._configure_process()
         self._load_data()
         saved = self._build_model()
+        hooks.on_model(self.model)
         self._place_data()
         self._build_optimizer()
         self._resume_or_seed(saved)
@@ -139,7 +148,11 @@ class Trainer:
         After the model: ``auto`` places a split on a GPU by the memory free once the model is there."""
         train, ctx = self.config, self.ctx
         placed, where = place_splits(
-            {"train": self.train_split, "val": self.val}, train.data_on_device, ctx.device, self.model
+            {"train": self.train_split, "val": self.val},
+            train.data_on_device,
+            ctx.device,
+            self.model,
+            optimizer_states_per_parameter(train),
         )
         log_main(ctx.is_main, "data: " + "; ".join(where))
         self.train_split, self.val = placed["train"], placed["val"]  # a host copy placed elsewhere is let go
@@ -149,17 +162,25 @@ class Trainer:
         )  # fmt: skip
 
     def _build_optimizer(self) -> None:
-        """AdamW, the cosine schedule over every optimizer step of the run, and the step that uses them."""
+        """The optimizer and its schedule over every optimizer step of the run (training/optim.py), the step
+        that uses them, and its per-step curves."""
         train = self.config
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=train.lr, weight_decay=train.weight_decay)
-        self.scheduler = None
-        if train.lr_schedule == "cosine":
-            optimizer_steps = train.epochs * -(-len(self.batches) // train.grad_accum)
-            self.scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(self.optimizer, T_max=optimizer_steps)
+        steps_per_epoch = -(-len(self.batches) // train.grad_accum)
+        self.optimizer = build_optimizer(self.model, train)
+        self.scheduler = build_schedule(self.optimizer, train, train.epochs * steps_per_epoch)
         self.settings = StepSettings(
             self.manifest.task, self.ctx.device, train.grad_accum, train.grad_clip, train.bf16, self.objective
         )
-        self.train_step = TrainStep(self.ddp, self.optimizer, self.scheduler, self.batches, self.settings)
+        self.step_sink = StepMetricsSink(
+            self.job.run_dir, self.ctx.is_main, train.log_every_steps, steps_per_epoch,
+            lambda loss: loss * self.normaliser.target_std**self.objective.loss_scale_power,  # as run_epoch's
+        )  # fmt: skip
+        self.epoch = 0
+
+        def on_update(report) -> None:
+            self.step_sink.add(self.epoch, report)
+
+        self.train_step = TrainStep(self.ddp, self.optimizer, self.scheduler, self.batches, self.settings, on_update)
         self.progress = Progress(
             self.ctx.is_main, train.progress_interval_s, train.epochs, len(self.batches), self.ctx.world_size
         )
@@ -174,16 +195,46 @@ class Trainer:
     # --- the loop ---------------------------------------------------------------------------------------------
 
     def train(self) -> None:
-        """The epochs still to train, each validated, logged and checkpointed; then model.pt."""
+        """The epochs still to train (until early stopping), each validated, judged, logged and checkpointed;
+        then model.pt with the selected epoch's weights."""
         for epoch in range(self.epochs_done, self.config.epochs):
+            if self.selection.stopped:  # a resume after the stop: nothing left to train
+                break
             metrics = self.run_epoch(epoch)
             self.epochs_done = epoch + 1
-            self.history.append({"epoch": epoch, **metrics})
-            self.sink.log_epoch(epoch, metrics)
+            self._judge(epoch, metrics)
+            record = {"epoch": epoch, **metrics}
+            self.history.append(record)
+            record.update(self.selection.selected_metrics(self.history))  # selected_epoch, selected_val_*
+            self.sink.log_epoch(epoch, record)
             self.checkpointer.save_last(self.state_dict())
-            self.progress.end_epoch(metrics)
+            self.progress.end_epoch(record)
         self.checkpointer.save_final(self.final_model() if self.ctx.is_main else {})
-        log_main(self.ctx.is_main, f"wrote {self.checkpointer.final_path}")
+        log_main(self.ctx.is_main, f"wrote {self.checkpointer.final_path} ({self._selection_line()})")
+
+    def _judge(self, epoch: int, metrics: dict[str, Any]) -> None:
+        """train.monitor decides (the same on every rank: training/selection.py); rank 0 keeps the best weights."""
+        improved = self.selection.observe(epoch, metrics)
+        if improved and self.selection.keeps_best_weights and self.ctx.is_main:
+            self.best_weights = {
+                name: value.detach().to("cpu", copy=True) for name, value in self.model.state_dict().items()
+            }
+        if self.selection.stopped:
+            selection = self.selection
+            log_rank(
+                f"rank {self.ctx.rank}: early stopping after epoch {epoch + 1}/{self.config.epochs}: "
+                f"{selection.monitor} has not improved for {selection.epochs_without_improvement} epoch(s) "
+                f"(best {selection.best_value} in epoch {_counted_from_1(selection.best_epoch)})"
+            )
+
+    def _selection_line(self) -> str:
+        """Which epoch model.pt holds, counted from 1 as the progress lines count epochs."""
+        selected = self.selection.selected_epoch(self.epochs_done - 1)
+        stopped = ", stopped early" if self.selection.stopped and self.epochs_done < self.config.epochs else ""
+        return (
+            f"the weights of epoch {selected + 1} of {self.epochs_done} trained (select {self.selection.select} by "
+            f"{self.selection.monitor}{stopped})"
+        )
 
     def run_epoch(self, epoch: int) -> dict[str, Any]:
         """Train this rank's share of ``epoch``, then validate; every figure returned is over all ranks."""
@@ -195,10 +246,14 @@ class Trainer:
         self.ddp.train()
         loss = torch.zeros((), dtype=torch.float64, device=ctx.device)  # stays on the device: no sync per step
         samples = 0
+        self.epoch = epoch
         for step, batch in enumerate(self.batches.epoch(epoch)):
             self.hooks.at_step(epoch, step)
             self.hooks.on_batch(batch.indices)
-            loss.add_(self.train_step(step, batch))
+            try:
+                loss.add_(self.train_step(step, batch))
+            except NonFiniteStep as bad:
+                raise self._non_finite(epoch, bad) from None
             samples += batch.samples
             self.progress.step(step + 1, samples, lambda seen=samples: scale * loss.item() / max(1, seen))
         train_seconds = time.monotonic() - started
@@ -231,6 +286,13 @@ class Trainer:
             "weights_in_sync": ctx.weights_agree(self.model),
         }
 
+    def _non_finite(self, epoch: int, bad: NonFiniteStep) -> Exception:
+        """The error for a NaN or inf step (training/nonfinite.py). When the gradient norm is non-finite every
+        rank is here at the same step, so they can gather whose loss was non-finite and name the same ranks."""
+        losses_ok = self.ctx.gather_objects(math.isfinite(bad.loss)) if bad.everywhere else None
+        loss_ranks = None if losses_ok is None else [rank for rank, ok in enumerate(losses_ok) if not ok]
+        return non_finite_error(bad, self.ctx.rank, epoch, loss_ranks)
+
     # --- what a checkpoint holds --------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
@@ -249,6 +311,8 @@ class Trainer:
             "rng": {"per_rank": rng},
             "world_size": self.ctx.world_size,
             "metrics": self.history,
+            "selection": self.selection.state_dict(),
+            "best_model": self.best_weights,
             **identity_entries(self.job.config, self.manifest.fingerprint),
         }
 
@@ -261,6 +325,8 @@ class Trainer:
             self.scheduler.load_state_dict(state["scheduler"])
         self.epochs_done = int(state["epoch"])
         self.history = list(state.get("metrics") or [])
+        self.selection.load_state_dict(state.get("selection"))
+        self.best_weights = state.get("best_model") if ctx.is_main else None
         per_rank = state["rng"]["per_rank"]
         resumed = f"resumed from {self.checkpointer.last_path} after {self.epochs_done} epoch(s)"
         if len(per_rank) == ctx.world_size:
@@ -275,12 +341,21 @@ class Trainer:
             )
 
     def final_model(self) -> dict[str, Any]:
-        """model.pt: the weights and what evaluation and serving need (``inference_checkpoint``)."""
-        metrics = self.history[-1] if self.history else {}
-        weights = on_cpu(self.model.state_dict())
+        """model.pt: the selected epoch's weights and what evaluation and serving need (``inference_checkpoint``)."""
+        selection = self.selection.describe(self.epochs_done, self.config.epochs)
+        selected = selection["selected_epoch"]
+        metrics = next((line for line in self.history if line["epoch"] == selected), {})
+        kept = self.best_weights if selected != self.epochs_done - 1 else None
+        weights = kept if kept is not None else on_cpu(self.model.state_dict())
         encoders = read_encoders(self.job.dataset_dir, self.manifest)  # served with the model: raw rows in
-        checkpoint = inference_checkpoint(weights, self.spec, self.manifest, self.config.epochs, metrics, encoders)
+        checkpoint = inference_checkpoint(
+            weights, self.spec, self.manifest, self.epochs_done, metrics, encoders=encoders, selection=selection
+        )
         return {**checkpoint, "objective": self.objective.describe()}
+
+
+def _counted_from_1(epoch: int | None) -> str:
+    return "none" if epoch is None else str(epoch + 1)
 
 
 def on_cpu(tree: Any) -> Any:

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ddpflow.drift import FeatureDrift
+from training.monitor import is_better
 from training.spec.directions import higher_is_better as metric_higher_is_better  # noqa: F401 (the gate's rule)
 
 PROMOTED, CHALLENGER, REJECTED = "promoted", "challenger", "rejected"
@@ -87,10 +88,6 @@ class ChampionReading:
     @property
     def status(self) -> str:
         return f"{self.kind}: {self.detail}" if self.detail else self.kind
-
-
-def is_better(candidate: float, champion: float, higher_is_better: bool, min_delta: float) -> bool:
-    return candidate > champion + min_delta if higher_is_better else candidate < champion - min_delta
 
 
 def rejection_reason(metrics: dict[str, float], rules: GateRules) -> str | None:

@@ -1,9 +1,15 @@
-"""The one mirror of epoch metrics into MLflow: rank 0's RUN_DIR/metrics.jsonl -> the pipeline's run.
+"""The one mirror of training metrics into MLflow: rank 0's RUN_DIR/metrics.jsonl and steps.jsonl -> the
+pipeline's run.
 
-Rank 0 only appends to metrics.jsonl (training/metrics_sink.py); no rank imports
-MLflow. The process that launched torchrun follows the file and logs each epoch
+Rank 0 only appends to the files (training/metrics_sink.py); no rank imports
+MLflow. The process that launched torchrun follows them and logs each epoch
 into the run, once (step = epoch), whether the epoch came from this attempt, an
-earlier one, or a torchrun restart.
+earlier one, or a torchrun restart; and each per-step line of steps.jsonl
+(``step/train_loss``, ``step/lr``, ``step/grad_norm``, every
+``train.log_every_steps`` optimizer steps) once, at step = the optimizer steps done,
+so a long epoch shows a curve in the MLflow UI. Each epoch line also carries
+``selected_epoch`` and that epoch's validation metrics (``selected_val_loss``...):
+the run's latest values are the selection model.pt holds (training/selection.py).
 """
 
 from __future__ import annotations
@@ -18,9 +24,23 @@ from typing import Any
 from mlflow import MlflowClient
 from mlflow.entities import Metric
 
-from training.metrics_sink import read_metrics_lines
+from training.layout import STEP_METRICS
+from training.metrics_sink import STEP_CURVES, STEP_KEY, read_metrics_lines
+
+STEP_LR = STEP_CURVES[1]  # every step line has it (a line whose rank-0 rows were all padding has no loss)
 
 STEP_PROBE_METRIC = "train_loss"  # every epoch line has it: its history says which epochs the run holds
+
+
+class _Followed:
+    """One file the follower mirrors: its lines' x axis (``key``) and the metric whose history says which
+    points the run holds already (``probe``)."""
+
+    def __init__(self, path: Path, key: str, probe: str, drop: tuple[str, ...] = ()):
+        self.path, self.key, self.probe, self.drop = path, key, probe, drop
+        self.size_seen = -1
+        self.logger: EpochLogger | None = None  # created on the first line: no MLflow call before then
+
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +63,10 @@ class EpochMetricsFollower:
         self.path = Path(metrics_path)
         self.run_id = run_id
         self.tracking_uri = tracking_uri
-        self._size_seen = -1
-        self._logger: EpochLogger | None = None  # created on the first epoch: no MLflow call before then
+        self._files = [
+            _Followed(self.path, "epoch", STEP_PROBE_METRIC),
+            _Followed(self.path.with_name(STEP_METRICS), STEP_KEY, STEP_LR, drop=("epoch",)),
+        ]
         self._wake = threading.Event()
         self._closing = False
         self._thread: threading.Thread | None = None
@@ -83,38 +105,45 @@ class EpochMetricsFollower:
                 return
 
     def catch_up(self) -> None:
-        """Log every complete epoch line the run does not hold yet; never raises."""
+        """Log every complete line (epoch, step) the run does not hold yet; never raises."""
+        for followed in self._files:
+            self._catch_up(followed)
+
+    def _catch_up(self, followed: _Followed) -> None:
         try:
-            size = self.path.stat().st_size
+            size = followed.path.stat().st_size
         except FileNotFoundError:
             return
-        if size == self._size_seen:
+        if size == followed.size_seen:
             return
-        self._size_seen = size
+        followed.size_seen = size
         try:
-            for record in read_metrics_lines(self.path):  # a torn last line is skipped now, read on the next change
-                epoch = record.pop("epoch", None)
-                if isinstance(epoch, int):
-                    if self._logger is None:
-                        self._logger = EpochLogger(self.run_id, self.tracking_uri)
-                    if not self._logger.log(epoch, record):
-                        self._size_seen = -1  # the next pass tries that epoch again, even if the file is unchanged
+            for record in read_metrics_lines(followed.path):  # a torn last line is skipped now, read on the next change
+                point = record.pop(followed.key, None)
+                for name in followed.drop:
+                    record.pop(name, None)
+                if isinstance(point, int):
+                    if followed.logger is None:
+                        followed.logger = EpochLogger(self.run_id, self.tracking_uri, followed.probe)
+                    if not followed.logger.log(point, record):
+                        followed.size_seen = -1  # the next pass tries that point again, even if the file is unchanged
         except Exception as error:
-            self._size_seen = -1
-            logger.warning("could not mirror %s into MLflow run %s: %s", self.path, self.run_id, error)
+            followed.size_seen = -1
+            logger.warning("could not mirror %s into MLflow run %s: %s", followed.path, self.run_id, error)
 
 
 class EpochLogger:
-    """Logs epochs into an existing run, each at most once (step = epoch); a failure is logged, never raised."""
+    """Logs epochs (or steps) into an existing run, each at most once (step = epoch, or the optimizer step);
+    a failure is logged, never raised. ``probe``: a metric every line has (its history: the points logged)."""
 
-    def __init__(self, run_id: str, tracking_uri: str):
-        self.run_id = run_id
+    def __init__(self, run_id: str, tracking_uri: str, probe: str = STEP_PROBE_METRIC):
+        self.run_id, self.probe = run_id, probe
         self.client = MlflowClient(tracking_uri)
         self.logged_steps = self._steps_already_logged()
 
     def _steps_already_logged(self) -> set[int]:
         try:
-            return {metric.step for metric in self.client.get_metric_history(self.run_id, STEP_PROBE_METRIC)}
+            return {metric.step for metric in self.client.get_metric_history(self.run_id, self.probe)}
         except Exception as error:
             logger.warning("could not read MLflow run %s: %s", self.run_id, error)
             return set()

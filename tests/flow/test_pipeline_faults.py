@@ -25,6 +25,8 @@ pytestmark = pytest.mark.torchrun
 # that neither torchrun's restarts nor the train task's retry can get past.
 KILL_RANK_1 = "kill:rank=1:epoch=1:step=2"
 RAISE_IN_RANK_1 = "raise:rank=1:epoch=1:step=2"
+# nan: rank 1's model output is NaN at epoch 1, step 2, every time (training/nonfinite.py must stop it there).
+NAN_IN_RANK_1 = "nan:rank=1:epoch=1:step=2"
 
 
 @pytest.fixture(scope="module")
@@ -140,3 +142,43 @@ def test_restarts_exhausted_fail_with_the_root_cause_then_the_same_config_resume
     assert epoch_progress(1, epochs) not in logs, f"the first epoch was trained again:\n{logs[-3000:]}"
     after = read_metrics_lines(failed_dir / METRICS)
     assert [line["epoch"] for line in after] == [0, 1] and after[0] == before_fault[0], after
+
+
+def test_the_run_records_the_epoch_model_pt_holds(champion_run, config, client):
+    """train.select: best (the default): the summary, model.pt and the MLflow run name the same epoch."""
+    import torch
+
+    selection = champion_run["selection"]
+    lines = read_metrics_lines(Path(champion_run["run_dir"]) / METRICS)
+    best = min(lines, key=lambda line: line["val_loss"])
+    assert selection["selected_epoch"] == best["epoch"] and selection["value"] == best["val_loss"]
+    assert selection["epochs_trained"] == selection["epochs"] == config["train"]["epochs"]
+    model = torch.load(Path(champion_run["run_dir"]) / FINAL_MODEL, weights_only=True)
+    assert model["selected_epoch"] == best["epoch"] and model["metrics"]["val_loss"] == best["val_loss"]
+    metrics = client.get_run(champion_run["mlflow_run_id"]).data.metrics
+    assert metrics["selected_epoch"] == best["epoch"] and metrics["selected_val_loss"] == best["val_loss"]
+
+
+def test_a_nan_fails_the_run_at_its_step_and_the_champion_stays(champion_run, config, client):
+    from flows.pipeline import train_pipeline
+
+    diverging = copy.deepcopy(config)
+    diverging["train"]["max_restarts"] = 0
+    diverging["train"]["seed"] = 1  # its own training: no other test's run directory is resumed by it, or it by them
+    run_root = Path(config["train"]["run_root"]).resolve()
+    dirs_before = set(run_root.iterdir())
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DDPFLOW_FAULT", NAN_IN_RANK_1)
+        with pytest.raises(Exception) as failure:
+            train_pipeline(config=diverging)
+    message = str(failure.value)
+    assert "non-finite training values at epoch 1 step 2" in message, message
+    assert "the loss was non-finite on rank(s) [1]" in message and "train.lr" in message, message
+
+    (failed_dir,) = set(run_root.iterdir()) - dirs_before
+    assert (failed_dir / LAST_CHECKPOINT).is_file() and not (failed_dir / FINAL_MODEL).exists()
+    assert [line["epoch"] for line in read_metrics_lines(failed_dir / METRICS)] == [0]
+    failed_run = max(runs_in(client, config), key=lambda run: run.info.start_time)
+    assert failed_run.info.status == "FAILED"
+    assert champion_version(client, config) == str(champion_run["model_version"]), "a diverged run never moves it"

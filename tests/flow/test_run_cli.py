@@ -177,6 +177,7 @@ def test_run_and_register_use_a_temporary_server_and_leave_nothing_behind(make_c
     summary = json.loads(result.stdout)  # stdout holds only the summary; Prefect logs to stderr
     assert summary["decision"] == "promoted" and str(summary["model_version"]) == "1"
     assert Path(summary["run_dir"], "model.pt").is_file()
+    assert summary["selection"]["selected_epoch"] == 0 and summary["selection"]["epochs_trained"] == 1
     run = MlflowClient(config["mlflow"]["tracking_uri"]).get_run(summary["mlflow_run_id"])
     assert run.data.params["train.epochs"] == "1", "--set overrides the file"
     assert prefect_home.is_dir(), "PREFECT_HOME defaults to <project>/.ddpflow/prefect"

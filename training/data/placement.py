@@ -10,7 +10,8 @@ each batch where the split lives: per step only the batch's row numbers
   an error naming the setting.
 - ``auto``: on a GPU when the split fits comfortably: at most a quarter of the
   device memory still free after the model, counting the gradients and the
-  optimizer's two moments it has yet to allocate. On the CPU the device IS the
+  optimizer state it has yet to allocate (``training/optim.py:
+  optimizer_states_per_parameter``: Adam(W) two moments, SGD with momentum one). On the CPU the device IS the
   host, so the split stays in the shared mapping (a per-rank copy would undo
   the node cache); ``true`` on the CPU keeps it there too (``.to`` is a no-op),
   which is why the CPU runs the same gather path as a GPU.
@@ -27,7 +28,7 @@ from training.loading import SplitArrays
 
 DataOnDevice = bool | Literal["auto"]
 AUTO_SHARE = 4  # auto: a split may take at most 1/AUTO_SHARE of the free device memory
-STATE_COPIES_TO_COME = 3  # per parameter, allocated after placement: its gradient and AdamW's two moments
+ADAMW_STATES = 2  # AdamW's two moments per parameter: the default optimizer
 
 
 def split_bytes(split: SplitArrays) -> int:
@@ -35,9 +36,10 @@ def split_bytes(split: SplitArrays) -> int:
     return sum(tensor.numel() * tensor.element_size() for tensor in split.sections().values())
 
 
-def training_state_to_come(model: nn.Module) -> int:
-    """Bytes the optimizer step will still allocate on the device (the weights themselves are there already)."""
-    return STATE_COPIES_TO_COME * sum(p.numel() * p.element_size() for p in model.parameters())
+def training_state_to_come(model: nn.Module, optimizer_states: int = ADAMW_STATES) -> int:
+    """Bytes the optimizer step will still allocate on the device (the weights themselves are there already):
+    each parameter's gradient and ``optimizer_states`` tensors of its size."""
+    return (1 + optimizer_states) * sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def decide(mode: DataOnDevice, device: torch.device, needed: int, free: int) -> tuple[bool, str]:
@@ -54,10 +56,14 @@ def decide(mode: DataOnDevice, device: torch.device, needed: int, free: int) -> 
 
 
 def place_splits(
-    splits: dict[str, SplitArrays], mode: DataOnDevice, device: torch.device, model: nn.Module
+    splits: dict[str, SplitArrays],
+    mode: DataOnDevice,
+    device: torch.device,
+    model: nn.Module,
+    optimizer_states: int = ADAMW_STATES,
 ) -> tuple[dict[str, SplitArrays], list[str]]:
     """The splits, each moved to ``device`` or left where it is, in order; and one reason per split."""
-    free = _free_device_bytes(device) - training_state_to_come(model)
+    free = _free_device_bytes(device) - training_state_to_come(model, optimizer_states)
     placed, reasons = {}, []
     for name, split in splits.items():
         on_device, why = decide(mode, device, split_bytes(split), free)

@@ -1,0 +1,28 @@
+"""The run summary's selection line (flows/cli.py prints it; flows/pipeline.py builds it from the train
+stage's last metrics line)."""
+
+from __future__ import annotations
+
+from flows.cli import _for_people
+from training.config import load_config
+from training.selection import selection_summary
+
+
+def test_the_summary_names_the_selected_epoch_of_those_trained():
+    train = load_config(None, ["train.epochs=60", "train.early_stopping_patience=10"]).train
+    last_line = {"epoch": 13, "val_loss": 0.3, "selected_epoch": 3, "selected_val_loss": 0.23149}
+    summary = selection_summary(last_line, train)
+    assert summary == {
+        "select": "best", "monitor": "val_loss", "selected_epoch": 3, "value": 0.23149, "epochs_trained": 14,
+        "epochs": 60,
+    }  # fmt: skip
+    shown = _for_people({"selection": summary})["selection"]
+    assert shown == "epoch 4 of 14 (best val_loss 0.2315); stopped early, 60 planned"
+
+
+def test_a_run_that_trained_every_epoch_says_so_and_an_old_result_has_no_selection():
+    train = load_config(None, ["train.epochs=3", "train.select=last", "train.monitor=val_accuracy"]).train
+    summary = selection_summary({"epoch": 2, "selected_epoch": 2, "selected_val_accuracy": 0.9}, train)
+    assert _for_people({"selection": summary})["selection"] == "epoch 3 of 3 (last val_accuracy 0.9)"
+    assert selection_summary({"epoch": 2, "val_loss": 1.0}, train) is None
+    assert "selection" not in _for_people({"test_metrics": {}})
