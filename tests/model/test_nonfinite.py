@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from stand_in_models import NumericLinear
 
 from training.loading import SplitTensors, TrainBatches
 from training.loop import StepSettings, TrainStep, gradient_norm
@@ -18,7 +19,7 @@ def one_rank_step(features: torch.Tensor, grad_accum: int = 1, reports: list | N
     torch.manual_seed(0)
     split = SplitTensors(features, torch.randint(0, 3, (len(features),)))
     batches = TrainBatches(split, 0, 1, 4, 0, torch.device("cpu"), False)
-    model = torch.nn.Linear(features.shape[1], 3)
+    model = NumericLinear(features.shape[1], 3)
     model.no_sync = contextlib.nullcontext  # one process: nothing to keep from all-reducing (DDP's no_sync)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     settings = StepSettings("classification", torch.device("cpu"), grad_accum=grad_accum)

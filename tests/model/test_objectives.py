@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from stand_in_models import NumericLinear
 
 from training.config import ConfigError, load_config
 from training.loading import SplitTensors, TrainBatches
@@ -67,18 +68,6 @@ class RecordingSGD(torch.optim.SGD):
 
     def step(self, closure=None):
         self.steps.append([p.grad.clone() for group in self.param_groups for p in group["params"]])
-
-
-class NumericLinear(torch.nn.Module):
-    """A linear layer over the batch dict's numeric columns (the model contract: forward takes the dict)."""
-
-    def __init__(self, n_features: int, n_outputs: int):
-        super().__init__()
-        self.names = [f"x{j}" for j in range(n_features)]
-        self.linear = torch.nn.Linear(n_features, n_outputs)
-
-    def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.linear(torch.stack([inputs[name] for name in self.names], dim=1))
 
 
 def simulated_ddp_gradients(split, objective, world: int, batch: int) -> list[list[torch.Tensor]]:
