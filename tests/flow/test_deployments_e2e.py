@@ -109,8 +109,13 @@ class Stack:
     def create_flow_run(self, deployment: str, parameters: dict[str, Any]) -> str:
         """The flow run `prefect deployment run` creates, through the API: the worker runs it the same way, and no
         CLI process (4-8 s of imports) starts. For tests whose subject is not the CLI."""
-        deployment_id = self.api("GET", f"/deployments/name/{deployment}")["id"]
-        return self.api("POST", f"/deployments/{deployment_id}/create_flow_run", json={"parameters": parameters})["id"]
+        # Prefect's own client, as `prefect deployment run` uses: it retries the server's 503 ("busy": SQLite under
+        # load), which a bare HTTP call saw in a loaded suite run.
+        from prefect.client.orchestration import SyncPrefectClient
+
+        with SyncPrefectClient(f"{self.prefect_url}/api") as client:
+            found = client.read_deployment_by_name(deployment)
+            return str(client.create_flow_run_from_deployment(found.id, parameters=parameters).id)
 
     def wait_for_terminal(self, flow_run_ids: list[str], timeout_s: float = RUN_TIMEOUT_S) -> dict[str, dict[str, Any]]:
         deadline = time.monotonic() + timeout_s

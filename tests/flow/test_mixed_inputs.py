@@ -127,6 +127,8 @@ def invocations(config: dict, rows: pd.DataFrame, tmp_path: Path) -> list:
 
     port = free_port()
     env = {**cli_env(), "MLFLOW_TRACKING_URI": config["mlflow"]["tracking_uri"]}
+    # mlflow runs `uvicorn` by name: the venv's bin on PATH, as an activated venv has it (make test does not activate).
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", os.defpath)])
     model_uri = f"models:/{config['registry']['model_name']}@champion"
     command = [sys.executable, "-m", "mlflow", "models", "serve", "-m", model_uri, "--env-manager", "local"]
     log = (tmp_path / "serve.log").open("w")
