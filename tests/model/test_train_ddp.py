@@ -536,6 +536,39 @@ def test_weighted_rows_and_multilabel_on_two_ranks_train_the_weights_of_one_rank
     if case == "multilabel":
         assert two.model()["objective"]["name"] == "multilabel"
         assert two.model()["model_spec"]["n_outputs"] == 3
+        assert_multilabel_serving_equals_evaluation(two.run_dir / "model.pt", dataset, manifest)
+
+
+def assert_multilabel_serving_equals_evaluation(model_path: Path, dataset: Path, manifest: dict) -> None:
+    """The test split's evaluation (micro/macro F1, exact match) and the Predictor on its raw rows agree: each
+    row's list of original labels and a sigmoid probability per label."""
+    from training.evaluate import evaluate_split
+    from training.predict import Predictor
+    from training.serving import predictions
+
+    evaluation = evaluate_split(model_path, dataset, "test", return_predictions=True)
+    assert {"test_micro_f1", "test_macro_f1", "test_exact_match", "test_loss"} <= set(evaluation.metrics)
+    assert evaluation.confusion_matrix is None and evaluation.class_labels == ["news", "sport", "tech"]
+    assert evaluation.predictions.shape == (manifest["splits"]["test"]["rows"], 3)
+    assert sum(row["support"] for row in evaluation.per_class.values()) == evaluation.targets.sum()
+    from ddpflow.tracking.plots import evaluation_figure
+
+    assert evaluation_figure(evaluation)[1] == "per_label_recall.png"
+    frame = pd.concat(
+        [pq.read_table(dataset / shard["file"]).to_pandas() for shard in manifest["splits"]["test"]["shards"]]
+    )
+    predictor = Predictor.from_checkpoint(model_path)
+    labels = np.asarray(manifest["label_mapping"])
+    expected = [labels[row].tolist() for row in evaluation.predictions.astype(bool)]
+    assert [list(row) for row in predictor.predict(frame)] == expected
+    # The exact-match metric is the share of rows whose predicted set is the true one.
+    truth = [sorted(labels[row].tolist()) for row in evaluation.targets.astype(bool)]
+    exact = np.mean([sorted(p) == t for p, t in zip(expected, truth, strict=True)])
+    assert evaluation.metrics["test_exact_match"] == pytest.approx(exact)
+    served = predictions(predictor, frame, "probabilities")
+    assert [list(row) for row in served["label"]] == expected
+    probabilities = served[[f"probability_{label}" for label in labels]].to_numpy()
+    assert ((probabilities > 0.5) == evaluation.predictions.astype(bool)).all()
 
 
 @pytest.mark.parametrize(
