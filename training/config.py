@@ -197,7 +197,7 @@ class TrainConfig(_Section):
         "auto",
         description="The loss: auto (classification -> softmax, a list<string> label -> multilabel, regression -> "
         "mse), softmax, binary, multilabel, mse, huber, or a user objective 'package.module:factory' "
-        "(docs/objectives.md).",
+        "(docs/models.md, Objectives).",
     )
     objective_kwargs: ChangesWeightsWhenSet[dict[str, Any]] = Field(
         default_factory=dict, description="Passed to the objective: huber's delta; a user factory's keywords."

@@ -23,11 +23,13 @@ import pyarrow.parquet as pq
 import torch
 from torch import nn
 
-from training.data.manifest import Manifest, read_manifest
+from training.data.manifest import CLASS_TASKS, Manifest, read_manifest
+from training.loading import fill_labels
 from training.models import ModelSpec, build_model
 from training.normalisation import Normaliser
 from training.spec.codecs import Codec, codecs_for, encode_columns
 from training.spec.inputs import InputInfo, inputs_from_manifest
+from training.spec.metrics import precision_recall
 from training.spec.objectives import Objective, objective_from_checkpoint
 
 # What a model.pt must hold (docs/architecture.md) to be evaluated or served.
@@ -58,7 +60,8 @@ class EvalResult:
     # Rows: true class, columns: predicted; None above CONFUSION_MAX_CLASSES classes (per_class has them all).
     confusion_matrix: list[list[int]] | None = None
     per_class: dict[str, dict[str, float]] | None = None  # label -> precision, recall, support
-    # Only with return_predictions: class indices (dataset's index space) or regression values.
+    # Only with return_predictions: class indices (dataset's index space), multi-hot rows [N, C] (multilabel)
+    # or regression values.
     predictions: np.ndarray | None = field(default=None, repr=False)
     targets: np.ndarray | None = field(default=None, repr=False)
 
@@ -146,8 +149,13 @@ def check_compatible(
         raise IncompatibleModelError(
             f"{checkpoint} predicts {meta['label']!r}; dataset {manifest.fingerprint} labels {manifest.label!r}"
         )
-    if manifest.task != "classification" or list(meta["label_mapping"]) == list(manifest.label_mapping):
+    if manifest.task not in CLASS_TASKS or list(meta["label_mapping"]) == list(manifest.label_mapping):
         return None
+    if manifest.task == "multilabel":  # a multi-hot row has no class order to remap
+        raise IncompatibleModelError(
+            f"{checkpoint} knows labels {meta['label_mapping']}; "
+            f"dataset {manifest.fingerprint} has {manifest.label_mapping}"
+        )
     if sorted(map(str, meta["label_mapping"])) != sorted(map(str, manifest.label_mapping)):
         raise IncompatibleModelError(
             f"{checkpoint} knows classes {meta['label_mapping']}; "
@@ -167,9 +175,16 @@ def _iter_batches(manifest: Manifest, dataset_dir: Path, split: str, meta: dict[
         parquet = pq.ParquetFile(shard)
         for batch in parquet.iter_batches(batch_size=batch_size, columns=columns):
             encoded = encode_columns({name: batch.column(name) for name in inputs}, inputs, codecs, normaliser)
-            # Copy: Arrow's buffers are read-only and torch warns about sharing them.
-            y = batch.column(manifest.label).to_numpy(zero_copy_only=False).copy()
-            yield encoded, torch.from_numpy(y)
+            yield encoded, _labels(batch.column(manifest.label), manifest)
+
+
+def _labels(column, manifest: Manifest) -> torch.Tensor:
+    """The shard's label column as training reads it (``fill_labels``: a multilabel row multi-hot [C])."""
+    if manifest.task != "multilabel":  # a copy: Arrow's buffers are read-only and torch warns about sharing them
+        return torch.from_numpy(column.to_numpy(zero_copy_only=False).copy())
+    block = np.empty((len(column), manifest.n_outputs), dtype=np.float32)
+    fill_labels(block, column, manifest.task)
+    return torch.from_numpy(block)
 
 
 CONFUSION_MAX_CLASSES = 50  # above: per-class metrics only (a confusion matrix is C² counts, unreadable anyway)
@@ -217,6 +232,24 @@ class _ClassificationEvaluation:
         return None if self.confusion is None else self.confusion.view(self.n_classes, self.n_classes).tolist()
 
 
+def _multilabel_metrics(tally, split: str, labels: list[Any]) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """The multilabel tally's metrics (micro/macro F1, exact match) and each label's precision, recall, support."""
+    sums = tally.sums()
+    metrics = tally.metrics(sums, split)
+    actual = tally.part(sums, "actual")
+    precision, recall = precision_recall(tally.part(sums, "true_positive"), tally.part(sums, "predicted"), actual)
+    per_class = {}
+    for index, label in enumerate(labels):
+        metrics[f"{split}_precision_{metric_label(label)}"] = float(precision[index])
+        metrics[f"{split}_recall_{metric_label(label)}"] = float(recall[index])
+        per_class[str(label)] = {
+            "precision": float(precision[index]),
+            "recall": float(recall[index]),
+            "support": int(actual[index]),
+        }
+    return metrics, per_class
+
+
 def evaluate_split(
     model_path: str | Path,
     dataset_dir: str | Path,
@@ -242,17 +275,20 @@ def evaluate_split(
     remap = check_compatible(meta, manifest, model_path)
     normaliser = Normaliser.from_checkpoint(meta)  # the model's own statistics, also when re-scoring a champion
     objective = objective_from_checkpoint(meta)  # how its outputs are read: model.pt's objective
-    classification = manifest.task == "classification"
+    classification, multilabel = manifest.task == "classification", manifest.task == "multilabel"
     if classification:
         evaluation = _ClassificationEvaluation(objective, manifest.n_outputs)
     else:
-        tally = objective.tally(None)
+        tally = objective.tally(manifest.n_outputs if multilabel else None)
     samples, kept_predictions, kept_targets = 0, [], []
     with torch.inference_mode():
         for x, y in _iter_batches(manifest, dataset_dir, split, meta, batch_size):
             output = model(x)  # x: the batch dict, through the model's own codecs and normalisation
             if classification:
                 predicted = evaluation.add(output, y, remap)
+            elif multilabel:  # the objective's multilabel tally; predictions multi-hot [B, C] (no confusion matrix)
+                tally.add(output, y)
+                predicted = objective.decode(output)[0]
             else:
                 # Scored on the standardised scale the model trained on, as validation is; reported on the
                 # original one (the tally's target_std); predictions on the original scale.
@@ -270,6 +306,9 @@ def evaluate_split(
     if classification:
         result.metrics, result.per_class = evaluation.metrics(split, manifest.label_mapping)
         result.confusion_matrix = evaluation.confusion_matrix()
+        result.class_labels = [str(label) for label in manifest.label_mapping]
+    elif multilabel:
+        result.metrics, result.per_class = _multilabel_metrics(tally, split, manifest.label_mapping)
         result.class_labels = [str(label) for label in manifest.label_mapping]
     else:
         result.metrics = tally.metrics(tally.sums(), split, normaliser.target_std)

@@ -178,7 +178,7 @@ def fill_split(
                 block[:, j] = batch.column(name).to_numpy(zero_copy_only=False)
             for name in others:
                 sections[INPUT_PREFIX + name][offset:stop].numpy()[:] = _encoded(codecs[name], batch, name, path)
-            _fill_labels(sections[LABELS][offset:stop].numpy(), batch.column(manifest.label), manifest.task)
+            fill_labels(sections[LABELS][offset:stop].numpy(), batch.column(manifest.label), manifest.task)
             if manifest.weight:
                 sections[WEIGHTS][offset:stop].numpy()[:] = batch.column(manifest.weight).to_numpy()
             normaliser.features_(sections[FEATURES][offset:stop])
@@ -193,7 +193,7 @@ def fill_split(
         raise ShardError(f"{dataset_dir}: the {split} split's shards hold {offset} rows, the manifest says {rows}")
 
 
-def _fill_labels(block, column: pa.Array, task: str) -> None:
+def fill_labels(block, column: pa.Array, task: str) -> None:
     """Class indices or values as they are; a multilabel row's class-index list as a multi-hot row."""
     if task != "multilabel":
         block[:] = column.to_numpy(zero_copy_only=False)

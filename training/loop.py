@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from training.loading import Batch, SplitTensors, TrainBatches
+from training.loading import Batch, SplitTensors, TrainBatches, combined_row_weights
 from training.nonfinite import NonFiniteStep
 from training.spec.objectives import Objective, auto_objective, make_objective
 
@@ -81,7 +81,8 @@ class TrainStep:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.batches, self.settings = batches, settings
         self.on_update = on_update  # after each optimizer step (the per-step curves: training/metrics_sink.py)
-        self._step_loss, self._step_rows = None, 0  # this rank's loss sum and rows of the optimizer step so far
+        # This rank's loss sum Σ w·ℓ, weight Σ w (device tensors) and real rows of the optimizer step so far.
+        self._step_loss, self._step_weight, self._step_rows = None, None, 0
         self.objective = settings.loss()
 
     def __call__(self, index: int, batch: Batch) -> torch.Tensor:
@@ -100,6 +101,10 @@ class TrainStep:
         summed = weighted.detach().sum(dtype=torch.float64)
         first = index == group.start
         self._step_loss = summed if first else self._step_loss + summed
+        weight = (
+            batch.weights.sum(dtype=torch.float64) if batch.weights is not None else summed.new_tensor(batch.samples)
+        )
+        self._step_weight = weight if first else self._step_weight + weight
         self._step_rows = batch.samples + (0 if first else self._step_rows)
         if last_in_group:
             self._update(group)
@@ -118,7 +123,7 @@ class TrainStep:
         else:
             norm = gradient_norm(self.model.parameters())
         # The step's one device->host copy: its loss sum and the (all-reduced) gradient norm together.
-        loss, grad_norm = torch.stack([self._step_loss, norm.to(torch.float64)]).tolist()
+        loss, weight, grad_norm = torch.stack([self._step_loss, self._step_weight, norm.to(torch.float64)]).tolist()
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             raise NonFiniteStep(group, loss, grad_norm)
         lr = self.optimizer.param_groups[0]["lr"]
@@ -126,18 +131,21 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
-        self.on_update(StepReport(group.start // self.settings.grad_accum, loss, self._step_rows, grad_norm, lr))
+        index = group.start // self.settings.grad_accum
+        self.on_update(StepReport(index, loss, self._step_rows, grad_norm, lr, weight))
 
 
 @dataclass(frozen=True)
 class StepReport:
-    """One optimizer step on this rank: its index in the epoch, loss sum and real rows, gradient norm, lr."""
+    """One optimizer step on this rank: its index in the epoch, loss sum Σ w·ℓ and real rows, gradient norm, lr,
+    and the weight Σ w of its real rows (the rows without data.weight or class weights; None: the rows)."""
 
     index: int
     loss_sum: float
     rows: int
     grad_norm: float
     lr: float
+    weight: float | None = None
 
 
 def gradient_norm(parameters) -> torch.Tensor:
@@ -186,9 +194,20 @@ def evaluate(
         labels = split.labels[first:last].to(settings.device, non_blocking=True)
         with settings.autocast():
             outputs = model(inputs)
-        tally.add(outputs.float(), labels, objective.row_weights(labels))
+        tally.add(outputs.float(), labels, validation_weights(split, first, last, labels, objective))
     model.train(was_training)
     return ValidationPass(tally.sums().to(settings.device), tally.scored_rows())
+
+
+def validation_weights(
+    split: SplitTensors, first: int, last: int, labels: torch.Tensor, objective: Objective
+) -> torch.Tensor | None:
+    """Rows [first, last)'s weights in val_loss: data.weight x class weight, as in training (``combined_row_weights``),
+    so val_loss is Σ w·ℓ / Σ w over the val split; the other val metrics count rows (docs/models.md)."""
+    data_weights = split.weights[first:last] if split.weights is not None else None
+    class_weights = objective.row_weights(labels)
+    weights = combined_row_weights(data_weights, None if class_weights is None else class_weights.cpu())
+    return None if weights is None else weights.to(labels.device, non_blocking=True)
 
 
 def validation_metrics(

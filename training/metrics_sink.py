@@ -85,20 +85,22 @@ class StepMetricsSink:
         self._window()
 
     def _window(self) -> None:
-        self.loss_sum, self.rows, self.norm_sum, self.count = 0.0, 0, 0.0, 0
+        self.loss_sum, self.weight, self.norm_sum, self.count = 0.0, 0.0, 0.0, 0
 
     def add(self, epoch: int, report: StepReport) -> None:
         if not self.enabled:
             return
         step = epoch * self.steps_per_epoch + report.index + 1
-        self.loss_sum, self.rows = self.loss_sum + report.loss_sum, self.rows + report.rows
+        # Σ w·ℓ / Σ w, the weighted mean the step optimises (a report without a weight: its rows weigh 1).
+        weight = report.rows if report.weight is None else report.weight
+        self.loss_sum, self.weight = self.loss_sum + report.loss_sum, self.weight + weight
         self.norm_sum, self.count = self.norm_sum + report.grad_norm, self.count + 1
         if step % self.every or step <= self.logged_through:
             return
         loss, lr, norm = STEP_CURVES
         record = {STEP_KEY: step, "epoch": epoch, lr: report.lr, norm: self.norm_sum / self.count}
-        if self.rows:
-            record[loss] = self.loss_scale(self.loss_sum / self.rows)
+        if self.weight:
+            record[loss] = self.loss_scale(self.loss_sum / self.weight)
         append_line(self.path, record)
         self.logged_through = step
         self._window()

@@ -26,6 +26,7 @@ import pyarrow as pa
 import torch
 from torch import nn
 
+from training.data.manifest import CLASS_TASKS
 from training.evaluate import checkpoint_codecs, checkpoint_inputs, load_model_checkpoint
 from training.normalisation import Normaliser
 from training.spec.codecs import encode_columns
@@ -43,7 +44,8 @@ class Predictor:
         self.batch_size = batch_size
         self._codecs = checkpoint_codecs(meta)
         self._normaliser = Normaliser.from_checkpoint(meta)
-        self._labels = np.asarray(meta["label_mapping"]) if self.task == "classification" else None
+        self._classes = self.task in CLASS_TASKS  # outputs are per class (softmax, binary, multilabel)
+        self._labels = np.asarray(meta["label_mapping"]) if self._classes else None
         self._objective = objective_from_checkpoint(meta)  # reads the outputs (a binary model has one logit)
 
     @classmethod
@@ -75,31 +77,45 @@ class Predictor:
             for start in range(0, len(frame), self.batch_size):
                 rows = {name: tensor[start : start + self.batch_size] for name, tensor in batch.items()}
                 output = self.model(rows)
-                outputs.append(output if self.task == "classification" else self._normaliser.target_inverse(output))
+                outputs.append(output if self._classes else self._normaliser.target_inverse(output))
         if not outputs:
             return torch.empty(0, len(self._labels) if self._labels is not None else 1)
         return torch.cat(outputs)
 
     def predict_raw(self, frame: pd.DataFrame) -> np.ndarray:
-        """Class indices (classification) or float predictions on the original scale (regression)."""
+        """Class indices (classification), multi-hot bool rows [N, C] (multilabel) or float predictions on the
+        original scale (regression)."""
         if len(frame) == 0:
+            if self.task == "multilabel":
+                return np.zeros((0, len(self._labels)), dtype=bool)
             return np.empty(0, dtype=np.int64 if self.task == "classification" else np.float32)
         outputs = self.outputs(frame)
-        if self.task == "classification":
+        if self._classes:
             return self._objective.decode(outputs)[0].numpy()
         return outputs.reshape(-1).float().numpy()
 
     def predict(self, frame: pd.DataFrame) -> np.ndarray:
-        """Original labels (classification) or float predictions (regression)."""
+        """Original labels (classification), each row's list of original labels (multilabel; an object array)
+        or float predictions (regression)."""
         raw = self.predict_raw(frame)
+        if self.task == "multilabel":
+            return label_sets(raw, self._labels)
         return self._labels[raw] if self._labels is not None else raw
 
     def predict_proba(self, frame: pd.DataFrame) -> pd.DataFrame:
-        """Classification: a column per class (its original label), each row's probabilities."""
+        """Classification: a column per class (its original label), each row's probabilities (multilabel: each
+        label's own sigmoid probability; the row's do not sum to 1)."""
         if self._labels is None:
             raise ValueError("predict_proba: a regression model has no class probabilities")
         probabilities = self._objective.decode(self.outputs(frame))[1].numpy()
         return pd.DataFrame(probabilities, columns=[str(label) for label in self._labels], index=frame.index)
+
+
+def label_sets(multi_hot: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """Multi-hot rows [N, C] -> an object array of N lists of the original labels, in label order."""
+    sets = np.empty(len(multi_hot), dtype=object)
+    sets[:] = [labels[row].tolist() for row in np.asarray(multi_hot, dtype=bool)]
+    return sets
 
 
 def _arrow(series: pd.Series, name: str) -> pa.Array:

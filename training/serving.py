@@ -42,7 +42,8 @@ OUTPUTS = ("label", "probabilities")  # params={"output": ...}: the labels, or l
 class TabularTorchModel(mlflow.pyfunc.PythonModel):
     """Raw input columns in (numbers, strings for categoricals and ids, lists for vectors), original labels
     (or regression values) out; with ``params={"output": "probabilities"}`` a classifier returns a frame of
-    the label and one ``probability_<class>`` column per class. An unseen category is scored as unknown."""
+    the label (multilabel: the row's list of labels) and one ``probability_<class>`` column per class.
+    An unseen category is scored as unknown."""
 
     def load_context(self, context) -> None:
         self._predictor = Predictor.from_checkpoint(context.artifacts[MODEL_ARTIFACT])
@@ -55,7 +56,7 @@ def predictions(predictor: Predictor, frame: pd.DataFrame, output: str = "label"
     """What the served model returns for ``output`` (``OUTPUTS``)."""
     if output not in OUTPUTS:
         raise ValueError(f"params.output must be one of {OUTPUTS}, not {output!r}")
-    if output == "label" or predictor.task != "classification":
+    if output == "label" or predictor.task == "regression":
         return predictor.predict(frame)
     probabilities = predictor.predict_proba(frame)
     result = pd.DataFrame({"label": predictor.predict(frame)}, index=frame.index)

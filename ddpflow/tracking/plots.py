@@ -18,6 +18,8 @@ DRIFT_FEATURES_SHOWN = 30  # beyond this the labels are unreadable; the report J
 def evaluation_figure(result: EvalResult):
     """(the figure, its file name under ``eval/``): a confusion matrix up to ``CONFUSION_MAX_CLASSES`` classes
     (training/evaluate.py), above that the per-class recall (a C x C matrix neither fits in memory nor reads)."""
+    if result.task == "multilabel":  # labels are not exclusive: no confusion matrix, each label's recall
+        return per_class_recall_figure(result), "per_label_recall.png"
     if result.task == "classification":
         if result.confusion_matrix is None:
             return per_class_recall_figure(result), "per_class_recall.png"
@@ -30,6 +32,10 @@ def per_class_recall_figure(result: EvalResult):
     from matplotlib.figure import Figure
 
     classes = sorted(result.per_class.items(), key=lambda item: (item[1]["recall"], item[0]))[:DRIFT_FEATURES_SHOWN]
+    if result.task == "multilabel":
+        kind, why = "labels", "a row may hold several labels, so no confusion matrix is drawn"
+    else:
+        kind, why = "classes", f"above {CONFUSION_MAX_CLASSES} classes no confusion matrix is drawn"
     rows = list(range(len(classes)))
     figure = Figure(figsize=(8, max(3.2, 0.3 * len(classes) + 2.0)))
     axes = figure.add_subplot()
@@ -38,8 +44,8 @@ def per_class_recall_figure(result: EvalResult):
         yticks=rows,
         xlim=(0, 1),
         xlabel="recall",
-        title=f"Lowest recall of {len(result.per_class)} classes ({result.samples} {result.split} rows): "
-        f"above {CONFUSION_MAX_CLASSES} classes no confusion matrix is drawn; every class is in eval/metrics.json",
+        title=f"Lowest recall of {len(result.per_class)} {kind} ({result.samples} {result.split} rows): "
+        f"{why}; every one is in eval/metrics.json",
     )
     axes.set_yticklabels([f"{label} (n={values['support']})" for label, values in classes])
     axes.invert_yaxis()

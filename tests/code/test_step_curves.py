@@ -60,3 +60,11 @@ def test_the_mirror_logs_each_step_line_once_at_its_step(tmp_path, mlflow_store)
     assert [point.step for point in client.get_metric_history(run_id, "train_loss")] == [0]
     assert [point.value for point in client.get_metric_history(run_id, "selected_epoch")] == [0]
     assert client.get_metric_history(run_id, "epoch") == [], "a step line's epoch is not a metric"
+
+
+def test_the_step_loss_is_the_weighted_mean_the_step_optimises(tmp_path):
+    """With data.weight the curve is Σ w·ℓ / Σ w (the step's loss), not Σ w·ℓ over the rows."""
+    sink = StepMetricsSink(tmp_path, enabled=True, every=2, steps_per_epoch=2)
+    sink.add(0, StepReport(index=0, loss_sum=3.0, rows=4, grad_norm=1.0, lr=0.1, weight=2.0))
+    sink.add(0, StepReport(index=1, loss_sum=3.0, rows=4, grad_norm=1.0, lr=0.1, weight=10.0))
+    assert read_metrics_lines(tmp_path / STEP_METRICS)[0]["step/train_loss"] == 0.5  # 6 / 12, not 6 / 8

@@ -478,6 +478,99 @@ def test_a_categorical_model_on_two_ranks_trains_the_weights_of_one_rank_with_tw
     assert (served == labels[evaluation.predictions]).all()
 
 
+# Weighted rows and a multilabel label, each on a table the real prepare stage writes: (table builder, data
+# overrides, the val metrics both world sizes must agree on). Uneven train splits: the last global step is short.
+def _weighted_table(rng: np.random.Generator, rows: int) -> dict:
+    x = rng.normal(size=(rows, 3))
+    return {
+        **{f"f{i}": x[:, i] for i in range(3)},
+        # Weights 0.5 .. 3, not a function of the label: a denominator of rows instead of Σ w moves the weights.
+        "w": rng.uniform(0.5, 3.0, size=rows),
+        "label": (x @ [1.0, -1.0, 0.5] > 0).astype(np.int64),
+    }
+
+
+def _multilabel_table(rng: np.random.Generator, rows: int) -> dict:
+    x = rng.normal(size=(rows, 3))
+    names = np.array(["news", "sport", "tech"])
+    hits = np.stack([x[:, 0] > 0, x[:, 1] > 0.3, x[:, 0] + x[:, 2] > 0], axis=1)
+    return {**{f"f{i}": x[:, i] for i in range(3)}, "label": [list(names[row]) for row in hits]}
+
+
+PREPARED_CASES = {
+    "weighted_rows": (_weighted_table, {"weight": "w"}, ("val_accuracy", "val_macro_f1")),
+    "multilabel": (_multilabel_table, {}, ("val_micro_f1", "val_macro_f1", "val_exact_match")),
+}
+
+
+def write_prepared_dataset(root: Path, case: str, rows: int = 300) -> Path:
+    """``case``'s table through ``prepare_dataset`` (PREPARED_CASES), with a train split that 16 does not divide."""
+    from training.data.prepare import prepare_dataset
+
+    build, data, _ = PREPARED_CASES[case]
+    source = root / f"{case}.parquet"
+    pq.write_table(pa.table(build(np.random.default_rng(11), rows)), source)
+    overrides = [f"data.source={source}", f"data.root={root / 'shards'}"]
+    overrides += [f"data.{key}={json.dumps(value)}" for key, value in data.items()]
+    return Path(prepare_dataset(load_config(None, overrides).data).dataset_dir)
+
+
+@pytest.mark.parametrize("case", PREPARED_CASES)
+def test_weighted_rows_and_multilabel_on_two_ranks_train_the_weights_of_one_rank_with_twice_the_batch(case, tmp_path):
+    """The exact update where Σ w is not the row count (data.weight 0.5..3) and for a sigmoid per label
+    (a list<string> label): 2 ranks x 8 against 1 rank x 16, the last global step short."""
+    dataset = write_prepared_dataset(tmp_path, case)
+    manifest = json.loads((dataset / "manifest.json").read_text())
+    assert manifest["splits"]["train"]["rows"] % 16, "pick rows whose last global step is short"
+    two = succeeded(launch(tmp_path / "w2", dataset, nproc=2, batch_size=8))
+    one = succeeded(launch(tmp_path / "w1", dataset, nproc=1, batch_size=16))
+    report(
+        f"{case}: 2 ranks x 8 vs 1 rank x 16", assert_same_weights(two.model()["model"], one.model()["model"], EXACT)
+    )
+    _, _, reported = PREPARED_CASES[case]
+    for a, b in zip(two.metrics(), one.metrics(), strict=True):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
+        assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-5)
+        for name in reported:
+            assert a[name] == pytest.approx(b[name], abs=2 / manifest["splits"]["val"]["rows"]), name
+    if case == "multilabel":
+        assert two.model()["objective"]["name"] == "multilabel"
+        assert two.model()["model_spec"]["n_outputs"] == 3
+        assert_multilabel_serving_equals_evaluation(two.run_dir / "model.pt", dataset, manifest)
+
+
+def assert_multilabel_serving_equals_evaluation(model_path: Path, dataset: Path, manifest: dict) -> None:
+    """The test split's evaluation (micro/macro F1, exact match) and the Predictor on its raw rows agree: each
+    row's list of original labels and a sigmoid probability per label."""
+    from training.evaluate import evaluate_split
+    from training.predict import Predictor
+    from training.serving import predictions
+
+    evaluation = evaluate_split(model_path, dataset, "test", return_predictions=True)
+    assert {"test_micro_f1", "test_macro_f1", "test_exact_match", "test_loss"} <= set(evaluation.metrics)
+    assert evaluation.confusion_matrix is None and evaluation.class_labels == ["news", "sport", "tech"]
+    assert evaluation.predictions.shape == (manifest["splits"]["test"]["rows"], 3)
+    assert sum(row["support"] for row in evaluation.per_class.values()) == evaluation.targets.sum()
+    from ddpflow.tracking.plots import evaluation_figure
+
+    assert evaluation_figure(evaluation)[1] == "per_label_recall.png"
+    frame = pd.concat(
+        [pq.read_table(dataset / shard["file"]).to_pandas() for shard in manifest["splits"]["test"]["shards"]]
+    )
+    predictor = Predictor.from_checkpoint(model_path)
+    labels = np.asarray(manifest["label_mapping"])
+    expected = [labels[row].tolist() for row in evaluation.predictions.astype(bool)]
+    assert [list(row) for row in predictor.predict(frame)] == expected
+    # The exact-match metric is the share of rows whose predicted set is the true one.
+    truth = [sorted(labels[row].tolist()) for row in evaluation.targets.astype(bool)]
+    exact = np.mean([sorted(p) == t for p, t in zip(expected, truth, strict=True)])
+    assert evaluation.metrics["test_exact_match"] == pytest.approx(exact)
+    served = predictions(predictor, frame, "probabilities")
+    assert [list(row) for row in served["label"]] == expected
+    probabilities = served[[f"probability_{label}" for label in labels]].to_numpy()
+    assert ((probabilities > 0.5) == evaluation.predictions.astype(bool)).all()
+
+
 @pytest.mark.parametrize(
     ("ranks", "single"),
     [("uneven_two_ranks", "uneven_one_rank_double"), ("uneven_three_ranks", "uneven_one_rank_triple")],

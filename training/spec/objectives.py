@@ -2,7 +2,7 @@
 
     L = Σ_i w_i · ℓ_i / Σ_i w_i     over the real rows of the GLOBAL batch (all ranks, all micro-batches),
 
-w_i the row's weight (its class weight under ``train.class_weights``; 1 otherwise; sampler padding
+w_i the row's weight (its data.weight times its class weight under ``train.class_weights``; 1 otherwise; sampler padding
 0). training/loop.py: ``TrainStep`` makes DDP's averaged gradient exactly ∇L whatever the world size
 (its docstring). An objective says:
 
