@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from devtools.ports import free_ports
+from devtools.waiting import wait_until
 
 DAEMONS = ("slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "scontrol", "scancel", "sinfo", "squeue")
@@ -120,17 +121,6 @@ class LocalSlurmCluster:
         for log in sorted((self.dir / "log").glob("*.log")):
             parts.append(f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:]))
         return "\n".join(parts)
-
-
-def wait_until(condition, timeout_s: float, what: str, interval_s: float = 0.2):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"waited {timeout_s:g} s for {what}")
-        time.sleep(interval_s)
 
 
 def missing_requirements() -> list[str]:

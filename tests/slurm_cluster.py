@@ -17,7 +17,8 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from devtools.slurm_local_cluster import LocalSlurmCluster, missing_requirements, start, stop, wait_until
+from devtools.slurm_local_cluster import LocalSlurmCluster, missing_requirements, start, stop
+from devtools.waiting import wait_until
 
 __all__ = [
     "LocalSlurmCluster",

@@ -8,8 +8,7 @@ import subprocess
 import sys
 import time
 
-from waiting import wait_until
-
+from devtools.waiting import wait_until
 from training.data.manifest import read_manifest
 from training.data.publish import make_temp_dir, publish, remove_stale_temp_dirs
 from training.layout import SPLITS

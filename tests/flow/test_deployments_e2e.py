@@ -28,10 +28,10 @@ import pytest
 import yaml
 from flow.test_run_cli import LiveRun, cli_env, write_config
 from mlflow import MlflowClient
-from waiting import wait_until
 
 from ddpflow.watch import EVENT, variable_name
 from devtools.ports import free_port
+from devtools.waiting import wait_until
 
 pytestmark = [pytest.mark.server, pytest.mark.torchrun]  # the stack; its runs train
 

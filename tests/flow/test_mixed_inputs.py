@@ -121,9 +121,8 @@ def invocations(config: dict, rows: pd.DataFrame, tmp_path: Path) -> list:
     """Serve the champion on a loopback port (``--env-manager local``), POST ``rows``, stop the server by PID."""
     import urllib.request
 
-    from waiting import wait_until
-
     from devtools.ports import free_port
+    from devtools.waiting import wait_until
 
     port = free_port()
     env = {**cli_env(), "MLFLOW_TRACKING_URI": config["mlflow"]["tracking_uri"]}

@@ -1,4 +1,4 @@
-"""Waiting for an event in a test: poll for the condition, never sleep a fixed time and hope."""
+"""Waiting for an event in tests and dev tools: poll for the condition, never sleep a fixed time and hope."""
 
 from __future__ import annotations
 
