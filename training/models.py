@@ -17,7 +17,6 @@ built-in model for the inputs (``mlp`` for every tabular kind; images and text b
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from training.imports import import_factory
 from training.spec.inputs import EMBEDDED_KINDS, InputInfo, inputs_from_dicts, numeric_input
 
 BUILT_IN = ("mlp", "auto")
@@ -158,15 +158,7 @@ class ModelImportError(ValueError):
 def resolve_factory(name: str) -> Callable[..., nn.Module]:
     if name in BUILT_IN:
         return mlp
-    module_name, _, attr = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ModelImportError(f"train.model: cannot import module {module_name!r} ({error})") from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise ModelImportError(f"train.model: {module_name!r} has no callable {attr!r}")
-    return factory
+    return import_factory(name, "train.model", ModelImportError)
 
 
 def takes_inputs(factory: Callable[..., nn.Module]) -> bool:

@@ -41,7 +41,6 @@ returned when that is not one loss per row.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -49,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from training.config import ConfigError
+from training.imports import import_factory
 from training.spec.metrics import ClassTally, MeanTally, MultilabelTally, RegressionTally, Tally
 
 CLASS_INDEX, MULTI_HOT, VALUE = "class_index", "multi_hot", "value"  # what a label is
@@ -212,15 +212,7 @@ def auto_objective(task: str, multi_hot_label: bool = False) -> str:
 
 def resolve_user_objective(name: str) -> Callable[..., Objective]:
     """The factory behind ``package.module:factory``; ConfigError naming train.objective when it does not import."""
-    module_name, _, attr = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ConfigError(f"train.objective: cannot import module {module_name!r} ({error})") from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise ConfigError(f"train.objective: {module_name!r} has no callable {attr!r}")
-    return factory
+    return import_factory(name, "train.objective", ConfigError)
 
 
 def make_objective(
