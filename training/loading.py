@@ -367,20 +367,28 @@ class RankSampler(DistributedSampler):
     order is also available as ONE tensor, so no Python list of every row is built."""
 
     def rank_indices(self) -> torch.Tensor:
-        return self.epoch_order()[self.rank : self.total_size : self.num_replicas]
+        """This rank's rows of the epoch, positions r, r + W, ... of the padded permutation, as one contiguous
+        tensor of n/W entries: the padded permutation itself is never built, and the n-entry permutation is
+        let go on return (a rank keeps 8 bytes a row / W, not 8 bytes a row; the padded copy cost 16 more)."""
+        # DistributedSampler pads with the permutation's first entries, again and again if it is shorter than
+        # the padding: padded position p >= n holds order[p % n]. tests/model/test_loading.py compares.
+        positions = torch.arange(self.rank, self.total_size, self.num_replicas)
+        return self._permutation().index_select(0, positions.remainder_(len(self.dataset)))
 
     def epoch_order(self) -> torch.Tensor:
         """The epoch's padded permutation, the same on every rank: rank r takes positions r, r + W, ..."""
-        # The same steps as DistributedSampler.__iter__ (tests/model/test_loading.py checks it).
-        generator = torch.Generator()
-        generator.manual_seed(self.seed + self.epoch)
-        order = (
-            torch.randperm(len(self.dataset), generator=generator) if self.shuffle else torch.arange(len(self.dataset))
-        )
+        order = self._permutation()
         padding = self.total_size - len(order)
         if padding > 0 and not self.drop_last:
             order = torch.cat([order, order.repeat(math.ceil(padding / len(order)))[:padding]])
         return order
+
+    def _permutation(self) -> torch.Tensor:
+        # The same steps as DistributedSampler.__iter__ (tests/model/test_loading.py checks it).
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        rows = len(self.dataset)
+        return torch.randperm(rows, generator=generator) if self.shuffle else torch.arange(rows)
 
 
 def global_rows_in_steps(n_rows: int, world_size: int, batch_size: int, start: int, stop: int) -> int:
