@@ -394,7 +394,8 @@ class Trainer:
         saved, wanted = int(state["global_batch"]), self.batch_size * self.ctx.world_size
         if saved != wanted:
             raise ResumeMismatchError(
-                f"{self.checkpointer.resumed_from}: a step checkpoint at step {step} of epoch {self.epochs_done}, "
+                f"{self.checkpointer.resumed_from or 'the step checkpoint'}: at step {step} of epoch "
+                f"{self.epochs_done}, "
                 f"with a global batch of {saved} rows ({state.get('world_size')} ranks); this run's is {wanted} "
                 f"({self.ctx.world_size} ranks x {self.batch_size}): set train.global_batch_size to resume on "
                 "another world size"
