@@ -85,3 +85,21 @@ def test_a_failed_background_write_fails_the_next_checkpoint_naming_the_path(tmp
     with pytest.raises(CheckpointWriteError, match=r"step-e00000-s00000002\.pt"):
         checkpointer.save_last({"epoch": 1})
     assert step_checkpoints(tmp_path / "checkpoints") == []  # complete or absent
+
+
+def test_a_resumed_pass_starts_at_its_step_without_reading_the_batches_before_it(monkeypatch):
+    from training.loading import InMemoryDataset, SplitTensors, TrainBatches
+
+    split = SplitTensors(torch.randn(50, 3), torch.randint(0, 2, (50,)))
+    batches = TrainBatches(split, 1, 2, 4, seed=0, device=torch.device("cpu"), pin_memory=False)
+    whole = [batch.indices.tolist() for batch in batches.epoch(1)]
+    read = []
+    gather = InMemoryDataset.__getitem__
+    monkeypatch.setattr(
+        InMemoryDataset, "__getitem__", lambda self, rows: read.append(rows.tolist()) or gather(self, rows)
+    )
+    torch.manual_seed(7)
+    before = torch.get_rng_state()
+    resumed = [batch.indices.tolist() for batch in batches.epoch(1, start=4)]
+    assert resumed == whole[4:] and len(read) == len(whole) - 4  # steps 0-3 never gathered
+    assert torch.equal(torch.get_rng_state(), before), "a resumed pass does not draw the loader's seed again"
