@@ -28,6 +28,7 @@ FAMILIES = {
     "ddp": ("bench.scaling", "DDP scaling"),
     "prepare": ("bench.storage", "Prepare and shards"),
     "memory": ("bench.memory", "Memory"),
+    "checkpoint": ("bench.checkpointing", "Step checkpoints"),
     "evaluate": ("bench.evaluation", "Evaluate"),
     "launch": ("bench.orchestration", "Launch and orchestration"),
     "slurm": ("bench.slurm_launch", "Launch through Slurm"),  # skipped (recorded as such) without Slurm

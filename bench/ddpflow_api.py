@@ -163,3 +163,19 @@ def launch_training(request, timeout_s: float = 600):
 
 
 RANK_MODULE = "training.train"  # what every rank runs: python -m training.train --config RUN_DIR/train_config.json
+
+
+def step_checkpointer(run_dir: str | Path):
+    """ddpflow's checkpointer for one process (``training.checkpoint.Checkpointer``): ``save_step`` writes a step
+    checkpoint in the background, ``wait_for_writes`` joins it."""
+    from training.checkpoint import Checkpointer
+    from training.distributed import SingleProcess
+
+    return Checkpointer(run_dir, SingleProcess(), keep_steps=2)
+
+
+def training_snapshot(model, optimizer) -> dict[str, Any]:
+    """The copy a step checkpoint writes, as ``Trainer.state_dict`` takes it (``training.train.on_cpu``, copy)."""
+    from training.train import on_cpu
+
+    return {"model": on_cpu(model.state_dict(), copy=True), "optimizer": on_cpu(optimizer.state_dict(), copy=True)}

@@ -69,7 +69,13 @@ def run(ctx: Context) -> list[Result]:
     )
     from bench import run_memory
 
-    return [*node_memory(ctx, dataset, train_raw), load, prepare_memory(ctx), *run_memory.run(ctx)]
+    return [
+        *node_memory(ctx, dataset, train_raw),
+        load,
+        prepare_memory(ctx),
+        rank_anon_memory(ctx),
+        *run_memory.run(ctx),
+    ]
 
 
 def node_launch(ctx: Context, nproc: int, how: str, dataset, cache_dir) -> list[dict]:
@@ -218,4 +224,43 @@ def prepare_memory(ctx: Context) -> Result:
             ),
         ],
         notes=["Peak RSS above imports of prepare_dataset in a fresh process; the source is one Parquet file."],
+    )
+
+
+def rank_anon_memory(ctx: Context) -> Result:
+    """A rank's anonymous memory as the train split grows 4x: the node cache is file-backed, so it may grow by
+    the sampler's permutation only (8 bytes a row: ``torch.randperm``'s int64)."""
+    from bench import ddpflow_api
+
+    small, large = ctx.sizes.prepare_memory_rows
+    anon: dict[int, list[float]] = {small: [], large: []}
+    train_rows = {}
+    for rows in (small, large):
+        dataset = prepared_dir(ctx, rows)
+        cache_dir = ctx.workdir / "anon-cache" / str(rows)
+        ddpflow_api.node_splits(dataset, ("train",), cache_dir)  # built here: the probe maps it, as ranks do
+        for _ in range(ctx.sizes.memory_repeats):
+            figures = probe(["anon", "--dataset", str(dataset), "--cache-dir", str(cache_dir)])
+            anon[rows].append(figures["anon_above_imports"])
+            train_rows[rows] = figures["rows"]
+    permutation_growth = 8 * (train_rows[large] - train_rows[small])
+    growth = Stats.of((b - a) / permutation_growth for a, b in zip(anon[small], anon[large]))
+    log(f"rank RssAnon MB: {small:,} rows {anon[small][-1] / 1e6:.1f}, {large:,} rows {anon[large][-1] / 1e6:.1f}")
+    return Result(
+        name="rank_anon_memory",
+        title="Rank anonymous memory as data grows",
+        ratio=growth,
+        target=1.5,
+        direction="le",
+        ratio_label=f"RssAnon growth from 1x to {large // small}x train rows ÷ the permutation's growth (8 B/row)",
+        rows=[
+            Row(f"{train_rows[small]:,} train rows", Stats.of(v / 1e6 for v in anon[small]), "MB"),
+            Row(f"{train_rows[large]:,} train rows", Stats.of(v / 1e6 for v in anon[large]), "MB", growth),
+            Row("the permutation's growth", Stats.of([permutation_growth / 1e6]), "MB"),
+        ],
+        notes=[
+            "One process: imports, then the train split mapped from the node cache (built before), then an epoch of "
+            "batches; RssAnon (anonymous pages only: the cache's file pages are not in it) above the imports, its "
+            "largest over the epoch. Numeric data only here: image and text inputs are not in this branch."
+        ],
     )

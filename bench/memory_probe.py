@@ -2,12 +2,16 @@
 
     python -m bench.memory_probe load --how preallocated|concat|pandas --dataset DIR
     python -m bench.memory_probe prepare --source FILE --root DIR
+    python -m bench.memory_probe anon --dataset DIR --cache-dir DIR
     python -m torch.distributed.run --standalone --nproc_per_node N -m bench.memory_probe \
         node --how cache|load --dataset DIR --cache-dir DIR --out DIR
 
 ``load``/``prepare``: imports everything first, resets the kernel's peak-RSS mark
 (``/proc/self/clear_refs``), does the job while holding its result, and prints
 ``BENCH {"peak_above_imports": bytes, ...}``.
+
+``anon``: a rank's anonymous memory (RssAnon) above its imports over an epoch of
+batches from the node cache: ``BENCH {"anon_above_imports": bytes, "rows": n}``.
 
 ``node`` (one rank of N under torchrun): the rank's data PSS (``data_pss``) after
 imports, the process group and the model (its baseline), then the train and val
@@ -138,9 +142,32 @@ def node(how: str, dataset: str, cache_dir: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+def anon(dataset: str, cache_dir: str) -> None:
+    """A rank's anonymous memory (RssAnon: not the node cache's file pages) above its imports, at its largest
+    over an epoch of batches from the mapped train split (the cache built before, by the caller)."""
+    import torch
+
+    import training.data.node_cache  # noqa: F401 - imported before the baseline, as training.train does
+    from bench import ddpflow_api
+    from bench.processes import report
+    from bench.workload import BATCH
+
+    torch.set_num_threads(1)
+    baseline = rss_bytes("RssAnon")
+    train = ddpflow_api.node_splits(dataset, ("train",), cache_dir)["train"].tensors
+    largest = rss_bytes("RssAnon")
+    for step, _ in enumerate(ddpflow_api.train_batches(train, batch=BATCH).epoch(0)):
+        if step % 16 == 0:  # the permutation lives through the epoch; the batches come and go
+            largest = max(largest, rss_bytes("RssAnon"))
+    report(baseline=baseline, anon_above_imports=largest - baseline, rows=len(train))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="job", required=True)
+    anon_args = sub.add_parser("anon")
+    anon_args.add_argument("--dataset", required=True)
+    anon_args.add_argument("--cache-dir", required=True)
     node_args = sub.add_parser("node")
     node_args.add_argument("--how", choices=["cache", "load"], required=True)
     node_args.add_argument("--dataset", required=True)
@@ -155,6 +182,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.job == "node":
         node(args.how, args.dataset, args.cache_dir, args.out)
+        return
+    if args.job == "anon":
+        anon(args.dataset, args.cache_dir)
         return
 
     # Import everything the job needs before the baseline, so only the job's data counts.

@@ -10,7 +10,7 @@ becomes ``-``, leading dots and dashes are dropped, so ``../x`` or ``/etc`` cann
   * that holds the same training: ``training_identity`` (training/checkpoint.py, the one
     resume rule, which the checkpointer applies to last.pt too) of its config.json and
     dataset equals this config's and fingerprint's,
-  * whose training did not finish: ``checkpoints/last.pt`` exists, or a Slurm job it recorded may
+  * whose training did not finish: ``checkpoints/last.pt`` or a step checkpoint exists, or a Slurm job it recorded may
     still run (ddpflow/launch/slurm.py: ``has_unfinished_job``; the launch then reattaches to it),
     and ``model.pt`` does not,
   * and that no live launch holds (its ``.launch.lock`` flock is free).
@@ -30,6 +30,7 @@ from ddpflow.launch.supervisor import is_locked
 from training.checkpoint import training_identity
 from training.config import PipelineConfig
 from training.layout import CONFIG, FINAL_MODEL, LAST_CHECKPOINT, TRAIN_JOB
+from training.step_checkpoints import step_checkpoints
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 _MAX_NAME = 80
@@ -64,7 +65,9 @@ def find_resumable_run(run_root: str | os.PathLike, fingerprint: str, config: Pi
         return None
     wanted = training_identity(config, fingerprint)
     for run_dir in sorted((p for p in root.iterdir() if p.is_dir()), key=lambda p: p.name, reverse=True):
-        started = (run_dir / LAST_CHECKPOINT).is_file() or has_unfinished_job(run_dir)
+        checkpoints = (run_dir / LAST_CHECKPOINT).parent
+        started = (run_dir / LAST_CHECKPOINT).is_file() or bool(step_checkpoints(checkpoints))
+        started = started or has_unfinished_job(run_dir)
         if not started or (run_dir / FINAL_MODEL).exists():
             continue
         if run_identity(run_dir) == wanted and not is_locked(run_dir):

@@ -52,6 +52,14 @@ from training.fileio import atomic_write
 from training.layout import FINAL_MODEL, LAST_CHECKPOINT
 from training.log import log_rank
 from training.models import ModelSpec
+from training.step_checkpoints import (
+    BackgroundWriter,
+    prune,
+    remove_torn_writes,
+    step_checkpoint_path,
+    step_checkpoints,
+    step_position,
+)
 
 
 class CheckpointWriteError(OSError):
@@ -146,6 +154,8 @@ def training_identity(config: PipelineConfig | Mapping[str, Any], fingerprint: s
         train = dict(config.get("train") or {})
     omitted = TrainConfig.identity_defaults()  # at its default (or absent: recorded before it existed): left out
     fields = {name: train.get(name, omitted.get(name)) for name in TrainConfig.weight_fields()}
+    if fields.get("global_batch_size") is not None:  # the global batch, not how it splits over ranks
+        fields = {name: value for name, value in fields.items() if name not in TrainConfig.world_fields()}
     return {
         "fingerprint": fingerprint,
         "train": {name: value for name, value in fields.items() if name not in omitted or value != omitted[name]},
@@ -187,6 +197,7 @@ class Checkpointer:
         coordinator: Coordinator,
         before_write: Callable[[Path], None] = lambda _: None,
         after_write: Callable[[Path], None] = lambda _: None,
+        keep_steps: int = 2,
     ):
         self.run_dir = Path(run_dir)
         self.coordinator = coordinator
@@ -194,15 +205,49 @@ class Checkpointer:
         self.before_write, self.after_write = before_write, after_write
         self.last_path = self.run_dir / LAST_CHECKPOINT
         self.final_path = self.run_dir / FINAL_MODEL
+        self.keep_steps = keep_steps  # train.keep_checkpoints
+        self.resumed_from: Path | None = None  # the file load_resumable continued, on rank 0
+        self._writer = BackgroundWriter()  # step checkpoints, on rank 0 (training/step_checkpoints.py)
 
     def save_last(self, state: dict[str, Any]) -> None:
+        """last.pt after an epoch; then the step checkpoints it supersedes go (rank 0: ``state["epoch"]``)."""
         self._save(state, self.last_path)
+        if self.coordinator.is_main:
+            prune(self.last_path.parent, self.keep_steps, before=(int(state["epoch"]), 0))
+
+    def save_step(self, snapshot: dict[str, Any], epoch: int, step: int) -> None:
+        """A step checkpoint of the state before step ``step`` of ``epoch``, written by rank 0 in the
+        background: ``snapshot`` must be CPU copies no training step touches. The other ranks go on at once."""
+        if not self.coordinator.is_main:
+            return
+        path = step_checkpoint_path(self.last_path.parent, epoch, step)
+
+        def write() -> None:
+            self.before_write(path)
+            atomic_save(snapshot, path)
+            self.after_write(path)
+            prune(path.parent, self.keep_steps)  # only now: the new one is complete
+
+        self._writer.submit(write)
+
+    def wait_for_writes(self, raise_error: bool = True) -> None:
+        """Rank 0: the step checkpoint under way is complete, or its error raised here (``raise_error``) or
+        logged (the run is failing already: its own error is the one to report)."""
+        if not self.coordinator.is_main:
+            return
+        try:
+            self._writer.wait()
+        except Exception as error:
+            if raise_error:
+                raise
+            log_rank(f"rank 0: a step checkpoint write failed too: {error}")
 
     def save_final(self, payload: dict[str, Any]) -> None:
         self._save(payload, self.final_path)
 
     def _save(self, obj: dict[str, Any], path: Path) -> None:
         if self.coordinator.is_main:
+            self._writer.wait()  # one write at a time; a failed step checkpoint fails the run here
             self.before_write(path)
             atomic_save(obj, path)
             self.after_write(path)
@@ -213,18 +258,29 @@ class Checkpointer:
         """last.pt's contents when this run should continue from it; None when there is none."""
 
         def read() -> dict[str, Any] | None:
-            if not self.last_path.exists():
+            remove_torn_writes(self.last_path.parent)
+            path, saved = self._newest_resumable()
+            if path is None:
                 return None
-            saved = load_checkpoint(self.last_path)
             problems = resume_mismatches(saved, config, fingerprint)
             if problems:
                 raise ResumeMismatchError(
-                    f"{self.last_path} belongs to a different training ({'; '.join(problems)}); "
+                    f"{path} belongs to a different training ({'; '.join(problems)}); "
                     "it is left untouched: use a new run directory, or delete it to start over"
                 )
+            self.resumed_from = path
             return saved
 
         return self._read_on_main(read)
+
+    def _newest_resumable(self) -> tuple[Path | None, dict[str, Any] | None]:
+        """last.pt or the newest step checkpoint, whichever is further into the training, and its contents."""
+        steps = step_checkpoints(self.last_path.parent)
+        last = load_checkpoint(self.last_path) if self.last_path.exists() else None
+        # last.pt after E epochs is at position (E, 0); a step checkpoint's name holds its position.
+        if steps and (last is None or step_position(steps[-1]) > (int(last["epoch"]), 0)):
+            return steps[-1], load_checkpoint(steps[-1])
+        return (self.last_path, last) if last is not None else (None, None)
 
     def load_warm_start(
         self, init_weights: str | None, model_spec: dict[str, Any], features: list[str]

@@ -174,7 +174,15 @@ class DataConfig(_Section):
 
 class TrainConfig(_Section):
     epochs: ChangesWeights[int] = Field(5, ge=1)
-    batch_size: ChangesWeights[int] = Field(512, ge=1, description="Per rank.")
+    batch_size: ChangesWeights[int | None] = Field(
+        512, ge=1, description="Per rank; none (and left unset) when train.global_batch_size is set."
+    )
+    global_batch_size: ChangesWeightsWhenSet[int | None] = Field(
+        None,
+        ge=1,
+        description="Rows of one step over all ranks, instead of train.batch_size: each rank takes it / world size. "
+        "With it a run checkpointed on W ranks can resume on another number of ranks (docs/training.md).",
+    )
     lr: ChangesWeights[float] = Field(1e-3, gt=0)
     weight_decay: ChangesWeights[float] = Field(0.01, ge=0)
     lr_schedule: ChangesWeights[Literal["constant", "cosine"]] = "constant"
@@ -299,6 +307,16 @@ class TrainConfig(_Section):
     log_every_steps: KeepsWeights[int | None] = Field(
         50, ge=1, description="Train loss, lr and gradient norm to MLflow every N optimizer steps; none: off."
     )
+    # Step checkpoints (training/step_checkpoints.py): a resumable state within an epoch.
+    checkpoint_every_steps: KeepsWeights[int | None] = Field(
+        None, ge=1, description="Write a step checkpoint every N optimizer steps; none: only at the end of epochs."
+    )
+    checkpoint_every_s: KeepsWeights[float | None] = Field(
+        None, gt=0, description="Write a step checkpoint when this many seconds passed since the last one."
+    )
+    keep_checkpoints: KeepsWeights[int] = Field(
+        2, ge=1, description="Step checkpoints kept (the newest); older ones are deleted once a newer is complete."
+    )
     skip_if_unchanged: KeepsWeights[bool] = Field(
         False,
         description="Skip training (no torchrun, no new model version; the MLflow run is tagged ddpflow.skipped) "
@@ -322,6 +340,38 @@ class TrainConfig(_Section):
             for name, info in cls.model_fields.items()
             if (effect := _weights_effect(info.metadata)) is not None and effect.omitted_at_default
         }
+
+    @classmethod
+    def world_fields(cls) -> tuple[str, ...]:
+        """The weight fields that ``global_batch_size``, once set, stands for: the per-rank batch and the world."""
+        return ("batch_size", "nproc_per_node", "nnodes")
+
+    def rank_batch_size(self, world_size: int) -> int:
+        """This run's per-rank batch: ``batch_size``, or ``global_batch_size`` / ``world_size`` (it must divide)."""
+        if self.global_batch_size is None:
+            return int(self.batch_size)
+        per_rank, left = divmod(self.global_batch_size, world_size)
+        if left or per_rank == 0:
+            raise ConfigError(
+                f"train.global_batch_size {self.global_batch_size} does not divide over {world_size} ranks "
+                f"({self.global_batch_size} / {world_size} = {self.global_batch_size / world_size:g}); choose a "
+                "multiple of the world size"
+            )
+        return per_rank
+
+    @model_validator(mode="after")
+    def _one_batch_size(self) -> TrainConfig:
+        if self.global_batch_size is None:
+            if self.batch_size is None:
+                raise ValueError("set train.batch_size (per rank) or train.global_batch_size")
+            return self
+        if "batch_size" in self.model_fields_set and self.batch_size is not None:
+            raise ValueError(
+                f"set train.batch_size ({self.batch_size}, per rank) or train.global_batch_size "
+                f"({self.global_batch_size}, all ranks), not both"
+            )
+        self.__dict__["batch_size"] = None  # derived per world size (rank_batch_size); no validation loop
+        return self
 
     @model_validator(mode="after")
     def _multi_node_needs_rendezvous(self) -> TrainConfig:

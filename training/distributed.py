@@ -107,6 +107,12 @@ class DistContext:
         dist.all_reduce(local, op=dist.ReduceOp.SUM)
         return local.tolist()
 
+    def all_reduce_int_sum(self, values: Sequence[int]) -> list[int]:
+        """Element-wise sums over ranks in int64: exact where float64 would round (counts past 2^53)."""
+        local = torch.tensor(list(values), dtype=torch.int64, device=self.device)
+        dist.all_reduce(local, op=dist.ReduceOp.SUM)
+        return [int(value) for value in local.tolist()]
+
     def weights_agree(self, model: nn.Module) -> bool:
         """All ranks hold bit-identical parameters (compares per-tensor checksums)."""
         local = parameter_checksums(model).to(self.device)

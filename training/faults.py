@@ -11,6 +11,9 @@
 - ``raise``: ``RuntimeError("injected fault ...")``, every time: a permanent error.
 - ``nan``:   the model's output in that training step is NaN, every time (a diverged
   step: the non-finite check, training/nonfinite.py, must stop the run there).
+- ``skip_row``: a broken sampler, every time: in epoch E rank R trains its first row of
+  the epoch twice and skips its second (the same row count; only the coverage certificate,
+  training/coverage.py, can tell).
 
 ``DDPFLOW_FAULT=slow_checkpoint:rank=0:epoch=E:seconds=S`` makes rank 0 (the
 checkpoint writer) sleep S seconds before writing the checkpoint that ends
@@ -25,7 +28,9 @@ can compare model.pt with the selected epoch's weights.
 trained on in an epoch, once the epoch is complete, to
 ``RUN_DIR/indices/rank{r}-epoch{e}.jsonl``: one line (a JSON list, in order)
 per completed pass. An epoch trained again after a restart shows up as a
-second line, so a test can tell a resume from a retrain.
+second line, so a test can tell a resume from a retrain; a pass resumed from a step
+checkpoint records the rows from its first step on (the steps before it are not trained
+again), so a test can see where it began.
 
 They reach the training program through ONE object, ``TrainHooks``: the
 Trainer calls its methods at fixed points, and by default (``NO_HOOKS``) each
@@ -49,7 +54,7 @@ from training.log import log_rank
 FAULT_ENV = "DDPFLOW_FAULT"
 RECORD_INDICES_ENV = "DDPFLOW_RECORD_INDICES"
 KEEP_CHECKPOINTS_ENV = "DDPFLOW_KEEP_CHECKPOINTS"
-ACTIONS = ("kill", "hang", "raise", "nan", "slow_checkpoint")
+ACTIONS = ("kill", "hang", "raise", "nan", "slow_checkpoint", "skip_row")
 _FIELDS = ("rank", "epoch", "step", "seconds")
 
 
@@ -64,6 +69,10 @@ class TrainHooks:
 
     def on_batch(self, indices: torch.Tensor) -> None:
         """The dataset rows of the batch about to be trained (sampler padding excluded)."""
+
+    def epoch_rows(self, epoch: int, rows: torch.Tensor) -> torch.Tensor:
+        """The sampler's order of this rank's rows in ``epoch`` (padded positions included), as it is trained."""
+        return rows
 
     def end_epoch(self, epoch: int) -> None:
         """After the last training step of ``epoch``, before validation."""
@@ -128,7 +137,8 @@ class FaultInjector:
     def at_step(self, epoch: int, step: int) -> None:
         self.epoch = epoch
         fault = self.fault
-        if fault is None or fault.action == "slow_checkpoint" or fault.epoch != epoch or fault.step != step:
+        not_a_step_fault = fault is None or fault.action in ("slow_checkpoint", "skip_row")
+        if not_a_step_fault or (fault.epoch, fault.step) != (epoch, step):
             return
         where = f"rank {fault.rank} epoch {epoch} step {step}"
         if fault.action == "raise":
@@ -145,6 +155,16 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGKILL)
         while True:  # hang: no collectives, so peers block until their timeout
             time.sleep(3600)
+
+    def epoch_rows(self, epoch: int, rows: torch.Tensor) -> torch.Tensor:
+        """``skip_row``: the rank's first row of the epoch in place of its second."""
+        fault = self.fault
+        if fault is None or fault.action != "skip_row" or fault.epoch != epoch or len(rows) < 2:
+            return rows
+        log_rank(f"{FAULT_ENV}: rank {fault.rank} epoch {epoch} trains row {int(rows[0])} twice, skips {int(rows[1])}")
+        rows = rows.clone()
+        rows[1] = rows[0]
+        return rows
 
     def before_checkpoint_write(self, path: Path) -> None:
         """``slow_checkpoint``: the first checkpoint written after a step of the fault's epoch is late."""
@@ -206,6 +226,9 @@ class EnvironmentHooks(TrainHooks):
 
     def on_batch(self, indices: torch.Tensor) -> None:
         self.indices.add(indices)
+
+    def epoch_rows(self, epoch: int, rows: torch.Tensor) -> torch.Tensor:
+        return self.faults.epoch_rows(epoch, rows)
 
     def end_epoch(self, epoch: int) -> None:
         self.indices.write(epoch)

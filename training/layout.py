@@ -8,6 +8,7 @@ A training run:       <train.run_root>/<run name>/
                           metrics.jsonl        one line per epoch, from rank 0
                           steps.jsonl          train loss, lr, gradient norm every train.log_every_steps
                           checkpoints/last.pt  resumable state, after every epoch
+                          checkpoints/step-e{E}-s{S}.pt  the same, S steps into epoch E (train.checkpoint_every_*)
                           model.pt             the selected epoch's weights + what inference needs
                           eval/metrics.json    the evaluate stage's metrics
 """

@@ -423,17 +423,22 @@ def global_positions_of_steps(n_rows: int, world_size: int, batch_size: int, sta
 
 
 class BatchSlices(Sampler):
-    """Consecutive slices of this rank's epoch order: one index tensor per batch (the last may be short)."""
+    """Consecutive slices of this rank's epoch order: one index tensor per batch (the last may be short).
 
-    def __init__(self, sampler: RankSampler, batch_size: int):
-        self.sampler, self.batch_size = sampler, batch_size
+    ``start``: the first batch to yield (a resumed pass): the batches before it are never sliced, so their
+    rows are not read. ``reorder``: a test hook's view of the rank's epoch order (``TrainHooks.epoch_rows``)."""
+
+    def __init__(self, sampler: RankSampler, batch_size: int, reorder=None):
+        self.sampler, self.batch_size, self.start = sampler, batch_size, 0
+        self.reorder = reorder or (lambda epoch, rows: rows)
 
     def __len__(self) -> int:
         return math.ceil(len(self.sampler) / self.batch_size)
 
     def __iter__(self) -> Iterator[BatchRequest]:
         epoch = self.sampler.epoch
-        return (BatchRequest(rows, epoch) for rows in self.sampler.rank_indices().split(self.batch_size))
+        rows = self.reorder(epoch, self.sampler.rank_indices())
+        return (BatchRequest(batch, epoch) for batch in rows[self.start * self.batch_size :].split(self.batch_size))
 
 
 def _batch_as_is(batch):
@@ -483,6 +488,7 @@ class TrainBatches:
         pin_memory: bool,
         row_weights: torch.Tensor | None = None,
         num_workers: int = 0,
+        reorder=None,
     ):
         self.dataset = InMemoryDataset(split, seed)
         # Each train row's loss weight ([rows] float32; None: all 1): its data.weight times its class weight
@@ -493,10 +499,11 @@ class TrainBatches:
         self.sampler = RankSampler(
             self.dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=False
         )
+        self.slices = BatchSlices(self.sampler, batch_size, reorder)
         self.loader = DataLoader(
             self.dataset,
             batch_size=None,  # the sampler yields whole batches of row numbers
-            sampler=BatchSlices(self.sampler, batch_size),
+            sampler=self.slices,
             collate_fn=_batch_as_is,
             # train.num_workers: 0 gathers in the rank itself (in-memory sections need no workers); more decode
             # ragged inputs (images) in that many processes, kept for the run and a batch ahead each.
@@ -522,15 +529,25 @@ class TrainBatches:
         first, last = global_positions_of_steps(len(self.dataset), self.world_size, self.batch_size, start, stop)
         return float(self._weight_before[last] - self._weight_before[first])
 
-    def epoch(self, epoch: int) -> Iterator[Batch]:
+    def epoch(self, epoch: int, start: int = 0) -> Iterator[Batch]:
+        """The batches of steps ``start, start + 1, ...`` of ``epoch``: a resumed pass starts at ``start``
+        without reading the batches before it (``BatchSlices.start``)."""
         self.sampler.set_epoch(epoch)  # a new permutation every epoch, the same on every rank
+        self.slices.start = start
+        rng_state = torch.get_rng_state()
         if self.row_weights is not None:
             order = self.sampler.epoch_order()[: len(self.dataset)]  # the real positions
             in_order = self.row_weights.index_select(0, order).double()
             self._weight_before = torch.cat([torch.zeros(1, dtype=torch.float64), in_order.cumsum(0)])
         split = self.dataset.split
+        batches = iter(self.loader)
+        if start:
+            # The loader's iterator draws its base seed from the global RNG (unused with no workers). The
+            # uninterrupted pass drew it before step 0, and a step checkpoint's RNG state is after that draw:
+            # a resumed pass must not draw it again, or the model's random draws (dropout) would shift by one.
+            torch.set_rng_state(rng_state)
         ragged = set(split.ragged_names())
-        for step, (indices, sections, collated) in enumerate(self.loader):
+        for step, (indices, sections, collated) in enumerate(batches, start):
             real = self._real_rows(step, len(indices))
             on_device = {name: tensor.to(self.device, non_blocking=True) for name, tensor in sections.items()}
             features = on_device[FEATURES]

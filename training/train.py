@@ -35,7 +35,8 @@ from typing import Any
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from training.checkpoint import Checkpointer, identity_entries, inference_checkpoint
+from training.checkpoint import Checkpointer, ResumeMismatchError, identity_entries, inference_checkpoint
+from training.coverage import Certificate, CoverageTally
 from training.data.manifest import read_manifest
 from training.data.node_cache import open_splits
 from training.data.placement import place_splits
@@ -57,6 +58,7 @@ from training.selection import Selection
 from training.spec.codecs import read_encoders
 from training.spec.inputs import inputs_from_manifest
 from training.spec.objectives import build_objective
+from training.step_checkpoints import StepSchedule
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -83,10 +85,14 @@ class Trainer:
         self.job, self.ctx, self.hooks = job, ctx, hooks
         self.config = job.config.train
         self.checkpointer = Checkpointer(
-            job.run_dir, ctx, before_write=hooks.before_checkpoint_write, after_write=hooks.after_checkpoint_write
+            job.run_dir, ctx, hooks.before_checkpoint_write, hooks.after_checkpoint_write, self.config.keep_checkpoints
         )
         self.sink = MetricsSink(job.run_dir, enabled=ctx.is_main)
         self.epochs_done, self.history = 0, []
+        # Where in epoch ``epochs_done`` training continues (a step checkpoint's position), and that epoch's
+        # all-reduced sums of the steps before it (loss, rows, coverage lanes), carried on rank 0.
+        self.start_step, self.carried = 0, None
+        self.coverage = CoverageTally()  # this rank's rows of the epoch (training/coverage.py)
         self.selection = Selection.from_config(self.config)  # which epoch model.pt holds, when to stop
         self.best_weights: dict[str, torch.Tensor] | None = None  # rank 0: the best epoch's, on the CPU
         self._configure_process()
@@ -156,10 +162,13 @@ class Trainer:
         )
         log_main(ctx.is_main, "data: " + "; ".join(where))
         self.train_split, self.val = placed["train"], placed["val"]  # a host copy placed elsewhere is let go
+        self.batch_size = train.rank_batch_size(ctx.world_size)  # train.batch_size, or the global one / W
         self.batches = TrainBatches(
-            self.train_split, ctx.rank, ctx.world_size, train.batch_size, train.seed, ctx.device, train.pin_memory,
+            self.train_split, ctx.rank, ctx.world_size, self.batch_size, train.seed, ctx.device, train.pin_memory,
             row_weights=self.objective.row_weights(self.train_split.labels), num_workers=train.num_workers,
+            reorder=self.hooks.epoch_rows,
         )  # fmt: skip
+        self.expected_coverage = Certificate.expected(self.manifest.rows("train"))
 
     def _build_optimizer(self) -> None:
         """The optimizer and its schedule over every optimizer step of the run (training/optim.py), the step
@@ -181,6 +190,10 @@ class Trainer:
             self.step_sink.add(self.epoch, report)
 
         self.train_step = TrainStep(self.ddp, self.optimizer, self.scheduler, self.batches, self.settings, on_update)
+        self.step_schedule = StepSchedule(
+            train.checkpoint_every_steps, train.checkpoint_every_s, train.grad_accum, len(self.batches),
+            lambda due: self.ctx.all_reduce_sum([due if self.ctx.is_main else False])[0] > 0,
+        )  # fmt: skip
         self.progress = Progress(
             self.ctx.is_main, train.progress_interval_s, train.epochs, len(self.batches), self.ctx.world_size
         )
@@ -197,6 +210,13 @@ class Trainer:
     def train(self) -> None:
         """The epochs still to train (until early stopping), each validated, judged, logged and checkpointed;
         then model.pt with the selected epoch's weights."""
+        try:
+            self._train_epochs()
+        except BaseException:
+            self.checkpointer.wait_for_writes(raise_error=False)  # a step checkpoint under way completes first
+            raise
+
+    def _train_epochs(self) -> None:
         for epoch in range(self.epochs_done, self.config.epochs):
             if self.selection.stopped:  # a resume after the stop: nothing left to train
                 break
@@ -244,18 +264,25 @@ class Trainer:
         started = time.monotonic()
         self.progress.start_epoch(epoch)
         self.ddp.train()
-        loss = torch.zeros((), dtype=torch.float64, device=ctx.device)  # stays on the device: no sync per step
-        samples = 0
+        # A resumed pass: the steps before start_step are not read; their sums come from the checkpoint.
+        start, carried = self.start_step, self.carried or {}
+        self.start_step, self.carried = 0, None
+        loss = torch.tensor(carried.get("loss", 0.0), dtype=torch.float64, device=ctx.device)  # no sync per step
+        samples = int(carried.get("rows", 0))
+        self.coverage.start(carried.get("coverage"))
         self.epoch = epoch
-        for step, batch in enumerate(self.batches.epoch(epoch)):
+        for step, batch in enumerate(self.batches.epoch(epoch, start), start):
             self.hooks.at_step(epoch, step)
             self.hooks.on_batch(batch.indices)
+            self.coverage.add(batch.indices)
             try:
                 loss.add_(self.train_step(step, batch))
             except NonFiniteStep as bad:
                 raise self._non_finite(epoch, bad) from None
             samples += batch.samples
             self.progress.step(step + 1, samples, lambda seen=samples: scale * loss.item() / max(1, seen))
+            if self.step_schedule.due(epoch, step):
+                self._save_step(epoch, step + 1, loss, samples)
         train_seconds = time.monotonic() - started
         self.hooks.end_epoch(epoch)
         weight = self.batches.global_weight(0, len(self.batches))  # the epoch's Σ w, all ranks (train_loss)
@@ -265,6 +292,8 @@ class Trainer:
             raise RuntimeError(
                 f"epoch {epoch}: ranks trained on {int(samples)} rows, the train split has {manifest.rows('train')}"
             )
+        coverage = Certificate.from_lanes(*ctx.all_reduce_int_sum(self.coverage.totals()))
+        coverage.check(self.expected_coverage, epoch)  # CoverageError naming the epoch
         start, stop = shard_range(manifest.rows("val"), ctx.rank, ctx.world_size)
         val_pass = evaluate(self.model, self.val, start, stop, self.job.config.eval.batch_size, self.settings)
         scored = ctx.gather_objects(val_pass.scored) if val_pass.scored is not None else None  # binary: AUC
@@ -284,7 +313,17 @@ class Trainer:
             "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
             "world_size": ctx.world_size,
             "weights_in_sync": ctx.weights_agree(self.model),
+            **coverage.metrics(),
         }
+
+    def _save_step(self, epoch: int, step: int, loss: torch.Tensor, rows: int) -> None:
+        """A step checkpoint before step ``step`` of ``epoch``: the epoch's sums so far over all ranks, then
+        ``state_dict`` (copies, so training goes on while rank 0 writes them: training/step_checkpoints.py)."""
+        loss_sum, rows = self.ctx.all_reduce_sum([loss, rows])
+        coverage = self.ctx.all_reduce_int_sum(self.coverage.totals())
+        epoch_sums = {"loss": loss_sum, "rows": int(rows), "coverage": coverage}
+        self.checkpointer.save_step(self.state_dict(step, epoch_sums), epoch, step)
+        self.step_schedule.written()
 
     def _non_finite(self, epoch: int, bad: NonFiniteStep) -> Exception:
         """The error for a NaN or inf step (training/nonfinite.py). When the gradient norm is non-finite every
@@ -295,8 +334,10 @@ class Trainer:
 
     # --- what a checkpoint holds --------------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
-        """last.pt: everything this training continues from, with what the resume rule checks.
+    def state_dict(self, step: int = 0, epoch_sums: dict[str, Any] | None = None) -> dict[str, Any]:
+        """last.pt (after an epoch) or a step checkpoint (``step`` steps into epoch ``epochs_done``, with the
+        epoch's all-reduced sums so far): everything this training continues from, with what the resume rule
+        checks. CPU copies throughout: a background write may read them while training goes on.
 
         Every rank calls it (it gathers every rank's RNG streams); rank 0, the writer, gets the
         contents, the others an empty dict."""
@@ -304,13 +345,16 @@ class Trainer:
         if not self.ctx.is_main:
             return {}
         return {
-            "model": on_cpu(self.model.state_dict()),
-            "optimizer": on_cpu(self.optimizer.state_dict()),
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "model": on_cpu(self.model.state_dict(), copy=True),
+            "optimizer": on_cpu(self.optimizer.state_dict(), copy=True),
+            "scheduler": on_cpu(self.scheduler.state_dict(), copy=True) if self.scheduler is not None else None,
             "epoch": self.epochs_done,
+            "step": step,  # micro-batch steps of epoch ``epoch`` already trained (0: none)
+            "epoch_sums": epoch_sums,
+            "global_batch": self.batch_size * self.ctx.world_size,  # rows of one step over all ranks
             "rng": {"per_rank": rng},
             "world_size": self.ctx.world_size,
-            "metrics": self.history,
+            "metrics": list(self.history),
             "selection": self.selection.state_dict(),
             "best_model": self.best_weights,
             **identity_entries(self.job.config, self.manifest.fingerprint),
@@ -324,11 +368,13 @@ class Trainer:
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.epochs_done = int(state["epoch"])
+        self._resume_position(state)
         self.history = list(state.get("metrics") or [])
         self.selection.load_state_dict(state.get("selection"))
         self.best_weights = state.get("best_model") if ctx.is_main else None
         per_rank = state["rng"]["per_rank"]
-        resumed = f"resumed from {self.checkpointer.last_path} after {self.epochs_done} epoch(s)"
+        at_step = f", at step {self.start_step} of epoch {self.epochs_done}" if self.start_step else ""
+        resumed = f"resumed from {self.checkpointer.resumed_from} after {self.epochs_done} epoch(s){at_step}"
         if len(per_rank) == ctx.world_size:
             restore_rng(per_rank[ctx.rank])
             log_main(ctx.is_main, resumed)
@@ -339,6 +385,31 @@ class Trainer:
                 f"{resumed}; world size {len(per_rank)} -> {ctx.world_size}: RNG streams reseeded, data order "
                 "per rank differs",
             )
+
+    def _resume_position(self, state: dict[str, Any]) -> None:
+        """Mid-epoch: start at the checkpoint's step, if a step covers the same rows as it did there (one global
+        batch of the same size: training/loading.py ``global_positions_of_steps``, at any world size)."""
+        step = int(state.get("step") or 0)
+        if step == 0:
+            return
+        saved, wanted = int(state["global_batch"]), self.batch_size * self.ctx.world_size
+        if saved != wanted:
+            raise ResumeMismatchError(
+                f"{self.checkpointer.resumed_from or 'the step checkpoint'}: at step {step} of epoch "
+                f"{self.epochs_done}, "
+                f"with a global batch of {saved} rows ({state.get('world_size')} ranks); this run's is {wanted} "
+                f"({self.ctx.world_size} ranks x {self.batch_size}): set train.global_batch_size to resume on "
+                "another world size"
+            )
+        sums = state["epoch_sums"]
+        # Rank 0 alone carries the steps already trained, so the epoch's all-reduce counts them once.
+        keep = self.ctx.is_main
+        self.start_step = step
+        self.carried = {
+            "loss": sums["loss"] if keep else 0.0,
+            "rows": sums["rows"] if keep else 0,
+            "coverage": tuple(sums["coverage"]) if keep else None,
+        }
 
     def final_model(self) -> dict[str, Any]:
         """model.pt: the selected epoch's weights and what evaluation and serving need (``inference_checkpoint``)."""
@@ -358,14 +429,15 @@ def _counted_from_1(epoch: int | None) -> str:
     return "none" if epoch is None else str(epoch + 1)
 
 
-def on_cpu(tree: Any) -> Any:
-    """Tensors moved to the CPU, so a checkpoint written on a GPU loads anywhere."""
+def on_cpu(tree: Any, copy: bool = False) -> Any:
+    """Tensors moved to the CPU, so a checkpoint written on a GPU loads anywhere; ``copy``: fresh tensors and
+    containers even where they already are on the CPU (a snapshot that later steps do not change)."""
     if isinstance(tree, torch.Tensor):
-        return tree.detach().cpu()
+        return tree.detach().to("cpu", copy=copy)
     if isinstance(tree, dict):
-        return {key: on_cpu(value) for key, value in tree.items()}
+        return {key: on_cpu(value, copy) for key, value in tree.items()}
     if isinstance(tree, (list, tuple)):
-        return type(tree)(on_cpu(value) for value in tree)
+        return type(tree)(on_cpu(value, copy) for value in tree)
     return tree
 
 

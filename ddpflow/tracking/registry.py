@@ -193,11 +193,13 @@ def input_example(manifest: Manifest, dataset_dir: str | Path, rows: int = 5):
 
 def version_description(config: PipelineConfig, manifest: Manifest, run_tags: dict[str, str], run_id: str) -> str:
     train = config.train
+    global_batch = train.global_batch_size
+    batch = f"batch {train.batch_size}/rank" if global_batch is None else f"global batch {global_batch}"
     rows = f"{manifest.rows('train')} train / {manifest.rows('val')} val / {manifest.rows('test')} test rows"
     return (
         f"{manifest.task} model '{train.model}' {train.model_kwargs or ''} trained on {manifest.source} "
         f"(fingerprint {manifest.fingerprint}: {rows}, {manifest.n_features} features). "
-        f"{train.epochs} epochs, batch {train.batch_size}/rank, lr {train.lr}, "
+        f"{train.epochs} epochs, {batch}, lr {train.lr}, "
         f"world size {run_tags.get('ddp.world_size', '?')}. "
         f"MLflow run {run_id}; Prefect flow run {run_tags.get('prefect.flow_run_name', '?')}."
     )
