@@ -201,7 +201,7 @@ class TrainConfig(_Section):
     model: ChangesWeights[str] = Field(
         "mlp",
         description="'mlp' (embeddings for categorical and hashed inputs), 'auto' (the built-in model for the "
-        "inputs: mlp for tables) or a user factory 'package.module:factory' called as "
+        "inputs: mlp for tables, image_cnn with an image input) or a user factory 'package.module:factory' called as "
         "factory(inputs, n_outputs, **model_kwargs) (docs/models.md; the older factory(n_features, n_outputs) "
         "takes numeric inputs).",
     )
@@ -271,6 +271,11 @@ class TrainConfig(_Section):
         "data-loading workers; it helps only where an idle vCPU wakes late (often a scheduler tick, on some VMs). "
         "true: every CPU rank; auto: only ranks pinned to cores of their own (train.cpu_affinity). Never on GPUs; "
         "the arithmetic is DDP's own either way.",
+    )
+    sync_batchnorm: ChangesWeightsWhenSet[bool] = Field(
+        False,
+        description="Convert a user model's BatchNorm layers to SyncBatchNorm (statistics over the global batch; "
+        "GPUs only). The built-in image model uses GroupNorm and needs none.",
     )
     bf16: ChangesWeights[bool] = Field(True, description="bf16 autocast on CUDA.")
     tf32: ChangesWeights[bool] = Field(True, description="Allow TF32 matmuls on CUDA.")

@@ -139,7 +139,7 @@ class Trainer:
             if warm is not None:
                 self.model.load_state_dict(warm)
         self.model.to(self.ctx.device)
-        self.ddp = wrap_model(self.model, self.ctx, self.process.poll_allreduce)  # what trains
+        self.ddp = wrap_model(self.model, self.ctx, self.process.poll_allreduce, train.sync_batchnorm)  # trains
         return saved
 
     def _place_data(self) -> None:
