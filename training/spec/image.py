@@ -201,8 +201,7 @@ class ImageCodec(Codec):
         out = torch.empty((len(offsets) - 1, self.channels, height, width), dtype=torch.float32)
         data, bounds = values.numpy(), offsets.tolist()
         for i in range(len(bounds) - 1):
-            with _open(data[bounds[i] : bounds[i + 1]].tobytes()) as image:
-                image = image.convert(self.mode)
+            image = self._decoded(data[bounds[i] : bounds[i + 1]].tobytes(), context, i)
             if augment:
                 generator = torch.Generator().manual_seed(row_seed(context.seed, context.epoch, int(context.rows[i])))
                 box, flip = random_view(image.width, image.height, generator)
@@ -215,6 +214,16 @@ class ImageCodec(Codec):
         mean = torch.tensor(self.state["mean"], dtype=torch.float32).view(1, -1, 1, 1) * 255
         std = torch.tensor(self.state["std"], dtype=torch.float32).view(1, -1, 1, 1) * 255
         return {self.name: out.sub_(mean).div_(std)}
+
+    def _decoded(self, data: bytes, context, i: int):
+        """One row's image in the codec's mode; a ValueError naming the row when it does not decode (a
+        served request's bad image: prepare checked every stored one)."""
+        try:
+            with _open(data) as image:
+                return image.convert(self.mode)
+        except Exception as error:  # Pillow raises OSError, SyntaxError, ValueError... for a bad file
+            row = int(context.rows[i])
+            raise ValueError(f"image input {self.name!r}: row {row} does not decode ({type(error).__name__})") from None
 
 
 def random_view(width: int, height: int, generator) -> tuple[tuple[float, float, float, float], bool]:
