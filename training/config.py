@@ -280,11 +280,11 @@ class TrainConfig(_Section):
     bf16: ChangesWeights[bool] = Field(True, description="bf16 autocast on CUDA.")
     tf32: ChangesWeights[bool] = Field(True, description="Allow TF32 matmuls on CUDA.")
     pin_memory: KeepsWeights[bool] = True
-    num_workers: KeepsWeights[int] = Field(
-        0,
-        ge=0,
+    num_workers: KeepsWeights[Annotated[int, Field(ge=0)] | Literal["auto"]] = Field(
+        "auto",
         description="DataLoader worker processes per rank, kept for the run: where ragged inputs (images) are "
-        "decoded and augmented. 0: in the rank itself, all tabular and text data needs.",
+        "decoded and augmented. 0: in the rank itself, all tabular and text data needs. auto: 0 without an image "
+        "input; with one, from the rank's cores (training/runtime.py: decode_workers; docs/training.md).",
     )
     data_on_device: KeepsWeights[bool | Literal["auto"]] = Field(
         "auto",

@@ -195,7 +195,7 @@ def _keep_misclassified(kept: list[dict[str, Any]], batch, image: str, wrong: to
     """Up to MISCLASSIFIED_SHOWN wrong rows of an image input, with their bytes and labels."""
     from training.spec.image import image_bytes
 
-    rows = torch.flatnonzero(wrong)[: MISCLASSIFIED_SHOWN - len(kept)].tolist()
+    rows = torch.nonzero(wrong).flatten()[: MISCLASSIFIED_SHOWN - len(kept)].tolist()
     column = image_bytes(batch.column(image), image)
     for row in rows:
         kept.append(

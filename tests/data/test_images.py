@@ -18,8 +18,9 @@ from image_data import SHAPES, draw_shape, image_table, write_image_folder
 from PIL import Image
 
 from training.data.prepare import DataError, prepare_dataset, source_fingerprint
+from training.data.ragged import BatchContext
 from training.models import ModelSpec, build_model
-from training.spec.codecs import ENCODERS_FILE, codecs_from_states, make_codec
+from training.spec.codecs import ENCODERS_FILE, codecs_from_states, collate_encoded, make_codec
 from training.spec.inputs import InputInfo
 
 
@@ -29,9 +30,8 @@ def shard_table(prepared, split: str) -> pa.Table:
     )
 
 
-class Context:  # training.data.ragged.BatchContext's fields
-    def __init__(self, rows, epoch=0, seed=0, train=True):
-        self.rows, self.epoch, self.seed, self.train = torch.as_tensor(rows), epoch, seed, train
+def Context(rows, epoch=0, seed=0, train=True) -> BatchContext:  # noqa: N802 (reads as the class it builds)
+    return BatchContext(torch.as_tensor(list(rows), dtype=torch.int64), epoch, seed, train)
 
 
 def packed(images: list[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,11 +149,17 @@ def test_a_rows_view_depends_on_seed_epoch_and_row_only():
 def test_serving_takes_bytes_structs_or_base64_alike():
     codec = fitted_codec({"size": 16})
     images = image_table(4)["photo"].to_pylist()
-    as_bytes = codec.encode(pa.array(images, pa.binary()))
-    as_text = codec.encode(pa.array([base64.b64encode(image).decode() for image in images]))
-    assert as_bytes.shape == (4, 3, 16, 16) and np.array_equal(as_bytes, as_text)
+
+    def encode(array: pa.Array) -> torch.Tensor:  # what evaluation and serving call (encode_columns)
+        return collate_encoded(codec, *codec.encode_ragged(array))["photo"]
+
+    as_bytes = encode(pa.array(images, pa.binary()))
+    as_text = encode(pa.array([base64.b64encode(image).decode() for image in images]))
+    assert as_bytes.shape == (4, 3, 16, 16) and torch.equal(as_bytes, as_text)
     with pytest.raises(ValueError, match="row 1 is a string but not base64"):
-        codec.encode(pa.array([base64.b64encode(images[0]).decode(), "%%%"]))
+        encode(pa.array([base64.b64encode(images[0]).decode(), "%%%"]))
+    with pytest.raises(ValueError, match="row 1 does not decode"):
+        encode(pa.array([images[0], b"\x89PNG broken"], pa.binary()))
 
 
 def test_auto_is_a_groupnorm_cnn_that_takes_images_with_tabular_inputs():

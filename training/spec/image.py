@@ -177,19 +177,6 @@ class ImageCodec(Codec):
         values = np.frombuffer(data, dtype=np.uint8) if data is not None else np.zeros(0, dtype=np.uint8)
         return values[offsets[0] : offsets[-1]].copy(), np.diff(offsets).astype(np.int64)
 
-    def encode(self, array: pa.Array) -> np.ndarray:
-        """The evaluation view of every row, float32 [rows, C, H, W] (what the model sees at serving)."""
-        import torch
-
-        from training.data.ragged import BatchContext
-
-        values, lengths = self.encode_ragged(array)
-        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        rows = torch.arange(len(lengths))
-        context = BatchContext(rows=rows, epoch=0, seed=0, train=False)
-        return self.collate(torch.from_numpy(values), torch.from_numpy(offsets), context)[self.name].numpy()
-
     def collate(self, values, offsets, context) -> dict[str, Any]:
         """The rows' images as float32 [B, C, H, W]: decoded, augmented (train) or centre-cropped, normalised."""
         import torch
