@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
-from image_data import SHAPES, write_image_folder
+from image_data import SHAPES, image_table, write_image_folder
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -87,6 +87,51 @@ def test_an_image_folder_trains_registers_and_serves_images(make_config, tmp_pat
 
     # Over HTTP: JSON carries the PNGs as base64; the served model decodes and scores them as evaluation did.
     np.testing.assert_array_equal(np.asarray(invocations(config, as_text, tmp_path)), expected)
+
+
+@pytest.mark.torchrun
+@pytest.mark.server
+def test_a_parquet_struct_column_with_a_categorical_trains_and_serves_through_ddpflow_run(make_config, tmp_path):
+    """Hugging Face's {bytes, path} struct, beside a categorical: one model through the batch dict."""
+    import mlflow
+
+    from ddpflow.tracking.runs import use_tracking_uri
+    from training.data.manifest import read_manifest
+    from training.evaluate import evaluate_split
+
+    source = tmp_path / "photos.parquet"
+    pq.write_table(image_table(90, struct=True), source)
+    config = make_config(
+        **{
+            "data.source": str(source),
+            "data.label": "shape",
+            "data.key": "id",
+            "data.inputs": {"photo": {"kind": "image", "size": 12}, "colour": "categorical"},
+            "train.model": "auto",
+            "train.model_kwargs": {"width": 8, "blocks": [1, 1], "groups": 4},
+            "train.epochs": 2,
+            "train.batch_size": 8,
+        }
+    )
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    done = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "run", "--config", "run.yaml", "--json"],
+        cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=540,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    summary = json.loads(done.stdout)
+    assert summary["decision"] == "promoted"
+    dataset = Path(summary["dataset_dir"])
+    manifest = read_manifest(dataset)
+    assert {entry["name"]: entry["kind"] for entry in manifest.inputs} == {"photo": "image", "colour": "categorical"}
+    test = pa.concat_tables([pq.read_table(path) for path in manifest.split_files(dataset, "test")]).to_pandas()
+    evaluated = evaluate_split(Path(summary["run_dir"]) / "model.pt", dataset, return_predictions=True)
+    with use_tracking_uri(config["mlflow"]["tracking_uri"]):
+        served = mlflow.pyfunc.load_model(f"models:/{config['registry']['model_name']}@champion")
+    frame = pd.DataFrame({"photo": list(test["photo"]), "colour": test["colour"]})
+    np.testing.assert_array_equal(
+        np.asarray(served.predict(frame)), np.asarray(manifest.label_mapping)[evaluated.predictions]
+    )
 
 
 def invocations(config: dict, rows: pd.DataFrame, tmp_path: Path) -> list:
