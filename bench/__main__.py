@@ -33,6 +33,7 @@ FAMILIES = {
     "launch": ("bench.orchestration", "Launch and orchestration"),
     "slurm": ("bench.slurm_launch", "Launch through Slurm"),  # skipped (recorded as such) without Slurm
     "scale": ("bench.scale", "Scale"),
+    "images": ("bench.images", "Images"),
     "gpu": ("bench.gpu", "GPU"),  # skipped (recorded as such) without CUDA
 }
 

@@ -29,6 +29,8 @@ Other input kinds and the label, from the manifests' ``extra["drift_stats"]``
   values the reference never had); mean shift 0;
 - a vector input: the mean shift of each dimension, the largest in size
   reported (``feature`` is ``name[d]``); PSI 0 (no histogram per dimension);
+- an image input: PSI over the histograms of its images' width, height and mean brightness
+  (``feature`` is ``name:width``, ``name:height``, ``name:brightness``); mean shift 0;
 - the label (``DriftReport.label``, ``feature`` is ``label:<name>``): PSI over
   the class counts (classification) or its histogram (regression); not an
   input, so not part of ``max_psi`` (what the gate's max_drift_psi reads).
@@ -218,6 +220,8 @@ def other_kinds_drift(reference: Manifest, current: Manifest) -> list[FeatureDri
             drifts.append(FeatureDrift(name, category_psi(before, stats), 0.0, 0.0, 0.0))
         elif stats["kind"] == "vector" and len(before["mean"]) == len(stats["mean"]):
             drifts.append(_vector_drift(name, before, stats))
+        elif stats["kind"] == "image":
+            drifts += [_image_drift(name, measure, before, stats) for measure in IMAGE_MEASURES]
     return drifts
 
 
@@ -226,6 +230,14 @@ def _vector_drift(name: str, reference: dict[str, Any], current: dict[str, Any])
     shifts = (after - before) / np.asarray(reference["std"])
     worst = int(np.argmax(np.abs(shifts)))
     return FeatureDrift(f"{name}[{worst}]", 0.0, float(shifts[worst]), float(before[worst]), float(after[worst]))
+
+
+IMAGE_MEASURES = ("width", "height", "brightness")  # an image input's train histograms (training/spec/image.py)
+
+
+def _image_drift(name: str, measure: str, reference: dict[str, Any], current: dict[str, Any]) -> FeatureDrift:
+    """PSI of one measure of an image input (``feature`` is ``name:width``...); mean shift 0."""
+    return FeatureDrift(f"{name}:{measure}", histogram_psi(reference[measure], current[measure]), 0.0, 0.0, 0.0)
 
 
 def label_drift(reference: Manifest, current: Manifest) -> FeatureDrift | None:

@@ -61,7 +61,8 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-INPUT_KINDS = ("numeric", "categorical", "hashed", "vector")  # image and text come with their own issues
+INPUT_KINDS = ("numeric", "categorical", "hashed", "vector", "image")  # text comes with its own issue
+IMAGE_OPTIONS = ("size", "channels", "mean", "std", "augment")  # kind image (training/spec/image.py, docs/data.md)
 
 
 class InputSpec(_Section):
@@ -71,15 +72,24 @@ class InputSpec(_Section):
     categorical ``min_count`` (default 1) and ``max_size`` (default: no limit); hashed ``buckets`` (required).
     """
 
-    kind: Literal["numeric", "categorical", "hashed", "vector"]
+    kind: Literal["numeric", "categorical", "hashed", "vector", "image"]
     min_count: int | None = Field(None, ge=1, description="categorical: values seen fewer times in train are unknown.")
     max_size: int | None = Field(None, ge=1, description="categorical: keep at most this many most frequent values.")
     buckets: int | None = Field(None, ge=1, description="hashed: the number of hash buckets (required).")
+    size: int | tuple[int, int] | None = Field(None, description="image: [h, w] (or one number) the model sees.")
+    channels: Literal[1, 3] | None = Field(None, description="image: 3 (RGB, default) or 1 (grey).")
+    mean: list[float] | None = Field(None, description="image: per channel; default: the train split's.")
+    std: list[float] | None = Field(None, description="image: per channel; default: the train split's.")
+    augment: Literal["crop_flip", "none"] | None = Field(
+        None, description="image: crop_flip (default: random resized crop + horizontal flip) or none."
+    )
 
     @model_validator(mode="after")
     def _options_fit_the_kind(self) -> InputSpec:
-        allowed = {"categorical": {"min_count", "max_size"}, "hashed": {"buckets"}}.get(self.kind, set())
-        given = {name for name in ("min_count", "max_size", "buckets") if getattr(self, name) is not None}
+        allowed = {"categorical": {"min_count", "max_size"}, "hashed": {"buckets"}, "image": set(IMAGE_OPTIONS)}
+        allowed = allowed.get(self.kind, set())
+        names = ("min_count", "max_size", "buckets", *IMAGE_OPTIONS)
+        given = {name for name in names if getattr(self, name) is not None}
         if given - allowed:
             raise ValueError(f"kind {self.kind!r} takes no option {sorted(given - allowed)}")
         if self.kind == "hashed" and self.buckets is None:
@@ -92,6 +102,8 @@ class InputSpec(_Section):
             return {"min_count": self.min_count or 1, **({"max_size": self.max_size} if self.max_size else {})}
         if self.kind == "hashed":
             return {"buckets": int(self.buckets)}
+        if self.kind == "image":  # the codec fills the defaults it learns from the train split
+            return {name: getattr(self, name) for name in IMAGE_OPTIONS if getattr(self, name) is not None}
         return {}
 
 
@@ -100,8 +112,9 @@ class DataConfig(_Section):
         "synthetic://classification?rows=20000&features=16&classes=4&seed=0",
         description="Parquet/CSV file, directory, glob, fsspec URL (s3://...) or synthetic://classification|regression?rows=N&features=F&classes=C&seed=S",
     )
-    format: Literal["auto", "parquet", "csv"] = Field(
-        "auto", description="Source file format; auto uses the file extension."
+    format: Literal["auto", "parquet", "csv", "images"] = Field(
+        "auto",
+        description="Source file format; auto uses the file extension (a folder of <class>/<image> files: images).",
     )
     label: str = Field("label", description="Name of the label column.")
     features: list[str] | None = Field(
@@ -196,7 +209,7 @@ class TrainConfig(_Section):
     model: ChangesWeights[str] = Field(
         "mlp",
         description="'mlp' (embeddings for categorical and hashed inputs), 'auto' (the built-in model for the "
-        "inputs: mlp for tables) or a user factory 'package.module:factory' called as "
+        "inputs: mlp for tables, image_cnn with an image input) or a user factory 'package.module:factory' called as "
         "factory(inputs, n_outputs, **model_kwargs) (docs/models.md; the older factory(n_features, n_outputs) "
         "takes numeric inputs).",
     )
@@ -267,14 +280,19 @@ class TrainConfig(_Section):
         "true: every CPU rank; auto: only ranks pinned to cores of their own (train.cpu_affinity). Never on GPUs; "
         "the arithmetic is DDP's own either way.",
     )
+    sync_batchnorm: ChangesWeightsWhenSet[bool] = Field(
+        False,
+        description="Convert a user model's BatchNorm layers to SyncBatchNorm (statistics over the global batch; "
+        "GPUs only). The built-in image model uses GroupNorm and needs none.",
+    )
     bf16: ChangesWeights[bool] = Field(True, description="bf16 autocast on CUDA.")
     tf32: ChangesWeights[bool] = Field(True, description="Allow TF32 matmuls on CUDA.")
     pin_memory: KeepsWeights[bool] = True
-    num_workers: KeepsWeights[int] = Field(
-        0,
-        ge=0,
+    num_workers: KeepsWeights[Annotated[int, Field(ge=0)] | Literal["auto"]] = Field(
+        "auto",
         description="DataLoader worker processes per rank, kept for the run: where ragged inputs (images) are "
-        "decoded and augmented. 0: in the rank itself, all tabular and text data needs.",
+        "decoded and augmented. 0: in the rank itself, all tabular and text data needs. auto: 0 without an image "
+        "input; with one, from the rank's cores (training/runtime.py: decode_workers; docs/training.md).",
     )
     data_on_device: KeepsWeights[bool | Literal["auto"]] = Field(
         "auto",

@@ -64,6 +64,9 @@ class EvalResult:
     # or regression values.
     predictions: np.ndarray | None = field(default=None, repr=False)
     targets: np.ndarray | None = field(default=None, repr=False)
+    # Classification with an image input: the first MISCLASSIFIED_SHOWN wrong rows, {"image" (its encoded bytes),
+    # "true", "predicted" (labels), "input"}, for the grid of misclassified images (ddpflow/tracking/plots.py).
+    misclassified: list[dict[str, Any]] | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         """What ``eval/metrics.json`` holds (no per-row arrays)."""
@@ -171,11 +174,38 @@ def _iter_batches(manifest: Manifest, dataset_dir: Path, split: str, meta: dict[
     inputs, codecs = checkpoint_inputs(meta), checkpoint_codecs(meta)
     normaliser = Normaliser.from_checkpoint(meta)  # the model's own statistics, also when re-scoring a champion
     columns = [*inputs, manifest.label]
+    batch_size = min(batch_size, max(1, EVAL_BATCH_BYTES // _row_bytes(inputs)))  # images decode to large rows
     for shard in manifest.split_files(dataset_dir, split):
         parquet = pq.ParquetFile(shard)
         for batch in parquet.iter_batches(batch_size=batch_size, columns=columns):
             encoded = encode_columns({name: batch.column(name) for name in inputs}, inputs, codecs, normaliser)
-            yield encoded, _labels(batch.column(manifest.label), manifest)
+            yield encoded, _labels(batch.column(manifest.label), manifest), batch
+
+
+EVAL_BATCH_BYTES = 256 << 20  # an evaluation batch's decoded inputs stay within about this much memory
+MISCLASSIFIED_SHOWN = 16
+
+
+def _row_bytes(inputs: dict[str, InputInfo]) -> int:
+    """Bytes of one row of the model's batch dict (4 per float32 or int32 element, 8 per int64)."""
+    return sum((8 if info.dtype == "int64" else 4) * max(1, int(np.prod(info.shape))) for info in inputs.values())
+
+
+def _keep_misclassified(kept: list[dict[str, Any]], batch, image: str, wrong: torch.Tensor, target, predicted, labels):
+    """Up to MISCLASSIFIED_SHOWN wrong rows of an image input, with their bytes and labels."""
+    from training.spec.image import image_bytes
+
+    rows = torch.nonzero(wrong).flatten()[: MISCLASSIFIED_SHOWN - len(kept)].tolist()
+    column = image_bytes(batch.column(image), image)
+    for row in rows:
+        kept.append(
+            {
+                "input": image,
+                "image": column[row].as_py(),
+                "true": str(labels[int(target[row])]),
+                "predicted": str(labels[int(predicted[row])]),
+            }
+        )
 
 
 def _labels(column, manifest: Manifest) -> torch.Tensor:
@@ -281,11 +311,16 @@ def evaluate_split(
     else:
         tally = objective.tally(manifest.n_outputs if multilabel else None)
     samples, kept_predictions, kept_targets = 0, [], []
+    image = next((name for name, info in checkpoint_inputs(meta).items() if info.kind == "image"), None)
+    misclassified: list[dict[str, Any]] = []
     with torch.inference_mode():
-        for x, y in _iter_batches(manifest, dataset_dir, split, meta, batch_size):
+        for x, y, raw in _iter_batches(manifest, dataset_dir, split, meta, batch_size):
             output = model(x)  # x: the batch dict, through the model's own codecs and normalisation
             if classification:
                 predicted = evaluation.add(output, y, remap)
+                if image is not None and len(misclassified) < MISCLASSIFIED_SHOWN:
+                    wrong = predicted != y.long()
+                    _keep_misclassified(misclassified, raw, image, wrong, y, predicted, manifest.label_mapping)
             elif multilabel:  # the objective's multilabel tally; predictions multi-hot [B, C] (no confusion matrix)
                 tally.add(output, y)
                 predicted = objective.decode(output)[0]
@@ -307,6 +342,7 @@ def evaluate_split(
         result.metrics, result.per_class = evaluation.metrics(split, manifest.label_mapping)
         result.confusion_matrix = evaluation.confusion_matrix()
         result.class_labels = [str(label) for label in manifest.label_mapping]
+        result.misclassified = misclassified if image is not None else None
     elif multilabel:
         result.metrics, result.per_class = _multilabel_metrics(tally, split, manifest.label_mapping)
         result.class_labels = [str(label) for label in manifest.label_mapping]

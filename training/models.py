@@ -28,7 +28,7 @@ from torch import nn
 from training.imports import import_factory
 from training.spec.inputs import EMBEDDED_KINDS, InputInfo, inputs_from_dicts, numeric_input
 
-BUILT_IN = ("mlp", "auto")
+BUILT_IN = ("mlp", "auto", "image_cnn")  # image_cnn: training/image_models.py
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,9 @@ def pick_model(model: str, inputs: dict[str, InputInfo]) -> str:
     """``auto``: the built-in model for the inputs (every tabular kind: ``mlp``); any other name as given."""
     if model != "auto":
         return model
-    return "mlp"  # numeric, categorical, hashed, vector: all tabular; images and text add their models here
+    if any(info.kind == "image" for info in inputs.values()):
+        return "image_cnn"  # a small residual CNN, with the tabular inputs beside it
+    return "mlp"  # numeric, categorical, hashed, vector: all tabular; text adds its model here
 
 
 def embedding_dim(cardinality: int) -> int:
@@ -156,6 +158,10 @@ class ModelImportError(ValueError):
 
 
 def resolve_factory(name: str) -> Callable[..., nn.Module]:
+    if name == "image_cnn":
+        from training.image_models import image_classifier
+
+        return image_classifier
     if name in BUILT_IN:
         return mlp
     return import_factory(name, "train.model", ModelImportError)

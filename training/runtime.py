@@ -94,6 +94,36 @@ def _pin_every_thread(cores: list[int]) -> None:
             pass
 
 
+MAX_AUTO_WORKERS = 8  # a GPU rank's decode workers under train.num_workers: auto
+CPU_CORES_PER_WORKER = 4  # a CPU rank's: one per this many of its cores (the step needs most of them)
+
+
+def decode_workers(requested: int | str, cpu: CpuSetup, on_gpu: bool, decodes: bool) -> int:
+    """``train.num_workers`` resolved: an int as given; ``auto`` is 0 unless an input is decoded per batch
+    (``decodes``: an image), else from the rank's cores (``cpu.threads``, its share of the node):
+    a GPU rank, min(8, its cores - 1) (its own CPU work is light: the GPU steps); a CPU rank, one per 4 of
+    its cores (the step itself needs the cores; decoding a batch costs far less than training on it)."""
+    if requested != "auto":
+        return int(requested)
+    if not decodes:
+        return 0
+    if on_gpu:
+        return max(1, min(MAX_AUTO_WORKERS, cpu.threads - 1))
+    return max(1, cpu.threads // CPU_CORES_PER_WORKER)
+
+
+def make_room_for_workers(cpu: CpuSetup, workers: int, train: TrainConfig) -> CpuSetup:
+    """The worker core rule: a pinned CPU rank's decode workers run on the rank's own cores (they inherit its
+    pinning, with one torch thread each, DataLoader's default), so the rank's intra-op threads shrink by as
+    many (at least 1): threads + workers = its cores, and no rank's workers take another rank's cores. An
+    explicit ``train.num_threads`` and unpinned (GPU) ranks keep their threads."""
+    if not workers or not cpu.pinned or train.num_threads:
+        return cpu
+    threads = max(1, len(cpu.cores) - workers)
+    torch.set_num_threads(threads)
+    return CpuSetup(threads, cpu.cores)
+
+
 def configure_cuda(train: TrainConfig) -> str:
     # TF32 matmuls keep fp32 range with a 10-bit mantissa: several times faster on
     # Ampere+ for the fp32 parts of the step, and harmless for training.

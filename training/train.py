@@ -30,6 +30,7 @@ import argparse
 import math
 import os
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -53,7 +54,14 @@ from training.normalisation import Normaliser
 from training.optim import build_optimizer, build_schedule, optimizer_states_per_parameter
 from training.progress import Progress
 from training.rng import capture_rng, rank_seed, restore_rng, seed_process
-from training.runtime import configure_process, die_with_parent, exit_without_teardown, preload_in_background
+from training.runtime import (
+    configure_process,
+    decode_workers,
+    die_with_parent,
+    exit_without_teardown,
+    make_room_for_workers,
+    preload_in_background,
+)
 from training.selection import Selection
 from training.spec.codecs import read_encoders
 from training.spec.inputs import inputs_from_manifest
@@ -145,7 +153,7 @@ class Trainer:
             if warm is not None:
                 self.model.load_state_dict(warm)
         self.model.to(self.ctx.device)
-        self.ddp = wrap_model(self.model, self.ctx, self.process.poll_allreduce)  # what trains
+        self.ddp = wrap_model(self.model, self.ctx, self.process.poll_allreduce, train.sync_batchnorm)  # trains
         return saved
 
     def _place_data(self) -> None:
@@ -165,10 +173,19 @@ class Trainer:
         self.batch_size = train.rank_batch_size(ctx.world_size)  # train.batch_size, or the global one / W
         self.batches = TrainBatches(
             self.train_split, ctx.rank, ctx.world_size, self.batch_size, train.seed, ctx.device, train.pin_memory,
-            row_weights=self.objective.row_weights(self.train_split.labels), num_workers=train.num_workers,
+            row_weights=self.objective.row_weights(self.train_split.labels), num_workers=self._decode_workers(),
             reorder=self.hooks.epoch_rows,
         )  # fmt: skip
         self.expected_coverage = Certificate.expected(self.manifest.rows("train"))
+
+    def _decode_workers(self) -> int:
+        """train.num_workers resolved for this rank, its threads shrunk to make room (training/runtime.py)."""
+        decodes = any(info.kind == "image" for info in inputs_from_manifest(self.manifest).values())
+        cpu = self.process.cpu
+        workers = decode_workers(self.config.num_workers, cpu, self.ctx.device.type == "cuda", decodes)
+        self.process = replace(self.process, cpu=make_room_for_workers(cpu, workers, self.config))
+        log_main(self.ctx.is_main, f"{workers} decode worker(s) per rank; {self.process.cpu.describe()}")
+        return workers
 
     def _build_optimizer(self) -> None:
         """The optimizer and its schedule over every optimizer step of the run (training/optim.py), the step

@@ -1,4 +1,5 @@
-"""The MLflow run's figures: the evaluation's (a confusion matrix, or residuals for regression) and data drift.
+"""The MLflow run's figures: the evaluation's (a confusion matrix, or residuals for regression; misclassified
+images) and data drift.
 
 ``matplotlib.figure.Figure`` directly: no pyplot state, no GUI backend, safe on a worker thread.
 """
@@ -77,6 +78,31 @@ def confusion_figure(result: EvalResult):
         for row, counts in enumerate(result.confusion_matrix):
             for column, count in enumerate(counts):
                 axes.text(column, row, str(count), ha="center", va="center", fontsize=8)
+    figure.tight_layout()
+    return figure
+
+
+def misclassified_figure(result: EvalResult):
+    """A grid of misclassified test images (training/evaluate.py keeps the first few), each titled
+    "true -> predicted"; None when there are none to show."""
+    import io
+
+    from matplotlib.figure import Figure
+    from PIL import Image
+
+    shown = result.misclassified or []
+    if not shown:
+        return None
+    columns = min(4, len(shown))
+    rows = -(-len(shown) // columns)
+    figure = Figure(figsize=(2.2 * columns, 2.4 * rows))
+    for index, row in enumerate(shown):
+        axes = figure.add_subplot(rows, columns, index + 1)
+        with Image.open(io.BytesIO(row["image"])) as image:
+            axes.imshow(image.convert("RGB"))
+        axes.set_title(f"{row['true']} -> {row['predicted']}", fontsize=8)
+        axes.axis("off")
+    figure.suptitle(f"Misclassified {result.split} images (true -> predicted), first {len(shown)}", fontsize=9)
     figure.tight_layout()
     return figure
 

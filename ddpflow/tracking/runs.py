@@ -379,7 +379,7 @@ def log_evaluation(
     dataset_dir: str | Path,
 ) -> None:
     """Test metrics, ``eval/metrics.json``, the figure, and where the model and data are (for re-registration)."""
-    from ddpflow.tracking.plots import evaluation_figure
+    from ddpflow.tracking.plots import evaluation_figure, misclassified_figure
 
     client = MlflowClient(tracking_uri=tracking_uri)
     now = int(time.time() * 1000)
@@ -387,6 +387,8 @@ def log_evaluation(
     client.log_artifact(run_id, str(metrics_path), "eval")
     figure, name = evaluation_figure(result)
     client.log_figure(run_id, figure, f"eval/{name}")
+    if (grid := misclassified_figure(result)) is not None:
+        client.log_figure(run_id, grid, "eval/misclassified.png")
     client.set_tag(run_id, MODEL_PATH_TAG, _absolute(model_path))
     client.set_tag(run_id, DATASET_DIR_TAG, _absolute(dataset_dir))
 

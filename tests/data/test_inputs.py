@@ -64,7 +64,7 @@ def test_short_and_long_forms_and_errors_that_name_the_path():
     for override, fragment in (
         ("data.inputs={a: hashed}", "data.inputs.a: kind 'hashed' needs buckets"),
         ("data.inputs={a: {kind: numeric, min_count: 2}}", "data.inputs.a: kind 'numeric' takes no option"),
-        ("data.inputs={a: image}", "data.inputs.a.kind"),
+        ("data.inputs={a: audio}", "data.inputs.a.kind"),
         ("data.inputs={label: numeric}", "inputs.label: 'label' is the label column"),
     ):
         with pytest.raises(ConfigError) as caught:

@@ -20,6 +20,7 @@ import pyarrow as pa
 
 from training.config import DataConfig
 from training.data.errors import DataError
+from training.spec.image import is_image_column
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,7 @@ KIND_TYPES = {
     "categorical": (_is_category, "a string, integer or bool"),
     "hashed": (_is_hashable, "a string, integer or binary"),
     "vector": (is_vector, "a list of numbers (list<float> or fixed_size_list<float>)"),
+    "image": (is_image_column, "encoded image bytes (binary, or a {bytes, path} struct)"),
 }
 
 
@@ -222,6 +224,8 @@ def suggest_kind(kind: pa.DataType, column: pa.Array | None) -> tuple[str, str]:
     """(the data.inputs entry for a column, why): categorical, hashed, vector, text (coming) or none."""
     if is_vector(kind):
         return "vector", "a list of numbers"
+    if is_image_column(kind):
+        return "{kind: image, size: N}", "binary: encoded images, if it holds png, jpeg, webp, bmp or gif files"
     if not is_text(kind):
         if _is_hashable(kind):
             return "categorical", f"{kind} values"

@@ -34,6 +34,7 @@ from training.data import split as row_split
 from training.data.columns import ColumnPlan, left_out_columns, plan_columns, value_type
 from training.data.errors import DataError
 from training.data.fingerprint import dataset_fingerprint
+from training.data.image_folder import with_image_folder_defaults
 from training.data.manifest import CLASS_TASKS, Manifest, SplitInfo, read_manifest, write_manifest
 from training.data.publish import discard, is_complete, make_temp_dir, publish, remove_stale_temp_dirs
 from training.data.shards import SplitWriter
@@ -88,6 +89,7 @@ def prepare_dataset(data: DataConfig) -> PreparedDataset:
     root = _output_root(data)
     # The output root may sit inside a source directory (data/ and data/shards): never read it back.
     source = open_source(data.source, data.format, exclude=root)
+    data = with_image_folder_defaults(data, source.identity())
     fingerprint = dataset_fingerprint(source.identity(), data)
     target = root / fingerprint
     if is_complete(target):
@@ -117,7 +119,7 @@ def source_fingerprint(data: DataConfig) -> tuple[dict[str, Any], str]:
     dataset's fingerprint while the source's files keep their names, sizes and versions.
     """
     identity = source_identity(data.source, data.format, exclude=_output_root(data))
-    return identity, dataset_fingerprint(identity, data)
+    return identity, dataset_fingerprint(identity, with_image_folder_defaults(data, identity))
 
 
 def _output_root(data: DataConfig) -> Path:
@@ -413,6 +415,8 @@ class _DriftStats:
                     "counts": dict(zip(map(str, state["values"][:top]), state["counts"][:top])),
                     "other": int(sum(state["counts"][top:])) + int(codec.observed_rows - sum(state["counts"])),
                 }
+            elif codec.kind == "image":
+                inputs[name] = codec.drift_summary()
             elif name in self.vectors:
                 moments = self.vectors[name]
                 inputs[name] = {"kind": "vector", "mean": moments.mean.tolist(), "std": moments.std().tolist()}
@@ -455,6 +459,12 @@ class _BatchRows:
             for name, column in self.others.items()
             if codecs[name].kind == "vector" and not (ok := self._others_ok[name]).all()
         ]
+        self.wrong_lengths += [
+            error
+            for name, c in self.others.items()
+            if (error := codecs[name].invalid_error(file, c, self._others_ok[name]))
+        ]
+        self.others = {name: codecs[name].stored_values(column) for name, column in self.others.items()}
         self._label_ok = _valid_mask(self.label)
         self._key_ok = _valid_mask(self.key) if self.key is not None else True
         self._weight_ok = np.isfinite(self.weight) & (self.weight >= 0) if self.weight is not None else True

@@ -3,7 +3,8 @@
 A source is one of:
 - a local file, directory (searched recursively) or glob of Parquet or CSV files;
 - an fsspec URL (``s3://bucket/prefix/``, ``gs://...``, ``file://...``): file, prefix or glob;
-- ``synthetic://...`` (see ``training.data.synthetic``).
+- ``synthetic://...`` (see ``training.data.synthetic``);
+- an image folder, ``root/<class>/<image>`` (see ``training.data.image_folder``).
 
 Every file's schema is read up front, so a corrupt file or files whose
 columns disagree fail before anything is written, naming the files. Numeric
@@ -28,7 +29,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.dataset as ds
 
-from training.data import synthetic
+from training.data import image_folder, synthetic
 from training.data.columns import is_text
 from training.data.errors import DataError
 
@@ -139,7 +140,7 @@ class SyntheticSource:
             yield self.description, batch.select(columns)
 
 
-Source = FileSource | SyntheticSource
+Source = FileSource | SyntheticSource | image_folder.ImageFolderSource
 
 
 def files_identity(file_format: str, files: list[SourceFile]) -> dict[str, Any]:
@@ -151,6 +152,8 @@ def open_source(source: str, file_format: str = "auto", exclude: Path | None = N
     """``exclude``: a local directory whose files are never data (prepare's own output root)."""
     if synthetic.is_synthetic(source):
         return SyntheticSource(source)
+    if image_folder.is_image_folder(source, file_format, exclude):
+        return image_folder.ImageFolderSource(source, exclude)
     if source.startswith("file://"):
         source = source.removeprefix("file://")
     if "://" in source:
@@ -166,6 +169,8 @@ def source_identity(source: str, file_format: str = "auto", exclude: Path | None
     """
     if synthetic.is_synthetic(source):
         return SyntheticSource(source).identity()
+    if image_folder.is_image_folder(source, file_format, exclude):
+        return image_folder.folder_listing_identity(source, exclude)
     if source.startswith("file://"):
         source = source.removeprefix("file://")
     if "://" in source:

@@ -70,6 +70,14 @@ class Codec:
         """Which rows prepare may keep (bool per row)."""
         return np.ones(len(array), dtype=bool)
 
+    def invalid_error(self, where: str, array: pa.Array, ok: np.ndarray) -> DataError | None:
+        """The error naming the first invalid row, for a kind whose invalid rows need more than a count."""
+        return None
+
+    def stored_values(self, array: pa.Array) -> pa.Array:
+        """The validated column as the shard stores it (an image struct's bytes); most kinds: as it is."""
+        return array
+
     def observe(self, array: pa.Array) -> None:
         """Train rows only, batch by batch."""
 
@@ -276,7 +284,15 @@ CODECS: dict[str, type[Codec]] = {
 }
 
 
+def _register_kinds() -> None:
+    """The kinds with modules of their own (they import this one, so they register after it)."""
+    from training.spec.image import ImageCodec
+
+    CODECS.setdefault(ImageCodec.kind, ImageCodec)
+
+
 def make_codec(name: str, kind: str, options: dict[str, Any] | None = None) -> Codec:
+    _register_kinds()
     return CODECS[kind](name, options)
 
 

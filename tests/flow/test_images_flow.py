@@ -1,0 +1,177 @@
+"""An image folder (3 shapes x 20 PNGs of 16x16, drawn with Pillow) through `ddpflow run` end to end, one
+torchrun launch of 2 ranks with decode workers: it trains the built-in CNN (train.model auto), evaluates with
+a grid of misclassified images, registers a champion whose pyfunc takes the image bytes or their base64 text,
+in process and over HTTP (`mlflow models serve`), and answers what the evaluation scored."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import yaml
+from image_data import SHAPES, image_table, write_image_folder
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def cli_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "180"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+@pytest.mark.torchrun
+@pytest.mark.server  # ddpflow run starts a temporary Prefect server
+def test_an_image_folder_trains_registers_and_serves_images(make_config, tmp_path):
+    import mlflow
+    from mlflow import MlflowClient
+    from mlflow.types import DataType
+
+    from ddpflow.tracking.runs import use_tracking_uri
+    from training.data.manifest import read_manifest
+    from training.evaluate import evaluate_split
+
+    root = write_image_folder(tmp_path / "shapes", per_class=20)
+    config = make_config(
+        **{
+            "data.source": str(root),
+            "train.model": "auto",
+            "train.model_kwargs": {"width": 8, "blocks": [1, 1], "groups": 4},
+            "train.epochs": 3,
+            "train.batch_size": 8,
+        }
+    )
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    done = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "run", "--config", "run.yaml", "--json"],
+        cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=540,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    summary = json.loads(done.stdout)
+    assert summary["decision"] == "promoted"
+    run_dir, dataset = Path(summary["run_dir"]), Path(summary["dataset_dir"])
+    manifest = read_manifest(dataset)
+    assert manifest.key == "path" and manifest.label_mapping == sorted(SHAPES)
+    assert [(entry["name"], entry["kind"]) for entry in manifest.inputs] == [("image", "image")]
+    assert torch.load(run_dir / "model.pt", weights_only=True)["model_spec"]["model"] == "image_cnn"
+
+    evaluated = evaluate_split(run_dir / "model.pt", dataset, return_predictions=True)
+    artifacts = {a.path for a in MlflowClient(summary["tracking_uri"]).list_artifacts(summary["mlflow_run_id"], "eval")}
+    wrong = int((evaluated.predictions != evaluated.targets).sum())
+    assert ("eval/misclassified.png" in artifacts) == (wrong > 0), (artifacts, wrong)
+
+    test = pa.concat_tables([pq.read_table(path) for path in manifest.split_files(dataset, "test")]).to_pandas()
+    expected = np.asarray(manifest.label_mapping)[evaluated.predictions]
+    with use_tracking_uri(config["mlflow"]["tracking_uri"]):
+        served = mlflow.pyfunc.load_model(f"models:/{config['registry']['model_name']}@champion")
+    schema = {spec.name: spec.type for spec in served.metadata.get_input_schema().inputs}
+    assert schema == {"image": DataType.binary}
+    as_bytes = pd.DataFrame({"image": list(test["image"])})
+    np.testing.assert_array_equal(np.asarray(served.predict(as_bytes)), expected)
+    as_text = pd.DataFrame({"image": [base64.b64encode(image).decode() for image in test["image"]]})
+    scored = served.predict(as_text, params={"output": "probabilities"})
+    np.testing.assert_array_equal(scored["label"].to_numpy(), expected)
+    np.testing.assert_allclose(scored[[f"probability_{s}" for s in sorted(SHAPES)]].sum(axis=1), 1.0, rtol=1e-5)
+
+    # Over HTTP: JSON carries the PNGs as base64; the served model decodes and scores them as evaluation did.
+    np.testing.assert_array_equal(np.asarray(invocations(config, as_text, tmp_path)), expected)
+
+
+@pytest.mark.torchrun
+@pytest.mark.server
+def test_a_parquet_struct_column_with_a_categorical_trains_and_serves_through_ddpflow_run(make_config, tmp_path):
+    """Hugging Face's {bytes, path} struct, beside a categorical: one model through the batch dict."""
+    import mlflow
+
+    from ddpflow.tracking.runs import use_tracking_uri
+    from training.data.manifest import read_manifest
+    from training.evaluate import evaluate_split
+
+    source = tmp_path / "photos.parquet"
+    pq.write_table(image_table(90, struct=True), source)
+    config = make_config(
+        **{
+            "data.source": str(source),
+            "data.label": "shape",
+            "data.key": "id",
+            "data.inputs": {"photo": {"kind": "image", "size": 12}, "colour": "categorical"},
+            "train.model": "auto",
+            "train.model_kwargs": {"width": 8, "blocks": [1, 1], "groups": 4},
+            "train.epochs": 2,
+            "train.batch_size": 8,
+        }
+    )
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    done = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "run", "--config", "run.yaml", "--json"],
+        cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=540,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    summary = json.loads(done.stdout)
+    assert summary["decision"] == "promoted"
+    dataset = Path(summary["dataset_dir"])
+    manifest = read_manifest(dataset)
+    assert {entry["name"]: entry["kind"] for entry in manifest.inputs} == {"photo": "image", "colour": "categorical"}
+    test = pa.concat_tables([pq.read_table(path) for path in manifest.split_files(dataset, "test")]).to_pandas()
+    evaluated = evaluate_split(Path(summary["run_dir"]) / "model.pt", dataset, return_predictions=True)
+    with use_tracking_uri(config["mlflow"]["tracking_uri"]):
+        served = mlflow.pyfunc.load_model(f"models:/{config['registry']['model_name']}@champion")
+    frame = pd.DataFrame({"photo": list(test["photo"]), "colour": test["colour"]})
+    np.testing.assert_array_equal(
+        np.asarray(served.predict(frame)), np.asarray(manifest.label_mapping)[evaluated.predictions]
+    )
+
+
+def invocations(config: dict, rows: pd.DataFrame, tmp_path: Path) -> list:
+    """Serve the champion on a loopback port (``--env-manager local``), POST ``rows``, stop the server by PID."""
+    import urllib.request
+
+    from devtools.ports import free_port
+    from devtools.waiting import wait_until
+
+    port = free_port()
+    env = {**cli_env(), "MLFLOW_TRACKING_URI": config["mlflow"]["tracking_uri"]}
+    # mlflow runs `uvicorn` by name: the venv's bin on PATH, as an activated venv has it.
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", os.defpath)])
+    model_uri = f"models:/{config['registry']['model_name']}@champion"
+    command = [sys.executable, "-m", "mlflow", "models", "serve", "-m", model_uri, "--env-manager", "local"]
+    log = (tmp_path / "serve.log").open("w")
+    server = subprocess.Popen(
+        [*command, "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+        cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _answers(f"{url}/ping") or server.poll() is not None, 120, "mlflow models serve /ping")
+        assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+        body = json.dumps({"dataframe_split": json.loads(rows.to_json(orient="split", index=False))}).encode()
+        request = urllib.request.Request(f"{url}/invocations", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return json.loads(response.read())["predictions"]
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, 15)  # the server and its one worker: the session this test started
+        server.wait(timeout=30)
+        log.close()
+
+
+def _answers(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
