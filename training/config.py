@@ -61,25 +61,40 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-INPUT_KINDS = ("numeric", "categorical", "hashed", "vector")  # image and text come with their own issues
+INPUT_KINDS = ("numeric", "categorical", "hashed", "vector", "text")  # images come with their own issue
+
+
+class TokenizerSpec(_Section):
+    """``data.inputs.<text>.tokenizer`` in the long form: the tokenizer prepare fits on the train split."""
+
+    type: Literal["bpe", "wordpiece", "unigram"] = "bpe"
+    vocab_size: int = Field(8000, ge=8, description="At most this many tokens, the special ones included.")
 
 
 class InputSpec(_Section):
     """One entry of ``data.inputs``, long form: ``{kind: categorical, min_count: 5, max_size: 100000}``.
 
     The short form is the kind alone (``country: categorical``). Options belong to one kind each:
-    categorical ``min_count`` (default 1) and ``max_size`` (default: no limit); hashed ``buckets`` (required).
+    categorical ``min_count`` (default 1) and ``max_size`` (default: no limit); hashed ``buckets`` (required);
+    text ``max_len`` and ``tokenizer`` (training/spec/text.py: ``TextOptions``).
     """
 
-    kind: Literal["numeric", "categorical", "hashed", "vector"]
+    kind: Literal["numeric", "categorical", "hashed", "vector", "text"]
     min_count: int | None = Field(None, ge=1, description="categorical: values seen fewer times in train are unknown.")
     max_size: int | None = Field(None, ge=1, description="categorical: keep at most this many most frequent values.")
     buckets: int | None = Field(None, ge=1, description="hashed: the number of hash buckets (required).")
+    max_len: int | None = Field(None, ge=1, description="text: tokens kept per row (default 256; the rest cut).")
+    tokenizer: TokenizerSpec | str | None = Field(
+        None,
+        description="text: {type: bpe|wordpiece|unigram, vocab_size: N} fitted on train, or a tokenizer.json path.",
+    )
 
     @model_validator(mode="after")
     def _options_fit_the_kind(self) -> InputSpec:
-        allowed = {"categorical": {"min_count", "max_size"}, "hashed": {"buckets"}}.get(self.kind, set())
-        given = {name for name in ("min_count", "max_size", "buckets") if getattr(self, name) is not None}
+        allowed = {"categorical": {"min_count", "max_size"}, "hashed": {"buckets"}, "text": {"max_len", "tokenizer"}}
+        allowed = allowed.get(self.kind, set())
+        options = ("min_count", "max_size", "buckets", "max_len", "tokenizer")
+        given = {name for name in options if getattr(self, name) is not None}
         if given - allowed:
             raise ValueError(f"kind {self.kind!r} takes no option {sorted(given - allowed)}")
         if self.kind == "hashed" and self.buckets is None:
@@ -92,6 +107,10 @@ class InputSpec(_Section):
             return {"min_count": self.min_count or 1, **({"max_size": self.max_size} if self.max_size else {})}
         if self.kind == "hashed":
             return {"buckets": int(self.buckets)}
+        if self.kind == "text":
+            from training.spec.text import text_options  # the text kind's defaults, in its own module
+
+            return text_options(self.max_len, self.tokenizer)
         return {}
 
 
@@ -109,7 +128,7 @@ class DataConfig(_Section):
     )
     inputs: ChangesWeights[dict[str, InputSpec] | None] = Field(
         None,
-        description="The model's inputs, name -> kind (numeric | categorical | hashed | vector) or "
+        description="The model's inputs, name -> kind (numeric | categorical | hashed | vector | text) or "
         "{kind: ..., options}; default: every numeric column except label, key and weight (data.features).",
     )
     weight: ChangesWeights[str | None] = Field(
@@ -187,8 +206,8 @@ class TrainConfig(_Section):
     seed: ChangesWeights[int] = 0
     model: ChangesWeights[str] = Field(
         "mlp",
-        description="'mlp' (embeddings for categorical and hashed inputs), 'auto' (the built-in model for the "
-        "inputs: mlp for tables) or a user factory 'package.module:factory' called as "
+        description="'mlp' (embeddings for categorical and hashed inputs), 'transformer' (text inputs), 'auto' "
+        "(the built-in model for the inputs: mlp for tables, transformer with text) or a user factory 'package.module:factory' called as "
         "factory(inputs, n_outputs, **model_kwargs) (docs/models.md; the older factory(n_features, n_outputs) "
         "takes numeric inputs).",
     )
@@ -387,8 +406,10 @@ class TrainConfig(_Section):
     @field_validator("model")
     @classmethod
     def _model_name_or_import_path(cls, value: str) -> str:
-        if value not in ("mlp", "auto") and (":" not in value or not all(value.split(":", 1))):
-            raise ValueError(f"{value!r} is neither 'mlp', 'auto' nor an import path 'package.module:factory'")
+        if value not in ("mlp", "auto", "transformer") and (":" not in value or not all(value.split(":", 1))):
+            raise ValueError(
+                f"{value!r} is neither 'mlp', 'auto', 'transformer' nor an import path 'package.module:factory'"
+            )
         return value
 
 

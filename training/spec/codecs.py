@@ -260,7 +260,16 @@ CODECS: dict[str, type[Codec]] = {
 }
 
 
+def _register_kind_modules() -> None:
+    """The kinds in modules of their own (they subclass ``Codec`` from here, so they come in after it)."""
+    from training.spec.text import TextCodec
+
+    CODECS.setdefault(TextCodec.kind, TextCodec)
+
+
 def make_codec(name: str, kind: str, options: dict[str, Any] | None = None) -> Codec:
+    if kind not in CODECS:
+        _register_kind_modules()
     return CODECS[kind](name, options)
 
 

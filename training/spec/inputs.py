@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-KINDS = ("numeric", "categorical", "hashed", "vector")
+KINDS = ("numeric", "categorical", "hashed", "vector", "text")
 EMBEDDED_KINDS = ("categorical", "hashed")  # integer indices into an embedding of ``cardinality`` rows
 
 
