@@ -208,8 +208,8 @@ class TrainConfig(_Section):
         "mlp",
         description="'mlp' (embeddings for categorical and hashed inputs), 'transformer' (text inputs), 'auto' "
         "(the built-in model for the inputs: mlp for tables, transformer with text) or a user factory "
-        "'package.module:factory' called as factory(inputs, n_outputs, **model_kwargs) (docs/models.md; the older factory(n_features, n_outputs) "
-        "takes numeric inputs).",
+        "'package.module:factory' called as factory(inputs, n_outputs, **model_kwargs) (docs/models.md; the older "
+        "factory(n_features, n_outputs) takes numeric inputs).",
     )
     model_kwargs: ChangesWeights[dict[str, Any]] = Field(default_factory=dict)
     objective: ChangesWeightsWhenSet[str] = Field(
