@@ -1,0 +1,100 @@
+"""Text models (training/text_models.py): padding never changes a row's output, empty rows pool to zero, text
+mixes with tabular inputs, ``auto`` picks the transformer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from training.models import ModelSpec, build_model, pick_model
+from training.spec.inputs import InputInfo
+
+VOCAB, MAX_LEN = 50, 12
+
+
+def text_info(name="snippet"):
+    return InputInfo(name, "text", "int64", (), VOCAB, {"max_len": MAX_LEN, "tokenizer": {"type": "bpe"}})
+
+
+INPUTS = {
+    "stars": InputInfo("stars", "numeric", "float32"),
+    "snippet": text_info(),
+    "site": InputInfo("site", "categorical", "int64", (), 5),
+}
+
+
+def padded(rows: list[list[int]], width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    width = width or max(1, max(map(len, rows)))
+    ids = torch.zeros(len(rows), width, dtype=torch.int64)
+    mask = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)], mask[i, : len(row)] = torch.tensor(row, dtype=torch.int64), True
+    return ids, mask
+
+
+def batch_of(rows, width=None):
+    ids, mask = padded(rows, width)
+    count = len(rows)
+    return {
+        "stars": torch.linspace(-1, 1, count),
+        "snippet": ids,
+        "snippet_mask": mask,
+        "site": torch.arange(count) % 5,
+    }
+
+
+def model(seed=0, **kwargs):
+    torch.manual_seed(seed)
+    spec = ModelSpec.for_inputs("auto", INPUTS, 3, {"d_model": 16, "n_heads": 2, "n_layers": 2, **kwargs})
+    assert spec.model == "transformer"
+    return build_model(spec)
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_padding_never_changes_a_rows_output(mode):
+    net = model().train(mode == "train")
+    rows = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16], [], [3]]
+    together = batch_of(rows)
+    context = torch.inference_mode() if mode == "eval" else torch.enable_grad()
+    with context:
+        out = net(together)
+        for i, row in enumerate(rows):
+            alone = {name: tensor[i : i + 1] for name, tensor in batch_of(rows).items()}
+            alone["snippet"], alone["snippet_mask"] = padded([row])
+            assert torch.allclose(net(alone), out[i : i + 1], atol=1e-6, rtol=0), (mode, i)
+        wider = net(batch_of(rows, width=MAX_LEN))  # more padding than the longest row
+        assert torch.allclose(wider, out, atol=1e-6, rtol=0)
+    assert torch.isfinite(out).all()
+
+
+def test_an_empty_row_pools_to_zero_and_gets_gradients_only_where_it_should():
+    net = model()
+    ids, mask = padded([[], [4, 5]])
+    encoder = net.encoders["snippet"]
+    pooled = encoder.pooled(ids, mask)
+    assert torch.equal(pooled[0], torch.zeros(16)) and pooled[1].abs().sum() > 0
+    loss = net(batch_of([[], []])).sum()
+    loss.backward()  # no NaN in any gradient from a batch of empty rows
+    assert all(torch.isfinite(p.grad).all() for p in net.parameters() if p.grad is not None)
+
+
+def test_text_mixes_with_tabular_inputs_each_of_which_changes_the_output():
+    net = model().eval()
+    base = batch_of([[5, 6, 7], [8, 9]])
+    with torch.inference_mode():
+        out = net(base)
+        for name, change in (("stars", lambda t: t + 1), ("site", lambda t: (t + 1) % 5), ("snippet", lambda t: t + 1)):
+            changed = {**base, name: change(base[name])}
+            assert not torch.allclose(net(changed), out), name
+
+
+def test_auto_is_mlp_without_text_and_transformer_needs_text():
+    tabular = {name: info for name, info in INPUTS.items() if info.kind != "text"}
+    assert pick_model("auto", tabular) == "mlp"
+    assert pick_model("auto", INPUTS) == "transformer"
+    with pytest.raises(ValueError, match="transformer needs at least one text input"):
+        build_model(ModelSpec.for_inputs("transformer", tabular, 2, {}))
+    with pytest.raises(
+        ValueError, match="mlp takes numeric, categorical, hashed and vector inputs.*snippet \\(text\\)"
+    ):
+        build_model(ModelSpec.for_inputs("mlp", INPUTS, 2, {}))
