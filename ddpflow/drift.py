@@ -29,6 +29,8 @@ Other input kinds and the label, from the manifests' ``extra["drift_stats"]``
   values the reference never had); mean shift 0;
 - a vector input: the mean shift of each dimension, the largest in size
   reported (``feature`` is ``name[d]``); PSI 0 (no histogram per dimension);
+- a text input: its token-length distribution, word frequencies and out-of-vocabulary
+  rate, unknown-token rate (ddpflow/text_drift.py);
 - the label (``DriftReport.label``, ``feature`` is ``label:<name>``): PSI over
   the class counts (classification) or its histogram (regression); not an
   input, so not part of ``max_psi`` (what the gate's max_drift_psi reads).
@@ -218,6 +220,10 @@ def other_kinds_drift(reference: Manifest, current: Manifest) -> list[FeatureDri
             drifts.append(FeatureDrift(name, category_psi(before, stats), 0.0, 0.0, 0.0))
         elif stats["kind"] == "vector" and len(before["mean"]) == len(stats["mean"]):
             drifts.append(_vector_drift(name, before, stats))
+        elif stats["kind"] == "text":
+            from ddpflow.text_drift import text_drift  # its own module (it uses this one's PSI)
+
+            drifts += text_drift(name, before, stats)
     return drifts
 
 

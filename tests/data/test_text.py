@@ -172,3 +172,31 @@ def test_config_forms_and_wrong_options(tmp_path):
         load({"snippet": {"kind": "text", "buckets": 4}})
     with pytest.raises(ConfigError, match="data.inputs.snippet.tokenizer.*should be .bpe., .wordpiece. or .unigram."):
         load({"snippet": {"kind": "text", "tokenizer": {"type": "sentencepiece"}}})
+
+
+def test_drift_of_token_lengths_words_and_unknown_tokens(tmp_path, table_file, make_config):
+    from ddpflow.drift import compare
+
+    strings = snippets(200)["snippet"].combine_chunks().drop_null()
+    user = tmp_path / "tok.json"
+    user.write_text(fit_tokenizer("bpe", 80, [strings]))
+    inputs = {"snippet": {"kind": "text", "max_len": 16, "tokenizer": str(user)}}
+    same = snippets(300)
+    drifted = snippets(300, seed=1).to_pydict()
+    # Longer rows, and words (with a character) the reference never had.
+    drifted["snippet"] = [None if t is None else f"{t} {t} Ωmega zeta{i % 5}" for i, t in enumerate(drifted["snippet"])]
+    datasets = []
+    for name, table in (("a.parquet", same), ("b.parquet", same), ("c.parquet", pa.table(drifted))):
+        path = table_file(table, name=name)
+        datasets.append(prepare_dataset(make_config(path, label="language", inputs=inputs)).manifest)
+    stats = datasets[0].extra["drift_stats"]["inputs"]["snippet"]
+    assert sum(stats["lengths"]) == datasets[0].rows("train") and len(stats["lengths"]) == 17
+    unchanged = {d.feature: d for d in compare(datasets[0], datasets[1]).features}
+    assert set(unchanged) == {"snippet:length", "snippet:words", "snippet:unknown_tokens"}
+    assert all(d.psi == 0 and d.mean_shift == 0 for d in unchanged.values())
+    report = compare(datasets[0], datasets[2])
+    moved = {d.feature: d for d in report.features}
+    assert moved["snippet:length"].psi > 0.25 and moved["snippet:length"].mean_shift > 0.5
+    assert moved["snippet:words"].current_mean > 0.2 > moved["snippet:words"].reference_mean
+    assert moved["snippet:unknown_tokens"].current_mean > moved["snippet:unknown_tokens"].reference_mean
+    assert report.max_psi >= moved["snippet:length"].psi

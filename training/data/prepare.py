@@ -420,6 +420,8 @@ class _DriftStats:
             elif name in self.vectors:
                 moments = self.vectors[name]
                 inputs[name] = {"kind": "vector", "mean": moments.mean.tolist(), "std": moments.std().tolist()}
+            elif codec.kind == "text":  # token lengths, unknown tokens, word counts (training/spec/text.py)
+                inputs[name] = codec.drift_stats()
         label = (
             {"kind": "classes", "counts": self.classes.tolist()}
             if self.classes is not None

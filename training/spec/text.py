@@ -99,7 +99,7 @@ class TextCodec(Codec):
         return pa.string()
 
     def observe(self, array: pa.Array) -> None:
-        self._observed.append(self._strings(array).drop_null())
+        self._observed.append(self._strings(array))  # nulls kept: drift counts them as rows of 0 tokens
 
     def fit(self) -> dict[str, Any]:
         if self._state is None:
@@ -108,9 +108,14 @@ class TextCodec(Codec):
                 text = _user_file(spec["file"]).read_text()
             else:
                 text = fit_tokenizer(spec["type"], int(spec["vocab_size"]), self._observed)
-            self._observed = []
             self.load({"tokenizer": text})
+            self._drift = text_drift_stats(self, self._observed)
+            self._observed = []
         return dict(self._state)
+
+    def drift_stats(self) -> dict[str, Any] | None:
+        """What drift compares (ddpflow/drift.py), over the train split: ``text_drift_stats``; None unfitted."""
+        return getattr(self, "_drift", None)
 
     def files(self) -> dict[str, str]:
         """The files prepare writes beside the manifest: the tokenizer, loadable with ``Tokenizer.from_file``."""
@@ -198,6 +203,43 @@ def unknown_id(text: str, tokenizer) -> int | None:
     return int(found) if found is not None else None
 
 
+# ---------------------------------------------------------------------- drift statistics
+
+DRIFT_TOP_WORDS = 2000  # per text input: the train split's most frequent words, with counts
+
+
+def text_drift_stats(codec: TextCodec, chunks: list[pa.Array]) -> dict[str, Any]:
+    """A text input's train-split statistics for drift: tokens per row (``lengths[n]``: rows of n tokens after
+    the cut to max_len), tokens and unknown tokens under its tokenizer (with its sha256: the rates compare only
+    under one tokenizer), and the most frequent whitespace-separated words (the rest counted as ``other``),
+    against which a later dataset's out-of-vocabulary rate is measured. Null rows are rows of 0 tokens."""
+    lengths = np.zeros(codec.max_len + 1, dtype=np.int64)
+    tokens = unknown = 0
+    words: list[pa.Table] = []
+    for chunk in chunks:
+        values, row_lengths = codec.encode_ragged(chunk)
+        lengths += np.bincount(row_lengths, minlength=len(lengths))
+        tokens += len(values)
+        unknown += int((values == codec.unk_id).sum()) if codec.unk_id is not None else 0
+        counts = pc.value_counts(pc.list_flatten(pc.utf8_split_whitespace(chunk))).flatten()
+        words.append(pa.table({"word": counts[0], "count": counts[1]}))
+    if words:
+        merged = pa.concat_tables(words).group_by("word").aggregate([("count", "sum")])
+        merged = merged.rename_columns(["word", "count"]).sort_by([("count", "descending"), ("word", "ascending")])
+    else:
+        merged = pa.table({"word": pa.array([], pa.string()), "count": pa.array([], pa.int64())})
+    kept = merged.slice(0, DRIFT_TOP_WORDS)
+    return {
+        "kind": "text",
+        "lengths": lengths.tolist(),
+        "tokens": int(tokens),
+        "unknown": int(unknown),
+        "tokenizer_sha256": codec.fit()["sha256"],
+        "counts": dict(zip(kept["word"].to_pylist(), kept["count"].to_pylist())),
+        "other": int(pc.sum(merged["count"]).as_py() or 0) - int(pc.sum(kept["count"]).as_py() or 0),
+    }
+
+
 # ---------------------------------------------------------------------- fitting
 
 
@@ -216,14 +258,14 @@ def fit_tokenizer(kind: str, vocab_size: int, chunks: list[pa.Array]) -> str:
         raise ValueError(f"tokenizer type {kind!r}: one of bpe, wordpiece, unigram")
     tokenizer.normalizer = normalizers.NFKC()
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    rows = sum(len(chunk) for chunk in chunks)
+    rows = sum(len(chunk) - chunk.null_count for chunk in chunks)
     tokenizer.train_from_iterator(_strings_of(chunks), trainer=trainer, length=rows)
     return _canonical(tokenizer.to_str(), kind)
 
 
 def _strings_of(chunks: list[pa.Array]):
     for chunk in chunks:
-        yield from chunk.to_pylist()
+        yield from chunk.drop_null().to_pylist()
 
 
 def _canonical(text: str, kind: str) -> str:
