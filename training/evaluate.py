@@ -31,6 +31,7 @@ from training.spec.codecs import Codec, codecs_for, encode_columns
 from training.spec.inputs import InputInfo, inputs_from_manifest
 from training.spec.metrics import precision_recall
 from training.spec.objectives import Objective, objective_from_checkpoint
+from training.wrong_rows import ConfidentlyWrong
 
 # What a model.pt must hold (docs/architecture.md) to be evaluated or served.
 REQUIRED_CHECKPOINT_KEYS = (
@@ -64,6 +65,8 @@ class EvalResult:
     # or regression values.
     predictions: np.ndarray | None = field(default=None, repr=False)
     targets: np.ndarray | None = field(default=None, repr=False)
+    # A classifier with text inputs: its most confidently wrong rows (training/wrong_rows.py), a table artifact.
+    confidently_wrong: list[dict[str, Any]] | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         """What ``eval/metrics.json`` holds (no per-row arrays)."""
@@ -175,7 +178,7 @@ def _iter_batches(manifest: Manifest, dataset_dir: Path, split: str, meta: dict[
         parquet = pq.ParquetFile(shard)
         for batch in parquet.iter_batches(batch_size=batch_size, columns=columns):
             encoded = encode_columns({name: batch.column(name) for name in inputs}, inputs, codecs, normaliser)
-            yield encoded, _labels(batch.column(manifest.label), manifest)
+            yield encoded, _labels(batch.column(manifest.label), manifest), batch
 
 
 def _labels(column, manifest: Manifest) -> torch.Tensor:
@@ -227,6 +230,12 @@ class _ClassificationEvaluation:
                 "support": int(support[index]),
             }
         return metrics, per_class
+
+    def probabilities(self, outputs: torch.Tensor, remap: torch.Tensor | None) -> torch.Tensor:
+        """[B, C] class probabilities in the dataset's index order (binary: both classes)."""
+        if remap is not None:
+            outputs = self.objective.remap_outputs(outputs, remap)
+        return self.objective.decode(outputs)[1]
 
     def confusion_matrix(self) -> list[list[int]] | None:
         return None if self.confusion is None else self.confusion.view(self.n_classes, self.n_classes).tolist()
@@ -281,11 +290,15 @@ def evaluate_split(
     else:
         tally = objective.tally(manifest.n_outputs if multilabel else None)
     samples, kept_predictions, kept_targets = 0, [], []
+    texts = [name for name, info in checkpoint_inputs(meta).items() if info.kind == "text"]
+    wrong = ConfidentlyWrong(texts, manifest.label_mapping) if classification and texts else None
     with torch.inference_mode():
-        for x, y in _iter_batches(manifest, dataset_dir, split, meta, batch_size):
+        for x, y, raw in _iter_batches(manifest, dataset_dir, split, meta, batch_size):
             output = model(x)  # x: the batch dict, through the model's own codecs and normalisation
             if classification:
                 predicted = evaluation.add(output, y, remap)
+                if wrong is not None:
+                    wrong.add(samples, raw, y, predicted, evaluation.probabilities(output, remap))
             elif multilabel:  # the objective's multilabel tally; predictions multi-hot [B, C] (no confusion matrix)
                 tally.add(output, y)
                 predicted = objective.decode(output)[0]
@@ -307,6 +320,7 @@ def evaluate_split(
         result.metrics, result.per_class = evaluation.metrics(split, manifest.label_mapping)
         result.confusion_matrix = evaluation.confusion_matrix()
         result.class_labels = [str(label) for label in manifest.label_mapping]
+        result.confidently_wrong = wrong.rows() if wrong is not None else None
     elif multilabel:
         result.metrics, result.per_class = _multilabel_metrics(tally, split, manifest.label_mapping)
         result.class_labels = [str(label) for label in manifest.label_mapping]

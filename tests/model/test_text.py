@@ -98,3 +98,21 @@ def test_auto_is_mlp_without_text_and_transformer_needs_text():
         ValueError, match="mlp takes numeric, categorical, hashed and vector inputs.*snippet \\(text\\)"
     ):
         build_model(ModelSpec.for_inputs("mlp", INPUTS, 2, {}))
+
+
+def test_the_most_confidently_wrong_rows_are_kept_across_batches_with_text_cut_for_display():
+    import pyarrow as pa
+
+    from training.wrong_rows import ConfidentlyWrong
+
+    wrong = ConfidentlyWrong(["snippet"], ["py", "sql"], count=2, max_chars=8)
+    first = pa.record_batch({"snippet": ["SELECT 1", "import os, sys, re", None]})
+    wrong.add(
+        0, first, torch.tensor([1, 1, 0]), torch.tensor([0, 1, 1]), torch.tensor([[0.7, 0.3], [0.1, 0.9], [0.4, 0.6]])
+    )
+    second = pa.record_batch({"snippet": ["def f(): pass", "ok"]})
+    wrong.add(3, second, torch.tensor([1, 0]), torch.tensor([0, 0]), torch.tensor([[0.95, 0.05], [0.99, 0.01]]))
+    rows = wrong.rows()
+    assert [(r["row"], r["label"], r["predicted"]) for r in rows] == [(3, "sql", "py"), (0, "sql", "py")]
+    assert rows[0]["confidence"] == pytest.approx(0.95) and rows[0]["snippet"] == "def f()…"
+    assert rows[1]["snippet"] == "SELECT 1"
