@@ -53,7 +53,15 @@ ChangesWeightsWhenSet = Annotated[_T, WeightsEffect(True, omitted_at_default=Tru
 KeepsWeights = Annotated[_T, WeightsEffect(False)]  # may change between attempts of one training
 
 
-OBJECTIVES = ("auto", "softmax", "binary", "multilabel", "mse", "huber")  # train.objective's built-in names
+OBJECTIVES = (
+    "auto",
+    "softmax",
+    "binary",
+    "multilabel",
+    "mse",
+    "huber",
+    "next_token",
+)  # train.objective's built-in names
 
 
 class _Section(BaseModel):

@@ -4,7 +4,9 @@ Each text input (training/spec/text.py: ``<name>`` int64 token ids [B, L], ``<na
 through its own small encoder: token embedding + learned position embedding (``max_len`` positions), torch's
 ``nn.TransformerEncoder`` (pre-norm, GELU), masked mean pooling over the real tokens -> [B, d_model]. The pooled
 vectors join the other inputs (numeric, categorical, hashed, vector) in the ``MLP`` head (training/models.py),
-as vector inputs of width ``d_model``: text mixes with a table in one model.
+as vector inputs of width ``d_model``: text mixes with a table in one model. With ``language_model: <text>``
+(what ``train.objective: next_token`` sets, training/spec/next_token.py) it is a causal language model of that
+text instead: the encoder under a causal mask, a linear head per position -> [B, L, vocab].
 
 Padding never changes a row's output: padded keys are masked out of attention and out of the pooling, so a row
 scores the same alone and in a batch padded to a longer row (to float rounding, ~1e-7), which is what keeps
@@ -41,9 +43,8 @@ class TextEncoder(nn.Module):
         states = self.tokens(ids) + self.positions(positions).unsqueeze(0)
         ignored = ~mask
         ignored[:, 0] &= mask.any(dim=1)  # a row of no tokens attends to its first position (never all masked)
-        causal_mask = (
-            nn.Transformer.generate_square_subsequent_mask(ids.shape[1], device=ids.device) if causal else None
-        )
+        length = ids.shape[1]
+        causal_mask = torch.ones(length, length, dtype=torch.bool, device=ids.device).triu(1) if causal else None
         return self.encoder(states, mask=causal_mask, src_key_padding_mask=ignored, is_causal=causal)
 
     def pooled(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -65,6 +66,7 @@ class TextTransformer(nn.Module):
         dropout: float = 0.0,
         hidden: Sequence[int] = (64,),
         embedding_dims: dict[str, int] | None = None,
+        language_model: str | None = None,
     ):
         super().__init__()
         from training.models import MLP
@@ -72,6 +74,11 @@ class TextTransformer(nn.Module):
         self.texts = [name for name, info in inputs.items() if info.kind == "text"]
         if not self.texts:
             raise ValueError("train.model transformer needs at least one text input (data.inputs: {name: text})")
+        if language_model is not None and language_model not in self.texts:
+            raise ValueError(f"language_model: {language_model!r} is not a text input ({self.texts})")
+        self.language_model = language_model
+        if language_model is not None:  # next_token: that text alone, causal, a token head per position
+            self.texts = [language_model]
         self.encoders = nn.ModuleDict(
             {
                 name: TextEncoder(
@@ -85,9 +92,15 @@ class TextTransformer(nn.Module):
             name: InputInfo(name, "vector", "float32", (d_model,)) if info.kind == "text" else info
             for name, info in inputs.items()
         }
-        self.head = MLP(head_inputs, n_outputs, hidden=hidden, dropout=dropout, embedding_dims=embedding_dims)
+        if language_model is not None:
+            self.head = nn.Linear(d_model, n_outputs)
+        else:
+            self.head = MLP(head_inputs, n_outputs, hidden=hidden, dropout=dropout, embedding_dims=embedding_dims)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.language_model is not None:  # [B, L, vocab]: position t's logits for token t + 1
+            name = self.language_model
+            return self.head(self.encoders[name](batch[name], batch[f"{name}_mask"], causal=True))
         pooled = {name: self.encoders[name].pooled(batch[name], batch[f"{name}_mask"]) for name in self.texts}
         return self.head({**batch, **pooled})
 

@@ -116,3 +116,34 @@ def test_the_most_confidently_wrong_rows_are_kept_across_batches_with_text_cut_f
     assert [(r["row"], r["label"], r["predicted"]) for r in rows] == [(3, "sql", "py"), (0, "sql", "py")]
     assert rows[0]["confidence"] == pytest.approx(0.95) and rows[0]["snippet"] == "def f()…"
     assert rows[1]["snippet"] == "SELECT 1"
+
+
+def test_next_token_targets_loss_per_target_token_and_a_causal_model_blind_to_padding():
+    import torch.nn.functional as F
+
+    from training.spec.next_token import IGNORE, NextToken
+
+    objective = NextToken(input="snippet", vocab_size=VOCAB)
+    torch.manual_seed(0)
+    net = build_model(
+        ModelSpec.for_inputs("auto", INPUTS, VOCAB, {"d_model": 16, "n_heads": 2, **objective.model_kwargs()})
+    )
+    rows = [[5, 6, 7, 8], [9], [], [3, 4]]
+    batch = batch_of(rows)
+    targets = objective.targets(batch, None)
+    assert targets.tolist() == [[6, 7, 8, IGNORE], [IGNORE] * 4, [IGNORE] * 4, [4, IGNORE, IGNORE, IGNORE]]
+    outputs = net(batch)
+    assert outputs.shape == (4, 4, VOCAB)
+    weights = objective.row_weights(targets)
+    assert weights.tolist() == [3, 0, 0, 1]
+    # Σ w·ℓ over rows is the sum over every target token: the mean per token once divided by Σ w.
+    total = (objective.per_row_loss(outputs, targets) * weights).sum()
+    flat = F.cross_entropy(outputs.reshape(-1, VOCAB), targets.reshape(-1), ignore_index=IGNORE, reduction="sum")
+    assert torch.allclose(total, flat, rtol=1e-6)
+    # Causal: a position's logits see only the tokens before it, so a longer row's prefix scores as the prefix.
+    with torch.no_grad():
+        prefix = net(batch_of([[5, 6]]))
+        assert torch.allclose(net(batch)[0, :2], prefix[0], atol=1e-6)
+        wider = net(batch_of(rows, width=MAX_LEN))[:, :4]
+        real = torch.stack([torch.tensor([True] * len(r) + [False] * (4 - len(r))) for r in rows])
+        assert torch.allclose(wider[real], net(batch)[real], atol=1e-6)
