@@ -289,6 +289,12 @@ class TrainConfig(_Section):
     bf16: ChangesWeights[bool] = Field(True, description="bf16 autocast on CUDA.")
     tf32: ChangesWeights[bool] = Field(True, description="Allow TF32 matmuls on CUDA.")
     pin_memory: KeepsWeights[bool] = True
+    num_workers: KeepsWeights[int] = Field(
+        0,
+        ge=0,
+        description="DataLoader worker processes per rank, kept for the run: where ragged inputs (images) are "
+        "decoded and augmented. 0: in the rank itself, all tabular and text data needs.",
+    )
     data_on_device: KeepsWeights[bool | Literal["auto"]] = Field(
         "auto",
         description="Copy the train and val splits to the GPU once and gather batches there; "

@@ -23,10 +23,12 @@ it mirrors.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import NamedTuple
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -34,6 +36,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from training.data.manifest import Manifest
+from training.data.ragged import BatchContext, RaggedArray, evaluation_context
 from training.normalisation import Normaliser
 from training.spec.codecs import Codec, codecs_for, read_encoders
 from training.spec.inputs import inputs_from_manifest, numeric_names
@@ -45,6 +48,10 @@ class ShardError(ValueError):
 
 FEATURES, LABELS, WEIGHTS = "features", "labels", "weights"
 INPUT_PREFIX = "input."  # a non-numeric input's section: "input.<name>"
+# A ragged input's two sections: "input.<name>.values" (every row's values, flat) and "input.<name>.offsets".
+VALUES, OFFSETS = ".values", ".offsets"
+
+Collate = Callable[[torch.Tensor, torch.Tensor, BatchContext], dict[str, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -52,35 +59,66 @@ class SplitArrays:
     """A split as sections of equal row count, what the node cache maps and the loader gathers from.
 
     The numeric inputs are ONE block (``features``, normalised, in manifest order: one gather per batch
-    for any number of them); every other input is a section of its own (``inputs``)."""
+    for any number of them); every other input is a section of its own (``inputs``). A ragged input (text,
+    images) is a ``RaggedArray`` that stays on the host; its codec's ``collate`` (``collators``, attached by
+    ``with_codecs``) makes its batch-dict entries per batch."""
 
     features: torch.Tensor  # [rows, F] float32, normalised: the numeric inputs (F may be 0)
     # [rows] int64 (classification), float32 (regression, standardised); [rows, C] float32 multi-hot (multilabel)
     labels: torch.Tensor
-    inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # the other inputs, [rows, *shape]
+    inputs: dict[str, torch.Tensor | RaggedArray] = field(default_factory=dict)  # the others: [rows, *shape]
     weights: torch.Tensor | None = None  # [rows] float32: data.weight; None without one
     numeric: tuple[str, ...] = ()  # the names of the columns of ``features``
+    collators: dict[str, Collate] = field(default_factory=dict)  # ragged input -> its codec's collate
 
     def __len__(self) -> int:
         return self.labels.shape[0]
 
+    def ragged_names(self) -> list[str]:
+        return [name for name, values in self.inputs.items() if isinstance(values, RaggedArray)]
+
     def sections(self) -> dict[str, torch.Tensor]:
-        """Every tensor by its section name (``FEATURES``, ``input.<name>``, ``LABELS``, ``WEIGHTS``)."""
-        sections = {FEATURES: self.features, **{INPUT_PREFIX + n: t for n, t in self.inputs.items()}}
+        """Every tensor by its section name (``FEATURES``, ``input.<name>`` or ``input.<name>.values`` and
+        ``.offsets``, ``LABELS``, ``WEIGHTS``)."""
+        sections = {FEATURES: self.features}
+        for name, values in self.inputs.items():
+            if isinstance(values, RaggedArray):
+                sections |= {INPUT_PREFIX + name + VALUES: values.values, INPUT_PREFIX + name + OFFSETS: values.offsets}
+            else:
+                sections[INPUT_PREFIX + name] = values
         sections[LABELS] = self.labels
         if self.weights is not None:
             sections[WEIGHTS] = self.weights
         return sections
 
+    def row_sections(self) -> dict[str, torch.Tensor]:
+        """The sections with one entry per row: what a batch gathers and a device can hold (not the ragged ones)."""
+        ragged = {INPUT_PREFIX + name + suffix for name in self.ragged_names() for suffix in (VALUES, OFFSETS)}
+        return {name: tensor for name, tensor in self.sections().items() if name not in ragged}
+
     def with_sections(self, sections: dict[str, torch.Tensor]) -> SplitArrays:
-        """The same split with each section replaced (moved to a device, gathered rows...)."""
-        return SplitArrays(
+        """The same split with each section given replaced (moved to a device...); the others as they are."""
+        sections = {**self.sections(), **sections}
+        return replace(
+            self,
             features=sections[FEATURES],
             labels=sections[LABELS],
-            inputs={name: sections[INPUT_PREFIX + name] for name in self.inputs},
+            inputs={name: _input_from(sections, name, name in self.ragged_names()) for name in self.inputs},
             weights=sections.get(WEIGHTS),
-            numeric=self.numeric,
         )
+
+    def with_codecs(self, codecs: dict[str, Codec]) -> SplitArrays:
+        """The split with its ragged inputs' ``collate`` attached (the codecs of the dataset or the checkpoint)."""
+        return replace(self, collators={name: codecs[name].collate for name in self.ragged_names()})
+
+    def collate_rows(self, rows: torch.Tensor, context: BatchContext) -> dict[str, torch.Tensor]:
+        """The ragged inputs' batch-dict entries for ``rows`` (on the host), made by their codecs."""
+        entries = {}
+        for name in self.ragged_names():
+            if name not in self.collators:
+                raise RuntimeError(f"input {name!r} is ragged but its codec was not attached (SplitArrays.with_codecs)")
+            entries |= self.collators[name](*self.inputs[name].gather(rows), context)
+        return entries
 
     def batch_inputs(self, features: torch.Tensor, others: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The model's batch dict: every numeric input as a [B] view of the gathered block, then the others."""
@@ -88,9 +126,18 @@ class SplitArrays:
         return {**{name: features[:, j] for j, name in enumerate(names)}, **others}
 
     def rows(self, start: int, stop: int) -> dict[str, torch.Tensor]:
-        """Rows ``[start, stop)`` as the model's batch dict (views)."""
-        others = {name: tensor[start:stop] for name, tensor in self.inputs.items()}
+        """Rows ``[start, stop)`` as the model's batch dict (views; ragged inputs collated for evaluation)."""
+        others = {name: t[start:stop] for name, t in self.inputs.items() if not isinstance(t, RaggedArray)}
+        if self.ragged_names():
+            rows = torch.arange(start, stop)
+            others |= self.collate_rows(rows, evaluation_context(rows))
         return self.batch_inputs(self.features[start:stop], others)
+
+
+def _input_from(sections: dict[str, torch.Tensor], name: str, ragged: bool) -> torch.Tensor | RaggedArray:
+    if ragged:
+        return RaggedArray(sections[INPUT_PREFIX + name + VALUES], sections[INPUT_PREFIX + name + OFFSETS])
+    return sections[INPUT_PREFIX + name]
 
 
 SplitTensors = SplitArrays  # the name before typed inputs: SplitTensors(features, labels) still builds one
@@ -103,29 +150,42 @@ def label_dtype(task: str) -> torch.dtype:
 
 @dataclass(frozen=True)
 class Section:
-    """One section of a split's layout: its name, dtype and per-row shape."""
+    """One section of a split's layout: its name, dtype and per-row shape.
+
+    ``extent``: "rows", ``[rows, *shape]``; "offsets", a ragged input's ``[rows + 1]``; "values", a ragged
+    input's values, ``[total]``: their number is known only once the split is encoded (``fill_split``)."""
 
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]  # per row
+    extent: str = "rows"
+
+    def full_shape(self, rows: int) -> tuple[int, ...]:
+        """The section's shape in a split of ``rows`` rows (not for "values")."""
+        return (rows + 1,) if self.extent == "offsets" else (rows, *self.shape)
 
 
 def split_layout(manifest: Manifest) -> list[Section]:
-    """The sections of a split of ``manifest``, in file order (the node cache's layout)."""
+    """The sections of a split of ``manifest``, in file order (the node cache's layout): the ragged inputs'
+    values last, since only they are sized by the encoding."""
     inputs = inputs_from_manifest(manifest)
-    sections = [Section(FEATURES, torch.float32, (manifest.n_features,))]
+    sections, values = [Section(FEATURES, torch.float32, (manifest.n_features,))], []
     for name, info in inputs.items():
-        if info.kind != "numeric":
+        if info.ragged_dtype:
+            sections.append(Section(INPUT_PREFIX + name + OFFSETS, torch.int64, (), "offsets"))
+            values.append(Section(INPUT_PREFIX + name + VALUES, getattr(torch, info.ragged_dtype), (), "values"))
+        elif info.kind != "numeric":
             sections.append(Section(INPUT_PREFIX + name, getattr(torch, info.dtype), info.shape))
     label_shape = (manifest.n_outputs,) if manifest.task == "multilabel" else ()  # multi-hot [rows, C]
     sections.append(Section(LABELS, label_dtype(manifest.task), label_shape))
     if manifest.weight:
         sections.append(Section(WEIGHTS, torch.float32, ()))
-    return sections
+    return sections + values
 
 
 def empty_split(manifest: Manifest, rows: int, make=torch.empty) -> dict[str, torch.Tensor]:
-    return {section.name: make((rows, *section.shape), dtype=section.dtype) for section in split_layout(manifest)}
+    """The split's sections sized from the manifest alone: all but the ragged values."""
+    return {s.name: make(s.full_shape(rows), dtype=s.dtype) for s in split_layout(manifest) if s.extent != "values"}
 
 
 def split_from_sections(manifest: Manifest, sections: dict[str, torch.Tensor]) -> SplitArrays:
@@ -133,7 +193,11 @@ def split_from_sections(manifest: Manifest, sections: dict[str, torch.Tensor]) -
     return SplitArrays(
         features=sections[FEATURES],
         labels=sections[LABELS],
-        inputs={name: sections[INPUT_PREFIX + name] for name, info in inputs.items() if info.kind != "numeric"},
+        inputs={
+            name: _input_from(sections, name, bool(info.ragged_dtype))
+            for name, info in inputs.items()
+            if info.kind != "numeric"
+        },
         weights=sections.get(WEIGHTS),
         numeric=tuple(numeric_names(inputs)),
     )
@@ -145,10 +209,16 @@ def manifest_codecs(dataset_dir: str | Path, manifest: Manifest) -> dict[str, Co
 
 
 def load_split(dataset_dir: str | Path, manifest: Manifest, split: str, read_rows: int = 16_384) -> SplitArrays:
-    """The split in tensors allocated here, filled record batch by record batch (``fill_split``)."""
+    """The split in tensors allocated here, filled record batch by record batch (``fill_split``); the codecs
+    are attached (``SplitArrays.with_codecs``)."""
     sections = empty_split(manifest, manifest.rows(split))
-    fill_split(dataset_dir, manifest, split, sections, read_rows)
-    return split_from_sections(manifest, sections)
+    values: dict[str, list[np.ndarray]] = {s.name: [] for s in split_layout(manifest) if s.extent == "values"}
+    fill_split(dataset_dir, manifest, split, sections, read_rows, {name: got.append for name, got in values.items()})
+    for section in split_layout(manifest):
+        if section.extent == "values":
+            dtype = np.dtype(str(section.dtype).removeprefix("torch."))
+            sections[section.name] = torch.from_numpy(np.concatenate(values[section.name] or [np.empty(0, dtype)]))
+    return split_from_sections(manifest, sections).with_codecs(manifest_codecs(dataset_dir, manifest))
 
 
 def fill_split(
@@ -157,14 +227,23 @@ def fill_split(
     split: str,
     sections: dict[str, torch.Tensor],
     read_rows: int = 16_384,
+    ragged_values: dict[str, Callable[[np.ndarray], object]] | None = None,
 ) -> None:
     """Fill preallocated ``sections`` (tensors, or views of a mapped file) with the split, encoded and
-    normalised, one record batch at a time: memory beyond the sections is one record batch."""
+    normalised, one record batch at a time: memory beyond the sections is one record batch.
+
+    A ragged input's offsets are written into its section; its values, whose number only the encoding tells,
+    go to ``ragged_values[<values section>]`` batch by batch, in row order (a list's append, a file's write)."""
     rows = manifest.rows(split)
     normaliser = Normaliser.from_manifest(manifest)
     codecs = manifest_codecs(dataset_dir, manifest)
-    others = [name for name, codec in codecs.items() if codec.kind != "numeric"]
-    columns = [*manifest.features, *others, manifest.label, *([manifest.weight] if manifest.weight else [])]
+    others = [name for name, codec in codecs.items() if codec.kind != "numeric" and not codec.ragged_dtype]
+    ragged = {
+        name: RaggedFill(name, codec.ragged_dtype, sections, ragged_values)
+        for name, codec in codecs.items()
+        if codec.ragged_dtype
+    }
+    columns = [*manifest.features, *others, *ragged, manifest.label, *([manifest.weight] if manifest.weight else [])]
     offset = 0
     for shard, path in zip(manifest.splits[split].shards, manifest.split_files(dataset_dir, split)):
         start = offset
@@ -178,6 +257,8 @@ def fill_split(
                 block[:, j] = batch.column(name).to_numpy(zero_copy_only=False)
             for name in others:
                 sections[INPUT_PREFIX + name][offset:stop].numpy()[:] = _encoded(codecs[name], batch, name, path)
+            for name, fill in ragged.items():
+                fill.add(offset, _encoded_ragged(codecs[name], batch, name, path))
             fill_labels(sections[LABELS][offset:stop].numpy(), batch.column(manifest.label), manifest.task)
             if manifest.weight:
                 sections[WEIGHTS][offset:stop].numpy()[:] = batch.column(manifest.weight).to_numpy()
@@ -210,6 +291,32 @@ def _encoded(codec: Codec, batch: pa.RecordBatch, name: str, path: Path):
         raise ShardError(f"{path}: {error}") from None
 
 
+def _encoded_ragged(codec: Codec, batch: pa.RecordBatch, name: str, path: Path) -> tuple[np.ndarray, np.ndarray]:
+    try:
+        return codec.encode_ragged(batch.column(name))
+    except ValueError as error:
+        raise ShardError(f"{path}: {error}") from None
+
+
+class RaggedFill:
+    """One ragged input's part of ``fill_split``: offsets into the section, values to their sink, in row order."""
+
+    def __init__(self, name: str, dtype: str, sections: dict[str, torch.Tensor], sinks: dict | None):
+        values, self.dtype = INPUT_PREFIX + name + VALUES, np.dtype(dtype)
+        if sinks is None or values not in sinks:
+            raise ValueError(f"input {name!r} is ragged: fill_split needs a sink for {values}")
+        self.offsets, self.sink, self.total = sections[INPUT_PREFIX + name + OFFSETS].numpy(), sinks[values], 0
+        self.offsets[0] = 0
+
+    def add(self, first_row: int, encoded: tuple[np.ndarray, np.ndarray]) -> None:
+        values, lengths = encoded
+        if int(lengths.sum()) != len(values):
+            raise ValueError(f"encode_ragged returned {len(values)} values for lengths summing to {lengths.sum()}")
+        self.offsets[first_row + 1 : first_row + 1 + len(lengths)] = self.total + np.cumsum(lengths)
+        self.total += len(values)
+        self.sink(np.ascontiguousarray(values, dtype=self.dtype))
+
+
 def _record_batches(path: Path, columns: list[str], read_rows: int):
     try:
         parquet = pq.ParquetFile(path)
@@ -221,24 +328,37 @@ def _record_batches(path: Path, columns: list[str], read_rows: int):
     return parquet.iter_batches(batch_size=read_rows, columns=columns)
 
 
-class InMemoryDataset(Dataset):
-    """Map-style dataset over in-memory sections, indexed by a whole batch of row numbers at once."""
+class BatchRequest(NamedTuple):
+    """What the sampler hands the dataset per batch: the rows and the epoch (so persistent workers know it)."""
 
-    def __init__(self, split: SplitArrays):
-        self.split = split
+    rows: torch.Tensor  # int64 [B]
+    epoch: int
+
+
+class InMemoryDataset(Dataset):
+    """Map-style dataset over in-memory sections, indexed by a whole batch of row numbers at once.
+
+    Returns (rows, the gathered row sections, the ragged inputs' collated entries): in the DataLoader's worker
+    processes when it has any, which is where an image is decoded."""
+
+    def __init__(self, split: SplitArrays, seed: int = 0):
+        self.split, self.seed = split, seed
 
     def __len__(self) -> int:
         return len(self.split)
 
-    def __getitem__(self, rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def __getitem__(self, request: BatchRequest | torch.Tensor):
+        rows, epoch = (request, 0) if isinstance(request, torch.Tensor) else request
         # One gather per section for the whole batch (index_select: ~3x faster than x[rows] on CPU), where the
         # split lives: on the device (train.data_on_device) only the row numbers cross over; on the CPU .to is a no-op.
         where = rows.to(self.split.labels.device, non_blocking=True)
         # The row weights are not gathered here: TrainBatches weighs each batch from its own row weights.
-        sections = {name: tensor for name, tensor in self.split.sections().items() if name != WEIGHTS}
-        return rows, {name: tensor.index_select(0, where) for name, tensor in sections.items()}
+        sections = {name: tensor for name, tensor in self.split.row_sections().items() if name != WEIGHTS}
+        gathered = {name: tensor.index_select(0, where) for name, tensor in sections.items()}
+        collated = self.split.collate_rows(rows, BatchContext(rows, epoch, self.seed, train=True))
+        return rows, gathered, collated
 
-    def __getitems__(self, rows: Sequence[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def __getitems__(self, rows: Sequence[int]):
         return self[torch.as_tensor(rows, dtype=torch.int64)]
 
 
@@ -294,8 +414,9 @@ class BatchSlices(Sampler):
     def __len__(self) -> int:
         return math.ceil(len(self.sampler) / self.batch_size)
 
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        return iter(self.sampler.rank_indices().split(self.batch_size))
+    def __iter__(self) -> Iterator[BatchRequest]:
+        epoch = self.sampler.epoch
+        return (BatchRequest(rows, epoch) for rows in self.sampler.rank_indices().split(self.batch_size))
 
 
 def _batch_as_is(batch):
@@ -344,8 +465,9 @@ class TrainBatches:
         device: torch.device,
         pin_memory: bool,
         row_weights: torch.Tensor | None = None,
+        num_workers: int = 0,
     ):
-        self.dataset = InMemoryDataset(split)
+        self.dataset = InMemoryDataset(split, seed)
         # Each train row's loss weight ([rows] float32; None: all 1): its data.weight times its class weight
         # (``row_weights``, from train.class_weights); the one place both come in.
         self.row_weights = combined_row_weights(split.weights, row_weights)
@@ -359,7 +481,10 @@ class TrainBatches:
             batch_size=None,  # the sampler yields whole batches of row numbers
             sampler=BatchSlices(self.sampler, batch_size),
             collate_fn=_batch_as_is,
-            num_workers=0,  # the data is already in memory: workers would only copy it
+            # train.num_workers: 0 gathers in the rank itself (in-memory sections need no workers); more decode
+            # ragged inputs (images) in that many processes, kept for the run and a batch ahead each.
+            num_workers=num_workers,
+            persistent_workers=num_workers > 0,
             pin_memory=pin_memory and device.type == "cuda" and split.labels.device.type == "cpu",
         )
         self.padded = len(split) % world_size != 0
@@ -387,11 +512,13 @@ class TrainBatches:
             in_order = self.row_weights.index_select(0, order).double()
             self._weight_before = torch.cat([torch.zeros(1, dtype=torch.float64), in_order.cumsum(0)])
         split = self.dataset.split
-        for step, (indices, sections) in enumerate(self.loader):
+        ragged = set(split.ragged_names())
+        for step, (indices, sections, collated) in enumerate(self.loader):
             real = self._real_rows(step, len(indices))
             on_device = {name: tensor.to(self.device, non_blocking=True) for name, tensor in sections.items()}
             features = on_device[FEATURES]
-            others = {name: on_device[INPUT_PREFIX + name] for name in split.inputs}
+            others = {name: on_device[INPUT_PREFIX + name] for name in split.inputs if name not in ragged}
+            others |= {name: tensor.to(self.device, non_blocking=True) for name, tensor in collated.items()}
             yield Batch(
                 indices=indices if real is None else indices[real],
                 features=features,

@@ -159,7 +159,7 @@ class Trainer:
         self.train_split, self.val = placed["train"], placed["val"]  # a host copy placed elsewhere is let go
         self.batches = TrainBatches(
             self.train_split, ctx.rank, ctx.world_size, train.batch_size, train.seed, ctx.device, train.pin_memory,
-            row_weights=self.objective.split_row_weights(self.train_split),
+            row_weights=self.objective.split_row_weights(self.train_split), num_workers=train.num_workers,
         )  # fmt: skip
 
     def _build_optimizer(self) -> None:

@@ -306,3 +306,109 @@ def test_a_ragged_section_gathers_rows_of_any_length_with_one_index():
     assert values.tolist() == [5, 6, 1, 2, 3, 5, 6] and offsets.tolist() == [0, 2, 2, 5, 7]
     with pytest.raises(ValueError, match="offsets must run from 0"):
         RaggedArray(torch.tensor([1, 2]), torch.tensor([0, 1]))
+
+
+# --------------------------------------------------------------------------- the ragged-input seam
+
+
+class Utf8Codec:
+    """A stand-in ragged kind (the seam's contract, not a product kind): a string's UTF-8 bytes, collated as a
+    zero-padded uint8 batch plus each row's length and the epoch the loader passed."""
+
+    kind, dtype, ragged_dtype = "utf8_test", "uint8", "uint8"
+
+    def __init__(self, name, options=None):
+        self.name, self.options = name, dict(options or {})
+
+    def load(self, state):
+        pass
+
+    def encode_ragged(self, array):
+        values = [(value or "").encode() for value in array.to_pylist()]  # null: no bytes
+        return np.frombuffer(b"".join(values), dtype=np.uint8), np.array([len(v) for v in values], dtype=np.int64)
+
+    def collate(self, values, offsets, context):
+        lengths = offsets[1:] - offsets[:-1]
+        padded = torch.zeros(len(lengths), int(lengths.max()) if len(lengths) else 0, dtype=torch.uint8)
+        for i in range(len(lengths)):
+            padded[i, : lengths[i]] = values[offsets[i] : offsets[i + 1]]
+        return {
+            self.name: padded,
+            f"{self.name}_len": lengths,
+            f"{self.name}_epoch": torch.full_like(lengths, context.epoch),
+        }
+
+
+@pytest.fixture
+def ragged_dataset(tmp_path, monkeypatch):
+    """The mixed dataset with its ``city`` column declared a ragged input of the stand-in kind."""
+    import json
+
+    from training.data.manifest import write_manifest
+    from training.spec import codecs, inputs
+
+    monkeypatch.setattr(inputs, "KINDS", (*inputs.KINDS, Utf8Codec.kind))
+    monkeypatch.setitem(codecs.CODECS, Utf8Codec.kind, Utf8Codec)
+    dataset, manifest = mixed_dataset(tmp_path)
+    states = json.loads((dataset / codecs.ENCODERS_FILE).read_text())
+    states["city"] = {"kind": Utf8Codec.kind, "options": {}, "state": {}}
+    text = codecs.encoders_text(states)
+    (dataset / codecs.ENCODERS_FILE).write_text(text)
+    entries = [
+        {**entry, "kind": Utf8Codec.kind, "dtype": "uint8", "cardinality": None, "ragged_dtype": "uint8"}
+        if entry["name"] == "city"
+        else entry
+        for entry in manifest.inputs
+    ]
+    manifest = dataclasses.replace(
+        manifest, inputs=entries, encoders={**manifest.encoders, "sha256": codecs.encoders_sha256(text)}
+    )
+    write_manifest(dataset, manifest)
+    table = pa.concat_tables([pq.read_table(path) for path in manifest.split_files(dataset, "train")])
+    return dataset, manifest, table
+
+
+def test_a_ragged_input_loads_as_values_and_offsets_and_the_node_cache_maps_the_same(ragged_dataset):
+    from training.data import node_cache
+    from training.data.ragged import RaggedArray
+
+    dataset, manifest, table = ragged_dataset
+    split = load_split(dataset, manifest, "train", read_rows=64)  # many record batches: offsets carried across
+    city = split.inputs["city"]
+    assert isinstance(city, RaggedArray) and city.values.dtype == torch.uint8 and len(city) == len(table)
+    expected = [(value or "").encode() for value in table["city"].to_pylist()]
+    assert [bytes(city.row(i).numpy()) for i in range(len(city))] == expected
+    assert torch.equal(split.inputs["vec"], torch.from_numpy(np.stack(table["vec"].to_numpy(zero_copy_only=False))))
+    # The node cache: the values after the fixed sections, sized by the build, then mapped and validated.
+    path = node_cache.cache_path(dataset, manifest, "train", None)
+    expected_header = node_cache._expected_header(manifest, "train")
+    assert expected_header["file_bytes"] is None  # sized only by the encoding
+    node_cache._build(dataset, manifest, "train", path, expected_header, None)  # in-process: the stand-in kind
+    (mapped, _inode), problem = node_cache._try_map(path, expected_header, manifest)
+    assert problem == "" and set(mapped.sections()) == set(split.sections())
+    for name, tensor in split.sections().items():
+        assert torch.equal(mapped.sections()[name], tensor), name
+    # A file cut short in its ragged values is refused, not mapped.
+    with open(path, "r+b") as handle:
+        handle.truncate(path.stat().st_size - 64)
+    assert node_cache._try_map(path, expected_header, manifest)[0] is None
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_ragged_rows_are_collated_per_batch_with_their_epoch_in_the_rank_or_its_workers(ragged_dataset, workers):
+    dataset, manifest, table = ragged_dataset
+    split = load_split(dataset, manifest, "train")
+    batches = TrainBatches(split, 0, 1, 16, seed=0, device=torch.device("cpu"), pin_memory=False, num_workers=workers)
+    strings = [value or "" for value in table["city"].to_pylist()]
+    seen = 0
+    for batch in batches.epoch(3):
+        got = batch.inputs
+        assert list(got)[:1] == ["x"] and {"city", "city_len", "city_epoch", "vec", "shop"} <= set(got)
+        assert got["city_epoch"].eq(3).all()  # the epoch reaches the codec, in the workers too
+        for row, padded, length in zip(batch.indices.tolist(), got["city"], got["city_len"]):
+            assert bytes(padded[:length].numpy()) == strings[row].encode()
+            seen += 1
+    assert seen == len(table)
+    # Validation and evaluation collate the same rows, with the evaluation context (epoch 0).
+    rows = split.rows(5, 9)
+    assert [bytes(p[:n].numpy()) for p, n in zip(rows["city"], rows["city_len"])] == [s.encode() for s in strings[5:9]]

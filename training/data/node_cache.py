@@ -8,7 +8,12 @@ out in the layout the loader gathers from::
 
     <cache dir>/<split>-f<format>n<normalisation>-<key>.bin
         4096-byte header | features float32 [rows, n_features] | input.<name> [rows, *shape] ... |
-        labels [rows] | weights float32 [rows] (with data.weight); each section 64-byte aligned
+        input.<ragged>.offsets int64 [rows + 1] ... | labels [rows] | weights float32 [rows] (with data.weight) |
+        input.<ragged>.values [total] ...; each section 64-byte aligned
+
+A ragged input (text token ids, image bytes) has as many values as its encoding makes, known only once the
+split is encoded: its values go last, streamed to an unlinked side file during the build and copied in
+after, and the header, written last, gives their size (checked against the file's size and the offsets).
 
 The cache dir is ``<data.cache_dir>/<fingerprint>/``, or ``<dataset dir>/cache/``
 beside the shards when ``data.cache_dir`` is not set. ``key`` hashes the whole
@@ -47,10 +52,12 @@ import hashlib
 import json
 import mmap
 import os
+import shutil
 import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 import zlib
@@ -65,13 +72,23 @@ import torch
 
 from training.data.manifest import Manifest
 from training.fileio import atomic_write
-from training.loading import ShardError, SplitArrays, fill_split, load_split, split_from_sections, split_layout
+from training.loading import (
+    ShardError,
+    SplitArrays,
+    fill_split,
+    load_split,
+    manifest_codecs,
+    split_from_sections,
+    split_layout,
+)
 from training.normalisation import NORMALISATION_VERSION
+from training.spec.inputs import inputs_from_manifest
 
 # Bump when the file layout or the header changes: old files then fail validation (and their name).
 # What load_split returns is versioned where that rule lives (NORMALISATION_VERSION); new manifest
 # statistics need no bump at all: the key hashes the whole manifest.
 # 2: sections (the numeric block, one per other input, labels, weights), listed in the header.
+# (Ragged sections came without a bump: a manifest with a ragged input is new, so no old file can match it.)
 FORMAT_VERSION = 2
 MAGIC = b"DDPFSPLT"
 HEADER_BYTES = 4096  # the payload starts page-aligned
@@ -148,6 +165,9 @@ def open_splits(
     if missing:
         got |= _build_missing(dataset_dir, manifest, sorted(missing), cache_dir)
     seconds = time.monotonic() - started
+    if any(info.ragged_dtype for info in inputs_from_manifest(manifest).values()):  # their codecs collate batches
+        codecs = manifest_codecs(dataset_dir, manifest)
+        got = {split: (tensors.with_codecs(codecs), *rest) for split, (tensors, *rest) in got.items()}
     return {
         split: CachedSplit(
             split, got[split][0], cache_path(dataset_dir, manifest, split, cache_dir), *got[split][1:], seconds
@@ -186,15 +206,26 @@ def _build_missing(
 # --------------------------------------------------------------------------- header and validation
 
 
+def _aligned(offset: int) -> int:
+    return -(-offset // ALIGN) * ALIGN  # each section starts on a cache line
+
+
 def _expected_header(manifest: Manifest, split: str) -> dict[str, Any]:
-    """The header a valid file of ``split`` has: the manifest's key, the rows and every section's place."""
+    """The header a valid file of ``split`` has: the manifest's key, the rows and every section's place.
+
+    A ragged input's values section has ``shape`` and ``offset`` None here, and so has ``file_bytes``: the file's
+    own header gives them (``_sized``); ``fixed_bytes`` is where they start."""
     rows = manifest.rows(split)
     sections, offset = [], HEADER_BYTES
     for section in split_layout(manifest):
         dtype = str(section.dtype).removeprefix("torch.")
-        size = rows * int(np.prod(section.shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        sections.append({"name": section.name, "dtype": dtype, "shape": [rows, *section.shape], "offset": offset})
-        offset = -(-(offset + size) // ALIGN) * ALIGN  # each section starts on a cache line
+        if section.extent == "values":  # last in the layout: the fixed sections' places do not depend on them
+            sections.append({"name": section.name, "dtype": dtype, "shape": None, "offset": None})
+            continue
+        shape = section.full_shape(rows)
+        sections.append({"name": section.name, "dtype": dtype, "shape": list(shape), "offset": offset})
+        offset = _aligned(offset + int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize)
+    ragged = any(section["shape"] is None for section in sections)
     return {
         "format_version": FORMAT_VERSION,
         "normalisation_version": NORMALISATION_VERSION,
@@ -204,8 +235,33 @@ def _expected_header(manifest: Manifest, split: str) -> dict[str, Any]:
         "rows": rows,
         "n_features": manifest.n_features,
         "sections": sections,
-        "file_bytes": offset,
+        "file_bytes": None if ragged else offset,
+        **({"fixed_bytes": offset} if ragged else {}),
     }
+
+
+def _sized(expected: dict[str, Any], totals: dict[str, int]) -> dict[str, Any]:
+    """``expected`` with each ragged values section placed after the fixed ones, holding ``totals[name]`` values."""
+    if expected["file_bytes"] is not None:
+        return expected
+    sections, offset = [], expected["fixed_bytes"]
+    for section in expected["sections"]:
+        if section["shape"] is None:
+            count = totals[section["name"]]
+            section = {**section, "shape": [count], "offset": offset}
+            offset = _aligned(offset + count * np.dtype(section["dtype"]).itemsize)
+        sections.append(section)
+    return {**expected, "sections": sections, "file_bytes": offset}
+
+
+def _ragged_totals(header: dict[str, Any], expected: dict[str, Any]) -> dict[str, int] | None:
+    """The values count of each ragged section as the file's header gives it; None if it gives none."""
+    wanted = [section["name"] for section in expected["sections"] if section["shape"] is None]
+    found = {s.get("name"): s.get("shape") for s in header.get("sections") or [] if isinstance(s, dict)}
+    totals = {name: found.get(name) for name in wanted}
+    if not all(isinstance(shape, list) and len(shape) == 1 and isinstance(shape[0], int) for shape in totals.values()):
+        return None  # an older or damaged header
+    return {name: shape[0] for name, shape in totals.items()}
 
 
 def _encode_header(header: dict[str, Any]) -> bytes:
@@ -216,28 +272,34 @@ def _encode_header(header: dict[str, Any]) -> bytes:
     return encoded.ljust(HEADER_BYTES, b"\0")
 
 
-def _header_problem(handle: IO[bytes], expected: dict[str, Any]) -> str | None:
-    """Why the open file is not the expected cache, or None. Checks the header, then the size."""
+def _header_problem(handle: IO[bytes], expected: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
+    """(Why the open file is not the expected cache or None, the expected header sized by the file's ragged
+    sections). Checks the header, then the size."""
     raw = handle.read(HEADER_BYTES)
     if len(raw) < _PREFIX.size:
-        return f"truncated: {os.fstat(handle.fileno()).st_size} bytes, shorter than a header"
+        return f"truncated: {os.fstat(handle.fileno()).st_size} bytes, shorter than a header", expected
     magic, length, crc = _PREFIX.unpack_from(raw)
     body = raw[_PREFIX.size : _PREFIX.size + length]
     if magic != MAGIC:
-        return f"corrupt header: magic {magic!r}, expected {MAGIC!r}"
+        return f"corrupt header: magic {magic!r}, expected {MAGIC!r}", expected
     if len(body) != length or zlib.crc32(body) != crc:
-        return "corrupt header: its checksum does not match"
+        return "corrupt header: its checksum does not match", expected
     try:
         header = json.loads(body)
     except ValueError:
-        return "corrupt header: not JSON"
+        return "corrupt header: not JSON", expected
+    totals = _ragged_totals(header, expected)
+    if totals is None:
+        return "stale: the header does not size the ragged sections", expected
+    expected = _sized(expected, totals)
     differing = [name for name, value in expected.items() if header.get(name) != value]
     if differing:
-        return "stale: " + ", ".join(f"{name} {header.get(name)!r} (expected {expected[name]!r})" for name in differing)
+        stale = ", ".join(f"{name} {header.get(name)!r} (expected {expected[name]!r})" for name in differing)
+        return "stale: " + stale, expected
     size = os.fstat(handle.fileno()).st_size
     if size != expected["file_bytes"]:
-        return f"truncated: {size} bytes, the header says {expected['file_bytes']}"
-    return None
+        return f"truncated: {size} bytes, the header says {expected['file_bytes']}", expected
+    return None, expected
 
 
 def _section_views(buffer: np.ndarray, expected: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -254,7 +316,7 @@ def _try_map(path: Path, expected: dict[str, Any], manifest: Manifest) -> tuple[
     """(sections, inode) of a valid file, else (None, why not). Validates and maps the SAME open file."""
     try:
         with open(path, "rb") as handle:
-            problem = _header_problem(handle, expected)
+            problem, expected = _header_problem(handle, expected)
             if problem is not None:
                 return None, problem
             buffer = np.memmap(handle, dtype=np.uint8, mode="r", shape=(expected["file_bytes"],))
@@ -266,7 +328,11 @@ def _try_map(path: Path, expected: dict[str, Any], manifest: Manifest) -> tuple[
         # a tensor read-only. Nothing writes to these tensors: batches are gathered into new ones.
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         sections = {name: torch.from_numpy(view) for name, view in _section_views(buffer, expected).items()}
-    return (split_from_sections(manifest, sections), inode), ""
+    try:
+        split = split_from_sections(manifest, sections)
+    except ValueError as error:  # a ragged input's offsets that do not span its values
+        return None, f"corrupt: {error}"
+    return (split, inode), ""
 
 
 # --------------------------------------------------------------------------- building
@@ -281,7 +347,8 @@ def _unwritable(path: Path, cache_dir: str | None, error: OSError, expected: dic
     return NodeCacheError(
         f"cannot write the node data cache {path}: {error.strerror or error} ({where}); "
         f"point data.cache_dir at a writable directory with room for the {expected['split']} split "
-        f"({expected['file_bytes'] / 1e6:.2f} MB)"
+        f"({(expected['file_bytes'] or expected['fixed_bytes']) / 1e6:.2f} MB"
+        f"{'' if expected['file_bytes'] else ' and its ragged inputs'})"
     )
 
 
@@ -318,28 +385,54 @@ def _build(
 ) -> None:
     """Fill a file sized up front, mapped, record batch by record batch (``fill_split``, the one loading
     rule), then publish it atomically (in the builder child): its memory beyond the mapping's pages is
-    one record batch, never the split."""
-    header = {**expected, "built_by": f"pid {os.getpid()} on {socket.gethostname()}", "built_at": time.time()}
+    one record batch, never the split. Ragged values stream to unlinked side files and are copied in after."""
+    built = {"built_by": f"pid {os.getpid()} on {socket.gethostname()}", "built_at": time.time()}
+    fixed = {**expected, "sections": [s for s in expected["sections"] if s["shape"] is not None]}
+    fixed_bytes = expected["file_bytes"] if expected["file_bytes"] is not None else expected["fixed_bytes"]
 
     def write(handle: IO[bytes]) -> None:
-        handle.write(_encode_header(header))
+        handle.write(b"\0" * HEADER_BYTES)  # the header goes in last, once the ragged sections are sized
         handle.flush()
-        os.ftruncate(handle.fileno(), expected["file_bytes"])  # the whole file, zero-filled (sparse)
-        mapping = mmap.mmap(handle.fileno(), expected["file_bytes"])  # mkstemp's descriptor is read-write
-        try:
-            buffer = np.frombuffer(mapping, dtype=np.uint8)
-            sections = {name: torch.from_numpy(view) for name, view in _section_views(buffer, expected).items()}
-            fill_split(dataset_dir, manifest, split, sections)
-            del sections, buffer
-            mapping.flush()
-        finally:
-            mapping.close()
+        os.ftruncate(handle.fileno(), fixed_bytes)  # the fixed sections, zero-filled (sparse)
+        mapping = mmap.mmap(handle.fileno(), fixed_bytes)  # mkstemp's descriptor is read-write
+        with ExitStack() as side:
+            values = {
+                s["name"]: side.enter_context(tempfile.TemporaryFile(dir=path.parent))
+                for s in expected["sections"]
+                if s["shape"] is None
+            }
+            try:
+                buffer = np.frombuffer(mapping, dtype=np.uint8)
+                sections = {name: torch.from_numpy(view) for name, view in _section_views(buffer, fixed).items()}
+                sinks = {name: side_file.write for name, side_file in values.items()}
+                fill_split(dataset_dir, manifest, split, sections, ragged_values=sinks)
+                del sections, buffer
+                mapping.flush()
+            finally:
+                mapping.close()
+            itemsize = {s["name"]: np.dtype(s["dtype"]).itemsize for s in expected["sections"]}
+            header = _sized(expected, {name: f.tell() // itemsize[name] for name, f in values.items()})
+            _append_ragged(handle, header, values)
+        handle.seek(0)
+        handle.write(_encode_header({**header, **built}))
         handle.seek(0, os.SEEK_END)
 
     try:
         atomic_write(path, write)
     except OSError as error:
         raise _unwritable(path, cache_dir, error, expected) from error
+
+
+def _append_ragged(handle: IO[bytes], header: dict[str, Any], values: dict[str, IO[bytes]]) -> None:
+    """Copy each ragged section's side file to its place in the header's layout, then pad to ``file_bytes``."""
+    for section in header["sections"]:
+        if section["name"] in values:
+            side = values[section["name"]]
+            side.seek(0)
+            handle.seek(section["offset"])
+            shutil.copyfileobj(side, handle, 1 << 20)
+    handle.flush()
+    os.ftruncate(handle.fileno(), header["file_bytes"])
 
 
 def _remove_leftovers(path: Path, split: str, key: str) -> None:

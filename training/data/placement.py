@@ -32,8 +32,9 @@ ADAMW_STATES = 2  # AdamW's two moments per parameter: the default optimizer
 
 
 def split_bytes(split: SplitArrays) -> int:
-    """Every section's bytes: the numeric block, the other inputs, labels and weights."""
-    return sum(tensor.numel() * tensor.element_size() for tensor in split.sections().values())
+    """The bytes a device would hold: the numeric block, the other inputs, labels and weights. Ragged inputs
+    (text, images) stay on the host, where their codec collates them per batch."""
+    return sum(tensor.numel() * tensor.element_size() for tensor in split.row_sections().values())
 
 
 def training_state_to_come(model: nn.Module, optimizer_states: int = ADAMW_STATES) -> int:
@@ -76,7 +77,7 @@ def place_splits(
 
 def _to_device(name: str, split: SplitArrays, device: torch.device) -> SplitArrays:
     try:
-        return split.with_sections({section: tensor.to(device) for section, tensor in split.sections().items()})
+        return split.with_sections({section: tensor.to(device) for section, tensor in split.row_sections().items()})
     except torch.OutOfMemoryError as error:
         raise RuntimeError(
             f"train.data_on_device=true: the {name} split ({_mb(split_bytes(split))}) does not fit on {device}; "

@@ -6,6 +6,10 @@ two fixed-width arrays a file can hold and every local rank can map, gathered wi
 
     ragged = RaggedArray.from_rows([[1, 2], [], [3]])
     values, offsets = ragged.gather(torch.tensor([2, 0]))   # the rows [3] and [1, 2], packed again
+
+A ragged input's codec (training/spec/codecs.py: ``ragged_dtype`` set) stores its rows so and turns gathered
+rows into batch-dict entries with ``collate(values, offsets, BatchContext(...))``: in training (inside the
+DataLoader's workers when there are any), in validation, evaluation and serving alike.
 """
 
 from __future__ import annotations
@@ -14,6 +18,24 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True)
+class BatchContext:
+    """What a ragged codec's ``collate`` may depend on besides the rows' values.
+
+    A random transform (image augmentation) is a function of (``seed``, ``epoch``, row) only, never of the rank,
+    the worker or the batch a row lands in: so a row gets the same view at any world size and worker count."""
+
+    rows: torch.Tensor  # int64 [B]: the split's row numbers of the batch, in batch order
+    epoch: int = 0
+    seed: int = 0  # train.seed
+    train: bool = False  # True: the training transform (augmentation); False: the deterministic one
+
+
+def evaluation_context(rows: torch.Tensor) -> BatchContext:
+    """Validation, evaluation and serving: the deterministic transform, whatever the epoch."""
+    return BatchContext(rows=rows, train=False)
 
 
 @dataclass(frozen=True)

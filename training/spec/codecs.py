@@ -54,7 +54,10 @@ def plain(array: pa.Array) -> pa.Array:
 
 class Codec:
     kind = ""
-    dtype = "float32"
+    dtype = "float32"  # the batch tensor's dtype
+    # A ragged kind (text, images) sets the dtype of its stored values and implements ``encode_ragged`` and
+    # ``collate`` instead of ``encode``: rows of any length in the node cache, a batch tensor per batch.
+    ragged_dtype: str | None = None
 
     def __init__(self, name: str, options: dict[str, Any] | None = None):
         self.name, self.options = name, dict(options or {})
@@ -83,9 +86,22 @@ class Codec:
         return None
 
     def info(self) -> InputInfo:
-        return InputInfo(self.name, self.kind, self.dtype, self.shape(), self.cardinality(), self.options)
+        return InputInfo(
+            self.name, self.kind, self.dtype, self.shape(), self.cardinality(), self.options, self.ragged_dtype
+        )
 
     def encode(self, array: pa.Array) -> np.ndarray:
+        """A fixed-shape kind's rows as the batch tensor's values, ``[rows, *shape]`` of ``dtype``."""
+        raise NotImplementedError
+
+    def encode_ragged(self, array: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+        """A ragged kind's rows as (values, flat, of ``ragged_dtype``; lengths, int64 [rows]): what the node cache
+        stores (an image's original bytes, a text's token ids), computed once per dataset."""
+        raise NotImplementedError
+
+    def collate(self, values, offsets, context) -> dict[str, Any]:
+        """A ragged kind's gathered rows (``values``, int64 ``offsets`` [B + 1]) -> its batch-dict entries
+        (tensors ``[B, ...]``); ``context`` is a ``training.data.ragged.BatchContext``."""
         raise NotImplementedError
 
 
@@ -356,6 +372,23 @@ def encode_columns(
     features = normaliser.features_(torch.from_numpy(block))
     batch = {name: features[:, j] for j, name in enumerate(numeric)}
     for name, info in inputs.items():
-        if info.kind != "numeric":
-            batch[name] = torch.from_numpy(np.ascontiguousarray(codecs[name].encode(columns[name])))
+        if info.kind == "numeric":
+            continue
+        codec = codecs[name]
+        if codec.ragged_dtype is None:
+            batch[name] = torch.from_numpy(np.ascontiguousarray(codec.encode(columns[name])))
+        else:  # the same values the node cache holds, collated as validation collates them
+            batch.update(collate_encoded(codec, *codec.encode_ragged(columns[name])))
     return batch
+
+
+def collate_encoded(codec: Codec, values: np.ndarray, lengths: np.ndarray) -> dict[str, Any]:
+    """``encode_ragged``'s output collated with the evaluation transform (no augmentation)."""
+    import torch
+
+    from training.data.ragged import evaluation_context
+
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    context = evaluation_context(torch.arange(len(lengths)))
+    return codec.collate(torch.from_numpy(np.ascontiguousarray(values)), torch.from_numpy(offsets), context)

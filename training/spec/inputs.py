@@ -26,6 +26,10 @@ class InputInfo:
     shape: tuple[int, ...] = ()  # per row: () a scalar, (D,) a vector
     cardinality: int | None = None  # categorical / hashed: embedding rows, index 0 null, 1 unknown (categorical)
     options: dict[str, Any] = field(default_factory=dict)
+    # A ragged kind's stored values' dtype ("uint8" image bytes, "int32" token ids): its rows are kept in the node
+    # cache as values + offsets (training/data/ragged.py) and become ``dtype`` tensors only per batch. None: a
+    # fixed-shape kind, stored as the batch tensor itself ([rows, *shape] of ``dtype``).
+    ragged_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -44,6 +48,7 @@ class InputInfo:
             "shape": list(self.shape),
             "cardinality": self.cardinality,
             "options": dict(self.options),
+            **({"ragged_dtype": self.ragged_dtype} if self.ragged_dtype else {}),  # absent: older manifests match
         }
 
     @classmethod
@@ -55,6 +60,7 @@ class InputInfo:
             shape=tuple(raw.get("shape") or ()),
             cardinality=raw.get("cardinality"),
             options=dict(raw.get("options") or {}),
+            ragged_dtype=raw.get("ragged_dtype"),
         )
 
 
