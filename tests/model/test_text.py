@@ -274,3 +274,30 @@ def test_a_text_classifier_on_two_ranks_trains_the_weights_of_one_rank_evaluates
     cut["snippet"] = [" ".join((long["snippet"].iloc[0]).split()[:12])]
     codec = predictor._codecs["snippet"]
     assert codec.encode_ragged(pa.array(long["snippet"]))[1][0] == 12
+
+
+@pytest.mark.torchrun
+def test_next_token_on_two_ranks_trains_the_weights_of_one_rank_per_target_token(tmp_path):
+    """A language model of the snippets (the label column unused): the step's denominator is its target tokens
+    on all ranks (a row of n tokens has n - 1; null, empty and one-token rows none), so 2 ranks x 8 and 1 rank x
+    16 take the same steps on an uneven split; val_loss is per target token, val_perplexity its exp."""
+    from training.data.manifest import read_manifest
+    from training.loading import load_split, manifest_codecs
+
+    dataset = write_snippets(tmp_path)
+    lm = {"objective": "next_token", "optimizer": "sgd", "lr": 0.1}
+    two = launch(tmp_path / "w2", dataset, nproc=2, batch_size=8, **lm)
+    one = launch(tmp_path / "w1", dataset, nproc=1, batch_size=16, **lm)
+    model_two = torch.load(two / "model.pt", weights_only=True)
+    assert model_two["objective"]["kwargs"] == {"input": "snippet", "vocab_size": model_two["model_spec"]["n_outputs"]}
+    assert model_two["model_spec"]["model_kwargs"]["language_model"] == "snippet"
+    difference = same_weights(model_two["model"], torch.load(one / "model.pt", weights_only=True)["model"])
+    print(f"\n[exactness] next_token 2 ranks x 8 vs 1 rank x 16: max |weight difference| = {difference:.2e}")
+    for a, b in zip(metrics_of(two), metrics_of(one)):
+        assert a["val_loss"] == pytest.approx(b["val_loss"], abs=1e-6)
+        assert a["val_perplexity"] == pytest.approx(np.exp(a["val_loss"]), rel=1e-9)
+    first, last = metrics_of(two)[0], metrics_of(two)[-1]
+    assert last["val_loss"] < first["val_loss"]  # it learns
+    manifest = read_manifest(dataset)
+    lengths = load_split(dataset, manifest, "train").with_codecs(manifest_codecs(dataset, manifest))
+    assert (lengths.inputs["snippet"].lengths() <= 1).any()  # rows without a target token are in the split
