@@ -66,7 +66,7 @@ class EvalResult:
     predictions: np.ndarray | None = field(default=None, repr=False)
     targets: np.ndarray | None = field(default=None, repr=False)
     # A classifier with text inputs: its most confidently wrong rows (training/wrong_rows.py), a table artifact.
-    confidently_wrong: list[dict[str, Any]] | None = field(default=None, repr=False)
+    confidently_wrong: dict[str, list] | None = field(default=None, repr=False)  # {"columns", "data"}
 
     def to_dict(self) -> dict[str, Any]:
         """What ``eval/metrics.json`` holds (no per-row arrays)."""
@@ -320,7 +320,7 @@ def evaluate_split(
         result.metrics, result.per_class = evaluation.metrics(split, manifest.label_mapping)
         result.confusion_matrix = evaluation.confusion_matrix()
         result.class_labels = [str(label) for label in manifest.label_mapping]
-        result.confidently_wrong = wrong.rows() if wrong is not None else None
+        result.confidently_wrong = wrong.table() if wrong is not None else None
     elif multilabel:
         result.metrics, result.per_class = _multilabel_metrics(tally, split, manifest.label_mapping)
         result.class_labels = [str(label) for label in manifest.label_mapping]

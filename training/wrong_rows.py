@@ -3,6 +3,7 @@
     wrong = ConfidentlyWrong(text_columns=["snippet"], labels=manifest.label_mapping)
     wrong.add(first_row, raw_batch, target, predicted, probabilities)   # per record batch, in split order
     wrong.rows()   # [{"row", "label", "predicted", "confidence", "snippet"}, ...], most confident first
+    wrong.table()  # {"columns": [...], "data": [[...], ...]}: the table artifact (eval/confidently_wrong.json)
 
 Only ``count`` rows are kept at any time (the top by the predicted class's probability among the wrong ones;
 ties: the earlier row), so any split size costs the same memory. Text is cut to ``max_chars`` characters for
@@ -53,6 +54,12 @@ class ConfidentlyWrong:
 
     def rows(self) -> list[dict[str, Any]]:
         return [entry for _, _, entry in self._kept]
+
+    def table(self) -> dict[str, list]:
+        """``{"columns", "data"}`` (a DataFrame's "split" form, what MLflow's table artifact holds); the
+        columns also when no row is wrong."""
+        columns = ["row", "label", "predicted", "confidence", *self.text_columns]
+        return {"columns": columns, "data": [[entry[name] for name in columns] for entry in self.rows()]}
 
     def _display(self, text: str | None) -> str:
         if text is None:

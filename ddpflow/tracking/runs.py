@@ -388,10 +388,11 @@ def log_evaluation(
     client.log_artifact(run_id, str(metrics_path), "eval")
     figure, name = evaluation_figure(result)
     client.log_figure(run_id, figure, f"eval/{name}")
-    if result.confidently_wrong:  # a text classifier's most confidently wrong test rows (training/wrong_rows.py)
+    if result.confidently_wrong is not None:  # a text classifier's most confidently wrong test rows (wrong_rows.py)
         import pandas as pd
 
-        client.log_table(run_id, data=pd.DataFrame(result.confidently_wrong), artifact_file=WRONG_ROWS_ARTIFACT)
+        table = pd.DataFrame(result.confidently_wrong["data"], columns=result.confidently_wrong["columns"])
+        client.log_table(run_id, data=table, artifact_file=WRONG_ROWS_ARTIFACT)
     client.set_tag(run_id, MODEL_PATH_TAG, _absolute(model_path))
     client.set_tag(run_id, DATASET_DIR_TAG, _absolute(dataset_dir))
 

@@ -263,8 +263,10 @@ def test_a_text_classifier_on_two_ranks_trains_the_weights_of_one_rank_evaluates
     predictor = Predictor.from_checkpoint(two / "model.pt")
     served = predictor.predict(frame[["snippet", "site"]])
     assert (served == np.asarray(manifest["label_mapping"])[evaluation.predictions]).all()
-    wrong = evaluation.confidently_wrong
-    assert wrong is not None and len(wrong) == min(25, int((evaluation.predictions != evaluation.targets).sum()))
+    columns, data = evaluation.confidently_wrong["columns"], evaluation.confidently_wrong["data"]
+    assert columns == ["row", "label", "predicted", "confidence", "snippet"]
+    wrong = [dict(zip(columns, row)) for row in data]
+    assert len(wrong) == min(25, int((evaluation.predictions != evaluation.targets).sum()))
     assert all(w["label"] != w["predicted"] for w in wrong)
     assert [w["confidence"] for w in wrong] == sorted((w["confidence"] for w in wrong), reverse=True)
     # Longer than max_len: scored on its first 12 tokens, as in training.

@@ -29,6 +29,7 @@ The rules of the kind (docs/data.md, Text):
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -160,7 +161,7 @@ class TextCodec(Codec):
         encodings = self.tokenizer.encode_batch_fast(strings, add_special_tokens=False)
         ids = [encoding.ids for encoding in encodings]
         lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-        values = np.fromiter((i for row in ids for i in row), dtype=np.int32, count=int(lengths.sum()))
+        values = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=int(lengths.sum()))
         return values, lengths
 
     def collate(self, values, offsets, context=None) -> dict[str, Any]:
