@@ -32,6 +32,7 @@ FAMILIES = {
     "launch": ("bench.orchestration", "Launch and orchestration"),
     "slurm": ("bench.slurm_launch", "Launch through Slurm"),  # skipped (recorded as such) without Slurm
     "scale": ("bench.scale", "Scale"),
+    "text": ("bench.text", "Text"),
     "gpu": ("bench.gpu", "GPU"),  # skipped (recorded as such) without CUDA
 }
 
