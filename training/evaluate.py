@@ -284,6 +284,11 @@ def evaluate_split(
     remap = check_compatible(meta, manifest, model_path)
     normaliser = Normaliser.from_checkpoint(meta)  # the model's own statistics, also when re-scoring a champion
     objective = objective_from_checkpoint(meta)  # how its outputs are read: model.pt's objective
+    if objective.name == "next_token":  # per position: none of the per-row metrics below apply (docs/models.md)
+        raise IncompatibleModelError(
+            f"{model_path} is a next_token language model: its val_loss and val_perplexity are in metrics.jsonl; "
+            "test-split evaluation, serving and registration of one are not supported yet"
+        )
     classification, multilabel = manifest.task == "classification", manifest.task == "multilabel"
     if classification:
         evaluation = _ClassificationEvaluation(objective, manifest.n_outputs)
