@@ -67,7 +67,9 @@ def run(ctx: Context) -> list[Result]:
             f"after a reset; {ctx.sizes.memory_repeats} run(s) each."
         ],
     )
-    return [*node_memory(ctx, dataset, train_raw), load, prepare_memory(ctx)]
+    from bench import run_memory
+
+    return [*node_memory(ctx, dataset, train_raw), load, prepare_memory(ctx), *run_memory.run(ctx)]
 
 
 def node_launch(ctx: Context, nproc: int, how: str, dataset, cache_dir) -> list[dict]:

@@ -367,20 +367,37 @@ class RankSampler(DistributedSampler):
     order is also available as ONE tensor, so no Python list of every row is built."""
 
     def rank_indices(self) -> torch.Tensor:
-        return self.epoch_order()[self.rank : self.total_size : self.num_replicas]
+        """This rank's rows of the epoch (int64), positions r, r + W, ... of the padded permutation.
+
+        Memory is the point: every rank draws the whole n-row permutation each epoch, so it is drawn as int32
+        (the same values as int64: torch's CPU randperm does not depend on the dtype; the test compares), the
+        padded permutation is never built, and only this rank's n/W rows outlive the call. Peak: 8 bytes a row
+        per rank, then 8/W kept (was 24, then 8: a padded copy of an int64 permutation)."""
+        # DistributedSampler pads with the permutation's first entries, again and again if it is shorter than
+        # the padding: padded position p >= n holds order[p % n].
+        rows = len(self.dataset)
+        small = torch.int32 if self.total_size < 2**31 else torch.int64
+        positions = torch.arange(self.rank, self.total_size, self.num_replicas, dtype=small).remainder_(rows)
+        mine = self._permutation(small).index_select(0, positions)
+        del positions  # and the permutation: only this rank's rows are kept, as the loader's int64
+        return mine.long()
 
     def epoch_order(self) -> torch.Tensor:
         """The epoch's padded permutation, the same on every rank: rank r takes positions r, r + W, ..."""
-        # The same steps as DistributedSampler.__iter__ (tests/model/test_loading.py checks it).
-        generator = torch.Generator()
-        generator.manual_seed(self.seed + self.epoch)
-        order = (
-            torch.randperm(len(self.dataset), generator=generator) if self.shuffle else torch.arange(len(self.dataset))
-        )
+        order = self._permutation()
         padding = self.total_size - len(order)
         if padding > 0 and not self.drop_last:
             order = torch.cat([order, order.repeat(math.ceil(padding / len(order)))[:padding]])
         return order
+
+    def _permutation(self, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        # The same steps as DistributedSampler.__iter__ (tests/model/test_loading.py checks it).
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        rows = len(self.dataset)
+        return (
+            torch.randperm(rows, generator=generator, dtype=dtype) if self.shuffle else torch.arange(rows, dtype=dtype)
+        )
 
 
 def global_rows_in_steps(n_rows: int, world_size: int, batch_size: int, start: int, stop: int) -> int:

@@ -167,6 +167,15 @@ def test_the_tensor_epoch_order_is_exactly_distributed_samplers():
             for epoch in (0, 3):
                 sampler.set_epoch(epoch)
                 assert sampler.rank_indices().tolist() == list(iter(sampler))  # the stock __iter__
+    # Large: the int32 permutation rank_indices draws is the int64 one DistributedSampler draws.
+    rows = 3_000_001
+    sampler = RankSampler(range(rows), num_replicas=2, rank=1, shuffle=True, seed=7, drop_last=False)
+    sampler.set_epoch(2)
+    generator = torch.Generator()
+    generator.manual_seed(7 + 2)
+    stock = torch.randperm(rows, generator=generator)
+    assert torch.equal(sampler.rank_indices(), torch.cat([stock, stock[:1]])[1::2])
+    assert sampler.rank_indices().dtype == torch.int64
 
 
 def test_evaluation_slices_are_disjoint_unpadded_and_complete():
