@@ -34,6 +34,7 @@ FAMILIES = {
     "slurm": ("bench.slurm_launch", "Launch through Slurm"),  # skipped (recorded as such) without Slurm
     "scale": ("bench.scale", "Scale"),
     "images": ("bench.images", "Images"),
+    "text": ("bench.text", "Text"),
     "gpu": ("bench.gpu", "GPU"),  # skipped (recorded as such) without CUDA
 }
 

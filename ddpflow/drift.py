@@ -31,6 +31,8 @@ Other input kinds and the label, from the manifests' ``extra["drift_stats"]``
   reported (``feature`` is ``name[d]``); PSI 0 (no histogram per dimension);
 - an image input: PSI over the histograms of its images' width, height and mean brightness
   (``feature`` is ``name:width``, ``name:height``, ``name:brightness``); mean shift 0;
+- a text input: its token-length distribution, word frequencies and out-of-vocabulary
+  rate, unknown-token rate (ddpflow/text_drift.py);
 - the label (``DriftReport.label``, ``feature`` is ``label:<name>``): PSI over
   the class counts (classification) or its histogram (regression); not an
   input, so not part of ``max_psi`` (what the gate's max_drift_psi reads).
@@ -222,6 +224,10 @@ def other_kinds_drift(reference: Manifest, current: Manifest) -> list[FeatureDri
             drifts.append(_vector_drift(name, before, stats))
         elif stats["kind"] == "image":
             drifts += [_image_drift(name, measure, before, stats) for measure in IMAGE_MEASURES]
+        elif stats["kind"] == "text":
+            from ddpflow.text_drift import text_drift  # its own module (it uses this one's PSI)
+
+            drifts += text_drift(name, before, stats)
     return drifts
 
 

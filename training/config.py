@@ -53,7 +53,15 @@ ChangesWeightsWhenSet = Annotated[_T, WeightsEffect(True, omitted_at_default=Tru
 KeepsWeights = Annotated[_T, WeightsEffect(False)]  # may change between attempts of one training
 
 
-OBJECTIVES = ("auto", "softmax", "binary", "multilabel", "mse", "huber")  # train.objective's built-in names
+OBJECTIVES = (
+    "auto",
+    "softmax",
+    "binary",
+    "multilabel",
+    "mse",
+    "huber",
+    "next_token",
+)  # train.objective's built-in names
 
 
 class _Section(BaseModel):
@@ -61,18 +69,27 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-INPUT_KINDS = ("numeric", "categorical", "hashed", "vector", "image")  # text comes with its own issue
+INPUT_KINDS = ("numeric", "categorical", "hashed", "vector", "image", "text")
 IMAGE_OPTIONS = ("size", "channels", "mean", "std", "augment")  # kind image (training/spec/image.py, docs/data.md)
+TEXT_OPTIONS = ("max_len", "tokenizer")  # kind text (training/spec/text.py, docs/data.md)
+
+
+class TokenizerSpec(_Section):
+    """``data.inputs.<text>.tokenizer`` in the long form: the tokenizer prepare fits on the train split."""
+
+    type: Literal["bpe", "wordpiece", "unigram"] = "bpe"
+    vocab_size: int = Field(8000, ge=8, description="At most this many tokens, the special ones included.")
 
 
 class InputSpec(_Section):
     """One entry of ``data.inputs``, long form: ``{kind: categorical, min_count: 5, max_size: 100000}``.
 
     The short form is the kind alone (``country: categorical``). Options belong to one kind each:
-    categorical ``min_count`` (default 1) and ``max_size`` (default: no limit); hashed ``buckets`` (required).
+    categorical ``min_count`` (default 1) and ``max_size`` (default: no limit); hashed ``buckets`` (required);
+    text ``max_len`` and ``tokenizer`` (training/spec/text.py: ``TextOptions``).
     """
 
-    kind: Literal["numeric", "categorical", "hashed", "vector", "image"]
+    kind: Literal["numeric", "categorical", "hashed", "vector", "image", "text"]
     min_count: int | None = Field(None, ge=1, description="categorical: values seen fewer times in train are unknown.")
     max_size: int | None = Field(None, ge=1, description="categorical: keep at most this many most frequent values.")
     buckets: int | None = Field(None, ge=1, description="hashed: the number of hash buckets (required).")
@@ -83,12 +100,21 @@ class InputSpec(_Section):
     augment: Literal["crop_flip", "none"] | None = Field(
         None, description="image: crop_flip (default: random resized crop + horizontal flip) or none."
     )
+    max_len: int | None = Field(None, ge=1, description="text: tokens kept per row (default 256; the rest cut).")
+    tokenizer: TokenizerSpec | str | None = Field(
+        None,
+        description="text: {type: bpe|wordpiece|unigram, vocab_size: N} fitted on train, or a tokenizer.json path.",
+    )
 
     @model_validator(mode="after")
     def _options_fit_the_kind(self) -> InputSpec:
-        allowed = {"categorical": {"min_count", "max_size"}, "hashed": {"buckets"}, "image": set(IMAGE_OPTIONS)}
-        allowed = allowed.get(self.kind, set())
-        names = ("min_count", "max_size", "buckets", *IMAGE_OPTIONS)
+        allowed = {
+            "categorical": {"min_count", "max_size"},
+            "hashed": {"buckets"},
+            "image": set(IMAGE_OPTIONS),
+            "text": set(TEXT_OPTIONS),
+        }.get(self.kind, set())
+        names = ("min_count", "max_size", "buckets", *IMAGE_OPTIONS, *TEXT_OPTIONS)
         given = {name for name in names if getattr(self, name) is not None}
         if given - allowed:
             raise ValueError(f"kind {self.kind!r} takes no option {sorted(given - allowed)}")
@@ -104,6 +130,10 @@ class InputSpec(_Section):
             return {"buckets": int(self.buckets)}
         if self.kind == "image":  # the codec fills the defaults it learns from the train split
             return {name: getattr(self, name) for name in IMAGE_OPTIONS if getattr(self, name) is not None}
+        if self.kind == "text":
+            from training.spec.text import text_options  # the text kind's defaults, in its own module
+
+            return text_options(self.max_len, self.tokenizer)
         return {}
 
 
@@ -122,7 +152,7 @@ class DataConfig(_Section):
     )
     inputs: ChangesWeights[dict[str, InputSpec] | None] = Field(
         None,
-        description="The model's inputs, name -> kind (numeric | categorical | hashed | vector) or "
+        description="The model's inputs, name -> kind (numeric | categorical | hashed | vector | image | text) or "
         "{kind: ..., options}; default: every numeric column except label, key and weight (data.features).",
     )
     weight: ChangesWeights[str | None] = Field(
@@ -208,8 +238,9 @@ class TrainConfig(_Section):
     seed: ChangesWeights[int] = 0
     model: ChangesWeights[str] = Field(
         "mlp",
-        description="'mlp' (embeddings for categorical and hashed inputs), 'auto' (the built-in model for the "
-        "inputs: mlp for tables, image_cnn with an image input) or a user factory 'package.module:factory' called as "
+        description="'mlp' (embeddings for categorical and hashed inputs), 'image_cnn' (image inputs), 'transformer' "
+        "(text inputs), 'auto' (the built-in model for the inputs: mlp for tables, image_cnn with an image input, "
+        "transformer with text) or a user factory 'package.module:factory' called as "
         "factory(inputs, n_outputs, **model_kwargs) (docs/models.md; the older factory(n_features, n_outputs) "
         "takes numeric inputs).",
     )
@@ -461,8 +492,10 @@ class TrainConfig(_Section):
     @field_validator("model")
     @classmethod
     def _model_name_or_import_path(cls, value: str) -> str:
-        if value not in ("mlp", "auto") and (":" not in value or not all(value.split(":", 1))):
-            raise ValueError(f"{value!r} is neither 'mlp', 'auto' nor an import path 'package.module:factory'")
+        if value not in ("mlp", "auto", "transformer") and (":" not in value or not all(value.split(":", 1))):
+            raise ValueError(
+                f"{value!r} is neither 'mlp', 'auto', 'transformer' nor an import path 'package.module:factory'"
+            )
         return value
 
 

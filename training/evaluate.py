@@ -31,6 +31,7 @@ from training.spec.codecs import Codec, codecs_for, encode_columns
 from training.spec.inputs import InputInfo, inputs_from_manifest
 from training.spec.metrics import precision_recall
 from training.spec.objectives import Objective, objective_from_checkpoint
+from training.wrong_rows import ConfidentlyWrong
 
 # What a model.pt must hold (docs/architecture.md) to be evaluated or served.
 REQUIRED_CHECKPOINT_KEYS = (
@@ -67,6 +68,8 @@ class EvalResult:
     # Classification with an image input: the first MISCLASSIFIED_SHOWN wrong rows, {"image" (its encoded bytes),
     # "true", "predicted" (labels), "input"}, for the grid of misclassified images (ddpflow/tracking/plots.py).
     misclassified: list[dict[str, Any]] | None = field(default=None, repr=False)
+    # A classifier with text inputs: its most confidently wrong rows (training/wrong_rows.py), a table artifact.
+    confidently_wrong: dict[str, list] | None = field(default=None, repr=False)  # {"columns", "data"}
 
     def to_dict(self) -> dict[str, Any]:
         """What ``eval/metrics.json`` holds (no per-row arrays)."""
@@ -258,6 +261,12 @@ class _ClassificationEvaluation:
             }
         return metrics, per_class
 
+    def probabilities(self, outputs: torch.Tensor, remap: torch.Tensor | None) -> torch.Tensor:
+        """[B, C] class probabilities in the dataset's index order (binary: both classes)."""
+        if remap is not None:
+            outputs = self.objective.remap_outputs(outputs, remap)
+        return self.objective.decode(outputs)[1]
+
     def confusion_matrix(self) -> list[list[int]] | None:
         return None if self.confusion is None else self.confusion.view(self.n_classes, self.n_classes).tolist()
 
@@ -305,6 +314,11 @@ def evaluate_split(
     remap = check_compatible(meta, manifest, model_path)
     normaliser = Normaliser.from_checkpoint(meta)  # the model's own statistics, also when re-scoring a champion
     objective = objective_from_checkpoint(meta)  # how its outputs are read: model.pt's objective
+    if objective.name == "next_token":  # per position: none of the per-row metrics below apply (docs/models.md)
+        raise IncompatibleModelError(
+            f"{model_path} is a next_token language model: its val_loss and val_perplexity are in metrics.jsonl; "
+            "test-split evaluation, serving and registration of one are not supported yet"
+        )
     classification, multilabel = manifest.task == "classification", manifest.task == "multilabel"
     if classification:
         evaluation = _ClassificationEvaluation(objective, manifest.n_outputs)
@@ -313,6 +327,8 @@ def evaluate_split(
     samples, kept_predictions, kept_targets = 0, [], []
     image = next((name for name, info in checkpoint_inputs(meta).items() if info.kind == "image"), None)
     misclassified: list[dict[str, Any]] = []
+    texts = [name for name, info in checkpoint_inputs(meta).items() if info.kind == "text"]
+    wrong = ConfidentlyWrong(texts, manifest.label_mapping) if classification and texts else None
     with torch.inference_mode():
         for x, y, raw in _iter_batches(manifest, dataset_dir, split, meta, batch_size):
             output = model(x)  # x: the batch dict, through the model's own codecs and normalisation
@@ -321,6 +337,8 @@ def evaluate_split(
                 if image is not None and len(misclassified) < MISCLASSIFIED_SHOWN:
                     wrong = predicted != y.long()
                     _keep_misclassified(misclassified, raw, image, wrong, y, predicted, manifest.label_mapping)
+                if wrong is not None:
+                    wrong.add(samples, raw, y, predicted, evaluation.probabilities(output, remap))
             elif multilabel:  # the objective's multilabel tally; predictions multi-hot [B, C] (no confusion matrix)
                 tally.add(output, y)
                 predicted = objective.decode(output)[0]
@@ -343,6 +361,7 @@ def evaluate_split(
         result.confusion_matrix = evaluation.confusion_matrix()
         result.class_labels = [str(label) for label in manifest.label_mapping]
         result.misclassified = misclassified if image is not None else None
+        result.confidently_wrong = wrong.table() if wrong is not None else None
     elif multilabel:
         result.metrics, result.per_class = _multilabel_metrics(tally, split, manifest.label_mapping)
         result.class_labels = [str(label) for label in manifest.label_mapping]

@@ -96,7 +96,8 @@ class TrainStep:
         with nullcontext() if last_in_group else self.model.no_sync():
             with self.settings.autocast():
                 outputs = self.model(batch.inputs)
-            weighted = weighted_losses(self.objective.per_row_loss(outputs, batch.labels), batch.weights)
+            labels = self.objective.targets(batch.inputs, batch.labels)  # next_token: the rows' own tokens
+            weighted = weighted_losses(self.objective.per_row_loss(outputs, labels), batch.weights)
             (weighted.sum() * scale).backward()
         summed = weighted.detach().sum(dtype=torch.float64)
         first = index == group.start
@@ -191,7 +192,7 @@ def evaluate(
         inputs = {
             name: tensor.to(settings.device, non_blocking=True) for name, tensor in split.rows(first, last).items()
         }
-        labels = split.labels[first:last].to(settings.device, non_blocking=True)
+        labels = objective.targets(inputs, split.labels[first:last].to(settings.device, non_blocking=True))
         with settings.autocast():
             outputs = model(inputs)
         tally.add(outputs.float(), labels, validation_weights(split, first, last, labels, objective))

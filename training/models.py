@@ -11,8 +11,9 @@ older contract, ``factory(n_features, n_outputs, **model_kwargs)`` with ``forwar
 working when every input is numeric (a forward pre-hook stacks the numeric inputs, in manifest order, into
 ``[B, F]``; the module and its state dict are the factory's own, so its model.pt files still load).
 
-Built in: ``mlp`` (numeric, categorical, hashed and vector inputs; see ``MLP``) and ``auto``, which picks the
-built-in model for the inputs (``mlp`` for every tabular kind; images and text bring their own).
+Built in: ``mlp`` (numeric, categorical, hashed and vector inputs; see ``MLP``), ``transformer`` (text inputs,
+with any tabular ones: training/text_models.py) and ``auto``, which picks the built-in model for the inputs
+(``transformer`` when one is text, else ``mlp``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,12 @@ from torch import nn
 from training.imports import import_factory
 from training.spec.inputs import EMBEDDED_KINDS, InputInfo, inputs_from_dicts, numeric_input
 
-BUILT_IN = ("mlp", "auto", "image_cnn")  # image_cnn: training/image_models.py
+BUILT_IN = (
+    "mlp",
+    "auto",
+    "image_cnn",
+    "transformer",
+)  # image_cnn: training/image_models.py; transformer: training/text_models.py
 
 
 @dataclass(frozen=True)
@@ -86,7 +92,9 @@ def pick_model(model: str, inputs: dict[str, InputInfo]) -> str:
         return model
     if any(info.kind == "image" for info in inputs.values()):
         return "image_cnn"  # a small residual CNN, with the tabular inputs beside it
-    return "mlp"  # numeric, categorical, hashed, vector: all tabular; text adds its model here
+    if any(info.kind == "text" for info in inputs.values()):
+        return "transformer"  # training/text_models.py
+    return "mlp"  # numeric, categorical, hashed, vector: all tabular
 
 
 def embedding_dim(cardinality: int) -> int:
@@ -162,6 +170,10 @@ def resolve_factory(name: str) -> Callable[..., nn.Module]:
         from training.image_models import image_classifier
 
         return image_classifier
+    if name == "transformer":
+        from training.text_models import transformer
+
+        return transformer
     if name in BUILT_IN:
         return mlp
     return import_factory(name, "train.model", ModelImportError)

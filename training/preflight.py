@@ -103,7 +103,8 @@ def check_data(config: PipelineConfig, manifest: Manifest, layout: RankLayout) -
     check_objective(objective, objective.n_classes)
     n_outputs = objective.n_outputs(objective.n_classes)
     inputs = inputs_from_manifest(manifest)
-    spec = ModelSpec.for_inputs(config.train.model, inputs, n_outputs, config.train.model_kwargs)
+    model_kwargs = {**objective.model_kwargs(), **config.train.model_kwargs}  # as the rank builds it
+    spec = ModelSpec.for_inputs(config.train.model, inputs, n_outputs, model_kwargs)
     try:
         build_model(spec)
     except TypeError as error:  # a factory that rejects model_kwargs

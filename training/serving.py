@@ -92,11 +92,13 @@ def user_code_paths(model: str) -> list[str]:
     return [str(path.parent if path.name == "__init__.py" else path)]
 
 
-def pip_requirements() -> list[str]:
-    """Pinned to what is installed: skips MLflow's slow requirement inference."""
+def pip_requirements(kinds: set[str] | frozenset[str] = frozenset()) -> list[str]:
+    """Pinned to what is installed: skips MLflow's slow requirement inference. ``kinds``: the model's input
+    kinds (text needs ``tokenizers``)."""
     from importlib.metadata import version
 
-    return [f"{package}=={version(package)}" for package in ("torch", "mlflow", "pandas", "numpy", "pyarrow")]
+    packages = ("torch", "mlflow", "pandas", "numpy", "pyarrow", *(("tokenizers",) if "text" in kinds else ()))
+    return [f"{package}=={version(package)}" for package in packages]
 
 
 def log_pyfunc_model(
@@ -135,6 +137,6 @@ def log_pyfunc_model(
         code_paths=[str(MODEL_CODE.parent), *user_code_paths(predictor.meta["model_spec"]["model"])],
         signature=infer_signature(example, predictor.predict(example), params={"output": "label"}),
         input_example=example,
-        pip_requirements=pip_requirements(),
+        pip_requirements=pip_requirements({info.kind for info in predictor.inputs.values()}),
         metadata={"python_version": platform.python_version(), "task": predictor.task, "features": predictor.features},
     )

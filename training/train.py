@@ -145,7 +145,8 @@ class Trainer:
         self.objective = build_objective(train, manifest)  # the loss contract (training/spec/objectives.py)
         n_outputs = self.objective.n_outputs(self.objective.n_classes)
         inputs = inputs_from_manifest(manifest)  # the model contract (training/spec/inputs.py)
-        self.spec = ModelSpec.for_inputs(train.model, inputs, n_outputs, train.model_kwargs)
+        model_kwargs = {**self.objective.model_kwargs(), **train.model_kwargs}  # next_token: the text it models
+        self.spec = ModelSpec.for_inputs(train.model, inputs, n_outputs, model_kwargs)
         self.model = build_model(self.spec)  # the plain module: evaluation, checkpoints
         saved = self.checkpointer.load_resumable(self.job.config, manifest.fingerprint)
         if saved is None:
@@ -173,7 +174,7 @@ class Trainer:
         self.batch_size = train.rank_batch_size(ctx.world_size)  # train.batch_size, or the global one / W
         self.batches = TrainBatches(
             self.train_split, ctx.rank, ctx.world_size, self.batch_size, train.seed, ctx.device, train.pin_memory,
-            row_weights=self.objective.row_weights(self.train_split.labels), num_workers=self._decode_workers(),
+            row_weights=self.objective.split_row_weights(self.train_split), num_workers=self._decode_workers(),
             reorder=self.hooks.epoch_rows,
         )  # fmt: skip
         self.expected_coverage = Certificate.expected(self.manifest.rows("train"))

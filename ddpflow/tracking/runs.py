@@ -52,6 +52,7 @@ TRAINING_DATA_ARTIFACT = "data/manifest.json"
 # A stable hash of training/checkpoint.py's training_identity (the data's fingerprint and the settings that
 # change the weights), on the run and on its model version: train.skip_if_unchanged compares it.
 TRAINING_IDENTITY_TAG = "ddpflow.training_identity"
+WRONG_ROWS_ARTIFACT = "eval/confidently_wrong.json"  # a text classifier's most confidently wrong test rows
 MODEL_PATH_TAG = "ddpflow.model_path"  # set with the evaluation: what `ddpflow register --run-id` needs
 DATASET_DIR_TAG = "ddpflow.dataset_dir"
 RUN_DIR_TAG = "ddpflow.run_dir"  # the run directory (checkpoints and logs), for people
@@ -389,6 +390,11 @@ def log_evaluation(
     client.log_figure(run_id, figure, f"eval/{name}")
     if (grid := misclassified_figure(result)) is not None:
         client.log_figure(run_id, grid, "eval/misclassified.png")
+    if result.confidently_wrong is not None:  # a text classifier's most confidently wrong test rows (wrong_rows.py)
+        import pandas as pd
+
+        table = pd.DataFrame(result.confidently_wrong["data"], columns=result.confidently_wrong["columns"])
+        client.log_table(run_id, data=table, artifact_file=WRONG_ROWS_ARTIFACT)
     client.set_tag(run_id, MODEL_PATH_TAG, _absolute(model_path))
     client.set_tag(run_id, DATASET_DIR_TAG, _absolute(dataset_dir))
 

@@ -18,6 +18,8 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from devtools.model_server import invocations
+
 REPO = Path(__file__).resolve().parents[2]
 ROWS = 3000
 INPUTS = {
@@ -46,6 +48,10 @@ def churn_table(rows: int = ROWS, seed: int = 0) -> pa.Table:
             "churned": np.isin(country, ["no", "dk"]).astype(np.int64),
         }
     )
+
+
+def model_uri(config: dict) -> str:
+    return f"models:/{config['registry']['model_name']}@champion"
 
 
 def cli_env() -> dict[str, str]:
@@ -113,48 +119,5 @@ def test_a_mixed_table_trains_through_ddpflow_run_and_serves_raw_rows(make_confi
 
     # `mlflow models serve` answers /invocations with raw rows over HTTP, as the evaluation scored them.
     rows = raw.head(20)
-    answered = invocations(config, rows, tmp_path)
+    answered = invocations(model_uri(config), config["mlflow"]["tracking_uri"], rows, tmp_path, cli_env())
     np.testing.assert_array_equal(np.asarray(answered), np.asarray(manifest.label_mapping)[evaluated[:20]])
-
-
-def invocations(config: dict, rows: pd.DataFrame, tmp_path: Path) -> list:
-    """Serve the champion on a loopback port (``--env-manager local``), POST ``rows``, stop the server by PID."""
-    import urllib.request
-
-    from devtools.ports import free_port
-    from devtools.waiting import wait_until
-
-    port = free_port()
-    env = {**cli_env(), "MLFLOW_TRACKING_URI": config["mlflow"]["tracking_uri"]}
-    # mlflow runs `uvicorn` by name: the venv's bin on PATH, as an activated venv has it (make test does not activate).
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", os.defpath)])
-    model_uri = f"models:/{config['registry']['model_name']}@champion"
-    command = [sys.executable, "-m", "mlflow", "models", "serve", "-m", model_uri, "--env-manager", "local"]
-    log = (tmp_path / "serve.log").open("w")
-    server = subprocess.Popen(
-        [*command, "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-        cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: _answers(f"{url}/ping") or server.poll() is not None, 120, "mlflow models serve /ping")
-        assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-        body = json.dumps({"dataframe_split": json.loads(rows.to_json(orient="split", index=False))}).encode()
-        request = urllib.request.Request(f"{url}/invocations", body, {"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return json.loads(response.read())["predictions"]
-    finally:
-        if server.poll() is None:  # a server that died says why in the assertion above, not here
-            os.killpg(server.pid, 15)  # the server and its one worker: the session this test started
-        server.wait(timeout=30)
-        log.close()
-
-
-def _answers(url: str) -> bool:
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False

@@ -114,6 +114,7 @@ KIND_TYPES = {
     "hashed": (_is_hashable, "a string, integer or binary"),
     "vector": (is_vector, "a list of numbers (list<float> or fixed_size_list<float>)"),
     "image": (is_image_column, "encoded image bytes (binary, or a {bytes, path} struct)"),
+    "text": (is_text, "strings (string or large_string)"),
 }
 
 
@@ -221,7 +222,7 @@ def left_out_columns(schema: pa.Schema, plan: ColumnPlan, sample: pa.RecordBatch
 
 
 def suggest_kind(kind: pa.DataType, column: pa.Array | None) -> tuple[str, str]:
-    """(the data.inputs entry for a column, why): categorical, hashed, vector, text (coming) or none."""
+    """(the data.inputs entry for a column, why): categorical, hashed, vector, text or none."""
     if is_vector(kind):
         return "vector", "a list of numbers"
     if is_image_column(kind):
@@ -240,7 +241,7 @@ def suggest_kind(kind: pa.DataType, column: pa.Array | None) -> tuple[str, str]:
     mean_chars = pc.mean(pc.utf8_length(pc.cast(values, pa.string()))).as_py()
     distinct = len(pc.unique(values))
     if mean_chars > TEXT_MEAN_CHARS:
-        return "text (coming: a later issue)", f"long strings ({mean_chars:.0f} characters on average)"
+        return "text", f"long strings ({mean_chars:.0f} characters on average)"
     if distinct > ID_SHARE * len(values):
         return (
             f"{{kind: hashed, buckets: {max(1024, 4 * distinct)}}}",

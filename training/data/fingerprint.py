@@ -27,6 +27,15 @@ PREPARE_VERSION = 4
 _NOT_OUTPUT_FIELDS = frozenset({"root", "read_batch_rows", "source", "cache_dir"})
 
 
+def tokenizer_files(data: DataConfig) -> dict[str, str]:
+    """Each text input's user tokenizer.json -> its sha256: a new file's content is a new dataset."""
+    from training.spec.text import tokenizer_file_sha256
+
+    specs = data.input_specs() or {}
+    found = {name: tokenizer_file_sha256(spec.options()) for name, spec in specs.items() if spec.kind == "text"}
+    return {name: sha for name, sha in found.items() if sha is not None}
+
+
 def prep_fields(data: DataConfig) -> dict[str, Any]:
     """The data config minus what does not change the output (the source enters via its identity)."""
     return {name: value for name, value in data.model_dump(mode="json").items() if name not in _NOT_OUTPUT_FIELDS}
@@ -34,5 +43,8 @@ def prep_fields(data: DataConfig) -> dict[str, Any]:
 
 def dataset_fingerprint(source_identity: dict[str, Any], data: DataConfig) -> str:
     payload = {"prepare_version": PREPARE_VERSION, "source": source_identity, "prep": prep_fields(data)}
+    files = tokenizer_files(data)
+    if files:  # only with a user's tokenizer.json: every other dataset keeps its fingerprint
+        payload["tokenizer_files"] = files
     text = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -334,6 +334,10 @@ def _write_encoders(out_dir: Path, codecs: dict[str, Codec]) -> dict[str, str]:
     """encoders.json: every codec's state fitted on the train split; its sha256 goes in the manifest."""
     text = encoders_text(encoder_states(codecs))
     atomic_write_text(out_dir / ENCODERS_FILE, text)
+    for codec in codecs.values():  # a kind's own files (a text input's tokenizer.json), covered by the sha256
+        for relative, content in getattr(codec, "files", dict)().items():
+            (out_dir / relative).parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(out_dir / relative, content)
     return {"file": ENCODERS_FILE, "sha256": encoders_sha256(text)}
 
 
@@ -420,6 +424,8 @@ class _DriftStats:
             elif name in self.vectors:
                 moments = self.vectors[name]
                 inputs[name] = {"kind": "vector", "mean": moments.mean.tolist(), "std": moments.std().tolist()}
+            elif codec.kind == "text":  # token lengths, unknown tokens, word counts (training/spec/text.py)
+                inputs[name] = codec.drift_stats()
         label = (
             {"kind": "classes", "counts": self.classes.tolist()}
             if self.classes is not None

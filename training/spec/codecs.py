@@ -287,8 +287,10 @@ CODECS: dict[str, type[Codec]] = {
 def _register_kinds() -> None:
     """The kinds with modules of their own (they import this one, so they register after it)."""
     from training.spec.image import ImageCodec
+    from training.spec.text import TextCodec
 
     CODECS.setdefault(ImageCodec.kind, ImageCodec)
+    CODECS.setdefault(TextCodec.kind, TextCodec)
 
 
 def make_codec(name: str, kind: str, options: dict[str, Any] | None = None) -> Codec:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-KINDS = ("numeric", "categorical", "hashed", "vector", "image")
+KINDS = ("numeric", "categorical", "hashed", "vector", "image", "text")
 EMBEDDED_KINDS = ("categorical", "hashed")  # integer indices into an embedding of ``cardinality`` rows
 
 

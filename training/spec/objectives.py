@@ -52,7 +52,7 @@ from training.imports import import_factory
 from training.spec.metrics import ClassTally, MeanTally, MultilabelTally, RegressionTally, Tally
 
 CLASS_INDEX, MULTI_HOT, VALUE = "class_index", "multi_hot", "value"  # what a label is
-BUILT_IN = ("softmax", "binary", "multilabel", "mse", "huber")
+BUILT_IN = ("softmax", "binary", "multilabel", "mse", "huber", "next_token")
 DEFAULT_HUBER_DELTA = 1.0
 
 
@@ -100,6 +100,18 @@ class Objective:
     def remap_outputs(self, outputs: torch.Tensor, remap: torch.Tensor) -> torch.Tensor:
         """Outputs in the model's class order -> the dataset's (``remap[model index] = dataset index``)."""
         return torch.empty_like(outputs).index_copy_(1, remap.to(outputs.device), outputs)
+
+    def targets(self, inputs: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+        """What ``per_row_loss`` compares the outputs with: the batch's labels (next_token: its own tokens)."""
+        return labels
+
+    def split_row_weights(self, split) -> torch.Tensor | None:
+        """Each train row's weight in the loss, for the whole split (``TrainBatches``): its class weight."""
+        return self.row_weights(split.labels)
+
+    def model_kwargs(self) -> dict[str, Any]:
+        """What the model must be told beyond ``train.model_kwargs`` (next_token: which text it models)."""
+        return {}
 
     def describe(self) -> dict[str, Any]:
         """What model.pt records (``objective_from_checkpoint`` rebuilds it): the name and its kwargs only;
@@ -231,6 +243,10 @@ def make_objective(
             f"train.label_smoothing: {label_smoothing} applies to the softmax objective only; "
             f"train.objective is {resolved!r}"
         )
+    if resolved == "next_token":  # its own module (training/spec/next_token.py); any task's data
+        from training.spec.next_token import NextToken
+
+        return NextToken(n_classes, **kwargs)
     if resolved not in BUILT_INS:
         return _user_objective(resolved, task, n_classes, kwargs, multi_hot_label)
     _check_fits(resolved, task, n_classes, multi_hot_label)
@@ -310,9 +326,12 @@ def build_objective(train, manifest) -> Objective:
     """The training objective of ``train`` (a TrainConfig) on ``manifest``'s data: the rank and the preflight."""
     multi_hot = multi_hot_label(manifest)
     n_classes = len(manifest.label_mapping) if manifest.label_mapping is not None else None
-    objective = make_objective(
-        train.objective, manifest.task, n_classes, train.objective_kwargs, train.label_smoothing, multi_hot
-    )
+    kwargs = train.objective_kwargs
+    if train.objective == "next_token":
+        from training.spec.next_token import next_token_kwargs
+
+        kwargs = next_token_kwargs(kwargs, manifest)  # the text input and its vocabulary size
+    objective = make_objective(train.objective, manifest.task, n_classes, kwargs, train.label_smoothing, multi_hot)
     if train.class_weights != "none":
         if objective.label_kind != CLASS_INDEX:
             raise ConfigError(
@@ -335,6 +354,8 @@ def objective_from_checkpoint(meta: Mapping[str, Any]) -> Objective:
 
 def check_objective(objective: Objective, n_classes: int | None) -> None:
     """Call the objective on a tiny batch: ConfigError naming it and the shape when it is not one loss per row."""
+    if objective.name == "next_token":
+        return  # built in, and per position: the one-row-one-output probe below does not apply
     rows, width = 2, objective.n_outputs(n_classes)
     outputs = torch.zeros(rows, width)
     labels = example_labels(objective.label_kind, rows, n_classes)
