@@ -49,6 +49,7 @@ UNEVEN_ROWS, UNEVEN_VAL_ROWS = 211, 101
 EXACT = 1e-5  # final weights of runs that take the same optimizer steps
 # A user factory with dropout: resuming to the same weights needs every rank's RNG restored.
 DROPOUT_MODEL = {"model": "tests.model.dropout_model:dropout_mlp", "model_kwargs": {"hidden": 32, "p": 0.3}}
+DROPOUT_RESUME = {"epochs": 3, "batch_size": 8, **DROPOUT_MODEL}  # the resume test's runs
 TEST_HOOKS = ("DDPFLOW_FAULT", "DDPFLOW_RECORD_INDICES")
 
 
@@ -492,6 +493,8 @@ EXACT_RUNS: dict[str, tuple[int, str, dict]] = {
     **{f"{case}_w2": (2, case, {"batch_size": 8}) for case in PREPARED_CASES},
     **{f"{case}_w1x2": (1, case, {"batch_size": 16}) for case in PREPARED_CASES},
     "regression": (2, "regression", {"epochs": 3, "batch_size": 32}),
+    # Last of its launch: the resume test's reference, bit for bit (a case trains what its own launch would).
+    "dropout_uninterrupted": (2, "uneven", DROPOUT_RESUME),
 }
 
 
@@ -510,29 +513,38 @@ def exact_datasets(dataset, uneven, tmp_path_factory) -> dict[str, Path]:
     return datasets
 
 
-class ExactRuns(dict):
-    """Run name -> Launch; reading a run asserts that its launch succeeded."""
+class ExactRuns:
+    """Run name -> Launch, each world size launched on the first read of one of its runs (so a test's share of
+    the launches is bounded, and `-k` on one world size launches only that one); a read asserts that the
+    run's launch succeeded."""
+
+    def __init__(self, datasets: dict[str, Path], root: Path):
+        self.datasets, self.root, self.launched = datasets, root, {}
 
     def __getitem__(self, name: str) -> Launch:
-        return succeeded(super().__getitem__(name))
+        world = EXACT_RUNS[name][0]
+        if name not in self.launched:
+            self.launched |= self._launch(world)
+        return succeeded(self.launched[name])
+
+    def _launch(self, world: int) -> dict[str, Launch]:
+        cases = {
+            name: (job_config(world, **train), self.datasets[data])
+            for name, (size, data, train) in EXACT_RUNS.items()
+            if size == world
+        }
+        root = self.root / f"w{world}"
+        root.mkdir()
+        first_config = next(iter(cases.values()))[0]
+        env = production_env(first_config, root, DDPFLOW_RECORD_INDICES="1")
+        results = launch_cases(root, cases, env)
+        return {name: Launch(result.run_dir, result.returncode, result.output) for name, result in results.items()}
 
 
 @pytest.fixture(scope="module")
 def exact_runs(exact_datasets, tmp_path_factory) -> ExactRuns:
-    """Every EXACT_RUNS entry, trained in one launch per world size."""
-    runs = ExactRuns()
-    for world in sorted({world for world, _, _ in EXACT_RUNS.values()}):
-        cases = {
-            name: (job_config(world, **train), exact_datasets[data])
-            for name, (size, data, train) in EXACT_RUNS.items()
-            if size == world
-        }
-        root = tmp_path_factory.mktemp(f"exact_w{world}")
-        first_config = next(iter(cases.values()))[0]
-        env = production_env(first_config, root, DDPFLOW_RECORD_INDICES="1")
-        for name, result in launch_cases(root, cases, env).items():
-            runs[name] = Launch(result.run_dir, result.returncode, result.output)
-    return runs
+    """Every EXACT_RUNS entry: one launch per world size."""
+    return ExactRuns(exact_datasets, tmp_path_factory.mktemp("exact"))
 
 
 @pytest.mark.parametrize("case", PREPARED_CASES)
@@ -613,15 +625,18 @@ def test_metrics_count_every_row_once_and_agree_with_one_rank(ranks, single, exa
 # --- resume, warm start, several nodes, faults -------------------------------------------------------------
 
 
-def test_a_failed_launch_and_a_killed_rank_resume_at_their_epoch_to_the_uninterrupted_weights(uneven, tmp_path):
+def test_a_failed_launch_and_a_killed_rank_resume_at_their_epoch_to_the_uninterrupted_weights(
+    uneven, exact_runs, tmp_path
+):
     """``Trainer.state_dict()`` round-trips: a Trainer resumed from last.pt ends with the uninterrupted run's
     weights, bit for bit (tolerance 0). With dropout (each rank's RNG matters). Launch 1 fails at the start of
     epoch 1 (a permanent error: the pipeline's retry path); launch 2 resumes after epoch 0, and rank 1 is
     SIGKILLed in epoch 2, so torchrun restarts the group, which resumes after epoch 1. Every epoch is completed
-    exactly once overall."""
-    epochs = 3
-    settings = {"epochs": epochs, "batch_size": 8, **DROPOUT_MODEL}
-    reference = succeeded(launch(tmp_path / "uninterrupted", uneven, **settings))
+    exactly once overall. The uninterrupted run is one case of the shared 2-rank launch, after other cases in
+    the same processes: the tolerance 0 also shows that a case trains what a launch of its own would."""
+    settings = DROPOUT_RESUME
+    epochs = settings["epochs"]
+    reference = exact_runs["dropout_uninterrupted"]
     run_dir = tmp_path / "resumed"
     recorded = {"DDPFLOW_RECORD_INDICES": "1"}
 
