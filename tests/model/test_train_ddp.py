@@ -31,8 +31,9 @@ import pytest
 import torch
 
 from devtools.ports import free_port
+from tests.multi_case import launch_cases
 from training.config import PipelineConfig, load_config
-from training.data.manifest import Manifest, ShardInfo, SplitInfo, write_manifest
+from training.data.manifest import Manifest, ShardInfo, SplitInfo, read_manifest, write_manifest
 from training.job import TrainJob
 from training.models import ModelSpec
 from training.spec.inputs import numeric_input
@@ -48,6 +49,7 @@ UNEVEN_ROWS, UNEVEN_VAL_ROWS = 211, 101
 EXACT = 1e-5  # final weights of runs that take the same optimizer steps
 # A user factory with dropout: resuming to the same weights needs every rank's RNG restored.
 DROPOUT_MODEL = {"model": "tests.model.dropout_model:dropout_mlp", "model_kwargs": {"hidden": 32, "p": 0.3}}
+DROPOUT_RESUME = {"epochs": 3, "batch_size": 8, **DROPOUT_MODEL}  # the resume test's runs
 TEST_HOOKS = ("DDPFLOW_FAULT", "DDPFLOW_RECORD_INDICES")
 
 
@@ -125,6 +127,9 @@ class Launch:
 
     def model(self) -> dict:
         return torch.load(self.run_dir / "model.pt", weights_only=True)
+
+    def dataset_dir(self) -> Path:
+        return Path(json.loads((self.run_dir / "train_config.json").read_text())["dataset_dir"])
 
     def passes(self, rank: int, epoch: int) -> list[list[int]]:
         """Every completed pass of ``rank`` over ``epoch`` (DDPFLOW_RECORD_INDICES appends one line per pass)."""
@@ -226,45 +231,9 @@ def uneven(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(dataset, tmp_path_factory) -> Launch:
-    return succeeded(launch(tmp_path_factory.mktemp("two_ranks"), dataset, env={"DDPFLOW_RECORD_INDICES": "1"}))
-
-
-def _uneven_launch(uneven, tmp_path_factory, name: str, nproc: int, batch_size: int, **train) -> Launch:
-    run_dir = tmp_path_factory.mktemp(name)
-    recorded = {"DDPFLOW_RECORD_INDICES": "1"}
-    return succeeded(launch(run_dir, uneven, nproc=nproc, batch_size=batch_size, env=recorded, **train))
-
-
-@pytest.fixture(scope="module")
-def uneven_two_ranks(uneven, tmp_path_factory) -> Launch:
-    return _uneven_launch(uneven, tmp_path_factory, "uneven_w2", nproc=2, batch_size=8)
-
-
-@pytest.fixture(scope="module")
-def uneven_two_ranks_polling(uneven, tmp_path_factory) -> Launch:
-    # true, not auto: polls whether or not this machine has a core per rank to pin.
-    return _uneven_launch(uneven, tmp_path_factory, "uneven_w2_poll", nproc=2, batch_size=8, cpu_poll_allreduce=True)
-
-
-@pytest.fixture(scope="module")
-def uneven_one_rank_double(uneven, tmp_path_factory) -> Launch:
-    return _uneven_launch(uneven, tmp_path_factory, "uneven_w1x2", nproc=1, batch_size=16)
-
-
-@pytest.fixture(scope="module")
-def uneven_three_ranks(uneven, tmp_path_factory) -> Launch:
-    return _uneven_launch(uneven, tmp_path_factory, "uneven_w3", nproc=3, batch_size=5)
-
-
-@pytest.fixture(scope="module")
-def uneven_three_ranks_polling(uneven, tmp_path_factory) -> Launch:
-    return _uneven_launch(uneven, tmp_path_factory, "uneven_w3_poll", nproc=3, batch_size=5, cpu_poll_allreduce=True)
-
-
-@pytest.fixture(scope="module")
-def uneven_one_rank_triple(uneven, tmp_path_factory) -> Launch:
-    return _uneven_launch(uneven, tmp_path_factory, "uneven_w1x3", nproc=1, batch_size=15)
+def two_ranks(exact_runs) -> Launch:
+    """2 ranks x BATCH on ``dataset``, indices recorded: one case of the exact-update runs' 2-rank launch."""
+    return exact_runs["two_ranks"]
 
 
 # --- tests ------------------------------------------------------------------------------------------
@@ -296,13 +265,13 @@ POLLING_LINE = "polling for the gradient all-reduce"  # rank 0's set-up line (tr
 
 @pytest.mark.parametrize(
     ("sleeping", "polling"),
-    [("uneven_two_ranks", "uneven_two_ranks_polling"), ("uneven_three_ranks", "uneven_three_ranks_polling")],
+    [("uneven_w2", "uneven_w2_poll"), ("uneven_w3", "uneven_w3_poll")],
 )
-def test_polling_for_the_all_reduce_trains_bit_identical_weights_at_the_same_world_size(sleeping, polling, request):
+def test_polling_for_the_all_reduce_trains_bit_identical_weights_at_the_same_world_size(sleeping, polling, exact_runs):
     """train.cpu_poll_allreduce=true against the default (false), the same data and world size, W=2 and W=3.
     Tolerance 0: the weights are bit-identical, because the polling hook averages each bucket as DDP's reducer
     does (times 1/W, then SUM). With torch's allreduce_hook (divide by W) W=3 differs in the last bits."""
-    off, on = request.getfixturevalue(sleeping), request.getfixturevalue(polling)
+    off, on = exact_runs[sleeping], exact_runs[polling]
     assert POLLING_LINE in on.output and POLLING_LINE not in off.output  # opt-in: the default does not poll
     weights_off, weights_on = off.model()["model"], on.model()["model"]
     assert weights_off.keys() == weights_on.keys()
@@ -330,12 +299,12 @@ def test_checkpoints_are_complete_and_load_with_weights_only(two_ranks):
 # --- the exact update: W ranks x b, one rank x W*b and grad_accum take the same steps on any split ------------
 
 
-@pytest.mark.parametrize(("world", "double"), [(2, "uneven_one_rank_double"), (3, "uneven_one_rank_triple")])
-def test_the_global_batch_of_w_ranks_is_the_one_rank_batch(world, double, request):
+@pytest.mark.parametrize(("world", "double"), [(2, "uneven_w1x2"), (3, "uneven_w1x3")])
+def test_the_global_batch_of_w_ranks_is_the_one_rank_batch(world, double, exact_runs):
     """DistributedSampler's rank r takes perm[r::W] of the permutation the one rank walks in order: step s of
     the W ranks together holds exactly the rows of the one rank's step s (padding excluded)."""
-    ranks = request.getfixturevalue({2: "uneven_two_ranks", 3: "uneven_three_ranks"}[world])
-    single = request.getfixturevalue(double)
+    ranks = exact_runs[{2: "uneven_w2", 3: "uneven_w3"}[world]]
+    single = exact_runs[double]
     for epoch in range(EPOCHS):
         order = single.indices(0, epoch)
         assert sorted(order) == list(range(UNEVEN_ROWS))
@@ -362,30 +331,16 @@ OBJECTIVE_CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def objective_launches(uneven, uneven_two_ranks, uneven_one_rank_double, tmp_path_factory):
-    """(2 ranks x 8, 1 rank x 16) on a 211-row train split, per OBJECTIVE_CASES entry, launched on first use."""
-    launched = {"default": (uneven_two_ranks, uneven_one_rank_double)}
-
-    def pair(case: str) -> tuple[Launch, Launch]:
-        if case not in launched:
-            classes, train, _ = OBJECTIVE_CASES[case]
-            rows = {"train": UNEVEN_ROWS, "val": UNEVEN_VAL_ROWS, "test": 16}
-            data = write_dataset(tmp_path_factory.mktemp(case), rows, seed=1, name=f"fp-{case}", classes=classes)
-            launched[case] = (
-                _uneven_launch(data, tmp_path_factory, f"{case}_w2", nproc=2, batch_size=8, **train),
-                _uneven_launch(data, tmp_path_factory, f"{case}_w1x2", nproc=1, batch_size=16, **train),
-            )
-        return launched[case]
-
-    return pair
+def objective_runs(case: str) -> tuple[str, str]:
+    """The EXACT_RUNS of an OBJECTIVE_CASES entry: (2 ranks x 8, 1 rank x 16) on a 211-row train split."""
+    return ("uneven_w2", "uneven_w1x2") if case == "default" else (f"{case}_w2", f"{case}_w1x2")
 
 
 @pytest.mark.parametrize("case", OBJECTIVE_CASES)
-def test_two_ranks_train_the_weights_of_one_rank_with_twice_the_batch(case, objective_launches):
+def test_two_ranks_train_the_weights_of_one_rank_with_twice_the_batch(case, exact_runs):
     """For every objective and class weighting: the last step of each epoch holds 3 rows, 2 on rank 0 and
     1 (+ 1 padding) on rank 1; the weights, losses and metrics of 2 ranks x 8 equal those of 1 rank x 16."""
-    ranks, single = objective_launches(case)
+    ranks, single = (exact_runs[name] for name in objective_runs(case))
     difference = assert_same_weights(ranks.model()["model"], single.model()["model"], EXACT)
     report(f"{case}: 2 ranks x 8 vs 1 rank x 16, 211 rows (last global batch 3)", difference)
     _, train, reported = OBJECTIVE_CASES[case]
@@ -403,26 +358,22 @@ def test_two_ranks_train_the_weights_of_one_rank_with_twice_the_batch(case, obje
         assert abs(last["val_loss"] - last["val_log_loss"]) > 1e-3
 
 
-def test_three_ranks_train_the_weights_of_one_rank_with_three_times_the_batch(
-    uneven_three_ranks, uneven_one_rank_triple
-):
+def test_three_ranks_train_the_weights_of_one_rank_with_three_times_the_batch(exact_runs):
     # The last step of each epoch holds 1 row, on rank 0; ranks 1 and 2 hold only padding.
     difference = assert_same_weights(
-        uneven_three_ranks.model()["model"], uneven_one_rank_triple.model()["model"], EXACT
+        exact_runs["uneven_w3"].model()["model"], exact_runs["uneven_w1x3"].model()["model"], EXACT
     )
     report("3 ranks x 5 vs 1 rank x 15, 211 rows (last global batch 1)", difference)
 
 
-def test_accumulating_two_micro_batches_trains_the_weights_of_one_double_batch(
-    uneven, uneven_two_ranks, uneven_one_rank_double, tmp_path
-):
+def test_accumulating_two_micro_batches_trains_the_weights_of_one_double_batch(exact_runs):
     """2 ranks x 4 rows x grad_accum 2 against 2 ranks x 8: each epoch's last optimizer step is ONE micro-batch
     (27 per rank) holding 3 real rows and 1 padding, so both the divisor and the short group are exercised."""
-    accumulated = succeeded(launch(tmp_path / "accumulated", uneven, batch_size=4, grad_accum=2))
+    accumulated = exact_runs["accumulated"]
     weights = accumulated.model()["model"]
-    difference = assert_same_weights(weights, uneven_two_ranks.model()["model"], EXACT)
+    difference = assert_same_weights(weights, exact_runs["uneven_w2"].model()["model"], EXACT)
     report("2 ranks x 4 x grad_accum 2 vs 2 ranks x 8, 211 rows (last step: 1 micro-batch)", difference)
-    report("... vs 1 rank x 16", assert_same_weights(weights, uneven_one_rank_double.model()["model"], EXACT))
+    report("... vs 1 rank x 16", assert_same_weights(weights, exact_runs["uneven_w1x2"].model()["model"], EXACT))
     assert [r["train_samples"] for r in accumulated.metrics()] == [UNEVEN_ROWS] * EPOCHS
 
 
@@ -452,19 +403,16 @@ def write_categorical_dataset(root: Path) -> Path:
     return Path(prepare_dataset(data).dataset_dir)
 
 
-def test_a_categorical_model_on_two_ranks_trains_the_weights_of_one_rank_with_twice_the_batch(tmp_path):
+def test_a_categorical_model_on_two_ranks_trains_the_weights_of_one_rank_with_twice_the_batch(exact_runs):
     """The exact update with embeddings (a categorical, a hashed id) and a vector: 2 ranks x 8 against 1 rank x 16
     on an uneven split; and the model served on raw rows predicts what evaluation scores."""
     from training.evaluate import evaluate_split
     from training.predict import Predictor
 
-    dataset = write_categorical_dataset(tmp_path)
+    two, one = exact_runs["categorical_w2"], exact_runs["categorical_w1x2"]
+    dataset = two.dataset_dir()
     train_rows = json.loads((dataset / "manifest.json").read_text())["splits"]["train"]["rows"]
     assert train_rows % 16, "pick rows whose last global step is short"
-    # lr 0.002: Adam divides by the gradient's own size, so a unit with a near-zero gradient turns the
-    # summation order's rounding into a step of up to lr; at 0.01 one bias of 32 moved 3.6e-5 apart.
-    two = succeeded(launch(tmp_path / "w2", dataset, nproc=2, batch_size=8, lr=0.002))
-    one = succeeded(launch(tmp_path / "w1", dataset, nproc=1, batch_size=16, lr=0.002))
     weights_two, weights_one = two.model()["model"], one.model()["model"]
     assert any(name.startswith("embeddings.colour") for name in weights_two)
     report("categorical 2 ranks x 8 vs 1 rank x 16", assert_same_weights(weights_two, weights_one, atol=EXACT))
@@ -515,15 +463,98 @@ def write_prepared_dataset(root: Path, case: str, rows: int = 300) -> Path:
     return Path(prepare_dataset(load_config(None, overrides).data).dataset_dir)
 
 
+# --- the shared runs: all of one world size in ONE torchrun launch (tests/multi_case.py) ------------------
+
+# run name -> (world size, dataset in exact_datasets, train settings): the exact-update pairs, and the runs
+# whose files tests only read. The runs of one world size train one after another in one launch, so the table
+# costs three launches (W = 1, 2, 3) however many cases it holds; each test compares its own runs' files, so a
+# failure names the case. A new exact-update case adds its pair of runs here (and its dataset to
+# exact_datasets). All record their row indices (DDPFLOW_RECORD_INDICES).
+EXACT_RUNS: dict[str, tuple[int, str, dict]] = {
+    "two_ranks": (2, "dataset", {}),
+    "uneven_w2": (2, "uneven", {"batch_size": 8}),
+    # true, not auto: polls whether or not this machine has a core per rank to pin.
+    "uneven_w2_poll": (2, "uneven", {"batch_size": 8, "cpu_poll_allreduce": True}),
+    "uneven_w1x2": (1, "uneven", {"batch_size": 16}),
+    "uneven_w3": (3, "uneven", {"batch_size": 5}),
+    "uneven_w3_poll": (3, "uneven", {"batch_size": 5, "cpu_poll_allreduce": True}),
+    "uneven_w1x3": (1, "uneven", {"batch_size": 15}),
+    "accumulated": (2, "uneven", {"batch_size": 4, "grad_accum": 2}),
+    **{
+        name: (world, case, {"batch_size": batch, **train})
+        for case, (_, train, _) in OBJECTIVE_CASES.items()
+        if case != "default"  # the default objective is uneven_w2 / uneven_w1x2
+        for name, world, batch in zip(objective_runs(case), (2, 1), (8, 16), strict=True)
+    },
+    # lr 0.002: Adam divides by the gradient's own size, so a unit with a near-zero gradient turns the
+    # summation order's rounding into a step of up to lr; at 0.01 one bias of 32 moved 3.6e-5 apart.
+    "categorical_w2": (2, "categorical", {"batch_size": 8, "lr": 0.002}),
+    "categorical_w1x2": (1, "categorical", {"batch_size": 16, "lr": 0.002}),
+    **{f"{case}_w2": (2, case, {"batch_size": 8}) for case in PREPARED_CASES},
+    **{f"{case}_w1x2": (1, case, {"batch_size": 16}) for case in PREPARED_CASES},
+    "regression": (2, "regression", {"epochs": 3, "batch_size": 32}),
+    # Last of its launch: the resume test's reference, bit for bit (a case trains what its own launch would).
+    "dropout_uninterrupted": (2, "uneven", DROPOUT_RESUME),
+}
+
+
+@pytest.fixture(scope="module")
+def exact_datasets(dataset, uneven, tmp_path_factory) -> dict[str, Path]:
+    rows = {"train": UNEVEN_ROWS, "val": UNEVEN_VAL_ROWS, "test": 16}
+    datasets = {"dataset": dataset, "uneven": uneven}
+    for case, (classes, _, _) in OBJECTIVE_CASES.items():
+        if case != "default":
+            root = tmp_path_factory.mktemp(case)
+            datasets[case] = write_dataset(root, rows, seed=1, name=f"fp-{case}", classes=classes)
+    datasets["categorical"] = write_categorical_dataset(tmp_path_factory.mktemp("categorical"))
+    for case in PREPARED_CASES:
+        datasets[case] = write_prepared_dataset(tmp_path_factory.mktemp(case), case)
+    datasets["regression"] = write_regression_dataset(tmp_path_factory.mktemp("regression"))
+    return datasets
+
+
+class ExactRuns:
+    """Run name -> Launch, each world size launched on the first read of one of its runs (so a test's share of
+    the launches is bounded, and `-k` on one world size launches only that one); a read asserts that the
+    run's launch succeeded."""
+
+    def __init__(self, datasets: dict[str, Path], root: Path):
+        self.datasets, self.root, self.launched = datasets, root, {}
+
+    def __getitem__(self, name: str) -> Launch:
+        world = EXACT_RUNS[name][0]
+        if name not in self.launched:
+            self.launched |= self._launch(world)
+        return succeeded(self.launched[name])
+
+    def _launch(self, world: int) -> dict[str, Launch]:
+        cases = {
+            name: (job_config(world, **train), self.datasets[data])
+            for name, (size, data, train) in EXACT_RUNS.items()
+            if size == world
+        }
+        root = self.root / f"w{world}"
+        root.mkdir()
+        first_config = next(iter(cases.values()))[0]
+        env = production_env(first_config, root, DDPFLOW_RECORD_INDICES="1")
+        results = launch_cases(root, cases, env)
+        return {name: Launch(result.run_dir, result.returncode, result.output) for name, result in results.items()}
+
+
+@pytest.fixture(scope="module")
+def exact_runs(exact_datasets, tmp_path_factory) -> ExactRuns:
+    """Every EXACT_RUNS entry: one launch per world size."""
+    return ExactRuns(exact_datasets, tmp_path_factory.mktemp("exact"))
+
+
 @pytest.mark.parametrize("case", PREPARED_CASES)
-def test_weighted_rows_and_multilabel_on_two_ranks_train_the_weights_of_one_rank_with_twice_the_batch(case, tmp_path):
+def test_weighted_rows_and_multilabel_on_two_ranks_train_the_weights_of_one_rank_with_twice_the_batch(case, exact_runs):
     """The exact update where Σ w is not the row count (data.weight 0.5..3) and for a sigmoid per label
     (a list<string> label): 2 ranks x 8 against 1 rank x 16, the last global step short."""
-    dataset = write_prepared_dataset(tmp_path, case)
+    two, one = exact_runs[f"{case}_w2"], exact_runs[f"{case}_w1x2"]
+    dataset = two.dataset_dir()
     manifest = json.loads((dataset / "manifest.json").read_text())
     assert manifest["splits"]["train"]["rows"] % 16, "pick rows whose last global step is short"
-    two = succeeded(launch(tmp_path / "w2", dataset, nproc=2, batch_size=8))
-    one = succeeded(launch(tmp_path / "w1", dataset, nproc=1, batch_size=16))
     report(
         f"{case}: 2 ranks x 8 vs 1 rank x 16", assert_same_weights(two.model()["model"], one.model()["model"], EXACT)
     )
@@ -573,12 +604,12 @@ def assert_multilabel_serving_equals_evaluation(model_path: Path, dataset: Path,
 
 @pytest.mark.parametrize(
     ("ranks", "single"),
-    [("uneven_two_ranks", "uneven_one_rank_double"), ("uneven_three_ranks", "uneven_one_rank_triple")],
+    [("uneven_w2", "uneven_w1x2"), ("uneven_w3", "uneven_w1x3")],
 )
-def test_metrics_count_every_row_once_and_agree_with_one_rank(ranks, single, request):
+def test_metrics_count_every_row_once_and_agree_with_one_rank(ranks, single, exact_runs):
     """Per-epoch losses and validation of the W-rank run equal the one-rank run's: each row is counted once
     (padding excluded) and each rank evaluates its own unpadded slice of the val split."""
-    many, one = request.getfixturevalue(ranks).metrics(), request.getfixturevalue(single).metrics()
+    many, one = exact_runs[ranks].metrics(), exact_runs[single].metrics()
     assert [r["epoch"] for r in many] == [r["epoch"] for r in one] == list(range(EPOCHS))
     for a, b in zip(many, one):
         assert a["train_samples"] == b["train_samples"] == UNEVEN_ROWS
@@ -594,15 +625,18 @@ def test_metrics_count_every_row_once_and_agree_with_one_rank(ranks, single, req
 # --- resume, warm start, several nodes, faults -------------------------------------------------------------
 
 
-def test_a_failed_launch_and_a_killed_rank_resume_at_their_epoch_to_the_uninterrupted_weights(uneven, tmp_path):
+def test_a_failed_launch_and_a_killed_rank_resume_at_their_epoch_to_the_uninterrupted_weights(
+    uneven, exact_runs, tmp_path
+):
     """``Trainer.state_dict()`` round-trips: a Trainer resumed from last.pt ends with the uninterrupted run's
     weights, bit for bit (tolerance 0). With dropout (each rank's RNG matters). Launch 1 fails at the start of
     epoch 1 (a permanent error: the pipeline's retry path); launch 2 resumes after epoch 0, and rank 1 is
     SIGKILLed in epoch 2, so torchrun restarts the group, which resumes after epoch 1. Every epoch is completed
-    exactly once overall."""
-    epochs = 3
-    settings = {"epochs": epochs, "batch_size": 8, **DROPOUT_MODEL}
-    reference = succeeded(launch(tmp_path / "uninterrupted", uneven, **settings))
+    exactly once overall. The uninterrupted run is one case of the shared 2-rank launch, after other cases in
+    the same processes: the tolerance 0 also shows that a case trains what a launch of its own would."""
+    settings = DROPOUT_RESUME
+    epochs = settings["epochs"]
+    reference = exact_runs["dropout_uninterrupted"]
     run_dir = tmp_path / "resumed"
     recorded = {"DDPFLOW_RECORD_INDICES": "1"}
 
@@ -750,6 +784,15 @@ def test_a_checkpoint_write_beyond_checkpoint_timeout_fails_naming_it(dataset, t
 # --- target standardisation ------------------------------------------------------------------------------
 
 
+def write_regression_dataset(root: Path) -> Path:
+    """write_regression_source's table through the real prepare stage (data.label=price)."""
+    from training.data.prepare import prepare_dataset
+
+    source = write_regression_source(root / "prices.parquet")
+    data = load_config(None, [f"data.source={source}", "data.label=price", f"data.root={root / 'shards'}"]).data
+    return Path(prepare_dataset(data).dataset_dir)
+
+
 def write_regression_source(path: Path, rows: int = 1500, seed: int = 7) -> Path:
     """Raw columns whose target has mean ~150 and std ~10: far from what an untrained network outputs."""
     rng = np.random.default_rng(seed)
@@ -761,36 +804,33 @@ def write_regression_source(path: Path, rows: int = 1500, seed: int = 7) -> Path
     return path
 
 
-def test_regression_trains_on_the_standardised_target_and_reports_the_original_scale(tmp_path):
-    from training.data.prepare import prepare_dataset
+def test_regression_trains_on_the_standardised_target_and_reports_the_original_scale(exact_runs):
     from training.evaluate import evaluate_split
     from training.predict import Predictor
 
-    source = write_regression_source(tmp_path / "prices.parquet")
-    data = load_config(None, [f"data.source={source}", "data.label=price", f"data.root={tmp_path / 'shards'}"]).data
-    prepared = prepare_dataset(data)
-    manifest = prepared.manifest
-    train_targets = pd.concat(
-        pq.read_table(path).to_pandas() for path in manifest.split_files(prepared.dataset_dir, "train")
-    )["price"].to_numpy(np.float64)
+    result = exact_runs["regression"]  # 2 ranks, 3 epochs of 32 rows
+    dataset_dir = result.dataset_dir()
+    manifest = read_manifest(dataset_dir)
+    train_targets = pd.concat(pq.read_table(path).to_pandas() for path in manifest.split_files(dataset_dir, "train"))[
+        "price"
+    ].to_numpy(np.float64)
     assert manifest.label_mean == pytest.approx(train_targets.mean(), rel=1e-9)
     assert manifest.label_std == pytest.approx(train_targets.std(), rel=1e-9)
     assert 140 < manifest.label_mean < 160
 
-    result = succeeded(launch(tmp_path / "run", prepared.dataset_dir, epochs=3, batch_size=32))
     final = result.model()
     assert (final["label_mean"], final["label_std"]) == (manifest.label_mean, manifest.label_std)
 
     # Training's validation and the evaluate stage's agree, both on the original scale.
     last = result.metrics()[-1]
-    evaluated = evaluate_split(result.run_dir / "model.pt", prepared.dataset_dir, "val").metrics
+    evaluated = evaluate_split(result.run_dir / "model.pt", dataset_dir, "val").metrics
     assert last["val_rmse"] == pytest.approx(evaluated["val_rmse"], rel=1e-4)
     assert last["val_loss"] == pytest.approx(evaluated["val_loss"], rel=1e-4)
     assert last["val_rmse"] < 0.3 * manifest.label_std  # learned in 3 epochs: it never had to find the mean
 
-    test = evaluate_split(result.run_dir / "model.pt", prepared.dataset_dir, "test", return_predictions=True)
+    test = evaluate_split(result.run_dir / "model.pt", dataset_dir, "test", return_predictions=True)
     assert test.metrics["test_rmse"] < 0.3 * manifest.label_std
-    frame = pd.concat(pq.read_table(p).to_pandas() for p in manifest.split_files(prepared.dataset_dir, "test"))
+    frame = pd.concat(pq.read_table(p).to_pandas() for p in manifest.split_files(dataset_dir, "test"))
     served = Predictor.from_checkpoint(result.run_dir / "model.pt").predict(frame[manifest.features])
     np.testing.assert_allclose(served, test.predictions, rtol=1e-6)
     assert abs(float(np.mean(served)) - float(frame["price"].mean())) < 0.3 * manifest.label_std
