@@ -319,6 +319,15 @@ class TrainConfig(_Section):
     bf16: ChangesWeights[bool] = Field(True, description="bf16 autocast on CUDA.")
     tf32: ChangesWeights[bool] = Field(True, description="Allow TF32 matmuls on CUDA.")
     pin_memory: KeepsWeights[bool] = True
+    # Not eval.batch_size: that one streams the test split in a process of its own; this one runs beside the
+    # training state, and an activation per row of 65,536 images would not fit (nor, for a wide MLP, stay small).
+    val_batch_size: KeepsWeights[int | None] = Field(
+        None,
+        ge=1,
+        description="Rows per forward pass of the validation every epoch (per rank); default: the per-rank train "
+        "batch, which fits where training does. The val metrics are float64 sums: the batching moves them by "
+        "rounding only.",
+    )
     num_workers: KeepsWeights[Annotated[int, Field(ge=0)] | Literal["auto"]] = Field(
         "auto",
         description="DataLoader worker processes per rank, kept for the run: where ragged inputs (images) are "

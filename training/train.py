@@ -313,7 +313,8 @@ class Trainer:
         coverage = Certificate.from_lanes(*ctx.all_reduce_int_sum(self.coverage.totals()))
         coverage.check(self.expected_coverage, epoch)  # CoverageError naming the epoch
         start, stop = shard_range(manifest.rows("val"), ctx.rank, ctx.world_size)
-        val_pass = evaluate(self.model, self.val, start, stop, self.job.config.eval.batch_size, self.settings)
+        val_batch = self.config.val_batch_size or self.batch_size
+        val_pass = evaluate(self.model, self.val, start, stop, val_batch, self.settings)
         scored = ctx.gather_objects(val_pass.scored) if val_pass.scored is not None else None  # binary: AUC
         val = validation_metrics(ctx.all_reduce_sum(val_pass.sums.unbind()), self.settings, target_std, scored)
         if val["val_samples"] != manifest.rows("val"):
