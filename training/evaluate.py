@@ -335,8 +335,8 @@ def evaluate_split(
             if classification:
                 predicted = evaluation.add(output, y, remap)
                 if image is not None and len(misclassified) < MISCLASSIFIED_SHOWN:
-                    wrong = predicted != y.long()
-                    _keep_misclassified(misclassified, raw, image, wrong, y, predicted, manifest.label_mapping)
+                    is_wrong = predicted != y.long()
+                    _keep_misclassified(misclassified, raw, image, is_wrong, y, predicted, manifest.label_mapping)
                 if wrong is not None:
                     wrong.add(samples, raw, y, predicted, evaluation.probabilities(output, remap))
             elif multilabel:  # the objective's multilabel tally; predictions multi-hot [B, C] (no confusion matrix)
