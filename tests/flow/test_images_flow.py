@@ -18,18 +18,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-import yaml
+from flow.cli_runs import cli_env, run_promoted
 from image_data import SHAPES, image_table, write_image_folder
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def cli_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "180"
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
 
 
 @pytest.mark.torchrun
@@ -53,15 +45,7 @@ def test_an_image_folder_trains_registers_and_serves_images(make_config, tmp_pat
             "train.batch_size": 8,
         }
     )
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
-    done = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "run", "--config", "run.yaml", "--json"],
-        cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=540,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-4000:]
-    summary = json.loads(done.stdout)
-    assert summary["decision"] == "promoted"
-    run_dir, dataset = Path(summary["run_dir"]), Path(summary["dataset_dir"])
+    summary, run_dir, dataset = run_promoted(tmp_path, config)
     manifest = read_manifest(dataset)
     assert manifest.key == "path" and manifest.label_mapping == sorted(SHAPES)
     assert [(entry["name"], entry["kind"]) for entry in manifest.inputs] == [("image", "image")]
@@ -113,19 +97,11 @@ def test_a_parquet_struct_column_with_a_categorical_trains_and_serves_through_dd
             "train.batch_size": 8,
         }
     )
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
-    done = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "run", "--config", "run.yaml", "--json"],
-        cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=540,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-4000:]
-    summary = json.loads(done.stdout)
-    assert summary["decision"] == "promoted"
-    dataset = Path(summary["dataset_dir"])
+    summary, run_dir, dataset = run_promoted(tmp_path, config)
     manifest = read_manifest(dataset)
     assert {entry["name"]: entry["kind"] for entry in manifest.inputs} == {"photo": "image", "colour": "categorical"}
     test = pa.concat_tables([pq.read_table(path) for path in manifest.split_files(dataset, "test")]).to_pandas()
-    evaluated = evaluate_split(Path(summary["run_dir"]) / "model.pt", dataset, return_predictions=True)
+    evaluated = evaluate_split(run_dir / "model.pt", dataset, return_predictions=True)
     with use_tracking_uri(config["mlflow"]["tracking_uri"]):
         served = mlflow.pyfunc.load_model(f"models:/{config['registry']['model_name']}@champion")
     frame = pd.DataFrame({"photo": list(test["photo"]), "colour": test["colour"]})

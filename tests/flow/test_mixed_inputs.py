@@ -5,10 +5,6 @@ the evaluation scored."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +12,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import yaml
+from flow.cli_runs import cli_env, run_promoted
 
 from devtools.model_server import invocations
 
@@ -54,14 +50,6 @@ def model_uri(config: dict) -> str:
     return f"models:/{config['registry']['model_name']}@champion"
 
 
-def cli_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "180"
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
 @pytest.mark.torchrun
 @pytest.mark.server  # ddpflow run starts a temporary Prefect server
 def test_a_mixed_table_trains_through_ddpflow_run_and_serves_raw_rows(make_config, tmp_path):
@@ -84,15 +72,7 @@ def test_a_mixed_table_trains_through_ddpflow_run_and_serves_raw_rows(make_confi
             "train.batch_size": 64,
         }
     )
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
-    done = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "run", "--config", "run.yaml", "--json"],
-        cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=540,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-4000:]
-    summary = json.loads(done.stdout)
-    assert summary["decision"] == "promoted"
-    run_dir, dataset = Path(summary["run_dir"]), Path(summary["dataset_dir"])
+    summary, run_dir, dataset = run_promoted(tmp_path, config)
     manifest = read_manifest(dataset)
     test = pa.concat_tables([pq.read_table(path) for path in manifest.split_files(dataset, "test")]).to_pandas()
     majority = max(np.mean(test["churned"] == 0), np.mean(test["churned"] == 1))

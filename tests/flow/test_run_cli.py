@@ -9,7 +9,6 @@ PREFECT_HOME". With the project's stack up, the run uses the stack's server.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
+from flow.cli_runs import cli_env
 from mlflow.tracking import MlflowClient
 
 from ddpflow import stack as local_stack
@@ -35,14 +35,6 @@ ENDLESS = {
     "train.epochs": 1000,
     "train.batch_size": 64,
 }
-
-
-def cli_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "180"  # a loaded test machine
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
 
 
 def ddpflow(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -5,10 +5,6 @@ text. It beats the majority class, the champion's pyfunc answers raw strings (in
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +12,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
-import yaml
+from flow.cli_runs import cli_env, run_promoted
 
 from devtools.model_server import invocations
 
@@ -75,15 +71,7 @@ def test_a_text_classifier_trains_through_ddpflow_run_and_serves_raw_strings(mak
             "train.model_kwargs": {"d_model": 16, "n_heads": 2, "n_layers": 1, "hidden": [16]},
         }
     )
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
-    done = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "run", "--config", "run.yaml", "--json"],
-        cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=540,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-4000:]
-    summary = json.loads(done.stdout)
-    assert summary["decision"] == "promoted"
-    run_dir, dataset = Path(summary["run_dir"]), Path(summary["dataset_dir"])
+    summary, run_dir, dataset = run_promoted(tmp_path, config)
     manifest = read_manifest(dataset)
     assert sorted(entry["kind"] for entry in manifest.inputs) == ["categorical", "text", "text"]  # yaml sorts keys
     assert (dataset / "tokenizers" / "snippet.json").is_file()
@@ -111,11 +99,3 @@ def test_a_text_classifier_trains_through_ddpflow_run_and_serves_raw_strings(mak
     uri = f"models:/{config['registry']['model_name']}@champion"
     answered = invocations(uri, config["mlflow"]["tracking_uri"], raw.head(20), tmp_path, cli_env())
     np.testing.assert_array_equal(np.asarray(answered), labels[evaluated.predictions[:20]])
-
-
-def cli_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "180"
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
