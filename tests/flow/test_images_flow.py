@@ -6,10 +6,6 @@ in process and over HTTP (`mlflow models serve`), and answers what the evaluatio
 from __future__ import annotations
 
 import base64
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -111,43 +107,8 @@ def test_a_parquet_struct_column_with_a_categorical_trains_and_serves_through_dd
 
 
 def invocations(config: dict, rows: pd.DataFrame, tmp_path: Path) -> list:
-    """Serve the champion on a loopback port (``--env-manager local``), POST ``rows``, stop the server by PID."""
-    import urllib.request
+    """The champion served by ``mlflow models serve`` over loopback HTTP, answering ``rows``."""
+    from devtools.model_server import invocations as served_invocations
 
-    from devtools.ports import free_port
-    from devtools.waiting import wait_until
-
-    port = free_port()
-    env = {**cli_env(), "MLFLOW_TRACKING_URI": config["mlflow"]["tracking_uri"]}
-    # mlflow runs `uvicorn` by name: the venv's bin on PATH, as an activated venv has it.
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", os.defpath)])
     model_uri = f"models:/{config['registry']['model_name']}@champion"
-    command = [sys.executable, "-m", "mlflow", "models", "serve", "-m", model_uri, "--env-manager", "local"]
-    log = (tmp_path / "serve.log").open("w")
-    server = subprocess.Popen(
-        [*command, "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-        cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: _answers(f"{url}/ping") or server.poll() is not None, 120, "mlflow models serve /ping")
-        assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-        body = json.dumps({"dataframe_split": json.loads(rows.to_json(orient="split", index=False))}).encode()
-        request = urllib.request.Request(f"{url}/invocations", body, {"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return json.loads(response.read())["predictions"]
-    finally:
-        if server.poll() is None:
-            os.killpg(server.pid, 15)  # the server and its one worker: the session this test started
-        server.wait(timeout=30)
-        log.close()
-
-
-def _answers(url: str) -> bool:
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
+    return served_invocations(model_uri, config["mlflow"]["tracking_uri"], rows, tmp_path, cli_env())
