@@ -58,9 +58,11 @@ def mlflow_store(tmp_path, _migrated_mlflow_db):
 
 
 @pytest.fixture(scope="session")
-def prefect_harness():
-    """ONE temporary Prefect server (SQLite) for the whole session: each costs 10-40 s to start."""
+def prefect_harness() -> str:
+    """ONE temporary Prefect server (SQLite) for the whole session: each costs 10-40 s to start. Yields its API
+    URL, for a subprocess (`ddpflow run`) to use as a user's PREFECT_API_URL instead of starting its own."""
+    from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness
 
     with prefect_test_harness(server_startup_timeout=180):
-        yield
+        yield PREFECT_API_URL.value()

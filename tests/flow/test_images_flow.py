@@ -21,8 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.torchrun
-@pytest.mark.server  # ddpflow run starts a temporary Prefect server
-def test_an_image_folder_trains_registers_and_serves_images(make_config, tmp_path):
+def test_an_image_folder_trains_registers_and_serves_images(prefect_harness, make_config, tmp_path):
     import mlflow
     from mlflow import MlflowClient
     from mlflow.types import DataType
@@ -41,7 +40,7 @@ def test_an_image_folder_trains_registers_and_serves_images(make_config, tmp_pat
             "train.batch_size": 8,
         }
     )
-    summary, run_dir, dataset = run_promoted(tmp_path, config)
+    summary, run_dir, dataset = run_promoted(tmp_path, config, prefect_harness)
     manifest = read_manifest(dataset)
     assert manifest.key == "path" and manifest.label_mapping == sorted(SHAPES)
     assert [(entry["name"], entry["kind"]) for entry in manifest.inputs] == [("image", "image")]
@@ -70,8 +69,9 @@ def test_an_image_folder_trains_registers_and_serves_images(make_config, tmp_pat
 
 
 @pytest.mark.torchrun
-@pytest.mark.server
-def test_a_parquet_struct_column_with_a_categorical_trains_and_serves_through_ddpflow_run(make_config, tmp_path):
+def test_a_parquet_struct_column_with_a_categorical_trains_and_serves_through_ddpflow_run(
+    prefect_harness, make_config, tmp_path
+):
     """Hugging Face's {bytes, path} struct, beside a categorical: one model through the batch dict."""
     import mlflow
 
@@ -93,7 +93,7 @@ def test_a_parquet_struct_column_with_a_categorical_trains_and_serves_through_dd
             "train.batch_size": 8,
         }
     )
-    summary, run_dir, dataset = run_promoted(tmp_path, config)
+    summary, run_dir, dataset = run_promoted(tmp_path, config, prefect_harness)
     manifest = read_manifest(dataset)
     assert {entry["name"]: entry["kind"] for entry in manifest.inputs} == {"photo": "image", "colour": "categorical"}
     test = pa.concat_tables([pq.read_table(path) for path in manifest.split_files(dataset, "test")]).to_pandas()

@@ -51,8 +51,7 @@ def model_uri(config: dict) -> str:
 
 
 @pytest.mark.torchrun
-@pytest.mark.server  # ddpflow run starts a temporary Prefect server
-def test_a_mixed_table_trains_through_ddpflow_run_and_serves_raw_rows(make_config, tmp_path):
+def test_a_mixed_table_trains_through_ddpflow_run_and_serves_raw_rows(prefect_harness, make_config, tmp_path):
     import mlflow
     from mlflow.types import DataType
 
@@ -72,7 +71,7 @@ def test_a_mixed_table_trains_through_ddpflow_run_and_serves_raw_rows(make_confi
             "train.batch_size": 64,
         }
     )
-    summary, run_dir, dataset = run_promoted(tmp_path, config)
+    summary, run_dir, dataset = run_promoted(tmp_path, config, prefect_harness)
     manifest = read_manifest(dataset)
     test = pa.concat_tables([pq.read_table(path) for path in manifest.split_files(dataset, "test")]).to_pandas()
     majority = max(np.mean(test["churned"] == 0), np.mean(test["churned"] == 1))

@@ -41,8 +41,7 @@ def snippets(rows: int = ROWS, seed: int = 0) -> pa.Table:
 
 
 @pytest.mark.torchrun
-@pytest.mark.server  # ddpflow run starts a temporary Prefect server
-def test_a_text_classifier_trains_through_ddpflow_run_and_serves_raw_strings(make_config, tmp_path):
+def test_a_text_classifier_trains_through_ddpflow_run_and_serves_raw_strings(prefect_harness, make_config, tmp_path):
     import mlflow
 
     from ddpflow.tracking.runs import WRONG_ROWS_ARTIFACT, use_tracking_uri
@@ -71,7 +70,7 @@ def test_a_text_classifier_trains_through_ddpflow_run_and_serves_raw_strings(mak
             "train.model_kwargs": {"d_model": 16, "n_heads": 2, "n_layers": 1, "hidden": [16]},
         }
     )
-    summary, run_dir, dataset = run_promoted(tmp_path, config)
+    summary, run_dir, dataset = run_promoted(tmp_path, config, prefect_harness)
     manifest = read_manifest(dataset)
     assert sorted(entry["kind"] for entry in manifest.inputs) == ["categorical", "text", "text"]  # yaml sorts keys
     assert (dataset / "tokenizers" / "snippet.json").is_file()
