@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -160,7 +159,7 @@ def test_next_token_targets_loss_per_target_token_and_a_causal_model_blind_to_pa
         assert torch.allclose(wider[real], net(batch)[real], atol=1e-6)
 
 
-# --- real torchrun launches (gloo, CPU): the exact update of a text model, evaluation, serving ----------------
+# --- real torchrun launches (gloo, CPU): the exact update of a text model, evaluation, serving: TWO launches --
 
 REPO = Path(__file__).resolve().parents[2]
 EXACT = 1e-5
@@ -198,27 +197,53 @@ def write_snippets(root: Path, rows: int = 157) -> Path:
     return Path(prepare_dataset(data).dataset_dir)
 
 
-def launch(run_dir: Path, dataset_dir: Path, nproc: int, **train) -> Path:
-    """One torchrun launch with the production launcher's argv and environment; the run directory."""
-    from ddpflow.launch.command import launch_env, torchrun_command
-    from training.job import TrainJob
+# The exact-update pairs of the two objectives: case -> its train settings. SGD: the attention's key bias has a
+# gradient of exactly 0 (softmax ignores a shift shared by every key), so under Adam its summation-order rounding
+# is divided by its own size and steps ~lr (measured: 1.3e-4 at lr 0.002 with AdamW, every other tensor within
+# 2.4e-7); SGD keeps the comparison about the gradients.
+TEXT_CASES = {
+    "classifier": {"optimizer": "sgd", "lr": 0.1},
+    "next_token": {"objective": "next_token", "optimizer": "sgd", "lr": 0.1},
+}
+
+
+def launch(root: Path, dataset_dir: Path, nproc: int, batch_size: int) -> dict[str, Path]:
+    """Every TEXT_CASES case on ``nproc`` ranks in ONE torchrun launch (tests/multi_case.py: the production
+    argv and environment, the real Trainer per case): case -> its run directory."""
+    from ddpflow.launch.command import launch_env
+    from tests.multi_case import launch_cases
 
     settings = {"epochs": 2, "num_threads": 1, "lr": 0.002, "model": "auto", "model_kwargs": TINY}
-    settings |= {"collective_timeout_s": 60, "nproc_per_node": nproc, "max_restarts": 0, **train}
-    config = load_config(None, [f"train.{key}={json.dumps(value)}" for key, value in settings.items()])
-    job = TrainJob(config=config, dataset_dir=str(dataset_dir), run_dir=str(run_dir), init_weights=None)
-    job_path = job.write(run_dir / "train_config.json")
+    settings |= {"collective_timeout_s": 60, "nproc_per_node": nproc, "max_restarts": 0, "batch_size": batch_size}
+    cases = {
+        name: (load_config(None, [f"train.{key}={json.dumps(value)}" for key, value in (settings | train).items()]),
+               dataset_dir)
+        for name, train in TEXT_CASES.items()
+    }  # fmt: skip
+    root.mkdir(parents=True)
     base = {name: value for name, value in os.environ.items() if not name.startswith("DDPFLOW_")}
-    done = subprocess.run(
-        torchrun_command(config, job_path, gpus=0),
-        cwd=REPO,
-        env=launch_env(config, run_dir, gpus=0, base=base),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    return run_dir
+    env = launch_env(next(iter(cases.values()))[0], root, gpus=0, base=base)
+    results = launch_cases(root, cases, env, timeout_s=300)
+    for result in results.values():
+        assert result.returncode == 0, result.output[-4000:]
+    return {name: result.run_dir for name, result in results.items()}
+
+
+@pytest.fixture(scope="module")
+def snippets_dataset(tmp_path_factory) -> Path:
+    return write_snippets(tmp_path_factory.mktemp("snippets"))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(snippets_dataset, tmp_path_factory) -> dict[str, Path]:
+    """2 ranks x 8, both objectives in one launch."""
+    return launch(tmp_path_factory.mktemp("text") / "w2", snippets_dataset, nproc=2, batch_size=8)
+
+
+@pytest.fixture(scope="module")
+def one_rank(snippets_dataset, tmp_path_factory) -> dict[str, Path]:
+    """1 rank x 16, both objectives in one launch."""
+    return launch(tmp_path_factory.mktemp("text") / "w1", snippets_dataset, nproc=1, batch_size=16)
 
 
 def same_weights(a: dict, b: dict) -> float:
@@ -233,22 +258,19 @@ def metrics_of(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.torchrun
-def test_a_text_classifier_on_two_ranks_trains_the_weights_of_one_rank_evaluates_and_serves_alike(tmp_path):
+def test_a_text_classifier_on_two_ranks_trains_the_weights_of_one_rank_evaluates_and_serves_alike(
+    snippets_dataset, two_ranks, one_rank
+):
     """2 ranks x 8 against 1 rank x 16 on text + a categorical (an uneven split: the last step is short, null
     and empty rows inside); evaluation's predictions are what the Predictor serves on the raw strings; the most
     confidently wrong rows are kept."""
     from training.evaluate import evaluate_split
     from training.predict import Predictor
 
-    dataset = write_snippets(tmp_path)
+    dataset = snippets_dataset
     manifest = json.loads((dataset / "manifest.json").read_text())
     assert manifest["splits"]["train"]["rows"] % 16, "pick rows whose last global step is short"
-    # SGD: the attention's key bias has a gradient of exactly 0 (softmax ignores a shift shared by every key),
-    # so under Adam its summation-order rounding is divided by its own size and steps ~lr (measured: 1.3e-4 at
-    # lr 0.002 with AdamW, every other tensor within 2.4e-7); SGD keeps the comparison about the gradients.
-    sgd = {"optimizer": "sgd", "lr": 0.1}
-    two = launch(tmp_path / "w2", dataset, nproc=2, batch_size=8, **sgd)
-    one = launch(tmp_path / "w1", dataset, nproc=1, batch_size=16, **sgd)
+    two, one = two_ranks["classifier"], one_rank["classifier"]
     model_two = torch.load(two / "model.pt", weights_only=True)
     assert model_two["model_spec"]["model"] == "transformer"
     assert any(name.startswith("encoders.snippet.encoder.layers.0") for name in model_two["model"])
@@ -279,17 +301,15 @@ def test_a_text_classifier_on_two_ranks_trains_the_weights_of_one_rank_evaluates
 
 
 @pytest.mark.torchrun
-def test_next_token_on_two_ranks_trains_the_weights_of_one_rank_per_target_token(tmp_path):
+def test_next_token_on_two_ranks_trains_the_weights_of_one_rank_per_target_token(snippets_dataset, two_ranks, one_rank):
     """A language model of the snippets (the label column unused): the step's denominator is its target tokens
     on all ranks (a row of n tokens has n - 1; null, empty and one-token rows none), so 2 ranks x 8 and 1 rank x
     16 take the same steps on an uneven split; val_loss is per target token, val_perplexity its exp."""
     from training.data.manifest import read_manifest
     from training.loading import load_split, manifest_codecs
 
-    dataset = write_snippets(tmp_path)
-    lm = {"objective": "next_token", "optimizer": "sgd", "lr": 0.1}
-    two = launch(tmp_path / "w2", dataset, nproc=2, batch_size=8, **lm)
-    one = launch(tmp_path / "w1", dataset, nproc=1, batch_size=16, **lm)
+    dataset = snippets_dataset
+    two, one = two_ranks["next_token"], one_rank["next_token"]
     model_two = torch.load(two / "model.pt", weights_only=True)
     assert model_two["objective"]["kwargs"] == {"input": "snippet", "vocab_size": model_two["model_spec"]["n_outputs"]}
     assert model_two["model_spec"]["model_kwargs"]["language_model"] == "snippet"
