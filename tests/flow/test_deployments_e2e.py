@@ -24,8 +24,11 @@ import httpx
 import numpy as np
 import pandas as pd
 import psutil
+import pyarrow.parquet as pq
 import pytest
 import yaml
+from flow.test_mixed_inputs import INPUTS as MIXED_INPUTS
+from flow.test_mixed_inputs import churn_table
 from flow.test_run_cli import LiveRun, cli_env, write_config
 from mlflow import MlflowClient
 
@@ -36,6 +39,7 @@ from devtools.waiting import wait_until
 pytestmark = [pytest.mark.server, pytest.mark.torchrun]  # the stack; its runs train
 
 MODEL_NAME = "ddpflow-e2e"
+MIXED_MODEL_NAME = "ddpflow-e2e-mixed"  # its own model: the gate never compares it with the numeric champion
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 RUN_TIMEOUT_S = 420
 
@@ -238,9 +242,25 @@ def test_deploy_all_again_updates_in_place(stack: Stack) -> None:
     assert [s["slug"] for s in after["schedules"]] == ["nightly-0200-utc"]
 
 
+def mixed_table_overrides(running: Stack) -> tuple[str, ...]:
+    """A small mixed table (numeric, 3 categoricals, a hashed id, a vector) as a Parquet file, and the
+    ``data.inputs`` override that names its inputs, as a user passes them in the deployment's parameters."""
+    source = running.tmp / "churn.parquet"
+    pq.write_table(churn_table(rows=600), source)
+    return (
+        f"data.source={source}",
+        "data.label=churned",
+        "data.key=customer_id",
+        f"data.inputs={json.dumps(MIXED_INPUTS)}",
+        f"registry.model_name={MIXED_MODEL_NAME}",
+    )
+
+
 def test_two_manual_runs_at_once_complete_in_turn_and_register_models(stack: Stack) -> None:
-    """`prefect deployment run` x2 through the worker: the limit queues the second, each keeps its own files."""
-    flow_run_ids = [stack.submit_manual_run() for _ in range(2)]
+    """`prefect deployment run` x2 through the worker: the limit queues the second, each keeps its own files.
+    The second trains the mixed table (issue 21: it trains through a deployment) on the inputs its parameters
+    name."""
+    flow_run_ids = [stack.submit_manual_run(), stack.submit_manual_run(*mixed_table_overrides(stack))]
     runs = stack.wait_for_terminal(flow_run_ids, timeout_s=2 * RUN_TIMEOUT_S)
     failed = {
         run["name"]: (run["state_name"], (run["state"] or {}).get("message"))
@@ -265,6 +285,24 @@ def test_two_manual_runs_at_once_complete_in_turn_and_register_models(stack: Sta
     versions = client.search_model_versions(f"name='{MODEL_NAME}'")
     assert versions and {v.run_id for v in versions} <= {run.info.run_id for run in ours}
     assert client.get_model_version_by_alias(MODEL_NAME, "champion").run_id in {run.info.run_id for run in ours}
+    assert_trained_on_the_mixed_inputs(stack, ours[1].info.run_id)
+
+
+def assert_trained_on_the_mixed_inputs(running: Stack, mlflow_run_id: str) -> None:
+    """The mixed run's champion takes the raw mixed columns: its signature is the inputs the parameters named."""
+    import mlflow
+    from mlflow.types import DataType
+
+    from ddpflow.tracking.runs import use_tracking_uri
+
+    champion = MlflowClient(tracking_uri=running.mlflow_uri).get_model_version_by_alias(MIXED_MODEL_NAME, "champion")
+    assert champion.run_id == mlflow_run_id
+    with use_tracking_uri(running.mlflow_uri):
+        schema = mlflow.models.get_model_info(f"models:/{MIXED_MODEL_NAME}@champion").signature.inputs
+    assert sorted(schema.input_names()) == sorted(MIXED_INPUTS)
+    types = {spec.name: spec.type for spec in schema.inputs}
+    assert types["country"] == DataType.string and types["merchant_id"] == DataType.string
+    assert types["tenure"] == DataType.double and "Array" in str(types["embedding"])
 
 
 def wait_for_training(run_root: Path, within_s: float = 180) -> tuple[Path, list[int]]:
