@@ -16,9 +16,12 @@ from devtools.ports import free_port
 from devtools.waiting import wait_until
 
 
-def invocations(model_uri: str, tracking_uri: str, rows, workdir: Path, env: dict[str, str]) -> list:
+def invocations(
+    model_uri: str, tracking_uri: str, rows, workdir: Path, env: dict[str, str], params: dict | None = None
+) -> list:
     """Serve ``model_uri`` (``--env-manager local``, one worker), POST ``rows`` (a DataFrame) as
-    ``dataframe_split`` JSON to /invocations, return its predictions; the server is stopped by its session."""
+    ``dataframe_split`` JSON to /invocations (with the model's ``params``, e.g. ``{"output": "probabilities"}``),
+    return its predictions (a frame's come back as one record per row); the server is stopped by its session."""
     port = free_port()
     env = {**env, "MLFLOW_TRACKING_URI": tracking_uri}
     # mlflow runs `uvicorn` by name: the venv's bin on PATH, as an activated venv has it (make test does not activate).
@@ -34,7 +37,8 @@ def invocations(model_uri: str, tracking_uri: str, rows, workdir: Path, env: dic
     try:
         wait_until(lambda: _answers(f"{url}/ping") or server.poll() is not None, 120, "mlflow models serve /ping")
         assert server.poll() is None, log_path.read_text()[-3000:]
-        body = json.dumps({"dataframe_split": json.loads(rows.to_json(orient="split", index=False))}).encode()
+        body = {"dataframe_split": json.loads(rows.to_json(orient="split", index=False))}
+        body = json.dumps({**body, "params": params} if params else body).encode()
         request = urllib.request.Request(f"{url}/invocations", body, {"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(request, timeout=60) as response:

@@ -570,6 +570,44 @@ def test_weighted_rows_and_multilabel_on_two_ranks_train_the_weights_of_one_rank
         assert_multilabel_serving_equals_evaluation(two.run_dir / "model.pt", dataset, manifest)
 
 
+@pytest.mark.server  # `mlflow models serve`
+def test_a_multilabel_model_served_over_http_answers_label_lists_and_probabilities_as_evaluated(
+    exact_runs, mlflow_store, tmp_path
+):
+    """The multilabel run's model.pt logged as the pyfunc and served by `mlflow models serve`: raw rows in over
+    HTTP, each row's list of original labels and a sigmoid probability per label out, what the evaluation and
+    the in-process Predictor give."""
+    import mlflow
+
+    from ddpflow.tracking.runs import use_tracking_uri
+    from devtools.model_server import invocations
+    from training.evaluate import evaluate_split
+    from training.predict import Predictor
+    from training.serving import log_pyfunc_model, predictions
+
+    run = exact_runs["multilabel_w2"]
+    dataset, model_path = run.dataset_dir(), run.run_dir / "model.pt"
+    manifest = json.loads((dataset / "manifest.json").read_text())
+    frame = pd.concat(
+        [pq.read_table(dataset / shard["file"]).to_pandas() for shard in manifest["splits"]["test"]["shards"]]
+    )
+    rows = frame[["f0", "f1", "f2"]].head(20)
+    tracking_uri, artifacts = mlflow_store
+    with use_tracking_uri(tracking_uri):
+        experiment = mlflow.MlflowClient().create_experiment("multilabel-serve", artifact_location=artifacts)
+        run_id = mlflow.MlflowClient().create_run(experiment).info.run_id
+        model_uri = log_pyfunc_model(model_path, rows, run_id=run_id).model_uri
+    answered = invocations(model_uri, tracking_uri, rows, tmp_path, os.environ.copy(), {"output": "probabilities"})
+
+    labels = np.asarray(manifest["label_mapping"])
+    evaluated = evaluate_split(model_path, dataset, "test", return_predictions=True).predictions[:20].astype(bool)
+    assert [sorted(row["label"]) for row in answered] == [sorted(labels[hits].tolist()) for hits in evaluated]
+    served = np.array([[row[f"probability_{label}"] for label in labels] for row in answered])
+    assert ((served > 0.5) == evaluated).all()
+    in_process = predictions(Predictor.from_checkpoint(model_path), rows, "probabilities")
+    np.testing.assert_allclose(served, in_process[[f"probability_{label}" for label in labels]], rtol=1e-6)
+
+
 def assert_multilabel_serving_equals_evaluation(model_path: Path, dataset: Path, manifest: dict) -> None:
     """The test split's evaluation (micro/macro F1, exact match) and the Predictor on its raw rows agree: each
     row's list of original labels and a sigmoid probability per label."""
