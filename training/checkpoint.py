@@ -33,9 +33,13 @@ new run with ``train.init_from`` pointing at its model.pt.
 A last.pt of a different training is an error (``ResumeMismatchError``), not a
 silent fresh start: starting over would overwrite the progress of a different
 training in that run directory.
-A different world size with the same settings (``nproc_per_node: auto`` on a
-node with other GPUs) is allowed; the RNG streams are then reseeded and the
-message says so.
+Another world size: with ``train.global_batch_size`` (in the identity instead of the
+per-rank batch and the ranks) a run resumes on any world size that divides it; the
+RNG streams are then reseeded and the message says so. Without it the world size
+changes the weights (the global batch is the per-rank batch x the ranks): a changed
+``nproc_per_node`` or ``nnodes`` is an identity difference, and ``check_global_batch``
+refuses what the identity cannot see (``nproc_per_node: auto`` on a node with another
+number of GPUs). Both errors name the two world sizes and say what to do.
 """
 
 from __future__ import annotations
@@ -190,6 +194,41 @@ def resume_mismatches(saved: dict[str, Any], config: PipelineConfig, fingerprint
     )
 
 
+def world_change_hint(saved: Mapping[str, Any], config: PipelineConfig) -> str:
+    """What to do when a checkpoint written without ``train.global_batch_size`` is resumed with other
+    ``nproc_per_node`` or ``nnodes`` (the identity's difference names both values); '' for anything else."""
+    saved_train = (saved.get(CONFIG_ENTRY) or {}).get("train") or {}
+    moved = [name for name in ("nproc_per_node", "nnodes") if saved_train.get(name) != getattr(config.train, name)]
+    if not moved or saved_train.get("global_batch_size") is not None:
+        return ""
+    return "; " + _world_advice(saved)
+
+
+def check_global_batch(state: Mapping[str, Any], rank_batch: int, world_size: int, source: object) -> None:
+    """A resume trains the global batch its checkpoint was trained with (the rows of one step over all ranks).
+    With ``train.global_batch_size`` the identity holds it, so only a run without it gets here with another:
+    ``nproc_per_node: auto`` on a node with another number of GPUs. ``ResumeMismatchError`` naming both world
+    sizes and both global batches; a checkpoint from before the entry existed is not checked."""
+    saved = state.get("global_batch")
+    wanted = rank_batch * world_size
+    if saved is None or int(saved) == wanted:
+        return
+    step, epoch = int(state.get("step") or 0), int(state["epoch"])
+    where = f"at step {step} of epoch {epoch}" if step else f"after {epoch} epoch(s)"
+    raise ResumeMismatchError(
+        f"{source}: checkpointed {where} with a global batch of {int(saved)} rows on {state.get('world_size')} "
+        f"rank(s); this run has {world_size} rank(s) x {rank_batch} = {wanted}, and without "
+        f"train.global_batch_size the world size changes the weights; {_world_advice(state)}"
+    )
+
+
+def _world_advice(saved: Mapping[str, Any]) -> str:
+    return (
+        f"resume it on its {saved.get('world_size')} rank(s): only a run started with train.global_batch_size "
+        f"(this one's: {saved.get('global_batch')}) resumes on another world size"
+    )
+
+
 class Checkpointer:
     def __init__(
         self,
@@ -267,6 +306,7 @@ class Checkpointer:
                 raise ResumeMismatchError(
                     f"{path} belongs to a different training ({'; '.join(problems)}); "
                     "it is left untouched: use a new run directory, or delete it to start over"
+                    + world_change_hint(saved, config)
                 )
             self.resumed_from = path
             return saved

@@ -417,6 +417,10 @@ class TrainConfig(_Section):
             )
         return per_rank
 
+    def rank_val_batch_size(self, world_size: int) -> int:
+        """Rows per forward pass of a rank's validation: ``val_batch_size``, or the per-rank train batch."""
+        return self.val_batch_size or self.rank_batch_size(world_size)
+
     @model_validator(mode="after")
     def _one_batch_size(self) -> TrainConfig:
         if self.global_batch_size is None:

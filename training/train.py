@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from training.checkpoint import Checkpointer, ResumeMismatchError, identity_entries, inference_checkpoint
+from training.checkpoint import Checkpointer, check_global_batch, identity_entries, inference_checkpoint
 from training.coverage import Certificate, CoverageTally
 from training.data.manifest import read_manifest
 from training.data.node_cache import open_splits
@@ -169,9 +169,10 @@ class Trainer:
             self.model,
             optimizer_states_per_parameter(train),
         )
-        log_main(ctx.is_main, "data: " + "; ".join(where))
         self.train_split, self.val = placed["train"], placed["val"]  # a host copy placed elsewhere is let go
         self.batch_size = train.rank_batch_size(ctx.world_size)  # train.batch_size, or the global one / W
+        self.val_batch_size = train.rank_val_batch_size(ctx.world_size)  # bounds validation's memory
+        log_main(ctx.is_main, "data: " + "; ".join(where) + f"; validation in batches of {self.val_batch_size} rows")
         self.batches = TrainBatches(
             self.train_split, ctx.rank, ctx.world_size, self.batch_size, train.seed, ctx.device, train.pin_memory,
             row_weights=self.objective.split_row_weights(self.train_split), num_workers=self._decode_workers(),
@@ -313,8 +314,7 @@ class Trainer:
         coverage = Certificate.from_lanes(*ctx.all_reduce_int_sum(self.coverage.totals()))
         coverage.check(self.expected_coverage, epoch)  # CoverageError naming the epoch
         start, stop = shard_range(manifest.rows("val"), ctx.rank, ctx.world_size)
-        val_batch = self.config.val_batch_size or self.batch_size
-        val_pass = evaluate(self.model, self.val, start, stop, val_batch, self.settings)
+        val_pass = evaluate(self.model, self.val, start, stop, self.val_batch_size, self.settings)
         scored = ctx.gather_objects(val_pass.scored) if val_pass.scored is not None else None  # binary: AUC
         val = validation_metrics(ctx.all_reduce_sum(val_pass.sums.unbind()), self.settings, target_std, scored)
         if val["val_samples"] != manifest.rows("val"):
@@ -406,20 +406,13 @@ class Trainer:
             )
 
     def _resume_position(self, state: dict[str, Any]) -> None:
-        """Mid-epoch: start at the checkpoint's step, if a step covers the same rows as it did there (one global
-        batch of the same size: training/loading.py ``global_positions_of_steps``, at any world size)."""
+        """Mid-epoch: start at the checkpoint's step. Any resume keeps the global batch (one step covers the
+        same rows at any world size: training/loading.py ``global_positions_of_steps``)."""
+        source = self.checkpointer.resumed_from or "the checkpoint"
+        check_global_batch(state, self.batch_size, self.ctx.world_size, source)
         step = int(state.get("step") or 0)
         if step == 0:
             return
-        saved, wanted = int(state["global_batch"]), self.batch_size * self.ctx.world_size
-        if saved != wanted:
-            raise ResumeMismatchError(
-                f"{self.checkpointer.resumed_from or 'the step checkpoint'}: at step {step} of epoch "
-                f"{self.epochs_done}, "
-                f"with a global batch of {saved} rows ({state.get('world_size')} ranks); this run's is {wanted} "
-                f"({self.ctx.world_size} ranks x {self.batch_size}): set train.global_batch_size to resume on "
-                "another world size"
-            )
         sums = state["epoch_sums"]
         # Rank 0 alone carries the steps already trained, so the epoch's all-reduce counts them once.
         keep = self.ctx.is_main

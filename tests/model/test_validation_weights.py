@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -31,3 +32,53 @@ def test_val_loss_is_weighted_by_data_weight_and_accuracy_is_not():
     torch.testing.assert_close(metrics["val_loss"], float((weights * losses).sum() / weights.sum()))
     assert abs(metrics["val_loss"] - float(losses.mean())) > 0.1  # the unweighted mean is another number
     assert metrics["val_accuracy"] == 0.25  # rows 0 right; 1, 2, 3 wrong: counted by rows, not weights
+
+
+class RowsSeen(nn.Module):
+    """A fixed linear model over three features that records how many rows each forward pass held."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+        self.batches: list[int] = []
+
+    def forward(self, batch):
+        x = torch.stack([batch[f"x{j}"] for j in range(3)], dim=1)
+        self.batches.append(len(x))
+        return self.linear(x)
+
+
+def test_val_batch_size_bounds_each_validation_batch_and_leaves_the_metrics_as_they_are(monkeypatch):
+    from training.config import load_config
+
+    # The setting's one rule: val_batch_size, else the per-rank train batch (train.batch_size, or the global / W).
+    train = load_config(None, ["train.batch_size=16"]).train
+    assert train.rank_val_batch_size(2) == 16
+    assert load_config(None, ["train.batch_size=16", "train.val_batch_size=7"]).train.rank_val_batch_size(2) == 7
+    global_batch = load_config(None, ["train.batch_size=null", "train.global_batch_size=12"]).train
+    assert global_batch.rank_val_batch_size(3) == 4
+
+    generator = torch.Generator().manual_seed(0)
+    split = SplitTensors(torch.randn(50, 3, generator=generator), torch.randint(0, 3, (50,), generator=generator))
+    built = []  # the rows of each batch validation builds (SplitTensors.rows)
+    rows = SplitTensors.rows
+    monkeypatch.setattr(
+        SplitTensors, "rows", lambda self, start, stop: built.append(stop - start) or rows(self, start, stop)
+    )
+    settings = StepSettings(
+        task="classification", device=torch.device("cpu"), objective=make_objective("softmax", "classification", 3)
+    )
+    torch.manual_seed(1)
+    model = RowsSeen()
+    metrics = {}
+    for batch_size in (7, 16):
+        built.clear()
+        model.batches.clear()
+        sums = evaluate(model, split, 3, 50, batch_size=batch_size, settings=settings).sums
+        metrics[batch_size] = validation_metrics(sums.tolist(), settings)
+        # 47 rows in full batches and one short one: never more rows at once than the setting.
+        full, last = divmod(47, batch_size)
+        assert built == model.batches == [batch_size] * full + [last]
+    assert metrics[7].keys() == metrics[16].keys() and metrics[7]["val_samples"] == 47
+    for name, value in metrics[7].items():
+        assert value == pytest.approx(metrics[16][name], rel=1e-6, abs=1e-9), name
