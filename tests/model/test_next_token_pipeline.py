@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
@@ -164,6 +165,15 @@ def test_the_evaluation_counts_each_target_token_once_and_its_loss_is_the_mean_p
     assert whole.metrics["test_tokens"] == tokens
     assert whole.metrics["test_loss"] == pytest.approx(metrics["test_loss"], rel=1e-6)
     assert json.dumps(whole.to_dict())  # eval/metrics.json
+    # The served scorer is the same computation on raw strings (its pyfunc: the registry test below).
+    from training.token_scoring import TokenScorer
+
+    scorer = TokenScorer.from_checkpoint(model_path, batch_size=5)
+    served = scorer.score(pd.DataFrame({"line": strings}))
+    assert served["tokens"].tolist() == result.targets.tolist()
+    np.testing.assert_allclose(served["loss"], result.predictions, rtol=1e-6, equal_nan=True)
+    with pytest.raises(ValueError, match="missing the text column 'line'"):
+        scorer.score(pd.DataFrame({"text": ["a b"]}))
 
 
 def test_a_batch_of_logits_is_bounded_in_memory():
@@ -185,3 +195,139 @@ def test_a_dataset_without_the_modelled_text_is_incompatible(lines, tmp_path):
     numeric = make_dataset(tmp_path)
     with pytest.raises(IncompatibleModelError, match="next_token model of the text input 'line'.*lacks it"):
         evaluate_split(model_path, numeric, "test")
+
+
+def test_the_gate_judges_a_language_model_on_test_loss_lower_is_better():
+    from ddpflow.tracking.registration import gate_rules
+    from training.config import PipelineConfig
+    from training.spec.directions import higher_is_better
+
+    language_model = PipelineConfig.model_validate({"train": {"objective": "next_token"}})
+    rules = gate_rules(language_model, "classification")  # the dataset's label is not what it is judged on
+    assert (rules.metric, rules.greater_is_better) == ("test_loss", False)
+    classifier = gate_rules(PipelineConfig(), "classification")
+    assert (classifier.metric, classifier.greater_is_better) == ("test_accuracy", True)
+    assert not higher_is_better("test_perplexity") and not higher_is_better("val_perplexity")
+    assert higher_is_better("test_token_accuracy")
+    chosen = PipelineConfig.model_validate(
+        {"train": {"objective": "next_token"}, "registry": {"metric": "test_perplexity"}}
+    )
+    assert gate_rules(chosen, "classification").greater_is_better is False
+
+
+def test_a_language_model_is_registered_behind_the_gate_and_its_pyfunc_scores_rows_as_the_evaluation(
+    lines, mlflow_store, tmp_path
+):
+    """Real MLflow on SQLite: the first model is promoted, a better one (lower test_loss) replaces it, a worse
+    one waits as challenger; the champion's pyfunc takes the raw text column alone and returns per row the
+    evaluation's tokens and loss (NaN without targets), its perplexity the exp."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    from ddpflow.tracking.registration import register_candidate
+    from ddpflow.tracking.runs import log_evaluation, start_pipeline_run, use_tracking_uri
+    from training.data.manifest import read_manifest
+    from training.evaluate import evaluate_split
+    from training.fileio import atomic_write_json
+
+    dataset, strong = lines
+    weak = language_model_file(dataset, tmp_path / "weak" / "model.pt", steps=3)
+    uri, artifacts = mlflow_store
+    config = load_config(
+        None,
+        [
+            f"mlflow.tracking_uri={uri}",
+            f"mlflow.artifact_location={artifacts}",
+            "registry.model_name=log-lines",
+            "train.objective=next_token",
+        ],
+    )
+    manifest = read_manifest(dataset)
+    ddp = {"nproc_per_node": 1, "nnodes": 1, "backend": "gloo"}
+
+    def register(model_path: Path, name: str):
+        run_id = start_pipeline_run(config, name, {}, manifest.fingerprint, manifest, ddp, dataset_dir=dataset)
+        result = evaluate_split(model_path, dataset, "test", return_predictions=True)
+        metrics_path = atomic_write_json(model_path.parent / "eval" / "metrics.json", result.to_dict())
+        log_evaluation(uri, run_id, result, metrics_path, model_path, dataset)
+        return run_id, register_candidate(config, run_id, str(model_path), str(dataset), result.metrics, uri)
+
+    weak_run, first = register(weak, "weak")
+    _, better = register(strong, "strong")
+    _, worse = register(weak, "weak-again")
+    assert (first.decision, first.metric, first.greater_is_better) == ("promoted", "test_loss", False)
+    assert better.decision == "promoted" and better.candidate_value < better.champion_value == first.candidate_value
+    assert worse.decision == "challenger" and worse.champion_version == better.version
+    client = MlflowClient(uri)
+    artifacts_logged = {item.path for item in client.list_artifacts(weak_run, "eval")}
+    assert artifacts_logged == {"eval/metrics.json", "eval/row_loss.png"}  # no confusion matrix, no wrong rows
+    description = client.get_model_version("log-lines", better.version).description
+    assert description.startswith("next_token model")
+
+    evaluation = evaluate_split(strong, dataset, "test", return_predictions=True)
+    strings = split_strings(dataset)
+    frame = pd.DataFrame({"line": strings, "level": "INFO"})  # extra columns are ignored
+    with use_tracking_uri(uri):
+        served = mlflow.pyfunc.load_model("models:/log-lines@champion")
+        scores = served.predict(frame)
+        signature = served.metadata.get_input_schema().input_names()
+        outputs = served.metadata.get_output_schema().input_names()
+    assert signature == ["line"] and outputs == ["tokens", "loss", "perplexity"]
+    assert scores["tokens"].tolist() == evaluation.targets.tolist()
+    np.testing.assert_allclose(scores["loss"], evaluation.predictions, rtol=1e-6, equal_nan=True)
+    np.testing.assert_allclose(scores["perplexity"], np.exp(scores["loss"]), rtol=1e-9, equal_nan=True)
+    empty = scores["tokens"] == 0
+    assert empty.any() and scores["loss"][empty].isna().all() and scores["perplexity"][empty].isna().all()
+    weighted = (scores["loss"][~empty] * scores["tokens"][~empty]).sum() / scores["tokens"].sum()
+    assert weighted == pytest.approx(evaluation.metrics["test_loss"], rel=1e-6)
+    # A line longer than max_len is scored on its first MAX_LEN tokens, as in training.
+    long_line = "ERROR " + "disk full " * 20
+    cut = " ".join(long_line.split()[:MAX_LEN])
+    pair = served.predict(pd.DataFrame({"line": [long_line, cut]}))
+    assert pair["tokens"].tolist() == [MAX_LEN - 1, MAX_LEN - 1] and pair["loss"][0] == pytest.approx(pair["loss"][1])
+    with pytest.raises(Exception, match=r"missing inputs \['line'\]"):  # MLflow's schema check says so
+        served.predict(pd.DataFrame({"level": ["INFO"]}))
+
+
+@pytest.mark.torchrun
+def test_the_pipeline_trains_evaluates_and_registers_a_language_model(prefect_harness, mlflow_store, tmp_path):
+    """The flow ``ddpflow run`` runs (flows/pipeline.py: train_pipeline), in process under the session's Prefect
+    harness: prepare, drift, 1 gloo rank under torchrun, evaluate per target token, the gate on test_loss, the
+    champion's pyfunc scoring raw lines."""
+    import mlflow
+    from flow.flow_logs import flow_run_logs
+
+    from ddpflow.tracking.runs import use_tracking_uri
+    from flows.pipeline import train_pipeline
+    from training.evaluate import evaluate_split
+
+    uri, artifacts = mlflow_store
+    source = tmp_path / "lines.csv"
+    pacsv.write_csv(log_lines(240), source)
+    inputs = {"line": {"kind": "text", "max_len": MAX_LEN, "tokenizer": {"type": "bpe", "vocab_size": 60}}}
+    config = {
+        "data": {"source": str(source), "root": str(tmp_path / "shards"), "label": "level", "inputs": inputs},
+        "train": {
+            "objective": "next_token", "model": "auto", "model_kwargs": TINY_LM, "epochs": 2, "batch_size": 32,
+            "lr": 0.01, "nproc_per_node": 1, "backend": "gloo", "num_threads": 1, "run_root": str(tmp_path / "runs"),
+            "max_restarts": 0, "timeout_s": 300, "collective_timeout_s": 60,
+        },
+        "registry": {"model_name": "nightly-log-lines"},
+        "mlflow": {"tracking_uri": uri, "artifact_location": artifacts, "experiment": "next-token-flow"},
+    }  # fmt: skip
+    summary = train_pipeline(config=config)
+    assert summary["decision"] == "promoted", summary["reason"]
+    assert "test_loss=" in summary["reason"]  # the first model: judged on its test_loss
+    metrics = summary["test_metrics"]
+    assert metrics["test_tokens"] > 0 and metrics["test_perplexity"] == pytest.approx(math.exp(metrics["test_loss"]))
+    run_dir, dataset = Path(summary["run_dir"]), Path(summary["dataset_dir"])
+    assert json.loads((run_dir / "eval" / "metrics.json").read_text())["task"] == "next_token"
+    evaluation = evaluate_split(run_dir / "model.pt", dataset, "test", return_predictions=True)
+    assert evaluation.metrics["test_loss"] == pytest.approx(metrics["test_loss"], rel=1e-9)
+    skipped = "need a label per row and are not made for a language model"
+    assert skipped in flow_run_logs(summary["flow_run_id"], skipped)
+    with use_tracking_uri(uri):
+        served = mlflow.pyfunc.load_model("models:/nightly-log-lines@champion")
+        scores = served.predict(pd.DataFrame({"line": split_strings(dataset)}))
+    assert scores["tokens"].tolist() == evaluation.targets.tolist()
+    np.testing.assert_allclose(scores["loss"], evaluation.predictions, rtol=1e-6, equal_nan=True)
