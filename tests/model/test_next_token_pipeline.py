@@ -289,6 +289,49 @@ def test_a_language_model_is_registered_behind_the_gate_and_its_pyfunc_scores_ro
         served.predict(pd.DataFrame({"level": ["INFO"]}))
 
 
+def classifier_file(dataset: Path, path: Path) -> Path:
+    """A text classifier of the lines' level (untrained: the gate only needs it to score), as the Trainer saves it."""
+    from training.checkpoint import inference_checkpoint
+    from training.data.manifest import read_manifest
+    from training.models import ModelSpec, build_model
+    from training.spec.codecs import read_encoders
+    from training.spec.inputs import inputs_from_manifest
+
+    manifest = read_manifest(dataset)
+    torch.manual_seed(0)
+    spec = ModelSpec.for_inputs("auto", inputs_from_manifest(manifest), manifest.n_outputs, TINY_LM)
+    checkpoint = inference_checkpoint(
+        build_model(spec).state_dict(), spec, manifest, 1, {}, read_encoders(dataset, manifest)
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({**checkpoint, "objective": {"name": "softmax", "kwargs": {}}}, path)
+    return path
+
+
+def test_a_classifier_champion_is_incompatible_with_a_language_model_candidate(lines, mlflow_store, tmp_path):
+    """Both report a test_loss, per row and per target token: the gate does not compare them."""
+    from ddpflow.tracking.registration import register_candidate
+    from ddpflow.tracking.runs import start_pipeline_run
+    from training.data.manifest import read_manifest
+    from training.evaluate import evaluate_split
+
+    dataset, language_model = lines
+    uri, artifacts = mlflow_store
+    manifest = read_manifest(dataset)
+    settings = [f"mlflow.tracking_uri={uri}", f"mlflow.artifact_location={artifacts}", "registry.model_name=lines"]
+    decisions = []
+    for model_path, objective in (
+        (classifier_file(dataset, tmp_path / "clf" / "model.pt"), "auto"),
+        (language_model, "next_token"),
+    ):
+        config = load_config(None, [*settings, f"train.objective={objective}", "registry.metric=test_loss"])
+        run_id = start_pipeline_run(config, objective, {}, manifest.fingerprint, manifest, {}, dataset_dir=dataset)
+        metrics = evaluate_split(model_path, dataset, "test").metrics
+        decisions.append(register_candidate(config, run_id, str(model_path), str(dataset), metrics, uri))
+    assert [d.decision for d in decisions] == ["promoted", "promoted"]
+    assert decisions[1].champion_status == "incompatible: it is a classification model; the candidate is next_token"
+
+
 @pytest.mark.torchrun
 def test_the_pipeline_trains_evaluates_and_registers_a_language_model(prefect_harness, mlflow_store, tmp_path):
     """The flow ``ddpflow run`` runs (flows/pipeline.py: train_pipeline), in process under the session's Prefect
