@@ -135,7 +135,8 @@ def row_loss_figure(result: EvalResult):
     import numpy as np
     from matplotlib.figure import Figure
 
-    losses = result.predictions[result.targets > 0] if result.predictions is not None else np.empty(0)
+    kept = 0 if result.targets is None else len(result.targets)
+    losses = result.predictions[result.targets > 0] if kept else np.empty(0)
     figure = Figure(figsize=(6, 4.5))
     axes = figure.add_subplot()
     axes.hist(losses, bins=min(50, max(1, len(losses))), color="tab:blue")
@@ -146,7 +147,8 @@ def row_loss_figure(result: EvalResult):
     axes.set(
         xlabel="mean cross entropy per target token (a row's served loss)",
         ylabel="rows",
-        title=f"Rows by loss ({len(losses)} with a target of the first kept of {result.samples} {result.split} rows)",
+        title=f"Rows by loss per target token: {len(losses)} with a target, of the first {kept} of "
+        f"{result.samples} {result.split} rows",
     )
     axes.title.set_fontsize(9)
     figure.tight_layout()
