@@ -22,6 +22,7 @@ from training.data.manifest import read_manifest
 from training.evaluate import EvalResult, evaluate_split
 from training.fileio import atomic_write_json
 from training.layout import EVAL_METRICS
+from training.spec.next_token import LANGUAGE_MODEL, evaluated_as
 
 PLOT_ROWS = 20_000  # residual plot: enough points to see structure, bounded memory
 
@@ -51,16 +52,24 @@ def evaluate_model(
     """Test-split metrics (``test_accuracy``, ``test_rmse``, ...), logged to the MLflow run; returns them."""
     logger = get_run_logger()
     model_path = str(model_path)
-    # Per-row predictions only for the residual plot; a confusion matrix is counted on the fly.
-    regression = read_manifest(dataset_dir).task == "regression"
+    # Per-row predictions only for the residual or row-loss plot; a confusion matrix is counted on the fly.
+    scored_as = evaluated_as(config.train.objective, read_manifest(dataset_dir).task)
     result = evaluate_split(
         model_path,
         dataset_dir,
         "test",
         config.eval.batch_size,
-        return_predictions=regression,
+        return_predictions=scored_as in ("regression", LANGUAGE_MODEL),
         max_predictions=PLOT_ROWS,
     )
+    if result.task == LANGUAGE_MODEL:
+        logger.info(
+            "next_token: %d target tokens of %d test rows scored, per target token; the confusion matrix, "
+            "per-class metrics and most confidently wrong rows need a label per row and are not made for a "
+            "language model (eval/row_loss.png instead)",
+            result.metrics["test_tokens"],
+            result.samples,
+        )
     metrics_path = atomic_write_json(Path(model_path).parent / EVAL_METRICS, result.to_dict())
     log_evaluation(tracking_uri, run_id, result, metrics_path, model_path, dataset_dir)
     create_markdown_artifact(
@@ -77,10 +86,14 @@ def evaluate_model(
     return result.metrics
 
 
+HEADLINES = {
+    "classification": ("test_accuracy", "test_macro_f1", "test_loss"),
+    LANGUAGE_MODEL: ("test_loss", "test_perplexity", "test_token_accuracy"),
+    "multilabel": ("test_micro_f1", "test_macro_f1", "test_exact_match"),
+    "regression": ("test_rmse", "test_mae", "test_r2"),
+}
+
+
 def _headline(result: EvalResult) -> str:
-    names = (
-        ("test_accuracy", "test_macro_f1", "test_loss")
-        if result.task == "classification"
-        else ("test_rmse", "test_mae", "test_r2")
-    )
+    names = [name for name in HEADLINES.get(result.task, ()) if name in result.metrics]
     return ", ".join(f"{name}={result.metrics[name]:.4f}" for name in names)

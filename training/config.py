@@ -524,7 +524,9 @@ class EvalConfig(_Section):
 class RegistryConfig(_Section):
     model_name: str = Field("ddpflow-model", min_length=1)
     metric: str | None = Field(
-        None, description="Gate metric; default test_accuracy (classification) or test_rmse (regression)."
+        None,
+        description="Gate metric; default test_accuracy (classification), test_loss (train.objective next_token, "
+        "lower is better) or test_rmse (regression).",
     )
     greater_is_better: bool | None = Field(None, description="Default: inferred from the metric name.")
     min_delta: float = Field(0.0, ge=0, description="The candidate must beat the champion by more than this.")
@@ -543,7 +545,8 @@ class RegistryConfig(_Section):
     )
 
     def gate_metric(self, task: str) -> str:
-        return self.metric or ("test_accuracy" if task == "classification" else "test_rmse")
+        """``task``: what the evaluation scores (training/spec/next_token.py: ``evaluated_as``)."""
+        return self.metric or {"classification": "test_accuracy", "next_token": "test_loss"}.get(task, "test_rmse")
 
     def higher_is_better(self, task: str) -> bool:
         if self.greater_is_better is not None:

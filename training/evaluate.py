@@ -8,6 +8,10 @@ row is counted exactly once and the count is checked against the manifest.
 
     result = evaluate_split("runs/x/model.pt", "data/shards/<fp>", split="test")
     result.metrics["test_accuracy"]
+
+A next_token language model is scored per target token by training/token_scoring.py (test_loss,
+test_perplexity, test_token_accuracy, test_tokens), apart from the per-row classification and regression
+code below.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ class IncompatibleModelError(ValueError):
 
 @dataclass
 class EvalResult:
-    task: str
+    task: str  # the dataset's task, or "next_token" for a language model (training/token_scoring.py)
     split: str
     samples: int
     metrics: dict[str, float]  # flat, MLflow-ready: "<split>_accuracy", "<split>_rmse", ...
@@ -311,14 +315,17 @@ def evaluate_split(
     if manifest.rows(split) == 0:
         raise ValueError(f"{dataset_dir}: split {split!r} is empty; nothing to evaluate")
     model, meta = load_model_checkpoint(model_path)
+    objective = objective_from_checkpoint(meta)  # how its outputs are read: model.pt's objective
+    if objective.name == "next_token":  # per target token, no label per row: its own module
+        from training.token_scoring import check_text_input, evaluate_tokens
+
+        check_text_input(meta, manifest, model_path)
+        return evaluate_tokens(
+            model, meta, objective, manifest, dataset_dir, split, batch_size,
+            return_predictions=return_predictions, max_predictions=max_predictions, started=started,
+        )  # fmt: skip
     remap = check_compatible(meta, manifest, model_path)
     normaliser = Normaliser.from_checkpoint(meta)  # the model's own statistics, also when re-scoring a champion
-    objective = objective_from_checkpoint(meta)  # how its outputs are read: model.pt's objective
-    if objective.name == "next_token":  # per position: none of the per-row metrics below apply (docs/models.md)
-        raise IncompatibleModelError(
-            f"{model_path} is a next_token language model: its val_loss and val_perplexity are in metrics.jsonl; "
-            "test-split evaluation, serving and registration of one are not supported yet"
-        )
     classification, multilabel = manifest.task == "classification", manifest.task == "multilabel"
     if classification:
         evaluation = _ClassificationEvaluation(objective, manifest.n_outputs)

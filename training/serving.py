@@ -2,6 +2,11 @@
 
     model = mlflow.pyfunc.load_model("models:/ddpflow-model@champion")
     model.predict(frame_of_raw_feature_columns)   # original labels / floats
+    language_model.predict(frame_with_the_text)   # next_token: tokens, loss, perplexity per row
+
+A next_token model is served by ``training/token_scoring.py: TokenScorer``: the text column in (raw strings,
+tokenized with the shipped tokenizer, cut to max_len as in training), per row ``tokens`` (targets scored),
+``loss`` (mean cross entropy per target token) and ``perplexity`` out; NaN loss for a row without targets.
 
 How it is logged, and why ("models from code" + ``artifacts`` + ``code_paths``):
 - the weights are ``model.pt``, logged as the artifact ``model_pt`` and read
@@ -29,7 +34,9 @@ from typing import Any
 import mlflow.pyfunc
 import pandas as pd
 
+from training.evaluate import load_model_checkpoint
 from training.predict import Predictor
+from training.token_scoring import TokenScorer
 
 MODEL_ARTIFACT = "model_pt"  # key in context.artifacts; stored as artifacts/model.pt in the model
 MODEL_NAME = "model"  # the logged model's name
@@ -46,14 +53,28 @@ class TabularTorchModel(mlflow.pyfunc.PythonModel):
     An unseen category is scored as unknown."""
 
     def load_context(self, context) -> None:
-        self._predictor = Predictor.from_checkpoint(context.artifacts[MODEL_ARTIFACT])
+        self._predictor = load_predictor(context.artifacts[MODEL_ARTIFACT])
 
     def predict(self, context, model_input: pd.DataFrame, params: dict[str, Any] | None = None):
         return predictions(self._predictor, model_input, (params or {}).get("output", "label"))
 
 
-def predictions(predictor: Predictor, frame: pd.DataFrame, output: str = "label"):
-    """What the served model returns for ``output`` (``OUTPUTS``)."""
+def load_predictor(model_path: str | Path) -> Predictor | TokenScorer:
+    """What serves ``model.pt``: a ``TokenScorer`` for a next_token model, else a ``Predictor``."""
+    model, meta = load_model_checkpoint(model_path)
+    if (meta.get("objective") or {}).get("name") == "next_token":
+        return TokenScorer(model, meta)
+    return Predictor(model, meta)
+
+
+def predictions(predictor: Predictor | TokenScorer, frame: pd.DataFrame, output: str = "label"):
+    """What the served model returns for ``output`` (``OUTPUTS``); a next_token model: its scores."""
+    if isinstance(predictor, TokenScorer):
+        if output != "label":
+            raise ValueError(
+                f"params.output {output!r}: a next_token model returns tokens, loss and perplexity per row"
+            )
+        return predictor.score(frame)
     if output not in OUTPUTS:
         raise ValueError(f"params.output must be one of {OUTPUTS}, not {output!r}")
     if output == "label" or predictor.task == "regression":
@@ -65,7 +86,7 @@ def predictions(predictor: Predictor, frame: pd.DataFrame, output: str = "label"
     return result
 
 
-def raw_example(predictor: Predictor, frame: pd.DataFrame) -> pd.DataFrame:
+def raw_example(predictor: Predictor | TokenScorer, frame: pd.DataFrame) -> pd.DataFrame:
     """The input columns as a user sends them: numbers as float64, strings and lists as they are."""
     example = frame[predictor.features].copy()
     for name, info in predictor.inputs.items():
@@ -119,8 +140,8 @@ def log_pyfunc_model(
     from mlflow.models import Model, infer_signature
 
     model_path = Path(model_path)
-    predictor = Predictor.from_checkpoint(model_path)
-    example = raw_example(predictor, input_example)
+    predictor = load_predictor(model_path)
+    example = raw_example(predictor, input_example)  # a next_token model: its text column alone
     # Created here, in the run's experiment: given only run_id, Model.log would
     # put the model in the fluent "current" experiment (the Default one).
     client = mlflow.MlflowClient()

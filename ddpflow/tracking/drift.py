@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -68,11 +68,20 @@ class DriftOutcome:
 
 
 def measure_and_log_drift(
-    tracking_uri: str, model_name: str, manifest: Manifest, run_id: str, max_psi: float | None = None
+    tracking_uri: str,
+    model_name: str,
+    manifest: Manifest,
+    run_id: str,
+    max_psi: float | None = None,
+    label: bool = True,
 ) -> DriftOutcome:
-    """``measure_drift`` then ``log_drift`` on the store at ``tracking_uri`` (models and runs in one store)."""
+    """``measure_drift`` then ``log_drift`` on the store at ``tracking_uri`` (models and runs in one store).
+
+    ``label=False``: the label's drift is left out of the report (a next_token model does not use the label)."""
     client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
     outcome = measure_drift(client, model_name, manifest)
+    if not label and outcome.report is not None:
+        outcome = replace(outcome, report=replace(outcome.report, label=None))
     log_drift(client, run_id, outcome, max_psi)
     return outcome
 

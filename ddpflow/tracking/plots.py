@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from training.evaluate import CONFUSION_MAX_CLASSES, EvalResult
+from training.spec.next_token import LANGUAGE_MODEL
 
 if TYPE_CHECKING:
     from ddpflow.drift import DriftReport
@@ -18,7 +19,10 @@ DRIFT_FEATURES_SHOWN = 30  # beyond this the labels are unreadable; the report J
 
 def evaluation_figure(result: EvalResult):
     """(the figure, its file name under ``eval/``): a confusion matrix up to ``CONFUSION_MAX_CLASSES`` classes
-    (training/evaluate.py), above that the per-class recall (a C x C matrix neither fits in memory nor reads)."""
+    (training/evaluate.py), above that the per-class recall (a C x C matrix neither fits in memory nor reads);
+    a next_token model's rows by their loss per target token (it has no label per row)."""
+    if result.task == LANGUAGE_MODEL:
+        return row_loss_figure(result), "row_loss.png"
     if result.task == "multilabel":  # labels are not exclusive: no confusion matrix, each label's recall
         return per_class_recall_figure(result), "per_label_recall.png"
     if result.task == "classification":
@@ -121,6 +125,32 @@ def residual_figure(result: EvalResult):
         ylabel="predicted - true",
         title=f"Residuals (first {len(residuals)} of {result.samples} {result.split} rows)",
     )
+    figure.tight_layout()
+    return figure
+
+
+def row_loss_figure(result: EvalResult):
+    """A next_token model: how many test rows score each mean loss per target token (the served ``loss``: how
+    surprising a row is), for the rows the evaluation kept that have a target; the split's test_loss marked."""
+    import numpy as np
+    from matplotlib.figure import Figure
+
+    kept = 0 if result.targets is None else len(result.targets)
+    losses = result.predictions[result.targets > 0] if kept else np.empty(0)
+    figure = Figure(figsize=(6, 4.5))
+    axes = figure.add_subplot()
+    axes.hist(losses, bins=min(50, max(1, len(losses))), color="tab:blue")
+    loss = result.metrics.get(f"{result.split}_loss", float("nan"))
+    if np.isfinite(loss):
+        axes.axvline(loss, color="black", linestyle="--", linewidth=1, label=f"{result.split}_loss {loss:.3g}")
+        axes.legend(fontsize=8)
+    axes.set(
+        xlabel="mean cross entropy per target token (a row's served loss)",
+        ylabel="rows",
+        title=f"Rows by loss per target token: {len(losses)} with a target, of the first {kept} of "
+        f"{result.samples} {result.split} rows",
+    )
+    axes.title.set_fontsize(9)
     figure.tight_layout()
     return figure
 

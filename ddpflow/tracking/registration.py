@@ -81,6 +81,7 @@ from ddpflow.tracking.runs import (
 from training.config import PipelineConfig, apply_overrides, validate_config
 from training.data.manifest import Manifest, read_manifest
 from training.evaluate import IncompatibleModelError, evaluate_split, load_model_checkpoint
+from training.spec.next_token import evaluated_as
 
 GateLock = Callable[[str], AbstractContextManager]
 
@@ -127,10 +128,11 @@ class GateHooks:
 
 
 def gate_rules(config: PipelineConfig, task: str) -> GateRules:
-    registry = config.registry
+    """``task``: the dataset's; a next_token model is judged on its own metrics (test_loss, lower is better)."""
+    registry, judged = config.registry, evaluated_as(config.train.objective, task)
     return GateRules(
-        metric=registry.gate_metric(task),
-        greater_is_better=registry.higher_is_better(task),
+        metric=registry.gate_metric(judged),
+        greater_is_better=registry.higher_is_better(judged),
         min_delta=registry.min_delta,
         min_metric=registry.min_metric,
         replace_unreadable_champion=registry.replace_unreadable_champion,
@@ -237,7 +239,10 @@ class _Registration:
         if champion is not None and str(champion.version) == str(version.version):
             decision = self._promoted_earlier(version)
         else:
-            reading = read_champion(self.client, champion, dataset_dir, rules.metric, self.config.eval.batch_size)
+            scored_as = evaluated_as(self.config.train.objective, manifest.task)
+            reading = read_champion(
+                self.client, champion, dataset_dir, rules.metric, self.config.eval.batch_size, scored_as
+            )
             drift = self._worst_drift(champion, rules, manifest)
             decision = GateDecision.judge(
                 rules, self.name, self.run_id, str(version.version), candidate, reading, drift
@@ -309,12 +314,19 @@ def _now_ms() -> int:
 
 
 def read_champion(
-    client: MlflowClient, champion: ModelVersion | None, dataset_dir: str, metric: str, batch_size: int
+    client: MlflowClient,
+    champion: ModelVersion | None,
+    dataset_dir: str,
+    metric: str,
+    batch_size: int,
+    scored_as: str | None = None,
 ) -> ChampionReading:
     """The champion's gate metric on these test shards, or why there is none.
 
     Unreadable (download or load fails) is told apart from incompatible (loads,
-    but cannot score this data); a transient store error is raised, to be retried.
+    but cannot score this data, or is scored as another kind of model than the
+    candidate's ``scored_as``: a classifier's test_loss per row is not a language
+    model's per token); a transient store error is raised, to be retried.
     """
     if champion is None:
         return ChampionReading.none()
@@ -335,6 +347,8 @@ def read_champion(
             result = evaluate_split(path, dataset_dir, "test", batch_size)
         except IncompatibleModelError as error:
             return ChampionReading.incompatible(version, str(error).replace(str(path), "its model.pt"))
+    if scored_as is not None and result.task != scored_as:
+        return ChampionReading.incompatible(version, f"it is a {result.task} model; the candidate is {scored_as}")
     if metric not in result.metrics:
         return ChampionReading.incompatible(version, f"its evaluation on this data has no {metric}")
     return ChampionReading.scored(version, result.metrics[metric])

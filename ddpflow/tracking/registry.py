@@ -192,12 +192,15 @@ def input_example(manifest: Manifest, dataset_dir: str | Path, rows: int = 5):
 
 
 def version_description(config: PipelineConfig, manifest: Manifest, run_tags: dict[str, str], run_id: str) -> str:
+    from training.spec.next_token import evaluated_as  # torch: only when a version is made
+
     train = config.train
     global_batch = train.global_batch_size
     batch = f"batch {train.batch_size}/rank" if global_batch is None else f"global batch {global_batch}"
     rows = f"{manifest.rows('train')} train / {manifest.rows('val')} val / {manifest.rows('test')} test rows"
     return (
-        f"{manifest.task} model '{train.model}' {train.model_kwargs or ''} trained on {manifest.source} "
+        f"{evaluated_as(train.objective, manifest.task)} model '{train.model}' {train.model_kwargs or ''} "
+        f"trained on {manifest.source} "
         f"(fingerprint {manifest.fingerprint}: {rows}, {manifest.n_features} features). "
         f"{train.epochs} epochs, {batch}, lr {train.lr}, "
         f"world size {run_tags.get('ddp.world_size', '?')}. "

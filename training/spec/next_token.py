@@ -18,14 +18,15 @@ collective at all. A row without targets weighs 0. val_loss is the mean per targ
 val_perplexity its exp.
 
 The model's output is per position, ``[B, L, vocab]``; the label column of the dataset is not used.
-Evaluation of the test split and serving still assume one output row per row: a next_token model trains and
-validates (and its model.pt loads), it does not go through ``evaluate_split`` or the pyfunc yet.
+``row_scores`` is each row's (target tokens, summed cross entropy, top-1 hits): the test-split evaluation sums
+them (test_loss per target token, test_perplexity, test_token_accuracy) and the served model divides them per
+row (loss, perplexity; NaN for a row without targets), one computation for both (training/token_scoring.py).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,34 @@ from training.spec.objectives import Objective
 
 TOKENS = "tokens"  # the label kind: [B, L] target ids per position, IGNORE where there is none
 IGNORE = -100
+
+
+LANGUAGE_MODEL = "next_token"  # what a next_token model's evaluation is (EvalResult.task) and what the gate judges
+MAX_LOG_PERPLEXITY = 700.0  # exp(700) ~ 1e304: a perplexity stays a finite float (the gate rejects inf)
+
+
+def evaluated_as(objective: str, task: str) -> str:
+    """What an evaluation of a model trained with ``objective`` on a ``task`` dataset scores: ``LANGUAGE_MODEL``
+    (per target token, no label per row) or the dataset's task (classification, regression, multilabel)."""
+    return LANGUAGE_MODEL if objective == LANGUAGE_MODEL else task
+
+
+def perplexity(loss: float) -> float:
+    """exp(the mean cross entropy per target token), capped at exp(MAX_LOG_PERPLEXITY); NaN stays NaN."""
+    return math.exp(min(loss, MAX_LOG_PERPLEXITY)) if not math.isnan(loss) else math.nan
+
+
+class RowScores(NamedTuple):
+    """Per row: ``tokens`` (int64, target tokens scored), ``loss_sum`` (float64, their summed cross entropy),
+    ``correct`` (int64, targets that are the top-1 next token)."""
+
+    tokens: torch.Tensor
+    loss_sum: torch.Tensor
+    correct: torch.Tensor
+
+    def mean_loss(self) -> torch.Tensor:
+        """Each row's mean cross entropy per target token (float64); NaN for a row without targets."""
+        return torch.where(self.tokens > 0, self.loss_sum / self.tokens.clamp(min=1), torch.nan)
 
 
 class NextToken(Objective):
@@ -69,6 +98,15 @@ class NextToken(Objective):
         """Each train row's target tokens, from the text input's ragged lengths: n - 1, at least 0."""
         return (split.inputs[self.input].lengths() - 1).clamp(min=0).float()
 
+    def row_scores(self, outputs: torch.Tensor, targets: torch.Tensor) -> RowScores:
+        """Each row's target tokens, their summed cross entropy (per token in fp32, as ``per_row_loss``; summed
+        in float64) and top-1 hits: what the evaluation and the served model read (``targets`` are ``targets``)."""
+        scored = targets != IGNORE
+        logits = outputs.float()
+        per_token = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=IGNORE, reduction="none")
+        hits = (logits.argmax(dim=-1) == targets) & scored
+        return RowScores(scored.sum(dim=1), per_token.double().sum(dim=1), hits.sum(dim=1))
+
     def decode(self, outputs: torch.Tensor):
         return outputs.argmax(dim=-1), None
 
@@ -80,7 +118,7 @@ class TokenTally(MeanTally):
     def metrics(self, sums: torch.Tensor, prefix: str, target_std: float = 1.0) -> dict[str, float]:
         metrics = super().metrics(sums, prefix, target_std)
         if f"{prefix}_loss" in metrics:
-            metrics[f"{prefix}_perplexity"] = math.exp(min(metrics[f"{prefix}_loss"], 700.0))
+            metrics[f"{prefix}_perplexity"] = perplexity(metrics[f"{prefix}_loss"])
         return metrics
 
 
