@@ -323,8 +323,10 @@ def test_next_token_on_two_ranks_trains_the_weights_of_one_rank_per_target_token
     manifest = read_manifest(dataset)
     lengths = load_split(dataset, manifest, "train").with_codecs(manifest_codecs(dataset, manifest))
     assert (lengths.inputs["snippet"].lengths() <= 1).any()  # rows without a target token are in the split
-    # model.pt loads back as the language model; the test-split evaluation says it does not apply yet.
-    from training.evaluate import IncompatibleModelError, evaluate_split
+    # model.pt loads back as the language model and scores the test split per target token: the same for both.
+    from training.evaluate import evaluate_split
 
-    with pytest.raises(IncompatibleModelError, match="next_token language model"):
-        evaluate_split(two / "model.pt", dataset, "test")
+    scored_two, scored_one = (evaluate_split(run / "model.pt", dataset, "test") for run in (two, one))
+    assert scored_two.task == "next_token" and scored_two.metrics["test_tokens"] > 0
+    assert scored_two.metrics["test_tokens"] == scored_one.metrics["test_tokens"]
+    assert scored_two.metrics["test_loss"] == pytest.approx(scored_one.metrics["test_loss"], abs=1e-6)
