@@ -12,6 +12,10 @@ Rank load: peak RSS above the imports ÷ raw train bytes (float32 features +
 int64 label), for ddpflow's preallocated load and for the two obvious
 alternatives (concatenate pyarrow tables, or a pandas DataFrame).
 
+Node-cache build: the builder's peak memory above its imports ÷ one record batch
+of the source shards, on the numeric split and on the mixed one (numeric + 4
+categoricals). Reported, no target.
+
 Prepare: peak RSS above the imports at 1x and 4x rows; prepare streams the
 source in record batches, so the peak should barely grow with rows.
 """
@@ -23,7 +27,7 @@ from pathlib import Path
 
 from bench import processes
 from bench.harness import Result, Row, Stats, log, turns
-from bench.workload import Context, prepared_dir, raw_bytes, source_file
+from bench.workload import Context, mixed_prepared_dir, prepared_dir, raw_bytes, source_file
 
 NODE_RANKS = (2, 4)
 NODE_TARGET = 1.3  # summed data PSS of a node's ranks ÷ raw train bytes
@@ -73,6 +77,7 @@ def run(ctx: Context) -> list[Result]:
         *node_memory(ctx, dataset, train_raw),
         load,
         prepare_memory(ctx),
+        build_memory(ctx),
         rank_anon_memory(ctx),
         *run_memory.run(ctx),
     ]
@@ -224,6 +229,57 @@ def prepare_memory(ctx: Context) -> Result:
             ),
         ],
         notes=["Peak RSS above imports of prepare_dataset in a fresh process; the source is one Parquet file."],
+    )
+
+
+def build_memory(ctx: Context) -> Result:
+    """The node cache's builder, on the workload's numeric train split and on the mixed one: its largest
+    anonymous memory above its imports ÷ one record batch's bytes (it streams: that is what it should hold),
+    and its peak RSS with the mapped file's pages ÷ the file (those are page cache, written back)."""
+    from bench import ddpflow_api
+
+    tables = {"numeric": prepared_dir(ctx, ctx.sizes.rows), "mixed (numeric + 4 categoricals)": None}
+    tables["mixed (numeric + 4 categoricals)"] = mixed_prepared_dir(ctx, ctx.sizes.rows)
+    figures: dict[str, list[dict]] = {name: [] for name in tables}
+    batch_bytes = {name: ddpflow_api.record_batch_bytes(dataset, "train") for name, dataset in tables.items()}
+    for repeat in range(ctx.sizes.memory_repeats):
+        for name in turns(list(tables), repeat):
+            cache_dir = ctx.workdir / "build-memory" / f"{repeat}-{len(figures[name])}-{name.split()[0]}"
+            figures[name].append(probe(["build", "--dataset", str(tables[name]), "--cache-dir", str(cache_dir)]))
+    log(
+        "node-cache build peak anon MB: "
+        + ", ".join(f"{name} {got[-1]['peak_anon_above_imports'] / 1e6:.1f}" for name, got in figures.items())
+    )
+
+    def of(name: str, key: str, per: float = 1e6) -> Stats:
+        return Stats.of(got[key] / per for got in figures[name])
+
+    rows = []
+    for name in tables:
+        per_batch = of(name, "peak_anon_above_imports", batch_bytes[name])
+        rows += [
+            Row(f"{name}: one record batch of the shards", Stats.of([batch_bytes[name] / 1e6]), "MB"),
+            Row(f"{name}: the builder's peak anon above imports", of(name, "peak_anon_above_imports"), "MB", per_batch,
+                note="ratio: ÷ one record batch"),
+            Row(f"{name}: its peak RSS above imports, the mapped file's pages included", of(name, "peak_rss_above_imports"),
+                "MB", Stats.of(got["peak_rss_above_imports"] / got["file_bytes"] for got in figures[name]),
+                note=f"ratio: ÷ the cache file ({figures[name][-1]['file_bytes'] / 1e6:.0f} MB)"),
+        ]  # fmt: skip
+    headline = next(iter(tables))
+    return Result(
+        name="build_memory",
+        title="Node-cache build memory",
+        ratio=of(headline, "peak_anon_above_imports", batch_bytes[headline]),
+        ratio_label="the node-cache builder's peak anonymous memory above its imports ÷ one record batch's bytes "
+        "(numeric train split; the mixed one in the table)",
+        rows=rows,
+        notes=[
+            f"The train split of the {ctx.sizes.rows:,}-row datasets; each build in a fresh process that imports what "
+            "the builder process imports, then builds as it does (training.data.node_cache._build: the file sized up "
+            "front, mapped, filled by fill_split record batch by record batch). Anon: RssAnon sampled every "
+            "millisecond; RSS: the kernel's VmHWM after a reset. One record batch: fill_split's read_rows rows of "
+            f"the columns it reads, as Arrow holds them. {ctx.sizes.memory_repeats} run(s) each, taking turns.",
+        ],
     )
 
 

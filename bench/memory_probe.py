@@ -3,6 +3,7 @@
     python -m bench.memory_probe load --how preallocated|concat|pandas --dataset DIR
     python -m bench.memory_probe prepare --source FILE --root DIR
     python -m bench.memory_probe anon --dataset DIR --cache-dir DIR
+    python -m bench.memory_probe build --dataset DIR --cache-dir DIR
     python -m torch.distributed.run --standalone --nproc_per_node N -m bench.memory_probe \
         node --how cache|load --dataset DIR --cache-dir DIR --out DIR
 
@@ -12,6 +13,12 @@
 
 ``anon``: a rank's anonymous memory (RssAnon) above its imports over an epoch of
 batches from the node cache: ``BENCH {"anon_above_imports": bytes, "rows": n}``.
+
+``build``: what the node cache's builder process does for the train split, in this
+process: its peak RSS (VmHWM, the mapped file's pages included) and its largest
+RssAnon (sampled every millisecond on a thread: the builder's own memory, not the
+file's pages) above the imports: ``BENCH {"peak_rss_above_imports", "peak_anon_above_imports",
+"file_bytes"}``.
 
 ``node`` (one rank of N under torchrun): the rank's data PSS (``data_pss``) after
 imports, the process group and the model (its baseline), then the train and val
@@ -162,12 +169,47 @@ def anon(dataset: str, cache_dir: str) -> None:
     report(baseline=baseline, anon_above_imports=largest - baseline, rows=len(train))
 
 
+def build(dataset: str, cache_dir: str) -> None:
+    import threading
+
+    import training.data.node_cache  # noqa: F401 - what the builder process imports before it builds
+    from bench import ddpflow_api
+    from bench.processes import report
+    from training.data.manifest import read_manifest
+
+    read_manifest(dataset)  # warm the JSON and dataclass machinery before the baseline
+    baseline_rss, baseline_anon = rss_bytes("VmRSS"), rss_bytes("RssAnon")
+    exact = reset_peak()
+    largest_anon, done = baseline_anon, threading.Event()
+
+    def sample() -> None:
+        nonlocal largest_anon
+        while not done.wait(0.001):
+            largest_anon = max(largest_anon, rss_bytes("RssAnon"))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    path = ddpflow_api.build_node_cache_file(dataset, "train", cache_dir)
+    done.set()
+    sampler.join()
+    peak = rss_bytes("VmHWM") if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    report(
+        peak_rss_above_imports=peak - baseline_rss,
+        peak_anon_above_imports=max(largest_anon, rss_bytes("RssAnon")) - baseline_anon,
+        file_bytes=path.stat().st_size,
+        exact_peak=exact,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="job", required=True)
     anon_args = sub.add_parser("anon")
     anon_args.add_argument("--dataset", required=True)
     anon_args.add_argument("--cache-dir", required=True)
+    build_args = sub.add_parser("build")
+    build_args.add_argument("--dataset", required=True)
+    build_args.add_argument("--cache-dir", required=True)
     node_args = sub.add_parser("node")
     node_args.add_argument("--how", choices=["cache", "load"], required=True)
     node_args.add_argument("--dataset", required=True)
@@ -185,6 +227,9 @@ def main() -> None:
         return
     if args.job == "anon":
         anon(args.dataset, args.cache_dir)
+        return
+    if args.job == "build":
+        build(args.dataset, args.cache_dir)
         return
 
     # Import everything the job needs before the baseline, so only the job's data counts.

@@ -101,7 +101,7 @@ def test_quick_run_measures_each_path_and_writes_results_and_docs(tmp_path, repo
     assert payload["mode"] == "quick"
     assert payload["machine"]["cpu_count"] >= 1 and payload["machine"]["versions"]["torch"]
     by_name = {bench["name"]: bench for bench in payload["benchmarks"]}
-    assert set(by_name) == {"datapath", "prepare", "shards", "evaluate", "scale"}
+    assert set(by_name) == {"datapath", "datapath_mixed", "prepare", "shards", "evaluate", "scale"}
     for bench in by_name.values():
         assert bench["status"] == "ok", f"{bench['name']}: {bench['reason']}"
         ratio = bench["ratio"]
@@ -114,6 +114,11 @@ def test_quick_run_measures_each_path_and_writes_results_and_docs(tmp_path, repo
     )
     assert any("per-row" in label for label in labels) and any("BatchSampler" in label for label in labels)
     assert by_name["datapath"]["ratio"]["n"] == 2  # quick mode still repeats
+    # The mixed table (numeric + 4 categoricals): ddpflow's loader and step against pre-cut batch dicts, per repeat.
+    mixed = by_name["datapath_mixed"]
+    assert mixed["target"] == 0.95 and mixed["ratio"]["n"] == 2
+    assert [row["label"].split(":")[0] for row in mixed["rows"]] == ["compute limit", "ddpflow"]
+    assert "4 categoricals" in mixed["notes"][0]
 
     text = docs.read_text()
     for name in by_name:
