@@ -79,6 +79,7 @@ def run(ctx: Context) -> list[Result]:
         prepare_memory(ctx),
         build_memory(ctx),
         rank_anon_memory(ctx),
+        image_anon_memory(ctx),
         *run_memory.run(ctx),
     ]
 
@@ -261,8 +262,9 @@ def build_memory(ctx: Context) -> Result:
             Row(f"{name}: one record batch of the shards", Stats.of([batch_bytes[name] / 1e6]), "MB"),
             Row(f"{name}: the builder's peak anon above imports", of(name, "peak_anon_above_imports"), "MB", per_batch,
                 note="ratio: ÷ one record batch"),
-            Row(f"{name}: its peak RSS above imports, the mapped file's pages included", of(name, "peak_rss_above_imports"),
-                "MB", Stats.of(got["peak_rss_above_imports"] / got["file_bytes"] for got in figures[name]),
+            Row(f"{name}: its peak RSS above imports, the mapped file's pages included",
+                of(name, "peak_rss_above_imports"), "MB",
+                Stats.of(got["peak_rss_above_imports"] / got["file_bytes"] for got in figures[name]),
                 note=f"ratio: ÷ the cache file ({figures[name][-1]['file_bytes'] / 1e6:.0f} MB)"),
         ]  # fmt: skip
     headline = next(iter(tables))
@@ -286,25 +288,61 @@ def build_memory(ctx: Context) -> Result:
 def rank_anon_memory(ctx: Context) -> Result:
     """A rank's anonymous memory as the train split grows 4x: the node cache is file-backed, so it may grow by
     the sampler's permutation only (8 bytes a row: ``torch.randperm``'s int64)."""
+    small, large = ctx.sizes.prepare_memory_rows
+    return anon_growth(
+        ctx,
+        {rows: prepared_dir(ctx, rows) for rows in (small, large)},
+        name="rank_anon_memory",
+        title="Rank anonymous memory as data grows",
+        what="Numeric data",
+    )
+
+
+def image_anon_memory(ctx: Context) -> Result:
+    """The same with an encoded-image byte column (the node cache's ragged section: the PNG bytes and their
+    offsets, file-backed too): the epoch's decoded batches come and go, so again only the permutation grows."""
+    from bench import images
+
+    small, large = ctx.sizes.image_anon_rows
+    return anon_growth(
+        ctx,
+        {rows: images.prepared(ctx, rows, ANON_IMAGE_SIZE, ANON_IMAGE_DISTINCT) for rows in (small, large)},
+        name="rank_anon_memory_images",
+        title="Rank anonymous memory as data grows, with images",
+        trim=True,
+        what=f"An image input: {ANON_IMAGE_SIZE}x{ANON_IMAGE_SIZE} PNGs drawn with Pillow ({ANON_IMAGE_DISTINCT} "
+        "distinct, repeated; each row's bytes in the cache's ragged section), decoded and collated by the codec in "
+        "the process (num_workers 0). RssAnon is read after malloc_trim: decoding makes many small allocations, "
+        "and the free heap glibc keeps of them moved by 5-10 MB between runs, hiding the permutation",
+    )
+
+
+ANON_IMAGE_SIZE, ANON_IMAGE_DISTINCT = 16, 256
+
+
+def anon_growth(
+    ctx: Context, datasets: dict[int, Path], *, name: str, title: str, what: str, trim: bool = False
+) -> Result:
+    """RssAnon of a process holding the mapped train split over an epoch, at 1x and 4x rows: its growth ÷ the
+    sampler permutation's (8 bytes a train row)."""
     from bench import ddpflow_api
 
-    small, large = ctx.sizes.prepare_memory_rows
+    small, large = sorted(datasets)
     anon: dict[int, list[float]] = {small: [], large: []}
     train_rows = {}
-    for rows in (small, large):
-        dataset = prepared_dir(ctx, rows)
-        cache_dir = ctx.workdir / "anon-cache" / str(rows)
+    for rows, dataset in datasets.items():
+        cache_dir = ctx.workdir / "anon-cache" / f"{name}-{rows}"
         ddpflow_api.node_splits(dataset, ("train",), cache_dir)  # built here: the probe maps it, as ranks do
         for _ in range(ctx.sizes.memory_repeats):
-            figures = probe(["anon", "--dataset", str(dataset), "--cache-dir", str(cache_dir)])
+            figures = probe(["anon", "--dataset", str(dataset), "--cache-dir", str(cache_dir), *(["--trim"] * trim)])
             anon[rows].append(figures["anon_above_imports"])
             train_rows[rows] = figures["rows"]
     permutation_growth = 8 * (train_rows[large] - train_rows[small])
     growth = Stats.of((b - a) / permutation_growth for a, b in zip(anon[small], anon[large]))
-    log(f"rank RssAnon MB: {small:,} rows {anon[small][-1] / 1e6:.1f}, {large:,} rows {anon[large][-1] / 1e6:.1f}")
+    log(f"{title}: RssAnon MB {small:,} rows {anon[small][-1] / 1e6:.2f}, {large:,} rows {anon[large][-1] / 1e6:.2f}")
     return Result(
-        name="rank_anon_memory",
-        title="Rank anonymous memory as data grows",
+        name=name,
+        title=title,
         ratio=growth,
         target=1.5,
         direction="le",
@@ -317,6 +355,6 @@ def rank_anon_memory(ctx: Context) -> Result:
         notes=[
             "One process: imports, then the train split mapped from the node cache (built before), then an epoch of "
             "batches; RssAnon (anonymous pages only: the cache's file pages are not in it) above the imports, its "
-            "largest over the epoch. Numeric data only here: image and text inputs are not in this branch."
+            f"largest over the epoch. {what}. {ctx.sizes.memory_repeats} run(s) each."
         ],
     )

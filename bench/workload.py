@@ -55,6 +55,9 @@ class Sizes:
     memory_repeats: int = 2
     # rows for the memory and scale families
     prepare_memory_rows: tuple[int, int] = (1_000_000, 4_000_000)  # 1x and 4x the workload
+    # 1x and 4x for a rank's anon memory with an image column: prepare checks and profiles every image
+    # (about 1-2 ms each on 2 cores), so far fewer rows than the numeric 1x/4x
+    image_anon_rows: tuple[int, int] = (25_000, 100_000)
     scale_rows: tuple[int, ...] = (250_000, 1_000_000, 4_000_000)
     orchestration_rows: int = 20_000
     orchestration_repeats: int = 2
@@ -78,6 +81,7 @@ QUICK = Sizes(
     ddp_repeats=1,
     memory_repeats=1,
     prepare_memory_rows=(5_000, 20_000),
+    image_anon_rows=(200, 800),
     scale_rows=(5_000, 20_000),
     orchestration_rows=2_000,
     orchestration_repeats=1,
