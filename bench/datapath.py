@@ -1,7 +1,9 @@
 """Data path: ddpflow's training samples/s ÷ the compute limit, in one process.
 
 The compute limit is the same model and step fed from batches cut in advance
-(a list lookup per step). Every loader is timed over the same number of steps
+(a list lookup per step). Two tables: the numeric workload, and the mixed one
+(the same numeric columns plus 4 categoricals, embedded by the built-in mlp;
+its pre-cut batches are the model's batch dicts). Every loader is timed over the same number of steps
 after the same warm-up, with one torch thread (one rank's share of two
 cores), and the loaders take turns within each repeat so that load on the
 machine hits them alike. Each repeat gives one ratio per loader.
@@ -10,20 +12,26 @@ machine hits them alike. Each repeat gives one ratio per loader.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from bench import loaders
 from bench.harness import Result, Row, Stats, Timer, log, turns
 from bench.workload import (
     BATCH,
+    CATEGORICALS,
     Context,
+    build_input_model_and_optimizer,
     build_model_and_optimizer,
     cycle,
+    mixed_prepared_dir,
     prepared_dir,
     set_threads,
     timed_steps,
 )
 
 TITLE = "Data path"
+MIXED_TITLE = "Data path with mixed inputs"
 AB_PAIRS = 10  # mapped vs private split: slices per side
 REFERENCES = {  # label, what it is, earlier measurement
     "per_row": ("per-row Dataset + DataLoader", 0.63),
@@ -51,17 +59,30 @@ def run(ctx: Context) -> list[Result]:
     def ddpflow_batches():
         return ((batch.features, batch.labels) for batch in batches.epoch(next(epochs)))
 
-    def measure_compute(repeat: int) -> float:
-        model, optimizer = build_model_and_optimizer()
-        samples, seconds = timed_steps(model, optimizer, cycle(compute), epoch_steps, sizes.warmup)
-        return samples / seconds
+    mixed_dataset = mixed_prepared_dir(ctx, sizes.rows)
+    mixed_split = ddpflow_api.node_splits(mixed_dataset, ["train"])["train"].tensors
+    mixed_batches = ddpflow_api.train_batches(mixed_split, batch=BATCH)
+    mixed = Feed(
+        lambda: build_input_model_and_optimizer(mixed_dataset),
+        presliced_inputs(mixed_split, BATCH, len(mixed_batches) + sizes.warmup),
+        mixed_batches,
+    )
+    numeric = Feed(build_model_and_optimizer, compute, batches)
 
-    def measure_ddpflow_on(feed):
+    def measure_compute(feed: Feed):
         def measure(repeat: int) -> float:
-            model, optimizer = build_model_and_optimizer()
-            timed_steps(model, optimizer, cycle(compute), 0, sizes.warmup)  # the same warm-up
+            model, optimizer = feed.model_and_optimizer()
+            samples, seconds = timed_steps(model, optimizer, cycle(feed.compute), len(feed.batches), sizes.warmup)
+            return samples / seconds
+
+        return measure
+
+    def measure_ddpflow_on(feed: Feed):
+        def measure(repeat: int) -> float:
+            model, optimizer = feed.model_and_optimizer()
+            timed_steps(model, optimizer, cycle(feed.compute), 0, sizes.warmup)  # the same warm-up
             with Timer() as epoch:
-                samples = ddpflow_api.train_epoch(model, optimizer, feed, repeat)
+                samples = ddpflow_api.train_epoch(model, optimizer, feed.batches, repeat)
             return samples / epoch.seconds
 
         return measure
@@ -94,8 +115,10 @@ def run(ctx: Context) -> list[Result]:
         return measure
 
     measures = {
-        "compute": measure_compute,
-        "ddpflow": measure_ddpflow_on(batches),
+        "compute": measure_compute(numeric),
+        "ddpflow": measure_ddpflow_on(numeric),
+        "mixed_compute": measure_compute(mixed),
+        "mixed_ddpflow": measure_ddpflow_on(mixed),
         "ddpflow_loader": measure_loader_bare_step,
         **{name: measure_reference(epoch) for name, epoch in references.items()},
     }
@@ -108,8 +131,8 @@ def run(ctx: Context) -> list[Result]:
             + ", ".join(f"{name} {values[-1]:,.0f}/s" for name, values in rates.items())
         )
 
-    def ratio_to_compute(name: str) -> Stats:
-        return Stats.of(a / b for a, b in zip(rates[name], rates["compute"]))
+    def ratio_to_compute(name: str, compute: str = "compute") -> Stats:
+        return Stats.of(a / b for a, b in zip(rates[name], rates[compute]))
 
     headline = ratio_to_compute("ddpflow")
     rows = [
@@ -171,8 +194,72 @@ def run(ctx: Context) -> list[Result]:
             ratio_label="ddpflow samples/s ÷ compute limit",
             rows=rows,
             notes=notes,
-        )
+        ),
+        mixed_result(ctx, mixed_split, rates, ratio_to_compute("mixed_ddpflow", "mixed_compute"), mixed.batches),
     ]
+
+
+@dataclass(frozen=True)
+class Feed:
+    """One table's two sides: its model and optimizer (made afresh per timing), its pre-cut batches (the
+    compute limit) and ddpflow's loader over it (``TrainBatches`` from the node cache's mapping)."""
+
+    model_and_optimizer: Callable[[], tuple]
+    compute: Callable[[], Iterator]
+    batches: object  # training.loading.TrainBatches
+
+
+def presliced_inputs(split, batch: int, batches: int, seed: int = 0):
+    """The compute limit for a table with typed inputs: ``batches`` batch dicts cut in advance from shuffled rows
+    (the numeric inputs as column views of one contiguous block, as the loader hands them; each categorical's
+    indices), with their labels: the loop only indexes a list."""
+    import torch
+
+    order = torch.randperm(len(split), generator=torch.Generator().manual_seed(seed))[: batch * batches]
+    cut = []
+    for rows in order.split(batch):
+        others = {name: values.index_select(0, rows) for name, values in split.inputs.items()}
+        inputs = split.batch_inputs(split.features.index_select(0, rows), others)
+        cut.append((inputs, split.labels.index_select(0, rows)))
+    return lambda: iter(cut)
+
+
+def mixed_result(ctx: Context, split, rates: dict[str, list[float]], ratio: Stats, batches) -> Result:
+    from training.models import embedding_dim
+
+    epoch_steps = len(batches)
+    step_us = 1e6 * BATCH / Stats.of(rates["mixed_compute"]).median
+
+    embedded = ", ".join(f"{name} ({size} values, {embedding_dim(size)} wide)" for name, size in CATEGORICALS.items())
+    return Result(
+        name="datapath_mixed",
+        title=MIXED_TITLE,
+        ratio=ratio,
+        target=0.95,
+        ratio_label="ddpflow samples/s ÷ compute limit, numeric + 4 categorical inputs",
+        rows=[
+            Row(
+                "compute limit: the same model and step on pre-cut batch dicts",
+                Stats.of(rates["mixed_compute"]),
+                "samples/s",
+                note=f"{epoch_steps} steps, one epoch's worth",
+            ),
+            Row(
+                "ddpflow: TrainBatches (node cache) + training.loop.TrainStep",
+                Stats.of(rates["mixed_ddpflow"]),
+                "samples/s",
+                ratio,
+                note="one full epoch: the numeric block and each categorical's section gathered per batch",
+            ),
+        ],
+        notes=[
+            f"{len(split):,} train rows x {split.features.shape[1]} numeric features + 4 categoricals embedded by "
+            f"the built-in mlp: {embedded}; batch {BATCH}, {ctx.threads} torch thread, one process; measured in "
+            "the same repeats as the numeric data path, the loaders taking turns.",
+            f"Iterating ddpflow's loader alone on this table costs {loader_alone(batches) * 1e6:.0f} µs per batch "
+            f"(the numeric block and 4 index sections gathered); a compute-limit step takes {step_us:.0f} µs.",
+        ],
+    )
 
 
 def as_xy(batches):

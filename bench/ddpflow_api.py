@@ -39,6 +39,37 @@ def node_splits(dataset_dir: str | Path, splits=("train", "val"), cache_dir: str
     return open_splits(dataset_dir, read_manifest(dataset_dir), splits, None if cache_dir is None else str(cache_dir))
 
 
+def build_node_cache_file(dataset_dir: str | Path, split: str, cache_dir: str | Path) -> Path:
+    """What the node cache's builder process does for one split (``training.data.node_cache._build``: the file
+    sized up front, mapped, filled record batch by record batch, published atomically), in THIS process."""
+    from training.data.manifest import read_manifest
+    from training.data.node_cache import _build, _expected_header, cache_path
+
+    manifest, cache_dir = read_manifest(dataset_dir), str(cache_dir)
+    path = cache_path(dataset_dir, manifest, split, cache_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _build(dataset_dir, manifest, split, path, _expected_header(manifest, split), cache_dir)
+    return path
+
+
+def record_batch_bytes(dataset_dir: str | Path, split: str) -> int:
+    """Arrow bytes of one record batch as the loader reads the split's shards (``fill_split``'s ``read_rows``
+    rows of the columns its inputs, label and weight need), from the first shard."""
+    import inspect
+
+    import pyarrow.parquet as pq
+
+    from training.data.manifest import read_manifest
+    from training.loading import fill_split
+    from training.spec.inputs import inputs_from_manifest
+
+    manifest = read_manifest(dataset_dir)
+    read_rows = inspect.signature(fill_split).parameters["read_rows"].default
+    columns = [*inputs_from_manifest(manifest), manifest.label, *([manifest.weight] if manifest.weight else [])]
+    shard = manifest.split_files(dataset_dir, split)[0]
+    return next(pq.ParquetFile(shard).iter_batches(batch_size=read_rows, columns=columns)).nbytes
+
+
 def train_batches(
     split, *, batch: int, rank: int = 0, world_size: int = 1, seed: int = 0, device: str | torch.device = "cpu"
 ):

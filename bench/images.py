@@ -21,16 +21,16 @@ SIZE, CLASSES, BATCH = 64, 4, 64
 ROWS = {"quick": 256, "full": 4096}
 
 
-def _png(seed: int, label: int) -> bytes:
-    """A SIZE x SIZE PNG: a bright shape (one per class) at a random place on dark noise."""
+def _png(seed: int, label: int, size: int = SIZE) -> bytes:
+    """A ``size`` x ``size`` PNG: a bright shape (one per class) at a random place on dark noise."""
     import numpy as np
     from PIL import Image, ImageDraw
 
     rng = np.random.default_rng(seed)
-    image = Image.fromarray(rng.integers(0, 90, size=(SIZE, SIZE, 3), dtype=np.uint8))
+    image = Image.fromarray(rng.integers(0, 90, size=(size, size, 3), dtype=np.uint8))
     draw = ImageDraw.Draw(image)
-    left, top = (int(v) for v in rng.integers(0, SIZE // 2, size=2))
-    box = [left, top, left + SIZE // 3, top + SIZE // 3]
+    left, top = (int(v) for v in rng.integers(0, size // 2, size=2))
+    box = [left, top, left + size // 3, top + size // 3]
     colour = tuple(int(v) for v in rng.integers(150, 256, size=3))
     if label == 0:
         draw.ellipse(box, fill=colour)
@@ -45,22 +45,27 @@ def _png(seed: int, label: int) -> bytes:
     return out.getvalue()
 
 
-def prepared(ctx: Context) -> Path:
+def prepared(ctx: Context, rows: int | None = None, size: int = SIZE, distinct: int | None = None) -> Path:
+    """A prepared dataset of ``rows`` PNGs of ``size`` x ``size`` (default: ROWS for the run's mode, SIZE), in an
+    image input ``photo``; with ``distinct``, row i holds the i % distinct-th of that many drawn images (a split
+    of many rows without drawing each)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from training.config import load_config
     from training.data.prepare import prepare_dataset
 
-    rows = ROWS["quick" if ctx.quick else "full"]
-    source = ctx.workdir / "images" / "photos.parquet"
+    rows = rows or ROWS["quick" if ctx.quick else "full"]
+    name = f"photos-{rows}-{size}-{distinct}"
+    source = ctx.workdir / "images" / f"{name}.parquet"
     source.parent.mkdir(parents=True, exist_ok=True)
     labels = [i % CLASSES for i in range(rows)]
+    drawn = [_png(i, i % CLASSES, size) for i in range(distinct or rows)]  # distinct is a multiple of CLASSES
     pq.write_table(
         pa.table(
             {
                 "id": list(range(rows)),
-                "photo": pa.array([_png(i, y) for i, y in enumerate(labels)], pa.binary()),
+                "photo": pa.array([drawn[i % len(drawn)] for i in range(rows)], pa.binary()),
                 "label": labels,
             }
         ),
@@ -68,9 +73,9 @@ def prepared(ctx: Context) -> Path:
     )
     overrides = [
         f"data.source={source}",
-        f"data.root={ctx.workdir / 'images' / 'shards'}",
+        f"data.root={ctx.workdir / 'images' / name}",
         "data.key=id",
-        f'data.inputs={{"photo": {{"kind": "image", "size": {SIZE}}}}}',
+        f'data.inputs={{"photo": {{"kind": "image", "size": {size}}}}}',
         "data.val_fraction=0.05",
         "data.test_fraction=0.05",
     ]

@@ -12,6 +12,10 @@ Rank load: peak RSS above the imports ÷ raw train bytes (float32 features +
 int64 label), for ddpflow's preallocated load and for the two obvious
 alternatives (concatenate pyarrow tables, or a pandas DataFrame).
 
+Node-cache build: the builder's peak memory above its imports ÷ one record batch
+of the source shards, on the numeric split and on the mixed one (numeric + 4
+categoricals). Reported, no target.
+
 Prepare: peak RSS above the imports at 1x and 4x rows; prepare streams the
 source in record batches, so the peak should barely grow with rows.
 """
@@ -23,7 +27,7 @@ from pathlib import Path
 
 from bench import processes
 from bench.harness import Result, Row, Stats, log, turns
-from bench.workload import Context, prepared_dir, raw_bytes, source_file
+from bench.workload import Context, mixed_prepared_dir, prepared_dir, raw_bytes, source_file
 
 NODE_RANKS = (2, 4)
 NODE_TARGET = 1.3  # summed data PSS of a node's ranks ÷ raw train bytes
@@ -73,7 +77,9 @@ def run(ctx: Context) -> list[Result]:
         *node_memory(ctx, dataset, train_raw),
         load,
         prepare_memory(ctx),
+        build_memory(ctx),
         rank_anon_memory(ctx),
+        image_anon_memory(ctx),
         *run_memory.run(ctx),
     ]
 
@@ -227,28 +233,116 @@ def prepare_memory(ctx: Context) -> Result:
     )
 
 
+def build_memory(ctx: Context) -> Result:
+    """The node cache's builder, on the workload's numeric train split and on the mixed one: its largest
+    anonymous memory above its imports ÷ one record batch's bytes (it streams: that is what it should hold),
+    and its peak RSS with the mapped file's pages ÷ the file (those are page cache, written back)."""
+    from bench import ddpflow_api
+
+    tables = {"numeric": prepared_dir(ctx, ctx.sizes.rows), "mixed (numeric + 4 categoricals)": None}
+    tables["mixed (numeric + 4 categoricals)"] = mixed_prepared_dir(ctx, ctx.sizes.rows)
+    figures: dict[str, list[dict]] = {name: [] for name in tables}
+    batch_bytes = {name: ddpflow_api.record_batch_bytes(dataset, "train") for name, dataset in tables.items()}
+    for repeat in range(ctx.sizes.memory_repeats):
+        for name in turns(list(tables), repeat):
+            cache_dir = ctx.workdir / "build-memory" / f"{repeat}-{len(figures[name])}-{name.split()[0]}"
+            figures[name].append(probe(["build", "--dataset", str(tables[name]), "--cache-dir", str(cache_dir)]))
+    log(
+        "node-cache build peak anon MB: "
+        + ", ".join(f"{name} {got[-1]['peak_anon_above_imports'] / 1e6:.1f}" for name, got in figures.items())
+    )
+
+    def of(name: str, key: str, per: float = 1e6) -> Stats:
+        return Stats.of(got[key] / per for got in figures[name])
+
+    rows = []
+    for name in tables:
+        per_batch = of(name, "peak_anon_above_imports", batch_bytes[name])
+        rows += [
+            Row(f"{name}: one record batch of the shards", Stats.of([batch_bytes[name] / 1e6]), "MB"),
+            Row(f"{name}: the builder's peak anon above imports", of(name, "peak_anon_above_imports"), "MB", per_batch,
+                note="ratio: ÷ one record batch"),
+            Row(f"{name}: its peak RSS above imports, the mapped file's pages included",
+                of(name, "peak_rss_above_imports"), "MB",
+                Stats.of(got["peak_rss_above_imports"] / got["file_bytes"] for got in figures[name]),
+                note=f"ratio: ÷ the cache file ({figures[name][-1]['file_bytes'] / 1e6:.0f} MB)"),
+        ]  # fmt: skip
+    headline = next(iter(tables))
+    return Result(
+        name="build_memory",
+        title="Node-cache build memory",
+        ratio=of(headline, "peak_anon_above_imports", batch_bytes[headline]),
+        ratio_label="the node-cache builder's peak anonymous memory above its imports ÷ one record batch's bytes "
+        "(numeric train split; the mixed one in the table)",
+        rows=rows,
+        notes=[
+            f"The train split of the {ctx.sizes.rows:,}-row datasets; each build in a fresh process that imports what "
+            "the builder process imports, then builds as it does (training.data.node_cache._build: the file sized up "
+            "front, mapped, filled by fill_split record batch by record batch). Anon: RssAnon sampled every "
+            "millisecond; RSS: the kernel's VmHWM after a reset. One record batch: fill_split's read_rows rows of "
+            f"the columns it reads, as Arrow holds them. {ctx.sizes.memory_repeats} run(s) each, taking turns.",
+        ],
+    )
+
+
 def rank_anon_memory(ctx: Context) -> Result:
     """A rank's anonymous memory as the train split grows 4x: the node cache is file-backed, so it may grow by
     the sampler's permutation only (8 bytes a row: ``torch.randperm``'s int64)."""
+    small, large = ctx.sizes.prepare_memory_rows
+    return anon_growth(
+        ctx,
+        {rows: prepared_dir(ctx, rows) for rows in (small, large)},
+        name="rank_anon_memory",
+        title="Rank anonymous memory as data grows",
+        what="Numeric data",
+    )
+
+
+def image_anon_memory(ctx: Context) -> Result:
+    """The same with an encoded-image byte column (the node cache's ragged section: the PNG bytes and their
+    offsets, file-backed too): the epoch's decoded batches come and go, so again only the permutation grows."""
+    from bench import images
+
+    small, large = ctx.sizes.image_anon_rows
+    return anon_growth(
+        ctx,
+        {rows: images.prepared(ctx, rows, ANON_IMAGE_SIZE, ANON_IMAGE_DISTINCT) for rows in (small, large)},
+        name="rank_anon_memory_images",
+        title="Rank anonymous memory as data grows, with images",
+        trim=True,
+        what=f"An image input: {ANON_IMAGE_SIZE}x{ANON_IMAGE_SIZE} PNGs drawn with Pillow ({ANON_IMAGE_DISTINCT} "
+        "distinct, repeated; each row's bytes in the cache's ragged section), decoded and collated by the codec in "
+        "the process (num_workers 0). RssAnon is read after malloc_trim: decoding makes many small allocations, "
+        "and the free heap glibc keeps of them moved by 5-10 MB between runs, hiding the permutation",
+    )
+
+
+ANON_IMAGE_SIZE, ANON_IMAGE_DISTINCT = 16, 256
+
+
+def anon_growth(
+    ctx: Context, datasets: dict[int, Path], *, name: str, title: str, what: str, trim: bool = False
+) -> Result:
+    """RssAnon of a process holding the mapped train split over an epoch, at 1x and 4x rows: its growth ÷ the
+    sampler permutation's (8 bytes a train row)."""
     from bench import ddpflow_api
 
-    small, large = ctx.sizes.prepare_memory_rows
+    small, large = sorted(datasets)
     anon: dict[int, list[float]] = {small: [], large: []}
     train_rows = {}
-    for rows in (small, large):
-        dataset = prepared_dir(ctx, rows)
-        cache_dir = ctx.workdir / "anon-cache" / str(rows)
+    for rows, dataset in datasets.items():
+        cache_dir = ctx.workdir / "anon-cache" / f"{name}-{rows}"
         ddpflow_api.node_splits(dataset, ("train",), cache_dir)  # built here: the probe maps it, as ranks do
         for _ in range(ctx.sizes.memory_repeats):
-            figures = probe(["anon", "--dataset", str(dataset), "--cache-dir", str(cache_dir)])
+            figures = probe(["anon", "--dataset", str(dataset), "--cache-dir", str(cache_dir), *(["--trim"] * trim)])
             anon[rows].append(figures["anon_above_imports"])
             train_rows[rows] = figures["rows"]
     permutation_growth = 8 * (train_rows[large] - train_rows[small])
     growth = Stats.of((b - a) / permutation_growth for a, b in zip(anon[small], anon[large]))
-    log(f"rank RssAnon MB: {small:,} rows {anon[small][-1] / 1e6:.1f}, {large:,} rows {anon[large][-1] / 1e6:.1f}")
+    log(f"{title}: RssAnon MB {small:,} rows {anon[small][-1] / 1e6:.2f}, {large:,} rows {anon[large][-1] / 1e6:.2f}")
     return Result(
-        name="rank_anon_memory",
-        title="Rank anonymous memory as data grows",
+        name=name,
+        title=title,
         ratio=growth,
         target=1.5,
         direction="le",
@@ -261,6 +355,6 @@ def rank_anon_memory(ctx: Context) -> Result:
         notes=[
             "One process: imports, then the train split mapped from the node cache (built before), then an epoch of "
             "batches; RssAnon (anonymous pages only: the cache's file pages are not in it) above the imports, its "
-            "largest over the epoch. Numeric data only here: image and text inputs are not in this branch."
+            f"largest over the epoch. {what}. {ctx.sizes.memory_repeats} run(s) each."
         ],
     )

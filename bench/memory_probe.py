@@ -3,6 +3,7 @@
     python -m bench.memory_probe load --how preallocated|concat|pandas --dataset DIR
     python -m bench.memory_probe prepare --source FILE --root DIR
     python -m bench.memory_probe anon --dataset DIR --cache-dir DIR
+    python -m bench.memory_probe build --dataset DIR --cache-dir DIR
     python -m torch.distributed.run --standalone --nproc_per_node N -m bench.memory_probe \
         node --how cache|load --dataset DIR --cache-dir DIR --out DIR
 
@@ -12,6 +13,12 @@
 
 ``anon``: a rank's anonymous memory (RssAnon) above its imports over an epoch of
 batches from the node cache: ``BENCH {"anon_above_imports": bytes, "rows": n}``.
+
+``build``: what the node cache's builder process does for the train split, in this
+process: its peak RSS (VmHWM, the mapped file's pages included) and its largest
+RssAnon (sampled every millisecond on a thread: the builder's own memory, not the
+file's pages) above the imports: ``BENCH {"peak_rss_above_imports", "peak_anon_above_imports",
+"file_bytes"}``.
 
 ``node`` (one rank of N under torchrun): the rank's data PSS (``data_pss``) after
 imports, the process group and the model (its baseline), then the train and val
@@ -142,7 +149,7 @@ def node(how: str, dataset: str, cache_dir: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def anon(dataset: str, cache_dir: str) -> None:
+def anon(dataset: str, cache_dir: str, trim: bool = False) -> None:
     """A rank's anonymous memory (RssAnon: not the node cache's file pages) above its imports, at its largest
     over an epoch of batches from the mapped train split (the cache built before, by the caller)."""
     import torch
@@ -153,13 +160,56 @@ def anon(dataset: str, cache_dir: str) -> None:
     from bench.workload import BATCH
 
     torch.set_num_threads(1)
-    baseline = rss_bytes("RssAnon")
+    held = held_anon if trim else (lambda: rss_bytes("RssAnon"))
+    baseline = held()
     train = ddpflow_api.node_splits(dataset, ("train",), cache_dir)["train"].tensors
-    largest = rss_bytes("RssAnon")
+    largest = held()
     for step, _ in enumerate(ddpflow_api.train_batches(train, batch=BATCH).epoch(0)):
         if step % 16 == 0:  # the permutation lives through the epoch; the batches come and go
-            largest = max(largest, rss_bytes("RssAnon"))
+            largest = max(largest, held())
     report(baseline=baseline, anon_above_imports=largest - baseline, rows=len(train))
+
+
+def held_anon() -> int:
+    """RssAnon once glibc has handed back the free memory it keeps (``malloc_trim``): what is still allocated.
+    Decoding an image makes many small allocations; the free heap they leave is a few MB that moves from run
+    to run (4.8-14 MB over 1,000-4,000 rows of PNGs), far more than a small split's permutation."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return rss_bytes("RssAnon")
+
+
+def build(dataset: str, cache_dir: str) -> None:
+    import threading
+
+    import training.data.node_cache  # noqa: F401 - what the builder process imports before it builds
+    from bench import ddpflow_api
+    from bench.processes import report
+    from training.data.manifest import read_manifest
+
+    read_manifest(dataset)  # warm the JSON and dataclass machinery before the baseline
+    baseline_rss, baseline_anon = rss_bytes("VmRSS"), rss_bytes("RssAnon")
+    exact = reset_peak()
+    largest_anon, done = baseline_anon, threading.Event()
+
+    def sample() -> None:
+        nonlocal largest_anon
+        while not done.wait(0.001):
+            largest_anon = max(largest_anon, rss_bytes("RssAnon"))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    path = ddpflow_api.build_node_cache_file(dataset, "train", cache_dir)
+    done.set()
+    sampler.join()
+    peak = rss_bytes("VmHWM") if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    report(
+        peak_rss_above_imports=peak - baseline_rss,
+        peak_anon_above_imports=max(largest_anon, rss_bytes("RssAnon")) - baseline_anon,
+        file_bytes=path.stat().st_size,
+        exact_peak=exact,
+    )
 
 
 def main() -> None:
@@ -168,6 +218,10 @@ def main() -> None:
     anon_args = sub.add_parser("anon")
     anon_args.add_argument("--dataset", required=True)
     anon_args.add_argument("--cache-dir", required=True)
+    anon_args.add_argument("--trim", action="store_true", help="count what is allocated (held_anon)")
+    build_args = sub.add_parser("build")
+    build_args.add_argument("--dataset", required=True)
+    build_args.add_argument("--cache-dir", required=True)
     node_args = sub.add_parser("node")
     node_args.add_argument("--how", choices=["cache", "load"], required=True)
     node_args.add_argument("--dataset", required=True)
@@ -184,7 +238,10 @@ def main() -> None:
         node(args.how, args.dataset, args.cache_dir, args.out)
         return
     if args.job == "anon":
-        anon(args.dataset, args.cache_dir)
+        anon(args.dataset, args.cache_dir, args.trim)
+        return
+    if args.job == "build":
+        build(args.dataset, args.cache_dir)
         return
 
     # Import everything the job needs before the baseline, so only the job's data counts.

@@ -55,6 +55,9 @@ class Sizes:
     memory_repeats: int = 2
     # rows for the memory and scale families
     prepare_memory_rows: tuple[int, int] = (1_000_000, 4_000_000)  # 1x and 4x the workload
+    # 1x and 4x for a rank's anon memory with an image column: prepare checks and profiles every image
+    # (about 1-2 ms each on 2 cores), so far fewer rows than the numeric 1x/4x
+    image_anon_rows: tuple[int, int] = (25_000, 100_000)
     scale_rows: tuple[int, ...] = (250_000, 1_000_000, 4_000_000)
     orchestration_rows: int = 20_000
     orchestration_repeats: int = 2
@@ -78,6 +81,7 @@ QUICK = Sizes(
     ddp_repeats=1,
     memory_repeats=1,
     prepare_memory_rows=(5_000, 20_000),
+    image_anon_rows=(200, 800),
     scale_rows=(5_000, 20_000),
     orchestration_rows=2_000,
     orchestration_repeats=1,
@@ -143,6 +147,44 @@ def prepared_dir(ctx: Context, rows: int) -> Path:
     return ctx.cached(f"prepared:{rows}", lambda: prepare(data_config(ctx, source_file(ctx, rows))))
 
 
+# The mixed table (issue 21's data path): the workload's numeric columns plus these categoricals, each drawn
+# uniformly from this many string values, embedded by the built-in mlp (``embedding_dim(cardinality)`` wide).
+CATEGORICALS = {"country": 50, "plan": 4, "device": 8, "merchant": 5000}
+
+
+def mixed_source_file(ctx: Context, rows: int) -> Path:
+    """The workload's source with ``CATEGORICALS`` appended as string columns, written once per run."""
+
+    def build() -> Path:
+        import numpy as np
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(source_file(ctx, rows))
+        rng = np.random.default_rng(0)
+        for name, cardinality in CATEGORICALS.items():
+            values = pa.array([f"{name}-{i}" for i in range(cardinality)])
+            table = table.append_column(name, values.take(rng.integers(0, cardinality, size=rows)))
+        path = ctx.workdir / "source" / f"mixed-{rows}.parquet"
+        pq.write_table(table, path, use_dictionary=False)
+        return path
+
+    return ctx.cached(f"mixed-source:{rows}", build)
+
+
+def mixed_prepared_dir(ctx: Context, rows: int) -> Path:
+    """The mixed table prepared with ``data.inputs``: FEATURES numeric columns and ``CATEGORICALS``."""
+    from bench.ddpflow_api import prepare
+
+    inputs = {**{f"f{i}": "numeric" for i in range(FEATURES)}, **dict.fromkeys(CATEGORICALS, "categorical")}
+
+    def build() -> Path:
+        config = data_config(ctx, mixed_source_file(ctx, rows), ctx.workdir / "mixed-shards", inputs=inputs)
+        return prepare(config)
+
+    return ctx.cached(f"mixed-prepared:{rows}", build)
+
+
 def train_arrays(ctx: Context, rows: int):
     """The train split's rows as (float32 features, int64 labels) tensors."""
     import numpy as np
@@ -179,6 +221,21 @@ def build_model_and_optimizer(
     model = build_model(ModelSpec("mlp", n_features, n_outputs, {"hidden": list(HIDDEN)})).to(device or "cpu")
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     return model, optimizer
+
+
+def build_input_model_and_optimizer(dataset: Path, seed: int = 0):
+    """The built-in mlp for the dataset's inputs (embeddings for its categoricals), HIDDEN wide, and AdamW."""
+    import torch
+
+    from training.data.manifest import read_manifest
+    from training.models import ModelSpec, build_model
+    from training.spec.inputs import inputs_from_manifest
+
+    manifest = read_manifest(dataset)
+    torch.manual_seed(seed)
+    spec = ModelSpec.for_inputs("mlp", inputs_from_manifest(manifest), manifest.n_outputs, {"hidden": list(HIDDEN)})
+    model = build_model(spec)
+    return model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
 
 
 def train_step(model, optimizer, loss_fn, x, y) -> None:

@@ -101,7 +101,7 @@ def test_quick_run_measures_each_path_and_writes_results_and_docs(tmp_path, repo
     assert payload["mode"] == "quick"
     assert payload["machine"]["cpu_count"] >= 1 and payload["machine"]["versions"]["torch"]
     by_name = {bench["name"]: bench for bench in payload["benchmarks"]}
-    assert set(by_name) == {"datapath", "prepare", "shards", "evaluate", "scale"}
+    assert set(by_name) == {"datapath", "datapath_mixed", "prepare", "shards", "evaluate", "scale"}
     for bench in by_name.values():
         assert bench["status"] == "ok", f"{bench['name']}: {bench['reason']}"
         ratio = bench["ratio"]
@@ -114,6 +114,11 @@ def test_quick_run_measures_each_path_and_writes_results_and_docs(tmp_path, repo
     )
     assert any("per-row" in label for label in labels) and any("BatchSampler" in label for label in labels)
     assert by_name["datapath"]["ratio"]["n"] == 2  # quick mode still repeats
+    # The mixed table (numeric + 4 categoricals): ddpflow's loader and step against pre-cut batch dicts, per repeat.
+    mixed = by_name["datapath_mixed"]
+    assert mixed["target"] == 0.95 and mixed["ratio"]["n"] == 2
+    assert [row["label"].split(":")[0] for row in mixed["rows"]] == ["compute limit", "ddpflow"]
+    assert "4 categoricals" in mixed["notes"][0]
 
     text = docs.read_text()
     for name in by_name:
@@ -133,3 +138,25 @@ def test_a_partial_run_keeps_the_other_families_results(tmp_path):
     out.write_text(json.dumps(earlier))
     assert earlier_benchmarks(out, "full", ["datapath"]) == [{"name": "scale", "family": "scale", "measured_at": "T0"}]
     assert earlier_benchmarks(out, "quick", ["datapath"]) == []  # quick figures never mix with full ones
+
+
+def test_memory_family_measures_the_node_cache_build_and_a_rank_with_an_image_column(tmp_path):
+    """The memory family's in-process parts on tiny data: the builder's peak ÷ one record batch (numeric and mixed
+    tables) and a rank's anon growth with an encoded-image column (each probe a fresh process, as in a run)."""
+    from bench import memory
+    from bench.workload import Context
+
+    ctx = Context.create(quick=True, gpu=False, workdir=str(tmp_path / "work"))
+    build = memory.build_memory(ctx)
+    labels = [row.label for row in build.rows]
+    assert any(label.startswith("numeric: the builder's peak anon") for label in labels)
+    assert any(label.startswith("mixed (numeric + 4 categoricals): the builder's peak anon") for label in labels)
+    batch = next(row for row in build.rows if row.label == "numeric: one record batch of the shards")
+    assert batch.value.median > 0 and build.ratio.median > 0  # the builder holds at least part of a record batch
+    assert build.target is None  # issue 21: reported, no target
+
+    images = memory.image_anon_memory(ctx)
+    assert images.name == "rank_anon_memory_images" and images.target == 1.5 and images.direction == "le"
+    small, large = (row for row in images.rows if row.label.endswith("train rows"))
+    assert int(large.label.split()[0].replace(",", "")) > 3 * int(small.label.split()[0].replace(",", ""))
+    assert small.value.median > 0 and images.ratio is not None
