@@ -179,6 +179,8 @@ def run(ctx: Context) -> list[Result]:
         f"{len(split):,} train PNGs of {SIZE}x{SIZE}, batch {BATCH}, {workers} persistent worker(s) each side, "
         f"built-in CNN width 16, {ctx.threads} torch thread(s)."
     )
+    from bench import image_workers
+
     return [
         Result(
             name="images_train", title="Images: training", ratio=train_ratio, target=1.0,
@@ -194,4 +196,5 @@ def run(ctx: Context) -> list[Result]:
                   Row("reference: Dataset + DataLoader", Stats.of(rates["reference_decode"]), "images/s")],
             notes=[note],
         ),
+        *image_workers.run(ctx, dataset),  # the worker core rule, on the same PNGs
     ]  # fmt: skip

@@ -319,7 +319,9 @@ class RaggedFill:
 
 def _record_batches(path: Path, columns: list[str], read_rows: int):
     try:
-        parquet = pq.ParquetFile(path)
+        # memory_map: the shard's column chunks are read from its pages, not copied into the heap, so the
+        # node-cache builder's anon peak is about one row group, not one shard (docs/benchmarks.md).
+        parquet = pq.ParquetFile(path, memory_map=True)
     except FileNotFoundError:
         raise ShardError(f"{path}: shard listed in the manifest does not exist") from None
     missing = [name for name in columns if name not in parquet.schema_arrow.names]
