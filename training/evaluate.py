@@ -34,6 +34,7 @@ from training.normalisation import Normaliser
 from training.spec.codecs import Codec, codecs_for, encode_columns
 from training.spec.inputs import InputInfo, inputs_from_manifest
 from training.spec.metrics import precision_recall
+from training.spec.next_token import LANGUAGE_MODEL
 from training.spec.objectives import Objective, objective_from_checkpoint
 from training.wrong_rows import ConfidentlyWrong
 
@@ -316,7 +317,7 @@ def evaluate_split(
         raise ValueError(f"{dataset_dir}: split {split!r} is empty; nothing to evaluate")
     model, meta = load_model_checkpoint(model_path)
     objective = objective_from_checkpoint(meta)  # how its outputs are read: model.pt's objective
-    if objective.name == "next_token":  # per target token, no label per row: its own module
+    if objective.name == LANGUAGE_MODEL:  # per target token, no label per row: its own module
         from training.token_scoring import check_text_input, evaluate_tokens
 
         check_text_input(meta, manifest, model_path)

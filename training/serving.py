@@ -36,6 +36,7 @@ import pandas as pd
 
 from training.evaluate import load_model_checkpoint
 from training.predict import Predictor
+from training.spec.next_token import LANGUAGE_MODEL
 from training.token_scoring import TokenScorer
 
 MODEL_ARTIFACT = "model_pt"  # key in context.artifacts; stored as artifacts/model.pt in the model
@@ -62,7 +63,7 @@ class TabularTorchModel(mlflow.pyfunc.PythonModel):
 def load_predictor(model_path: str | Path) -> Predictor | TokenScorer:
     """What serves ``model.pt``: a ``TokenScorer`` for a next_token model, else a ``Predictor``."""
     model, meta = load_model_checkpoint(model_path)
-    if (meta.get("objective") or {}).get("name") == "next_token":
+    if (meta.get("objective") or {}).get("name") == LANGUAGE_MODEL:
         return TokenScorer(model, meta)
     return Predictor(model, meta)
 

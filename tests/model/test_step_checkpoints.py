@@ -167,15 +167,19 @@ def resumed_step(result: Launch) -> int:
     return step
 
 
+def assert_resumed_at(step: int, per_rank: int, killed, reference) -> None:
+    """On both ranks epoch 1 completed once: the resumed pass, which began at the checkpointed ``step`` (not at
+    step 0) and trained the reference's rows from there; epoch 0 trained the reference's rows."""
+    for rank in range(2):
+        (resumed,) = killed.passes(rank, 1)
+        assert resumed == reference.indices(rank, 1)[step * per_rank :]
+        assert killed.indices(rank, 0) == reference.indices(rank, 0)
+
+
 def test_a_killed_rank_resumes_at_its_step_checkpoint_to_the_uninterrupted_weights(killed, dropout_reference):
     step = resumed_step(killed)
     assert step in (11, 15), "the newest complete step checkpoint before step 18: 15 steps (or 11, if mid-write)"
-    per_rank = GLOBAL_BATCH // 2
-    for rank in range(2):
-        # Epoch 1 completed once: the resumed pass, which began at the checkpointed step (not at step 0).
-        (resumed,) = killed.passes(rank, 1)
-        assert resumed == dropout_reference.indices(rank, 1)[step * per_rank :]
-        assert killed.indices(rank, 0) == dropout_reference.indices(rank, 0)
+    assert_resumed_at(step, GLOBAL_BATCH // 2, killed, dropout_reference)
     difference = assert_same_final_weights(killed, dropout_reference, SAME_WORLD)
     report(f"killed at step 18, resumed at step {step} (dropout, 2 ranks)", difference)
     # The epoch's metrics count the steps before the checkpoint too (carried in it, not trained again).
@@ -192,10 +196,7 @@ def test_an_image_model_with_augmentation_and_decode_workers_resumes_mid_epoch_t
     assert (image_killed.run_dir / ".fault-kill-done").exists()
     step = resumed_step(image_killed)
     assert step in (3, 5), "the newest complete step checkpoint before step 6: 5 steps (or 3, if mid-write)"
-    for rank in range(2):
-        (resumed,) = image_killed.passes(rank, 1)
-        assert resumed == image_reference.indices(rank, 1)[step * IMAGE_BATCH :]
-        assert image_killed.indices(rank, 0) == image_reference.indices(rank, 0)
+    assert_resumed_at(step, IMAGE_BATCH, image_killed, image_reference)
     difference = assert_same_final_weights(image_killed, image_reference, SAME_WORLD)
     report(f"image CNN, crop + flip, 1 worker per rank: killed at step 6, resumed at step {step}", difference)
     assert image_killed.model()["model_spec"] == image_reference.model()["model_spec"]

@@ -68,7 +68,7 @@ class RowScores(NamedTuple):
 
 
 class NextToken(Objective):
-    name, label_kind = "next_token", TOKENS
+    name, label_kind = LANGUAGE_MODEL, TOKENS
 
     def __init__(self, n_classes: int | None = None, input: str | None = None, vocab_size: int | None = None):
         super().__init__(n_classes, input=input, vocab_size=vocab_size)
