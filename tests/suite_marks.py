@@ -17,6 +17,11 @@ before the next look (the stack's servers are seen while `ddpflow stack up` wait
 
 ``--reverse-modules`` runs the modules in reverse order (each module's tests in their own order):
 a test that needs another module's leftovers fails there.
+
+In pytest-xdist's workers (``make test``: ``-n auto --dist loadfile``, a module's tests on one worker, so
+its module-scoped fixtures are built once), ``heaviest_modules_first`` orders the modules by how many
+heavy tests they hold: xdist hands out modules in collection order, and a long module handed out last
+would keep one worker busy while the others idle.
 """
 
 from __future__ import annotations
@@ -82,6 +87,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(mark)
     if config.getoption("reverse_modules"):
         items[:] = modules_reversed(items)
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker (not the env var: pytester's runs inherit it)
+        items[:] = heaviest_modules_first(items)
 
 
 def modules_reversed(items: list[pytest.Item]) -> list[pytest.Item]:
@@ -89,6 +96,24 @@ def modules_reversed(items: list[pytest.Item]) -> list[pytest.Item]:
     for item in items:
         by_module.setdefault(str(item.path), []).append(item)
     return [item for module in reversed(by_module.values()) for item in module]
+
+
+def heaviest_modules_first(items: list[pytest.Item]) -> list[pytest.Item]:
+    """The items module by module, the modules with the most heavy tests (ranks, servers, Slurm) first; each
+    module's tests, and modules of as many heavy tests, keep their order (every worker must collect the same)."""
+    modules: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        modules.setdefault(module_of(item), []).append(item)
+    ordered = sorted(modules.values(), key=lambda module: -sum(map(is_heavy, module)))  # a stable sort
+    return [item for module in ordered for item in module]
+
+
+def module_of(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+def is_heavy(item: pytest.Item) -> bool:
+    return any(item.get_closest_marker(kind) for kind in HEAVY_MARKS)
 
 
 class ProcessWatch:

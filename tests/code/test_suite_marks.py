@@ -1,5 +1,5 @@
 """tests/suite_marks.py, run on a small suite of its own (pytester, in a subprocess): the marks from fixtures,
-the guard that fails an unmarked test starting a heavy process, and --reverse-modules."""
+the guard that fails an unmarked test starting a heavy process, --reverse-modules, and the order in xdist workers."""
 
 from __future__ import annotations
 
@@ -98,3 +98,11 @@ def test_reverse_modules_runs_the_modules_backwards_and_each_module_in_file_orde
         "test_uses_the_harness",
         "test_plain",
     ]
+
+
+def test_an_xdist_worker_runs_the_modules_with_the_most_heavy_tests_first(suite: pytest.Pytester):
+    # Reversed, test_b_second (no heavy test) comes first; a worker puts test_a_first (its harness test) first.
+    ran = suite.runpytest_subprocess("-n", "1", "-p", "xdist", "--reverse-modules", "-k", "not starts_torchrun", "-v")
+    ran.assert_outcomes(passed=3)
+    order = [line.rsplit("::", 1)[1].strip() for line in ran.stdout.lines if " PASSED " in line]
+    assert order == ["test_uses_the_harness", "test_plain", "test_in_b"]
