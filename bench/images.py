@@ -21,8 +21,9 @@ SIZE, CLASSES, BATCH = 64, 4, 64
 ROWS = {"quick": 256, "full": 4096}
 
 
-def _png(seed: int, label: int, size: int = SIZE) -> bytes:
-    """A ``size`` x ``size`` PNG: a bright shape (one per class) at a random place on dark noise."""
+def _drawn(seed: int, label: int, size: int = SIZE, format: str = "PNG") -> bytes:
+    """A ``size`` x ``size`` PNG (or ``format``: JPEG): a bright shape (one per class) at a random place on dark
+    noise."""
     import numpy as np
     from PIL import Image, ImageDraw
 
@@ -41,14 +42,18 @@ def _png(seed: int, label: int, size: int = SIZE) -> bytes:
     else:
         draw.polygon([(box[0], box[3]), (box[2], box[3]), ((box[0] + box[2]) // 2, box[1])], fill=colour)
     out = io.BytesIO()
-    image.save(out, format="PNG")
+    image.save(out, format=format, **({"quality": 90} if format == "JPEG" else {}))
     return out.getvalue()
 
 
-def prepared(ctx: Context, rows: int | None = None, size: int = SIZE, distinct: int | None = None) -> Path:
+def prepared(
+    ctx: Context, rows: int | None = None, size: int = SIZE, distinct: int | None = None, drawn_px: int | None = None,
+    format: str = "PNG",
+) -> Path:  # fmt: skip
     """A prepared dataset of ``rows`` PNGs of ``size`` x ``size`` (default: ROWS for the run's mode, SIZE), in an
     image input ``photo``; with ``distinct``, row i holds the i % distinct-th of that many drawn images (a split
-    of many rows without drawing each)."""
+    of many rows without drawing each); with ``drawn_px``, the images are drawn that large (in ``format``) and the
+    codec resizes them to ``size``."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -56,11 +61,13 @@ def prepared(ctx: Context, rows: int | None = None, size: int = SIZE, distinct: 
     from training.data.prepare import prepare_dataset
 
     rows = rows or ROWS["quick" if ctx.quick else "full"]
-    name = f"photos-{rows}-{size}-{distinct}"
+    drawn_px = drawn_px or size
+    name = f"photos-{rows}-{size}-{distinct}" + ("" if (drawn_px, format) == (size, "PNG") else f"-{drawn_px}-{format}")
     source = ctx.workdir / "images" / f"{name}.parquet"
     source.parent.mkdir(parents=True, exist_ok=True)
     labels = [i % CLASSES for i in range(rows)]
-    drawn = [_png(i, i % CLASSES, size) for i in range(distinct or rows)]  # distinct is a multiple of CLASSES
+    # distinct is a multiple of CLASSES
+    drawn = [_drawn(i, i % CLASSES, drawn_px, format) for i in range(distinct or rows)]
     pq.write_table(
         pa.table(
             {

@@ -95,28 +95,32 @@ def _pin_every_thread(cores: list[int]) -> None:
 
 
 MAX_AUTO_WORKERS = 8  # a GPU rank's decode workers under train.num_workers: auto
-CPU_CORES_PER_WORKER = 4  # a CPU rank's: one per this many of its cores (the step needs most of them)
+# A CPU rank's: one per this many of its cores, none below (docs/training.md: the worker core rule).
+CPU_CORES_PER_WORKER = 4
 
 
 def decode_workers(requested: int | str, cpu: CpuSetup, on_gpu: bool, decodes: bool) -> int:
     """``train.num_workers`` resolved: an int as given; ``auto`` is 0 unless an input is decoded per batch
-    (``decodes``: an image), else from the rank's cores (``cpu.threads``, its share of the node):
-    a GPU rank, min(8, its cores - 1) (its own CPU work is light: the GPU steps); a CPU rank, one per 4 of
-    its cores (the step itself needs the cores; decoding a batch costs far less than training on it)."""
+    (``decodes``: an image), else from the rank's cores (``cpu.threads``, its share of the node): a GPU rank,
+    min(8, its cores - 1) (its own CPU work is light: the GPU steps); a CPU rank, one per 4 of its cores and
+    none below 4. Why none: a worker takes a core from the step (``make_room_for_workers``), which on a rank
+    of 2 cores halves it; measured there, decoding in the rank beat a worker on cheap images by 1.5x and lost
+    to it (0.76x) only where one image cost as much to decode as to train on (bench/image_workers.py)."""
     if requested != "auto":
         return int(requested)
     if not decodes:
         return 0
     if on_gpu:
         return max(1, min(MAX_AUTO_WORKERS, cpu.threads - 1))
-    return max(1, cpu.threads // CPU_CORES_PER_WORKER)
+    return cpu.threads // CPU_CORES_PER_WORKER
 
 
 def make_room_for_workers(cpu: CpuSetup, workers: int, train: TrainConfig) -> CpuSetup:
     """The worker core rule: a pinned CPU rank's decode workers run on the rank's own cores (they inherit its
-    pinning, with one torch thread each, DataLoader's default), so the rank's intra-op threads shrink by as
-    many (at least 1): threads + workers = its cores, and no rank's workers take another rank's cores. An
-    explicit ``train.num_threads`` and unpinned (GPU) ranks keep their threads."""
+    pinning, with one torch thread each, DataLoader's default), and the rank's intra-op threads shrink by as
+    many (at least 1): threads + workers = its cores, so a worker decodes on a core of its own instead of
+    preempting the step's threads, and no rank's workers take another rank's cores. An explicit
+    ``train.num_threads`` and unpinned (GPU) ranks keep their threads."""
     if not workers or not cpu.pinned or train.num_threads:
         return cpu
     threads = max(1, len(cpu.cores) - workers)

@@ -38,6 +38,7 @@ def test_an_image_folder_trains_registers_and_serves_images(prefect_harness, mak
             "train.model_kwargs": {"width": 8, "blocks": [1, 1], "groups": 4},
             "train.epochs": 3,
             "train.batch_size": 8,
+            "train.num_workers": 1,  # auto gives a rank of 1 core none
         }
     )
     summary, run_dir, dataset = run_promoted(tmp_path, config, prefect_harness)

@@ -154,7 +154,8 @@ def test_decode_workers_and_the_cores_they_run_on():
     pinned = CpuSetup(8, tuple(range(8)))
     assert decode_workers("auto", pinned, on_gpu=False, decodes=False) == 0  # tables, text: no workers
     assert decode_workers("auto", pinned, on_gpu=False, decodes=True) == 2  # one per 4 cores of a CPU rank
-    assert decode_workers("auto", CpuSetup(2, (0, 1)), on_gpu=False, decodes=True) == 1
+    assert decode_workers("auto", CpuSetup(4, (0, 1, 2, 3)), on_gpu=False, decodes=True) == 1
+    assert decode_workers("auto", CpuSetup(3, (0, 1, 2)), on_gpu=False, decodes=True) == 0  # below 4: in the rank
     assert decode_workers("auto", CpuSetup(16), on_gpu=True, decodes=True) == 8  # a GPU rank: up to 8
     assert decode_workers("auto", CpuSetup(3), on_gpu=True, decodes=True) == 2
     assert decode_workers(5, pinned, on_gpu=False, decodes=False) == 5  # as given
