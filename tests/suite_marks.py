@@ -92,24 +92,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def modules_reversed(items: list[pytest.Item]) -> list[pytest.Item]:
-    by_module: dict[str, list[pytest.Item]] = {}
-    for item in items:
-        by_module.setdefault(str(item.path), []).append(item)
-    return [item for module in reversed(by_module.values()) for item in module]
+    return [item for module in reversed(items_by_module(items)) for item in module]
 
 
 def heaviest_modules_first(items: list[pytest.Item]) -> list[pytest.Item]:
     """The items module by module, the modules with the most heavy tests (ranks, servers, Slurm) first; each
     module's tests, and modules of as many heavy tests, keep their order (every worker must collect the same)."""
-    modules: dict[str, list[pytest.Item]] = {}
-    for item in items:
-        modules.setdefault(module_of(item), []).append(item)
-    ordered = sorted(modules.values(), key=lambda module: -sum(map(is_heavy, module)))  # a stable sort
+    ordered = sorted(items_by_module(items), key=lambda module: -sum(map(is_heavy, module)))  # a stable sort
     return [item for module in ordered for item in module]
 
 
-def module_of(item: pytest.Item) -> str:
-    return item.nodeid.split("::", 1)[0]
+def items_by_module(items: list[pytest.Item]) -> list[list[pytest.Item]]:
+    """Each module's items, in their order, the modules in the order of their first item."""
+    by_module: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        by_module.setdefault(str(item.path), []).append(item)
+    return list(by_module.values())
 
 
 def is_heavy(item: pytest.Item) -> bool:
