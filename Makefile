@@ -36,7 +36,7 @@ test: lint
 	$(PY) -m pytest -n auto --dist loadfile
 
 # No ranks, no servers, no Slurm (tests/suite_marks.py fails a test that starts one unmarked): under 3 minutes.
-# In pytest-xdist workers, one per core: 2:02 against 3:24 in one process on 2 cores (2026-12-01).
+# In pytest-xdist workers, one per core: 2:02 to 3:12 against 3:24 in one process on 2 cores (2026-12-01).
 test-fast: venv
 	$(PY) -m pytest -m "not torchrun and not server and not slurm" -n auto
 
