@@ -69,6 +69,14 @@ def test_every_ddpflow_module_imports_without_prefect_tasks_or_flows():
     assert leaked == [], f"ddpflow/ pulled in: {leaked}"
 
 
+def test_the_rank_program_starts_without_pandas_mlflow_or_plotting():
+    """Every rank (and the node cache builder) imports training.train: a package it pulls in costs start-up time
+    in each of them on every launch. pandas is imported only where an id column is hashed (training/data/split.py).
+    """
+    leaked = leaked_after_importing(["training.train"], ("pandas", "mlflow", "matplotlib", "prefect", "PIL"))
+    assert leaked == [], f"training.train pulled in: {leaked}"
+
+
 def test_tasks_never_import_flows():
     for path in python_files("tasks"):
         flows = sorted(name for name in imported_names(path) if name.split(".")[0] == "flows")
