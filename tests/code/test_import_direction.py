@@ -69,7 +69,7 @@ def test_every_ddpflow_module_imports_without_prefect_tasks_or_flows():
     assert leaked == [], f"ddpflow/ pulled in: {leaked}"
 
 
-def test_the_rank_program_starts_without_pandas_mlflow_or_plotting():
+def test_the_rank_program_starts_without_pandas_mlflow_matplotlib_prefect_or_pillow():
     """Every rank (and the node cache builder) imports training.train: a package it pulls in costs start-up time
     in each of them on every launch. pandas is imported only where an id column is hashed (training/data/split.py).
     """
