@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 from training.allreduce_poll import wants_polling
 from training.config import TrainConfig
@@ -199,3 +200,30 @@ def preload_in_background(modules: tuple[str, ...] = DDP_LAZY_IMPORTS) -> thread
     thread = threading.Thread(target=preload, name="preload-imports", daemon=True)
     thread.start()
     return thread
+
+
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # where torchrun tells each rank to write its error
+
+
+class AtomicErrorHandler(ErrorHandler):
+    """torch's ``@record`` error file, written to a temp name and renamed into place.
+
+    Why: torch writes ``TORCHELASTIC_ERROR_FILE`` with a plain ``open(path, "w")``. When a peer dies, the agent
+    stops this rank, and a rank stopped between that open and its write leaves an empty file; the agent then
+    fails parsing it (``JSONDecodeError`` in ``ProcessFailure``) instead of restarting the group. Seen once in
+    CI in test_train_ddp's killed-rank resume. A rename is atomic: the agent finds the whole file or none.
+    """
+
+    def record_exception(self, e: BaseException) -> None:
+        target = os.environ.get(ERROR_FILE_ENV)
+        if not target:
+            super().record_exception(e)
+            return
+        partial = f"{target}.{os.getpid()}.tmp"
+        os.environ[ERROR_FILE_ENV] = partial
+        try:
+            super().record_exception(e)
+            if os.path.exists(partial):
+                os.replace(partial, target)
+        finally:
+            os.environ[ERROR_FILE_ENV] = target

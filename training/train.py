@@ -27,6 +27,7 @@ only place that knows what last.pt holds.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import time
@@ -55,6 +56,7 @@ from training.optim import build_optimizer, build_schedule, optimizer_states_per
 from training.progress import Progress
 from training.rng import capture_rng, rank_seed, restore_rng, seed_process
 from training.runtime import (
+    AtomicErrorHandler,
     configure_process,
     decode_workers,
     die_with_parent,
@@ -77,7 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-@record  # a failing rank writes its traceback to TORCHELASTIC_ERROR_FILE: torchrun reports the root cause
+# A failing rank writes its traceback to TORCHELASTIC_ERROR_FILE (renamed into place): torchrun reports the root cause.
+@functools.partial(record, error_handler=AtomicErrorHandler())
 def main(argv: list[str] | None = None) -> None:
     preload_in_background()  # first: DDP's lazy imports overlap the rendezvous and data loading
     job = TrainJob.read(parse_args(argv).config)

@@ -3,6 +3,7 @@ teardown, its CPU pinning, and that its polling wait for the all-reduce always e
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -103,3 +104,26 @@ def test_polling_gives_up_at_its_limit_and_leaves_the_wait_to_ddp():
     never = torch.futures.Future()
     poll([never], limit_s=0.05)
     assert not never.done()
+
+
+def test_a_ranks_error_file_appears_whole_or_not_at_all(tmp_path, monkeypatch):
+    """torchrun's agent parses a failed rank's TORCHELASTIC_ERROR_FILE: a rank stopped in the middle of torch's
+    plain write left an empty one, and the agent crashed on it instead of restarting the group."""
+    from training.runtime import AtomicErrorHandler
+
+    target = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(target))
+    seen_during_write = []
+    plain_dump = json.dump
+
+    def dump_and_look(data, handle, *args, **kwargs):  # torch's record_exception writes with json.dump
+        seen_during_write.append((handle.name, target.exists()))
+        plain_dump(data, handle, *args, **kwargs)
+
+    monkeypatch.setattr(json, "dump", dump_and_look)
+    AtomicErrorHandler().record_exception(ValueError("bad row 7"))
+
+    assert seen_during_write and all(path != str(target) and not existed for path, existed in seen_during_write)
+    assert json.loads(target.read_text())["message"]["message"] == "ValueError: bad row 7"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["error.json"], "no temp file is left"
+    assert os.environ["TORCHELASTIC_ERROR_FILE"] == str(target)
