@@ -31,8 +31,8 @@ def load_train_split(dataset_dir: str | Path):
 
 def node_splits(dataset_dir: str | Path, splits=("train", "val"), cache_dir: str | Path | None = None):
     """Splits the way every rank gets them (``training.data.node_cache.open_splits``): mapped from the node
-    cache, built there first (in one builder process) when missing. Split name -> ``CachedSplit``
-    (``.tensors``, ``.how``, ``.seconds``)."""
+    cache, built there first when missing (in the rank or the builder child: ``builds_in_rank``).
+    Split name -> ``CachedSplit`` (``.tensors``, ``.how``, ``.seconds``)."""
     from training.data.manifest import read_manifest
     from training.data.node_cache import open_splits
 

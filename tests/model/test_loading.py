@@ -300,7 +300,7 @@ def test_each_input_is_a_section_encoded_by_its_codec_and_the_node_cache_maps_th
     assert torch.equal(split.weights, torch.from_numpy(table["w"].to_numpy()))
     batch = split.rows(3, 7)
     assert list(batch) == ["x", "city", "shop", "vec"] and batch["x"].shape == (4,)
-    mapped = open_split(dataset, manifest, "train")  # built streaming by the builder child, then mapped
+    mapped = open_split(dataset, manifest, "train")  # built streaming (in this process: a small split), then mapped
     assert mapped.how == "built"
     for name, tensor in split.sections().items():
         assert torch.equal(mapped.tensors.sections()[name], tensor), name

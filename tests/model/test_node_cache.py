@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from training.config import load_config
+from training.data import node_cache
 from training.data.manifest import read_manifest
 from training.data.node_cache import FORMAT_VERSION, HEADER_BYTES, cache_path, open_split
 from training.data.placement import decide, place_splits
@@ -227,13 +228,17 @@ def test_a_read_only_cache_dir_stops_the_run_naming_the_setting(dataset, tmp_pat
 # --- in one process -----------------------------------------------------------------------------------
 
 
-def test_a_full_disk_while_building_names_the_path_and_leaves_no_file(dataset, tmp_path):
-    """RLIMIT_FSIZE makes the kernel refuse the write mid-file (EFBIG), as a full disk does (ENOSPC)."""
+@pytest.mark.parametrize("where", ["rank", "child"])
+def test_a_full_disk_while_building_names_the_path_and_leaves_no_file(dataset, tmp_path, where):
+    """RLIMIT_FSIZE makes the kernel refuse the write mid-file (EFBIG), as a full disk does (ENOSPC); the
+    child's error is raised in the rank with its type and message."""
     cache = tmp_path / "cache"
     script = (
         "import resource, signal, sys\n"
+        "from training.data import node_cache\n"
         "from training.data.manifest import read_manifest\n"
         "from training.data.node_cache import open_split\n"
+        f"node_cache.BUILD_IN_RANK_MAX_BYTES = {node_cache.BUILD_IN_RANK_MAX_BYTES if where == 'rank' else 0}\n"
         "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
         f"resource.setrlimit(resource.RLIMIT_FSIZE, ({HEADER_BYTES * 2}, resource.RLIM_INFINITY))\n"
         f"open_split({str(dataset)!r}, read_manifest({str(dataset)!r}), 'train', {str(cache)!r})\n"
@@ -246,6 +251,34 @@ def test_a_full_disk_while_building_names_the_path_and_leaves_no_file(dataset, t
     assert [path.name for path in (cache / read_manifest(dataset).fingerprint).iterdir()] == [
         cache_path(dataset, read_manifest(dataset), "train", str(cache)).name + ".lock"
     ]  # no temp file, no partial .bin
+
+
+def built_by(path: Path) -> str:
+    """Who built a node cache file, from its header ("pid N on HOST")."""
+    with open(path, "rb") as handle:
+        _, length, _ = node_cache._PREFIX.unpack(handle.read(node_cache._PREFIX.size))
+        return json.loads(handle.read(length))["built_by"]
+
+
+def test_a_small_split_is_built_in_the_rank_and_a_large_one_in_the_child_to_the_same_tensors(
+    dataset, tmp_path, monkeypatch
+):
+    """The builder child keeps a large build's allocator leftovers out of the rank; for a small split its
+    interpreter and imports cost more than the build, so the rank builds it itself. Both write the same file."""
+    manifest = read_manifest(dataset)
+    sizes = {split: node_cache._expected_header(manifest, split)["file_bytes"] for split in ("train", "val")}
+    assert node_cache.builds_in_rank(manifest, ["train", "val"])
+    here = open_split(dataset, manifest, "train", str(tmp_path / "here"))
+    assert here.how == "built" and built_by(here.path).startswith(f"pid {os.getpid()} ")
+
+    # The splits built together count together.
+    monkeypatch.setattr(node_cache, "BUILD_IN_RANK_MAX_BYTES", sizes["train"] + sizes["val"] - 1)
+    assert node_cache.builds_in_rank(manifest, ["train"]) and not node_cache.builds_in_rank(manifest, ["train", "val"])
+    monkeypatch.setattr(node_cache, "BUILD_IN_RANK_MAX_BYTES", 0)
+    child = open_split(dataset, manifest, "train", str(tmp_path / "child"))
+    assert child.how == "built" and not built_by(child.path).startswith(f"pid {os.getpid()} ")
+    for name, tensor in here.tensors.sections().items():
+        assert torch.equal(child.tensors.sections()[name], tensor), name
 
 
 def test_a_stale_file_and_older_versions_are_replaced_by_a_fresh_build(dataset, tmp_path):

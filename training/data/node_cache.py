@@ -26,13 +26,15 @@ whole node and each rank's tensors are views of those pages.
   fsynced, then renamed into place); the others block on the lock, then find
   the file valid and map it. Two runs on one node share the lock too. A
   builder that dies releases the lock and leaves no ``.bin`` behind.
-- The build itself runs in a short-lived child process
-  (``python -m training.data.node_cache``, the manifest on stdin). It sizes
-  the file up front, maps it and fills every section record batch by record
-  batch (``training.loading.fill_split``, the one loading rule): its memory
-  beyond the file's pages is one record batch, and the decode buffers the
-  allocators keep leave with the child. The building rank then holds what
-  every other rank holds: the mapping.
+- The build sizes the file up front, maps it and fills every section record
+  batch by record batch (``training.loading.fill_split``, the one loading
+  rule): its memory beyond the file's pages is one record batch. A large
+  build (over ``BUILD_IN_RANK_MAX_BYTES``, or with a ragged input) runs in a
+  short-lived child process (``python -m training.data.node_cache``, the
+  manifest on stdin), so that the decode buffers the allocators keep leave
+  with the child and the building rank then holds what every other rank
+  holds: the mapping. A small one runs in the rank: the child's interpreter
+  and imports would cost more time and memory than the build.
 - Validated on every open, from the open file itself: magic, header checksum,
   format and normalisation versions, manifest key, fingerprint, split, rows,
   features, every section's name, dtype, shape and offset, and the file's size. A file that fails is rebuilt
@@ -148,7 +150,8 @@ def open_splits(
     dataset_dir: str | Path, manifest: Manifest, splits: Sequence[str], cache_dir: str | None = None
 ) -> dict[str, CachedSplit]:
     """Each split's tensors, mapped read-only from the node cache. Splits without a valid file are built
-    first, all in ONE builder process; ``seconds`` is the time until this process held every split."""
+    first, together (in this process or in the builder child: ``builds_in_rank``); ``seconds`` is the time
+    until this process held every split."""
     started = time.monotonic()
     got: dict[str, tuple[SplitArrays, int, str, str]] = {}  # split -> tensors, inode, how, detail
     missing: dict[str, str] = {}  # split -> why its file is not usable
@@ -193,7 +196,8 @@ def _build_missing(
                 to_build[split] = problem
                 _remove_leftovers(path, split, expected["key"])
         if to_build:
-            _build_in_child(dataset_dir, manifest, list(to_build), cache_dir)
+            build = _build_splits if builds_in_rank(manifest, list(to_build)) else _build_in_child
+            build(dataset_dir, manifest, list(to_build), cache_dir)
         for split, problem in to_build.items():
             path, expected = cache_path(dataset_dir, manifest, split, cache_dir), _expected_header(manifest, split)
             mapped, after = _try_map(path, expected, manifest)
@@ -384,7 +388,7 @@ def _build(
     cache_dir: str | None,
 ) -> None:
     """Fill a file sized up front, mapped, record batch by record batch (``fill_split``, the one loading
-    rule), then publish it atomically (in the builder child): its memory beyond the mapping's pages is
+    rule), then publish it atomically: its memory beyond the mapping's pages is
     one record batch, never the split. Ragged values stream to unlinked side files and are copied in after."""
     built = {"built_by": f"pid {os.getpid()} on {socket.gethostname()}", "built_at": time.time()}
     fixed = {**expected, "sections": [s for s in expected["sections"] if s["shape"] is not None]}
@@ -445,6 +449,29 @@ def _remove_leftovers(path: Path, split: str, key: str) -> None:
             other.unlink(missing_ok=True)  # a process still mapping it keeps its pages until it unmaps
 
 
+# --------------------------------------------------------------------------- where the build runs
+
+# A build of at most this many bytes runs in the rank itself; a larger one, or one with a ragged input (its size
+# is known only once encoded), in the builder child. Why: the child keeps a large build's decode buffers, which
+# the allocators hold on to, out of the rank's heap for the whole run. It costs a fresh interpreter that imports
+# torch, about 1.5-4 s before the first row and some 300 MB while it runs (docs/benchmarks.md, "Node cache
+# start-up"): more than a split this small can leave behind in the rank, and start-up is most of a small run.
+BUILD_IN_RANK_MAX_BYTES = 64 << 20
+
+
+def builds_in_rank(manifest: Manifest, splits: Sequence[str]) -> bool:
+    """Whether building ``splits`` together stays in this process (see ``BUILD_IN_RANK_MAX_BYTES``)."""
+    sizes = [_expected_header(manifest, split)["file_bytes"] for split in splits]
+    return None not in sizes and sum(sizes) <= BUILD_IN_RANK_MAX_BYTES
+
+
+def _build_splits(dataset_dir: str | Path, manifest: Manifest, splits: Sequence[str], cache_dir: str | None) -> None:
+    """Build each split's file here, one after another (the caller holds their locks)."""
+    for split in splits:
+        path = cache_path(dataset_dir, manifest, split, cache_dir)
+        _build(dataset_dir, manifest, split, path, _expected_header(manifest, split), cache_dir)
+
+
 # --------------------------------------------------------------------------- the builder process
 
 # Errors the builder child reports that keep their type in the rank (bad shards, an unwritable cache dir).
@@ -480,9 +507,7 @@ def _builder_main(argv: list[str]) -> int:
     dataset_dir, cache_dir, splits = argv[0], argv[1] or None, argv[2:]
     manifest = Manifest.from_dict(json.loads(sys.stdin.read()))
     try:
-        for split in splits:
-            path = cache_path(dataset_dir, manifest, split, cache_dir)
-            _build(dataset_dir, manifest, split, path, _expected_header(manifest, split), cache_dir)
+        _build_splits(dataset_dir, manifest, splits, cache_dir)
     except Exception as error:  # reported to the rank, which raises it with the same message
         print(json.dumps({"type": type(error).__name__, "message": str(error)}), flush=True)
         return 1
