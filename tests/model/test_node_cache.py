@@ -281,6 +281,20 @@ def test_a_small_split_is_built_in_the_rank_and_a_large_one_in_the_child_to_the_
         assert torch.equal(child.tensors.sections()[name], tensor), name
 
 
+def test_a_numeric_build_reads_its_columns_without_importing_pandas(dataset, tmp_path):
+    """pyarrow's ``to_numpy`` imports pandas (about 0.5 s and 30 MB): the building rank would keep it all run."""
+    script = (
+        "import sys\n"
+        "from training.data.manifest import read_manifest\n"
+        "from training.data.node_cache import open_split\n"
+        f"print(open_split({str(dataset)!r}, read_manifest({str(dataset)!r}), 'train', {str(tmp_path)!r}).how)\n"
+        "print(sorted(name for name in sys.modules if name.split('.')[0] == 'pandas')[:3])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[-3:] == ["built", "[]", ""], done.stdout
+
+
 def test_a_stale_file_and_older_versions_are_replaced_by_a_fresh_build(dataset, tmp_path):
     manifest = read_manifest(dataset)
     val = open_split(dataset, manifest, "val", str(tmp_path))
