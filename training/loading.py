@@ -274,11 +274,12 @@ def fill_split(
         raise ShardError(f"{dataset_dir}: the {split} split's shards hold {offset} rows, the manifest says {rows}")
 
 
-def values_of(column: pa.Array) -> np.ndarray:
-    """A column's values as a numpy array: a zero-copy DLPack view of null-free integers and floats, else
-    pyarrow's ``to_numpy``. Why: ``to_numpy`` imports pandas (about 0.5 s and 30 MB in a process that has not),
-    and the node cache's build reads every numeric column through here."""
-    if column.null_count == 0 and (pa.types.is_integer(column.type) or pa.types.is_floating(column.type)):
+def values_of(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """A column's values as a numpy array: a zero-copy DLPack view of a null-free array of integers or floats,
+    else pyarrow's ``to_numpy``. Why: ``to_numpy`` imports pandas (about 0.5 s and 30 MB in a process that has
+    not), and the node cache's build reads every numeric column through here."""
+    numbers = pa.types.is_integer(column.type) or pa.types.is_floating(column.type)
+    if isinstance(column, pa.Array) and numbers and column.null_count == 0:
         return np.from_dlpack(column)
     return column.to_numpy(zero_copy_only=False)
 
