@@ -166,9 +166,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from torch.distributed.elastic.multiprocessing.errors import record
+    from training.runtime import exit_without_teardown, record_root_cause
 
-    from training.runtime import exit_without_teardown
-
-    record(main)()  # a failing rank's traceback reaches torchrun as the root cause, as training.train's does
+    record_root_cause(main)()  # a failing rank's traceback reaches torchrun as the root cause, as training.train's does
     exit_without_teardown()

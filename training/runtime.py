@@ -10,10 +10,11 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 from training.allreduce_poll import wants_polling
 from training.config import TrainConfig
@@ -227,3 +228,9 @@ class AtomicErrorHandler(ErrorHandler):
                 os.replace(partial, target)
         finally:
             os.environ[ERROR_FILE_ENV] = target
+
+
+def record_root_cause(main: Callable[..., None]) -> Callable[..., None]:
+    """torch's ``@record`` with ``AtomicErrorHandler``: a failing rank's traceback reaches torchrun as the root
+    cause. Every rank entry point (training.train, tests/multi_case.py) is wrapped by this one."""
+    return record(main, error_handler=AtomicErrorHandler())

@@ -27,7 +27,6 @@ only place that knows what last.pt holds.
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 import os
 import time
@@ -35,7 +34,6 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from torch.distributed.elastic.multiprocessing.errors import record
 
 from training.checkpoint import Checkpointer, check_global_batch, identity_entries, inference_checkpoint
 from training.coverage import Certificate, CoverageTally
@@ -56,13 +54,13 @@ from training.optim import build_optimizer, build_schedule, optimizer_states_per
 from training.progress import Progress
 from training.rng import capture_rng, rank_seed, restore_rng, seed_process
 from training.runtime import (
-    AtomicErrorHandler,
     configure_process,
     decode_workers,
     die_with_parent,
     exit_without_teardown,
     make_room_for_workers,
     preload_in_background,
+    record_root_cause,
 )
 from training.selection import Selection
 from training.spec.codecs import read_encoders
@@ -79,8 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-# A failing rank writes its traceback to TORCHELASTIC_ERROR_FILE (renamed into place): torchrun reports the root cause.
-@functools.partial(record, error_handler=AtomicErrorHandler())
+@record_root_cause  # a failing rank's traceback, in TORCHELASTIC_ERROR_FILE, is torchrun's root cause
 def main(argv: list[str] | None = None) -> None:
     preload_in_background()  # first: DDP's lazy imports overlap the rendezvous and data loading
     job = TrainJob.read(parse_args(argv).config)

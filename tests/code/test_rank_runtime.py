@@ -109,10 +109,10 @@ def test_polling_gives_up_at_its_limit_and_leaves_the_wait_to_ddp():
 def test_a_ranks_error_file_appears_whole_or_not_at_all(tmp_path, monkeypatch):
     """torchrun's agent parses a failed rank's TORCHELASTIC_ERROR_FILE: a rank stopped in the middle of torch's
     plain write left an empty one, and the agent crashed on it instead of restarting the group."""
-    from training.runtime import AtomicErrorHandler
+    from training.runtime import ERROR_FILE_ENV, AtomicErrorHandler
 
     target = tmp_path / "error.json"
-    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(target))
+    monkeypatch.setenv(ERROR_FILE_ENV, str(target))
     seen_during_write = []
     plain_dump = json.dump
 
@@ -126,4 +126,4 @@ def test_a_ranks_error_file_appears_whole_or_not_at_all(tmp_path, monkeypatch):
     assert seen_during_write and all(path != str(target) and not existed for path, existed in seen_during_write)
     assert json.loads(target.read_text())["message"]["message"] == "ValueError: bad row 7"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["error.json"], "no temp file is left"
-    assert os.environ["TORCHELASTIC_ERROR_FILE"] == str(target)
+    assert os.environ[ERROR_FILE_ENV] == str(target)
