@@ -135,7 +135,7 @@ def test_a_rows_view_depends_on_seed_epoch_and_row_only():
     # Evaluation: no randomness; resize + centre crop of a 16x16 image to 16x16 is the image itself, normalised.
     evaluated = codec.collate(values, offsets, Context(range(8), epoch=3, train=False))["photo"]
     assert torch.equal(evaluated, codec.collate(values, offsets, Context(range(8), seed=9, train=False))["photo"])
-    pixels = torch.from_numpy(np.asarray(Image.open(io.BytesIO(images[0])).convert("RGB"))).permute(2, 0, 1) / 255
+    pixels = torch.from_numpy(np.array(Image.open(io.BytesIO(images[0])).convert("RGB"))).permute(2, 0, 1) / 255
     mean, std = (torch.tensor(codec.state[k]).view(3, 1, 1) for k in ("mean", "std"))
     assert torch.allclose(evaluated[0], (pixels - mean) / std, atol=1e-5)
     # augment none: the evaluation view in training too; one channel: grey.

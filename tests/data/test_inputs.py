@@ -146,6 +146,24 @@ def test_codecs_reserve_null_and_unknown_and_hash_stably():
     assert vector.encode(pa.array([[1.0, 2.0], [3.0, 4.0]])).shape == (2, 2)
 
 
+def test_the_batch_evaluation_and_serving_encode_owns_its_memory():
+    """A null-free float32 vector column's values come out of pyarrow as a read-only view of its buffer: a
+    batch tensor on that view would alias the caller's table, and a model writing its input in place would
+    write into the table."""
+    from training.normalisation import Normaliser
+    from training.spec.codecs import encode_columns
+    from training.spec.inputs import InputInfo
+
+    vector = make_codec("v", "vector")
+    vector.load({"dim": 2})
+    column = pa.array([[1.0, 2.0], [3.0, 4.0]], type=pa.list_(pa.float32()))
+    inputs = {"v": InputInfo("v", "vector", "float32", shape=(2,))}
+    batch = encode_columns({"v": column}, inputs, {"v": vector}, Normaliser.from_stats([], []))
+    batch["v"].add_(10.0)  # what a model that normalises its input in place does
+    assert column.to_pylist() == [[1.0, 2.0], [3.0, 4.0]]
+    assert batch["v"].tolist() == [[11.0, 12.0], [13.0, 14.0]]
+
+
 # pandas.util.hash_array of the int64 values, mod 1_000_003, plus 1: the same on every machine and run.
 EXPECTED_INT_BUCKETS = {42: 836832, 43: 352817}
 

@@ -385,7 +385,11 @@ def encode_columns(
             continue
         codec = codecs[name]
         if codec.ragged_dtype is None:
-            batch[name] = torch.from_numpy(np.ascontiguousarray(codec.encode(columns[name])))
+            # An owned, writable copy where ``encode`` returned a read-only view of Arrow's memory (a null-free
+            # float32 vector column does): a tensor on that view would alias the caller's table, so a model that
+            # writes its input in place would write into it (torch warns of exactly this).
+            encoded = np.require(codec.encode(columns[name]), requirements=("C_CONTIGUOUS", "WRITEABLE"))
+            batch[name] = torch.from_numpy(encoded)
         else:  # the same values the node cache holds, collated as validation collates them
             batch.update(collate_encoded(codec, *codec.encode_ragged(columns[name])))
     return batch
