@@ -403,6 +403,9 @@ def test_a_ragged_input_loads_as_values_and_offsets_and_the_node_cache_maps_the_
     assert node_cache._try_map(path, expected_header, manifest)[0] is None
 
 
+# With workers, run after an in-process Prefect flow in the same pytest process (one process, --reverse-modules),
+# the forked workers inherit Prefect's exit hooks and exit with code 1 at shutdown: pytest then reports an
+# "Exception ignored in _MultiProcessingDataLoaderIter.__del__" warning. Ranks never import Prefect (docs/training.md).
 @pytest.mark.parametrize("workers", [0, 2])
 def test_ragged_rows_are_collated_per_batch_with_their_epoch_in_the_rank_or_its_workers(ragged_dataset, workers):
     dataset, manifest, table = ragged_dataset
