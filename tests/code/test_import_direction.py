@@ -57,7 +57,7 @@ def python_files(*packages: str) -> list[Path]:
 
 def test_every_training_module_imports_without_prefect_tasks_flows_or_ddpflow():
     modules = modules_of(training)
-    assert "training.train" in modules and "training.data.prepare" in modules
+    assert "training.train" in modules and "training.prepare.dataset" in modules
     leaked = leaked_after_importing(modules, ("prefect", "tasks", "flows", "ddpflow"))
     assert leaked == [], f"training/ pulled in: {leaked}"
 
@@ -71,7 +71,7 @@ def test_every_ddpflow_module_imports_without_prefect_tasks_or_flows():
 
 def test_the_rank_program_starts_without_pandas_mlflow_matplotlib_prefect_or_pillow():
     """Every rank (and the node cache builder) imports training.train: a package it pulls in costs start-up time
-    in each of them on every launch. pandas is imported only where an id column is hashed (training/data/split.py).
+    in each of them on every launch. pandas is imported only where an id column is hashed (training/prepare/split.py).
     """
     leaked = leaked_after_importing(["training.train"], ("pandas", "mlflow", "matplotlib", "prefect", "PIL"))
     assert leaked == [], f"training.train pulled in: {leaked}"
@@ -110,7 +110,7 @@ def test_the_installed_package_holds_no_test_or_bench_code_and_needs_none():
 
     find = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
     shipped = find_packages(str(REPO), include=find["include"])
-    assert {"ddpflow.launch", "training.data", "flows", "tasks"} <= set(shipped)
+    assert {"ddpflow.launch", "training.prepare", "flows", "tasks"} <= set(shipped)
     assert [name for name in shipped if name.split(".")[0] in ("devtools", "bench", "tests")] == []
     for path in python_files("flows", "tasks", "ddpflow", "training"):
         dev = sorted(name for name in imported_names(path) if name.split(".")[0] in ("devtools", "bench", "tests"))

@@ -12,9 +12,9 @@ import torch
 
 from ddpflow.launch.supervisor import LOCK_FILE
 from ddpflow.rundirs import find_resumable_run, new_run_dir
-from training.checkpoint import Checkpointer, ResumeMismatchError
-from training.config import PipelineConfig, load_config
-from training.distributed import SingleProcess
+from training.checkpoint.files import Checkpointer, ResumeMismatchError
+from training.core.config import PipelineConfig, load_config
+from training.distributed.context import SingleProcess
 
 
 @pytest.mark.parametrize(

@@ -13,15 +13,15 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
 
-from training.data import split
-from training.data.prepare import prepare_dataset
-from training.data.synthetic import SyntheticSpecError, iter_batches, parse_spec, write_synthetic
-from training.layout import SPLITS
+from training.core.layout import SPLITS
+from training.prepare import split
+from training.prepare.dataset import prepare_dataset
+from training.prepare.synthetic import SyntheticSpecError, iter_batches, parse_spec, write_synthetic
 
 _HASH_SNIPPET = """
 import json, sys
 import numpy as np, pyarrow as pa
-from training.data import split
+from training.prepare import split
 keys = split.hash_values(pa.array(list(range(1000)))).tolist()
 words = split.hash_values(pa.array([f"user-{i}" for i in range(1000)])).tolist()
 matrix = np.arange(3000, dtype=np.float32).reshape(1000, 3) / 7

@@ -24,7 +24,7 @@ from mlflow.tracking import MlflowClient
 
 from ddpflow import stack as local_stack
 from devtools.ports import free_port
-from training.log import TRAIN
+from training.core.log import TRAIN
 
 REPO = Path(__file__).resolve().parents[2]
 TRAINING_LINE = TRAIN  # a rank's own log line: the ranks are up and training

@@ -1,4 +1,4 @@
-"""The model contract (training/models.py): factory(inputs, n_outputs), the older factory(n_features,
+"""The model contract (training/models/registry.py): factory(inputs, n_outputs), the older factory(n_features,
 n_outputs) for numeric inputs, the built-in mlp with embeddings, auto, and specs from before typed inputs."""
 
 from __future__ import annotations
@@ -9,8 +9,16 @@ import pytest
 import torch
 from torch import nn
 
-from training.models import MLP, ModelImportError, ModelSpec, build_model, embedding_dim, numeric_block, pick_model
-from training.spec.inputs import InputInfo, numeric_input
+from training.kinds.inputs import InputInfo, numeric_input
+from training.models.registry import (
+    MLP,
+    ModelImportError,
+    ModelSpec,
+    build_model,
+    embedding_dim,
+    numeric_block,
+    pick_model,
+)
 
 NUMERIC = {name: numeric_input(name) for name in ("a", "b", "c")}
 MIXED = {
@@ -115,7 +123,7 @@ def test_a_spec_from_before_typed_inputs_rebuilds_on_its_features():
 
 
 def test_a_user_factorys_package_is_shipped_with_the_served_model():
-    from training.serving import user_code_paths
+    from training.inference.serving import user_code_paths
 
     (shipped,) = user_code_paths("tests.model.dropout_model:dropout_mlp")
     assert shipped == str(Path(__file__).resolve().parents[1])  # the top-level package: tests/

@@ -1,6 +1,6 @@
 """Checkpoints: ``RUN_DIR/checkpoints/last.pt`` after every epoch, ``RUN_DIR/model.pt`` at the end.
 
-Writing: rank 0 alone writes, atomically (``training/fileio.py``: a temp
+Writing: rank 0 alone writes, atomically (``training/core/fileio.py``: a temp
 file fsynced, then renamed over the old one), then every rank waits at a barrier of its own,
 for up to ``train.checkpoint_timeout_s`` (not the collective timeout: a large
 checkpoint on a slow shared filesystem may take longer than any collective
@@ -20,7 +20,7 @@ Resume rule, the only one (ddpflow/rundirs.py picks the run directory to
 resume with it too): a run continues only the SAME training, and two trainings
 are the same when ``training_identity(config, fingerprint)`` is equal: the
 dataset fingerprint plus the train settings that change the trained weights, each
-declared so on the field itself in training/config.py (``ChangesWeights[...]``: the
+declared so on the field itself in training/core/config.py (``ChangesWeights[...]``: the
 model, the optimisation, the batch, the seed, the world, the numerics). Every other
 setting (``KeepsWeights[...]``: timeouts, restarts, threads, paths, backend,
 init_from, progress interval) may change between attempts.
@@ -50,13 +50,7 @@ from typing import Any, Protocol
 
 import torch
 
-from training.config import PipelineConfig, TrainConfig
-from training.data.manifest import Manifest
-from training.fileio import atomic_write
-from training.layout import FINAL_MODEL, LAST_CHECKPOINT
-from training.log import log_rank
-from training.models import ModelSpec
-from training.step_checkpoints import (
+from training.checkpoint.steps import (
     BackgroundWriter,
     prune,
     remove_torn_writes,
@@ -64,6 +58,12 @@ from training.step_checkpoints import (
     step_checkpoints,
     step_position,
 )
+from training.core.config import PipelineConfig, TrainConfig
+from training.core.fileio import atomic_write
+from training.core.layout import FINAL_MODEL, LAST_CHECKPOINT
+from training.core.log import log_rank
+from training.core.manifest import Manifest
+from training.models.registry import ModelSpec
 
 
 class CheckpointWriteError(OSError):
@@ -121,7 +121,7 @@ def inference_checkpoint(
     the model and feed it raw columns (architecture, feature order, normalisation, labels).
 
     ``epochs``: the epochs trained; ``metrics``: the selected epoch's; ``selection``: which epoch the
-    weights are from and why (``training/selection.py: Selection.describe``; None: the last one)."""
+    weights are from and why (``training/loop/selection.py: Selection.describe``; None: the last one)."""
     return {
         "model": state_dict,
         "model_spec": spec.to_dict(),
@@ -137,7 +137,7 @@ def inference_checkpoint(
         "fingerprint": manifest.fingerprint,
         "epochs": epochs,
         "metrics": metrics,
-        # The fitted encoders (training/spec/codecs.py: encoders.json) and the weight column: raw rows in.
+        # The fitted encoders (training/kinds/registry.py: encoders.json) and the weight column: raw rows in.
         "encoders": encoders or {},
         "weight": manifest.weight,
         "selected_epoch": selection["selected_epoch"] if selection else metrics.get("epoch", epochs - 1),
@@ -240,13 +240,13 @@ class Checkpointer:
     ):
         self.run_dir = Path(run_dir)
         self.coordinator = coordinator
-        # Test hooks (training/faults.py: slow_checkpoint, DDPFLOW_KEEP_CHECKPOINTS), on the writer.
+        # Test hooks (training/loop/hooks.py: slow_checkpoint, DDPFLOW_KEEP_CHECKPOINTS), on the writer.
         self.before_write, self.after_write = before_write, after_write
         self.last_path = self.run_dir / LAST_CHECKPOINT
         self.final_path = self.run_dir / FINAL_MODEL
         self.keep_steps = keep_steps  # train.keep_checkpoints
         self.resumed_from: Path | None = None  # the file load_resumable continued, on rank 0
-        self._writer = BackgroundWriter()  # step checkpoints, on rank 0 (training/step_checkpoints.py)
+        self._writer = BackgroundWriter()  # step checkpoints, on rank 0 (training/checkpoint/steps.py)
 
     def save_last(self, state: dict[str, Any]) -> None:
         """last.pt after an epoch; then the step checkpoints it supersedes go (rank 0: ``state["epoch"]``)."""

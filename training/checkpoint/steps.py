@@ -13,7 +13,7 @@ step count needs no collective). Not after the epoch's last step: last.pt covers
 
 How: the Trainer copies the state off the device into fresh CPU tensors (the snapshot, taken between steps,
 so it is one consistent state), then rank 0 writes it in a background thread while training goes on
-(atomically: training/fileio.py, complete or absent) and, once it is complete, deletes the older step
+(atomically: training/core/fileio.py, complete or absent) and, once it is complete, deletes the older step
 checkpoints beyond ``train.keep_checkpoints``. The next checkpoint, last.pt and model.pt wait for a write
 still under way first, so writes never overlap and a failed one fails the run at the next of them.
 ``torch.distributed.checkpoint``'s async save is not used: it writes a directory per checkpoint (sharded
@@ -125,7 +125,7 @@ def prune(checkpoints: Path, keep: int, before: tuple[int, int] | None = None) -
 
 
 def remove_torn_writes(checkpoints: Path) -> None:
-    """A write killed mid-way (SIGKILL: no cleanup) leaves its temp file (training/fileio.py): remove them.
+    """A write killed mid-way (SIGKILL: no cleanup) leaves its temp file (training/core/fileio.py): remove them.
     Rank 0 at start, before any write of its own."""
     for path in checkpoints.glob(".*.pt-*.tmp"):
         path.unlink(missing_ok=True)

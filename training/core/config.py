@@ -34,7 +34,7 @@ class WeightsEffect:
     """Declared on every train field: whether it changes the trained weights.
 
     The fields that do, with the data's fingerprint, are a training's identity
-    (training/checkpoint.py: ``training_identity``): a run resumes only a checkpoint of the
+    (training/checkpoint/files.py: ``training_identity``): a run resumes only a checkpoint of the
     same identity, and ``train.skip_if_unchanged`` compares it with the champion's. The
     others (timeouts, restarts, threads, paths, launcher, progress...) may change between
     attempts of one training.
@@ -70,8 +70,8 @@ class _Section(BaseModel):
 
 
 INPUT_KINDS = ("numeric", "categorical", "hashed", "vector", "image", "text")
-IMAGE_OPTIONS = ("size", "channels", "mean", "std", "augment")  # kind image (training/spec/image.py, docs/data.md)
-TEXT_OPTIONS = ("max_len", "tokenizer")  # kind text (training/spec/text.py, docs/data.md)
+IMAGE_OPTIONS = ("size", "channels", "mean", "std", "augment")  # kind image (training/kinds/image.py, docs/data.md)
+TEXT_OPTIONS = ("max_len", "tokenizer")  # kind text (training/kinds/text.py, docs/data.md)
 
 
 class TokenizerSpec(_Section):
@@ -86,7 +86,7 @@ class InputSpec(_Section):
 
     The short form is the kind alone (``country: categorical``). Options belong to one kind each:
     categorical ``min_count`` (default 1) and ``max_size`` (default: no limit); hashed ``buckets`` (required);
-    text ``max_len`` and ``tokenizer`` (training/spec/text.py: ``TextOptions``).
+    text ``max_len`` and ``tokenizer`` (training/kinds/text.py: ``TextOptions``).
     """
 
     kind: Literal["numeric", "categorical", "hashed", "vector", "image", "text"]
@@ -131,7 +131,7 @@ class InputSpec(_Section):
         if self.kind == "image":  # the codec fills the defaults it learns from the train split
             return {name: getattr(self, name) for name in IMAGE_OPTIONS if getattr(self, name) is not None}
         if self.kind == "text":
-            from training.spec.text import text_options  # the text kind's defaults, in its own module
+            from training.kinds.text import text_options  # the text kind's defaults, in its own module
 
             return text_options(self.max_len, self.tokenizer)
         return {}
@@ -332,7 +332,7 @@ class TrainConfig(_Section):
         "auto",
         description="DataLoader worker processes per rank, kept for the run: where ragged inputs (images) are "
         "decoded and augmented. 0: in the rank itself, all tabular and text data needs. auto: 0 without an image "
-        "input; with one, from the rank's cores (training/runtime.py: decode_workers; docs/training.md).",
+        "input; with one, from the rank's cores (training/distributed/process.py: decode_workers; docs/training.md).",
     )
     data_on_device: KeepsWeights[bool | Literal["auto"]] = Field(
         "auto",
@@ -340,7 +340,7 @@ class TrainConfig(_Section):
         "auto: when a split takes at most a quarter of the GPU memory free after the model (never on CPU).",
     )
     progress_interval_s: KeepsWeights[float] = Field(5.0, gt=0)
-    # Which epoch's weights model.pt holds, and when training stops (training/selection.py).
+    # Which epoch's weights model.pt holds, and when training stops (training/loop/selection.py).
     select: ChangesWeightsWhenSet[Literal["best", "last"]] = Field(
         "best", description="model.pt holds the weights of the best epoch by train.monitor, or of the last one."
     )
@@ -354,7 +354,7 @@ class TrainConfig(_Section):
     early_stopping_patience: ChangesWeightsWhenSet[int | None] = Field(
         None, ge=1, description="Stop after this many epochs without improvement of train.monitor; none: never."
     )
-    # The optimizer and its schedule (training/optim.py).
+    # The optimizer and its schedule (training/loop/optim.py).
     optimizer: ChangesWeightsWhenSet[Literal["adamw", "adam", "sgd"]] = "adamw"
     optimizer_kwargs: ChangesWeightsWhenSet[dict[str, Any]] = Field(
         default_factory=dict, description="Passed to the torch optimizer: betas, eps, momentum, nesterov..."
@@ -365,7 +365,7 @@ class TrainConfig(_Section):
     log_every_steps: KeepsWeights[int | None] = Field(
         50, ge=1, description="Train loss, lr and gradient norm to MLflow every N optimizer steps; none: off."
     )
-    # Step checkpoints (training/step_checkpoints.py): a resumable state within an epoch.
+    # Step checkpoints (training/checkpoint/steps.py): a resumable state within an epoch.
     checkpoint_every_steps: KeepsWeights[int | None] = Field(
         None, ge=1, description="Write a step checkpoint every N optimizer steps; none: only at the end of epochs."
     )
@@ -497,8 +497,8 @@ class TrainConfig(_Section):
         return value
 
     def monitor_higher_is_better(self) -> bool:
-        """train.monitor_mode, or the gate's rule on the metric's name (training/spec/directions.py)."""
-        from training.spec.directions import higher_is_better  # the one rule; torch-free
+        """train.monitor_mode, or the gate's rule on the metric's name (training/core/directions.py)."""
+        from training.core.directions import higher_is_better  # the one rule; torch-free
 
         return higher_is_better(self.monitor) if self.monitor_mode == "auto" else self.monitor_mode == "max"
 
@@ -545,13 +545,13 @@ class RegistryConfig(_Section):
     )
 
     def gate_metric(self, task: str) -> str:
-        """``task``: what the evaluation scores (training/spec/next_token.py: ``evaluated_as``)."""
+        """``task``: what the evaluation scores (training/objectives/next_token.py: ``evaluated_as``)."""
         return self.metric or {"classification": "test_accuracy", "next_token": "test_loss"}.get(task, "test_rmse")
 
     def higher_is_better(self, task: str) -> bool:
         if self.greater_is_better is not None:
             return self.greater_is_better
-        from training.spec.directions import higher_is_better  # the one rule; torch-free
+        from training.core.directions import higher_is_better  # the one rule; torch-free
 
         return higher_is_better(self.gate_metric(task))
 

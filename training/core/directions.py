@@ -6,7 +6,7 @@ A metric is named ``<split>_<kind>[_<class label>]`` (``test_accuracy``, ``val_l
 precision of a class called "error" (higher is better), and ``val_log_loss`` a loss (lower).
 Kinds not listed here (a user objective's metrics) fall back to the words that mean a cost.
 
-Imports nothing heavy: training/config.py uses it.
+Imports nothing heavy: training/core/config.py uses it.
 """
 
 from __future__ import annotations

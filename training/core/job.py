@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from training.config import PipelineConfig
+from training.core.config import PipelineConfig
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ plain values (strings stay strings), vectors as list<float32>; the label column
 under its own name (int64 class index for classification, float32 for
 regression), the key column when ``data.key`` is set and the weight column
 (float32) when ``data.weight`` is. ``inputs`` lists every input's kind, dtype,
-shape and cardinality (training/spec/inputs.py); the encoders fitted on the
+shape and cardinality (training/kinds/inputs.py); the encoders fitted on the
 train split are in ``encoders.json`` beside the manifest, its sha256 in
 ``encoders`` (so whatever hashes the manifest covers them).
 """
@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from training.fileio import atomic_write_json
-from training.layout import MANIFEST, SPLITS
+from training.core.fileio import atomic_write_json
+from training.core.layout import MANIFEST, SPLITS
 
 FORMAT_VERSION = 1
 CLASS_TASKS = ("classification", "multilabel")  # tasks whose label_mapping lists the classes
@@ -61,16 +61,16 @@ class Manifest:
     versions: dict[str, str]
     dropped_rows: int = 0
     # Regression: the train split's target mean and population std (0 -> 1); training standardises the
-    # target with them (training/normalisation.py). None for classification and for older manifests.
+    # target with them (training/kinds/normalisation.py). None for classification and for older manifests.
     label_mean: float | None = None
     label_std: float | None = None
-    # The train split's counts per feature on a dyadic grid (training/data/stats.py: RunningHistogram), in
+    # The train split's counts per feature on a dyadic grid (training/kinds/stats.py: RunningHistogram), in
     # ``features`` order: what data drift is measured with (ddpflow/drift.py). None in older manifests.
     feature_histograms: list[dict[str, Any]] | None = None
     # Classification: the train split's rows per class, in ``label_mapping`` order (prepare's
-    # training/data/stats.py: ClassCounts); what train.class_weights: balanced divides by. None in older manifests.
+    # training/kinds/stats.py: ClassCounts); what train.class_weights: balanced divides by. None in older manifests.
     train_class_counts: list[int] | None = None
-    # Every input, in order: InputInfo.to_dict() (training/spec/inputs.py). None in older manifests: the
+    # Every input, in order: InputInfo.to_dict() (training/kinds/inputs.py). None in older manifests: the
     # features, all numeric.
     inputs: list[dict[str, Any]] | None = None
     encoders: dict[str, str] | None = None  # {"file": "encoders.json", "sha256": ...}; None: no encoders
@@ -111,7 +111,7 @@ class Manifest:
 
 
 def write_manifest(dataset_dir: str | Path, manifest: Manifest) -> Path:
-    """Atomic (training/fileio.py): its presence means the dataset is complete."""
+    """Atomic (training/core/fileio.py): its presence means the dataset is complete."""
     return atomic_write_json(Path(dataset_dir) / MANIFEST, manifest.to_dict())
 
 

@@ -1,9 +1,9 @@
 """What counts as better for a metric: shared by the champion gate (``ddpflow/tracking/gate.py``,
-``registry.metric``) and the trainer's model selection and early stopping (``training/selection.py``,
+``registry.metric``) and the trainer's model selection and early stopping (``training/loop/selection.py``,
 ``train.monitor``).
 
 The direction itself (lower for a loss or an error, higher for accuracy, F1, AUC...) is the one rule in
-``training/spec/directions.py: higher_is_better``.
+``training/core/directions.py: higher_is_better``.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 
 Every caller uses it: the preflight (training/preflight.py), the torchrun argv and
 environment (ddpflow/launch/command.py), the MLflow run's ``ddp.*`` tags and the
-rank itself when it joins the process group (training/distributed.py).
+rank itself when it joins the process group (training/distributed/context.py).
 
 The rule, in one sentence: a machine with GPUs runs one rank per GPU whatever the
 backend (each rank takes GPU ``LOCAL_RANK``), a machine without GPUs runs one rank
@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from training.config import ConfigError, TrainConfig
+from training.core.config import ConfigError, TrainConfig
 
 
 @dataclass(frozen=True)

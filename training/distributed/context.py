@@ -5,7 +5,7 @@ Ranks are started by ``torchrun``, which sets ``RANK``, ``WORLD_SIZE``,
 Without them (a person running one rank by hand) this is a one-rank group on
 a free loopback port, so the same code path runs.
 
-Models (``training.models``) and the loop (``training.loop``) never call
+Models (``training.models.registry``) and the loop (``training.loop.step``) never call
 ``torch.distributed`` themselves; they get a ``DistContext``.
 """
 
@@ -25,10 +25,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from training import topology
-from training.allreduce_poll import register_polling_allreduce
-from training.config import TrainConfig
-from training.log import log_rank
+from training.core import topology
+from training.core.config import TrainConfig
+from training.core.log import log_rank
+from training.distributed.allreduce_poll import register_polling_allreduce
 
 # DDP's default puts the first gradient bucket at 1 MiB and the rest at 25 MiB,
 # so even a small model pays two all-reduces per step. Passing the cap
@@ -148,7 +148,7 @@ def parameter_checksums(model: nn.Module) -> torch.Tensor:
 
 
 def resolve_backend(requested: str) -> str:
-    """This rank's side of training/topology.py's rule, which the launcher applied to start it."""
+    """This rank's side of training/core/topology.py's rule, which the launcher applied to start it."""
     return topology.resolve_backend(requested, topology.visible_gpus())
 
 
@@ -258,7 +258,7 @@ def wrap_model(
 ) -> DistributedDataParallel:
     """DDP on this rank's device. DDP broadcasts rank 0's weights and buffers at construction.
 
-    ``poll_allreduce``: CPU ranks wait for the gradient all-reduce by polling (training/allreduce_poll.py).
+    ``poll_allreduce``: CPU ranks wait for the gradient all-reduce by polling (training/distributed/allreduce_poll.py).
     ``sync_batchnorm`` (train.sync_batchnorm): the model's BatchNorm layers become SyncBatchNorm, in place
     (the same parameters and buffers: model.pt keeps its keys). On a GPU the weights go channels_last (a
     no-op for a model without convolutions; faster convolutions under bf16).

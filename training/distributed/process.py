@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
-from training.allreduce_poll import wants_polling
-from training.config import TrainConfig
-from training.distributed import DistContext
+from training.core.config import TrainConfig
+from training.distributed.allreduce_poll import wants_polling
+from training.distributed.context import DistContext
 
 _PR_SET_PDEATHSIG = 1
 
@@ -143,7 +143,7 @@ class ProcessSetup:
     """What ``configure_process`` settled for this rank."""
 
     cpu: CpuSetup
-    poll_allreduce: bool  # train.cpu_poll_allreduce, resolved (training/allreduce_poll.py)
+    poll_allreduce: bool  # train.cpu_poll_allreduce, resolved (training/distributed/allreduce_poll.py)
     cuda: str = ""  # the CUDA math modes, on a GPU rank
 
     def describe(self) -> str:

@@ -9,7 +9,7 @@ row is counted exactly once and the count is checked against the manifest.
     result = evaluate_split("runs/x/model.pt", "data/shards/<fp>", split="test")
     result.metrics["test_accuracy"]
 
-A next_token language model is scored per target token by training/token_scoring.py (test_loss,
+A next_token language model is scored per target token by training/inference/token_scoring.py (test_loss,
 test_perplexity, test_token_accuracy, test_tokens), apart from the per-row classification and regression
 code below.
 """
@@ -27,16 +27,16 @@ import pyarrow.parquet as pq
 import torch
 from torch import nn
 
-from training.data.manifest import CLASS_TASKS, Manifest, read_manifest
-from training.loading import fill_labels
-from training.models import ModelSpec, build_model
-from training.normalisation import Normaliser
-from training.spec.codecs import Codec, codecs_for, encode_columns
-from training.spec.inputs import InputInfo, inputs_from_manifest
-from training.spec.metrics import precision_recall
-from training.spec.next_token import LANGUAGE_MODEL
-from training.spec.objectives import Objective, objective_from_checkpoint
-from training.wrong_rows import ConfidentlyWrong
+from training.core.manifest import CLASS_TASKS, Manifest, read_manifest
+from training.inference.wrong_rows import ConfidentlyWrong
+from training.kinds.inputs import InputInfo, inputs_from_manifest
+from training.kinds.normalisation import Normaliser
+from training.kinds.registry import Codec, codecs_for, encode_columns
+from training.loading.batches import fill_labels
+from training.models.registry import ModelSpec, build_model
+from training.objectives.metrics import precision_recall
+from training.objectives.next_token import LANGUAGE_MODEL
+from training.objectives.registry import Objective, objective_from_checkpoint
 
 # What a model.pt must hold (docs/architecture.md) to be evaluated or served.
 REQUIRED_CHECKPOINT_KEYS = (
@@ -57,7 +57,7 @@ class IncompatibleModelError(ValueError):
 
 @dataclass
 class EvalResult:
-    task: str  # the dataset's task, or "next_token" for a language model (training/token_scoring.py)
+    task: str  # the dataset's task, or "next_token" for a language model (training/inference/token_scoring.py)
     split: str
     samples: int
     metrics: dict[str, float]  # flat, MLflow-ready: "<split>_accuracy", "<split>_rmse", ...
@@ -73,7 +73,7 @@ class EvalResult:
     # Classification with an image input: the first MISCLASSIFIED_SHOWN wrong rows, {"image" (its encoded bytes),
     # "true", "predicted" (labels), "input"}, for the grid of misclassified images (ddpflow/tracking/plots.py).
     misclassified: list[dict[str, Any]] | None = field(default=None, repr=False)
-    # A classifier with text inputs: its most confidently wrong rows (training/wrong_rows.py), a table artifact.
+    # A classifier with text inputs: its most confidently wrong rows (inference/wrong_rows.py), a table artifact.
     confidently_wrong: dict[str, list] | None = field(default=None, repr=False)  # {"columns", "data"}
 
     def to_dict(self) -> dict[str, Any]:
@@ -201,7 +201,7 @@ def _row_bytes(inputs: dict[str, InputInfo]) -> int:
 
 def _keep_misclassified(kept: list[dict[str, Any]], batch, image: str, wrong: torch.Tensor, target, predicted, labels):
     """Up to MISCLASSIFIED_SHOWN wrong rows of an image input, with their bytes and labels."""
-    from training.spec.image import image_bytes
+    from training.kinds.image import image_bytes
 
     rows = torch.nonzero(wrong).flatten()[: MISCLASSIFIED_SHOWN - len(kept)].tolist()
     column = image_bytes(batch.column(image), image)
@@ -229,7 +229,7 @@ CONFUSION_MAX_CLASSES = 50  # above: per-class metrics only (a confusion matrix 
 
 
 class _ClassificationEvaluation:
-    """softmax and binary on one split: the objective's tally (training/spec/metrics.py, the same formulas as
+    """softmax and binary on one split: the objective's tally (training/objectives/metrics.py, the same formulas as
     validation), per-class precision and recall, a confusion matrix up to ``CONFUSION_MAX_CLASSES`` classes and,
     for binary, the exact ROC AUC over every row's score (the evaluation sees every row in one process)."""
 
@@ -318,7 +318,7 @@ def evaluate_split(
     model, meta = load_model_checkpoint(model_path)
     objective = objective_from_checkpoint(meta)  # how its outputs are read: model.pt's objective
     if objective.name == LANGUAGE_MODEL:  # per target token, no label per row: its own module
-        from training.token_scoring import check_text_input, evaluate_tokens
+        from training.inference.token_scoring import check_text_input, evaluate_tokens
 
         check_text_input(meta, manifest, model_path)
         return evaluate_tokens(

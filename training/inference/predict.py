@@ -1,13 +1,13 @@
 """Predictions for a DataFrame of RAW input columns, from a ``model.pt``.
 
 The checkpoint carries what inference needs: its inputs and their fitted
-encoders (training/spec/codecs.py: the same ``encode`` the node cache and
+encoders (training/kinds/registry.py: the same ``encode`` the node cache and
 evaluation use: strings for categoricals, lists for vectors, an unseen
 category scored as unknown), the train split's feature and target statistics
 (normalisation happens here, not in the caller, through
-``training/normalisation.py``, the function training and evaluation use)
+``training/kinds/normalisation.py``, the function training and evaluation use)
 and the class-index -> original-label mapping. Regression predictions are on
-the target's original scale. The MLflow pyfunc model (``training/serving.py``) wraps
+the target's original scale. The MLflow pyfunc model (``training/inference/serving.py``) wraps
 this class, so a served model and an
 evaluation agree by construction.
 
@@ -26,12 +26,12 @@ import pyarrow as pa
 import torch
 from torch import nn
 
-from training.data.manifest import CLASS_TASKS
-from training.evaluate import checkpoint_codecs, checkpoint_inputs, load_model_checkpoint
-from training.normalisation import Normaliser
-from training.spec.codecs import encode_columns
-from training.spec.inputs import InputInfo
-from training.spec.objectives import objective_from_checkpoint
+from training.core.manifest import CLASS_TASKS
+from training.inference.evaluate import checkpoint_codecs, checkpoint_inputs, load_model_checkpoint
+from training.kinds.inputs import InputInfo
+from training.kinds.normalisation import Normaliser
+from training.kinds.registry import encode_columns
+from training.objectives.registry import objective_from_checkpoint
 
 
 class Predictor:

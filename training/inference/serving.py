@@ -4,7 +4,7 @@
     model.predict(frame_of_raw_feature_columns)   # original labels / floats
     language_model.predict(frame_with_the_text)   # next_token: tokens, loss, perplexity per row
 
-A next_token model is served by ``training/token_scoring.py: TokenScorer``: the text column in (raw strings,
+A next_token model is served by ``training/inference/token_scoring.py: TokenScorer``: the text column in (raw strings,
 tokenized with the shipped tokenizer, cut to max_len as in training), per row ``tokens`` (targets scored),
 ``loss`` (mean cross entropy per target token) and ``perplexity`` out; NaN loss for a row without targets.
 
@@ -12,7 +12,7 @@ How it is logged, and why ("models from code" + ``artifacts`` + ``code_paths``):
 - the weights are ``model.pt``, logged as the artifact ``model_pt`` and read
   with ``torch.load(weights_only=True)``: loading runs no pickled code, and a
   later run can download them to warm-start (``train.init_from: champion``);
-- the model object is defined by the file ``training/serving_model.py``
+- the model object is defined by the file ``training/inference/serving_model.py``
   (logged as-is, executed on load) instead of a cloudpickled
   ``PythonModel`` instance, which MLflow 3 warns about (pickles execute
   arbitrary code on load, and break when the class moves);
@@ -34,14 +34,15 @@ from typing import Any
 import mlflow.pyfunc
 import pandas as pd
 
-from training.evaluate import load_model_checkpoint
-from training.predict import Predictor
-from training.spec.next_token import LANGUAGE_MODEL
-from training.token_scoring import TokenScorer
+from training.inference.evaluate import load_model_checkpoint
+from training.inference.predict import Predictor
+from training.inference.token_scoring import TokenScorer
+from training.objectives.next_token import LANGUAGE_MODEL
 
 MODEL_ARTIFACT = "model_pt"  # key in context.artifacts; stored as artifacts/model.pt in the model
 MODEL_NAME = "model"  # the logged model's name
 MODEL_CODE = Path(__file__).resolve().with_name("serving_model.py")
+TRAINING_PACKAGE = Path(__file__).resolve().parents[1]  # the whole `training` package ships with the model
 
 
 OUTPUTS = ("label", "probabilities")  # params={"output": ...}: the labels, or labels and class probabilities
@@ -156,7 +157,7 @@ def log_pyfunc_model(
         model_id=logged.model_id,
         python_model=str(MODEL_CODE),
         artifacts={MODEL_ARTIFACT: str(model_path)},
-        code_paths=[str(MODEL_CODE.parent), *user_code_paths(predictor.meta["model_spec"]["model"])],
+        code_paths=[str(TRAINING_PACKAGE), *user_code_paths(predictor.meta["model_spec"]["model"])],
         signature=infer_signature(example, predictor.predict(example), params={"output": "label"}),
         input_example=example,
         pip_requirements=pip_requirements({info.kind for info in predictor.inputs.values()}),

@@ -1,4 +1,4 @@
-"""A next_token language model's scores (training/spec/next_token.py): the test-split evaluation and the served
+"""A next_token language model's scores (training/objectives/next_token.py): the test-split evaluation and the served
 model, from one per-row computation.
 
     result = evaluate_split("runs/x/model.pt", dataset_dir)     # calls evaluate_tokens for a next_token model
@@ -32,10 +32,10 @@ import pyarrow.parquet as pq
 import torch
 from torch import nn
 
-from training.data.manifest import Manifest
-from training.spec.codecs import collate_encoded
-from training.spec.inputs import InputInfo, inputs_from_manifest
-from training.spec.next_token import LANGUAGE_MODEL, MAX_LOG_PERPLEXITY, NextToken, RowScores, perplexity
+from training.core.manifest import Manifest
+from training.kinds.inputs import InputInfo, inputs_from_manifest
+from training.kinds.registry import collate_encoded
+from training.objectives.next_token import LANGUAGE_MODEL, MAX_LOG_PERPLEXITY, NextToken, RowScores, perplexity
 
 # The logits [B, L, vocab] and cross entropy's two fp32 copies of them dominate a batch's memory.
 LOGIT_COPIES = 3
@@ -43,7 +43,7 @@ LOGIT_COPIES = 3
 
 def modelled_text(meta: dict[str, Any]) -> tuple[InputInfo, Any]:
     """The text input a next_token model.pt models and its shipped codec (tokenizer, max_len)."""
-    from training.evaluate import checkpoint_codecs, checkpoint_inputs
+    from training.inference.evaluate import checkpoint_codecs, checkpoint_inputs
 
     name = meta["objective"]["kwargs"]["input"]
     return checkpoint_inputs(meta)[name], checkpoint_codecs(meta)[name]
@@ -51,7 +51,7 @@ def modelled_text(meta: dict[str, Any]) -> tuple[InputInfo, Any]:
 
 def check_text_input(meta: dict[str, Any], manifest: Manifest, checkpoint: str | Path) -> None:
     """``IncompatibleModelError`` unless the dataset has the model's text input, as text."""
-    from training.evaluate import IncompatibleModelError
+    from training.inference.evaluate import IncompatibleModelError
 
     name = meta["objective"]["kwargs"]["input"]
     present = inputs_from_manifest(manifest).get(name)
@@ -94,7 +94,7 @@ def evaluate_tokens(
     """Score every row of ``split`` once, shard by shard in batches (bounded memory); an ``EvalResult`` whose
     task is ``LANGUAGE_MODEL``. ``return_predictions``: each row's mean loss (NaN without targets) as
     ``predictions`` and its target tokens as ``targets``, in shard order (the first ``max_predictions``)."""
-    from training.evaluate import EVAL_BATCH_BYTES, EvalResult
+    from training.inference.evaluate import EVAL_BATCH_BYTES, EvalResult
 
     started = time.perf_counter() if started is None else started
     info, codec = modelled_text(meta)
@@ -140,8 +140,8 @@ class TokenScorer:
     row ``tokens``, ``loss``, ``perplexity`` (module docstring), the evaluation's computation."""
 
     def __init__(self, model: nn.Module, meta: dict[str, Any], batch_size: int = 1024):
-        from training.evaluate import EVAL_BATCH_BYTES
-        from training.spec.objectives import objective_from_checkpoint
+        from training.inference.evaluate import EVAL_BATCH_BYTES
+        from training.objectives.registry import objective_from_checkpoint
 
         self.model, self.meta = model.eval(), meta
         self.objective = objective_from_checkpoint(meta)
@@ -153,7 +153,7 @@ class TokenScorer:
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, batch_size: int = 1024) -> TokenScorer:
-        from training.evaluate import load_model_checkpoint
+        from training.inference.evaluate import load_model_checkpoint
 
         return cls(*load_model_checkpoint(path), batch_size)
 

@@ -11,7 +11,7 @@ re-encoded); the fitted state goes to encoders.json like every codec's.
 On the ranks (``collate``, inside the DataLoader's workers): decode, convert to RGB (or L), then
 - train with ``augment: crop_flip`` (the default): a random resized crop (scale 0.08-1 of the area, aspect
   ratio 3/4-4/3, torchvision's RandomResizedCrop rule) resized to ``size``, and a horizontal flip with p 0.5.
-  The draws come from a generator seeded by (train.seed, epoch, row) alone (training/rng.py: ``row_seed``),
+  The draws come from a generator seeded by (train.seed, epoch, row) alone (training/core/rng.py: ``row_seed``),
   so a row gets the same view at any world size, with any number of workers, and after a resume;
 - evaluation, serving, and train with ``augment: none``: resize so the image covers ``size`` keeping its
   aspect ratio, then a centre crop of ``size`` (one resize of the centre box: the same pixels);
@@ -30,9 +30,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from training.data.errors import DataError
-from training.data.stats import RunningHistogram
-from training.spec.codecs import Codec
+from training.core.errors import DataError
+from training.kinds.registry import Codec
+from training.kinds.stats import RunningHistogram
 
 # Pillow modes an image may have: each converts to RGB and L without losing its meaning. 16/32-bit integer
 # and float modes (I, I;16, F) do not: their range is not 0-255, so a conversion would clip them.
@@ -181,7 +181,7 @@ class ImageCodec(Codec):
         """The rows' images as float32 [B, C, H, W]: decoded, augmented (train) or centre-cropped, normalised."""
         import torch
 
-        from training.rng import row_seed
+        from training.core.rng import row_seed
 
         height, width = self.state["size"]
         augment = context.train and self.state["augment"] == "crop_flip"
@@ -263,7 +263,7 @@ def image_bytes(array: pa.Array, name: str) -> pa.Array:
 
 
 def is_image_column(kind: pa.DataType) -> bool:
-    """The column types the image kind takes (training/data/columns.py: KIND_TYPES)."""
+    """The column types the image kind takes (training/prepare/columns.py: KIND_TYPES)."""
     if pa.types.is_struct(kind):
         return kind.get_field_index("bytes") >= 0 and pa.types.is_binary(kind.field("bytes").type)
     return pa.types.is_binary(kind) or pa.types.is_large_binary(kind)

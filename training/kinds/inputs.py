@@ -2,7 +2,7 @@
 
 Every input kind (numeric, categorical, hashed, vector; images and text come with their own issues)
 reaches the model the same way: one entry of the batch dict, a tensor ``[B, *shape]`` of ``dtype``.
-A model factory (``training/models.py``) is called with ``inputs: dict[str, InputInfo]`` in the
+A model factory (``training/models/registry.py``) is called with ``inputs: dict[str, InputInfo]`` in the
 manifest's order, so it can size embeddings from ``cardinality`` and layers from ``shape``.
 
     inputs = inputs_from_manifest(manifest)        # {"tenure_days": InputInfo(kind="numeric", ...), ...}
@@ -27,7 +27,7 @@ class InputInfo:
     cardinality: int | None = None  # categorical / hashed: embedding rows, index 0 null, 1 unknown (categorical)
     options: dict[str, Any] = field(default_factory=dict)
     # A ragged kind's stored values' dtype ("uint8" image bytes, "int32" token ids): its rows are kept in the node
-    # cache as values + offsets (training/data/ragged.py) and become ``dtype`` tensors only per batch. None: a
+    # cache as values + offsets (training/kinds/ragged.py) and become ``dtype`` tensors only per batch. None: a
     # fixed-shape kind, stored as the batch tensor itself ([rows, *shape] of ``dtype``).
     ragged_dtype: str | None = None
 

@@ -10,7 +10,7 @@ Classification targets are class indices and are never touched.
 A manifest or model.pt written before targets were standardised has no target
 statistics: mean 0 and std 1, the raw scale that model was trained on.
 
-    norm = Normaliser.from_manifest(manifest)   # training (training/loading.py)
+    norm = Normaliser.from_manifest(manifest)   # training (training/loading/batches.py)
     norm = Normaliser.from_checkpoint(meta)     # evaluation and serving (a model.pt's entries)
     norm.features_(x)                           # in place; norm.features(x) leaves x alone
     norm.target_(y); norm.target_inverse(outputs); norm.target_loss_inverse(mse)
@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
-from training.data.manifest import Manifest
+from training.core.manifest import Manifest
 
 # Bump with any change to what these functions compute for the same statistics (or to what
-# training/loading.py: load_split returns): node caches built under the old rule
-# (training/data/node_cache.py) then get another file name and are rebuilt.
+# training/loading/batches.py: load_split returns): node caches built under the old rule
+# (training/loading/node_cache.py) then get another file name and are rebuilt.
 NORMALISATION_VERSION = 1
 
 
@@ -63,7 +63,7 @@ class Normaliser:
 
     @classmethod
     def from_checkpoint(cls, meta: Mapping[str, Any]) -> Normaliser:
-        """From a model.pt's entries (``training/checkpoint.py: inference_checkpoint``)."""
+        """From a model.pt's entries (``training/checkpoint/files.py: inference_checkpoint``)."""
         return cls.from_stats(meta["feature_mean"], meta["feature_std"], meta.get("label_mean"), meta.get("label_std"))
 
     @property

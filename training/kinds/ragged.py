@@ -7,7 +7,7 @@ two fixed-width arrays a file can hold and every local rank can map, gathered wi
     ragged = RaggedArray.from_rows([[1, 2], [], [3]])
     values, offsets = ragged.gather(torch.tensor([2, 0]))   # the rows [3] and [1, 2], packed again
 
-A ragged input's codec (training/spec/codecs.py: ``ragged_dtype`` set) stores its rows so and turns gathered
+A ragged input's codec (training/kinds/registry.py: ``ragged_dtype`` set) stores its rows so and turns gathered
 rows into batch-dict entries with ``collate(values, offsets, BatchContext(...))``: in training (inside the
 DataLoader's workers when there are any), in validation, evaluation and serving alike.
 """

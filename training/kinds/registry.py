@@ -1,6 +1,7 @@
 """One codec per input kind: observed at prepare, fitted on the train split, then the ONE encoding of raw
-columns into the tensors a model sees. The node cache build (training/loading.py), evaluation
-(training/evaluate.py) and serving (training/predict.py) all call ``encode``, so they agree by construction.
+columns into the tensors a model sees. The node cache build (training/loading/batches.py), evaluation
+(training/inference/evaluate.py) and serving (training/inference/predict.py) all call ``encode``, so they agree
+by construction.
 
     codec = make_codec("country", "categorical", {"min_count": 1})
     codec.observe(train_column)          # prepare, train rows only, batch by batch
@@ -9,11 +10,11 @@ columns into the tensors a model sees. The node cache build (training/loading.py
     codec.encode(pa_array) -> numpy      # [rows, *shape] of the input's dtype
 
 What each kind guarantees (docs/data.md):
-- numeric: float32, null -> NaN (prepare drops or refuses it); normalised by training/normalisation.py.
+- numeric: float32, null -> NaN (prepare drops or refuses it); normalised by training/kinds/normalisation.py.
 - categorical: int64 index; 0 = null, 1 = unknown (a value not in the vocabulary: unseen, or rarer than
   ``min_count``, or cut by ``max_size``), 2.. = the vocabulary, ordered by train count (descending), then value.
 - hashed: int64 index; 0 = null, 1 + (a stable 64-bit hash of the value mod ``buckets``) otherwise. The hash is
-  pandas' SipHash with a fixed key (training/data/split.py: ``hash_values``; integers as int64, floats as
+  pandas' SipHash with a fixed key (training/prepare/split.py: ``hash_values``; integers as int64, floats as
   float64, strings as UTF-8): the same value gets the same bucket in every process and on every machine.
 - vector: float32 ``[rows, D]``, D the length of the source's first non-null row; any other length, a null
   row or a non-finite element is invalid (data.on_invalid). Vectors are not normalised.
@@ -30,9 +31,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from training.data.errors import DataError
-from training.data.split import hash_values
-from training.spec.inputs import InputInfo
+from training.core.errors import DataError
+from training.kinds.inputs import InputInfo
+from training.prepare.split import hash_values
 
 ENCODERS_FILE = "encoders.json"
 NULL_INDEX, UNKNOWN_INDEX = 0, 1  # categorical; hashed uses 0 for null only
@@ -109,7 +110,7 @@ class Codec:
 
     def collate(self, values, offsets, context) -> dict[str, Any]:
         """A ragged kind's gathered rows (``values``, int64 ``offsets`` [B + 1]) -> its batch-dict entries
-        (tensors ``[B, ...]``); ``context`` is a ``training.data.ragged.BatchContext``."""
+        (tensors ``[B, ...]``); ``context`` is a ``training.kinds.ragged.BatchContext``."""
         raise NotImplementedError
 
 
@@ -286,8 +287,8 @@ CODECS: dict[str, type[Codec]] = {
 
 def _register_kinds() -> None:
     """The kinds with modules of their own (they import this one, so they register after it)."""
-    from training.spec.image import ImageCodec
-    from training.spec.text import TextCodec
+    from training.kinds.image import ImageCodec
+    from training.kinds.text import TextCodec
 
     CODECS.setdefault(ImageCodec.kind, ImageCodec)
     CODECS.setdefault(TextCodec.kind, TextCodec)
@@ -370,7 +371,7 @@ def encode_columns(
     """Raw columns (a shard's record batch, a served DataFrame's) -> the model's batch dict of tensors.
 
     The numeric inputs are encoded into one float32 block, normalised in place (``normaliser``:
-    training/normalisation.py), and handed over as views of its columns, as the loader does."""
+    training/kinds/normalisation.py), and handed over as views of its columns, as the loader does."""
     import torch
 
     numeric = [name for name, info in inputs.items() if info.kind == "numeric"]
@@ -399,7 +400,7 @@ def collate_encoded(codec: Codec, values: np.ndarray, lengths: np.ndarray) -> di
     """``encode_ragged``'s output collated with the evaluation transform (no augmentation)."""
     import torch
 
-    from training.data.ragged import evaluation_context
+    from training.kinds.ragged import evaluation_context
 
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])

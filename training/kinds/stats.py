@@ -152,7 +152,7 @@ def _smallest_exponent(low: float, high: float, bins: int) -> int:
 
 class ClassCounts:
     """The train split's rows per class index (``Manifest.train_class_counts``): what
-    ``train.class_weights: balanced`` weighs classes by (training/spec/objectives.py)."""
+    ``train.class_weights: balanced`` weighs classes by (training/objectives/registry.py)."""
 
     def __init__(self, n_classes: int):
         self.counts = np.zeros(n_classes, dtype=np.int64)

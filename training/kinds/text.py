@@ -10,7 +10,7 @@ with ``[PAD]`` = id 0 and ``[UNK]`` = id 1, NFKC normalisation, split on whitesp
 the user's tokenizer.json as it is. Its JSON is part of the codec's state (encoders.json, whose sha256 the
 manifest holds, and model.pt's "encoders": so it ships with every registered model), and prepare writes it
 beside the manifest as ``tokenizers/<input>.json`` too, loadable with ``Tokenizer.from_file``. A user file's
-sha256 enters the dataset fingerprint (training/data/fingerprint.py): another file is another dataset.
+sha256 enters the dataset fingerprint (training/prepare/fingerprint.py): another file is another dataset.
 
 The rules of the kind (docs/data.md, Text):
 - a row is its tokens WITHOUT special tokens (no [CLS]/[SEP]/BOS), cut to the first ``max_len``, in training,
@@ -38,8 +38,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from training.data.errors import DataError
-from training.spec.codecs import Codec, plain
+from training.core.errors import DataError
+from training.kinds.registry import Codec, plain
 
 DEFAULT_MAX_LEN = 256
 DEFAULT_TOKENIZER = {"type": "bpe", "vocab_size": 8000}

@@ -5,9 +5,9 @@ counts (``split_layout``: the numeric block, one section per other input, the
 labels, the weights), then filled record batch by record batch (``fill_split``,
 into tensors here or straight into the node cache's mapped file): peak memory
 is the sections plus one record batch, never a concatenation or a DataFrame
-copy. Non-numeric inputs go through their codec (training/spec/codecs.py, the
+copy. Non-numeric inputs go through their codec (training/kinds/registry.py, the
 one encoding serving uses too); numeric features (and a regression target) are
-normalised in place by ``training/normalisation.py``.
+normalised in place by ``training/kinds/normalisation.py``.
 
 Training batches come from a ``DistributedSampler`` (rank r takes
 ``perm[r::W]`` of a permutation seeded by ``train.seed`` and the epoch) and
@@ -16,7 +16,7 @@ epoch order is one tensor, sliced into batches (no Python list of every row).
 
 ``global_rows_in_steps`` counts the real rows all ranks train in a run of
 steps: the divisor that makes each optimizer step's gradient the mean over the
-whole global batch (``training/loop.py``), written next to the sampler rule
+whole global batch (``training/loop/step.py``), written next to the sampler rule
 it mirrors.
 """
 
@@ -35,11 +35,11 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-from training.data.manifest import Manifest
-from training.data.ragged import BatchContext, RaggedArray, evaluation_context
-from training.normalisation import Normaliser
-from training.spec.codecs import Codec, codecs_for, read_encoders
-from training.spec.inputs import inputs_from_manifest, numeric_names
+from training.core.manifest import Manifest
+from training.kinds.inputs import inputs_from_manifest, numeric_names
+from training.kinds.normalisation import Normaliser
+from training.kinds.ragged import BatchContext, RaggedArray, evaluation_context
+from training.kinds.registry import Codec, codecs_for, read_encoders
 
 
 class ShardError(ValueError):
@@ -534,7 +534,7 @@ class TrainBatches:
 
     def global_weight(self, start: int, stop: int) -> float:
         """The weight Σ w_i of the real rows of steps ``[start, stop)`` on all ranks: the exact update's divisor
-        (training/loop.py). Every rank computes it from the epoch's permutation, which all ranks share, with no
+        (training/loop/step.py). Every rank computes it from the epoch's permutation, which all ranks share, with no
         collective; ``global_rows`` when every row weighs 1."""
         if self._weight_before is None:
             return float(self.global_rows(start, stop))

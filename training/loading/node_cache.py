@@ -2,7 +2,7 @@
 
 Without it each rank reads the Parquet shards into tensors of its own, and N
 ranks on a node hold N copies. With it the first process on the node that
-needs a split builds it ONCE, by calling ``training.loading.load_split`` (so
+needs a split builds it ONCE, by calling ``training.loading.batches.load_split`` (so
 reading and normalising stay in exactly one place), and writes the tensors
 out in the layout the loader gathers from::
 
@@ -22,15 +22,15 @@ manifest (statistics included). Every rank then maps the file read-only
 whole node and each rank's tensors are views of those pages.
 
 - One builder: an exclusive ``fcntl.flock`` on ``<file>.lock``. The first
-  process to take it builds into a temp name (``training.fileio.atomic_write``:
+  process to take it builds into a temp name (``training.core.fileio.atomic_write``:
   fsynced, then renamed into place); the others block on the lock, then find
   the file valid and map it. Two runs on one node share the lock too. A
   builder that dies releases the lock and leaves no ``.bin`` behind.
 - The build sizes the file up front, maps it and fills every section record
-  batch by record batch (``training.loading.fill_split``, the one loading
+  batch by record batch (``training.loading.batches.fill_split``, the one loading
   rule): its memory beyond the file's pages is one record batch. A large
   build (over ``BUILD_IN_RANK_MAX_BYTES``, or with a ragged input) runs in a
-  short-lived child process (``python -m training.data.node_cache``, the
+  short-lived child process (``python -m training.loading.node_cache``, the
   manifest on stdin), so that the decode buffers the allocators keep leave
   with the child and the building rank then holds what every other rank
   holds: the mapping. A small one runs in the rank: the child's interpreter
@@ -72,9 +72,11 @@ from typing import IO, Any
 import numpy as np
 import torch
 
-from training.data.manifest import Manifest
-from training.fileio import atomic_write
-from training.loading import (
+from training.core.fileio import atomic_write
+from training.core.manifest import Manifest
+from training.kinds.inputs import inputs_from_manifest
+from training.kinds.normalisation import NORMALISATION_VERSION
+from training.loading.batches import (
     ShardError,
     SplitArrays,
     fill_split,
@@ -83,8 +85,6 @@ from training.loading import (
     split_from_sections,
     split_layout,
 )
-from training.normalisation import NORMALISATION_VERSION
-from training.spec.inputs import inputs_from_manifest
 
 # Bump when the file layout or the header changes: old files then fail validation (and their name).
 # What load_split returns is versioned where that rule lives (NORMALISATION_VERSION); new manifest
@@ -483,7 +483,7 @@ def _build_in_child(dataset_dir: str | Path, manifest: Manifest, splits: list[st
     """Run ``_build`` for ``splits`` in a fresh interpreter; its error, if any, is raised here with its message."""
     package_root = str(Path(__file__).resolve().parents[2])  # the directory holding ``training``
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
-    argv = [sys.executable, "-m", "training.data.node_cache", str(dataset_dir), cache_dir or "", *splits]
+    argv = [sys.executable, "-m", "training.loading.node_cache", str(dataset_dir), cache_dir or "", *splits]
     done = subprocess.run(argv, input=json.dumps(manifest.to_dict()), env=env, capture_output=True, text=True)
     if done.returncode == 0:
         return
@@ -500,9 +500,9 @@ def _build_in_child(dataset_dir: str | Path, manifest: Manifest, splits: list[st
 
 
 def _builder_main(argv: list[str]) -> int:
-    """``python -m training.data.node_cache DATASET_DIR CACHE_DIR SPLIT...``, the manifest's JSON on stdin;
+    """``python -m training.loading.node_cache DATASET_DIR CACHE_DIR SPLIT...``, the manifest's JSON on stdin;
     an empty CACHE_DIR means the default (beside the shards)."""
-    from training.runtime import die_with_parent
+    from training.distributed.process import die_with_parent
 
     die_with_parent()  # a rank that dies takes its builder with it (the locks are already released)
     dataset_dir, cache_dir, splits = argv[0], argv[1] or None, argv[2:]

@@ -1,6 +1,6 @@
 """Where a rank's split tensors live: ``train.data_on_device`` (auto | true | false).
 
-On the device, a split is copied there ONCE and ``training/loading.py`` gathers
+On the device, a split is copied there ONCE and ``training/loading/batches.py`` gathers
 each batch where the split lives: per step only the batch's row numbers
 (8 bytes a row) cross to the device, not its sections (features, inputs, labels, weights).
 
@@ -10,7 +10,7 @@ each batch where the split lives: per step only the batch's row numbers
   an error naming the setting.
 - ``auto``: on a GPU when the split fits comfortably: at most a quarter of the
   device memory still free after the model, counting the gradients and the
-  optimizer state it has yet to allocate (``training/optim.py:
+  optimizer state it has yet to allocate (``training/loop/optim.py:
   optimizer_states_per_parameter``: Adam(W) two moments, SGD with momentum one). On the CPU the device IS the
   host, so the split stays in the shared mapping (a per-rank copy would undo
   the node cache); ``true`` on the CPU keeps it there too (``.to`` is a no-op),
@@ -24,7 +24,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from training.loading import SplitArrays
+from training.loading.batches import SplitArrays
 
 DataOnDevice = bool | Literal["auto"]
 AUTO_SHARE = 4  # auto: a split may take at most 1/AUTO_SHARE of the free device memory

@@ -10,10 +10,10 @@
   run directory, like ``kill`` (marker ``.fault-hang-done``).
 - ``raise``: ``RuntimeError("injected fault ...")``, every time: a permanent error.
 - ``nan``:   the model's output in that training step is NaN, every time (a diverged
-  step: the non-finite check, training/nonfinite.py, must stop the run there).
+  step: the non-finite check, training/loop/nonfinite.py, must stop the run there).
 - ``skip_row``: a broken sampler, every time: in epoch E rank R trains its first row of
   the epoch twice and skips its second (the same row count; only the coverage certificate,
-  training/coverage.py, can tell).
+  training/loop/coverage.py, can tell).
 
 ``DDPFLOW_FAULT=slow_checkpoint:rank=0:epoch=E:seconds=S`` makes rank 0 (the
 checkpoint writer) sleep S seconds before writing the checkpoint that ends
@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from training.log import log_rank
+from training.core.log import log_rank
 
 FAULT_ENV = "DDPFLOW_FAULT"
 RECORD_INDICES_ENV = "DDPFLOW_RECORD_INDICES"

@@ -11,7 +11,7 @@ step) twice: the sink remembers which ones the file already holds.
 
 The step lines cost no collective and no device sync of their own: they use
 the loss sum and gradient norm ``TrainStep`` copies to the host anyway
-(``training/loop.py: StepReport``). The loss is rank 0's own (its rows of the
+(``training/loop/step.py: StepReport``). The loss is rank 0's own (its rows of the
 steps since the last line, like the progress lines); the gradient norm is
 over all ranks (after the all-reduce), the mean of those steps; the lr is the
 logged step's.
@@ -25,10 +25,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from training.layout import METRICS, STEP_METRICS
+from training.core.layout import METRICS, STEP_METRICS
 
 if TYPE_CHECKING:  # the mirror reads these files without importing torch
-    from training.loop import StepReport
+    from training.loop.step import StepReport
 
 STEP_KEY = "step"  # a step line's x axis: optimizer steps done in the run (1-based)
 STEP_CURVES = ("step/train_loss", "step/lr", "step/grad_norm")  # its metrics (distinct from the epoch ones)

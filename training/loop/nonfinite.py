@@ -1,7 +1,7 @@
 """A NaN or infinite loss or gradient norm stops the run at that optimizer step, before the update.
 
 ``TrainStep`` checks each optimizer step once, with the one device->host copy it makes
-anyway (the step's loss sum and gradient norm together: ``training/loop.py``), and raises
+anyway (the step's loss sum and gradient norm together: ``training/loop/step.py``), and raises
 ``NonFiniteStep``; the Trainer turns it into ``NonFiniteTrainingError``, naming the rank, the
 epoch and the step, and what usually causes it.
 

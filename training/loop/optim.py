@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from training.config import TrainConfig
+from training.core.config import TrainConfig
 
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
 _NO_DECAY_MODULES = (nn.Embedding, nn.EmbeddingBag, nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from training.log import log_rank
+from training.core.log import log_rank
 
 _EPOCH_KEYS = ("train_loss", "val_loss", "val_accuracy", "val_rmse")
 
@@ -54,7 +54,7 @@ class Progress:
             return
         remaining_epochs = self.epochs - self.epoch - 1
         shown = " ".join(f"{key} {metrics[key]:.4f}" for key in _EPOCH_KEYS if key in metrics)
-        if "selected_epoch" in metrics:  # counted from 1, as this line counts epochs (training/selection.py)
+        if "selected_epoch" in metrics:  # counted from 1, as this line counts epochs (training/loop/selection.py)
             shown += f" selected epoch {metrics['selected_epoch'] + 1}"
         log_rank(
             f"epoch {self.epoch + 1}/{self.epochs} done: {shown} {metrics['train_samples_per_s']:,.0f} samples/s "

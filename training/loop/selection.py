@@ -2,7 +2,7 @@
 
 Every epoch is judged by ``train.monitor`` (a validation metric, default ``val_loss``),
 better lower or higher by ``train.monitor_mode`` or, on ``auto``, by the gate's rule on
-the metric's name (``training/spec/directions.py``). An epoch improves when it beats the best
+the metric's name (``training/core/directions.py``). An epoch improves when it beats the best
 so far by more than ``train.min_delta`` (a NaN never improves).
 
 - ``select: best`` (default): model.pt holds the weights of the best epoch; ``last``:
@@ -23,8 +23,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from training.config import TrainConfig
-from training.monitor import is_better
+from training.core.config import TrainConfig
+from training.core.monitor import is_better
 
 SELECTED_PREFIX = "selected_"  # the selected epoch's validation metrics, on every metrics.jsonl line
 

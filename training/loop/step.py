@@ -7,7 +7,7 @@ all-reduces gradients in ``backward``; the caller sums the returned
 statistics over ranks.
 
 The exact update: every optimizer step minimises the one loss contract
-(training/spec/objectives.py)
+(training/objectives/registry.py)
 
     L = Σ_i w_i · ℓ_i / Σ_i w_i
 
@@ -36,9 +36,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from training.loading import Batch, SplitTensors, TrainBatches, combined_row_weights
-from training.nonfinite import NonFiniteStep
-from training.spec.objectives import Objective, auto_objective, make_objective
+from training.loading.batches import Batch, SplitTensors, TrainBatches, combined_row_weights
+from training.loop.nonfinite import NonFiniteStep
+from training.objectives.registry import Objective, auto_objective, make_objective
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ class TrainStep:
     ):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.batches, self.settings = batches, settings
-        self.on_update = on_update  # after each optimizer step (the per-step curves: training/metrics_sink.py)
+        self.on_update = on_update  # after each optimizer step (the per-step curves: training/loop/metrics_sink.py)
         # This rank's loss sum Σ w·ℓ, weight Σ w (device tensors) and real rows of the optimizer step so far.
         self._step_loss, self._step_weight, self._step_rows = None, None, 0
         self.objective = settings.loss()
@@ -118,7 +118,7 @@ class TrainStep:
         return range(first, min(first + accum, len(self.batches)))
 
     def _update(self, group: range) -> None:
-        """Check, clip, step. Raises ``NonFiniteStep`` (training/nonfinite.py) before a NaN or inf update."""
+        """Check, clip, step. Raises ``NonFiniteStep`` (training/loop/nonfinite.py) before a NaN or inf update."""
         if self.settings.grad_clip is not None:
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)
         else:
@@ -177,7 +177,7 @@ class ValidationPass:
 def evaluate(
     model: nn.Module, split: SplitTensors, start: int, stop: int, batch_size: int, settings: StepSettings
 ) -> ValidationPass:
-    """The objective's tally (training/spec/metrics.py) over rows [start, stop) of ``split``: the caller
+    """The objective's tally (training/objectives/metrics.py) over rows [start, stop) of ``split``: the caller
     gives each rank a disjoint, unpadded slice, all-reduces the sums and gathers the scored rows.
 
     ``model`` is the plain module (not DDP): ranks may run different numbers of

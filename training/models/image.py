@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from training.spec.inputs import EMBEDDED_KINDS, InputInfo
+from training.kinds.inputs import EMBEDDED_KINDS, InputInfo
 
 
 def group_norm(channels: int, groups: int) -> nn.GroupNorm:
@@ -80,7 +80,7 @@ class ImageClassifier(nn.Module):
         groups: int = 8,
         embedding_dims: dict[str, int] | None = None,
     ):
-        from training.models import _MLP_KINDS, embedding_dim
+        from training.models.registry import _MLP_KINDS, embedding_dim
 
         super().__init__()
         unknown = [f"{name} ({info.kind})" for name, info in inputs.items() if info.kind not in (*_MLP_KINDS, "image")]
@@ -110,7 +110,7 @@ class ImageClassifier(nn.Module):
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         parts = [self.trunks[name](_image_layout(batch[name])) for name in self.images]
         if self.numeric:
-            from training.models import numeric_block
+            from training.models.registry import numeric_block
 
             parts.append(numeric_block(batch, self.numeric))
         parts += [batch[name] for name in self.vectors]
@@ -119,7 +119,7 @@ class ImageClassifier(nn.Module):
 
 
 def _image_layout(images: torch.Tensor) -> torch.Tensor:
-    """channels_last on a GPU (the weights are too: training/distributed.py), as the batch comes elsewhere."""
+    """channels_last on a GPU (the weights are too: training/distributed/context.py), as the batch comes elsewhere."""
     if images.device.type == "cuda":
         return images.contiguous(memory_format=torch.channels_last)
     return images

@@ -1,18 +1,18 @@
 """Model construction: the model contract. Models are plain single-device ``nn.Module``s.
 
-Nothing here knows about processes or devices: ``training.distributed`` wraps
+Nothing here knows about processes or devices: ``training.distributed.context`` wraps
 the model in DDP in one place.
 
 The contract (docs/models.md): ``train.model: package.module:factory`` is called as
 ``factory(inputs: dict[str, InputInfo], n_outputs: int, **model_kwargs)``; the module's
 ``forward(batch: dict[str, Tensor]) -> [B, n_outputs]`` gets one entry per input (``[B, *shape]`` of the
-input's dtype, training/spec/inputs.py). A factory whose FIRST parameter is not named ``inputs`` is the
+input's dtype, training/kinds/inputs.py). A factory whose FIRST parameter is not named ``inputs`` is the
 older contract, ``factory(n_features, n_outputs, **model_kwargs)`` with ``forward(x: [B, F])``: it keeps
 working when every input is numeric (a forward pre-hook stacks the numeric inputs, in manifest order, into
 ``[B, F]``; the module and its state dict are the factory's own, so its model.pt files still load).
 
 Built in: ``mlp`` (numeric, categorical, hashed and vector inputs; see ``MLP``), ``transformer`` (text inputs,
-with any tabular ones: training/text_models.py) and ``auto``, which picks the built-in model for the inputs
+with any tabular ones: training/models/text.py) and ``auto``, which picks the built-in model for the inputs
 (``transformer`` when one is text, else ``mlp``).
 """
 
@@ -26,15 +26,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from training.imports import import_factory
-from training.spec.inputs import EMBEDDED_KINDS, InputInfo, inputs_from_dicts, numeric_input
+from training.core.imports import import_factory
+from training.kinds.inputs import EMBEDDED_KINDS, InputInfo, inputs_from_dicts, numeric_input
 
 BUILT_IN = (
     "mlp",
     "auto",
     "image_cnn",
     "transformer",
-)  # image_cnn: training/image_models.py; transformer: training/text_models.py
+)  # image_cnn: training/models/image.py; transformer: training/models/text.py
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ def pick_model(model: str, inputs: dict[str, InputInfo]) -> str:
     if any(info.kind == "image" for info in inputs.values()):
         return "image_cnn"  # a small residual CNN, with the tabular inputs beside it
     if any(info.kind == "text" for info in inputs.values()):
-        return "transformer"  # training/text_models.py
+        return "transformer"  # training/models/text.py
     return "mlp"  # numeric, categorical, hashed, vector: all tabular
 
 
@@ -167,11 +167,11 @@ class ModelImportError(ValueError):
 
 def resolve_factory(name: str) -> Callable[..., nn.Module]:
     if name == "image_cnn":
-        from training.image_models import image_classifier
+        from training.models.image import image_classifier
 
         return image_classifier
     if name == "transformer":
-        from training.text_models import transformer
+        from training.models.text import transformer
 
         return transformer
     if name in BUILT_IN:
@@ -224,7 +224,7 @@ def _stacked(args: tuple, names: list[str]) -> tuple | None:
 def numeric_block(batch: dict[str, torch.Tensor], names: Sequence[str]) -> torch.Tensor:
     """The numeric inputs ``names`` as one ``[B, F]`` matrix, in that order.
 
-    The loader hands them over as column views of the one block it gathered (training/loading.py); when
+    The loader hands them over as column views of the one block it gathered (training/loading/batches.py); when
     they are exactly its columns, in order, that block IS the matrix and no copy is made. Otherwise (a
     dict built by hand, another order) they are stacked: the same values either way. A model built from a
     bare feature count (``ModelSpec`` without inputs: names x0, x1, ...) takes a dict of as many numeric

@@ -1,11 +1,11 @@
 """The built-in model for text inputs: ``train.model: transformer`` (what ``auto`` picks when an input is text).
 
-Each text input (training/spec/text.py: ``<name>`` int64 token ids [B, L], ``<name>_mask`` bool [B, L]) goes
+Each text input (training/kinds/text.py: ``<name>`` int64 token ids [B, L], ``<name>_mask`` bool [B, L]) goes
 through its own small encoder: token embedding + learned position embedding (``max_len`` positions), torch's
 ``nn.TransformerEncoder`` (pre-norm, GELU), masked mean pooling over the real tokens -> [B, d_model]. The pooled
-vectors join the other inputs (numeric, categorical, hashed, vector) in the ``MLP`` head (training/models.py),
+vectors join the other inputs (numeric, categorical, hashed, vector) in the ``MLP`` head (training/models/registry.py),
 as vector inputs of width ``d_model``: text mixes with a table in one model. With ``language_model: <text>``
-(what ``train.objective: next_token`` sets, training/spec/next_token.py) it is a causal language model of that
+(what ``train.objective: next_token`` sets, training/objectives/next_token.py) it is a causal language model of that
 text instead: the encoder under a causal mask, a linear head per position -> [B, L, vocab].
 
 Padding never changes a row's output: padded keys are masked out of attention and out of the pooling, so a row
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from training.spec.inputs import InputInfo
+from training.kinds.inputs import InputInfo
 
 
 class TextEncoder(nn.Module):
@@ -69,7 +69,7 @@ class TextTransformer(nn.Module):
         language_model: str | None = None,
     ):
         super().__init__()
-        from training.models import MLP
+        from training.models.registry import MLP
 
         self.texts = [name for name, info in inputs.items() if info.kind == "text"]
         if not self.texts:

@@ -1,10 +1,10 @@
-"""Exact metrics from sums: the tallies an objective fills (training/spec/objectives.py) and ROC AUC.
+"""Exact metrics from sums: the tallies an objective fills (training/objectives/registry.py) and ROC AUC.
 
 A tally turns each batch into a fixed-length float64 vector of SUMS (counts, loss sums, per-class
 true positives...). Sums add across batches, across ranks (one all-reduce of the vector) and across
 shards, so a metric computed from the total is exact: no per-batch average is ever averaged again.
-The same tally serves validation in the ranks (training/loop.py: ``evaluate``, summed over ranks by
-the Trainer) and the test-split evaluation in one process (training/evaluate.py), so both report
+The same tally serves validation in the ranks (training/loop/step.py: ``evaluate``, summed over ranks by
+the Trainer) and the test-split evaluation in one process (training/inference/evaluate.py), so both report
 the same formulas.
 
     tally = objective.tally(n_classes)

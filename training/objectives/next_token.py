@@ -1,13 +1,13 @@
-"""``train.objective: next_token``: a language model on a text input (training/spec/text.py).
+"""``train.objective: next_token``: a language model on a text input (training/kinds/text.py).
 
     train:
       objective: next_token
       objective_kwargs: {input: snippet}      # optional with one text input
-      model: auto                              # the transformer, causal, with a token head (training/text_models.py)
+      model: auto                              # the transformer, causal, with a token head (training/models/text.py)
 
 Each row's targets are its own tokens shifted by one: position t predicts token t + 1, so a row of n tokens
 (after the cut to max_len) has n - 1 target tokens and a row of 0 or 1 tokens has none. The loss contract
-(training/spec/objectives.py) holds with
+(training/objectives/registry.py) holds with
 
     ℓ_i = the mean cross entropy over row i's target tokens,   w_i = row i's number of target tokens,
 
@@ -20,7 +20,7 @@ val_perplexity its exp.
 The model's output is per position, ``[B, L, vocab]``; the label column of the dataset is not used.
 ``row_scores`` is each row's (target tokens, summed cross entropy, top-1 hits): the test-split evaluation sums
 them (test_loss per target token, test_perplexity, test_token_accuracy) and the served model divides them per
-row (loss, perplexity; NaN for a row without targets), one computation for both (training/token_scoring.py).
+row (loss, perplexity; NaN for a row without targets), one computation for both (training/inference/token_scoring.py).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from training.config import ConfigError
-from training.spec.metrics import MeanTally
-from training.spec.objectives import Objective
+from training.core.config import ConfigError
+from training.objectives.metrics import MeanTally
+from training.objectives.registry import Objective
 
 TOKENS = "tokens"  # the label kind: [B, L] target ids per position, IGNORE where there is none
 IGNORE = -100

@@ -3,14 +3,14 @@
     L = Σ_i w_i · ℓ_i / Σ_i w_i     over the real rows of the GLOBAL batch (all ranks, all micro-batches),
 
 w_i the row's weight (its data.weight times its class weight under ``train.class_weights``; 1 otherwise; sampler padding
-0). training/loop.py: ``TrainStep`` makes DDP's averaged gradient exactly ∇L whatever the world size
+0). training/loop/step.py: ``TrainStep`` makes DDP's averaged gradient exactly ∇L whatever the world size
 (its docstring). An objective says:
 
 - ``n_outputs(n_classes)``: the width of the model's output ``[B, n]``;
 - ``label_kind``: what a label is: a class index (int64 ``[B]``), a multi-hot row (float32 ``[B, C]``)
   or a value (float32 ``[B]``, the standardised regression target);
 - ``per_row_loss(outputs, labels) -> [B]``: float32, computed in fp32 also under bf16 autocast;
-- ``tally(n_classes)``: the sums its exact metrics come from (training/spec/metrics.py);
+- ``tally(n_classes)``: the sums its exact metrics come from (training/objectives/metrics.py);
 - ``decode(outputs) -> (label index or value, probabilities or None)``: what evaluation and serving report.
 
 Built-ins (``train.objective``):
@@ -47,9 +47,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from training.config import ConfigError
-from training.imports import import_factory
-from training.spec.metrics import ClassTally, MeanTally, MultilabelTally, RegressionTally, Tally
+from training.core.config import ConfigError
+from training.core.imports import import_factory
+from training.objectives.metrics import ClassTally, MeanTally, MultilabelTally, RegressionTally, Tally
 
 CLASS_INDEX, MULTI_HOT, VALUE = "class_index", "multi_hot", "value"  # what a label is
 BUILT_IN = ("softmax", "binary", "multilabel", "mse", "huber", "next_token")
@@ -243,8 +243,8 @@ def make_objective(
             f"train.label_smoothing: {label_smoothing} applies to the softmax objective only; "
             f"train.objective is {resolved!r}"
         )
-    if resolved == "next_token":  # its own module (training/spec/next_token.py); any task's data
-        from training.spec.next_token import NextToken
+    if resolved == "next_token":  # its own module (training/objectives/next_token.py); any task's data
+        from training.objectives.next_token import NextToken
 
         return NextToken(n_classes, **kwargs)
     if resolved not in BUILT_INS:
@@ -279,7 +279,7 @@ def _user_objective(
     if not isinstance(objective, Objective):
         raise ConfigError(
             f"train.objective: {name} returned {type(objective).__name__}; it must return a "
-            "training.spec.objectives.Objective (subclass it and define per_row_loss)"
+            "training.objectives.registry.Objective (subclass it and define per_row_loss)"
         )
     objective.name = name  # what model.pt records, so evaluation rebuilds the same objective
     objective.kwargs = kwargs
@@ -328,7 +328,7 @@ def build_objective(train, manifest) -> Objective:
     n_classes = len(manifest.label_mapping) if manifest.label_mapping is not None else None
     kwargs = train.objective_kwargs
     if train.objective == "next_token":
-        from training.spec.next_token import next_token_kwargs
+        from training.objectives.next_token import next_token_kwargs
 
         kwargs = next_token_kwargs(kwargs, manifest)  # the text input and its vocabulary size
     objective = make_objective(train.objective, manifest.task, n_classes, kwargs, train.label_smoothing, multi_hot)

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from training.config import DataConfig
-from training.data.errors import DataError
-from training.spec.image import is_image_column
+from training.core.config import DataConfig
+from training.core.errors import DataError
+from training.kinds.image import is_image_column
 
 
 @dataclass(frozen=True)

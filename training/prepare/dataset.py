@@ -29,20 +29,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from training.config import DataConfig
-from training.data import split as row_split
-from training.data.columns import ColumnPlan, left_out_columns, plan_columns, value_type
-from training.data.errors import DataError
-from training.data.fingerprint import dataset_fingerprint
-from training.data.image_folder import with_image_folder_defaults
-from training.data.manifest import CLASS_TASKS, Manifest, SplitInfo, read_manifest, write_manifest
-from training.data.publish import discard, is_complete, make_temp_dir, publish, remove_stale_temp_dirs
-from training.data.shards import SplitWriter
-from training.data.sources import Source, open_source, source_identity
-from training.data.stats import ClassCounts, RunningHistogram, RunningMoments
-from training.fileio import atomic_write_text
-from training.layout import SPLITS
-from training.spec.codecs import (
+from training.core.config import DataConfig
+from training.core.errors import DataError
+from training.core.fileio import atomic_write_text
+from training.core.layout import SPLITS
+from training.core.manifest import CLASS_TASKS, Manifest, SplitInfo, read_manifest, write_manifest
+from training.kinds.registry import (
     ENCODERS_FILE,
     Codec,
     encoder_states,
@@ -51,6 +43,14 @@ from training.spec.codecs import (
     make_codec,
     plain,
 )
+from training.kinds.stats import ClassCounts, RunningHistogram, RunningMoments
+from training.prepare import split as row_split
+from training.prepare.columns import ColumnPlan, left_out_columns, plan_columns, value_type
+from training.prepare.fingerprint import dataset_fingerprint
+from training.prepare.image_folder import with_image_folder_defaults
+from training.prepare.publish import discard, is_complete, make_temp_dir, publish, remove_stale_temp_dirs
+from training.prepare.shards import SplitWriter
+from training.prepare.sources import Source, open_source, source_identity
 
 __all__ = ["DataError", "PreparedDataset", "prepare_dataset", "source_fingerprint"]
 
@@ -424,7 +424,7 @@ class _DriftStats:
             elif name in self.vectors:
                 moments = self.vectors[name]
                 inputs[name] = {"kind": "vector", "mean": moments.mean.tolist(), "std": moments.std().tolist()}
-            elif codec.kind == "text":  # token lengths, unknown tokens, word counts (training/spec/text.py)
+            elif codec.kind == "text":  # token lengths, unknown tokens, word counts (training/kinds/text.py)
                 inputs[name] = codec.drift_stats()
         label = (
             {"kind": "classes", "counts": self.classes.tolist()}

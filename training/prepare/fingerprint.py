@@ -16,7 +16,7 @@ import hashlib
 import json
 from typing import Any
 
-from training.config import DataConfig
+from training.core.config import DataConfig
 
 # Bump when prepare's output changes for the same input (layout, dtypes, split rule, manifest statistics).
 # 2: regression manifests carry label_mean/label_std (target standardisation).
@@ -29,7 +29,7 @@ _NOT_OUTPUT_FIELDS = frozenset({"root", "read_batch_rows", "source", "cache_dir"
 
 def tokenizer_files(data: DataConfig) -> dict[str, str]:
     """Each text input's user tokenizer.json -> its sha256: a new file's content is a new dataset."""
-    from training.spec.text import tokenizer_file_sha256
+    from training.kinds.text import tokenizer_file_sha256
 
     specs = data.input_specs() or {}
     found = {name: tokenizer_file_sha256(spec.options()) for name, spec in specs.items() if spec.kind == "text"}

@@ -5,7 +5,7 @@
 Rows, in sorted path order: ``image`` (a {bytes, path} struct: the file's bytes as they are, and its path, so
 prepare's errors name the file), ``label`` (the subfolder's name) and ``path`` (relative to the root: lineage,
 error messages, and the default ``data.key``, so an image keeps its split when files are added). The shards
-keep the bytes only (training/spec/image.py). The identity is the listing (names, sizes, modification times),
+keep the bytes only (training/kinds/image.py). The identity is the listing (names, sizes, modification times),
 as for table files: nothing is opened to know whether the folder changed.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from training.data.errors import DataError
+from training.core.errors import DataError
 
 FORMAT = "images"
 IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif"})
@@ -139,7 +139,7 @@ def list_images(root: Path, exclude: Path | None = None) -> list[tuple[str, int,
 
 
 def folder_identity(root: Path, files: list[tuple[str, int, str]]) -> dict[str, Any]:
-    """The listing as the fingerprint sees it (training/data/sources.py: files_identity's shape)."""
+    """The listing as the fingerprint sees it (training/prepare/sources.py: files_identity's shape)."""
     return {"format": FORMAT, "files": [[str(root / relative), size, version] for relative, size, version in files]}
 
 

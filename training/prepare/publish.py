@@ -18,7 +18,7 @@ import socket
 import time
 from pathlib import Path
 
-from training.layout import MANIFEST
+from training.core.layout import MANIFEST
 
 TEMP_PREFIX = ".tmp-"
 _OWNER_FILE = ".owner"

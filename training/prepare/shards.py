@@ -14,7 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from training.data.manifest import ShardInfo, SplitInfo
+from training.core.manifest import ShardInfo, SplitInfo
 
 
 class SplitWriter:

@@ -3,8 +3,8 @@
 A source is one of:
 - a local file, directory (searched recursively) or glob of Parquet or CSV files;
 - an fsspec URL (``s3://bucket/prefix/``, ``gs://...``, ``file://...``): file, prefix or glob;
-- ``synthetic://...`` (see ``training.data.synthetic``);
-- an image folder, ``root/<class>/<image>`` (see ``training.data.image_folder``).
+- ``synthetic://...`` (see ``training.prepare.synthetic``);
+- an image folder, ``root/<class>/<image>`` (see ``training.prepare.image_folder``).
 
 Every file's schema is read up front, so a corrupt file or files whose
 columns disagree fail before anything is written, naming the files. Numeric
@@ -29,9 +29,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.dataset as ds
 
-from training.data import image_folder, synthetic
-from training.data.columns import is_text
-from training.data.errors import DataError
+from training.core.errors import DataError
+from training.prepare import image_folder, synthetic
+from training.prepare.columns import is_text
 
 FORMAT_SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".parq": "parquet", ".csv": "csv"}
 _GLOB_CHARS = ("*", "?", "[")
