@@ -225,7 +225,7 @@ def presliced_inputs(split, batch: int, batches: int, seed: int = 0):
 
 
 def mixed_result(ctx: Context, split, rates: dict[str, list[float]], ratio: Stats, batches) -> Result:
-    from training.models.registry import embedding_dim
+    from training.models.tabular import embedding_dim
 
     epoch_steps = len(batches)
     step_us = 1e6 * BATCH / Stats.of(rates["mixed_compute"]).median

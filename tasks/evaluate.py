@@ -21,7 +21,8 @@ from training.core.config import PipelineConfig
 from training.core.fileio import atomic_write_json
 from training.core.layout import EVAL_METRICS
 from training.core.manifest import read_manifest
-from training.inference.evaluate import EvalResult, evaluate_split
+from training.inference.evaluate import evaluate_split
+from training.inference.model_file import EvalResult
 from training.objectives.next_token import LANGUAGE_MODEL, evaluated_as
 
 PLOT_ROWS = 20_000  # residual plot: enough points to see structure, bounded memory

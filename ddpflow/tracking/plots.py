@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from training.inference.evaluate import CONFUSION_MAX_CLASSES, EvalResult
+from training.inference.evaluate import CONFUSION_MAX_CLASSES
+from training.inference.model_file import EvalResult
 from training.objectives.next_token import LANGUAGE_MODEL
 
 if TYPE_CHECKING:

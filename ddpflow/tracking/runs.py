@@ -43,7 +43,7 @@ from training.checkpoint.files import training_identity
 from training.core.config import PipelineConfig
 from training.core.layout import SPLITS
 from training.core.manifest import Manifest
-from training.inference.evaluate import EvalResult
+from training.inference.model_file import EvalResult
 
 CONFIG_ARTIFACT = "config.json"  # the run's PipelineConfig, so registration can be re-run later
 # The prepared data's manifest (with its per-feature histograms): what a later run measures drift against,

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from training.core.manifest import read_manifest, write_manifest
-from training.inference.evaluate import IncompatibleModelError, evaluate_split, load_model_checkpoint
+from training.inference.evaluate import evaluate_split
+from training.inference.model_file import IncompatibleModelError, load_model_checkpoint
 from training.inference.predict import Predictor
 
 
@@ -202,7 +203,7 @@ def binary_model_file(dataset_dir, path, steps: int = 40):
     from training.checkpoint.files import inference_checkpoint
     from training.kinds.normalisation import Normaliser
     from training.models.registry import ModelSpec, build_model
-    from training.objectives.registry import Binary
+    from training.objectives.builtin import Binary
 
     manifest = read_manifest(dataset_dir)
     frame = read_split(dataset_dir, "train")

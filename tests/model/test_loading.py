@@ -387,7 +387,7 @@ def ragged_dataset(tmp_path, monkeypatch):
 
 def test_a_ragged_input_loads_as_values_and_offsets_and_the_node_cache_maps_the_same(ragged_dataset):
     from training.kinds.ragged import RaggedArray
-    from training.loading.batches import node_cache
+    from training.loading import node_cache
 
     dataset, manifest, table = ragged_dataset
     split = load_split(dataset, manifest, "train", read_rows=64)  # many record batches: offsets carried across

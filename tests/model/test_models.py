@@ -10,15 +10,8 @@ import torch
 from torch import nn
 
 from training.kinds.inputs import InputInfo, numeric_input
-from training.models.registry import (
-    MLP,
-    ModelImportError,
-    ModelSpec,
-    build_model,
-    embedding_dim,
-    numeric_block,
-    pick_model,
-)
+from training.models.registry import ModelImportError, ModelSpec, build_model, pick_model
+from training.models.tabular import MLP, embedding_dim, numeric_block
 
 NUMERIC = {name: numeric_input(name) for name in ("a", "b", "c")}
 MIXED = {

@@ -97,7 +97,7 @@ def by_hand(model_path: Path, dataset: Path, strings: list[str | None]) -> list[
     tokens, summed -log p of each next token, top-1 hits), from log_softmax over the model's logits."""
     from tokenizers import Tokenizer
 
-    from training.inference.evaluate import load_model_checkpoint
+    from training.inference.model_file import load_model_checkpoint
 
     model, _ = load_model_checkpoint(model_path)
     tokenizer = Tokenizer.from_file(str(dataset / "tokenizers" / "line.json"))
@@ -189,7 +189,8 @@ def test_a_batch_of_logits_is_bounded_in_memory():
 def test_a_dataset_without_the_modelled_text_is_incompatible(lines, tmp_path):
     from model.conftest import make_dataset
 
-    from training.inference.evaluate import IncompatibleModelError, evaluate_split
+    from training.inference.evaluate import evaluate_split
+    from training.inference.model_file import IncompatibleModelError
 
     _, model_path = lines
     numeric = make_dataset(tmp_path)

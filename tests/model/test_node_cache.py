@@ -29,7 +29,8 @@ from training.core.config import load_config
 from training.core.job import TrainJob
 from training.core.log import DATA
 from training.core.manifest import read_manifest
-from training.loading.batches import RankSampler, SplitTensors, TrainBatches, load_split, node_cache
+from training.loading import node_cache
+from training.loading.batches import RankSampler, SplitTensors, TrainBatches, load_split
 from training.loading.node_cache import FORMAT_VERSION, HEADER_BYTES, cache_path, open_split
 from training.loading.placement import decide, place_splits
 
@@ -234,7 +235,7 @@ def test_a_full_disk_while_building_names_the_path_and_leaves_no_file(dataset, t
     cache = tmp_path / "cache"
     script = (
         "import resource, signal, sys\n"
-        "from training.loading.batches import node_cache\n"
+        "from training.loading import node_cache\n"
         "from training.core.manifest import read_manifest\n"
         "from training.loading.node_cache import open_split\n"
         f"node_cache.BUILD_IN_RANK_MAX_BYTES = {node_cache.BUILD_IN_RANK_MAX_BYTES if where == 'rank' else 0}\n"

@@ -16,17 +16,9 @@ from stand_in_models import NumericLinear
 from training.core.config import ConfigError, load_config
 from training.loading.batches import SplitTensors, TrainBatches
 from training.loop.step import StepSettings, TrainStep
+from training.objectives.builtin import Binary, Huber, Multilabel, Softmax
 from training.objectives.metrics import roc_auc
-from training.objectives.registry import (
-    Binary,
-    Huber,
-    Multilabel,
-    Softmax,
-    build_objective,
-    check_objective,
-    class_weight_vector,
-    make_objective,
-)
+from training.objectives.registry import build_objective, check_objective, class_weight_vector, make_objective
 
 # --- per-row losses: known values ---------------------------------------------------------------------
 
@@ -175,7 +167,7 @@ def test_an_objective_that_does_not_fit_is_named(overrides, manifest, message):
 
 USER_OBJECTIVES = """
 import torch
-from training.objectives.registry import Objective
+from training.objectives.base import Objective
 
 
 class Absolute(Objective):

@@ -29,7 +29,8 @@ from devtools.ports import free_port
 from training.core.config import PipelineConfig
 from training.core.fileio import atomic_write_json
 from training.core.manifest import read_manifest
-from training.inference.evaluate import evaluate_split, load_model_checkpoint
+from training.inference.evaluate import evaluate_split
+from training.inference.model_file import load_model_checkpoint
 
 PREFECT = {"flow_run_id": "0000-flow-run", "flow_run_name": "brave-otter", "deployment_name": "nightly"}
 DDP = {"nproc_per_node": 2, "nnodes": 1, "backend": "gloo"}

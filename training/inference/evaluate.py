@@ -18,110 +18,32 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
 import torch
-from torch import nn
 
 from training.core.manifest import CLASS_TASKS, Manifest, read_manifest
+from training.inference.model_file import (
+    EVAL_BATCH_BYTES,
+    EvalResult,
+    IncompatibleModelError,
+    checkpoint_codecs,
+    checkpoint_inputs,
+    load_model_checkpoint,
+)
+from training.inference.token_scoring import check_text_input, evaluate_tokens
 from training.inference.wrong_rows import ConfidentlyWrong
 from training.kinds.inputs import InputInfo, inputs_from_manifest
 from training.kinds.normalisation import Normaliser
-from training.kinds.registry import Codec, codecs_for, encode_columns
+from training.kinds.registry import encode_columns
 from training.loading.batches import fill_labels
-from training.models.registry import ModelSpec, build_model
+from training.objectives.base import Objective
 from training.objectives.metrics import precision_recall
 from training.objectives.next_token import LANGUAGE_MODEL
-from training.objectives.registry import Objective, objective_from_checkpoint
-
-# What a model.pt must hold (docs/architecture.md) to be evaluated or served.
-REQUIRED_CHECKPOINT_KEYS = (
-    "model",
-    "model_spec",
-    "features",
-    "feature_mean",
-    "feature_std",
-    "task",
-    "label",
-    "label_mapping",
-)
-
-
-class IncompatibleModelError(ValueError):
-    """A checkpoint cannot score a dataset: other features, task or classes."""
-
-
-@dataclass
-class EvalResult:
-    task: str  # the dataset's task, or "next_token" for a language model (training/inference/token_scoring.py)
-    split: str
-    samples: int
-    metrics: dict[str, float]  # flat, MLflow-ready: "<split>_accuracy", "<split>_rmse", ...
-    seconds: float
-    class_labels: list[str] | None = None  # the dataset's classes, in index order
-    # Rows: true class, columns: predicted; None above CONFUSION_MAX_CLASSES classes (per_class has them all).
-    confusion_matrix: list[list[int]] | None = None
-    per_class: dict[str, dict[str, float]] | None = None  # label -> precision, recall, support
-    # Only with return_predictions: class indices (dataset's index space), multi-hot rows [N, C] (multilabel)
-    # or regression values.
-    predictions: np.ndarray | None = field(default=None, repr=False)
-    targets: np.ndarray | None = field(default=None, repr=False)
-    # Classification with an image input: the first MISCLASSIFIED_SHOWN wrong rows, {"image" (its encoded bytes),
-    # "true", "predicted" (labels), "input"}, for the grid of misclassified images (ddpflow/tracking/plots.py).
-    misclassified: list[dict[str, Any]] | None = field(default=None, repr=False)
-    # A classifier with text inputs: its most confidently wrong rows (inference/wrong_rows.py), a table artifact.
-    confidently_wrong: dict[str, list] | None = field(default=None, repr=False)  # {"columns", "data"}
-
-    def to_dict(self) -> dict[str, Any]:
-        """What ``eval/metrics.json`` holds (no per-row arrays)."""
-        return {
-            "task": self.task,
-            "split": self.split,
-            "samples": self.samples,
-            "seconds": self.seconds,
-            "metrics": self.metrics,
-            "class_labels": self.class_labels,
-            "confusion_matrix": self.confusion_matrix,
-            "per_class": self.per_class,
-        }
-
-
-def load_model_checkpoint(path: str | Path) -> tuple[nn.Module, dict[str, Any]]:
-    """Rebuild the model from ``model_spec`` and load its weights, in eval mode.
-
-    Returns the model and the checkpoint's other entries (everything except the
-    state dict). ``weights_only=True``: a checkpoint cannot run code on load.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"model checkpoint {path} does not exist")
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    missing = [key for key in REQUIRED_CHECKPOINT_KEYS if key not in checkpoint]
-    if missing:
-        raise ValueError(
-            f"model checkpoint {path} lacks keys {missing}; is it a final model.pt (not checkpoints/last.pt)?"
-        )
-    spec = ModelSpec.from_dict(checkpoint["model_spec"], checkpoint["features"])
-    model = build_model(spec, checkpoint["features"])
-    model.load_state_dict(checkpoint["model"])
-    model.eval()
-    meta = {key: value for key, value in checkpoint.items() if key != "model"}
-    meta["model_spec"] = spec.to_dict()  # with its inputs, also for a model.pt from before typed inputs
-    return model, meta
-
-
-def checkpoint_inputs(meta: dict[str, Any]) -> dict[str, InputInfo]:
-    """The model's inputs, in order (a model.pt from before typed inputs: its features, numeric)."""
-    return ModelSpec.from_dict(meta["model_spec"], meta["features"]).input_infos(meta["features"])
-
-
-def checkpoint_codecs(meta: dict[str, Any]) -> dict[str, Codec]:
-    """The model's own encoders (fitted on ITS train split): they encode any dataset's raw shards alike."""
-    return codecs_for(checkpoint_inputs(meta), meta.get("encoders") or {})
+from training.objectives.registry import objective_from_checkpoint
 
 
 def metric_label(value: Any) -> str:
@@ -190,7 +112,6 @@ def _iter_batches(manifest: Manifest, dataset_dir: Path, split: str, meta: dict[
             yield encoded, _labels(batch.column(manifest.label), manifest), batch
 
 
-EVAL_BATCH_BYTES = 256 << 20  # an evaluation batch's decoded inputs stay within about this much memory
 MISCLASSIFIED_SHOWN = 16
 
 
@@ -318,8 +239,6 @@ def evaluate_split(
     model, meta = load_model_checkpoint(model_path)
     objective = objective_from_checkpoint(meta)  # how its outputs are read: model.pt's objective
     if objective.name == LANGUAGE_MODEL:  # per target token, no label per row: its own module
-        from training.inference.token_scoring import check_text_input, evaluate_tokens
-
         check_text_input(meta, manifest, model_path)
         return evaluate_tokens(
             model, meta, objective, manifest, dataset_dir, split, batch_size,

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from training.core.manifest import CLASS_TASKS
-from training.inference.evaluate import checkpoint_codecs, checkpoint_inputs, load_model_checkpoint
+from training.inference.model_file import checkpoint_codecs, checkpoint_inputs, load_model_checkpoint
 from training.kinds.inputs import InputInfo
 from training.kinds.normalisation import Normaliser
 from training.kinds.registry import encode_columns

@@ -34,7 +34,7 @@ from typing import Any
 import mlflow.pyfunc
 import pandas as pd
 
-from training.inference.evaluate import load_model_checkpoint
+from training.inference.model_file import load_model_checkpoint
 from training.inference.predict import Predictor
 from training.inference.token_scoring import TokenScorer
 from training.objectives.next_token import LANGUAGE_MODEL

@@ -33,9 +33,18 @@ import torch
 from torch import nn
 
 from training.core.manifest import Manifest
+from training.inference.model_file import (
+    EVAL_BATCH_BYTES,
+    EvalResult,
+    IncompatibleModelError,
+    checkpoint_codecs,
+    checkpoint_inputs,
+    load_model_checkpoint,
+)
 from training.kinds.inputs import InputInfo, inputs_from_manifest
 from training.kinds.registry import collate_encoded
 from training.objectives.next_token import LANGUAGE_MODEL, MAX_LOG_PERPLEXITY, NextToken, RowScores, perplexity
+from training.objectives.registry import objective_from_checkpoint
 
 # The logits [B, L, vocab] and cross entropy's two fp32 copies of them dominate a batch's memory.
 LOGIT_COPIES = 3
@@ -43,16 +52,12 @@ LOGIT_COPIES = 3
 
 def modelled_text(meta: dict[str, Any]) -> tuple[InputInfo, Any]:
     """The text input a next_token model.pt models and its shipped codec (tokenizer, max_len)."""
-    from training.inference.evaluate import checkpoint_codecs, checkpoint_inputs
-
     name = meta["objective"]["kwargs"]["input"]
     return checkpoint_inputs(meta)[name], checkpoint_codecs(meta)[name]
 
 
 def check_text_input(meta: dict[str, Any], manifest: Manifest, checkpoint: str | Path) -> None:
     """``IncompatibleModelError`` unless the dataset has the model's text input, as text."""
-    from training.inference.evaluate import IncompatibleModelError
-
     name = meta["objective"]["kwargs"]["input"]
     present = inputs_from_manifest(manifest).get(name)
     if present is None or present.kind != "text":
@@ -94,8 +99,6 @@ def evaluate_tokens(
     """Score every row of ``split`` once, shard by shard in batches (bounded memory); an ``EvalResult`` whose
     task is ``LANGUAGE_MODEL``. ``return_predictions``: each row's mean loss (NaN without targets) as
     ``predictions`` and its target tokens as ``targets``, in shard order (the first ``max_predictions``)."""
-    from training.inference.evaluate import EVAL_BATCH_BYTES, EvalResult
-
     started = time.perf_counter() if started is None else started
     info, codec = modelled_text(meta)
     rows_at_once = rows_per_batch(info, objective.vocab_size, batch_size, EVAL_BATCH_BYTES)
@@ -140,9 +143,6 @@ class TokenScorer:
     row ``tokens``, ``loss``, ``perplexity`` (module docstring), the evaluation's computation."""
 
     def __init__(self, model: nn.Module, meta: dict[str, Any], batch_size: int = 1024):
-        from training.inference.evaluate import EVAL_BATCH_BYTES
-        from training.objectives.registry import objective_from_checkpoint
-
         self.model, self.meta = model.eval(), meta
         self.objective = objective_from_checkpoint(meta)
         self.info, self._codec = modelled_text(meta)
@@ -153,8 +153,6 @@ class TokenScorer:
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, batch_size: int = 1024) -> TokenScorer:
-        from training.inference.evaluate import load_model_checkpoint
-
         return cls(*load_model_checkpoint(path), batch_size)
 
     def score(self, frame: pd.DataFrame) -> pd.DataFrame:

@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from training.core.errors import DataError
-from training.kinds.registry import Codec
+from training.kinds.base import Codec
 from training.kinds.stats import RunningHistogram
 
 # Pillow modes an image may have: each converts to RGB and L without losing its meaning. 16/32-bit integer

@@ -39,7 +39,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from training.core.errors import DataError
-from training.kinds.registry import Codec, plain
+from training.kinds.base import Codec, plain
 
 DEFAULT_MAX_LEN = 256
 DEFAULT_TOKENIZER = {"type": "bpe", "vocab_size": 8000}

@@ -36,10 +36,11 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from training.core.manifest import Manifest
+from training.kinds.base import Codec
 from training.kinds.inputs import inputs_from_manifest, numeric_names
 from training.kinds.normalisation import Normaliser
 from training.kinds.ragged import BatchContext, RaggedArray, evaluation_context
-from training.kinds.registry import Codec, codecs_for, read_encoders
+from training.kinds.registry import codecs_for, read_encoders
 
 
 class ShardError(ValueError):

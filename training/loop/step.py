@@ -38,7 +38,8 @@ from torch import nn
 
 from training.loading.batches import Batch, SplitTensors, TrainBatches, combined_row_weights
 from training.loop.nonfinite import NonFiniteStep
-from training.objectives.registry import Objective, auto_objective, make_objective
+from training.objectives.base import Objective
+from training.objectives.registry import auto_objective, make_objective
 
 
 @dataclass(frozen=True)

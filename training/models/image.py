@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from training.kinds.inputs import EMBEDDED_KINDS, InputInfo
+from training.models.tabular import TABULAR_KINDS, embedding_dim, numeric_block
 
 
 def group_norm(channels: int, groups: int) -> nn.GroupNorm:
@@ -80,10 +81,9 @@ class ImageClassifier(nn.Module):
         groups: int = 8,
         embedding_dims: dict[str, int] | None = None,
     ):
-        from training.models.registry import _MLP_KINDS, embedding_dim
-
         super().__init__()
-        unknown = [f"{name} ({info.kind})" for name, info in inputs.items() if info.kind not in (*_MLP_KINDS, "image")]
+        takes = (*TABULAR_KINDS, "image")
+        unknown = [f"{name} ({info.kind})" for name, info in inputs.items() if info.kind not in takes]
         if unknown:
             raise ValueError(f"the built-in image model takes images and tabular inputs, not {unknown}")
         self.images = [name for name, info in inputs.items() if info.kind == "image"]
@@ -110,8 +110,6 @@ class ImageClassifier(nn.Module):
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         parts = [self.trunks[name](_image_layout(batch[name])) for name in self.images]
         if self.numeric:
-            from training.models.registry import numeric_block
-
             parts.append(numeric_block(batch, self.numeric))
         parts += [batch[name] for name in self.vectors]
         parts += [self.embeddings[name](batch[name]) for name in self.embedded]

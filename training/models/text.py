@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from training.kinds.inputs import InputInfo
+from training.models.tabular import MLP
 
 
 class TextEncoder(nn.Module):
@@ -69,8 +70,6 @@ class TextTransformer(nn.Module):
         language_model: str | None = None,
     ):
         super().__init__()
-        from training.models.registry import MLP
-
         self.texts = [name for name, info in inputs.items() if info.kind == "text"]
         if not self.texts:
             raise ValueError("train.model transformer needs at least one text input (data.inputs: {name: text})")

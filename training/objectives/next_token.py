@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from training.core.config import ConfigError
+from training.objectives.base import Objective
 from training.objectives.metrics import MeanTally
-from training.objectives.registry import Objective
 
 TOKENS = "tokens"  # the label kind: [B, L] target ids per position, IGNORE where there is none
 IGNORE = -100

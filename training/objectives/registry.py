@@ -1,38 +1,11 @@
-"""The one loss contract: every objective returns a PER-ROW loss, and the step's loss is
-
-    L = Σ_i w_i · ℓ_i / Σ_i w_i     over the real rows of the GLOBAL batch (all ranks, all micro-batches),
-
-w_i the row's weight (its data.weight times its class weight under ``train.class_weights``; 1 otherwise; sampler padding
-0). training/loop/step.py: ``TrainStep`` makes DDP's averaged gradient exactly ∇L whatever the world size
-(its docstring). An objective says:
-
-- ``n_outputs(n_classes)``: the width of the model's output ``[B, n]``;
-- ``label_kind``: what a label is: a class index (int64 ``[B]``), a multi-hot row (float32 ``[B, C]``)
-  or a value (float32 ``[B]``, the standardised regression target);
-- ``per_row_loss(outputs, labels) -> [B]``: float32, computed in fp32 also under bf16 autocast;
-- ``tally(n_classes)``: the sums its exact metrics come from (training/objectives/metrics.py);
-- ``decode(outputs) -> (label index or value, probabilities or None)``: what evaluation and serving report.
-
-Built-ins (``train.objective``):
-
-- ``softmax``: C outputs, a class index label; cross entropy (with ``train.label_smoothing``);
-  metrics: loss, accuracy, macro-F1, log loss, top-5 accuracy above 10 classes.
-- ``binary``: ONE logit, the class index 0/1 of a 2-class label (index 1, the second label in sorted
-  order, is the positive class); BCE with logits; the same metrics, plus ROC AUC (exact: every row's
-  score is kept and ranked).
-- ``multilabel``: C outputs, a sigmoid each, a multi-hot label; BCE AVERAGED over the C labels of the
-  row (so the loss does not grow with C; as ``BCEWithLogitsLoss(reduction="mean")`` over ``[B, C]``);
-  metrics: loss, micro-F1, macro-F1 (threshold 0.5), exact match.
-- ``mse``: 1 output, a value; squared error; metrics: loss, RMSE, MAE, R² (on the original scale).
-- ``huber``: the same, Huber loss with ``delta`` (``train.objective_kwargs``, default 1.0) in units of
-  the target's standard deviation (it trains on the standardised target); its loss is reported on
-  that standardised scale.
+"""The objectives' registry: which objective ``train.objective`` names, built-in (``builtin.py``,
+``next_token.py``) or a user's, and what a run builds from it (the contract: ``base.py: Objective``).
 
 ``auto`` (the default): classification -> softmax (also for 2 classes, so today's models train to the
 same weights), a list<string> label -> multilabel, regression -> mse.
 
 A user objective ``package.module:factory`` is called as ``factory(n_classes, **train.objective_kwargs)``
-(``n_classes`` None for regression) and returns an ``Objective`` (subclass this one): it must define
+(``n_classes`` None for regression) and returns an ``Objective`` (subclass ``base.py: Objective``): it must define
 ``per_row_loss``, may override ``n_outputs``, ``decode``, and name per-row metrics in
 ``metric_names``/``row_metrics`` (each reported as its mean over the split: ``val_<name>``,
 ``test_<name>``). The preflight calls it on a tiny batch and names the objective and the shape it
@@ -45,163 +18,14 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from training.core.config import ConfigError
 from training.core.imports import import_factory
-from training.objectives.metrics import ClassTally, MeanTally, MultilabelTally, RegressionTally, Tally
+from training.objectives.base import CLASS_INDEX, MULTI_HOT, VALUE, Objective
+from training.objectives.builtin import Binary, Huber, MeanSquaredError, Multilabel, Softmax
+from training.objectives.next_token import NextToken, next_token_kwargs
 
-CLASS_INDEX, MULTI_HOT, VALUE = "class_index", "multi_hot", "value"  # what a label is
 BUILT_IN = ("softmax", "binary", "multilabel", "mse", "huber", "next_token")
-DEFAULT_HUBER_DELTA = 1.0
-
-
-class Objective:
-    """The contract (module docstring). A user objective subclasses it and defines ``per_row_loss``."""
-
-    name = "objective"
-    label_kind = VALUE
-    # The loss on the target's original scale is the standardised one times target_std ** this
-    # (mse: 2, exact; every other objective reports its loss on the scale it trains on: 0).
-    loss_scale_power = 0
-
-    def __init__(self, n_classes: int | None = None, **kwargs: Any):
-        self.n_classes = n_classes
-        self.kwargs = dict(kwargs)
-        self.class_weights: torch.Tensor | None = None  # [C] float32, set by build_objective
-
-    def n_outputs(self, n_classes: int | None) -> int:
-        return n_classes if self.label_kind != VALUE and n_classes else 1
-
-    def per_row_loss(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError(f"{type(self).__name__} must define per_row_loss(outputs, labels) -> [B]")
-
-    def metric_names(self) -> tuple[str, ...]:
-        return ()
-
-    def row_metrics(self, outputs: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {}
-
-    def decode(self, outputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.label_kind == VALUE:
-            return outputs.float().reshape(len(outputs)), None
-        probabilities = outputs.float().softmax(dim=1)
-        return outputs.argmax(dim=1), probabilities
-
-    def tally(self, n_classes: int | None) -> Tally:
-        return MeanTally(self.per_row_loss, self.row_metrics, self.metric_names(), self.loss_scale_power)
-
-    def row_weights(self, labels: torch.Tensor) -> torch.Tensor | None:
-        """Each row's class weight (``train.class_weights``), or None when every row weighs 1."""
-        if self.class_weights is None:
-            return None
-        return self.class_weights.to(labels.device).index_select(0, labels.long())
-
-    def remap_outputs(self, outputs: torch.Tensor, remap: torch.Tensor) -> torch.Tensor:
-        """Outputs in the model's class order -> the dataset's (``remap[model index] = dataset index``)."""
-        return torch.empty_like(outputs).index_copy_(1, remap.to(outputs.device), outputs)
-
-    def targets(self, inputs: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
-        """What ``per_row_loss`` compares the outputs with: the batch's labels (next_token: its own tokens)."""
-        return labels
-
-    def split_row_weights(self, split) -> torch.Tensor | None:
-        """Each train row's weight in the loss, for the whole split (``TrainBatches``): its class weight."""
-        return self.row_weights(split.labels)
-
-    def model_kwargs(self) -> dict[str, Any]:
-        """What the model must be told beyond ``train.model_kwargs`` (next_token: which text it models)."""
-        return {}
-
-    def describe(self) -> dict[str, Any]:
-        """What model.pt records (``objective_from_checkpoint`` rebuilds it): the name and its kwargs only;
-        label smoothing and class weights shape training, not how a model's outputs are read."""
-        return {"name": self.name, "kwargs": dict(self.kwargs)}
-
-
-class Softmax(Objective):
-    name, label_kind = "softmax", CLASS_INDEX
-
-    def __init__(self, n_classes: int | None = None, label_smoothing: float = 0.0):
-        super().__init__(n_classes)
-        self.label_smoothing = label_smoothing
-
-    def per_row_loss(self, outputs, labels):
-        return F.cross_entropy(outputs.float(), labels.long(), reduction="none", label_smoothing=self.label_smoothing)
-
-    def log_loss(self, outputs, labels):
-        return F.cross_entropy(outputs.float(), labels.long(), reduction="none")
-
-    def tally(self, n_classes):
-        return ClassTally(n_classes, self.per_row_loss, self.log_loss, self.decode)
-
-
-class Binary(Objective):
-    name, label_kind = "binary", CLASS_INDEX
-
-    def n_outputs(self, n_classes):
-        return 1
-
-    def per_row_loss(self, outputs, labels):
-        logits = outputs.float().reshape(len(outputs))
-        return F.binary_cross_entropy_with_logits(logits, labels.float(), reduction="none")
-
-    def decode(self, outputs):
-        logits = outputs.float().reshape(len(outputs))
-        positive = torch.sigmoid(logits)
-        return (logits > 0).long(), torch.stack([1 - positive, positive], dim=1)
-
-    def tally(self, n_classes):
-        return ClassTally(2, self.per_row_loss, self.per_row_loss, self.decode, score=self.positive_score)
-
-    def positive_score(self, outputs):
-        """The row's logit for class 1: it ranks rows as its probability does (ROC AUC)."""
-        return outputs.float().reshape(len(outputs))
-
-    def remap_outputs(self, outputs, remap):
-        # One logit for class index 1: a model whose classes are the other way round scores the other class.
-        return outputs if remap.tolist() == [0, 1] else -outputs
-
-
-class Multilabel(Objective):
-    name, label_kind = "multilabel", MULTI_HOT
-
-    def per_row_loss(self, outputs, labels):
-        losses = F.binary_cross_entropy_with_logits(outputs.float(), labels.float(), reduction="none")
-        return losses.mean(dim=1)  # averaged over the labels: the loss scale does not depend on C
-
-    def decode(self, outputs):
-        return outputs > 0, torch.sigmoid(outputs.float())
-
-    def tally(self, n_classes):
-        return MultilabelTally(n_classes, self.per_row_loss)
-
-
-class MeanSquaredError(Objective):
-    name, label_kind, loss_scale_power = "mse", VALUE, 2
-
-    def per_row_loss(self, outputs, labels):
-        return (outputs.float().reshape(labels.shape) - labels.float()).square()
-
-    def tally(self, n_classes):
-        return RegressionTally(self.per_row_loss, self.loss_scale_power)
-
-
-class Huber(Objective):
-    name, label_kind = "huber", VALUE
-
-    def __init__(self, n_classes: int | None = None, delta: float = DEFAULT_HUBER_DELTA):
-        if not delta > 0:
-            raise ConfigError(f"train.objective_kwargs: huber's delta must be positive, got {delta!r}")
-        super().__init__(n_classes, delta=float(delta))
-        self.delta = float(delta)
-
-    def per_row_loss(self, outputs, labels):
-        predicted = outputs.float().reshape(labels.shape)
-        return F.huber_loss(predicted, labels.float(), reduction="none", delta=self.delta)
-
-    def tally(self, n_classes):
-        return RegressionTally(self.per_row_loss, self.loss_scale_power)
 
 
 BUILT_INS: dict[str, Callable[..., Objective]] = {
@@ -244,8 +68,6 @@ def make_objective(
             f"train.objective is {resolved!r}"
         )
     if resolved == "next_token":  # its own module (training/objectives/next_token.py); any task's data
-        from training.objectives.next_token import NextToken
-
         return NextToken(n_classes, **kwargs)
     if resolved not in BUILT_INS:
         return _user_objective(resolved, task, n_classes, kwargs, multi_hot_label)
@@ -328,8 +150,6 @@ def build_objective(train, manifest) -> Objective:
     n_classes = len(manifest.label_mapping) if manifest.label_mapping is not None else None
     kwargs = train.objective_kwargs
     if train.objective == "next_token":
-        from training.objectives.next_token import next_token_kwargs
-
         kwargs = next_token_kwargs(kwargs, manifest)  # the text input and its vocabulary size
     objective = make_objective(train.objective, manifest.task, n_classes, kwargs, train.label_smoothing, multi_hot)
     if train.class_weights != "none":

@@ -34,15 +34,9 @@ from training.core.errors import DataError
 from training.core.fileio import atomic_write_text
 from training.core.layout import SPLITS
 from training.core.manifest import CLASS_TASKS, Manifest, SplitInfo, read_manifest, write_manifest
-from training.kinds.registry import (
-    ENCODERS_FILE,
-    Codec,
-    encoder_states,
-    encoders_sha256,
-    encoders_text,
-    make_codec,
-    plain,
-)
+from training.kinds.base import Codec, plain
+from training.kinds.hashing import hash_values
+from training.kinds.registry import ENCODERS_FILE, encoder_states, encoders_sha256, encoders_text, make_codec
 from training.kinds.stats import ClassCounts, RunningHistogram, RunningMoments
 from training.prepare import split as row_split
 from training.prepare.columns import ColumnPlan, left_out_columns, plan_columns, value_type
@@ -513,16 +507,16 @@ class _BatchRows:
     def hashes(self) -> np.ndarray:
         """The split hash: the key when there is one, else the row's content (stored inputs + label)."""
         if self.key is not None:
-            return row_split.hash_values(self.key)
+            return hash_values(self.key)
         label_for_hash = self.raw_label if self.plan.task == "classification" else self.label
         if self.plan.task == "multilabel":  # a row's classes, as one sorted string
             label_for_hash = pa.array(["\x1f".join(map(str, sorted(row))) for row in self.raw_label.to_pylist()])
-        extra = row_split.hash_values(label_for_hash)
+        extra = hash_values(label_for_hash)
         for name, column in self.others.items():  # none for numeric tables: their split is as before
             if self.codecs[name].kind == "vector":
                 extra = row_split.hash_rows(self.codecs[name].encode(column).astype(np.float64), extra)
             else:
-                extra = row_split.combine_hashes(extra, row_split.hash_values(column))
+                extra = row_split.combine_hashes(extra, hash_values(column))
         return row_split.hash_rows(self.features.T, extra)
 
     def table(self, rows: np.ndarray, schema: pa.Schema) -> pa.Table:

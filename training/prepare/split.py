@@ -5,39 +5,17 @@ there is no key) and the two fractions, never on its position, the file it
 came from or the rows around it. So appending rows never moves an old row to
 another split, and a row in test can never land in train on a later run.
 
-The hash is pandas' ``hash_array`` (SipHash with a fixed key for strings, a
-fixed integer mix for numbers): stable across processes, runs and machines,
-unlike Python's ``hash``. Numbers are widened first (ints to int64, floats to
-float64) so that ``3`` read from CSV and ``3`` read from Parquet as int32 hash
-alike.
+A value's hash is ``training/kinds/hashing.py: hash_values`` (stable across
+processes, runs and machines, unlike Python's ``hash``); this module combines
+them into row hashes and assigns the splits.
 """
 
 from __future__ import annotations
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
-
-# pandas is imported where a hash is taken, not here: every rank imports this module through the codecs, and
-# pandas would add about 0.4 s of start-up to each rank of a run that has no id column.
 
 TRAIN, VAL, TEST = 0, 1, 2
 _TOP_53_BITS = np.float64(2.0**-53)
-
-
-def hash_values(array: pa.Array | pa.ChunkedArray) -> np.ndarray:
-    """One stable uint64 per value of a key or label column."""
-    if pa.types.is_dictionary(array.type):
-        array = pc.cast(array, array.type.value_type)
-    if pa.types.is_integer(array.type) or pa.types.is_boolean(array.type):
-        values = pc.cast(array, pa.int64()).to_numpy(zero_copy_only=False)
-    elif pa.types.is_floating(array.type) or pa.types.is_decimal(array.type):
-        values = pc.cast(array, pa.float64()).to_numpy(zero_copy_only=False)
-    else:
-        values = np.asarray(array.to_numpy(zero_copy_only=False), dtype=object)
-    import pandas as pd
-
-    return pd.util.hash_array(values, categorize=False)
 
 
 def hash_rows(features: np.ndarray, label_hash: np.ndarray) -> np.ndarray:
