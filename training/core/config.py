@@ -72,6 +72,20 @@ class _Section(BaseModel):
 INPUT_KINDS = ("numeric", "categorical", "hashed", "vector", "image", "text")
 IMAGE_OPTIONS = ("size", "channels", "mean", "std", "augment")  # kind image (training/kinds/image.py, docs/data.md)
 TEXT_OPTIONS = ("max_len", "tokenizer")  # kind text (training/kinds/text.py, docs/data.md)
+TEXT_DEFAULT_MAX_LEN = 256
+TEXT_DEFAULT_TOKENIZER = {"type": "bpe", "vocab_size": 8000}
+
+
+def text_options(max_len: int | None, tokenizer) -> dict[str, Any]:
+    """A text input's codec options with the defaults filled in: ``max_len`` and the tokenizer, either
+    ``{"type", "vocab_size"}`` (fitted) or ``{"file": path}`` (the user's)."""
+    if tokenizer is None:
+        spec = dict(TEXT_DEFAULT_TOKENIZER)
+    elif isinstance(tokenizer, str):
+        spec = {"file": tokenizer}
+    else:
+        spec = {"type": tokenizer.type, "vocab_size": int(tokenizer.vocab_size)}
+    return {"max_len": int(max_len or TEXT_DEFAULT_MAX_LEN), "tokenizer": spec}
 
 
 class TokenizerSpec(_Section):
@@ -131,8 +145,6 @@ class InputSpec(_Section):
         if self.kind == "image":  # the codec fills the defaults it learns from the train split
             return {name: getattr(self, name) for name in IMAGE_OPTIONS if getattr(self, name) is not None}
         if self.kind == "text":
-            from training.kinds.text import text_options  # the text kind's defaults, in its own module
-
             return text_options(self.max_len, self.tokenizer)
         return {}
 

@@ -38,27 +38,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from training.core.config import text_options
 from training.core.errors import DataError
 from training.kinds.base import Codec, plain
 
-DEFAULT_MAX_LEN = 256
-DEFAULT_TOKENIZER = {"type": "bpe", "vocab_size": 8000}
 PAD, UNK = "[PAD]", "[UNK]"
 SPECIAL_TOKENS = (PAD, UNK)  # ids 0 and 1 of a fitted tokenizer
 TOKENIZERS_DIR = "tokenizers"  # <dataset>/tokenizers/<input>.json
 UNIGRAM_SCORE_DIGITS = 9
-
-
-def text_options(max_len: int | None, tokenizer) -> dict[str, Any]:
-    """A text input's codec options with the defaults filled in: ``max_len`` and the tokenizer, either
-    ``{"type", "vocab_size"}`` (fitted) or ``{"file": path}`` (the user's)."""
-    if tokenizer is None:
-        spec = dict(DEFAULT_TOKENIZER)
-    elif isinstance(tokenizer, str):
-        spec = {"file": tokenizer}
-    else:
-        spec = {"type": tokenizer.type, "vocab_size": int(tokenizer.vocab_size)}
-    return {"max_len": int(max_len or DEFAULT_MAX_LEN), "tokenizer": spec}
 
 
 def tokenizer_file_sha256(options: dict[str, Any]) -> str | None:
