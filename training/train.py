@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from training.checkpoint.files import Checkpointer, check_global_batch, identity_entries, inference_checkpoint
+from training.checkpoint.files import Checkpointer, check_global_batch, identity_entries
 from training.checkpoint.steps import StepSchedule
 from training.core.job import TrainJob
 from training.core.log import DATA, log_main, log_rank
@@ -51,6 +51,7 @@ from training.distributed.process import (
     preload_in_background,
     record_root_cause,
 )
+from training.inference.model_file import inference_checkpoint
 from training.kinds.inputs import inputs_from_manifest
 from training.kinds.normalisation import Normaliser
 from training.kinds.registry import read_encoders

@@ -214,3 +214,21 @@ def test_a_list_label_is_multilabel_with_multi_hot_rows(table_file, make_config)
     with_null = table_file({"x": np.zeros(3), "tags": pa.array([["a"], None, ["b"]])}, "null.parquet")
     with pytest.raises(DataError, match="label column 'tags' has 1 null"):
         prepare_dataset(make_config(with_null, label="tags"))
+
+
+def test_the_kinds_config_accepts_are_the_kinds_the_registry_encodes():
+    """The list of kinds is written in three places (config validation, InputInfo, the codec registry):
+    a kind added to one and not the others is refused by the config or fails late in a rank."""
+    import typing
+
+    from training.core.config import INPUT_KINDS, InputSpec
+    from training.kinds.inputs import KINDS
+    from training.kinds.registry import CODECS
+
+    accepted = typing.get_args(InputSpec.model_fields["kind"].annotation)
+    assert set(accepted) == set(INPUT_KINDS) == set(KINDS) == set(CODECS), (
+        accepted,
+        INPUT_KINDS,
+        KINDS,
+        sorted(CODECS),
+    )

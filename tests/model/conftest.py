@@ -21,8 +21,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from training.checkpoint.files import inference_checkpoint
 from training.core.manifest import Manifest, ShardInfo, SplitInfo, write_manifest
+from training.inference.model_file import inference_checkpoint
 from training.kinds.normalisation import Normaliser
 from training.models.registry import ModelSpec, build_model
 

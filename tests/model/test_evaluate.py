@@ -200,7 +200,7 @@ def test_a_model_pt_without_target_statistics_predicts_on_the_raw_scale(dataset_
 
 def binary_model_file(dataset_dir, path, steps: int = 40):
     """A model.pt of the binary objective (one logit), trained full-batch on the train split."""
-    from training.checkpoint.files import inference_checkpoint
+    from training.inference.model_file import inference_checkpoint
     from training.kinds.normalisation import Normaliser
     from training.models.registry import ModelSpec, build_model
     from training.objectives.builtin import Binary

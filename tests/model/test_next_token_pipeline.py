@@ -54,8 +54,8 @@ def prepare_lines(root: Path, rows: int = 240, seed: int = 3) -> Path:
 
 def language_model_file(dataset: Path, path: Path, steps: int = 40, seed: int = 0) -> Path:
     """A next_token model.pt as the Trainer writes it, after ``steps`` full-batch Adam steps on the train split."""
-    from training.checkpoint.files import inference_checkpoint
     from training.core.manifest import read_manifest
+    from training.inference.model_file import inference_checkpoint
     from training.inference.token_scoring import encode_texts, modelled_text
     from training.kinds.inputs import inputs_from_manifest
     from training.kinds.registry import read_encoders
@@ -292,8 +292,8 @@ def test_a_language_model_is_registered_behind_the_gate_and_its_pyfunc_scores_ro
 
 def classifier_file(dataset: Path, path: Path) -> Path:
     """A text classifier of the lines' level (untrained: the gate only needs it to score), as the Trainer saves it."""
-    from training.checkpoint.files import inference_checkpoint
     from training.core.manifest import read_manifest
+    from training.inference.model_file import inference_checkpoint
     from training.kinds.inputs import inputs_from_manifest
     from training.kinds.registry import read_encoders
     from training.models.registry import ModelSpec, build_model

@@ -62,7 +62,6 @@ from training.core.config import PipelineConfig, TrainConfig
 from training.core.fileio import atomic_write
 from training.core.layout import FINAL_MODEL, LAST_CHECKPOINT
 from training.core.log import log_rank
-from training.core.manifest import Manifest
 from training.models.registry import ModelSpec
 
 
@@ -106,43 +105,6 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         raise
     except Exception as error:
         raise CheckpointReadError(f"cannot load checkpoint {path}: {error}") from error
-
-
-def inference_checkpoint(
-    state_dict: dict[str, Any],
-    spec: ModelSpec,
-    manifest: Manifest,
-    epochs: int,
-    metrics: dict[str, Any],
-    encoders: dict[str, Any] | None = None,
-    selection: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """``model.pt``: the weights plus everything evaluation and serving need to rebuild
-    the model and feed it raw columns (architecture, feature order, normalisation, labels).
-
-    ``epochs``: the epochs trained; ``metrics``: the selected epoch's; ``selection``: which epoch the
-    weights are from and why (``training/loop/selection.py: Selection.describe``; None: the last one)."""
-    return {
-        "model": state_dict,
-        "model_spec": spec.to_dict(),
-        "features": list(manifest.features),
-        "feature_mean": list(manifest.feature_mean),
-        "feature_std": list(manifest.feature_std),
-        # Regression: the model predicts the standardised target; None (old files too) = raw scale.
-        "label_mean": manifest.label_mean,
-        "label_std": manifest.label_std,
-        "task": manifest.task,
-        "label": manifest.label,
-        "label_mapping": manifest.label_mapping,
-        "fingerprint": manifest.fingerprint,
-        "epochs": epochs,
-        "metrics": metrics,
-        # The fitted encoders (training/kinds/registry.py: encoders.json) and the weight column: raw rows in.
-        "encoders": encoders or {},
-        "weight": manifest.weight,
-        "selected_epoch": selection["selected_epoch"] if selection else metrics.get("epoch", epochs - 1),
-        "selection": selection,
-    }
 
 
 def training_identity(config: PipelineConfig | Mapping[str, Any], fingerprint: str | None) -> dict[str, Any]:

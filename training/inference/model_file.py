@@ -1,6 +1,8 @@
-"""model.pt, read: what a final model file must hold, the model rebuilt from it with its weights, its inputs and
-encoders, and what an evaluation of it returns (``EvalResult``). Both evaluators (``evaluate.py`` for rows,
-``token_scoring.py`` for a language model's tokens) and serving read a model.pt through this module only.
+"""model.pt, written and read in this one module: what the Trainer saves at the end of a run
+(``inference_checkpoint``), what a final model file must hold (``REQUIRED_CHECKPOINT_KEYS``), the model rebuilt
+from it with its weights, inputs and encoders, and what an evaluation of it returns (``EvalResult``). Both
+evaluators (``evaluate.py`` for rows, ``token_scoring.py`` for a language model's tokens) and serving read a
+model.pt through this module only; the Checkpointer (``training/checkpoint/files.py``) writes it atomically.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from training.core.manifest import Manifest
 from training.kinds.base import Codec
 from training.kinds.inputs import InputInfo
 from training.kinds.registry import codecs_for
@@ -105,3 +108,40 @@ def checkpoint_codecs(meta: dict[str, Any]) -> dict[str, Codec]:
 
 
 EVAL_BATCH_BYTES = 256 << 20  # an evaluation batch's decoded inputs stay within about this much memory
+
+
+def inference_checkpoint(
+    state_dict: dict[str, Any],
+    spec: ModelSpec,
+    manifest: Manifest,
+    epochs: int,
+    metrics: dict[str, Any],
+    encoders: dict[str, Any] | None = None,
+    selection: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``model.pt``: the weights plus everything evaluation and serving need to rebuild
+    the model and feed it raw columns (architecture, feature order, normalisation, labels).
+
+    ``epochs``: the epochs trained; ``metrics``: the selected epoch's; ``selection``: which epoch the
+    weights are from and why (``training/loop/selection.py: Selection.describe``; None: the last one)."""
+    return {
+        "model": state_dict,
+        "model_spec": spec.to_dict(),
+        "features": list(manifest.features),
+        "feature_mean": list(manifest.feature_mean),
+        "feature_std": list(manifest.feature_std),
+        # Regression: the model predicts the standardised target; None (old files too) = raw scale.
+        "label_mean": manifest.label_mean,
+        "label_std": manifest.label_std,
+        "task": manifest.task,
+        "label": manifest.label,
+        "label_mapping": manifest.label_mapping,
+        "fingerprint": manifest.fingerprint,
+        "epochs": epochs,
+        "metrics": metrics,
+        # The fitted encoders (training/kinds/registry.py: encoders.json) and the weight column: raw rows in.
+        "encoders": encoders or {},
+        "weight": manifest.weight,
+        "selected_epoch": selection["selected_epoch"] if selection else metrics.get("epoch", epochs - 1),
+        "selection": selection,
+    }

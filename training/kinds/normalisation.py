@@ -63,7 +63,7 @@ class Normaliser:
 
     @classmethod
     def from_checkpoint(cls, meta: Mapping[str, Any]) -> Normaliser:
-        """From a model.pt's entries (``training/checkpoint/files.py: inference_checkpoint``)."""
+        """From a model.pt's entries (``training/inference/model_file.py: inference_checkpoint``)."""
         return cls.from_stats(meta["feature_mean"], meta["feature_std"], meta.get("label_mean"), meta.get("label_std"))
 
     @property
