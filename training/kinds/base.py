@@ -38,6 +38,12 @@ class Codec:
     def __init__(self, name: str, options: dict[str, Any] | None = None):
         self.name, self.options = name, dict(options or {})
 
+    @classmethod
+    def user_file_sha256(cls, options: dict[str, Any]) -> str | None:
+        """The sha256 of a file of the user's that these options name and the prepared output depends on (the
+        dataset fingerprint adds it: a new file's content is a new dataset); None when there is none."""
+        return None
+
     def stored_type(self, source_type: pa.DataType) -> pa.DataType:
         """The shard column's type: the validated raw values."""
         return source_type

@@ -81,6 +81,10 @@ class TextCodec(Codec):
         self._state: dict[str, Any] | None = None
         self.tokenizer = None
 
+    @classmethod
+    def user_file_sha256(cls, options: dict[str, Any]) -> str | None:
+        return tokenizer_file_sha256(options)
+
     # ------------------------------------------------------------------ prepare
 
     def stored_type(self, source_type: pa.DataType) -> pa.DataType:

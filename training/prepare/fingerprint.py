@@ -17,6 +17,7 @@ import json
 from typing import Any
 
 from training.core.config import DataConfig
+from training.kinds.registry import CODECS
 
 # Bump when prepare's output changes for the same input (layout, dtypes, split rule, manifest statistics).
 # 2: regression manifests carry label_mean/label_std (target standardisation).
@@ -28,11 +29,10 @@ _NOT_OUTPUT_FIELDS = frozenset({"root", "read_batch_rows", "source", "cache_dir"
 
 
 def tokenizer_files(data: DataConfig) -> dict[str, str]:
-    """Each text input's user tokenizer.json -> its sha256: a new file's content is a new dataset."""
-    from training.kinds.text import tokenizer_file_sha256
-
+    """Each input's user file (a text input's tokenizer.json) -> its sha256: a new file's content is a new
+    dataset. Its kind says which file (``Codec.user_file_sha256``)."""
     specs = data.input_specs() or {}
-    found = {name: tokenizer_file_sha256(spec.options()) for name, spec in specs.items() if spec.kind == "text"}
+    found = {name: CODECS[spec.kind].user_file_sha256(spec.options()) for name, spec in specs.items()}
     return {name: sha for name, sha in found.items() if sha is not None}
 
 
