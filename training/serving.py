@@ -33,6 +33,8 @@ from typing import Any
 
 import mlflow.pyfunc
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from training.evaluate import load_model_checkpoint
 from training.predict import Predictor
@@ -88,14 +90,38 @@ def predictions(predictor: Predictor | TokenScorer, frame: pd.DataFrame, output:
 
 
 def raw_example(predictor: Predictor | TokenScorer, frame: pd.DataFrame) -> pd.DataFrame:
-    """The input columns as a user sends them: numbers as float64, strings and lists as they are."""
+    """The input columns as a user sends them: numbers in their source type (``source_dtype``), strings and
+    lists as they are. The example makes the signature, so an int64 column of the source is declared
+    ``long``, a bool one ``boolean``, a float32 one ``float``: the user's own frame passes MLflow's checks
+    and the model casts inside (``NumericCodec.encode``)."""
     example = frame[predictor.features].copy()
+    source_types = predictor.meta.get("source_types") or {}  # absent in a model.pt from before: float64
     for name, info in predictor.inputs.items():
         if info.kind == "numeric":
-            example[name] = example[name].astype("float64")
+            example[name] = _as_source(example[name], source_dtype(source_types.get(name)))
         elif info.kind == "vector":
             example[name] = [list(map(float, row)) for row in example[name]]
     return example
+
+
+# Arrow types MLflow's column types cannot hold as they are, and the one the signature declares instead:
+# MLflow has no unsigned 64-bit or half-precision type (a uint64 frame is refused: cast it to int64).
+_DECLARED_AS = {"uint64": "int64", "halffloat": "float"}
+
+
+def source_dtype(arrow_type: str | None) -> pa.DataType:
+    """The Arrow type a numeric input is declared with: its source type (``model.pt``'s ``source_types``);
+    float64 for an older model.pt, a decimal or a dictionary column."""
+    try:
+        return pa.type_for_alias(_DECLARED_AS.get(arrow_type, arrow_type)) if arrow_type else pa.float64()
+    except ValueError:
+        return pa.float64()
+
+
+def _as_source(values: pd.Series, arrow_type: pa.DataType) -> pd.Series:
+    """The shard's float32 values (exact for the source's integers up to 2**24) back in the source type."""
+    array = pa.array(values.to_numpy(dtype="float64"), from_pandas=True)
+    return pd.Series(pc.cast(array, arrow_type).to_numpy(zero_copy_only=False), index=values.index, name=values.name)
 
 
 def user_code_paths(model: str) -> list[str]:
@@ -133,10 +159,11 @@ def log_pyfunc_model(
     so the pipeline's run stays RUNNING until the flow ends it. Uses the
     process-wide tracking URI (``ddpflow/tracking/runs.py: use_tracking_uri``).
 
-    The input example is raw input columns (numbers as float64, what a pandas
-    user has, so the signature accepts float64 and, by safe upcast, float32;
-    strings for categoricals and ids; lists for vectors); the signature has
-    the ``output`` param (``OUTPUTS``).
+    The input example is raw input columns (numbers in the source's own type,
+    ``raw_example``: the signature declares int64 as ``long``, bool as
+    ``boolean``, float32 as ``float``, so the rows a user trained on pass
+    MLflow's checks unchanged; strings for categoricals and ids; lists for
+    vectors); the signature has the ``output`` param (``OUTPUTS``).
     """
     from mlflow.models import Model, infer_signature
 
