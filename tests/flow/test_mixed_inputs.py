@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from flow.cli_runs import run_promoted
+from flow.cli_runs import cli_env, run_promoted
 from flow.serve_cli import start_serve
 
 REPO = Path(__file__).resolve().parents[2]
@@ -159,26 +160,37 @@ def test_a_mixed_table_trains_through_ddpflow_run_and_serves_raw_rows(prefect_ha
     np.testing.assert_allclose(scored[["probability_0", "probability_1"]].sum(axis=1), 1.0, rtol=1e-5)
 
     # `ddpflow serve` (MLflow's scoring server) answers /invocations with the source's rows over HTTP.
-    serve_over_http(config, raw.head(20), expected[:20], tmp_path)
+    serve_over_http(config, served, raw.head(20), expected[:20], tmp_path)
 
 
-def serve_over_http(config: dict, rows: pd.DataFrame, expected: np.ndarray, tmp_path: Path) -> None:
+def serve_over_http(config: dict, served, rows: pd.DataFrame, expected: np.ndarray, tmp_path: Path) -> None:
     """`ddpflow serve NAME`: its printed curl answers; JSON integers and floats both score a numeric input;
     Ctrl-C and SIGTERM end it (130, 143) with nothing left running."""
     name, tracking_uri = config["registry"]["model_name"], config["mlflow"]["tracking_uri"]
-    served = start_serve(name, tracking_uri, tmp_path)
+    server = start_serve(name, tracking_uri, tmp_path)
     try:
-        curl = subprocess.run(["bash", "-c", served.curl_line()], capture_output=True, text=True, timeout=60)
-        assert len(json.loads(curl.stdout)["predictions"]) == 1, curl.stdout + curl.stderr
+        curl = subprocess.run(["bash", "-c", server.curl_line()], capture_output=True, text=True, timeout=60)
+        # The printed curl: one row of the model's own input example (the test split's first row).
+        assert json.loads(curl.stdout)["predictions"] == expected[:1].tolist(), curl.stdout + curl.stderr
         as_json = json.loads(rows.to_json(orient="split", index=False))  # int64 as JSON integers, bools as true
-        np.testing.assert_array_equal(np.asarray(served.post({"dataframe_split": as_json})), expected)
+        np.testing.assert_array_equal(np.asarray(server.post({"dataframe_split": as_json})), expected)
         floats = rows.astype(dict.fromkeys(NUMERIC_TYPES, "float64"))  # every number as a JSON float: 7.0
         as_floats = json.loads(floats.to_json(orient="split", index=False))
-        np.testing.assert_array_equal(np.asarray(served.post({"dataframe_split": as_floats})), expected)
+        np.testing.assert_array_equal(np.asarray(server.post({"dataframe_split": as_floats})), expected)
+        whole = rows.round({"tenure": 0, "spend": 0})  # JSON integers for the float64 and float32 inputs: 31
+        as_ints = json.loads(whole.astype({"tenure": "int64", "spend": "int64"}).to_json(orient="split", index=False))
+        in_process = np.asarray(served.predict(whole.astype({"spend": "float32"})))
+        np.testing.assert_array_equal(np.asarray(server.post({"dataframe_split": as_ints})), in_process)
     finally:
-        status = served.stop(signal.SIGINT)
-    assert status == 130, served.stderr.read_text()[-3000:]
-    assert served.started and served.left_running() == []
+        status = server.stop(signal.SIGINT)
+    assert status == 130, server.stderr.read_text()[-3000:]
+    assert server.started and server.left_running() == []
     terminated = start_serve(f"{name}@champion", tracking_uri, tmp_path)
     assert terminated.stop(signal.SIGTERM) == 143, terminated.stderr.read_text()[-3000:]
     assert terminated.started and terminated.left_running() == []
+    missing = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "serve", f"{name}/99", "--tracking-uri", tracking_uri],
+        cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr, missing.stderr
+    assert missing.stderr.strip().splitlines()[-1].startswith(f"error: {name!r} has no version 99"), missing.stderr
