@@ -290,7 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=5001, help="default: 5001 (the stack's MLflow server has 5000)")
     serve.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1 (0.0.0.0: reachable from others)")
     serve.add_argument("--tracking-uri", help="the registry (default: $MLFLOW_TRACKING_URI, else the config's)")
-    _config_args(serve)
+    serve.add_argument("--config", "-c", help="YAML config file (its mlflow.tracking_uri)")
+    serve.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     serve.set_defaults(handler=cmd_serve)
     return parser
 

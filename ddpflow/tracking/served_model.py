@@ -50,6 +50,9 @@ def served_model(spec: str, tracking_uri: str) -> ServedModel:
     """The registered version ``spec`` names, checked to exist in ``tracking_uri``; ValueError naming what is not
     there (the model, its alias or version), with the versions and aliases that are."""
     name, alias, version = model_uri(spec)
+    database = tracking_uri.removeprefix("sqlite:///") if tracking_uri.startswith("sqlite:///") else None
+    if database is not None and not Path(database).is_file():  # MLflow would create an empty store there
+        raise ValueError(f"no MLflow store at {database} (tracking URI {tracking_uri}); give --tracking-uri")
     client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
     if alias is not None:
         found = find_alias(client, name, alias)

@@ -8,7 +8,7 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
-from ddpflow.tracking.served_model import model_uri
+from ddpflow.tracking.served_model import model_uri, served_model
 from training.serving import _as_source, source_dtype
 
 
@@ -19,6 +19,13 @@ def test_a_model_is_named_by_alias_or_version_and_champion_by_default():
     for bad in ("churn/latest", "@champion", "churn@", ""):
         with pytest.raises(ValueError, match="NAME"):
             model_uri(bad)
+
+
+def test_a_store_that_does_not_exist_is_named_not_created(tmp_path):
+    missing = tmp_path / "mlflow.db"
+    with pytest.raises(ValueError, match=f"no MLflow store at {missing}"):
+        served_model("churn", f"sqlite:///{missing}")
+    assert not missing.exists()
 
 
 @pytest.mark.parametrize(
