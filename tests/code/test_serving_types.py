@@ -31,22 +31,22 @@ def test_a_store_that_does_not_exist_is_named_not_created(tmp_path):
 @pytest.mark.parametrize(
     ("source", "declared"),
     [
-        ("int8", "int8"),
-        ("int16", "int16"),
-        ("int32", "int32"),
+        ("int8", "int64"),
+        ("int16", "int64"),
+        ("int32", "int64"),
         ("int64", "int64"),
-        ("uint8", "uint8"),
-        ("uint32", "uint32"),
+        ("uint8", "int64"),
+        ("uint32", "int64"),
         ("uint64", "int64"),  # MLflow has no unsigned 64-bit type
         ("bool", "bool"),
-        ("float", "float32"),
+        ("halffloat", "float64"),
+        ("float", "float64"),
         ("double", "float64"),
-        ("halffloat", "float32"),
         ("decimal128(10, 2)", "float64"),
         (None, "float64"),  # a model.pt from before source_types: as it was served
     ],
 )
-def test_a_numeric_input_is_declared_in_its_source_type(source, declared):
+def test_a_numeric_input_is_declared_in_its_source_kind(source, declared):
     shard = pd.Series(np.array([0, 1, 7], dtype=np.float32), name="x")  # the shard's float32 values
     example = _as_source(shard, source_dtype(source))
     assert example.dtype == np.dtype(declared)

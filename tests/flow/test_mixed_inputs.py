@@ -37,20 +37,10 @@ NUMERIC_TYPES = {
     "spend": "float32",
     "children": "Int64",  # pandas' nullable integer: int64 in Parquet, nulls among its values
 }
-# What the served model's signature declares for each (MLflow's column types): the source's own type.
-DECLARED = {
-    "tenure": "double",
-    "hour": "long",
-    "visits": "integer",
-    "rooms": "integer",
-    "floor": "integer",
-    "age": "integer",
-    "year": "integer",
-    "views": "long",
-    "mobile": "boolean",
-    "spend": "float",
-    "children": "long",
-}
+# What the served model's signature declares for each (MLflow's column types): the source's kind, at the width
+# that takes both the source's own frame and a hand-built one (pandas' int64 and float64).
+DECLARED = dict.fromkeys(("hour", "visits", "rooms", "floor", "age", "year", "views", "children"), "long")
+DECLARED |= {"tenure": "double", "spend": "double", "mobile": "boolean"}
 INPUTS = {
     **dict.fromkeys(NUMERIC_TYPES, "numeric"),
     "country": "categorical",
@@ -153,6 +143,10 @@ def test_a_mixed_table_trains_through_ddpflow_run_and_serves_raw_rows(prefect_ha
     assert schema["country"] == DataType.string and "Array" in str(schema["embedding"])
     assert {name: schema[name].name for name in NUMERIC_TYPES} == DECLARED
     raw = sources["pandas"][list(INPUTS)]
+    # The same rows built by hand from Python values: pandas' own int64 and float64 for every number.
+    by_hand = pd.DataFrame({name: raw[name].tolist() for name in INPUTS})
+    assert by_hand["visits"].dtype == np.int64 and by_hand["spend"].dtype == np.float64
+    np.testing.assert_array_equal(np.asarray(served.predict(by_hand)), expected)
     unseen = raw.head(3).copy()
     unseen["country"] = "atlantis"  # never seen in training: scored as unknown, never an error
     scored = served.predict(unseen, params={"output": "probabilities"})

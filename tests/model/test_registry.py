@@ -208,7 +208,7 @@ def test_champion_pyfunc_predicts_like_evaluate_on_raw_columns(make_config, data
     evaluated = evaluate_split(model_path, dataset, return_predictions=True).predictions
     np.testing.assert_array_equal(np.asarray(predicted), np.asarray(manifest.label_mapping)[evaluated])
     assert served.metadata.get_input_schema().input_names() == manifest.features
-    assert {spec.type.name for spec in served.metadata.get_input_schema().inputs} == {"float"}  # the source's
+    assert {spec.type.name for spec in served.metadata.get_input_schema().inputs} == {"double"}  # float32 too
 
 
 def test_a_model_pt_from_before_source_types_is_served_as_float64(
