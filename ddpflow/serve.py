@@ -11,7 +11,9 @@ activated ("exec: uvicorn: not found" otherwise). Here it runs as ``sys.executab
 pyfunc's code all come from the environment ddpflow runs in.
 
 The server starts in a session of its own; leaving the ``with`` block, however it is left (Ctrl-C, SIGTERM,
-an error), stops every process of that session (``stop_processes``): nothing is left running.
+an error), stops every process of that session (``stop_processes``): nothing is left running. A command
+killed outright (SIGKILL) takes the server down too: the server's parent-death signal (SIGTERM), then
+MLflow's own for its uvicorn.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from pathlib import Path
 
 import psutil
 
-from ddpflow.launch.process_tree import session_members, stop_processes
+from ddpflow.launch.process_tree import session_members, stop_processes, with_parent_death_signal
 from ddpflow.lifetime import shielded
 
 DEFAULT_PORT = 5001  # `ddpflow stack` puts the MLflow server on 5000
@@ -63,9 +65,11 @@ class ScoringServer:
 
     def __enter__(self) -> ScoringServer:
         # Its own session: the terminal's Ctrl-C reaches this command only, which then stops the whole session.
+        # The parent-death signal: if this command is killed outright (SIGKILL), `mlflow models serve` gets
+        # SIGTERM, and MLflow's own one takes its uvicorn down with it.
         self.process = subprocess.Popen(
-            self.argv(), env=self.environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, bufsize=1, start_new_session=True,
+            with_parent_death_signal(self.argv()), env=self.environment(),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True,
         )  # fmt: skip
         self._reader = threading.Thread(target=self._echo_lines, name="scoring-server-log", daemon=True)
         self._reader.start()

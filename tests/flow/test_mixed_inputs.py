@@ -21,6 +21,8 @@ import pytest
 from flow.cli_runs import cli_env, run_promoted
 from flow.serve_cli import start_serve
 
+from devtools.waiting import wait_until
+
 REPO = Path(__file__).resolve().parents[2]
 ROWS = 3000
 # Numeric inputs of every source type a table brings (the noise the label does not depend on).
@@ -159,7 +161,7 @@ def test_a_mixed_table_trains_through_ddpflow_run_and_serves_raw_rows(prefect_ha
 
 def serve_over_http(config: dict, served, rows: pd.DataFrame, expected: np.ndarray, tmp_path: Path) -> None:
     """`ddpflow serve NAME`: its printed curl answers; JSON integers and floats both score a numeric input;
-    Ctrl-C and SIGTERM end it (130, 143) with nothing left running."""
+    Ctrl-C and SIGTERM end it (130, 143) with nothing left running, and so does SIGKILL."""
     name, tracking_uri = config["registry"]["model_name"], config["mlflow"]["tracking_uri"]
     server = start_serve(name, tracking_uri, tmp_path)
     try:
@@ -182,6 +184,9 @@ def serve_over_http(config: dict, served, rows: pd.DataFrame, expected: np.ndarr
     terminated = start_serve(f"{name}@champion", tracking_uri, tmp_path)
     assert terminated.stop(signal.SIGTERM) == 143, terminated.stderr.read_text()[-3000:]
     assert terminated.started and terminated.left_running() == []
+    killed = start_serve(name, tracking_uri, tmp_path)  # killed outright: no cleanup of its own can run
+    assert killed.stop(signal.SIGKILL) == -signal.SIGKILL
+    wait_until(lambda: killed.left_running() == [], 60, "the server of a SIGKILLed ddpflow serve to stop")
     missing = subprocess.run(
         [sys.executable, "-m", "flows.cli", "serve", f"{name}/99", "--tracking-uri", tracking_uri],
         cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=120,
