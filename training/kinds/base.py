@@ -34,6 +34,12 @@ class Codec:
     # A ragged kind (text, images) sets the dtype of its stored values and implements ``encode_ragged`` and
     # ``collate`` instead of ``encode``: rows of any length in the node cache, a batch tensor per batch.
     ragged_dtype: str | None = None
+    # The source column types the kind takes (prepare's column check) and how an error says so.
+    takes_what = ""
+
+    @staticmethod
+    def takes(kind: pa.DataType) -> bool:
+        return False
 
     def __init__(self, name: str, options: dict[str, Any] | None = None):
         self.name, self.options = name, dict(options or {})

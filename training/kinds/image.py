@@ -46,6 +46,11 @@ class ImageCodec(Codec):
     kind = "image"
     dtype = "float32"
     ragged_dtype = "uint8"  # the node cache keeps the encoded bytes: one ragged section
+    takes_what = "encoded image bytes (binary, or a {bytes, path} struct)"
+
+    @staticmethod
+    def takes(kind: pa.DataType) -> bool:
+        return is_image_column(kind)
 
     def __init__(self, name: str, options: dict[str, Any] | None = None):
         options = dict(options or {})
@@ -263,7 +268,7 @@ def image_bytes(array: pa.Array, name: str) -> pa.Array:
 
 
 def is_image_column(kind: pa.DataType) -> bool:
-    """The column types the image kind takes (training/prepare/columns.py: KIND_TYPES)."""
+    """The column types the image kind takes (``ImageCodec.takes``)."""
     if pa.types.is_struct(kind):
         return kind.get_field_index("bytes") >= 0 and pa.types.is_binary(kind.field("bytes").type)
     return pa.types.is_binary(kind) or pa.types.is_large_binary(kind)

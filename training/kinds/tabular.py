@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from training.core.errors import DataError
+from training.kinds.arrow_types import is_category, is_hashable, is_number, is_vector
 from training.kinds.base import Codec, plain
 from training.kinds.hashing import hash_values
 
@@ -25,6 +26,8 @@ ID_LIKE_MIN_ROWS = 50  # below this many rows the share says nothing
 
 class NumericCodec(Codec):
     kind = "numeric"
+    takes = staticmethod(is_number)
+    takes_what = "a number (integer, float, decimal, bool)"
 
     def stored_type(self, source_type: pa.DataType) -> pa.DataType:
         return pa.float32()
@@ -44,6 +47,8 @@ class NumericCodec(Codec):
 class CategoricalCodec(Codec):
     kind = "categorical"
     dtype = "int64"
+    takes = staticmethod(is_category)
+    takes_what = "a string, integer or bool"
 
     def __init__(self, name: str, options: dict[str, Any] | None = None):
         super().__init__(name, {"min_count": 1, **(options or {})})
@@ -112,6 +117,8 @@ class CategoricalCodec(Codec):
 class HashedCodec(Codec):
     kind = "hashed"
     dtype = "int64"
+    takes = staticmethod(is_hashable)
+    takes_what = "a string, integer or binary"
 
     def stored_type(self, source_type: pa.DataType) -> pa.DataType:
         return plain(pa.array([], type=source_type)).type
@@ -133,6 +140,8 @@ class HashedCodec(Codec):
 
 class VectorCodec(Codec):
     kind = "vector"
+    takes = staticmethod(is_vector)
+    takes_what = "a list of numbers (list<float> or fixed_size_list<float>)"
 
     def __init__(self, name: str, options: dict[str, Any] | None = None):
         super().__init__(name, options)

@@ -40,6 +40,7 @@ import pyarrow.compute as pc
 
 from training.core.config import text_options
 from training.core.errors import DataError
+from training.kinds.arrow_types import is_text
 from training.kinds.base import Codec, plain
 
 PAD, UNK = "[PAD]", "[UNK]"
@@ -72,6 +73,8 @@ class TextCodec(Codec):
     kind = "text"
     dtype = "int64"  # the batch's token ids; the node cache holds them as int32 (ragged)
     ragged_dtype = "int32"
+    takes = staticmethod(is_text)
+    takes_what = "strings (string or large_string)"
 
     def __init__(self, name: str, options: dict[str, Any] | None = None):
         options = dict(options or {})

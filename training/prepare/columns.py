@@ -9,7 +9,7 @@ Default inputs: every numeric column (integer, float, decimal, boolean) of
 the source except the label, the key and the weight, in source order; the
 other columns are left out, each named with the ``data.inputs`` entry that
 would include it (``left_out_columns``). ``data.inputs`` lists the inputs and
-their kinds; each kind must fit its column's type (``KIND_TYPES``).
+their kinds; each kind must fit its column's type (``Codec.takes``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ import pyarrow as pa
 
 from training.core.config import DataConfig
 from training.core.errors import DataError
+from training.kinds.arrow_types import is_hashable, is_numeric, is_text, is_vector, value_type
 from training.kinds.image import is_image_column
+from training.kinds.registry import CODECS
 
 
 @dataclass(frozen=True)
@@ -49,24 +51,6 @@ class ColumnPlan:
         )
 
 
-def is_numeric(kind: pa.DataType) -> bool:
-    return (
-        pa.types.is_integer(kind)
-        or pa.types.is_floating(kind)
-        or pa.types.is_decimal(kind)
-        or pa.types.is_boolean(kind)
-    )
-
-
-def is_text(kind: pa.DataType) -> bool:
-    kind = value_type(kind)
-    return pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)
-
-
-def value_type(kind: pa.DataType) -> pa.DataType:
-    return kind.value_type if pa.types.is_dictionary(kind) else kind
-
-
 def plan_columns(schema: pa.Schema, data: DataConfig, where: str) -> ColumnPlan:
     """Check the configured columns against the source schema; ``where`` names the source in errors."""
     names = schema.names
@@ -92,32 +76,6 @@ def plan_columns(schema: pa.Schema, data: DataConfig, where: str) -> ColumnPlan:
     return ColumnPlan(label=data.label, key=data.key, features=features, task=task, inputs=inputs, weight=data.weight)
 
 
-def is_vector(kind: pa.DataType) -> bool:
-    list_kind = pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
-    return list_kind and (is_numeric(kind.value_type) or pa.types.is_null(kind.value_type))
-
-
-def _is_category(kind: pa.DataType) -> bool:
-    kind = value_type(kind)
-    return is_text(kind) or pa.types.is_integer(kind) or pa.types.is_boolean(kind)
-
-
-def _is_hashable(kind: pa.DataType) -> bool:
-    kind = value_type(kind)
-    return is_text(kind) or pa.types.is_integer(kind) or pa.types.is_binary(kind)
-
-
-# Which column types each input kind takes, and how to say so in an error.
-KIND_TYPES = {
-    "numeric": (lambda kind: is_numeric(value_type(kind)), "a number (integer, float, decimal, bool)"),
-    "categorical": (_is_category, "a string, integer or bool"),
-    "hashed": (_is_hashable, "a string, integer or binary"),
-    "vector": (is_vector, "a list of numbers (list<float> or fixed_size_list<float>)"),
-    "image": (is_image_column, "encoded image bytes (binary, or a {bytes, path} struct)"),
-    "text": (is_text, "strings (string or large_string)"),
-}
-
-
 def _typed_inputs(schema: pa.Schema, data: DataConfig, where: str) -> dict[str, tuple[str, dict]]:
     inputs = {}
     for name, spec in data.inputs.items():
@@ -126,18 +84,18 @@ def _typed_inputs(schema: pa.Schema, data: DataConfig, where: str) -> dict[str, 
                 f"{where}: input column {name!r} (data.inputs.{name}) not found; the columns are {schema.names}"
             )
         kind = schema.field(name).type
-        fits, wanted = KIND_TYPES[spec.kind]
-        if not fits(kind):
+        codec = CODECS[spec.kind]
+        if not codec.takes(kind):
             raise DataError(
                 f"{where}: input column {name!r} has type {kind}; data.inputs.{name} is {spec.kind}, "
-                f"which takes {wanted}{_kind_hint(kind)}"
+                f"which takes {codec.takes_what}{_kind_hint(kind)}"
             )
         inputs[name] = (spec.kind, spec.options())
     return inputs
 
 
 def _kind_hint(kind: pa.DataType) -> str:
-    fitting = [name for name, (fits, _wanted) in KIND_TYPES.items() if fits(kind)]
+    fitting = [name for name, codec in CODECS.items() if codec.takes(kind)]
     return f" (a {kind} column fits: {', '.join(fitting)})" if fitting else ""
 
 
@@ -228,7 +186,7 @@ def suggest_kind(kind: pa.DataType, column: pa.Array | None) -> tuple[str, str]:
     if is_image_column(kind):
         return "{kind: image, size: N}", "binary: encoded images, if it holds png, jpeg, webp, bmp or gif files"
     if not is_text(kind):
-        if _is_hashable(kind):
+        if is_hashable(kind):
             return "categorical", f"{kind} values"
         return "none", f"no input kind takes {kind} yet: convert it to a number or a string"
     if column is None or len(column) - column.null_count == 0:

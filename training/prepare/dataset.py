@@ -34,12 +34,13 @@ from training.core.errors import DataError
 from training.core.fileio import atomic_write_text
 from training.core.layout import SPLITS
 from training.core.manifest import CLASS_TASKS, Manifest, SplitInfo, read_manifest, write_manifest
+from training.kinds.arrow_types import value_type
 from training.kinds.base import Codec, plain
 from training.kinds.hashing import hash_values
 from training.kinds.registry import ENCODERS_FILE, encoder_states, encoders_sha256, encoders_text, make_codec
 from training.kinds.stats import ClassCounts, RunningHistogram, RunningMoments
 from training.prepare import split as row_split
-from training.prepare.columns import ColumnPlan, left_out_columns, plan_columns, value_type
+from training.prepare.columns import ColumnPlan, left_out_columns, plan_columns
 from training.prepare.fingerprint import dataset_fingerprint
 from training.prepare.image_folder import with_image_folder_defaults
 from training.prepare.publish import discard, is_complete, make_temp_dir, publish, remove_stale_temp_dirs

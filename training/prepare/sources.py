@@ -30,8 +30,8 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 
 from training.core.errors import DataError
+from training.kinds.arrow_types import is_text
 from training.prepare import image_folder, synthetic
-from training.prepare.columns import is_text
 
 FORMAT_SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".parq": "parquet", ".csv": "csv"}
 _GLOB_CHARS = ("*", "?", "[")
