@@ -54,7 +54,7 @@ from training.distributed.process import (
 from training.inference.model_file import inference_checkpoint
 from training.kinds.inputs import inputs_from_manifest
 from training.kinds.normalisation import Normaliser
-from training.kinds.registry import read_encoders
+from training.kinds.registry import CODECS, read_encoders
 from training.loading.batches import TrainBatches
 from training.loading.node_cache import open_splits
 from training.loading.placement import place_splits
@@ -183,7 +183,7 @@ class Trainer:
 
     def _decode_workers(self) -> int:
         """train.num_workers resolved for this rank, its threads shrunk to make room (distributed/process.py)."""
-        decodes = any(info.kind == "image" for info in inputs_from_manifest(self.manifest).values())
+        decodes = any(CODECS[info.kind].decodes_in_workers for info in inputs_from_manifest(self.manifest).values())
         cpu = self.process.cpu
         workers = decode_workers(self.config.num_workers, cpu, self.ctx.device.type == "cuda", decodes)
         self.process = replace(self.process, cpu=make_room_for_workers(cpu, workers, self.config))

@@ -34,6 +34,10 @@ class Codec:
     # A ragged kind (text, images) sets the dtype of its stored values and implements ``encode_ragged`` and
     # ``collate`` instead of ``encode``: rows of any length in the node cache, a batch tensor per batch.
     ragged_dtype: str | None = None
+    # Whether a batch of the kind is decoded per batch and worth DataLoader workers (``train.num_workers: auto``).
+    decodes_in_workers = False
+    # Whether drift statistics need the train rows' values (``drift_update``) beyond what ``observe`` keeps.
+    drift_reads_rows = False
     # The source column types the kind takes (prepare's column check) and how an error says so.
     takes_what = ""
 
@@ -79,6 +83,14 @@ class Codec:
         return ()
 
     def cardinality(self) -> int | None:
+        return None
+
+    def drift_update(self, array: pa.Array) -> None:
+        """Train rows for the drift statistics (only when ``drift_reads_rows``)."""
+
+    def drift_stats(self) -> dict[str, Any] | None:
+        """What drift compares for this input (ddpflow/drift.py), from the train split; None: nothing beyond
+        the numeric histograms. Written to the manifest's ``extra["drift_stats"]["inputs"]`` at prepare."""
         return None
 
     def info(self) -> InputInfo:

@@ -46,6 +46,7 @@ class ImageCodec(Codec):
     kind = "image"
     dtype = "float32"
     ragged_dtype = "uint8"  # the node cache keeps the encoded bytes: one ragged section
+    decodes_in_workers = True  # JPEG/PNG decoding, resizing and augmenting per batch
     takes_what = "encoded image bytes (binary, or a {bytes, path} struct)"
 
     @staticmethod
@@ -162,7 +163,7 @@ class ImageCodec(Codec):
         height, width = self.state["size"]
         return (self.channels, int(height), int(width))
 
-    def drift_summary(self) -> dict[str, Any]:
+    def drift_stats(self) -> dict[str, Any]:
         """What drift compares (ddpflow/drift.py): train histograms of width, height and mean brightness."""
         width, height, brightness = self.drift.to_list()
         return {"kind": "image", "width": width, "height": height, "brightness": brightness}

@@ -13,6 +13,7 @@ from training.core.errors import DataError
 from training.kinds.arrow_types import is_category, is_hashable, is_number, is_vector
 from training.kinds.base import Codec, plain
 from training.kinds.hashing import hash_values
+from training.kinds.stats import RunningMoments
 
 NULL_INDEX, UNKNOWN_INDEX = 0, 1  # categorical; hashed uses 0 for null only
 
@@ -42,6 +43,9 @@ class NumericCodec(Codec):
 
     def valid(self, array: pa.Array, where: str) -> np.ndarray:
         return np.isfinite(self.encode(array))
+
+
+DRIFT_TOP_CATEGORIES = 1000  # per categorical input: the most frequent values' train counts, the rest together
 
 
 class CategoricalCodec(Codec):
@@ -98,6 +102,18 @@ class CategoricalCodec(Codec):
     def cardinality(self) -> int:
         return len(self.vocabulary) + 2  # + null + unknown
 
+    def drift_stats(self) -> dict[str, Any] | None:
+        """The train counts of the most frequent values (``DRIFT_TOP_CATEGORIES``), the rest together."""
+        if self.vocabulary is None:
+            return None
+        state = self.fit()
+        top = DRIFT_TOP_CATEGORIES
+        return {
+            "kind": "categorical",
+            "counts": dict(zip(map(str, state["values"][:top]), state["counts"][:top])),
+            "other": int(sum(state["counts"][top:])) + int(self.observed_rows - sum(state["counts"])),
+        }
+
     def encode(self, array: pa.Array) -> np.ndarray:
         array = plain(array)
         if array.type != self.vocabulary.type:
@@ -142,10 +158,12 @@ class VectorCodec(Codec):
     kind = "vector"
     takes = staticmethod(is_vector)
     takes_what = "a list of numbers (list<float> or fixed_size_list<float>)"
+    drift_reads_rows = True  # per-dimension mean and std of the train rows
 
     def __init__(self, name: str, options: dict[str, Any] | None = None):
         super().__init__(name, options)
         self.dim: int | None = None
+        self._moments: RunningMoments | None = None
 
     def stored_type(self, source_type: pa.DataType) -> pa.DataType:
         return pa.list_(pa.float32())
@@ -196,6 +214,16 @@ class VectorCodec(Codec):
             )
         values = NumericCodec(self.name).encode(pc.list_flatten(array))
         return values.reshape(len(array), self.dim)
+
+    def drift_update(self, array: pa.Array) -> None:
+        if self._moments is None:
+            self._moments = RunningMoments(self.dim)
+        self._moments.update(self.encode(array).T)
+
+    def drift_stats(self) -> dict[str, Any] | None:
+        if self._moments is None:
+            return None
+        return {"kind": "vector", "mean": self._moments.mean.tolist(), "std": self._moments.std().tolist()}
 
 
 def _as_list(array: pa.Array) -> pa.Array:

@@ -372,17 +372,15 @@ class _ColumnChecks:
 
 
 FLOAT32_EXACT = 2**24
-DRIFT_TOP_CATEGORIES = 1000  # per categorical input: the most frequent values' train counts, the rest together
 
 
 class _DriftStats:
-    """What drift compares beyond the numeric histograms (ddpflow/drift.py), over the train split: each
-    vector input's per-dimension mean and std, the label's distribution; the categorical counts come from
-    the fitted vocabulary (``to_dict``)."""
+    """What drift compares beyond the numeric histograms (ddpflow/drift.py), over the train split: each input's
+    own statistics, as its kind keeps them (``Codec.drift_update``, ``drift_stats``), and the label's
+    distribution."""
 
     def __init__(self, plan: ColumnPlan, codecs: dict[str, Codec], classes: pa.Array | None):
         self.plan, self.codecs = plan, codecs
-        self.vectors: dict[str, RunningMoments] = {}
         self.classes = np.zeros(len(classes), dtype=np.int64) if classes is not None else None
         self.target = RunningHistogram(1) if classes is None else None
 
@@ -390,9 +388,8 @@ class _DriftStats:
         indices = pa.array(chosen, type=pa.int64())
         for name, column in rows.others.items():
             codec = self.codecs[name]
-            if codec.kind == "vector" and len(chosen):
-                moments = self.vectors.setdefault(name, RunningMoments(codec.dim))
-                moments.update(codec.encode(column.take(indices)).T)
+            if codec.drift_reads_rows and len(chosen):
+                codec.drift_update(column.take(indices))
         if self.plan.task == "multilabel":
             taken = rows.label.take(pa.array(chosen, type=pa.int64()))
             self.classes += np.bincount(pc.list_flatten(taken).to_numpy(), minlength=len(self.classes))
@@ -404,29 +401,13 @@ class _DriftStats:
             self.target.update(label[None, :].astype(np.float32))
 
     def to_dict(self) -> dict[str, Any]:
-        inputs: dict[str, Any] = {}
-        for name, codec in self.codecs.items():
-            if codec.kind == "categorical" and codec.vocabulary is not None:
-                state = codec.fit()
-                top = DRIFT_TOP_CATEGORIES
-                inputs[name] = {
-                    "kind": "categorical",
-                    "counts": dict(zip(map(str, state["values"][:top]), state["counts"][:top])),
-                    "other": int(sum(state["counts"][top:])) + int(codec.observed_rows - sum(state["counts"])),
-                }
-            elif codec.kind == "image":
-                inputs[name] = codec.drift_summary()
-            elif name in self.vectors:
-                moments = self.vectors[name]
-                inputs[name] = {"kind": "vector", "mean": moments.mean.tolist(), "std": moments.std().tolist()}
-            elif codec.kind == "text":  # token lengths, unknown tokens, word counts (training/kinds/text.py)
-                inputs[name] = codec.drift_stats()
+        stats = {name: codec.drift_stats() for name, codec in self.codecs.items()}
         label = (
             {"kind": "classes", "counts": self.classes.tolist()}
             if self.classes is not None
             else {"kind": "histogram", "histogram": self.target.to_list()[0]}
         )
-        return {"inputs": inputs, "label": label}
+        return {"inputs": {name: value for name, value in stats.items() if value is not None}, "label": label}
 
 
 class _BatchRows:
