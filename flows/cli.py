@@ -210,16 +210,32 @@ def print_summary(summary: dict[str, Any], as_json: bool) -> None:
 
 
 def _for_people(summary: dict[str, Any]) -> dict[str, Any]:
-    """The headline test metrics on one line; per-class precision/recall stay in --json and MLflow.
+    """The headline test metrics on one line, the accuracy with the majority class's share beside it (what always
+    guessing that class scores) and counts as integers; per-class precision/recall stay in --json and MLflow.
     Data drift as its one-line message (the per-feature numbers are in --json and the MLflow run)."""
     metrics = summary.get("test_metrics") or {}
-    headline = {name: value for name, value in metrics.items() if not re.search(r"_(precision|recall)_", name)}
-    shown = ", ".join(
-        f"{name}={value:.4g}" if isinstance(value, float) else f"{name}={value}" for name, value in headline.items()
-    )
+    headline = {
+        name: value
+        for name, value in metrics.items()
+        if not re.search(r"_(precision|recall)_", name) and not name.endswith(MAJORITY_SHARE)
+    }
+    shown = ", ".join(_metric_text(name, value, metrics) for name, value in headline.items())
     drift = {"data_drift": summary["data_drift"].get("message")} if summary.get("data_drift") else {}
     selection = {"selection": describe_selection(summary["selection"])} if summary.get("selection") else {}
     return {**summary, "test_metrics": shown, **drift, **selection}
+
+
+MAJORITY_SHARE = "_majority_share"  # <split>_majority_share: training/inference/evaluate.py
+_COUNT = re.compile(r"_(samples|tokens|scored_rows)$")  # metrics that count rows or tokens
+
+
+def _metric_text(name: str, value: Any, metrics: dict[str, Any]) -> str:
+    """``name=value``: 4 significant digits, a count as an integer, an accuracy with its split's majority share."""
+    if isinstance(value, float) and _COUNT.search(name) and value.is_integer():
+        return f"{name}={int(value)}"
+    text = f"{name}={value:.4g}" if isinstance(value, float) else f"{name}={value}"
+    share = metrics.get(name.removesuffix("_accuracy") + MAJORITY_SHARE) if name.endswith("_accuracy") else None
+    return f"{text} (majority class {share:.4g})" if isinstance(share, float) else text
 
 
 def _where_to_look(summary: dict[str, Any]) -> str:

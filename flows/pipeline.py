@@ -58,6 +58,7 @@ from tasks.train import KILL_GRACE_S, TrainRequest, train_model
 from training.core.config import PipelineConfig
 from training.core.topology import RankLayout
 from training.loop.selection import selection_summary
+from training.models.registry import with_resolved_model
 from training.preflight import check_data, check_machine
 from training.prepare.dataset import PreparedDataset
 
@@ -92,6 +93,8 @@ def train_pipeline(
     check_tracking_reachable(tracking_uri)
 
     prepared = prepare_data(config)
+    # train.model auto -> the built-in model for these inputs: what the run records and its identity holds.
+    config = with_resolved_model(config, prepared.manifest)
     check_data(config, prepared.manifest, layout)
     if config.train.skip_if_unchanged:
         unchanged = check_unchanged(config, prepared.fingerprint, tracking_uri)

@@ -232,3 +232,16 @@ def test_the_kinds_config_accepts_are_the_kinds_the_registry_encodes():
         KINDS,
         sorted(CODECS),
     )
+
+
+def test_the_inputs_are_described_by_kind_for_the_logs():
+    from training.kinds.inputs import InputInfo, describe_inputs, numeric_input
+
+    inputs = {
+        "city": InputInfo("city", "categorical", "int64", cardinality=5),
+        **{f"x{i}": numeric_input(f"x{i}") for i in range(7)},
+        "shop": InputInfo("shop", "hashed", "int64", cardinality=101),
+        "plan": InputInfo("plan", "categorical", "int64", cardinality=3),
+    }
+    assert describe_inputs(inputs) == "7 numeric, 2 categorical, 1 hashed"
+    assert describe_inputs({}) == "no inputs"
