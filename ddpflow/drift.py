@@ -19,6 +19,10 @@ on the groups' proportions, each floored at ``PSI_EPSILON`` so an empty group
 counts as nearly empty instead of dividing by zero. Identical data gives 0;
 a rule of thumb reads < 0.1 as no real change, 0.1-0.25 as moderate, > 0.25 as large.
 
+Missing values: a numeric feature's nulls (``nulls`` in its histogram) are one more
+group of the PSI, so a shift of its null rate shows as drift; both rates are reported
+(``reference_null_rate``, ``current_null_rate``). The mean is over the present values.
+
 Mean shift, per feature: (current mean - reference mean) / reference std, the
 shift in units of the reference's spread.
 
@@ -64,6 +68,9 @@ class FeatureDrift:
     mean_shift: float  # (current mean - reference mean) / reference std
     reference_mean: float
     current_mean: float
+    # A numeric input's train-split share of missing (null/NaN) values; their shift is part of ``psi``.
+    reference_null_rate: float = 0.0
+    current_null_rate: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -110,7 +117,18 @@ def histogram_psi(reference: dict[str, Any], current: dict[str, Any], groups: in
     group = _equal_share_groups(reference_counts, groups)
     expected = np.bincount(group, weights=reference_counts)
     actual = np.bincount(group, weights=current_counts, minlength=len(expected))
+    # The missing values are a group of their own: a shift of the null rate is drift too (none on either side:
+    # a group empty on both, which adds nothing).
+    expected = np.append(expected, reference.get("nulls", 0))
+    actual = np.append(actual, current.get("nulls", 0))
     return population_stability_index(expected, actual)
+
+
+def null_rate(histogram: dict[str, Any]) -> float:
+    """The share of missing values in a ``RunningHistogram`` entry (0 in manifests from before they counted)."""
+    nulls = int(histogram.get("nulls", 0))
+    total = nulls + int(sum(histogram["counts"]))
+    return nulls / total if total else 0.0
 
 
 def common_grid(first: dict[str, Any], second: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
@@ -189,6 +207,8 @@ def _feature_drift(name: str, reference: Manifest, i: int, current: Manifest, j:
         mean_shift=(current_mean - reference_mean) / spread,
         reference_mean=reference_mean,
         current_mean=current_mean,
+        reference_null_rate=null_rate(reference.feature_histograms[i]),
+        current_null_rate=null_rate(current.feature_histograms[j]),
     )
 
 
