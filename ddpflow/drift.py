@@ -113,6 +113,10 @@ def population_stability_index(expected: Any, actual: Any, epsilon: float = PSI_
 
 def histogram_psi(reference: dict[str, Any], current: dict[str, Any], groups: int = DRIFT_GROUPS) -> float:
     """PSI between two ``RunningHistogram`` entries of one feature (see the module docstring)."""
+    present = (sum(reference["counts"]), sum(current["counts"]))
+    if not all(present):  # a column of nothing but missing values on a side: present against missing alone
+        expected, actual = [present[0], reference.get("nulls", 0)], [present[1], current.get("nulls", 0)]
+        return population_stability_index(expected, actual)
     reference_counts, current_counts = common_grid(reference, current)
     group = _equal_share_groups(reference_counts, groups)
     expected = np.bincount(group, weights=reference_counts)

@@ -215,6 +215,9 @@ def test_the_histogram_counts_missing_values_apart_and_its_bins_stay_exact():
     expected, _ = np.histogram(present.astype(np.float64), bins=grid_edges(entry))
     np.testing.assert_array_equal(np.asarray(entry["counts"]), expected)
     assert entry["nulls"] == int(np.isnan(values).sum()) and entry["min"] == present.min()
+    empty = streamed(np.full(100, np.nan, dtype=np.float32))  # nothing but missing values
+    assert empty["nulls"] == 100 and sum(empty["counts"]) == 0
+    assert histogram_psi(empty, empty) == 0.0 and histogram_psi(entry, empty) > 0.25  # compared, not refused
 
 
 def test_a_shift_of_a_columns_null_rate_is_drift_and_both_rates_are_reported(table_file, make_config, dh):
