@@ -27,7 +27,9 @@ stop for blocking code and cancelled tasks' children can survive
   process takes torchrun down, and torchrun in turn stops its ranks
   (within TORCH_ELASTIC_SHUTDOWN_TIMEOUT = ``grace_s``);
 * holds an exclusive lock on RUN_DIR while torchrun runs, so two launches never
-  share a run directory (``is_locked`` tells the resume rule a run is live).
+  share a run directory (``is_locked`` tells the resume rule a run is live);
+  ``.launch.lock`` exists only while held, and ``torchrun.pid`` is removed when
+  torchrun exits 0 (a failed or stopped launch keeps it: what was stopped).
 
 Why a launch failed: failure.py.
 """
@@ -94,31 +96,50 @@ def parse_line(raw: str) -> OutputLine:
 
 @contextmanager
 def run_dir_lock(run_dir: str | os.PathLike) -> Iterator[None]:
-    """Hold an exclusive flock on RUN_DIR/.launch.lock; fails at once if another launch holds it."""
+    """Hold an exclusive flock on RUN_DIR/.launch.lock; fails at once if another launch holds it.
+
+    The file exists only while a launch holds it: it is removed (still locked) on the way out, so a
+    finished run directory keeps no lock file. A launch that opened the file just before that removal
+    and locks the removed file afterwards sees that the path no longer names what it locked, and
+    reports the directory in use (run it again) rather than share the directory with a newer lock.
+    """
     path = Path(run_dir) / LOCK_FILE
     with open(path, "a+") as handle:  # closing releases the lock
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise LaunchError(f"{run_dir} is in use by another launch (lock {path} is held)") from None
+        if not _names_this_file(path, handle):
+            raise LaunchError(f"{run_dir} was in use by another launch a moment ago (lock {path}); run it again")
         handle.seek(0)
         handle.truncate()
         handle.write(f"{os.getpid()}\n")
         handle.flush()
-        yield
+        try:
+            yield
+        finally:
+            path.unlink(missing_ok=True)  # while still held: no one can take the lock between the two
+
+
+def _names_this_file(path: Path, handle) -> bool:
+    try:
+        return os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino
+    except FileNotFoundError:
+        return False
 
 
 def is_locked(run_dir: str | os.PathLike) -> bool:
     """True when a live launch holds RUN_DIR's lock."""
     path = Path(run_dir) / LOCK_FILE
-    if not path.exists():
-        return False
-    with open(path, "a+") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(handle, fcntl.LOCK_UN)
+    try:
+        with open(path) as handle:  # read-only: never creates the file
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(handle, fcntl.LOCK_UN)
+            return False
+    except FileNotFoundError:  # no launch holds it: the lock file exists only while one does
         return False
 
 
@@ -175,6 +196,8 @@ def launch(
             raise stop
         if launcher.proc.returncode != 0:
             raise failure_from_output(run_dir, job_dir, launcher.tail, launcher.proc.returncode)
+        # Finished: the PIDs matter no more. A failed or stopped launch keeps them, to show what was stopped.
+        (run_dir / PID_FILE).unlink(missing_ok=True)
         return result
 
 
