@@ -69,10 +69,13 @@ _SCAN_S = 1.0  # how often the descendants are recorded
 
 @dataclass(frozen=True)
 class OutputLine:
-    """One line of torchrun's output. ``rank`` is the local rank, None for torchrun's own lines."""
+    """One line of torchrun's output. ``rank`` is the local rank, None for torchrun's own lines.
+    ``after_stop``: printed after the launcher began stopping the tree (torchrun's shutdown: its
+    ``SignalException`` traceback), for the log rather than a person's console."""
 
     rank: int | None
     text: str
+    after_stop: bool = False
 
     def __str__(self) -> str:
         return f"[{'torchrun' if self.rank is None else f'rank {self.rank}'}] {self.text}"
@@ -83,12 +86,12 @@ class OutputLine:
         return self.rank is None and self.text[:1] in ("W", "E") and self.text[1:5].isdigit()
 
 
-def parse_line(raw: str) -> OutputLine:
+def parse_line(raw: str, after_stop: bool = False) -> OutputLine:
     raw = raw.rstrip("\n")
     match = _RANK_PREFIX.match(raw)
     if match:
-        return OutputLine(int(match["rank"]), match["text"])
-    return OutputLine(None, raw)
+        return OutputLine(int(match["rank"]), match["text"], after_stop)
+    return OutputLine(None, raw, after_stop)
 
 
 # ----------------------------------------------------------------------------- the run-dir lock
@@ -185,6 +188,7 @@ def launch(
                 stop = launcher.wait(timeout_s, stall_timeout_s, should_cancel, cancel_check_s)
         finally:
             # Any way out of wait() (exception, Prefect's TerminationSignal, KeyboardInterrupt) kills the tree.
+            launcher.stopping = launcher.stopping or (launcher.tree is not None and launcher.proc.poll() is None)
             if launcher.tree is not None:
                 launcher.tree.terminate(grace_s)
                 launcher.drain()
@@ -215,6 +219,7 @@ class _Launcher:
         self.tree: ProcessTree | None = None
         self._stop_reason: LaunchError | None = None
         self._output_ended = False  # the reader's end-of-output marker has been taken from the queue
+        self.stopping = False  # the tree is being stopped: what torchrun prints now is its shutdown
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
@@ -250,7 +255,7 @@ class _Launcher:
 
     def _deliver(self, raw: str) -> None:
         self.last_output = time.monotonic()
-        line = parse_line(raw)
+        line = parse_line(raw, after_stop=self.stopping)
         if not line.text.strip():
             return  # torchrun's tail emits empty "[defaultN]:" lines; they say nothing
         if line.rank is None:
@@ -301,6 +306,7 @@ class _Launcher:
                     reason = LaunchInterrupted(f"{why}; killed torchrun and its ranks")
             if reason is not None:
                 self._stop_reason = reason
+                self.stopping = True
                 break
         if self._stop_reason is None:
             self.proc.wait()
@@ -328,6 +334,7 @@ class _Launcher:
         previous = {}
 
         def handler(signum, frame):
+            self.stopping = True
             self._stop_reason = LaunchInterrupted(
                 f"received {signal.Signals(signum).name}; killed torchrun and its ranks"
             )
