@@ -49,7 +49,7 @@ class ConsoleFilter(logging.Filter):
         if error is not None:
             if not isinstance(error, self.user_errors):
                 return True  # a bug: its traceback stays on the console
-            first_line = (str(error).splitlines() or [""])[0][:80]
+            first_line = (str(error).splitlines() or [""])[0][:40]  # Prefect may shorten a state message
             if first_line and first_line not in self.seen:
                 self.seen.append(first_line)
             return False
