@@ -27,7 +27,10 @@ def test_a_users_error_and_its_repeats_stay_off_the_console_a_bug_keeps_its_trac
     console = ConsoleFilter(user_errors=(ValueError,))
     data_error = raised(DataError("/data/x.parquet: cannot be read as parquet: truncated"))
     assert not console.filter(record("Task run failed with exception: DataError(...)", data_error))
-    finished = "Finished in state Failed('Task run encountered an exception DataError: /data/x.parquet: cannot be read as parquet: tr..."
+    finished = (
+        "Finished in state Failed('Task run encountered an exception DataError: "
+        "/data/x.parquet: cannot be read as parquet: tr..."
+    )
     assert not console.filter(record(finished))
     assert console.filter(record("Beginning flow run 'mlp-x' for flow 'train-pipeline'"))
     bug = raised(KeyError("selected_epoch"))
