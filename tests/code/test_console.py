@@ -36,6 +36,9 @@ def test_a_users_error_and_its_repeats_stay_off_the_console_a_bug_keeps_its_trac
     bug = raised(KeyError("selected_epoch"))
     assert console.filter(record("Encountered exception during execution: KeyError('selected_epoch')", bug))
     assert not console.filter(record("[torchrun] Traceback (most recent call last):", **{LOG_ONLY: True}))
+    verbose = ConsoleFilter(user_errors=())  # --verbose: every error's records, tracebacks included
+    assert verbose.filter(record("Task run failed with exception: DataError(...)", data_error))
+    assert verbose.filter(record(finished))
 
 
 def test_the_command_log_keeps_every_trace(tmp_path):
