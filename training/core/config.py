@@ -71,7 +71,7 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-INPUT_KINDS = ("numeric", "categorical", "hashed", "vector", "image", "text")
+INPUT_KINDS = ("numeric", "categorical", "hashed", "vector", "image", "text")  # data.inputs kinds
 IMAGE_OPTIONS = ("size", "channels", "mean", "std", "augment")  # kind image (training/kinds/image.py, docs/data.md)
 TEXT_OPTIONS = ("max_len", "tokenizer")  # kind text (training/kinds/text.py, docs/data.md)
 TEXT_DEFAULT_MAX_LEN = 256
@@ -106,7 +106,7 @@ class InputSpec(_Section):
     text ``max_len`` and ``tokenizer`` (training/kinds/text.py: ``TextOptions``).
     """
 
-    kind: Literal["numeric", "categorical", "hashed", "vector", "image", "text"]
+    kind: Literal[INPUT_KINDS]  # the one list of kinds a user may name (kinds/registry.py: CODECS codes them)
     missing: Literal["impute", "error"] | None = Field(
         None,
         description="numeric: impute (default: the train mean, plus a learned missing indicator) or error "

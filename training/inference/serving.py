@@ -39,6 +39,7 @@ import pyarrow.compute as pc
 from training.inference.model_file import load_model_checkpoint
 from training.inference.predict import Predictor
 from training.inference.token_scoring import TokenScorer
+from training.kinds.registry import CODECS
 from training.objectives.next_token import LANGUAGE_MODEL
 
 MODEL_ARTIFACT = "model_pt"  # key in context.artifacts; stored as artifacts/model.pt in the model
@@ -166,10 +167,11 @@ def user_code_paths(model: str) -> list[str]:
 
 def pip_requirements(kinds: set[str] | frozenset[str] = frozenset()) -> list[str]:
     """Pinned to what is installed: skips MLflow's slow requirement inference. ``kinds``: the model's input
-    kinds (text needs ``tokenizers``)."""
+    kinds, each adding what it needs (``Codec.serving_packages``: text needs ``tokenizers``)."""
     from importlib.metadata import version
 
-    packages = ("torch", "mlflow", "pandas", "numpy", "pyarrow", *(("tokenizers",) if "text" in kinds else ()))
+    extra = dict.fromkeys(package for kind in sorted(kinds) for package in CODECS[kind].serving_packages)
+    packages = ("torch", "mlflow", "pandas", "numpy", "pyarrow", *extra)
     return [f"{package}=={version(package)}" for package in packages]
 
 

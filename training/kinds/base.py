@@ -38,6 +38,12 @@ class Codec:
     decodes_in_workers = False
     # Whether drift statistics need the train rows' values (``drift_update``) beyond what ``observe`` keeps.
     drift_reads_rows = False
+    # The built-in model ``train.model: auto`` picks when an input is of this kind (None: the tabular ``mlp``);
+    # with inputs of several such kinds, the lowest ``default_model_rank`` wins.
+    default_model: str | None = None
+    default_model_rank = 0
+    # What the served model needs installed beyond torch, mlflow, pandas, numpy and pyarrow (pip names).
+    serving_packages: tuple[str, ...] = ()
     # The source column types the kind takes (prepare's column check) and how an error says so.
     takes_what = ""
 

@@ -46,6 +46,7 @@ class ImageCodec(Codec):
     kind = "image"
     dtype = "float32"
     ragged_dtype = "uint8"  # the node cache keeps the encoded bytes: one ragged section
+    default_model, default_model_rank = "image_cnn", 0  # a small residual CNN, the tabular inputs beside it
     decodes_in_workers = True  # JPEG/PNG decoding, resizing and augmenting per batch
     takes_what = "encoded image bytes (binary, or a {bytes, path} struct)"
 

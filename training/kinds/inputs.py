@@ -14,7 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-KINDS = ("numeric", "categorical", "hashed", "vector", "image", "text")
+from training.core.config import INPUT_KINDS
+
+KINDS = INPUT_KINDS  # what data.inputs accepts (training/core/config.py), in that order
 EMBEDDED_KINDS = ("categorical", "hashed")  # integer indices into an embedding of ``cardinality`` rows
 
 

@@ -73,6 +73,8 @@ class TextCodec(Codec):
     kind = "text"
     dtype = "int64"  # the batch's token ids; the node cache holds them as int32 (ragged)
     ragged_dtype = "int32"
+    default_model, default_model_rank = "transformer", 1  # training/models/text.py
+    serving_packages = ("tokenizers",)
     takes = staticmethod(is_text)
     takes_what = "strings (string or large_string)"
 

@@ -32,6 +32,7 @@ from torch import nn
 from training.core.config import MODELS, ConfigError, PipelineConfig
 from training.core.imports import import_factory
 from training.kinds.inputs import InputInfo, block_names, inputs_from_dicts, inputs_from_manifest, numeric_input
+from training.kinds.registry import CODECS
 from training.models.image import image_classifier
 from training.models.tabular import TABULAR_KINDS, mlp, numeric_block
 from training.models.text import transformer
@@ -92,11 +93,9 @@ def pick_model(model: str, inputs: dict[str, InputInfo]) -> str:
     """``auto``: the built-in model for the inputs (every tabular kind: ``mlp``); any other name as given."""
     if model != "auto":
         return model
-    if any(info.kind == "image" for info in inputs.values()):
-        return "image_cnn"  # a small residual CNN, with the tabular inputs beside it
-    if any(info.kind == "text" for info in inputs.values()):
-        return "transformer"  # training/models/text.py
-    return "mlp"  # numeric, categorical, hashed, vector: all tabular
+    kinds = [CODECS[kind] for kind in dict.fromkeys(info.kind for info in inputs.values())]
+    picks = sorted((codec.default_model_rank, codec.default_model) for codec in kinds if codec.default_model)
+    return picks[0][1] if picks else "mlp"  # image_cnn, transformer: their kinds say so (Codec.default_model)
 
 
 def with_resolved_model(config: PipelineConfig, manifest) -> PipelineConfig:
