@@ -143,7 +143,7 @@ def run(ctx: Context) -> list[Result]:
             note=f"{epoch_steps} steps, one epoch's worth",
         ),
         Row(
-            "ddpflow: TrainBatches + training.loop.TrainStep",
+            "ddpflow: TrainBatches + training.loop.step.TrainStep",
             Stats.of(rates["ddpflow"]),
             "samples/s",
             headline,
@@ -206,7 +206,7 @@ class Feed:
 
     model_and_optimizer: Callable[[], tuple]
     compute: Callable[[], Iterator]
-    batches: object  # training.loading.TrainBatches
+    batches: object  # training.loading.batches.TrainBatches
 
 
 def presliced_inputs(split, batch: int, batches: int, seed: int = 0):
@@ -225,7 +225,7 @@ def presliced_inputs(split, batch: int, batches: int, seed: int = 0):
 
 
 def mixed_result(ctx: Context, split, rates: dict[str, list[float]], ratio: Stats, batches) -> Result:
-    from training.models import embedding_dim
+    from training.models.tabular import embedding_dim
 
     epoch_steps = len(batches)
     step_us = 1e6 * BATCH / Stats.of(rates["mixed_compute"]).median
@@ -245,7 +245,7 @@ def mixed_result(ctx: Context, split, rates: dict[str, list[float]], ratio: Stat
                 note=f"{epoch_steps} steps, one epoch's worth",
             ),
             Row(
-                "ddpflow: TrainBatches (node cache) + training.loop.TrainStep",
+                "ddpflow: TrainBatches (node cache) + training.loop.step.TrainStep",
                 Stats.of(rates["mixed_ddpflow"]),
                 "samples/s",
                 ratio,

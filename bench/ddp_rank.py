@@ -7,8 +7,8 @@
 How the rank is set up (``--ranks``):
 
 - ``ddpflow``: by ddpflow's own code, as every training rank is (``Trainer``'s
-  first steps): the process group (``training.distributed.distributed``), the
-  process configuration (``training.runtime.configure_process``: threads,
+  first steps): the process group (``training.distributed.context.distributed``), the
+  process configuration (``training.distributed.process.configure_process``: threads,
   pinning, the all-reduce's wait) and the DDP wrapper (``wrap_model``), for
   ddpflow's defaults plus the ``--set`` overrides. What "ddpflow's defaults"
   means in docs/benchmarks.md.
@@ -17,7 +17,7 @@ How the rank is set up (``--ranks``):
   and ``--affinity`` pinning the process to its own cores before it joins.
 
 What a step trains on (``--feed``): ``ddpflow``: ddpflow's node cache mapping,
-loader (``TrainBatches``) and step (``training.loop.TrainStep``) on a slice of
+loader (``TrainBatches``) and step (``training.loop.step.TrainStep``) on a slice of
 the train split sized so that one epoch is exactly ``steps`` steps per rank.
 ``presliced``/``pandas``: the same model and step fed from pre-cut tensors,
 or the plain way (per-row Dataset over a pandas DataFrame).

@@ -18,9 +18,9 @@ import torch
 
 
 def load_split(dataset_dir: str | Path, split: str):
-    """ddpflow's preallocated load of a split (``training.loading.load_split``)."""
-    from training.data.manifest import read_manifest
-    from training.loading import load_split as ddpflow_load_split
+    """ddpflow's preallocated load of a split (``training.loading.batches.load_split``)."""
+    from training.core.manifest import read_manifest
+    from training.loading.batches import load_split as ddpflow_load_split
 
     return ddpflow_load_split(dataset_dir, read_manifest(dataset_dir), split)
 
@@ -30,20 +30,20 @@ def load_train_split(dataset_dir: str | Path):
 
 
 def node_splits(dataset_dir: str | Path, splits=("train", "val"), cache_dir: str | Path | None = None):
-    """Splits the way every rank gets them (``training.data.node_cache.open_splits``): mapped from the node
+    """Splits the way every rank gets them (``training.loading.node_cache.open_splits``): mapped from the node
     cache, built there first when missing (in the rank or the builder child: ``builds_in_rank``).
     Split name -> ``CachedSplit`` (``.tensors``, ``.how``, ``.seconds``)."""
-    from training.data.manifest import read_manifest
-    from training.data.node_cache import open_splits
+    from training.core.manifest import read_manifest
+    from training.loading.node_cache import open_splits
 
     return open_splits(dataset_dir, read_manifest(dataset_dir), splits, None if cache_dir is None else str(cache_dir))
 
 
 def build_node_cache_file(dataset_dir: str | Path, split: str, cache_dir: str | Path) -> Path:
-    """What the node cache's builder process does for one split (``training.data.node_cache._build``: the file
+    """What the node cache's builder process does for one split (``training.loading.node_cache._build``: the file
     sized up front, mapped, filled record batch by record batch, published atomically), in THIS process."""
-    from training.data.manifest import read_manifest
-    from training.data.node_cache import _build, _expected_header, cache_path
+    from training.core.manifest import read_manifest
+    from training.loading.node_cache import _build, _expected_header, cache_path
 
     manifest, cache_dir = read_manifest(dataset_dir), str(cache_dir)
     path = cache_path(dataset_dir, manifest, split, cache_dir)
@@ -59,9 +59,9 @@ def record_batch_bytes(dataset_dir: str | Path, split: str) -> int:
 
     import pyarrow.parquet as pq
 
-    from training.data.manifest import read_manifest
-    from training.loading import fill_split
-    from training.spec.inputs import inputs_from_manifest
+    from training.core.manifest import read_manifest
+    from training.kinds.inputs import inputs_from_manifest
+    from training.loading.batches import fill_split
 
     manifest = read_manifest(dataset_dir)
     read_rows = inspect.signature(fill_split).parameters["read_rows"].default
@@ -73,16 +73,17 @@ def record_batch_bytes(dataset_dir: str | Path, split: str) -> int:
 def train_batches(
     split, *, batch: int, rank: int = 0, world_size: int = 1, seed: int = 0, device: str | torch.device = "cpu"
 ):
-    """ddpflow's per-rank batches (``training.loading.TrainBatches``: DistributedSampler, one gather per batch)."""
-    from training.loading import TrainBatches
+    """ddpflow's per-rank batches (``training.loading.batches.TrainBatches``: DistributedSampler, one gather per
+    batch)."""
+    from training.loading.batches import TrainBatches
 
     device = torch.device(device)
     return TrainBatches(split, rank, world_size, batch, seed, device, pin_memory=device.type == "cuda")
 
 
 def on_device(split, device: str | torch.device):
-    """The split copied to ``device`` once, as ``train.data_on_device=true`` does (``training.data.placement``)."""
-    from training.data.placement import place_splits
+    """The split copied to ``device`` once, as ``train.data_on_device=true`` does (``training.loading.placement``)."""
+    from training.loading.placement import place_splits
 
     placed, _ = place_splits({"train": split}, True, torch.device(device), torch.nn.Module())
     return placed["train"]
@@ -90,7 +91,7 @@ def on_device(split, device: str | torch.device):
 
 def first_rows(split, rows: int):
     """The split's first ``rows`` rows (repeated when it has fewer): a split whose epoch is exactly N steps."""
-    from training.loading import SplitTensors
+    from training.loading.batches import SplitTensors
 
     repeats = -(-rows // len(split))
     features, labels = split.features, split.labels
@@ -109,9 +110,9 @@ def train_epoch(
     grad_accum: int = 1,
     bf16: bool = False,
 ) -> int:
-    """ddpflow's training epoch: ``Trainer.run_epoch``'s loop over ``training.loop.TrainStep`` (the exact update),
+    """ddpflow's training epoch: ``Trainer.run_epoch``'s loop over ``training.loop.step.TrainStep`` (the exact update),
     without the Trainer's validation and hooks; returns the samples trained."""
-    from training.loop import StepSettings, TrainStep
+    from training.loop.step import StepSettings, TrainStep
 
     device = torch.device(device)
     train_step = TrainStep(
@@ -130,12 +131,13 @@ def train_epoch(
 class DdpflowRank:
     """A rank joined and configured by ddpflow's own code, as ``training.train.Trainer`` sets one up."""
 
-    ctx: Any  # training.distributed.DistContext
-    setup: Any  # training.runtime.ProcessSetup: threads, cores, whether it polls for the all-reduce
+    ctx: Any  # training.distributed.context.DistContext
+    setup: Any  # training.distributed.process.ProcessSetup: threads, cores, whether it polls for the all-reduce
 
     def wrap(self, model):
-        """``training.distributed.wrap_model``: DDP with ddpflow's bucket size, and its polling hook when asked."""
-        from training.distributed import wrap_model
+        """``training.distributed.context.wrap_model``: DDP with ddpflow's bucket size, and its polling hook when
+        asked."""
+        from training.distributed.context import wrap_model
 
         return wrap_model(model, self.ctx, self.setup.poll_allreduce)
 
@@ -143,11 +145,12 @@ class DdpflowRank:
 @contextmanager
 def ddpflow_rank(overrides: list[str]) -> Iterator[DdpflowRank]:
     """Join the process group and configure this process exactly as every training rank does
-    (``training.distributed.distributed``, ``training.runtime.configure_process``), for ddpflow's defaults
+    (``training.distributed.context.distributed``, ``training.distributed.process.configure_process``), for ddpflow's
+    defaults
     plus ``overrides`` (``train.num_threads=1``, ``train.cpu_poll_allreduce=true``, ...); leave it after."""
-    from training.config import load_config
-    from training.distributed import distributed
-    from training.runtime import configure_process
+    from training.core.config import load_config
+    from training.distributed.context import distributed
+    from training.distributed.process import configure_process
 
     train = load_config(None, overrides).train
     with distributed(train) as ctx:
@@ -156,27 +159,28 @@ def ddpflow_rank(overrides: list[str]) -> Iterator[DdpflowRank]:
 
 def bucket_cap_mb() -> float:
     """The DDP bucket size ddpflow passes (one bucket for models whose gradients fit)."""
-    from training.distributed import BUCKET_CAP_MB
+    from training.distributed.context import BUCKET_CAP_MB
 
     return float(BUCKET_CAP_MB)
 
 
 def prepare(data_config):
-    """``training.data.prepare.prepare_dataset`` -> the dataset directory."""
-    from training.data.prepare import prepare_dataset
+    """``training.prepare.dataset.prepare_dataset`` -> the dataset directory."""
+    from training.prepare.dataset import prepare_dataset
 
     return Path(prepare_dataset(data_config).dataset_dir)
 
 
 def evaluate(model_path: str | Path, dataset_dir: str | Path, split: str = "test") -> int:
-    """``training.evaluate.evaluate_split``; returns the rows scored."""
-    from training.evaluate import evaluate_split
+    """``training.inference.evaluate.evaluate_split``; returns the rows scored."""
+    from training.inference.evaluate import evaluate_split
 
     return evaluate_split(model_path, dataset_dir, split).samples
 
 
 EVALUATE_IN_A_PROCESS = (
-    "import sys; from training.evaluate import evaluate_split; print(evaluate_split(sys.argv[1], sys.argv[2]).metrics)"
+    "import sys; from training.inference.evaluate import evaluate_split; "
+    "print(evaluate_split(sys.argv[1], sys.argv[2]).metrics)"
 )
 
 
@@ -197,10 +201,10 @@ RANK_MODULE = "training.train"  # what every rank runs: python -m training.train
 
 
 def step_checkpointer(run_dir: str | Path):
-    """ddpflow's checkpointer for one process (``training.checkpoint.Checkpointer``): ``save_step`` writes a step
+    """ddpflow's checkpointer for one process (``training.checkpoint.files.Checkpointer``): ``save_step`` writes a step
     checkpoint in the background, ``wait_for_writes`` joins it."""
-    from training.checkpoint import Checkpointer
-    from training.distributed import SingleProcess
+    from training.checkpoint.files import Checkpointer
+    from training.distributed.context import SingleProcess
 
     return Checkpointer(run_dir, SingleProcess(), keep_steps=2)
 

@@ -15,12 +15,12 @@ from bench.workload import BATCH, Context, build_model_and_optimizer, prepared_d
 
 
 def write_model(dataset: Path, path: Path) -> Path:
-    """A model.pt as training writes it (``training.checkpoint.inference_checkpoint``), untrained weights."""
+    """A model.pt as training writes it (``training.inference.model_file.inference_checkpoint``), untrained weights."""
     import torch
 
-    from training.checkpoint import inference_checkpoint
-    from training.data.manifest import read_manifest
-    from training.models import ModelSpec
+    from training.core.manifest import read_manifest
+    from training.inference.model_file import inference_checkpoint
+    from training.models.registry import ModelSpec
 
     manifest = read_manifest(dataset)
     model, _ = build_model_and_optimizer(manifest.n_features, manifest.n_outputs)

@@ -23,7 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from training.fileio import atomic_write_json
+from training.core.fileio import atomic_write_json
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DOCS_BEGIN = "<!-- bench:{name}:begin -->"

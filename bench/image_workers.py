@@ -1,4 +1,4 @@
-"""The worker core rule (docs/training.md, ``training/runtime.py: make_room_for_workers``), measured.
+"""The worker core rule (docs/training.md, ``training/distributed/process.py: make_room_for_workers``), measured.
 
 One CPU rank that owns every core of this machine trains the built-in CNN through ``TrainBatches``, in three
 arrangements of the same cores, taking turns:
@@ -46,8 +46,8 @@ def arrangements(cores: int, workers: int) -> dict[str, tuple[int, int]]:
 
 def default_arrangement(cores: tuple[int, ...]) -> tuple[int, int]:
     """(workers, threads) that ddpflow gives a pinned CPU rank owning ``cores`` with an image input."""
-    from training.config import TrainConfig
-    from training.runtime import CpuSetup, decode_workers, make_room_for_workers
+    from training.core.config import TrainConfig
+    from training.distributed.process import CpuSetup, decode_workers, make_room_for_workers
 
     train = TrainConfig()
     pinned = CpuSetup(len(cores), cores)
@@ -60,10 +60,10 @@ def _rates(ctx, dataset: Path, plans: dict[str, tuple[int, int]], label: str) ->
     import torch
 
     from bench import ddpflow_api
-    from training.data.manifest import read_manifest
-    from training.loading import TrainBatches
-    from training.models import ModelSpec, build_model
-    from training.spec.inputs import inputs_from_manifest
+    from training.core.manifest import read_manifest
+    from training.kinds.inputs import inputs_from_manifest
+    from training.loading.batches import TrainBatches
+    from training.models.registry import ModelSpec, build_model
 
     manifest = read_manifest(dataset)
     split = ddpflow_api.load_split(dataset, "train")

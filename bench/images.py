@@ -57,8 +57,8 @@ def prepared(
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from training.config import load_config
-    from training.data.prepare import prepare_dataset
+    from training.core.config import load_config
+    from training.prepare.dataset import prepare_dataset
 
     rows = rows or ROWS["quick" if ctx.quick else "full"]
     drawn_px = drawn_px or size
@@ -102,7 +102,7 @@ class ReferenceDataset:
     def __getitem__(self, row: int):
         import torch
 
-        from training.data.ragged import BatchContext
+        from training.kinds.ragged import BatchContext
 
         start, stop = int(self.offsets[row]), int(self.offsets[row + 1])
         offsets = torch.tensor([0, stop - start])
@@ -117,10 +117,10 @@ def run(ctx: Context) -> list[Result]:
     from torch.utils.data import DataLoader
 
     from bench import ddpflow_api
-    from training.data.manifest import read_manifest
-    from training.loading import TrainBatches
-    from training.models import ModelSpec, build_model
-    from training.spec.inputs import inputs_from_manifest
+    from training.core.manifest import read_manifest
+    from training.kinds.inputs import inputs_from_manifest
+    from training.loading.batches import TrainBatches
+    from training.models.registry import ModelSpec, build_model
 
     set_threads(ctx.threads)
     dataset = prepared(ctx)

@@ -46,7 +46,7 @@ def probe(args: list[str]) -> dict:
 
 
 def run(ctx: Context) -> list[Result]:
-    from training.data.manifest import read_manifest
+    from training.core.manifest import read_manifest
 
     rows = ctx.sizes.rows
     dataset = prepared_dir(ctx, rows)
@@ -277,7 +277,8 @@ def build_memory(ctx: Context) -> Result:
         rows=rows,
         notes=[
             f"The train split of the {ctx.sizes.rows:,}-row datasets; each build in a fresh process that imports what "
-            "the builder process imports, then builds as it does (training.data.node_cache._build: the file sized up "
+            "the builder process imports, then builds as it does (training.loading.node_cache._build: the file sized "
+            "up "
             "front, mapped, filled by fill_split record batch by record batch). Anon: RssAnon sampled every "
             "millisecond; RSS: the kernel's VmHWM after a reset. One record batch: fill_split's read_rows rows of "
             f"the columns it reads, as Arrow holds them. {ctx.sizes.memory_repeats} run(s) each, taking turns.",

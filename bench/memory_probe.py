@@ -59,7 +59,7 @@ def load(how: str, dataset: str):
     import pyarrow.parquet as pq
     import torch
 
-    from training.data.manifest import read_manifest
+    from training.core.manifest import read_manifest
 
     manifest = read_manifest(dataset)
     files = manifest.split_files(dataset, "train")
@@ -84,8 +84,8 @@ def load(how: str, dataset: str):
 
 
 def prepare(source: str, root: str):
-    from training.config import DataConfig
-    from training.data.prepare import prepare_dataset
+    from training.core.config import DataConfig
+    from training.prepare.dataset import prepare_dataset
 
     return prepare_dataset(DataConfig(source=source, label="label", root=root))
 
@@ -113,11 +113,11 @@ def node(how: str, dataset: str, cache_dir: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    import training.data.node_cache  # noqa: F401 - imported before the baseline, as training.train does
+    import training.loading.node_cache  # noqa: F401 - imported before the baseline, as training.train does
     from bench import ddpflow_api
     from bench.workload import BATCH, build_model_and_optimizer
-    from training.data.manifest import read_manifest
-    from training.distributed import shard_range
+    from training.core.manifest import read_manifest
+    from training.distributed.context import shard_range
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -154,7 +154,7 @@ def anon(dataset: str, cache_dir: str, trim: bool = False) -> None:
     over an epoch of batches from the mapped train split (the cache built before, by the caller)."""
     import torch
 
-    import training.data.node_cache  # noqa: F401 - imported before the baseline, as training.train does
+    import training.loading.node_cache  # noqa: F401 - imported before the baseline, as training.train does
     from bench import ddpflow_api
     from bench.processes import report
     from bench.workload import BATCH
@@ -183,10 +183,10 @@ def held_anon() -> int:
 def build(dataset: str, cache_dir: str) -> None:
     import threading
 
-    import training.data.node_cache  # noqa: F401 - what the builder process imports before it builds
+    import training.loading.node_cache  # noqa: F401 - what the builder process imports before it builds
     from bench import ddpflow_api
     from bench.processes import report
-    from training.data.manifest import read_manifest
+    from training.core.manifest import read_manifest
 
     read_manifest(dataset)  # warm the JSON and dataclass machinery before the baseline
     baseline_rss, baseline_anon = rss_bytes("VmRSS"), rss_bytes("RssAnon")
@@ -250,8 +250,8 @@ def main() -> None:
     import pyarrow.parquet  # noqa: F401
     import torch  # noqa: F401
 
-    import training.data.prepare
-    import training.loading  # noqa: F401
+    import training.loading.batches
+    import training.prepare.dataset  # noqa: F401
 
     baseline = rss_bytes("VmRSS")
     exact = reset_peak()

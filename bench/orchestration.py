@@ -27,7 +27,7 @@ from bench.ddpflow_api import EVALUATE_IN_A_PROCESS, RANK_MODULE
 from bench.harness import REPO_ROOT, Result, Row, Stats, Timer, log
 from bench.workload import BATCH, Context, synthetic_url
 from devtools.ports import free_port
-from training.log import TRAIN
+from training.core.log import TRAIN
 
 NOOP_RANK = """import torch.distributed as dist
 dist.init_process_group("gloo")
@@ -39,7 +39,7 @@ FIRST_STEP = "step 1/"  # rank 0's progress line after its first step (progress_
 
 
 def small_config(ctx: Context, root: Path, **train):
-    from training.config import PipelineConfig
+    from training.core.config import PipelineConfig
 
     rows = ctx.sizes.orchestration_rows
     return PipelineConfig.model_validate(
@@ -312,7 +312,7 @@ def ddpflow_run_wall(ctx: Context, root: Path, project: Path, env: dict[str, str
 
 
 def bare_train_eval_wall(ctx: Context, dataset: Path, root: Path, env: dict[str, str]) -> float:
-    from training.job import TrainJob
+    from training.core.job import TrainJob
 
     config = small_config(ctx, root)
     run_dir = root / "run"

@@ -96,7 +96,7 @@ def sampled_run(ctx: Context, rows: int, root: Path) -> dict[str, float]:
 
 
 def run(ctx: Context) -> list[Result]:
-    from training.data.manifest import read_manifest
+    from training.core.manifest import read_manifest
 
     small, large = ctx.sizes.prepare_memory_rows
     train_rows = {rows: read_manifest(prepared_dir(ctx, rows)).rows("train") for rows in (small, large)}

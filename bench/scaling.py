@@ -155,7 +155,8 @@ def run(ctx: Context) -> list[Result]:
                 "the ratio column is each row's efficiency (on GPUs, nccl with one rank per GPU, its target is 0.9).",
                 "Semantics unchanged in these rows: each optimizer step averages 2 × 512 samples. The plain rows add "
                 "one change each, in plain PyTorch. ddpflow's defaults are its own rank set-up, as training.train's "
-                "ranks take it (training.runtime.configure_process, training.distributed.wrap_model): "
+                "ranks take it (training.distributed.process.configure_process, "
+                "training.distributed.context.wrap_model): "
                 "train.cpu_affinity=true pins every thread of a rank, DDP bucket_cap_mb=25 puts the model's ~0.3 MB "
                 "of gradients in one all-reduce, and train.cpu_poll_allreduce=false. The polling row opts in "
                 "(true: a rank polls for that all-reduce instead of sleeping in it, DDP's own arithmetic bit for bit).",

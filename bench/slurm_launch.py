@@ -23,7 +23,7 @@ from bench.harness import Result, Row, Stats, log, skipped, turns
 from bench.orchestration import FIRST_STEP, NOOP_RANK, free_port, small_config, small_dataset
 from bench.workload import Context
 from devtools.slurm_local_cluster import LocalSlurmCluster, missing_requirements, start, stop
-from training.log import TRAIN
+from training.core.log import TRAIN
 
 NAME, TITLE = "slurm", "Launch through Slurm"
 NODES = 2

@@ -67,7 +67,7 @@ def shard_settings(dataset_dir: Path) -> dict:
     """Compression, dictionary use and row-group size, read back from a written shard."""
     import pyarrow.parquet as pq
 
-    from training.data.manifest import read_manifest
+    from training.core.manifest import read_manifest
 
     manifest = read_manifest(dataset_dir)
     first = manifest.split_files(dataset_dir, "train")[0]

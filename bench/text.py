@@ -29,7 +29,7 @@ def write_text_dataset(ctx: Context, rows: int) -> Path:
     import pyarrow.parquet as pq
 
     from bench import ddpflow_api
-    from training.config import load_config
+    from training.core.config import load_config
 
     rng = np.random.default_rng(0)
     words = np.array([f"w{i}" for i in range(5000)])
@@ -49,7 +49,7 @@ def write_text_dataset(ctx: Context, rows: int) -> Path:
 def train_strings(dataset: Path) -> list[str]:
     import pyarrow.parquet as pq
 
-    from training.data.manifest import read_manifest
+    from training.core.manifest import read_manifest
 
     manifest = read_manifest(dataset)
     strings = []
@@ -61,7 +61,7 @@ def train_strings(dataset: Path) -> list[str]:
 def build_model(inputs, n_outputs: int):
     import torch
 
-    from training.models import ModelSpec, build_model
+    from training.models.registry import ModelSpec, build_model
 
     torch.manual_seed(0)
     model = build_model(ModelSpec.for_inputs("transformer", inputs, n_outputs, MODEL_KWARGS))
@@ -102,9 +102,9 @@ def run(ctx: Context) -> list[Result]:
     import torch
 
     from bench import ddpflow_api
-    from training.data.manifest import read_manifest
-    from training.loading import manifest_codecs
-    from training.spec.inputs import inputs_from_manifest
+    from training.core.manifest import read_manifest
+    from training.kinds.inputs import inputs_from_manifest
+    from training.loading.batches import manifest_codecs
 
     set_threads(ctx.threads)
     rows = 4_000 if ctx.quick else 20_000

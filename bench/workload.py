@@ -126,7 +126,7 @@ def raw_bytes(rows: int) -> int:
 
 def source_file(ctx: Context, rows: int) -> Path:
     """A Parquet source (plain encoding, the synthetic generator's), written once per run."""
-    from training.data.synthetic import write_synthetic
+    from training.prepare.synthetic import write_synthetic
 
     def build() -> Path:
         return write_synthetic(synthetic_url(rows), ctx.workdir / "source" / f"rows-{rows}.parquet")
@@ -135,7 +135,7 @@ def source_file(ctx: Context, rows: int) -> Path:
 
 
 def data_config(ctx: Context, source: str | Path, root: str | Path | None = None, **overrides: Any):
-    from training.config import DataConfig
+    from training.core.config import DataConfig
 
     return DataConfig(source=str(source), label="label", root=str(root or ctx.workdir / "shards"), **overrides)
 
@@ -191,7 +191,7 @@ def train_arrays(ctx: Context, rows: int):
     import pyarrow.parquet as pq
     import torch
 
-    from training.data.manifest import read_manifest
+    from training.core.manifest import read_manifest
 
     def build():
         dataset = prepared_dir(ctx, rows)
@@ -215,7 +215,7 @@ def build_model_and_optimizer(
 ):
     import torch
 
-    from training.models import ModelSpec, build_model
+    from training.models.registry import ModelSpec, build_model
 
     torch.manual_seed(seed)
     model = build_model(ModelSpec("mlp", n_features, n_outputs, {"hidden": list(HIDDEN)})).to(device or "cpu")
@@ -227,9 +227,9 @@ def build_input_model_and_optimizer(dataset: Path, seed: int = 0):
     """The built-in mlp for the dataset's inputs (embeddings for its categoricals), HIDDEN wide, and AdamW."""
     import torch
 
-    from training.data.manifest import read_manifest
-    from training.models import ModelSpec, build_model
-    from training.spec.inputs import inputs_from_manifest
+    from training.core.manifest import read_manifest
+    from training.kinds.inputs import inputs_from_manifest
+    from training.models.registry import ModelSpec, build_model
 
     manifest = read_manifest(dataset)
     torch.manual_seed(seed)

@@ -5,7 +5,7 @@
 
 Plain numbers from the two manifests alone (no shard is read, no MLflow, no Prefect):
 prepare keeps each feature's train-split histogram on a dyadic grid
-(``training/data/stats.py: RunningHistogram``) beside its mean and std.
+(``training/kinds/stats.py: RunningHistogram``) beside its mean and std.
 
 PSI, per feature: both histograms are re-binned exactly onto their common grid (the
 coarser of the two widths: the grids are dyadic, so bins nest), the fine bins are
@@ -23,7 +23,7 @@ Mean shift, per feature: (current mean - reference mean) / reference std, the
 shift in units of the reference's spread.
 
 Other input kinds and the label, from the manifests' ``extra["drift_stats"]``
-(prepare's train-split counts, training/data/prepare.py):
+(prepare's train-split counts, training/prepare/dataset.py):
 - a categorical input: PSI over its category frequencies (the reference's most
   frequent values, the rest as one "other" bucket, and one "unseen" bucket for
   values the reference never had); mean shift 0;
@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from training.data.manifest import Manifest
+from training.core.manifest import Manifest
 
 DRIFT_GROUPS = 10
 PSI_EPSILON = 1e-4
@@ -238,7 +238,7 @@ def _vector_drift(name: str, reference: dict[str, Any], current: dict[str, Any])
     return FeatureDrift(f"{name}[{worst}]", 0.0, float(shifts[worst]), float(before[worst]), float(after[worst]))
 
 
-IMAGE_MEASURES = ("width", "height", "brightness")  # an image input's train histograms (training/spec/image.py)
+IMAGE_MEASURES = ("width", "height", "brightness")  # an image input's train histograms (training/kinds/image.py)
 
 
 def _image_drift(name: str, measure: str, reference: dict[str, Any], current: dict[str, Any]) -> FeatureDrift:

@@ -7,7 +7,7 @@ Names come from flow parameters: anything but letters, digits, ``.``, ``_`` and 
 becomes ``-``, leading dots and dashes are dropped, so ``../x`` or ``/etc`` cannot leave run_root.
 
 ``find_resumable_run(run_root, fingerprint, config)``: the most recent run directory under run_root
-  * that holds the same training: ``training_identity`` (training/checkpoint.py, the one
+  * that holds the same training: ``training_identity`` (training/checkpoint/files.py, the one
     resume rule, which the checkpointer applies to last.pt too) of its config.json and
     dataset equals this config's and fingerprint's,
   * whose training did not finish: ``checkpoints/last.pt`` or a step checkpoint exists, or a Slurm job it recorded may
@@ -31,12 +31,12 @@ from typing import Any
 
 from ddpflow.launch.slurm import has_unfinished_job
 from ddpflow.launch.supervisor import is_locked
-from training.checkpoint import training_identity
-from training.config import PipelineConfig
-from training.fileio import atomic_write_json
-from training.layout import CONFIG, FINAL_MODEL, LAST_CHECKPOINT, METRICS, TRAIN_JOB
-from training.metrics_sink import read_metrics_lines
-from training.step_checkpoints import step_checkpoints, step_position
+from training.checkpoint.files import training_identity
+from training.checkpoint.steps import step_checkpoints, step_position
+from training.core.config import PipelineConfig
+from training.core.fileio import atomic_write_json
+from training.core.layout import CONFIG, FINAL_MODEL, LAST_CHECKPOINT, METRICS, TRAIN_JOB
+from training.loop.metrics_sink import read_metrics_lines
 
 MLFLOW_RUN_FILE = "mlflow_run.json"  # {"run_id": ...}: the MLflow run training in this directory
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
@@ -113,7 +113,7 @@ def run_identity(run_dir: Path) -> dict[str, Any] | None:
     saved = _read_json(run_dir / CONFIG)
     if job is None or saved is None:
         return None
-    # The dataset directory is <data.root>/<fingerprint> (training/layout.py).
+    # The dataset directory is <data.root>/<fingerprint> (training/core/layout.py).
     return training_identity(saved, Path(str(job.get("dataset_dir", ""))).name)
 
 

@@ -44,7 +44,7 @@ from typing import Any
 import psutil
 
 from ddpflow.launch.process_tree import session_members, stop_processes
-from training.fileio import atomic_write_text
+from training.core.fileio import atomic_write_text
 
 HOST = "127.0.0.1"
 WORK_POOL = "ddpflow-local"

@@ -1,6 +1,6 @@
 """Drift of a text input (ddpflow/drift.py calls it for each text input both datasets have).
 
-From prepare's train-split statistics (training/spec/text.py: ``text_drift_stats``), three entries:
+From prepare's train-split statistics (training/kinds/text.py: ``text_drift_stats``), three entries:
 - ``<name>:length``: PSI over the tokens-per-row distribution (its bins grouped into about equal shares of the
   reference, as a numeric feature's are); mean shift of the mean length in units of the reference's std;
 - ``<name>:words``: PSI over word frequencies (the reference's most frequent words, the rest as "other", an

@@ -4,7 +4,7 @@
     change = compare_sightings(previous, sighting)    # FIRST, UNCHANGED or CHANGED
 
 A sighting is the fingerprint prepare would give the data now
-(``training/data/prepare.py: source_fingerprint``: the source's identity, i.e. its
+(``training/prepare/dataset.py: source_fingerprint``: the source's identity, i.e. its
 files' names, sizes and modification times or ETags, plus the data settings), with
 a file count and byte total for people. So "changed" means exactly "prepare would
 build a new dataset": an appended row, a new or edited file, another data setting.
@@ -25,8 +25,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from training.config import PipelineConfig
-from training.data.prepare import source_fingerprint
+from training.core.config import PipelineConfig
+from training.prepare.dataset import source_fingerprint
 
 EVENT = "ddpflow.data.changed"
 VARIABLE_PREFIX = "ddpflow-watch-"

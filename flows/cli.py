@@ -6,7 +6,7 @@
     ddpflow stack    up|down|status [--project .] [--prefect-port 4200] [--mlflow-port 5000] ...
     ddpflow serve    NAME[@alias|/version] [--port 5001] [--tracking-uri URI]   (MLflow's scoring server)
 
-Each subcommand calls plain functions (``training.data.prepare``, the flows,
+Each subcommand calls plain functions (``training.prepare.dataset``, the flows,
 ``ddpflow.stack``) and prints a short summary for people, or with ``--json``
 one JSON object on stdout (everything else goes to stderr).
 
@@ -45,8 +45,8 @@ from ddpflow.console import CommandLog
 from ddpflow.lifetime import Terminated, ended_by_signals, shielded
 from ddpflow.prefect_server import PrefectServer, PrefectServerError, prefect_server
 from flows.environment import set_local_defaults
-from training.config import ConfigError, PipelineConfig, load_config
-from training.selection import describe_selection
+from training.core.config import ConfigError, PipelineConfig, load_config
+from training.loop.selection import describe_selection
 
 # Errors that are the user's to fix: print the message, not a traceback.
 # ConnectionError: an unreachable tracking server names its URI.
@@ -70,7 +70,7 @@ class CommandFailed(Exception):
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
-    from training.data.prepare import prepare_dataset
+    from training.prepare.dataset import prepare_dataset
 
     prepared = prepare_dataset(_load(args).data)
     print_summary(prepared.summary(), args.json)
@@ -246,7 +246,7 @@ def _for_people(summary: dict[str, Any]) -> dict[str, Any]:
     return {**summary, "test_metrics": shown, **drift, **selection}
 
 
-MAJORITY_SHARE = "_majority_share"  # <split>_majority_share: training/evaluate.py
+MAJORITY_SHARE = "_majority_share"  # <split>_majority_share: training/inference/evaluate.py
 _COUNT = re.compile(r"_(samples|tokens|scored_rows)$")  # metrics that count rows or tokens
 
 

@@ -19,7 +19,7 @@ import re
 from typing import Any
 from urllib.parse import urlparse
 
-from training.config import PipelineConfig, apply_overrides, read_yaml, validate_config
+from training.core.config import PipelineConfig, apply_overrides, read_yaml, validate_config
 
 
 def resolve_config(

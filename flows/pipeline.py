@@ -62,12 +62,12 @@ from tasks.evaluate import evaluate_model
 from tasks.prepare import prepare_data
 from tasks.register import register_model
 from tasks.train import KILL_GRACE_S, TrainRequest, train_model
-from training.config import PipelineConfig
-from training.data.prepare import PreparedDataset
-from training.models import with_resolved_model
+from training.core.config import PipelineConfig
+from training.core.topology import RankLayout
+from training.loop.selection import selection_summary
+from training.models.registry import with_resolved_model
 from training.preflight import check_data, check_machine
-from training.selection import selection_summary
-from training.topology import RankLayout
+from training.prepare.dataset import PreparedDataset
 
 # Stopped from outside (Ctrl-C, a signal, a cancelled flow run): the MLflow run ends KILLED, not FAILED.
 # Abort: train_model's answer to a cancelled flow run; TerminationSignal: Prefect's SIGTERM (a worker cancelling).
@@ -275,7 +275,7 @@ def _prefect_context() -> dict[str, Any]:
 
 
 def _ddp_params(config: PipelineConfig, layout: RankLayout) -> dict[str, Any]:
-    """The layout the launch will use ('auto' resolved by training/topology.py), for the MLflow run's ddp.* tags."""
+    """The layout the launch will use ('auto' resolved by training/core/topology.py), for the run's ddp.* tags."""
     train = config.train
     return {
         "nproc_per_node": layout.nproc_per_node,

@@ -19,7 +19,7 @@ from prefect import flow, get_run_logger
 from ddpflow.tracking.registration import register_run
 from ddpflow.tracking.runs import check_tracking_reachable, resolve_tracking_uri
 from tasks.register import gate_lock
-from training.config import PipelineConfig
+from training.core.config import PipelineConfig
 
 
 @flow(name="register-run", flow_run_name="register-{run_id}", log_prints=True)

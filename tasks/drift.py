@@ -19,9 +19,9 @@ from prefect.cache_policies import NO_CACHE
 from ddpflow.tracking.drift import UNAVAILABLE, DriftOutcome, measure_and_log_drift
 from ddpflow.tracking.runs import how_to_open
 from tasks.register import retry_on_transient_error
-from training.config import PipelineConfig
-from training.data.manifest import Manifest
-from training.spec.next_token import LANGUAGE_MODEL, evaluated_as
+from training.core.config import PipelineConfig
+from training.core.manifest import Manifest
+from training.objectives.next_token import LANGUAGE_MODEL, evaluated_as
 
 TOP_FEATURES = 5
 

@@ -1,6 +1,6 @@
 """Prefect task: score the trained model on the test split and record it.
 
-The numbers come from ``training/evaluate.py``; the MLflow run gets them through
+The numbers come from ``training/inference/evaluate.py``; the MLflow run gets them through
 ``ddpflow/tracking/runs.py: log_evaluation`` (metrics, ``eval/metrics.json``, a
 confusion-matrix or residual plot, where the model and data are). This task
 writes ``RUN_DIR/eval/metrics.json`` and a Prefect markdown artifact with a link
@@ -17,12 +17,13 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from ddpflow.tracking.runs import how_to_open, log_evaluation
-from training.config import PipelineConfig
-from training.data.manifest import read_manifest
-from training.evaluate import EvalResult, evaluate_split
-from training.fileio import atomic_write_json
-from training.layout import EVAL_METRICS
-from training.spec.next_token import LANGUAGE_MODEL, evaluated_as
+from training.core.config import PipelineConfig
+from training.core.fileio import atomic_write_json
+from training.core.layout import EVAL_METRICS
+from training.core.manifest import read_manifest
+from training.inference.evaluate import evaluate_split
+from training.inference.model_file import EvalResult
+from training.objectives.next_token import LANGUAGE_MODEL, evaluated_as
 
 PLOT_ROWS = 20_000  # residual plot: enough points to see structure, bounded memory
 

@@ -1,6 +1,6 @@
 """Prefect task for the prepare stage: ``prepare_data(config) -> PreparedDataset``.
 
-The work is ``training.data.prepare.prepare_dataset``; this wrapper adds the
+The work is ``training.prepare.dataset.prepare_dataset``; this wrapper adds the
 Prefect view: a log line saying whether the dataset was reused (cache hit) or
 prepared, and a table artifact with the rows and shards per split; a warning
 and a second table artifact (``prepared-dataset-left-out``) for every column the
@@ -17,10 +17,10 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
-from training.config import PipelineConfig
-from training.data.prepare import PreparedDataset, prepare_dataset
-from training.layout import SPLITS
-from training.spec.inputs import describe_inputs, inputs_from_manifest
+from training.core.config import PipelineConfig
+from training.core.layout import SPLITS
+from training.kinds.inputs import describe_inputs, inputs_from_manifest
+from training.prepare.dataset import PreparedDataset, prepare_dataset
 
 
 @task(name="prepare-data", retries=0, cache_policy=NO_CACHE)

@@ -29,7 +29,7 @@ from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
 from ddpflow.tracking.registration import register_candidate
 from ddpflow.tracking.registry import is_transient
-from training.config import PipelineConfig
+from training.core.config import PipelineConfig
 
 GATE_LOCK_PREFIX = "ddpflow-gate-"
 # Waiting longer than this for another registration of the same model fails the attempt (TimeoutError is

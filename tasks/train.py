@@ -12,7 +12,7 @@ transient failure (a rank killed by the OOM killer, a stalled collective). It is
 skipped for errors that would happen again: bad configuration (ValueError,
 raised by the preflight before any process starts), the wall-clock timeout,
 an interruption (signal, cancellation), and a NaN or inf in training
-(training/nonfinite.py: the resumed run would diverge at the same step).
+(training/loop/nonfinite.py: the resumed run would diverge at the same step).
 
 Cancellation: the task polls its flow run's state; when someone cancels the
 flow run (UI, API, ``prefect flow-run cancel``) it kills torchrun's tree within a
@@ -40,9 +40,9 @@ from ddpflow.launch.stage import TrainRequest, TrainResult, run_train_stage
 from ddpflow.launch.supervisor import OutputLine
 from ddpflow.tracking.metrics import EpochMetricsFollower
 from ddpflow.tracking.runs import SLURM_JOB_TAG, tag_run
-from training.layout import METRICS, run_file
-from training.nonfinite import is_non_finite_failure
-from training.topology import RankLayout
+from training.core.layout import METRICS, run_file
+from training.core.topology import RankLayout
+from training.loop.nonfinite import is_non_finite_failure
 
 __all__ = ["KILL_GRACE_S", "TrainRequest", "TrainResult", "train_model"]
 
@@ -55,7 +55,7 @@ def _worth_retrying(task, task_run, state) -> bool:
     """Retry only failures that a second launch (resuming from last.pt) might not repeat."""
     error = state.data if isinstance(state.data, BaseException) else None
     if error is not None and is_non_finite_failure(str(error)):
-        return False  # a diverged step diverges again after a resume (training/nonfinite.py)
+        return False  # a diverged step diverges again after a resume (training/loop/nonfinite.py)
     return not isinstance(error, (ValueError, LaunchTimeout, LaunchInterrupted))
 
 

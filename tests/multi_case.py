@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 if TYPE_CHECKING:
-    from training.config import PipelineConfig
+    from training.core.config import PipelineConfig
 
 RANK_MODULE = "tests.multi_case"  # this file, run by every rank: python -m tests.multi_case --config A --config B
 CASE_OUTPUT = "output-rank{rank}.txt"
@@ -63,7 +63,7 @@ def launch_cases(
     """Train every case (name -> (config, dataset dir)) in one launch of the production torchrun argv;
     case ``name`` runs in ``root/name``. ``env``: what the launcher gives torchrun (``launch_env``)."""
     from ddpflow.launch.command import RANK_ENTRYPOINT, torchrun_command
-    from training.job import TrainJob
+    from training.core.job import TrainJob
 
     configs = [config for config, _ in cases.values()]
     check_one_launch(dict(zip(cases, configs)))
@@ -146,11 +146,11 @@ def case_log(run_dir: Path, rank: int):
 def main(argv: list[str] | None = None) -> None:
     """Join the group once (the first case's config; ``launch_cases`` checked the others agree), then train
     each case with ``training.train``'s own Trainer and hooks."""
-    from training.distributed import distributed
-    from training.faults import hooks_from_env
-    from training.job import TrainJob
-    from training.log import log_main
-    from training.runtime import die_with_parent, preload_in_background
+    from training.core.job import TrainJob
+    from training.core.log import log_main
+    from training.distributed.context import distributed
+    from training.distributed.process import die_with_parent, preload_in_background
+    from training.loop.hooks import hooks_from_env
     from training.train import Trainer
 
     preload_in_background()
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from training.runtime import exit_without_teardown, record_root_cause
+    from training.distributed.process import exit_without_teardown, record_root_cause
 
     record_root_cause(main)()  # a failing rank's traceback reaches torchrun as the root cause, as training.train's does
     exit_without_teardown()

@@ -21,16 +21,16 @@ when the request carries no layout. Every error is a ConfigError (a ValueError) 
 
 from __future__ import annotations
 
-from training.config import ConfigError, PipelineConfig
-from training.data.manifest import Manifest
-from training.models import ModelSpec, build_model, resolve_factory
-from training.spec.inputs import inputs_from_manifest
-from training.spec.objectives import BUILT_IN, build_objective, check_objective, resolve_user_objective
-from training.topology import RankLayout, resolve_ranks
+from training.core.config import ConfigError, PipelineConfig
+from training.core.manifest import Manifest
+from training.core.topology import RankLayout, resolve_ranks
+from training.kinds.inputs import inputs_from_manifest
+from training.models.registry import ModelSpec, build_model, resolve_factory
+from training.objectives.registry import BUILT_IN, build_objective, check_objective, resolve_user_objective
 
 
 def check_machine(config: PipelineConfig, gpus: int | None = None) -> RankLayout:
-    """Machine-level checks; returns the rank layout (training/topology.py) they checked.
+    """Machine-level checks; returns the rank layout (training/core/topology.py) they checked.
 
     ``gpus=None`` asks torch how many GPUs this machine has. With ``train.launcher: slurm`` the
     ranks run on the job's nodes instead: see ``_check_slurm_nodes``.
@@ -53,7 +53,7 @@ def check_optimizer(config: PipelineConfig) -> None:
     """``train.optimizer_kwargs`` that ``train.optimizer`` does not take fail here, not in every rank."""
     import torch
 
-    from training.optim import build_optimizer
+    from training.loop.optim import build_optimizer
 
     try:
         build_optimizer(torch.nn.Linear(1, 1), config.train)

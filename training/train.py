@@ -13,8 +13,8 @@ rendezvous endpoint and id; RUN_DIR and the dataset on a shared filesystem)::
         -m training.train --config RUN_DIR/train_config.json
 
 Without torchrun the same command trains in one process. What a rank reads
-and writes is in ``training/layout.py``; resume rules in ``training/checkpoint.py``;
-test hooks (``DDPFLOW_FAULT``, ``DDPFLOW_RECORD_INDICES``) in ``training/faults.py``.
+and writes is in ``training/core/layout.py``; resume rules in ``training/checkpoint/files.py``;
+test hooks (``DDPFLOW_FAULT``, ``DDPFLOW_RECORD_INDICES``) in ``training/loop/hooks.py``.
 
 The file reads in the order a rank runs: ``main`` joins the process group and
 runs ``Trainer(job, ctx, hooks).train()``; the Trainer's constructor builds
@@ -35,25 +35,14 @@ from typing import Any
 
 import torch
 
-from training.checkpoint import Checkpointer, check_global_batch, identity_entries, inference_checkpoint
-from training.coverage import Certificate, CoverageTally
-from training.data.manifest import read_manifest
-from training.data.node_cache import open_splits
-from training.data.placement import place_splits
-from training.distributed import DistContext, distributed, shard_range, wrap_model
-from training.faults import NO_HOOKS, TrainHooks, hooks_from_env
-from training.job import TrainJob
-from training.loading import TrainBatches
-from training.log import DATA, log_main, log_rank
-from training.loop import StepSettings, TrainStep, evaluate, validation_metrics
-from training.metrics_sink import MetricsSink, StepMetricsSink
-from training.models import ModelSpec, build_model
-from training.nonfinite import NonFiniteStep, non_finite_error
-from training.normalisation import Normaliser
-from training.optim import build_optimizer, build_schedule, optimizer_states_per_parameter
-from training.progress import Progress
-from training.rng import capture_rng, rank_seed, restore_rng, seed_process
-from training.runtime import (
+from training.checkpoint.files import Checkpointer, check_global_batch, identity_entries
+from training.checkpoint.steps import StepSchedule
+from training.core.job import TrainJob
+from training.core.log import DATA, log_main, log_rank
+from training.core.manifest import read_manifest
+from training.core.rng import capture_rng, rank_seed, restore_rng, seed_process
+from training.distributed.context import DistContext, distributed, shard_range, wrap_model
+from training.distributed.process import (
     configure_process,
     decode_workers,
     die_with_parent,
@@ -62,18 +51,30 @@ from training.runtime import (
     preload_in_background,
     record_root_cause,
 )
-from training.selection import Selection
-from training.spec.codecs import read_encoders
-from training.spec.inputs import describe_inputs, inputs_from_manifest
-from training.spec.objectives import build_objective
-from training.step_checkpoints import StepSchedule
+from training.inference.model_file import inference_checkpoint
+from training.kinds.inputs import describe_inputs, inputs_from_manifest
+from training.kinds.normalisation import Normaliser
+from training.kinds.registry import CODECS, read_encoders
+from training.loading.batches import TrainBatches
+from training.loading.node_cache import open_splits
+from training.loading.placement import place_splits
+from training.loop.coverage import Certificate, CoverageTally
+from training.loop.hooks import NO_HOOKS, TrainHooks, hooks_from_env
+from training.loop.metrics_sink import MetricsSink, StepMetricsSink
+from training.loop.nonfinite import NonFiniteStep, non_finite_error
+from training.loop.optim import build_optimizer, build_schedule, optimizer_states_per_parameter
+from training.loop.progress import Progress
+from training.loop.selection import Selection
+from training.loop.step import StepSettings, TrainStep, evaluate, validation_metrics
+from training.models.registry import ModelSpec, build_model
+from training.objectives.registry import build_objective
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m training.train", description="One DDP rank of a ddpflow training run."
     )
-    parser.add_argument("--config", required=True, help="RUN_DIR/train_config.json (a training.job.TrainJob)")
+    parser.add_argument("--config", required=True, help="RUN_DIR/train_config.json (a training.core.job.TrainJob)")
     return parser.parse_args(argv)
 
 
@@ -100,7 +101,7 @@ class Trainer:
         # Where in epoch ``epochs_done`` training continues (a step checkpoint's position), and that epoch's
         # all-reduced sums of the steps before it (loss, rows, coverage lanes), carried on rank 0.
         self.start_step, self.carried = 0, None
-        self.coverage = CoverageTally()  # this rank's rows of the epoch (training/coverage.py)
+        self.coverage = CoverageTally()  # this rank's rows of the epoch (training/loop/coverage.py)
         self.selection = Selection.from_config(self.config)  # which epoch model.pt holds, when to stop
         self.best_weights: dict[str, torch.Tensor] | None = None  # rank 0: the best epoch's, on the CPU
         self._configure_process()
@@ -114,7 +115,7 @@ class Trainer:
     # --- the constructor's steps, in order ---------------------------------------------------------------
 
     def _configure_process(self) -> None:
-        """Threads and cores, CUDA math modes, the all-reduce's wait (``training/runtime.py: configure_process``)."""
+        """Threads and cores, CUDA math modes, the all-reduce's wait (``distributed/process.py: configure_process``)."""
         ctx = self.ctx
         self.process = configure_process(self.config, ctx)
         log_main(
@@ -143,9 +144,9 @@ class Trainer:
         train, manifest = self.config, self.manifest
         # The same seed on every rank: identical initial weights (DDP also broadcasts rank 0's).
         seed_process(train.seed)
-        self.objective = build_objective(train, manifest)  # the loss contract (training/spec/objectives.py)
+        self.objective = build_objective(train, manifest)  # the loss contract (training/objectives/registry.py)
         n_outputs = self.objective.n_outputs(self.objective.n_classes)
-        inputs = inputs_from_manifest(manifest)  # the model contract (training/spec/inputs.py)
+        inputs = inputs_from_manifest(manifest)  # the model contract (training/kinds/inputs.py)
         model_kwargs = {**self.objective.model_kwargs(), **train.model_kwargs}  # next_token: the text it models
         self.spec = ModelSpec.for_inputs(train.model, inputs, n_outputs, model_kwargs)
         self.model = build_model(self.spec)  # the plain module: evaluation, checkpoints
@@ -182,8 +183,8 @@ class Trainer:
         self.expected_coverage = Certificate.expected(self.manifest.rows("train"))
 
     def _decode_workers(self) -> int:
-        """train.num_workers resolved for this rank, its threads shrunk to make room (training/runtime.py)."""
-        decodes = any(info.kind == "image" for info in inputs_from_manifest(self.manifest).values())
+        """train.num_workers resolved for this rank, its threads shrunk to make room (distributed/process.py)."""
+        decodes = any(CODECS[info.kind].decodes_in_workers for info in inputs_from_manifest(self.manifest).values())
         cpu = self.process.cpu
         workers = decode_workers(self.config.num_workers, cpu, self.ctx.device.type == "cuda", decodes)
         self.process = replace(self.process, cpu=make_room_for_workers(cpu, workers, self.config))
@@ -191,7 +192,7 @@ class Trainer:
         return workers
 
     def _build_optimizer(self) -> None:
-        """The optimizer and its schedule over every optimizer step of the run (training/optim.py), the step
+        """The optimizer and its schedule over every optimizer step of the run (training/loop/optim.py), the step
         that uses them, and its per-step curves."""
         train = self.config
         steps_per_epoch = -(-len(self.batches) // train.grad_accum)
@@ -253,7 +254,7 @@ class Trainer:
         log_main(self.ctx.is_main, f"wrote {self.checkpointer.final_path} ({self._selection_line()})")
 
     def _judge(self, epoch: int, metrics: dict[str, Any]) -> None:
-        """train.monitor decides (the same on every rank: training/selection.py); rank 0 keeps the best weights."""
+        """train.monitor decides (the same on every rank: training/loop/selection.py); rank 0 keeps the best weights."""
         improved = self.selection.observe(epoch, metrics)
         if improved and self.selection.keeps_best_weights and self.ctx.is_main:
             self.best_weights = {
@@ -338,7 +339,7 @@ class Trainer:
 
     def _save_step(self, epoch: int, step: int, loss: torch.Tensor, rows: int) -> None:
         """A step checkpoint before step ``step`` of ``epoch``: the epoch's sums so far over all ranks, then
-        ``state_dict`` (copies, so training goes on while rank 0 writes them: training/step_checkpoints.py)."""
+        ``state_dict`` (copies, so training goes on while rank 0 writes them: training/checkpoint/steps.py)."""
         loss_sum, rows = self.ctx.all_reduce_sum([loss, rows])
         coverage = self.ctx.all_reduce_int_sum(self.coverage.totals())
         epoch_sums = {"loss": loss_sum, "rows": int(rows), "coverage": coverage}
@@ -346,7 +347,7 @@ class Trainer:
         self.step_schedule.written()
 
     def _non_finite(self, epoch: int, bad: NonFiniteStep) -> Exception:
-        """The error for a NaN or inf step (training/nonfinite.py). When the gradient norm is non-finite every
+        """The error for a NaN or inf step (training/loop/nonfinite.py). When the gradient norm is non-finite every
         rank is here at the same step, so they can gather whose loss was non-finite and name the same ranks."""
         losses_ok = self.ctx.gather_objects(math.isfinite(bad.loss)) if bad.everywhere else None
         loss_ranks = None if losses_ok is None else [rank for rank, ok in enumerate(losses_ok) if not ok]
@@ -408,7 +409,7 @@ class Trainer:
 
     def _resume_position(self, state: dict[str, Any]) -> None:
         """Mid-epoch: start at the checkpoint's step. Any resume keeps the global batch (one step covers the
-        same rows at any world size: training/loading.py ``global_positions_of_steps``)."""
+        same rows at any world size: training/loading/batches.py ``global_positions_of_steps``)."""
         source = self.checkpointer.resumed_from or "the checkpoint"
         check_global_batch(state, self.batch_size, self.ctx.world_size, source)
         step = int(state.get("step") or 0)

@@ -3,7 +3,7 @@
     argv = torchrun_command(config, run_dir / "train_config.json", gpus=2)
     env = launch_env(config, run_dir, tracking_uri=uri, gpus=2, grace_s=10)
 
-How many ranks and which backend: training/topology.py (``resolve_ranks``), the one
+How many ranks and which backend: training/core/topology.py (``resolve_ranks``), the one
 rule that the preflight, the ranks and the MLflow tags use too.
 """
 
@@ -13,8 +13,8 @@ import os
 import sys
 from pathlib import Path
 
-from training.config import PipelineConfig
-from training.topology import available_cores, resolve_ranks
+from training.core.config import PipelineConfig
+from training.core.topology import available_cores, resolve_ranks
 
 LOG_DIR = "logs"  # RUN_DIR/logs/<torchrun job>/attempt_<n>/<local rank>/{stdout,stderr}.log
 ERROR_FILE = "error.json"  # torchrun's @record copies the root-cause rank's error here

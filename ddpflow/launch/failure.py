@@ -10,7 +10,7 @@ Where the cause comes from, first found wins:
   3. NCCL's watchdog text in the rank's log: on GPUs a collective that outlives
      ``train.collective_timeout_s`` aborts the rank (SIGABRT) with no Python exception,
      so the rank's own ``CollectiveTimeout`` never appears; the launcher names it instead,
-     in the same words as the CPU path (training/distributed.py);
+     in the same words as the CPU path (training/distributed/context.py);
   4. the last exception line in the rank's log.
 """
 
@@ -139,7 +139,7 @@ def nccl_watchdog_timeout(log_text: str, rank: int | None) -> str | None:
     timeout_ms = _NCCL_TIMEOUT_MS.search(match["work"])
     waited_s = int(timeout_ms[1] if timeout_ms else match["ran_ms"]) / 1000
     who = rank if rank is not None else int(re.search(r"\d+", match["message"])[0])
-    # The same words as training/distributed.py's CollectiveTimeout, so both paths read alike.
+    # The same words as training/distributed/context.py's CollectiveTimeout, so both paths read alike.
     return (
         f"CollectiveTimeout: rank {who}: a collective timed out after train.collective_timeout_s={waited_s:g}s "
         f"waiting for another rank (it stalled or died); NCCL's watchdog aborted the rank: {match['message']}"

@@ -65,10 +65,10 @@ from ddpflow.launch.slurm_output import (
 from ddpflow.launch.slurm_script import JobPaths, batch_script, sbatch_command
 from ddpflow.launch.stage import TrainRequest, TrainResult, check_request, finished_result, write_job
 from ddpflow.launch.supervisor import run_dir_lock
-from training.config import PipelineConfig
-from training.fileio import atomic_write_json, atomic_write_text
-from training.layout import FINAL_MODEL
-from training.topology import RankLayout
+from training.core.config import PipelineConfig
+from training.core.fileio import atomic_write_json, atomic_write_text
+from training.core.layout import FINAL_MODEL
+from training.core.topology import RankLayout
 
 __all__ = ["SlurmLine", "has_unfinished_job", "run_training_on_slurm"]
 

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 
 from ddpflow.launch.failure import LaunchError
-from training.config import PipelineConfig
+from training.core.config import PipelineConfig
 
 COMMAND_TIMEOUT_S = 30.0
 CANCEL_CONFIRM_S = 30.0  # scancel -> no step left, or the stop is reported as failed

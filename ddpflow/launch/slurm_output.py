@@ -28,7 +28,7 @@ from ddpflow.launch.failure import (
 from ddpflow.launch.slurm_commands import JobInfo, SlurmSetupError, expand_nodes
 from ddpflow.launch.slurm_script import CANNOT_SEE, JobPaths
 from ddpflow.launch.supervisor import OutputLine, parse_line
-from training.config import PipelineConfig
+from training.core.config import PipelineConfig
 
 SRUN_LABEL = re.compile(r"^\s*(?P<task>\d+): (?P<text>.*)$")  # srun --label: the node's index in the job
 _SRUN_TASK_EXIT = re.compile(r"srun: error: (?P<node>\S+): task \d+: Exited with exit code (?P<code>\d+)")

@@ -35,9 +35,9 @@ from pathlib import Path
 
 from ddpflow.launch import command
 from ddpflow.launch.command import ERROR_FILE, LOG_DIR, PROJECT_ROOT
-from training.config import PipelineConfig
-from training.layout import MANIFEST, TRAIN_JOB
-from training.topology import RankLayout
+from training.core.config import PipelineConfig
+from training.core.layout import MANIFEST, TRAIN_JOB
+from training.core.topology import RankLayout
 
 SLURM_DIR = "slurm"
 CANNOT_SEE = "cannot see"  # the check step's words: "ddpflow: node NODE cannot see PATH"

@@ -26,12 +26,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ddpflow.launch.supervisor import DEFAULT_GRACE_S, OutputLine
-from training.config import PipelineConfig
-from training.data.manifest import read_manifest
-from training.job import TrainJob
-from training.layout import CONFIG, FINAL_MODEL, METRICS, TRAIN_JOB, run_file
+from training.core.config import PipelineConfig
+from training.core.job import TrainJob
+from training.core.layout import CONFIG, FINAL_MODEL, METRICS, TRAIN_JOB, run_file
+from training.core.manifest import read_manifest
+from training.core.topology import RankLayout
 from training.preflight import check_data, check_machine
-from training.topology import RankLayout
 
 # train.launcher -> the module:function that runs the stage that way. Imported when chosen, so that
 # the contract's types (this module) are importable by every launcher without an import circle.

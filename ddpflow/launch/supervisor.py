@@ -52,7 +52,7 @@ from pathlib import Path
 from ddpflow.launch.command import ERROR_FILE, LOG_DIR, PROJECT_ROOT
 from ddpflow.launch.failure import LaunchError, LaunchInterrupted, LaunchStalled, LaunchTimeout, failure_from_output
 from ddpflow.launch.process_tree import ProcessTree, chain_to_previous_handler, with_parent_death_signal
-from training.fileio import atomic_write_json
+from training.core.fileio import atomic_write_json
 
 PID_FILE = "torchrun.pid"
 LOCK_FILE = ".launch.lock"

@@ -30,7 +30,7 @@ from ddpflow.drift import DriftReport, DriftUnavailable, compare
 from ddpflow.tracking.plots import drift_figure
 from ddpflow.tracking.registry import CHAMPION, find_alias, first_line, is_transient
 from ddpflow.tracking.runs import DATASET_DIR_TAG, TRAINING_DATA_ARTIFACT
-from training.data.manifest import Manifest, read_manifest
+from training.core.manifest import Manifest, read_manifest
 
 DRIFT_FIGURE = "drift/data_drift.png"
 DRIFT_REPORT = "drift/data_drift.json"

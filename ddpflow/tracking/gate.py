@@ -17,7 +17,7 @@ Decisions:
   whatever its metric, for someone to look at the data first.
 
 A metric's direction, when ``registry.greater_is_better`` is not given, is inferred from its kind
-(``metric_higher_is_better``: training/spec/directions.py): losses and errors (``test_log_loss``,
+(``metric_higher_is_better``: training/core/directions.py): losses and errors (``test_log_loss``,
 ``test_rmse``) lower is better; accuracy, F1, ROC AUC, R², precision, recall higher.
 
 ``GateDecision`` is the one place the decision's fields, its tags (on the model
@@ -31,8 +31,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ddpflow.drift import FeatureDrift
-from training.monitor import is_better
-from training.spec.directions import higher_is_better as metric_higher_is_better  # noqa: F401 (the gate's rule)
+from training.core.directions import higher_is_better as metric_higher_is_better  # noqa: F401 (the gate's rule)
+from training.core.monitor import is_better
 
 PROMOTED, CHALLENGER, REJECTED = "promoted", "challenger", "rejected"
 # champion_status is "<kind>" or "<kind>: <detail>"

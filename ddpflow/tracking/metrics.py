@@ -1,7 +1,7 @@
 """The one mirror of training metrics into MLflow: rank 0's RUN_DIR/metrics.jsonl and steps.jsonl -> the
 pipeline's run.
 
-Rank 0 only appends to the files (training/metrics_sink.py); no rank imports
+Rank 0 only appends to the files (training/loop/metrics_sink.py); no rank imports
 MLflow. The process that launched torchrun follows them and logs each epoch
 into the run, once (step = epoch), whether the epoch came from this attempt, an
 earlier one, or a torchrun restart; and each per-step line of steps.jsonl
@@ -9,7 +9,7 @@ earlier one, or a torchrun restart; and each per-step line of steps.jsonl
 ``train.log_every_steps`` optimizer steps) once, at step = the optimizer steps done,
 so a long epoch shows a curve in the MLflow UI. Each epoch line also carries
 ``selected_epoch`` and that epoch's validation metrics (``selected_val_loss``...):
-the run's latest values are the selection model.pt holds (training/selection.py).
+the run's latest values are the selection model.pt holds (training/loop/selection.py).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import Any
 from mlflow import MlflowClient
 from mlflow.entities import Metric
 
-from training.layout import STEP_METRICS
-from training.metrics_sink import STEP_CURVES, STEP_KEY, read_metrics_lines
+from training.core.layout import STEP_METRICS
+from training.loop.metrics_sink import STEP_CURVES, STEP_KEY, read_metrics_lines
 
 STEP_LR = STEP_CURVES[1]  # every step line has it (a line whose rank-0 rows were all padding has no loss)
 

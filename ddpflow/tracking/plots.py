@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from training.evaluate import CONFUSION_MAX_CLASSES, EvalResult
-from training.spec.next_token import LANGUAGE_MODEL
+from training.inference.evaluate import CONFUSION_MAX_CLASSES
+from training.inference.model_file import EvalResult
+from training.objectives.next_token import LANGUAGE_MODEL
 
 if TYPE_CHECKING:
     from ddpflow.drift import DriftReport
@@ -19,7 +20,7 @@ DRIFT_FEATURES_SHOWN = 30  # beyond this the labels are unreadable; the report J
 
 def evaluation_figure(result: EvalResult):
     """(the figure, its file name under ``eval/``): a confusion matrix up to ``CONFUSION_MAX_CLASSES`` classes
-    (training/evaluate.py), above that the per-class recall (a C x C matrix neither fits in memory nor reads);
+    (training/inference/evaluate.py), above that the per-class recall (a C x C matrix neither fits in memory nor reads);
     a next_token model's rows by their loss per target token (it has no label per row)."""
     if result.task == LANGUAGE_MODEL:
         return row_loss_figure(result), "row_loss.png"
@@ -87,7 +88,7 @@ def confusion_figure(result: EvalResult):
 
 
 def misclassified_figure(result: EvalResult):
-    """A grid of misclassified test images (training/evaluate.py keeps the first few), each titled
+    """A grid of misclassified test images (training/inference/evaluate.py keeps the first few), each titled
     "true -> predicted"; None when there are none to show."""
     import io
 

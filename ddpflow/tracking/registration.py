@@ -78,10 +78,11 @@ from ddpflow.tracking.runs import (
     resolve_tracking_uri,
     use_tracking_uri,
 )
-from training.config import PipelineConfig, apply_overrides, validate_config
-from training.data.manifest import Manifest, read_manifest
-from training.evaluate import IncompatibleModelError, evaluate_split, load_model_checkpoint
-from training.spec.next_token import evaluated_as
+from training.core.config import PipelineConfig, apply_overrides, validate_config
+from training.core.manifest import Manifest, read_manifest
+from training.inference.evaluate import evaluate_split
+from training.inference.model_file import IncompatibleModelError, load_model_checkpoint
+from training.objectives.next_token import evaluated_as
 
 GateLock = Callable[[str], AbstractContextManager]
 

@@ -16,13 +16,13 @@ from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 
 from ddpflow.tracking.runs import TRAINING_IDENTITY_TAG, resolve_tracking_uri
-from training.config import PipelineConfig
-from training.data.manifest import Manifest
+from training.core.config import PipelineConfig
+from training.core.manifest import Manifest
 
 CHAMPION = "champion"
 CHALLENGER = "challenger"
 PREVIOUS_CHAMPION = "previous-champion"
-MODEL_PT_IN_MODEL = "artifacts/model.pt"  # where training/serving.py's artifact lands in a logged model
+MODEL_PT_IN_MODEL = "artifacts/model.pt"  # where training/inference/serving.py's artifact lands in a logged model
 RUN_ID_TAG = "ddpflow.run_id"  # on the logged model and the version: which MLflow run made it
 LINEAGE_RUN_TAGS = (
     "data.fingerprint",
@@ -192,7 +192,7 @@ def input_example(manifest: Manifest, dataset_dir: str | Path, rows: int = 5):
 
 
 def version_description(config: PipelineConfig, manifest: Manifest, run_tags: dict[str, str], run_id: str) -> str:
-    from training.spec.next_token import evaluated_as  # torch: only when a version is made
+    from training.objectives.next_token import evaluated_as  # torch: only when a version is made
 
     train = config.train
     global_batch = train.global_batch_size
@@ -221,7 +221,7 @@ def register_version(
 
     Uses MLflow's process-wide tracking URI: call inside ``runs.use_tracking_uri``.
     """
-    from training.serving import log_pyfunc_model
+    from training.inference.serving import log_pyfunc_model
 
     model_uri = existing_logged_model(client, experiment_id, run_id)
     if model_uri is None:

@@ -39,17 +39,17 @@ from mlflow import MlflowClient
 from mlflow.entities import DatasetInput, InputTag, Metric, Param
 from mlflow.exceptions import MlflowException
 
-from training.checkpoint import training_identity
-from training.config import PipelineConfig
-from training.data.manifest import Manifest
-from training.evaluate import EvalResult
-from training.layout import SPLITS
+from training.checkpoint.files import training_identity
+from training.core.config import PipelineConfig
+from training.core.layout import SPLITS
+from training.core.manifest import Manifest
+from training.inference.model_file import EvalResult
 
 CONFIG_ARTIFACT = "config.json"  # the run's PipelineConfig, so registration can be re-run later
 # The prepared data's manifest (with its per-feature histograms): what a later run measures drift against,
 # even once the shards are deleted.
 TRAINING_DATA_ARTIFACT = "data/manifest.json"
-# A stable hash of training/checkpoint.py's training_identity (the data's fingerprint and the settings that
+# A stable hash of training/checkpoint/files.py's training_identity (the data's fingerprint and the settings that
 # change the weights), on the run and on its model version: train.skip_if_unchanged compares it.
 TRAINING_IDENTITY_TAG = "ddpflow.training_identity"
 WRONG_ROWS_ARTIFACT = "eval/confidently_wrong.json"  # a text classifier's most confidently wrong test rows

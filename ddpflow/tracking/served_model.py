@@ -6,7 +6,7 @@
     model.example      # {"dataframe_split": {"columns": [...], "data": [[...]]}}: one row of its own example
 
 The example row is the model's own ``serving_input_example.json`` (logged with the model,
-training/serving.py), cut to its first row: a body `/invocations` accepts as it is.
+training/inference/serving.py), cut to its first row: a body `/invocations` accepts as it is.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ import logging
 import sys
 
 from ddpflow.console import LOG_ONLY, CommandLog, ConsoleFilter
-from training.data.errors import DataError
+from training.core.errors import DataError
 
 
 def record(message: str, error: BaseException | None = None, **extra) -> logging.LogRecord:

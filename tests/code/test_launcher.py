@@ -1,5 +1,5 @@
 """ddpflow/launch with real torchrun launches of a stand-in rank (tests/code/ranks/dummy_rank.py),
-and the one rule for ranks and backend (training/topology.py) as every user of it sees it."""
+and the one rule for ranks and backend (training/core/topology.py) as every user of it sees it."""
 
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ import ddpflow.launch.command
 from ddpflow.launch.command import launch_env, torchrun_command
 from ddpflow.launch.failure import LaunchStalled, LaunchTimeout, RankFailed, failure_from_output
 from ddpflow.launch.supervisor import launch
-from training import distributed, topology
-from training.config import ConfigError, PipelineConfig
-from training.data.manifest import read_manifest
+from training.core import topology
+from training.core.config import ConfigError, PipelineConfig
+from training.core.manifest import read_manifest
+from training.distributed import context as distributed
 from training.preflight import check_data, check_machine
 
 RUN_LAUNCHER = Path(__file__).parent / "ranks" / "run_launcher.py"
@@ -120,7 +121,7 @@ def test_more_gloo_ranks_than_gpus_are_rejected_before_they_start():
 
 
 def test_the_rank_resolves_its_backend_as_the_preflight_did_on_this_machine():
-    """training/distributed.py (the rank's side) starts the backend the launcher resolved, and refuses
+    """training/distributed/context.py (the rank's side) starts the backend the launcher resolved, and refuses
     NCCL without GPUs with the preflight's own message."""
     gpus = topology.visible_gpus()
     assert distributed.resolve_backend("auto") == ("nccl" if gpus else "gloo")
@@ -169,7 +170,7 @@ def test_every_train_launcher_choice_has_one_launcher_that_takes_the_request():
     import typing
 
     from ddpflow.launch.stage import LAUNCHERS, TrainRequest, launcher_for
-    from training.config import TrainConfig
+    from training.core.config import TrainConfig
 
     choices = typing.get_args(TrainConfig.model_fields["launcher"].annotation)
     assert sorted(LAUNCHERS) == sorted(choices), "train.launcher's choices and LAUNCHERS must name the same launchers"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.multi_case import CASE_OUTPUT, case_output, check_one_launch
-from training.config import load_config
+from training.core.config import load_config
 
 
 def config(*overrides: str):

@@ -1,4 +1,5 @@
-"""training/runtime.py and training/allreduce_poll.py: a rank's start-up preload, its exit without interpreter
+"""training/distributed/process.py and training/distributed/allreduce_poll.py: a rank's start-up preload, its exit
+without interpreter
 teardown, its CPU pinning, and that its polling wait for the all-reduce always ends."""
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def test_exit_without_teardown_flushes_output_and_skips_atexit():
     done = run_python(
         """
         import atexit, sys
-        from training.runtime import exit_without_teardown
+        from training.distributed.process import exit_without_teardown
         atexit.register(lambda: print("teardown ran"))
         print("buffered line", end="")   # stdout is a pipe: block-buffered, lost unless flushed
         print("buffered error", end="", file=sys.stderr)
@@ -40,7 +41,7 @@ def test_preload_imports_in_the_background_and_drops_its_errors():
     done = run_python(
         """
         import sys
-        from training.runtime import preload_in_background
+        from training.distributed.process import preload_in_background
         assert "torch._dynamo" not in sys.modules
         preload_in_background().join(120)
         print("torch._dynamo" in sys.modules)
@@ -58,8 +59,8 @@ def test_cpu_affinity_pins_threads_that_started_before_it():
     done = run_python(
         """
         import os, threading
-        from training.config import TrainConfig
-        from training.runtime import configure_cpu
+        from training.core.config import TrainConfig
+        from training.distributed.process import configure_cpu
         started, stop = threading.Event(), threading.Event()
         def early():
             started.set(); stop.wait()
@@ -76,7 +77,7 @@ def test_cpu_affinity_pins_threads_that_started_before_it():
     assert "pinned to cores" in described and same == "True 1"
 
 
-# --- training/allreduce_poll.py: a poll always ends (its arithmetic: tests/model/test_train_ddp.py) ----------
+# --- training/distributed/allreduce_poll.py: a poll always ends (its arithmetic: tests/model/test_train_ddp.py) ---
 
 
 def test_polling_returns_once_every_future_is_done():
@@ -84,7 +85,7 @@ def test_polling_returns_once_every_future_is_done():
 
     import torch
 
-    from training.allreduce_poll import poll
+    from training.distributed.allreduce_poll import poll
 
     futures = [torch.futures.Future() for _ in range(2)]
     timers = [threading.Timer(0.02 * (i + 1), future.set_result, (i,)) for i, future in enumerate(futures)]
@@ -99,7 +100,7 @@ def test_polling_gives_up_at_its_limit_and_leaves_the_wait_to_ddp():
     with its timeout, takes over."""
     import torch
 
-    from training.allreduce_poll import poll
+    from training.distributed.allreduce_poll import poll
 
     never = torch.futures.Future()
     poll([never], limit_s=0.05)
@@ -109,7 +110,7 @@ def test_polling_gives_up_at_its_limit_and_leaves_the_wait_to_ddp():
 def test_a_ranks_error_file_appears_whole_or_not_at_all(tmp_path, monkeypatch):
     """torchrun's agent parses a failed rank's TORCHELASTIC_ERROR_FILE: a rank stopped in the middle of torch's
     plain write left an empty one, and the agent crashed on it instead of restarting the group."""
-    from training.runtime import ERROR_FILE_ENV, AtomicErrorHandler
+    from training.distributed.process import ERROR_FILE_ENV, AtomicErrorHandler
 
     target = tmp_path / "error.json"
     monkeypatch.setenv(ERROR_FILE_ENV, str(target))

@@ -13,9 +13,9 @@ import torch
 from ddpflow.launch.failure import LaunchError
 from ddpflow.launch.supervisor import LOCK_FILE, is_locked, run_dir_lock
 from ddpflow.rundirs import find_resumable_run, new_run_dir, record_mlflow_run, resume_epoch
-from training.checkpoint import Checkpointer, ResumeMismatchError
-from training.config import PipelineConfig, load_config
-from training.distributed import SingleProcess
+from training.checkpoint.files import Checkpointer, ResumeMismatchError
+from training.core.config import PipelineConfig, load_config
+from training.distributed.context import SingleProcess
 
 
 @pytest.mark.parametrize(
@@ -120,8 +120,8 @@ def test_a_run_recorded_with_model_mlp_is_the_same_training_as_the_default_auto_
     from types import SimpleNamespace
 
     from ddpflow.tracking.runs import training_identity_tag
-    from training.models import with_resolved_model
-    from training.spec.inputs import InputInfo, numeric_input
+    from training.kinds.inputs import InputInfo, numeric_input
+    from training.models.registry import with_resolved_model
 
     table = SimpleNamespace(
         inputs=[numeric_input("hours").to_dict(), InputInfo("city", "categorical", "int64", cardinality=9).to_dict()]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from training.config import PipelineConfig
+from training.core.config import PipelineConfig
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("flows", "tasks", "ddpflow", "training")

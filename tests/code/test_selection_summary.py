@@ -4,8 +4,8 @@ stage's last metrics line)."""
 from __future__ import annotations
 
 from flows.cli import _for_people
-from training.config import load_config
-from training.selection import selection_summary
+from training.core.config import load_config
+from training.loop.selection import selection_summary
 
 
 def test_the_summary_names_the_selected_epoch_of_those_trained():

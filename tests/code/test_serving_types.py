@@ -1,5 +1,5 @@
 """Without a server or a launch: how `ddpflow serve` reads NAME[@alias|/version], and which type the served
-model's signature declares for each source type (training/serving.py: source_dtype, raw_example)."""
+model's signature declares for each source type (training/inference/serving.py: source_dtype, raw_example)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pyarrow as pa
 import pytest
 
 from ddpflow.tracking.served_model import model_uri, served_model
-from training.serving import _as_source, source_dtype
+from training.inference.serving import _as_source, source_dtype
 
 
 def test_a_model_is_named_by_alias_or_version_and_champion_by_default():

@@ -1,10 +1,10 @@
-"""The slurm section and train.launcher (training/config.py): bad values are rejected naming the field."""
+"""The slurm section and train.launcher (training/core/config.py): bad values are rejected naming the field."""
 
 from __future__ import annotations
 
 import pytest
 
-from training.config import ConfigError, load_config, validate_config
+from training.core.config import ConfigError, load_config, validate_config
 
 
 def slurm_config(**slurm):

@@ -22,7 +22,7 @@ from ddpflow.launch.failure import LaunchInterrupted, LaunchTimeout, RankFailed
 from ddpflow.launch.slurm import SlurmLine
 from ddpflow.launch.slurm_commands import SlurmSetupError
 from ddpflow.launch.stage import TrainRequest, TrainResult, run_train_stage
-from training.config import PipelineConfig
+from training.core.config import PipelineConfig
 
 pytestmark = pytest.mark.torchrun
 RUN_SLURM_LAUNCHER = Path(__file__).parent / "ranks" / "run_slurm_launcher.py"

@@ -19,7 +19,7 @@ from prefect import flow
 import ddpflow.launch.command
 from ddpflow.launch.failure import RankFailed
 from tasks.train import TrainRequest, TrainResult, train_model
-from training.config import PipelineConfig
+from training.core.config import PipelineConfig
 
 TRAIN_FLOW = Path(__file__).parent / "ranks" / "train_flow.py"
 
@@ -215,7 +215,7 @@ def flow_run_of(client, flow_name: str):
 @pytest.mark.torchrun
 def test_train_model_runs_the_real_rank_program(prefect_harness, tmp_path):
     """training.train under torchrun, on a tiny prepared dataset: model.pt and the last epoch's metrics come back."""
-    from training.data.prepare import prepare_dataset
+    from training.prepare.dataset import prepare_dataset
 
     config = PipelineConfig.model_validate(
         {

@@ -1,4 +1,5 @@
-"""Which train fields are a training's identity (resume and skip), as each field declares it in training/config.py."""
+"""Which train fields are a training's identity (resume and skip), as each field declares it in
+training/core/config.py."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import pytest
 from pydantic import Field
 
 from ddpflow.tracking.runs import training_identity_tag
-from training.checkpoint import resume_mismatches, training_identity
-from training.config import ChangesWeights, KeepsWeights, PipelineConfig, TrainConfig
+from training.checkpoint.files import resume_mismatches, training_identity
+from training.core.config import ChangesWeights, KeepsWeights, PipelineConfig, TrainConfig
 
 
 def config(**train) -> PipelineConfig:

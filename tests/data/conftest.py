@@ -14,8 +14,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from training.config import DataConfig
-from training.layout import SPLITS
+from training.core.config import DataConfig
+from training.core.layout import SPLITS
 
 ROWS = 5000
 

@@ -13,8 +13,8 @@ import pyarrow as pa
 import pytest
 import yaml
 
-from training.config import ConfigError, load_config
-from training.data.prepare import DataError, prepare_dataset
+from training.core.config import ConfigError, load_config
+from training.prepare.dataset import DataError, prepare_dataset
 
 
 @pytest.fixture
@@ -159,7 +159,7 @@ def test_split_fractions_must_leave_room_for_train():
 
 
 def test_a_file_changing_during_prepare_is_not_published(table_file, make_config, dh, monkeypatch):
-    import training.data.prepare as prepare_module
+    import training.prepare.dataset as prepare_module
 
     path = table_file(dh.numeric_table())
     real_build = prepare_module._build

@@ -9,16 +9,16 @@ import sys
 import time
 
 from devtools.waiting import wait_until
-from training.data.manifest import read_manifest
-from training.data.publish import make_temp_dir, publish, remove_stale_temp_dirs
-from training.layout import SPLITS
+from training.core.layout import SPLITS
+from training.core.manifest import read_manifest
+from training.prepare.publish import make_temp_dir, publish, remove_stale_temp_dirs
 
 # Each process says it is ready (pyarrow and prepare imported), then starts on the parent's "go".
 _PREPARE_WHEN_GO = """
 import json, sys, time
 from pathlib import Path
-from training.config import DataConfig
-from training.data.prepare import prepare_dataset
+from training.core.config import DataConfig
+from training.prepare.dataset import prepare_dataset
 Path(sys.argv[4]).touch()
 go = Path(sys.argv[1])
 while not go.exists():

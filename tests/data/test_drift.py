@@ -20,11 +20,11 @@ from ddpflow.drift import (
     histogram_psi,
     population_stability_index,
 )
-from training.data.errors import DataError
-from training.data.manifest import read_manifest
-from training.data.prepare import prepare_dataset, source_fingerprint
-from training.data.sources import open_source
-from training.data.stats import HISTOGRAM_BINS, RunningHistogram
+from training.core.errors import DataError
+from training.core.manifest import read_manifest
+from training.kinds.stats import HISTOGRAM_BINS, RunningHistogram
+from training.prepare.dataset import prepare_dataset, source_fingerprint
+from training.prepare.sources import open_source
 
 
 def streamed(values: np.ndarray, batch: int = 1000) -> dict:
@@ -225,8 +225,8 @@ def test_drift_per_kind_categorical_frequencies_vector_dimensions_and_the_label(
     and the label's distribution: 0 for the same data, large where only that part changed."""
     import pyarrow.parquet as pq
 
-    from training.config import load_config
-    from training.data.prepare import prepare_dataset
+    from training.core.config import load_config
+    from training.prepare.dataset import prepare_dataset
 
     def prepared(name: str, colours, shift: float, positive: float):
         rng = np.random.default_rng(0)

@@ -1,6 +1,6 @@
 """Images at prepare and in the codec: an image folder and a Parquet column as sources, the bytes kept as they
 are, the decode check naming the file or row, the fitted state, the train and evaluation views
-(training/spec/image.py, training/data/image_folder.py)."""
+(training/kinds/image.py, training/prepare/image_folder.py)."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ import torch
 from image_data import SHAPES, draw_shape, image_table, write_image_folder
 from PIL import Image
 
-from training.data.prepare import DataError, prepare_dataset, source_fingerprint
-from training.data.ragged import BatchContext
-from training.models import ModelSpec, build_model
-from training.spec.codecs import ENCODERS_FILE, codecs_from_states, collate_encoded, make_codec
-from training.spec.inputs import InputInfo
+from training.kinds.inputs import InputInfo
+from training.kinds.ragged import BatchContext
+from training.kinds.registry import ENCODERS_FILE, codecs_from_states, collate_encoded, make_codec
+from training.models.registry import ModelSpec, build_model
+from training.prepare.dataset import DataError, prepare_dataset, source_fingerprint
 
 
 def shard_table(prepared, split: str) -> pa.Table:

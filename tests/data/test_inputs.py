@@ -1,5 +1,5 @@
 """Typed inputs at prepare: data.inputs, the encoders fitted on train, raw columns in the shards, the columns
-the default leaves out, row weights (training/spec/codecs.py, training/data/prepare.py)."""
+the default leaves out, row weights (training/kinds/registry.py, training/prepare/dataset.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from training.config import ConfigError, load_config
-from training.data.prepare import DataError, prepare_dataset
-from training.spec.codecs import ENCODERS_FILE, encoders_sha256, make_codec, read_encoders
+from training.core.config import ConfigError, load_config
+from training.kinds.registry import ENCODERS_FILE, encoders_sha256, make_codec, read_encoders
+from training.prepare.dataset import DataError, prepare_dataset
 
 ROWS = 2000
 
@@ -150,9 +150,9 @@ def test_the_batch_evaluation_and_serving_encode_owns_its_memory():
     """A null-free float32 vector column's values come out of pyarrow as a read-only view of its buffer: a
     batch tensor on that view would alias the caller's table, and a model writing its input in place would
     write into the table."""
-    from training.normalisation import Normaliser
-    from training.spec.codecs import encode_columns
-    from training.spec.inputs import InputInfo
+    from training.kinds.inputs import InputInfo
+    from training.kinds.normalisation import Normaliser
+    from training.kinds.registry import encode_columns
 
     vector = make_codec("v", "vector")
     vector.load({"dim": 2})
@@ -195,7 +195,7 @@ def test_row_weights_are_checked(table_file, make_config):
 
 
 def test_a_list_label_is_multilabel_with_multi_hot_rows(table_file, make_config):
-    from training.loading import load_split
+    from training.loading.batches import load_split
 
     rng = np.random.default_rng(2)
     tags = [sorted(set(rng.choice(["news", "sport", "tech"], size=rng.integers(0, 3)).tolist())) for _ in range(600)]
@@ -216,8 +216,26 @@ def test_a_list_label_is_multilabel_with_multi_hot_rows(table_file, make_config)
         prepare_dataset(make_config(with_null, label="tags"))
 
 
+def test_the_kinds_config_accepts_are_the_kinds_the_registry_encodes():
+    """The list of kinds is written in three places (config validation, InputInfo, the codec registry):
+    a kind added to one and not the others is refused by the config or fails late in a rank."""
+    import typing
+
+    from training.core.config import INPUT_KINDS, InputSpec
+    from training.kinds.inputs import KINDS
+    from training.kinds.registry import CODECS
+
+    accepted = typing.get_args(InputSpec.model_fields["kind"].annotation)
+    assert set(accepted) == set(INPUT_KINDS) == set(KINDS) == set(CODECS), (
+        accepted,
+        INPUT_KINDS,
+        KINDS,
+        sorted(CODECS),
+    )
+
+
 def test_the_inputs_are_described_by_kind_for_the_logs():
-    from training.spec.inputs import InputInfo, describe_inputs, numeric_input
+    from training.kinds.inputs import InputInfo, describe_inputs, numeric_input
 
     inputs = {
         "city": InputInfo("city", "categorical", "int64", cardinality=5),

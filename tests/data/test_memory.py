@@ -6,13 +6,13 @@ import os
 import subprocess
 import sys
 
-from training.data.synthetic import write_synthetic
+from training.prepare.synthetic import write_synthetic
 
 _PREPARE_AND_REPORT_PEAK = """
 import sys
 import pyarrow as pa
-from training.config import DataConfig
-from training.data.prepare import prepare_dataset
+from training.core.config import DataConfig
+from training.prepare.dataset import prepare_dataset
 settings = dict(key="id", read_batch_rows=8192, row_group_size=8192, rows_per_shard=65536)
 prepare_dataset(DataConfig(source=sys.argv[1], root=sys.argv[2], **settings))
 print(pa.default_memory_pool().max_memory())

@@ -11,9 +11,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from training.data.manifest import read_manifest
-from training.data.prepare import prepare_dataset
-from training.layout import SPLITS
+from training.core.layout import SPLITS
+from training.core.manifest import read_manifest
+from training.prepare.dataset import prepare_dataset
 
 
 def test_layout_and_manifest_fields(table_file, make_config, dh):

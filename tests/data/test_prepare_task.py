@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from training.config import load_config
-from training.data.prepare import DataError
+from training.core.config import load_config
+from training.prepare.dataset import DataError
 
 
 def test_prepare_task_logs_and_publishes_an_artifact(prefect_harness, tmp_path):

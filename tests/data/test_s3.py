@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from devtools.ports import free_port
-from training.data.prepare import DataError, prepare_dataset
+from training.prepare.dataset import DataError, prepare_dataset
 
 pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")

@@ -13,29 +13,31 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
 
-from training.data import split
-from training.data.prepare import prepare_dataset
-from training.data.synthetic import SyntheticSpecError, iter_batches, parse_spec, write_synthetic
-from training.layout import SPLITS
+from training.core.layout import SPLITS
+from training.kinds import hashing
+from training.prepare import split
+from training.prepare.dataset import prepare_dataset
+from training.prepare.synthetic import SyntheticSpecError, iter_batches, parse_spec, write_synthetic
 
 _HASH_SNIPPET = """
 import json, sys
 import numpy as np, pyarrow as pa
-from training.data import split
-keys = split.hash_values(pa.array(list(range(1000)))).tolist()
-words = split.hash_values(pa.array([f"user-{i}" for i in range(1000)])).tolist()
+from training.kinds import hashing
+from training.prepare import split
+keys = hashing.hash_values(pa.array(list(range(1000)))).tolist()
+words = hashing.hash_values(pa.array([f"user-{i}" for i in range(1000)])).tolist()
 matrix = np.arange(3000, dtype=np.float32).reshape(1000, 3) / 7
-rows = split.hash_rows(matrix, split.hash_values(pa.array([i % 3 for i in range(1000)]))).tolist()
+rows = split.hash_rows(matrix, hashing.hash_values(pa.array([i % 3 for i in range(1000)]))).tolist()
 print(json.dumps([keys, words, rows]))
 """
 
 
 def _hashes_in_process():
-    keys = split.hash_values(pa.array(list(range(1000)))).tolist()
-    words = split.hash_values(pa.array([f"user-{i}" for i in range(1000)])).tolist()
+    keys = hashing.hash_values(pa.array(list(range(1000)))).tolist()
+    words = hashing.hash_values(pa.array([f"user-{i}" for i in range(1000)])).tolist()
     rows = split.hash_rows(
         np.arange(3000, dtype=np.float32).reshape(1000, 3) / 7,
-        split.hash_values(pa.array([i % 3 for i in range(1000)])),
+        hashing.hash_values(pa.array([i % 3 for i in range(1000)])),
     ).tolist()
     return [keys, words, rows]
 
@@ -51,7 +53,7 @@ def test_hashes_are_the_same_in_another_process(repo_root):
 
 def test_hash_values_are_pinned():
     # If a pandas upgrade changed hash_array, every row could change split on the next retrain: fail loudly.
-    assert split.hash_values(pa.array([1, 2, 3])).tolist() == [
+    assert hashing.hash_values(pa.array([1, 2, 3])).tolist() == [
         6238072747940578789,
         15839785061582574730,
         2185194620014831856,
@@ -60,13 +62,13 @@ def test_hash_values_are_pinned():
 
 def test_integer_widths_hash_alike():
     assert (
-        split.hash_values(pa.array([5, -1], type=pa.int32())).tolist()
-        == split.hash_values(pa.array([5, -1], type=pa.int64())).tolist()
+        hashing.hash_values(pa.array([5, -1], type=pa.int32())).tolist()
+        == hashing.hash_values(pa.array([5, -1], type=pa.int64())).tolist()
     )
 
 
 def test_assign_splits_follows_the_fractions():
-    hashes = split.hash_values(pa.array(np.arange(100_000)))
+    hashes = hashing.hash_values(pa.array(np.arange(100_000)))
     codes = split.assign_splits(hashes, val_fraction=0.2, test_fraction=0.1)
     shares = np.bincount(codes, minlength=3) / len(codes)
     np.testing.assert_allclose(shares, [0.7, 0.2, 0.1], atol=0.01)

@@ -1,4 +1,4 @@
-"""The text kind at prepare and in its codec (training/spec/text.py): the tokenizer fitted on the train split
+"""The text kind at prepare and in its codec (training/kinds/text.py): the tokenizer fitted on the train split
 only and deterministically, or a user's tokenizer.json (its content in the fingerprint); token ids cut to
 max_len; null and empty text; a column that is not text."""
 
@@ -12,10 +12,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from training.config import ConfigError, load_config
-from training.data.prepare import DataError, prepare_dataset
-from training.spec.codecs import ENCODERS_FILE, make_codec, read_encoders
-from training.spec.text import PAD, SPECIAL_TOKENS, UNK, fit_tokenizer
+from training.core.config import ConfigError, load_config
+from training.kinds.registry import ENCODERS_FILE, make_codec, read_encoders
+from training.kinds.text import PAD, SPECIAL_TOKENS, UNK, fit_tokenizer
+from training.prepare.dataset import DataError, prepare_dataset
 
 WORDS = {
     "python": ["def", "return", "import", "lambda", "self", "print", "None", "class"],

@@ -27,8 +27,8 @@ def test_an_image_folder_trains_registers_and_serves_images(prefect_harness, mak
     from mlflow.types import DataType
 
     from ddpflow.tracking.runs import use_tracking_uri
-    from training.data.manifest import read_manifest
-    from training.evaluate import evaluate_split
+    from training.core.manifest import read_manifest
+    from training.inference.evaluate import evaluate_split
 
     root = write_image_folder(tmp_path / "shapes", per_class=20)
     config = make_config(
@@ -78,8 +78,8 @@ def test_a_parquet_struct_column_with_a_categorical_trains_and_serves_through_dd
     import mlflow
 
     from ddpflow.tracking.runs import use_tracking_uri
-    from training.data.manifest import read_manifest
-    from training.evaluate import evaluate_split
+    from training.core.manifest import read_manifest
+    from training.inference.evaluate import evaluate_split
 
     source = tmp_path / "photos.parquet"
     pq.write_table(image_table(90, struct=True), source)

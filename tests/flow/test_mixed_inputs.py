@@ -106,8 +106,8 @@ def test_a_mixed_table_trains_through_ddpflow_run_and_serves_raw_rows(prefect_ha
     from mlflow.types import DataType
 
     from ddpflow.tracking.runs import use_tracking_uri
-    from training.data.manifest import read_manifest
-    from training.evaluate import evaluate_split
+    from training.core.manifest import read_manifest
+    from training.inference.evaluate import evaluate_split
 
     source = tmp_path / "churn.parquet"
     pq.write_table(churn_table(), source)

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from flows.params import data_label, resolve_config, run_label
-from training.config import ConfigError, PipelineConfig
+from training.core.config import ConfigError, PipelineConfig
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import pytest
 from flow.flow_logs import flow_run_logs
 from mlflow.tracking import MlflowClient
 
-from training.layout import EVAL_METRICS, FINAL_MODEL, METRICS, TRAIN_JOB
+from training.core.layout import EVAL_METRICS, FINAL_MODEL, METRICS, TRAIN_JOB
 
 pytestmark = pytest.mark.torchrun
 

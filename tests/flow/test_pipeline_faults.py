@@ -16,18 +16,18 @@ from mlflow.tracking import MlflowClient
 
 from ddpflow.launch.supervisor import LOCK_FILE, PID_FILE
 from ddpflow.tracking.runs import RESUMED_BY_TAG, RESUMED_FROM_TAG
-from training.data.errors import DataError
-from training.layout import FINAL_MODEL, LAST_CHECKPOINT, METRICS
-from training.metrics_sink import read_metrics_lines
+from training.core.errors import DataError
+from training.core.layout import FINAL_MODEL, LAST_CHECKPOINT, METRICS
+from training.loop.metrics_sink import read_metrics_lines
 
 pytestmark = pytest.mark.torchrun
 
-# Helper B's fault hooks (training/faults.py). kill: rank 1 SIGKILLs itself at epoch 1,
+# Helper B's fault hooks (training/loop/hooks.py). kill: rank 1 SIGKILLs itself at epoch 1,
 # step 2, once per run dir. raise: rank 1 raises there every time, a permanent error
 # that neither torchrun's restarts nor the train task's retry can get past.
 KILL_RANK_1 = "kill:rank=1:epoch=1:step=2"
 RAISE_IN_RANK_1 = "raise:rank=1:epoch=1:step=2"
-# nan: rank 1's model output is NaN at epoch 1, step 2, every time (training/nonfinite.py must stop it there).
+# nan: rank 1's model output is NaN at epoch 1, step 2, every time (training/loop/nonfinite.py must stop it there).
 NAN_IN_RANK_1 = "nan:rank=1:epoch=1:step=2"
 
 
@@ -100,7 +100,7 @@ def test_bad_data_fails_at_prepare_and_registers_nothing(champion_run, config, c
 
 
 def epoch_progress(epoch: int, epochs: int) -> str:
-    """What training/progress.py says on every line about 1-based ``epoch``: its steps and its end."""
+    """What training/loop/progress.py says on every line about 1-based ``epoch``: its steps and its end."""
     return f"epoch {epoch}/{epochs} "
 
 

@@ -20,10 +20,10 @@ from mlflow.tracking import MlflowClient
 from slurm_cluster import processes_mentioning, wait_until
 
 from ddpflow.launch.slurm_commands import SlurmSetupError
-from training.config import ConfigError
-from training.data.manifest import read_manifest
-from training.layout import FINAL_MODEL
-from training.log import TRAIN
+from training.core.config import ConfigError
+from training.core.layout import FINAL_MODEL
+from training.core.log import TRAIN
+from training.core.manifest import read_manifest
 
 pytestmark = pytest.mark.torchrun
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -28,8 +28,8 @@ from ddpflow import stack as local_stack
 from ddpflow.launch.supervisor import LOCK_FILE, PID_FILE
 from ddpflow.tracking.runs import RESUMED_BY_TAG, RESUMED_FROM_TAG
 from devtools.ports import free_port
-from training.layout import FINAL_MODEL
-from training.log import TRAIN
+from training.core.layout import FINAL_MODEL
+from training.core.log import TRAIN
 
 REPO = Path(__file__).resolve().parents[2]
 TRAINING_LINE = TRAIN  # a rank's own log line: the ranks are up and training

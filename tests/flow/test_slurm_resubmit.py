@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from training.layout import FINAL_MODEL
-from training.step_checkpoints import step_checkpoints, step_position
+from training.checkpoint.steps import step_checkpoints, step_position
+from training.core.layout import FINAL_MODEL
 
 pytestmark = pytest.mark.torchrun
 

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from ddpflow import stack
-from training.config import load_config
+from training.core.config import load_config
 
 
 def test_prefect_yaml_deploys_the_pipeline_with_real_configs(repo_root: Path) -> None:

@@ -46,9 +46,9 @@ def test_a_text_classifier_trains_through_ddpflow_run_and_serves_raw_strings(pre
     import mlflow
 
     from ddpflow.tracking.runs import WRONG_ROWS_ARTIFACT, use_tracking_uri
-    from training.data.manifest import read_manifest
-    from training.evaluate import evaluate_split
-    from training.spec.text import fit_tokenizer
+    from training.core.manifest import read_manifest
+    from training.inference.evaluate import evaluate_split
+    from training.kinds.text import fit_tokenizer
 
     table = snippets()
     source = tmp_path / "snippets.csv"

@@ -1,7 +1,7 @@
 """Fixtures for evaluation and registry tests: tiny prepared datasets and model.pt files.
 
 The datasets are written straight from the manifest contract
-(training/data/manifest.py) and the models straight from the model.pt
+(training/core/manifest.py) and the models straight from the model.pt
 contract (docs/architecture.md), so these tests do not depend on the prepare
 or training stages. Raw features have a large offset and scale, so a model
 that skipped normalisation would score near chance. ``target_stats=True``
@@ -21,10 +21,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from training.checkpoint import inference_checkpoint
-from training.data.manifest import Manifest, ShardInfo, SplitInfo, write_manifest
-from training.models import ModelSpec, build_model
-from training.normalisation import Normaliser
+from training.core.manifest import Manifest, ShardInfo, SplitInfo, write_manifest
+from training.inference.model_file import inference_checkpoint
+from training.kinds.normalisation import Normaliser
+from training.models.registry import ModelSpec, build_model
 
 CLASS_NAMES = ["cat", "dog", "eel", "fox", "gnu"]
 
@@ -101,7 +101,7 @@ def make_dataset(
 def train_model_file(dataset_dir: Path, path: Path, steps: int = 60, seed: int = 0, lr: float = 0.05) -> Path:
     """A model.pt per the contract, after ``steps`` full-batch Adam steps on the train split (normalised
     features; a regression target standardised when the manifest has its statistics)."""
-    from training.data.manifest import read_manifest
+    from training.core.manifest import read_manifest
 
     manifest = read_manifest(dataset_dir)
     table = pa.concat_tables([pq.read_table(f) for f in manifest.split_files(dataset_dir, "train")])

@@ -13,7 +13,7 @@ import json
 import os
 from pathlib import Path
 
-from training.image_models import ImageClassifier
+from training.models.image import ImageClassifier
 
 VIEWS_ENV = "IMAGE_VIEWS_DIR"
 

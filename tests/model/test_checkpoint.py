@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from training.checkpoint import Checkpointer, ResumeMismatchError, atomic_save, identity_entries
-from training.config import load_config
-from training.distributed import SingleProcess
+from training.checkpoint.files import Checkpointer, ResumeMismatchError, atomic_save, identity_entries
+from training.core.config import load_config
+from training.distributed.context import SingleProcess
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,8 +48,8 @@ def test_a_failed_write_names_the_path_and_keeps_the_good_checkpoint(tmp_path):
     script = textwrap.dedent(
         f"""
         import resource, signal, torch
-        from training.checkpoint import Checkpointer, CheckpointWriteError
-        from training.distributed import SingleProcess
+        from training.checkpoint.files import Checkpointer, CheckpointWriteError
+        from training.distributed.context import SingleProcess
         checkpointer = Checkpointer({str(tmp_path)!r}, SingleProcess())
         checkpointer.save_last({{"model": {{"w": torch.ones(100)}}, "epoch": 1}})
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -103,8 +103,8 @@ def test_a_single_process_group_has_its_own_checkpoint_barrier():
     script = textwrap.dedent(
         """
         import datetime, torch.distributed as dist
-        from training.config import load_config
-        from training.distributed import distributed
+        from training.core.config import load_config
+        from training.distributed.context import distributed
         config = load_config(None, ["train.checkpoint_timeout_s=7", "train.backend=gloo"])
         with distributed(config.train) as ctx:
             group = ctx.checkpoint_group
@@ -133,7 +133,7 @@ def test_resume_continues_the_same_training_only(tmp_path):
     checkpointer.save_last(saved_state(config))
 
     assert checkpointer.load_resumable(config, "fp")["epoch"] == 1
-    # More epochs is another training (training/checkpoint.py: the resume rule).
+    # More epochs is another training (training/checkpoint/files.py: the resume rule).
     with pytest.raises(ResumeMismatchError, match=r"train\.epochs 2 != 5"):
         checkpointer.load_resumable(load_config(None, ["train.epochs=5", "train.lr=0.01"]), "fp")
     # Settings that do not change the training itself may differ.

@@ -15,8 +15,8 @@ from mlflow import MlflowClient
 
 from ddpflow.tracking.drift import MEASURED, NO_CHAMPION, UNAVAILABLE, drift_from_version, log_drift, measure_drift
 from ddpflow.tracking.runs import DATASET_DIR_TAG, TRAINING_DATA_ARTIFACT
-from training.config import DataConfig
-from training.data.prepare import prepare_dataset
+from training.core.config import DataConfig
+from training.prepare.dataset import prepare_dataset
 
 MODEL = "drift-model"
 

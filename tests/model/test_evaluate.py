@@ -1,4 +1,5 @@
-"""training/evaluate.py and training/predict.py on tiny datasets built from the manifest contract."""
+"""training/inference/evaluate.py and training/inference/predict.py on tiny datasets built from the manifest
+contract."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from training.data.manifest import read_manifest, write_manifest
-from training.evaluate import IncompatibleModelError, evaluate_split, load_model_checkpoint
-from training.predict import Predictor
+from training.core.manifest import read_manifest, write_manifest
+from training.inference.evaluate import evaluate_split
+from training.inference.model_file import IncompatibleModelError, load_model_checkpoint
+from training.inference.predict import Predictor
 
 
 def read_split(dataset_dir, split="test") -> pd.DataFrame:
@@ -142,7 +144,7 @@ def test_served_regression_predictions_are_on_the_original_scale(dataset_factory
     MLflow pyfunc model all answer on the original scale."""
     import mlflow.pyfunc
 
-    from training.serving import MODEL_ARTIFACT, MODEL_CODE
+    from training.inference.serving import MODEL_ARTIFACT, MODEL_CODE
 
     dataset = dataset_factory(
         task="regression", rows={"train": 1000, "val": 50, "test": 333}, label_offset=150.0, target_stats=True
@@ -198,10 +200,10 @@ def test_a_model_pt_without_target_statistics_predicts_on_the_raw_scale(dataset_
 
 def binary_model_file(dataset_dir, path, steps: int = 40):
     """A model.pt of the binary objective (one logit), trained full-batch on the train split."""
-    from training.checkpoint import inference_checkpoint
-    from training.models import ModelSpec, build_model
-    from training.normalisation import Normaliser
-    from training.spec.objectives import Binary
+    from training.inference.model_file import inference_checkpoint
+    from training.kinds.normalisation import Normaliser
+    from training.models.registry import ModelSpec, build_model
+    from training.objectives.builtin import Binary
 
     manifest = read_manifest(dataset_dir)
     frame = read_split(dataset_dir, "train")

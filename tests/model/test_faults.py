@@ -30,9 +30,9 @@ from ddpflow.tracking.runs import start_pipeline_run
 from devtools.ports import free_port
 from tasks.evaluate import evaluate_model
 from tasks.register import register_model
-from training.config import PipelineConfig
-from training.data.manifest import read_manifest
-from training.job import TrainJob
+from training.core.config import PipelineConfig
+from training.core.job import TrainJob
+from training.core.manifest import read_manifest
 
 COLLECTIVE_TIMEOUT_S = 10  # long enough for 2 ranks to start together on a busy machine
 

@@ -29,10 +29,10 @@ from ddpflow.tracking.gate import (
 from ddpflow.tracking.registration import GateHooks, register_candidate, register_run
 from ddpflow.tracking.registry import MODEL_PT_IN_MODEL, ChampionDownloadError, champion_checkpoint, find_alias
 from ddpflow.tracking.runs import log_evaluation, start_pipeline_run
-from training.config import PipelineConfig, load_config
-from training.data.manifest import read_manifest
-from training.evaluate import evaluate_split
-from training.fileio import atomic_write_json
+from training.core.config import PipelineConfig, load_config
+from training.core.fileio import atomic_write_json
+from training.core.manifest import read_manifest
+from training.inference.evaluate import evaluate_split
 
 MODEL = "gate-guarantees"
 RULES = GateRules(metric="test_accuracy", greater_is_better=True, min_delta=0.01)

@@ -23,7 +23,7 @@ from ddpflow.tracking.gate import GateDecision
 from ddpflow.tracking.registration import GateHooks, register_candidate
 from ddpflow.tracking.registry import find_alias
 from tasks.register import gate_lock, gate_lock_name
-from training.config import PipelineConfig
+from training.core.config import PipelineConfig
 
 MODEL = "raced-model"
 WAIT_FOR_THE_OTHER_S = 5.0  # how long a registration holding the lock waits for the other to read @champion

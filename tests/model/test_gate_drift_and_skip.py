@@ -17,7 +17,7 @@ from ddpflow.tracking.gate import (
 )
 from ddpflow.tracking.runs import TRAINING_IDENTITY_TAG, training_identity_tag
 from ddpflow.tracking.skip import SKIPPED, decide_skip
-from training.config import PipelineConfig
+from training.core.config import PipelineConfig
 
 RULES = GateRules(metric="test_accuracy", greater_is_better=True, min_delta=0.01, max_drift_psi=0.25)
 DRIFTED = FeatureDrift("f3", psi=0.41, mean_shift=1.2, reference_mean=0.0, current_mean=1.2)

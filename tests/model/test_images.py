@@ -22,10 +22,10 @@ import pytest
 import torch
 from image_data import image_table
 
-from training.config import PipelineConfig, load_config
-from training.data.prepare import prepare_dataset
-from training.job import TrainJob
-from training.runtime import CpuSetup, decode_workers, make_room_for_workers
+from training.core.config import PipelineConfig, load_config
+from training.core.job import TrainJob
+from training.distributed.process import CpuSetup, decode_workers, make_room_for_workers
+from training.prepare.dataset import prepare_dataset
 
 REPO = Path(__file__).resolve().parents[2]
 BATCH, EPOCHS = 8, 3  # per rank with 2 ranks; the single rank takes 2 * BATCH
@@ -138,7 +138,7 @@ def test_augmented_views_and_weights_agree_across_world_sizes_workers_and_a_resu
 @pytest.mark.torchrun
 def test_evaluation_keeps_the_misclassified_images_with_their_bytes(one_rank, dataset):
     from ddpflow.tracking.plots import misclassified_figure
-    from training.evaluate import evaluate_split
+    from training.inference.evaluate import evaluate_split
 
     result = evaluate_split(one_rank.run_dir / "model.pt", dataset, return_predictions=True)
     wrong = int((result.predictions != result.targets).sum())

@@ -15,19 +15,26 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from training.config import load_config
-from training.data.manifest import read_manifest
-from training.distributed import shard_range
-from training.faults import Fault, FaultInjector
-from training.loading import RankSampler, ShardError, SplitTensors, TrainBatches, global_rows_in_steps, load_split
-from training.normalisation import Normaliser
+from training.core.config import load_config
+from training.core.manifest import read_manifest
+from training.distributed.context import shard_range
+from training.kinds.normalisation import Normaliser
+from training.loading.batches import (
+    RankSampler,
+    ShardError,
+    SplitTensors,
+    TrainBatches,
+    global_rows_in_steps,
+    load_split,
+)
+from training.loop.hooks import Fault, FaultInjector
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
-    from training.data.prepare import prepare_dataset
+    from training.prepare.dataset import prepare_dataset
 
     root = tmp_path_factory.mktemp("shards")
     data = load_config(
@@ -206,7 +213,7 @@ def test_faults_fire_only_on_their_rank_epoch_and_step(tmp_path):
 
 def test_a_hang_fault_blocks_once_per_run_directory(tmp_path):
     script = (
-        "from training.faults import Fault, FaultInjector; "
+        "from training.loop.hooks import Fault, FaultInjector; "
         f"FaultInjector(Fault('hang', 0, 0, 0), 0, {str(tmp_path)!r}).at_step(0, 0); print('passed')"
     )
     child = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
@@ -266,7 +273,7 @@ def mixed_dataset(tmp_path) -> tuple[Path, object]:
         }
     )
     pq.write_table(table, tmp_path / "mixed.parquet")
-    from training.data.prepare import prepare_dataset
+    from training.prepare.dataset import prepare_dataset
 
     inputs = {"x": "numeric", "city": "categorical", "shop": {"kind": "hashed", "buckets": 13}, "vec": "vector"}
     config = load_config(
@@ -285,8 +292,8 @@ def mixed_dataset(tmp_path) -> tuple[Path, object]:
 
 
 def test_each_input_is_a_section_encoded_by_its_codec_and_the_node_cache_maps_the_same(tmp_path):
-    from training.data.node_cache import open_split
-    from training.loading import manifest_codecs
+    from training.loading.batches import manifest_codecs
+    from training.loading.node_cache import open_split
 
     dataset, manifest = mixed_dataset(tmp_path)
     split = load_split(dataset, manifest, "train", read_rows=64)
@@ -307,7 +314,7 @@ def test_each_input_is_a_section_encoded_by_its_codec_and_the_node_cache_maps_th
 
 
 def test_a_ragged_section_gathers_rows_of_any_length_with_one_index():
-    from training.data.ragged import RaggedArray
+    from training.kinds.ragged import RaggedArray
 
     ragged = RaggedArray.from_rows([[1, 2, 3], [], [4], [5, 6]])
     assert ragged.lengths().tolist() == [3, 0, 1, 2] and ragged.row(3).tolist() == [5, 6]
@@ -353,8 +360,9 @@ def ragged_dataset(tmp_path, monkeypatch):
     """The mixed dataset with its ``city`` column declared a ragged input of the stand-in kind."""
     import json
 
-    from training.data.manifest import write_manifest
-    from training.spec import codecs, inputs
+    from training.core.manifest import write_manifest
+    from training.kinds import inputs
+    from training.kinds import registry as codecs
 
     monkeypatch.setattr(inputs, "KINDS", (*inputs.KINDS, Utf8Codec.kind))
     monkeypatch.setitem(codecs.CODECS, Utf8Codec.kind, Utf8Codec)
@@ -378,8 +386,8 @@ def ragged_dataset(tmp_path, monkeypatch):
 
 
 def test_a_ragged_input_loads_as_values_and_offsets_and_the_node_cache_maps_the_same(ragged_dataset):
-    from training.data import node_cache
-    from training.data.ragged import RaggedArray
+    from training.kinds.ragged import RaggedArray
+    from training.loading import node_cache
 
     dataset, manifest, table = ragged_dataset
     split = load_split(dataset, manifest, "train", read_rows=64)  # many record batches: offsets carried across

@@ -1,4 +1,4 @@
-"""The model contract (training/models.py): factory(inputs, n_outputs), the older factory(n_features,
+"""The model contract (training/models/registry.py): factory(inputs, n_outputs), the older factory(n_features,
 n_outputs) for numeric inputs, the built-in mlp with embeddings, auto, and specs from before typed inputs."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from training.models import MLP, ModelImportError, ModelSpec, build_model, embedding_dim, numeric_block, pick_model
-from training.spec.inputs import InputInfo, numeric_input
+from training.kinds.inputs import InputInfo, numeric_input
+from training.models.registry import ModelImportError, ModelSpec, build_model, pick_model
+from training.models.tabular import MLP, embedding_dim, numeric_block
 
 NUMERIC = {name: numeric_input(name) for name in ("a", "b", "c")}
 MIXED = {
@@ -115,7 +116,7 @@ def test_a_spec_from_before_typed_inputs_rebuilds_on_its_features():
 
 
 def test_a_user_factorys_package_is_shipped_with_the_served_model():
-    from training.serving import user_code_paths
+    from training.inference.serving import user_code_paths
 
     (shipped,) = user_code_paths("tests.model.dropout_model:dropout_mlp")
     assert shipped == str(Path(__file__).resolve().parents[1])  # the top-level package: tests/
@@ -125,7 +126,7 @@ def test_a_user_factorys_package_is_shipped_with_the_served_model():
 def test_the_default_is_auto_and_an_explicit_model_that_cannot_take_the_inputs_names_the_one_that_can():
     """train.model defaults to auto; mlp named on an image folder says to set auto or image_cnn (and image_cnn
     is a name the config takes); image and text together: no built-in takes both, a factory does."""
-    from training.config import ConfigError, PipelineConfig
+    from training.core.config import ConfigError, PipelineConfig
 
     assert PipelineConfig().train.model == "auto"
     assert PipelineConfig.model_validate({"train": {"model": "image_cnn"}}).train.model == "image_cnn"

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from training.config import load_config
+from training.core.config import load_config
 
 MAX_LEN = 10
 TINY_LM = {"d_model": 16, "n_heads": 2, "n_layers": 1}
@@ -42,7 +42,7 @@ def log_lines(rows: int, seed: int = 3) -> pa.Table:
 
 
 def prepare_lines(root: Path, rows: int = 240, seed: int = 3) -> Path:
-    from training.data.prepare import prepare_dataset
+    from training.prepare.dataset import prepare_dataset
 
     source = root / f"lines-{seed}.csv"
     pacsv.write_csv(log_lines(rows, seed), source)
@@ -54,13 +54,13 @@ def prepare_lines(root: Path, rows: int = 240, seed: int = 3) -> Path:
 
 def language_model_file(dataset: Path, path: Path, steps: int = 40, seed: int = 0) -> Path:
     """A next_token model.pt as the Trainer writes it, after ``steps`` full-batch Adam steps on the train split."""
-    from training.checkpoint import inference_checkpoint
-    from training.data.manifest import read_manifest
-    from training.models import ModelSpec, build_model
-    from training.spec.codecs import read_encoders
-    from training.spec.inputs import inputs_from_manifest
-    from training.spec.objectives import build_objective
-    from training.token_scoring import encode_texts, modelled_text
+    from training.core.manifest import read_manifest
+    from training.inference.model_file import inference_checkpoint
+    from training.inference.token_scoring import encode_texts, modelled_text
+    from training.kinds.inputs import inputs_from_manifest
+    from training.kinds.registry import read_encoders
+    from training.models.registry import ModelSpec, build_model
+    from training.objectives.registry import build_objective
 
     manifest = read_manifest(dataset)
     train = load_config(None, ["train.objective=next_token", f"train.model_kwargs={json.dumps(TINY_LM)}"]).train
@@ -97,7 +97,7 @@ def by_hand(model_path: Path, dataset: Path, strings: list[str | None]) -> list[
     tokens, summed -log p of each next token, top-1 hits), from log_softmax over the model's logits."""
     from tokenizers import Tokenizer
 
-    from training.evaluate import load_model_checkpoint
+    from training.inference.model_file import load_model_checkpoint
 
     model, _ = load_model_checkpoint(model_path)
     tokenizer = Tokenizer.from_file(str(dataset / "tokenizers" / "line.json"))
@@ -119,7 +119,7 @@ def by_hand(model_path: Path, dataset: Path, strings: list[str | None]) -> list[
 
 
 def split_strings(dataset: Path) -> list[str | None]:
-    from training.data.manifest import read_manifest
+    from training.core.manifest import read_manifest
 
     files = read_manifest(dataset).split_files(dataset, "test")
     return [value for f in files for value in pq.read_table(f)["line"].to_pylist()]
@@ -134,8 +134,8 @@ def lines(tmp_path_factory):
 
 
 def test_the_evaluation_counts_each_target_token_once_and_its_loss_is_the_mean_per_target_token(lines):
-    from training.data.manifest import read_manifest
-    from training.evaluate import evaluate_split
+    from training.core.manifest import read_manifest
+    from training.inference.evaluate import evaluate_split
 
     dataset, model_path = lines
     manifest = read_manifest(dataset)
@@ -166,7 +166,7 @@ def test_the_evaluation_counts_each_target_token_once_and_its_loss_is_the_mean_p
     assert whole.metrics["test_loss"] == pytest.approx(metrics["test_loss"], rel=1e-6)
     assert json.dumps(whole.to_dict())  # eval/metrics.json
     # The served scorer is the same computation on raw strings (its pyfunc: the registry test below).
-    from training.token_scoring import TokenScorer
+    from training.inference.token_scoring import TokenScorer
 
     scorer = TokenScorer.from_checkpoint(model_path, batch_size=5)
     served = scorer.score(pd.DataFrame({"line": strings}))
@@ -177,8 +177,8 @@ def test_the_evaluation_counts_each_target_token_once_and_its_loss_is_the_mean_p
 
 
 def test_a_batch_of_logits_is_bounded_in_memory():
-    from training.spec.inputs import InputInfo
-    from training.token_scoring import rows_per_batch
+    from training.inference.token_scoring import rows_per_batch
+    from training.kinds.inputs import InputInfo
 
     text = InputInfo("line", "text", "int64", (), 8000, {"max_len": 256})
     assert rows_per_batch(text, 8000, 65_536, 256 << 20) == (256 << 20) // (4 * 256 * 8000 * 3) == 10
@@ -189,7 +189,8 @@ def test_a_batch_of_logits_is_bounded_in_memory():
 def test_a_dataset_without_the_modelled_text_is_incompatible(lines, tmp_path):
     from model.conftest import make_dataset
 
-    from training.evaluate import IncompatibleModelError, evaluate_split
+    from training.inference.evaluate import evaluate_split
+    from training.inference.model_file import IncompatibleModelError
 
     _, model_path = lines
     numeric = make_dataset(tmp_path)
@@ -199,8 +200,8 @@ def test_a_dataset_without_the_modelled_text_is_incompatible(lines, tmp_path):
 
 def test_the_gate_judges_a_language_model_on_test_loss_lower_is_better():
     from ddpflow.tracking.registration import gate_rules
-    from training.config import PipelineConfig
-    from training.spec.directions import higher_is_better
+    from training.core.config import PipelineConfig
+    from training.core.directions import higher_is_better
 
     language_model = PipelineConfig.model_validate({"train": {"objective": "next_token"}})
     rules = gate_rules(language_model, "classification")  # the dataset's label is not what it is judged on
@@ -226,9 +227,9 @@ def test_a_language_model_is_registered_behind_the_gate_and_its_pyfunc_scores_ro
 
     from ddpflow.tracking.registration import register_candidate
     from ddpflow.tracking.runs import log_evaluation, start_pipeline_run, use_tracking_uri
-    from training.data.manifest import read_manifest
-    from training.evaluate import evaluate_split
-    from training.fileio import atomic_write_json
+    from training.core.fileio import atomic_write_json
+    from training.core.manifest import read_manifest
+    from training.inference.evaluate import evaluate_split
 
     dataset, strong = lines
     weak = language_model_file(dataset, tmp_path / "weak" / "model.pt", steps=3)
@@ -291,11 +292,11 @@ def test_a_language_model_is_registered_behind_the_gate_and_its_pyfunc_scores_ro
 
 def classifier_file(dataset: Path, path: Path) -> Path:
     """A text classifier of the lines' level (untrained: the gate only needs it to score), as the Trainer saves it."""
-    from training.checkpoint import inference_checkpoint
-    from training.data.manifest import read_manifest
-    from training.models import ModelSpec, build_model
-    from training.spec.codecs import read_encoders
-    from training.spec.inputs import inputs_from_manifest
+    from training.core.manifest import read_manifest
+    from training.inference.model_file import inference_checkpoint
+    from training.kinds.inputs import inputs_from_manifest
+    from training.kinds.registry import read_encoders
+    from training.models.registry import ModelSpec, build_model
 
     manifest = read_manifest(dataset)
     torch.manual_seed(0)
@@ -312,8 +313,8 @@ def test_a_classifier_champion_is_incompatible_with_a_language_model_candidate(l
     """Both report a test_loss, per row and per target token: the gate does not compare them."""
     from ddpflow.tracking.registration import register_candidate
     from ddpflow.tracking.runs import start_pipeline_run
-    from training.data.manifest import read_manifest
-    from training.evaluate import evaluate_split
+    from training.core.manifest import read_manifest
+    from training.inference.evaluate import evaluate_split
 
     dataset, language_model = lines
     uri, artifacts = mlflow_store
@@ -342,7 +343,7 @@ def test_the_pipeline_trains_evaluates_and_registers_a_language_model(prefect_ha
 
     from ddpflow.tracking.runs import use_tracking_uri
     from flows.pipeline import train_pipeline
-    from training.evaluate import evaluate_split
+    from training.inference.evaluate import evaluate_split
 
     uri, artifacts = mlflow_store
     source = tmp_path / "lines.csv"

@@ -1,11 +1,11 @@
-"""The node cache (training/data/node_cache.py) and train.data_on_device (training/data/placement.py).
+"""The node cache (training/loading/node_cache.py) and train.data_on_device (training/loading/placement.py).
 
 Real torchrun launches (gloo, 2 and 3 CPU ranks) on a dataset made by the real
 prepare stage: one rank builds the cache while the others wait, every rank maps
 the same file, the data equals ``load_split``'s, a truncated or corrupt file is
 rebuilt, two runs starting together build it once, and a read-only cache dir
 stops the run with the setting named. Which rank built, waited or found the
-file ready is read from each rank's data line (``training.log.DATA``, then
+file ready is read from each rank's data line (``training.core.log.DATA``, then
 ``rank R: ...``). A split placed on a GPU yields the host's batches (GPU only:
 on the CPU the device is the host, and placement keeps the shared mapping).
 """
@@ -25,14 +25,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from training.config import load_config
-from training.data import node_cache
-from training.data.manifest import read_manifest
-from training.data.node_cache import FORMAT_VERSION, HEADER_BYTES, cache_path, open_split
-from training.data.placement import decide, place_splits
-from training.job import TrainJob
-from training.loading import RankSampler, SplitTensors, TrainBatches, load_split
-from training.log import DATA
+from training.core.config import load_config
+from training.core.job import TrainJob
+from training.core.log import DATA
+from training.core.manifest import read_manifest
+from training.loading import node_cache
+from training.loading.batches import RankSampler, SplitTensors, TrainBatches, load_split
+from training.loading.node_cache import FORMAT_VERSION, HEADER_BYTES, cache_path, open_split
+from training.loading.placement import decide, place_splits
 
 REPO = Path(__file__).resolve().parents[2]
 SEED = 7
@@ -45,7 +45,7 @@ DATA_LINE = re.compile(re.escape(DATA) + r" rank (\d+): (\w+): (\d+) rows mapped
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> Path:
     """The real prepare stage's output: several shards per split, a train split no world size here divides."""
-    from training.data.prepare import prepare_dataset
+    from training.prepare.dataset import prepare_dataset
 
     data = load_config(
         None,
@@ -235,9 +235,9 @@ def test_a_full_disk_while_building_names_the_path_and_leaves_no_file(dataset, t
     cache = tmp_path / "cache"
     script = (
         "import resource, signal, sys\n"
-        "from training.data import node_cache\n"
-        "from training.data.manifest import read_manifest\n"
-        "from training.data.node_cache import open_split\n"
+        "from training.loading import node_cache\n"
+        "from training.core.manifest import read_manifest\n"
+        "from training.loading.node_cache import open_split\n"
         f"node_cache.BUILD_IN_RANK_MAX_BYTES = {node_cache.BUILD_IN_RANK_MAX_BYTES if where == 'rank' else 0}\n"
         "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
         f"resource.setrlimit(resource.RLIMIT_FSIZE, ({HEADER_BYTES * 2}, resource.RLIM_INFINITY))\n"
@@ -246,7 +246,7 @@ def test_a_full_disk_while_building_names_the_path_and_leaves_no_file(dataset, t
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("training.data.node_cache.NodeCacheError: cannot write the node data cache "), done.stderr
+    assert last.startswith("training.loading.node_cache.NodeCacheError: cannot write the node data cache "), done.stderr
     assert "data.cache_dir=" in last and "File too large" in last
     assert [path.name for path in (cache / read_manifest(dataset).fingerprint).iterdir()] == [
         cache_path(dataset, read_manifest(dataset), "train", str(cache)).name + ".lock"
@@ -285,8 +285,8 @@ def test_a_numeric_build_reads_its_columns_without_importing_pandas(dataset, tmp
     """pyarrow's ``to_numpy`` imports pandas (about 0.5 s and 30 MB): the building rank would keep it all run."""
     script = (
         "import sys\n"
-        "from training.data.manifest import read_manifest\n"
-        "from training.data.node_cache import open_split\n"
+        "from training.core.manifest import read_manifest\n"
+        "from training.loading.node_cache import open_split\n"
         f"print(open_split({str(dataset)!r}, read_manifest({str(dataset)!r}), 'train', {str(tmp_path)!r}).how)\n"
         "print(sorted(name for name in sys.modules if name.split('.')[0] == 'pandas')[:3])\n"
     )
@@ -362,8 +362,8 @@ def test_a_split_placed_on_the_gpu_lives_there_and_yields_the_host_batches(datas
 
 
 def test_where_the_cache_lives_is_not_part_of_the_dataset_fingerprint():
-    from training.config import DataConfig
-    from training.data.fingerprint import dataset_fingerprint
+    from training.core.config import DataConfig
+    from training.prepare.fingerprint import dataset_fingerprint
 
     identity = {"synthetic": "classification?rows=10"}
     assert dataset_fingerprint(identity, DataConfig(cache_dir="/scratch/a")) == dataset_fingerprint(

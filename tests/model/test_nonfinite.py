@@ -10,9 +10,9 @@ import pytest
 import torch
 from stand_in_models import NumericLinear
 
-from training.loading import SplitTensors, TrainBatches
-from training.loop import StepSettings, TrainStep, gradient_norm
-from training.nonfinite import NonFiniteStep, is_non_finite_failure, non_finite_error
+from training.loading.batches import SplitTensors, TrainBatches
+from training.loop.nonfinite import NonFiniteStep, is_non_finite_failure, non_finite_error
+from training.loop.step import StepSettings, TrainStep, gradient_norm
 
 
 def one_rank_step(features: torch.Tensor, grad_accum: int = 1, reports: list | None = None):

@@ -1,4 +1,4 @@
-"""training/spec/objectives.py and metrics.py: the loss contract, the exact weighted denominator, and metrics
+"""training/objectives/registry.py and metrics.py: the loss contract, the exact weighted denominator, and metrics
 that equal known answers on tiny examples (no torchrun: the ranks are simulated in one process)."""
 
 from __future__ import annotations
@@ -13,20 +13,12 @@ import torch
 import torch.nn.functional as F
 from stand_in_models import NumericLinear
 
-from training.config import ConfigError, load_config
-from training.loading import SplitTensors, TrainBatches
-from training.loop import StepSettings, TrainStep
-from training.spec.metrics import pr_auc, roc_auc
-from training.spec.objectives import (
-    Binary,
-    Huber,
-    Multilabel,
-    Softmax,
-    build_objective,
-    check_objective,
-    class_weight_vector,
-    make_objective,
-)
+from training.core.config import ConfigError, load_config
+from training.loading.batches import SplitTensors, TrainBatches
+from training.loop.step import StepSettings, TrainStep
+from training.objectives.builtin import Binary, Huber, Multilabel, Softmax
+from training.objectives.metrics import pr_auc, roc_auc
+from training.objectives.registry import build_objective, check_objective, class_weight_vector, make_objective
 
 # --- per-row losses: known values ---------------------------------------------------------------------
 
@@ -175,7 +167,7 @@ def test_an_objective_that_does_not_fit_is_named(overrides, manifest, message):
 
 USER_OBJECTIVES = """
 import torch
-from training.spec.objectives import Objective
+from training.objectives.base import Objective
 
 
 class Absolute(Objective):
@@ -228,7 +220,7 @@ def test_a_user_objective_of_the_wrong_shape_or_type_is_named(user_objectives):
     summed = build_objective(train(f"train.objective={user_objectives}:summed"), FakeManifest("regression", ()))
     with pytest.raises(ConfigError, match=r"my_objectives:summed.per_row_loss returned shape \(\) .*shape \(2,\)"):
         check_objective(summed, None)
-    with pytest.raises(ConfigError, match="returned str; it must return a training.spec.objectives.Objective"):
+    with pytest.raises(ConfigError, match="returned str; it must return a training.objectives.registry.Objective"):
         build_objective(train(f"train.objective={user_objectives}:not_an_objective"), FakeManifest())
 
 
@@ -320,7 +312,7 @@ def test_pr_auc_is_the_average_precision_with_ties(scores, labels, average_preci
 def test_the_preflight_names_an_objective_that_does_not_import_fit_or_return_one_loss_per_row(
     dataset_factory, user_objectives
 ):
-    from training.data.manifest import read_manifest
+    from training.core.manifest import read_manifest
     from training.preflight import check_data, check_machine
 
     with pytest.raises(ConfigError, match="train.objective: cannot import module 'nowhere'"):
@@ -343,7 +335,7 @@ def test_the_preflight_names_an_objective_that_does_not_import_fit_or_return_one
 def test_prepare_records_the_train_splits_class_counts(tmp_path):
     import pyarrow.parquet as pq
 
-    from training.data.prepare import prepare_dataset
+    from training.prepare.dataset import prepare_dataset
 
     data = load_config(
         None,
@@ -363,7 +355,7 @@ def test_validation_sharded_over_ranks_reports_what_one_pass_does(objective):
     """Two ranks' slices of the val split, their sums added (the all-reduce) and scored rows gathered, give
     the metrics of one pass over the whole split: ROC AUC and PR AUC included for two classes, whichever
     objective (binary's logit, softmax's log-odds of class 1)."""
-    from training.loop import evaluate, validation_metrics
+    from training.loop.step import evaluate, validation_metrics
 
     generator = torch.Generator().manual_seed(4)
     classes = objective.n_classes or 0

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from training.config import ConfigError, load_config
-from training.optim import build_optimizer, build_schedule, optimizer_states_per_parameter, param_groups
-from training.selection import Selection
+from training.core.config import ConfigError, load_config
+from training.loop.optim import build_optimizer, build_schedule, optimizer_states_per_parameter, param_groups
+from training.loop.selection import Selection
 
 
 def train_config(*overrides: str):
@@ -122,7 +122,7 @@ def test_without_warmup_the_cosine_is_the_one_before_warmup_existed():
      (("optimizer=sgd", "optimizer_kwargs={momentum: 0.9}"), 1)],
 )  # fmt: skip
 def test_placement_counts_the_chosen_optimizers_state(overrides, states):
-    from training.data.placement import training_state_to_come
+    from training.loading.placement import training_state_to_come
 
     config = train_config(*overrides)
     assert optimizer_states_per_parameter(config) == states
@@ -130,7 +130,7 @@ def test_placement_counts_the_chosen_optimizers_state(overrides, states):
     assert training_state_to_come(model, optimizer_states_per_parameter(config)) == (1 + states) * 110 * 4
 
 
-# --- selection and early stopping (training/selection.py) ------------------------------------------------
+# --- selection and early stopping (training/loop/selection.py) ------------------------------------------------
 
 
 def judged(values: list[float], *overrides: str) -> Selection:
@@ -166,7 +166,7 @@ def test_patience_counts_epochs_without_an_improvement_beyond_min_delta():
 def test_without_a_val_split_the_last_epoch_is_selected_and_early_stopping_is_refused(tmp_path):
     from model.conftest import make_dataset
 
-    from training.data.manifest import read_manifest
+    from training.core.manifest import read_manifest
     from training.preflight import check_data, check_machine
 
     selection = Selection.from_config(train_config("early_stopping_patience=1"))

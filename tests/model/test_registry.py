@@ -26,10 +26,11 @@ from ddpflow.tracking.runs import (
     use_tracking_uri,
 )
 from devtools.ports import free_port
-from training.config import PipelineConfig
-from training.data.manifest import read_manifest
-from training.evaluate import evaluate_split, load_model_checkpoint
-from training.fileio import atomic_write_json
+from training.core.config import PipelineConfig
+from training.core.fileio import atomic_write_json
+from training.core.manifest import read_manifest
+from training.inference.evaluate import evaluate_split
+from training.inference.model_file import load_model_checkpoint
 
 PREFECT = {"flow_run_id": "0000-flow-run", "flow_run_name": "brave-otter", "deployment_name": "nightly"}
 DDP = {"nproc_per_node": 2, "nnodes": 1, "backend": "gloo"}
@@ -172,7 +173,7 @@ def test_retry_creates_no_second_version(make_config, dataset_factory, model_fac
 
 def test_retry_after_a_crash_between_logging_and_registering(make_config, dataset_factory, model_factory):
     """An attempt that logged the model but died before create_model_version: the retry reuses that model."""
-    from training.serving import log_pyfunc_model
+    from training.inference.serving import log_pyfunc_model
 
     config = make_config()
     dataset = dataset_factory()
@@ -218,7 +219,7 @@ def test_a_model_pt_from_before_source_types_is_served_as_float64(
     inputs are declared double (float64) as they were, so what its users send keeps working."""
     import torch
 
-    from training.serving import log_pyfunc_model
+    from training.inference.serving import log_pyfunc_model
 
     config = make_config()
     dataset = dataset_factory(rows={"train": 300, "val": 30, "test": 60})

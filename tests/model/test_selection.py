@@ -16,8 +16,8 @@ import torch
 from model.conftest import make_dataset
 from model.test_train_ddp import Launch, assert_same_weights, launch, succeeded
 
-from training.evaluate import evaluate_split
-from training.layout import STEP_METRICS
+from training.core.layout import STEP_METRICS
+from training.inference.evaluate import evaluate_split
 
 pytestmark = pytest.mark.torchrun
 

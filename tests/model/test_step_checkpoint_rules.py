@@ -7,9 +7,9 @@ import torch
 
 from ddpflow.rundirs import find_resumable_run
 from tests.model.test_train_ddp import job_config
-from training.checkpoint import Checkpointer, CheckpointWriteError, identity_entries
-from training.distributed import SingleProcess
-from training.step_checkpoints import StepSchedule, prune, step_checkpoint_path, step_checkpoints, step_position
+from training.checkpoint.files import Checkpointer, CheckpointWriteError, identity_entries
+from training.checkpoint.steps import StepSchedule, prune, step_checkpoint_path, step_checkpoints, step_position
+from training.distributed.context import SingleProcess
 
 
 def due_steps(schedule: StepSchedule, epochs: int = 2) -> list[tuple[int, int]]:
@@ -88,7 +88,7 @@ def test_a_failed_background_write_fails_the_next_checkpoint_naming_the_path(tmp
 
 
 def test_a_resumed_pass_starts_at_its_step_without_reading_the_batches_before_it(monkeypatch):
-    from training.loading import InMemoryDataset, SplitTensors, TrainBatches
+    from training.loading.batches import InMemoryDataset, SplitTensors, TrainBatches
 
     split = SplitTensors(torch.randn(50, 3), torch.randint(0, 2, (50,)))
     batches = TrainBatches(split, 1, 2, 4, seed=0, device=torch.device("cpu"), pin_memory=False)

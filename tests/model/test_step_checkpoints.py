@@ -2,7 +2,7 @@
 
 The split: 242 train rows, a global batch of 12: 2 ranks x 6, 1 x 12 and 3 x 4 (3 ranks pad the permutation
 by one row) all take 21 steps an epoch, and global step k holds the same rows at every world size
-(training/loading.py: ``global_positions_of_steps``). ``checkpoint_every_steps: 4`` over 21 steps an epoch
+(training/loading/batches.py: ``global_positions_of_steps``). ``checkpoint_every_steps: 4`` over 21 steps an epoch
 writes epoch 1's step checkpoints once 3, 7, 11, 15 and 19 of its steps are trained (optimizer steps 24, 28, ...
 of the run), named by that count: a resume from ``s00000011`` starts at step 11 (0-based).
 
@@ -40,12 +40,12 @@ from tests.model.test_train_ddp import (
 )
 from tests.model.test_train_ddp import write_dataset as write_test_dataset
 from tests.multi_case import launch_cases
-from training.checkpoint import Checkpointer, ResumeMismatchError
-from training.config import load_config
-from training.data.manifest import read_manifest
-from training.data.prepare import prepare_dataset
-from training.distributed import SingleProcess
-from training.layout import LAST_CHECKPOINT
+from training.checkpoint.files import Checkpointer, ResumeMismatchError
+from training.core.config import load_config
+from training.core.layout import LAST_CHECKPOINT
+from training.core.manifest import read_manifest
+from training.distributed.context import SingleProcess
+from training.prepare.dataset import prepare_dataset
 
 pytestmark = pytest.mark.torchrun
 
@@ -279,7 +279,7 @@ def test_a_resume_on_another_world_size_without_global_batch_size_is_refused_nam
 
 
 def test_the_reference_logs_each_epoch_coverage_certificate(reference):
-    from training.coverage import Certificate
+    from training.loop.coverage import Certificate
 
     expected = Certificate.expected(TRAIN_ROWS).metrics()
     for line in reference.metrics():

@@ -13,8 +13,8 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 from ddpflow.tracking.runs import start_pipeline_run
 from tasks.evaluate import evaluate_model
 from tasks.register import gate_lock_name, register_model
-from training.config import PipelineConfig
-from training.data.manifest import read_manifest
+from training.core.config import PipelineConfig
+from training.core.manifest import read_manifest
 
 
 def test_evaluate_then_register_under_prefect(prefect_harness, mlflow_store, dataset_factory, model_factory, tmp_path):

@@ -1,4 +1,4 @@
-"""Text models (training/text_models.py): padding never changes a row's output, empty rows pool to zero, text
+"""Text models (training/models/text.py): padding never changes a row's output, empty rows pool to zero, text
 mixes with tabular inputs, ``auto`` picks the transformer."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from training.config import load_config
-from training.models import ModelSpec, build_model, pick_model
-from training.spec.inputs import InputInfo
+from training.core.config import load_config
+from training.kinds.inputs import InputInfo
+from training.models.registry import ModelSpec, build_model, pick_model
 
 VOCAB, MAX_LEN = 50, 12
 
@@ -115,7 +115,7 @@ def test_auto_is_mlp_without_text_and_transformer_needs_text():
 def test_the_most_confidently_wrong_rows_are_kept_across_batches_with_text_cut_for_display():
     import pyarrow as pa
 
-    from training.wrong_rows import ConfidentlyWrong
+    from training.inference.wrong_rows import ConfidentlyWrong
 
     wrong = ConfidentlyWrong(["snippet"], ["py", "sql"], count=2, max_chars=8)
     first = pa.record_batch({"snippet": ["SELECT 1", "import os, sys, re", None]})
@@ -133,7 +133,7 @@ def test_the_most_confidently_wrong_rows_are_kept_across_batches_with_text_cut_f
 def test_next_token_targets_loss_per_target_token_and_a_causal_model_blind_to_padding():
     import torch.nn.functional as F
 
-    from training.spec.next_token import IGNORE, NextToken
+    from training.objectives.next_token import IGNORE, NextToken
 
     objective = NextToken(input="snippet", vocab_size=VOCAB)
     torch.manual_seed(0)
@@ -176,7 +176,7 @@ LANGUAGES = {
 def write_snippets(root: Path, rows: int = 157) -> Path:
     """Short "code" snippets labelled by language (a few words of it, some of another; null and empty rows),
     with a categorical site, through the real prepare stage; the train split ends on a short global step."""
-    from training.data.prepare import prepare_dataset
+    from training.prepare.dataset import prepare_dataset
 
     rng = np.random.default_rng(7)
     languages = rng.choice(sorted(LANGUAGES), size=rows)
@@ -266,8 +266,8 @@ def test_a_text_classifier_on_two_ranks_trains_the_weights_of_one_rank_evaluates
     """2 ranks x 8 against 1 rank x 16 on text + a categorical (an uneven split: the last step is short, null
     and empty rows inside); evaluation's predictions are what the Predictor serves on the raw strings; the most
     confidently wrong rows are kept."""
-    from training.evaluate import evaluate_split
-    from training.predict import Predictor
+    from training.inference.evaluate import evaluate_split
+    from training.inference.predict import Predictor
 
     dataset = snippets_dataset
     manifest = json.loads((dataset / "manifest.json").read_text())
@@ -307,8 +307,8 @@ def test_next_token_on_two_ranks_trains_the_weights_of_one_rank_per_target_token
     """A language model of the snippets (the label column unused): the step's denominator is its target tokens
     on all ranks (a row of n tokens has n - 1; null, empty and one-token rows none), so 2 ranks x 8 and 1 rank x
     16 take the same steps on an uneven split; val_loss is per target token, val_perplexity its exp."""
-    from training.data.manifest import read_manifest
-    from training.loading import load_split, manifest_codecs
+    from training.core.manifest import read_manifest
+    from training.loading.batches import load_split, manifest_codecs
 
     dataset = snippets_dataset
     two, one = two_ranks["next_token"], one_rank["next_token"]
@@ -326,7 +326,7 @@ def test_next_token_on_two_ranks_trains_the_weights_of_one_rank_per_target_token
     lengths = load_split(dataset, manifest, "train").with_codecs(manifest_codecs(dataset, manifest))
     assert (lengths.inputs["snippet"].lengths() <= 1).any()  # rows without a target token are in the split
     # model.pt loads back as the language model and scores the test split per target token: the same for both.
-    from training.evaluate import evaluate_split
+    from training.inference.evaluate import evaluate_split
 
     scored_two, scored_one = (evaluate_split(run / "model.pt", dataset, "test") for run in (two, one))
     assert scored_two.task == "next_token" and scored_two.metrics["test_tokens"] > 0

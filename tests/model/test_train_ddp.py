@@ -32,11 +32,11 @@ import torch
 
 from devtools.ports import free_port
 from tests.multi_case import launch_cases
-from training.config import PipelineConfig, load_config
-from training.data.manifest import Manifest, ShardInfo, SplitInfo, read_manifest, write_manifest
-from training.job import TrainJob
-from training.models import ModelSpec
-from training.spec.inputs import numeric_input
+from training.core.config import PipelineConfig, load_config
+from training.core.job import TrainJob
+from training.core.manifest import Manifest, ShardInfo, SplitInfo, read_manifest, write_manifest
+from training.kinds.inputs import numeric_input
+from training.models.registry import ModelSpec
 
 pytestmark = pytest.mark.torchrun
 
@@ -66,7 +66,7 @@ def production_launcher():
 def write_dataset(
     root: Path, rows: dict[str, int], seed: int = 0, name: str = "fp-test", classes: int = CLASSES
 ) -> Path:
-    """A prepared dataset per training/data/manifest.py, two shards per split; ``classes`` 0: a regression
+    """A prepared dataset per training/core/manifest.py, two shards per split; ``classes`` 0: a regression
     target (standardised in training by the manifest's label_mean/label_std)."""
     rng = np.random.default_rng(seed)
     teacher = rng.normal(size=(FEATURES, max(classes, 1)))
@@ -260,7 +260,9 @@ def test_per_epoch_metrics_are_exact_and_ranks_agree(two_ranks):
     assert two_ranks.output.count("epoch 1/2 done") == 1  # rank 0 alone prints
 
 
-POLLING_LINE = "polling for the gradient all-reduce"  # rank 0's set-up line (training/runtime.py: ProcessSetup)
+POLLING_LINE = (
+    "polling for the gradient all-reduce"  # rank 0's set-up line (training/distributed/process.py: ProcessSetup)
+)
 
 
 @pytest.mark.parametrize(
@@ -380,7 +382,7 @@ def test_accumulating_two_micro_batches_trains_the_weights_of_one_double_batch(e
 def write_categorical_dataset(root: Path) -> Path:
     """A table the numeric column cannot explain (the label is a function of a categorical), with a hashed id
     and a vector, prepared by the real prepare stage: 237 train-ish rows, so 2 ranks end on a padded step."""
-    from training.data.prepare import prepare_dataset
+    from training.prepare.dataset import prepare_dataset
 
     rng = np.random.default_rng(5)
     rows = 300
@@ -406,8 +408,8 @@ def write_categorical_dataset(root: Path) -> Path:
 def test_a_categorical_model_on_two_ranks_trains_the_weights_of_one_rank_with_twice_the_batch(exact_runs):
     """The exact update with embeddings (a categorical, a hashed id) and a vector: 2 ranks x 8 against 1 rank x 16
     on an uneven split; and the model served on raw rows predicts what evaluation scores."""
-    from training.evaluate import evaluate_split
-    from training.predict import Predictor
+    from training.inference.evaluate import evaluate_split
+    from training.inference.predict import Predictor
 
     two, one = exact_runs["categorical_w2"], exact_runs["categorical_w1x2"]
     dataset = two.dataset_dir()
@@ -453,7 +455,7 @@ PREPARED_CASES = {
 
 def write_prepared_dataset(root: Path, case: str, rows: int = 300) -> Path:
     """``case``'s table through ``prepare_dataset`` (PREPARED_CASES), with a train split that 16 does not divide."""
-    from training.data.prepare import prepare_dataset
+    from training.prepare.dataset import prepare_dataset
 
     build, data, _ = PREPARED_CASES[case]
     source = root / f"{case}.parquet"
@@ -581,9 +583,9 @@ def test_a_multilabel_model_served_over_http_answers_label_lists_and_probabiliti
 
     from ddpflow.tracking.runs import use_tracking_uri
     from devtools.model_server import invocations
-    from training.evaluate import evaluate_split
-    from training.predict import Predictor
-    from training.serving import log_pyfunc_model, predictions
+    from training.inference.evaluate import evaluate_split
+    from training.inference.predict import Predictor
+    from training.inference.serving import log_pyfunc_model, predictions
 
     run = exact_runs["multilabel_w2"]
     dataset, model_path = run.dataset_dir(), run.run_dir / "model.pt"
@@ -611,9 +613,9 @@ def test_a_multilabel_model_served_over_http_answers_label_lists_and_probabiliti
 def assert_multilabel_serving_equals_evaluation(model_path: Path, dataset: Path, manifest: dict) -> None:
     """The test split's evaluation (micro/macro F1, exact match) and the Predictor on its raw rows agree: each
     row's list of original labels and a sigmoid probability per label."""
-    from training.evaluate import evaluate_split
-    from training.predict import Predictor
-    from training.serving import predictions
+    from training.inference.evaluate import evaluate_split
+    from training.inference.predict import Predictor
+    from training.inference.serving import predictions
 
     evaluation = evaluate_split(model_path, dataset, "test", return_predictions=True)
     assert {"test_micro_f1", "test_macro_f1", "test_exact_match", "test_loss"} <= set(evaluation.metrics)
@@ -755,7 +757,7 @@ def test_two_nodes_on_one_machine_train_like_one_node(two_ranks, dataset, tmp_pa
 
 def test_padded_sampler_rows_count_once_on_a_prepared_dataset(two_ranks, tmp_path):
     """prepare_dataset's own output: its train split (odd size here) is not divisible by the world size."""
-    from training.data.prepare import prepare_dataset
+    from training.prepare.dataset import prepare_dataset
 
     data = load_config(
         None,
@@ -824,7 +826,7 @@ def test_a_checkpoint_write_beyond_checkpoint_timeout_fails_naming_it(dataset, t
 
 def write_regression_dataset(root: Path) -> Path:
     """write_regression_source's table through the real prepare stage (data.label=price)."""
-    from training.data.prepare import prepare_dataset
+    from training.prepare.dataset import prepare_dataset
 
     source = write_regression_source(root / "prices.parquet")
     data = load_config(None, [f"data.source={source}", "data.label=price", f"data.root={root / 'shards'}"]).data
@@ -843,8 +845,8 @@ def write_regression_source(path: Path, rows: int = 1500, seed: int = 7) -> Path
 
 
 def test_regression_trains_on_the_standardised_target_and_reports_the_original_scale(exact_runs):
-    from training.evaluate import evaluate_split
-    from training.predict import Predictor
+    from training.inference.evaluate import evaluate_split
+    from training.inference.predict import Predictor
 
     result = exact_runs["regression"]  # 2 ranks, 3 epochs of 32 rows
     dataset_dir = result.dataset_dir()

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from training.loading import SplitTensors
-from training.loop import StepSettings, evaluate, validation_metrics
-from training.spec.objectives import make_objective
+from training.loading.batches import SplitTensors
+from training.loop.step import StepSettings, evaluate, validation_metrics
+from training.objectives.registry import make_objective
 
 
 class FirstFeature(nn.Module):
@@ -49,7 +49,7 @@ class RowsSeen(nn.Module):
 
 
 def test_val_batch_size_bounds_each_validation_batch_and_leaves_the_metrics_as_they_are(monkeypatch):
-    from training.config import load_config
+    from training.core.config import load_config
 
     # The setting's one rule: val_batch_size, else the per-rank train batch (train.batch_size, or the global / W).
     train = load_config(None, ["train.batch_size=16"]).train

@@ -8,8 +8,8 @@ from pathlib import Path
 import psutil
 
 from ddpflow.launch.command import RANK_ENTRYPOINT, torchrun_command
-from training.config import PipelineConfig
-from training.data.manifest import Manifest, ShardInfo, SplitInfo, write_manifest
+from training.core.config import PipelineConfig
+from training.core.manifest import Manifest, ShardInfo, SplitInfo, write_manifest
 
 DUMMY_RANK = Path(__file__).parent / "dummy_rank.py"
 

@@ -20,7 +20,7 @@ import ddpflow.launch.command
 from ddpflow.launch.failure import LaunchError
 from ddpflow.launch.slurm import run_training_on_slurm
 from ddpflow.launch.stage import TrainRequest
-from training.config import PipelineConfig
+from training.core.config import PipelineConfig
 
 ddpflow.launch.command.RANK_ENTRYPOINT = str(DUMMY_RANK)
 

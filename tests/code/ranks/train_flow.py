@@ -20,7 +20,7 @@ ddpflow.launch.command.RANK_ENTRYPOINT = str(DUMMY_RANK)
 from prefect import flow  # noqa: E402
 
 from tasks.train import TrainRequest, train_model  # noqa: E402
-from training.config import PipelineConfig  # noqa: E402
+from training.core.config import PipelineConfig  # noqa: E402
 
 
 @flow(name="train-stand-in")

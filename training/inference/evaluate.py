@@ -1,0 +1,304 @@
+"""Evaluate a saved ``model.pt`` on one split of a prepared dataset.
+
+Plain code (no Prefect, no MLflow) so it runs anywhere: the evaluate task, the
+registry gate (re-scoring the champion on the candidate's test shards) and
+tests. The split is streamed shard by shard, record batch by record batch, so
+memory stays bounded by ``batch_size`` rows whatever the split's size; every
+row is counted exactly once and the count is checked against the manifest.
+
+    result = evaluate_split("runs/x/model.pt", "data/shards/<fp>", split="test")
+    result.metrics["test_accuracy"]
+
+A next_token language model is scored per target token by training/inference/token_scoring.py (test_loss,
+test_perplexity, test_token_accuracy, test_tokens), apart from the per-row classification and regression
+code below.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from training.core.manifest import CLASS_TASKS, Manifest, read_manifest
+from training.inference.model_file import (
+    EVAL_BATCH_BYTES,
+    EvalResult,
+    IncompatibleModelError,
+    checkpoint_codecs,
+    checkpoint_inputs,
+    load_model_checkpoint,
+)
+from training.inference.token_scoring import check_text_input, evaluate_tokens
+from training.inference.wrong_rows import ConfidentlyWrong
+from training.kinds.inputs import InputInfo, inputs_from_manifest
+from training.kinds.normalisation import Normaliser
+from training.kinds.registry import encode_columns
+from training.loading.batches import fill_labels
+from training.objectives.base import Objective
+from training.objectives.metrics import precision_recall
+from training.objectives.next_token import LANGUAGE_MODEL
+from training.objectives.registry import objective_from_checkpoint
+
+
+def metric_label(value: Any) -> str:
+    """A class label as it may appear in an MLflow metric name."""
+    return re.sub(r"[^0-9A-Za-z_\-.]", "_", str(value))
+
+
+def check_compatible(
+    meta: dict[str, Any], manifest: Manifest, checkpoint: str | Path = "model.pt"
+) -> torch.Tensor | None:
+    """Raise ``IncompatibleModelError`` unless the checkpoint can score this dataset.
+
+    For classification returns the index remap (model class index -> dataset
+    class index) when both list the same classes in another order, else None.
+    """
+    if meta["task"] != manifest.task:
+        raise IncompatibleModelError(
+            f"{checkpoint} is a {meta['task']} model; the dataset {manifest.fingerprint} is {manifest.task}"
+        )
+    needed, present = checkpoint_inputs(meta), inputs_from_manifest(manifest)
+    missing = [name for name in needed if name not in present]
+    if missing:
+        raise IncompatibleModelError(
+            f"{checkpoint} needs feature columns {missing} that dataset {manifest.fingerprint} lacks"
+        )
+    other_kind = [
+        f"{name} ({info.kind}, here {present[name].kind})"
+        for name, info in needed.items()
+        if present[name].kind != info.kind
+    ]
+    if other_kind:
+        raise IncompatibleModelError(
+            f"{checkpoint} takes inputs of other kinds than dataset {manifest.fingerprint}: {other_kind}"
+        )
+    if meta["label"] != manifest.label:
+        raise IncompatibleModelError(
+            f"{checkpoint} predicts {meta['label']!r}; dataset {manifest.fingerprint} labels {manifest.label!r}"
+        )
+    if manifest.task not in CLASS_TASKS or list(meta["label_mapping"]) == list(manifest.label_mapping):
+        return None
+    if manifest.task == "multilabel":  # a multi-hot row has no class order to remap
+        raise IncompatibleModelError(
+            f"{checkpoint} knows labels {meta['label_mapping']}; "
+            f"dataset {manifest.fingerprint} has {manifest.label_mapping}"
+        )
+    if sorted(map(str, meta["label_mapping"])) != sorted(map(str, manifest.label_mapping)):
+        raise IncompatibleModelError(
+            f"{checkpoint} knows classes {meta['label_mapping']}; "
+            f"dataset {manifest.fingerprint} has {manifest.label_mapping}"
+        )
+    position = {str(label): index for index, label in enumerate(manifest.label_mapping)}
+    return torch.tensor([position[str(label)] for label in meta["label_mapping"]])
+
+
+def _iter_batches(manifest: Manifest, dataset_dir: Path, split: str, meta: dict[str, Any], batch_size: int):
+    """(the model's batch dict, labels) per record batch, over every shard in order: the raw shard columns
+    through the model's own codecs and normalisation (``encode_columns``, what serving calls too)."""
+    inputs, codecs = checkpoint_inputs(meta), checkpoint_codecs(meta)
+    normaliser = Normaliser.from_checkpoint(meta)  # the model's own statistics, also when re-scoring a champion
+    columns = [*inputs, manifest.label]
+    batch_size = min(batch_size, max(1, EVAL_BATCH_BYTES // _row_bytes(inputs)))  # images decode to large rows
+    for shard in manifest.split_files(dataset_dir, split):
+        parquet = pq.ParquetFile(shard)
+        for batch in parquet.iter_batches(batch_size=batch_size, columns=columns):
+            encoded = encode_columns({name: batch.column(name) for name in inputs}, inputs, codecs, normaliser)
+            yield encoded, _labels(batch.column(manifest.label), manifest), batch
+
+
+MISCLASSIFIED_SHOWN = 16
+
+
+def _row_bytes(inputs: dict[str, InputInfo]) -> int:
+    """Bytes of one row of the model's batch dict (4 per float32 or int32 element, 8 per int64)."""
+    return sum((8 if info.dtype == "int64" else 4) * max(1, int(np.prod(info.shape))) for info in inputs.values())
+
+
+def _keep_misclassified(kept: list[dict[str, Any]], batch, image: str, wrong: torch.Tensor, target, predicted, labels):
+    """Up to MISCLASSIFIED_SHOWN wrong rows of an image input, with their bytes and labels."""
+    from training.kinds.image import image_bytes
+
+    rows = torch.nonzero(wrong).flatten()[: MISCLASSIFIED_SHOWN - len(kept)].tolist()
+    column = image_bytes(batch.column(image), image)
+    for row in rows:
+        kept.append(
+            {
+                "input": image,
+                "image": column[row].as_py(),
+                "true": str(labels[int(target[row])]),
+                "predicted": str(labels[int(predicted[row])]),
+            }
+        )
+
+
+def _labels(column, manifest: Manifest) -> torch.Tensor:
+    """The shard's label column as training reads it (``fill_labels``: a multilabel row multi-hot [C])."""
+    if manifest.task != "multilabel":  # a copy: Arrow's buffers are read-only and torch warns about sharing them
+        return torch.from_numpy(column.to_numpy(zero_copy_only=False).copy())
+    block = np.empty((len(column), manifest.n_outputs), dtype=np.float32)
+    fill_labels(block, column, manifest.task)
+    return torch.from_numpy(block)
+
+
+CONFUSION_MAX_CLASSES = 50  # above: per-class metrics only (a confusion matrix is C² counts, unreadable anyway)
+
+
+class _ClassificationEvaluation:
+    """softmax and binary on one split: the objective's tally (training/objectives/metrics.py, the same formulas as
+    validation), per-class precision and recall, a confusion matrix up to ``CONFUSION_MAX_CLASSES`` classes, the
+    majority class's share of the rows (``<split>_majority_share``: the accuracy of always guessing it) and, for
+    two classes, the exact ROC AUC and PR AUC over every row's score (the evaluation sees every row in one process)."""
+
+    def __init__(self, objective: Objective, n_classes: int):
+        self.objective, self.n_classes = objective, n_classes
+        self.tally = objective.tally(n_classes)
+        self.confusion = (
+            torch.zeros(n_classes * n_classes, dtype=torch.int64) if n_classes <= CONFUSION_MAX_CLASSES else None
+        )
+
+    def add(self, outputs: torch.Tensor, target: torch.Tensor, remap: torch.Tensor | None) -> torch.Tensor:
+        target = target.long()
+        if remap is not None:  # reorder the model's classes into the dataset's index order
+            outputs = self.objective.remap_outputs(outputs, remap)
+        self.tally.add(outputs, target)
+        predicted, probabilities = self.objective.decode(outputs)
+        if self.confusion is not None:
+            self.confusion += torch.bincount(target * self.n_classes + predicted, minlength=self.n_classes**2)
+        return predicted
+
+    def metrics(self, split: str, labels: list[Any]) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+        sums = self.tally.sums()
+        metrics = self.tally.metrics(sums, split, scored=self.tally.scored_rows())  # 2 classes: ROC AUC, PR AUC
+        metrics[f"{split}_majority_share"] = self.tally.majority_share(sums)  # what always guessing it scores
+        precision, recall, support = self.tally.per_class(sums)
+        per_class = {}
+        for index, label in enumerate(labels):
+            name = metric_label(label)
+            metrics[f"{split}_precision_{name}"] = float(precision[index])
+            metrics[f"{split}_recall_{name}"] = float(recall[index])
+            per_class[str(label)] = {
+                "precision": float(precision[index]),
+                "recall": float(recall[index]),
+                "support": int(support[index]),
+            }
+        return metrics, per_class
+
+    def probabilities(self, outputs: torch.Tensor, remap: torch.Tensor | None) -> torch.Tensor:
+        """[B, C] class probabilities in the dataset's index order (binary: both classes)."""
+        if remap is not None:
+            outputs = self.objective.remap_outputs(outputs, remap)
+        return self.objective.decode(outputs)[1]
+
+    def confusion_matrix(self) -> list[list[int]] | None:
+        return None if self.confusion is None else self.confusion.view(self.n_classes, self.n_classes).tolist()
+
+
+def _multilabel_metrics(tally, split: str, labels: list[Any]) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """The multilabel tally's metrics (micro/macro F1, exact match) and each label's precision, recall, support."""
+    sums = tally.sums()
+    metrics = tally.metrics(sums, split)
+    actual = tally.part(sums, "actual")
+    precision, recall = precision_recall(tally.part(sums, "true_positive"), tally.part(sums, "predicted"), actual)
+    per_class = {}
+    for index, label in enumerate(labels):
+        metrics[f"{split}_precision_{metric_label(label)}"] = float(precision[index])
+        metrics[f"{split}_recall_{metric_label(label)}"] = float(recall[index])
+        per_class[str(label)] = {
+            "precision": float(precision[index]),
+            "recall": float(recall[index]),
+            "support": int(actual[index]),
+        }
+    return metrics, per_class
+
+
+def evaluate_split(
+    model_path: str | Path,
+    dataset_dir: str | Path,
+    split: str = "test",
+    batch_size: int = 65_536,
+    return_predictions: bool = False,
+    max_predictions: int | None = None,
+) -> EvalResult:
+    """Score ``model.pt`` on every row of ``split``; metrics named ``<split>_<metric>``.
+
+    ``return_predictions`` keeps per-row predictions and targets (in shard
+    order), the first ``max_predictions`` rows only when given, so a plot of
+    a huge split stays bounded in memory.
+    """
+    started = time.perf_counter()
+    dataset_dir = Path(dataset_dir)
+    manifest = read_manifest(dataset_dir)
+    if split not in manifest.splits:
+        raise ValueError(f"{dataset_dir}: no split {split!r} (has {sorted(manifest.splits)})")
+    if manifest.rows(split) == 0:
+        raise ValueError(f"{dataset_dir}: split {split!r} is empty; nothing to evaluate")
+    model, meta = load_model_checkpoint(model_path)
+    objective = objective_from_checkpoint(meta)  # how its outputs are read: model.pt's objective
+    if objective.name == LANGUAGE_MODEL:  # per target token, no label per row: its own module
+        check_text_input(meta, manifest, model_path)
+        return evaluate_tokens(
+            model, meta, objective, manifest, dataset_dir, split, batch_size,
+            return_predictions=return_predictions, max_predictions=max_predictions, started=started,
+        )  # fmt: skip
+    remap = check_compatible(meta, manifest, model_path)
+    normaliser = Normaliser.from_checkpoint(meta)  # the model's own statistics, also when re-scoring a champion
+    classification, multilabel = manifest.task == "classification", manifest.task == "multilabel"
+    if classification:
+        evaluation = _ClassificationEvaluation(objective, manifest.n_outputs)
+    else:
+        tally = objective.tally(manifest.n_outputs if multilabel else None)
+    samples, kept_predictions, kept_targets = 0, [], []
+    image = next((name for name, info in checkpoint_inputs(meta).items() if info.kind == "image"), None)
+    misclassified: list[dict[str, Any]] = []
+    texts = [name for name, info in checkpoint_inputs(meta).items() if info.kind == "text"]
+    wrong = ConfidentlyWrong(texts, manifest.label_mapping) if classification and texts else None
+    with torch.inference_mode():
+        for x, y, raw in _iter_batches(manifest, dataset_dir, split, meta, batch_size):
+            output = model(x)  # x: the batch dict, through the model's own codecs and normalisation
+            if classification:
+                predicted = evaluation.add(output, y, remap)
+                if image is not None and len(misclassified) < MISCLASSIFIED_SHOWN:
+                    is_wrong = predicted != y.long()
+                    _keep_misclassified(misclassified, raw, image, is_wrong, y, predicted, manifest.label_mapping)
+                if wrong is not None:
+                    wrong.add(samples, raw, y, predicted, evaluation.probabilities(output, remap))
+            elif multilabel:  # the objective's multilabel tally; predictions multi-hot [B, C] (no confusion matrix)
+                tally.add(output, y)
+                predicted = objective.decode(output)[0]
+            else:
+                # Scored on the standardised scale the model trained on, as validation is; reported on the
+                # original one (the tally's target_std); predictions on the original scale.
+                tally.add(output, normaliser.target_(y.float().clone()))
+                predicted = normaliser.target_inverse(output.reshape(-1).float())
+            samples += len(y)
+            if return_predictions:
+                room = len(y) if max_predictions is None else max(0, max_predictions - sum(map(len, kept_targets)))
+                if room:
+                    kept_predictions.append(predicted[:room].numpy())
+                    kept_targets.append(y[:room].numpy())
+    if samples != manifest.rows(split):
+        raise RuntimeError(f"{dataset_dir}: read {samples} {split} rows but the manifest lists {manifest.rows(split)}")
+    result = EvalResult(task=manifest.task, split=split, samples=samples, metrics={}, seconds=0.0)
+    if classification:
+        result.metrics, result.per_class = evaluation.metrics(split, manifest.label_mapping)
+        result.confusion_matrix = evaluation.confusion_matrix()
+        result.class_labels = [str(label) for label in manifest.label_mapping]
+        result.misclassified = misclassified if image is not None else None
+        result.confidently_wrong = wrong.table() if wrong is not None else None
+    elif multilabel:
+        result.metrics, result.per_class = _multilabel_metrics(tally, split, manifest.label_mapping)
+        result.class_labels = [str(label) for label in manifest.label_mapping]
+    else:
+        result.metrics = tally.metrics(tally.sums(), split, normaliser.target_std)
+    result.metrics[f"{split}_samples"] = float(samples)
+    if return_predictions:
+        result.predictions = np.concatenate(kept_predictions) if kept_predictions else np.empty(0)
+        result.targets = np.concatenate(kept_targets) if kept_targets else np.empty(0)
+    result.seconds = time.perf_counter() - started
+    return result

@@ -1,0 +1,156 @@
+"""model.pt, written and read in this one module: what the Trainer saves at the end of a run
+(``inference_checkpoint``), what a final model file must hold (``REQUIRED_CHECKPOINT_KEYS``), the model rebuilt
+from it with its weights, inputs and encoders, and what an evaluation of it returns (``EvalResult``). Both
+evaluators (``evaluate.py`` for rows, ``token_scoring.py`` for a language model's tokens) and serving read a
+model.pt through this module only; the Checkpointer (``training/checkpoint/files.py``) writes it atomically.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from training.core.manifest import Manifest
+from training.kinds.base import Codec
+from training.kinds.inputs import InputInfo
+from training.kinds.registry import codecs_for
+from training.models.registry import ModelSpec, build_model
+
+# What a model.pt must hold (docs/architecture.md) to be evaluated or served.
+REQUIRED_CHECKPOINT_KEYS = (
+    "model",
+    "model_spec",
+    "features",
+    "feature_mean",
+    "feature_std",
+    "task",
+    "label",
+    "label_mapping",
+)
+
+
+class IncompatibleModelError(ValueError):
+    """A checkpoint cannot score a dataset: other features, task or classes."""
+
+
+@dataclass
+class EvalResult:
+    task: str  # the dataset's task, or "next_token" for a language model (training/inference/token_scoring.py)
+    split: str
+    samples: int
+    metrics: dict[str, float]  # flat, MLflow-ready: "<split>_accuracy", "<split>_rmse", ...
+    seconds: float
+    class_labels: list[str] | None = None  # the dataset's classes, in index order
+    # Rows: true class, columns: predicted; None above CONFUSION_MAX_CLASSES classes (per_class has them all).
+    confusion_matrix: list[list[int]] | None = None
+    per_class: dict[str, dict[str, float]] | None = None  # label -> precision, recall, support
+    # Only with return_predictions: class indices (dataset's index space), multi-hot rows [N, C] (multilabel)
+    # or regression values.
+    predictions: np.ndarray | None = field(default=None, repr=False)
+    targets: np.ndarray | None = field(default=None, repr=False)
+    # Classification with an image input: the first MISCLASSIFIED_SHOWN wrong rows, {"image" (its encoded bytes),
+    # "true", "predicted" (labels), "input"}, for the grid of misclassified images (ddpflow/tracking/plots.py).
+    misclassified: list[dict[str, Any]] | None = field(default=None, repr=False)
+    # A classifier with text inputs: its most confidently wrong rows (inference/wrong_rows.py), a table artifact.
+    confidently_wrong: dict[str, list] | None = field(default=None, repr=False)  # {"columns", "data"}
+
+    def to_dict(self) -> dict[str, Any]:
+        """What ``eval/metrics.json`` holds (no per-row arrays)."""
+        return {
+            "task": self.task,
+            "split": self.split,
+            "samples": self.samples,
+            "seconds": self.seconds,
+            "metrics": self.metrics,
+            "class_labels": self.class_labels,
+            "confusion_matrix": self.confusion_matrix,
+            "per_class": self.per_class,
+        }
+
+
+def load_model_checkpoint(path: str | Path) -> tuple[nn.Module, dict[str, Any]]:
+    """Rebuild the model from ``model_spec`` and load its weights, in eval mode.
+
+    Returns the model and the checkpoint's other entries (everything except the
+    state dict). ``weights_only=True``: a checkpoint cannot run code on load.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"model checkpoint {path} does not exist")
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    missing = [key for key in REQUIRED_CHECKPOINT_KEYS if key not in checkpoint]
+    if missing:
+        raise ValueError(
+            f"model checkpoint {path} lacks keys {missing}; is it a final model.pt (not checkpoints/last.pt)?"
+        )
+    spec = ModelSpec.from_dict(checkpoint["model_spec"], checkpoint["features"])
+    model = build_model(spec, checkpoint["features"])
+    model.load_state_dict(checkpoint["model"])
+    model.eval()
+    meta = {key: value for key, value in checkpoint.items() if key != "model"}
+    meta["model_spec"] = spec.to_dict()  # with its inputs, also for a model.pt from before typed inputs
+    return model, meta
+
+
+def checkpoint_inputs(meta: dict[str, Any]) -> dict[str, InputInfo]:
+    """The model's inputs, in order (a model.pt from before typed inputs: its features, numeric)."""
+    return ModelSpec.from_dict(meta["model_spec"], meta["features"]).input_infos(meta["features"])
+
+
+def checkpoint_codecs(meta: dict[str, Any]) -> dict[str, Codec]:
+    """The model's own encoders (fitted on ITS train split): they encode any dataset's raw shards alike."""
+    return codecs_for(checkpoint_inputs(meta), meta.get("encoders") or {})
+
+
+EVAL_BATCH_BYTES = 256 << 20  # an evaluation batch's decoded inputs stay within about this much memory
+
+
+def inference_checkpoint(
+    state_dict: dict[str, Any],
+    spec: ModelSpec,
+    manifest: Manifest,
+    epochs: int,
+    metrics: dict[str, Any],
+    encoders: dict[str, Any] | None = None,
+    selection: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``model.pt``: the weights plus everything evaluation and serving need to rebuild
+    the model and feed it raw columns (architecture, feature order, normalisation, labels).
+
+    ``epochs``: the epochs trained; ``metrics``: the selected epoch's; ``selection``: which epoch the
+    weights are from and why (``training/loop/selection.py: Selection.describe``; None: the last one)."""
+    return {
+        "model": state_dict,
+        "model_spec": spec.to_dict(),
+        "features": list(manifest.features),
+        "feature_mean": list(manifest.feature_mean),
+        "feature_std": list(manifest.feature_std),
+        # Regression: the model predicts the standardised target; None (old files too) = raw scale.
+        "label_mean": manifest.label_mean,
+        "label_std": manifest.label_std,
+        "task": manifest.task,
+        "label": manifest.label,
+        "label_mapping": manifest.label_mapping,
+        "fingerprint": manifest.fingerprint,
+        "epochs": epochs,
+        "metrics": metrics,
+        # The fitted encoders (training/kinds/registry.py: encoders.json) and the weight column: raw rows in.
+        "encoders": encoders or {},
+        "weight": manifest.weight,
+        # Each input's type in the source, as prepare read it ("int64", "bool", "float"...): what the served
+        # model's signature declares (training/inference/serving.py: raw_example). Absent in older files: float64.
+        "source_types": source_types(manifest),
+        "selected_epoch": selection["selected_epoch"] if selection else metrics.get("epoch", epochs - 1),
+        "selection": selection,
+    }
+
+
+def source_types(manifest: Manifest) -> dict[str, str]:
+    """The inputs' Arrow types in the source (the manifest's ``schema``), by name."""
+    inputs = set(manifest.input_names())
+    return {column["name"]: column["type"] for column in manifest.schema if column["name"] in inputs}

@@ -1,0 +1,126 @@
+"""Predictions for a DataFrame of RAW input columns, from a ``model.pt``.
+
+The checkpoint carries what inference needs: its inputs and their fitted
+encoders (training/kinds/registry.py: the same ``encode`` the node cache and
+evaluation use: strings for categoricals, lists for vectors, an unseen
+category scored as unknown), the train split's feature and target statistics
+(normalisation happens here, not in the caller, through
+``training/kinds/normalisation.py``, the function training and evaluation use)
+and the class-index -> original-label mapping. Regression predictions are on
+the target's original scale. The MLflow pyfunc model (``training/inference/serving.py``) wraps
+this class, so a served model and an
+evaluation agree by construction.
+
+    predictor = Predictor.from_checkpoint("runs/x/model.pt")
+    labels = predictor.predict(frame)   # original labels, or floats for regression
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import torch
+from torch import nn
+
+from training.core.manifest import CLASS_TASKS
+from training.inference.model_file import checkpoint_codecs, checkpoint_inputs, load_model_checkpoint
+from training.kinds.inputs import InputInfo
+from training.kinds.normalisation import Normaliser
+from training.kinds.registry import encode_columns
+from training.objectives.registry import objective_from_checkpoint
+
+
+class Predictor:
+    def __init__(self, model: nn.Module, meta: dict[str, Any], batch_size: int = 65_536):
+        self.model = model.eval()
+        self.meta = meta
+        self.inputs: dict[str, InputInfo] = checkpoint_inputs(meta)
+        self.features: list[str] = list(self.inputs)  # every input column the model needs, in order
+        self.task: str = meta["task"]
+        self.batch_size = batch_size
+        self._codecs = checkpoint_codecs(meta)
+        self._normaliser = Normaliser.from_checkpoint(meta)
+        self._classes = self.task in CLASS_TASKS  # outputs are per class (softmax, binary, multilabel)
+        self._labels = np.asarray(meta["label_mapping"]) if self._classes else None
+        self._objective = objective_from_checkpoint(meta)  # reads the outputs (a binary model has one logit)
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, batch_size: int = 65_536) -> Predictor:
+        model, meta = load_model_checkpoint(path)
+        return cls(model, meta, batch_size)
+
+    def batch_inputs(self, frame: pd.DataFrame) -> dict[str, torch.Tensor]:
+        """The raw input columns -> the model's batch dict, through the codecs evaluation uses; names what is
+        missing or invalid. An unseen category is the unknown index (never an error)."""
+        missing = [name for name in self.features if name not in frame.columns]
+        if missing:
+            raise ValueError(f"input is missing feature columns {missing}; the model needs {self.features}")
+        columns = {name: _arrow(frame[name], name) for name in self.features}
+        numeric = [name for name, info in self.inputs.items() if info.kind == "numeric"]
+        bad = [name for name in numeric if not np.isfinite(self._codecs[name].encode(columns[name])).all()]
+        if bad:
+            raise ValueError(f"input columns {bad} hold NaN or infinite values")
+        try:
+            return encode_columns(columns, self.inputs, self._codecs, self._normaliser)
+        except ValueError as error:
+            raise ValueError(f"input rows cannot be encoded: {error}") from None
+
+    def outputs(self, frame: pd.DataFrame) -> torch.Tensor:
+        """The model's outputs for every row (regression: on the original scale)."""
+        batch = self.batch_inputs(frame)
+        outputs = []
+        with torch.inference_mode():
+            for start in range(0, len(frame), self.batch_size):
+                rows = {name: tensor[start : start + self.batch_size] for name, tensor in batch.items()}
+                output = self.model(rows)
+                outputs.append(output if self._classes else self._normaliser.target_inverse(output))
+        if not outputs:
+            return torch.empty(0, len(self._labels) if self._labels is not None else 1)
+        return torch.cat(outputs)
+
+    def predict_raw(self, frame: pd.DataFrame) -> np.ndarray:
+        """Class indices (classification), multi-hot bool rows [N, C] (multilabel) or float predictions on the
+        original scale (regression)."""
+        if len(frame) == 0:
+            if self.task == "multilabel":
+                return np.zeros((0, len(self._labels)), dtype=bool)
+            return np.empty(0, dtype=np.int64 if self.task == "classification" else np.float32)
+        outputs = self.outputs(frame)
+        if self._classes:
+            return self._objective.decode(outputs)[0].numpy()
+        return outputs.reshape(-1).float().numpy()
+
+    def predict(self, frame: pd.DataFrame) -> np.ndarray:
+        """Original labels (classification), each row's list of original labels (multilabel; an object array)
+        or float predictions (regression)."""
+        raw = self.predict_raw(frame)
+        if self.task == "multilabel":
+            return label_sets(raw, self._labels)
+        return self._labels[raw] if self._labels is not None else raw
+
+    def predict_proba(self, frame: pd.DataFrame) -> pd.DataFrame:
+        """Classification: a column per class (its original label), each row's probabilities (multilabel: each
+        label's own sigmoid probability; the row's do not sum to 1)."""
+        if self._labels is None:
+            raise ValueError("predict_proba: a regression model has no class probabilities")
+        probabilities = self._objective.decode(self.outputs(frame))[1].numpy()
+        return pd.DataFrame(probabilities, columns=[str(label) for label in self._labels], index=frame.index)
+
+
+def label_sets(multi_hot: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """Multi-hot rows [N, C] -> an object array of N lists of the original labels, in label order."""
+    sets = np.empty(len(multi_hot), dtype=object)
+    sets[:] = [labels[row].tolist() for row in np.asarray(multi_hot, dtype=bool)]
+    return sets
+
+
+def _arrow(series: pd.Series, name: str) -> pa.Array:
+    """A DataFrame column as Arrow (lists stay lists, strings strings)."""
+    try:
+        return pa.array(series.tolist() if series.dtype == object else series.to_numpy(), from_pandas=True)
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as error:
+        raise ValueError(f"input column {name!r} cannot be read: {error}") from None

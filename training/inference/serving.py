@@ -1,0 +1,194 @@
+"""The logged MLflow model: a pyfunc that wraps ``Predictor``.
+
+    model = mlflow.pyfunc.load_model("models:/ddpflow-model@champion")
+    model.predict(frame_of_raw_feature_columns)   # original labels / floats
+    language_model.predict(frame_with_the_text)   # next_token: tokens, loss, perplexity per row
+
+A next_token model is served by ``training/inference/token_scoring.py: TokenScorer``: the text column in (raw strings,
+tokenized with the shipped tokenizer, cut to max_len as in training), per row ``tokens`` (targets scored),
+``loss`` (mean cross entropy per target token) and ``perplexity`` out; NaN loss for a row without targets.
+
+How it is logged, and why ("models from code" + ``artifacts`` + ``code_paths``):
+- the weights are ``model.pt``, logged as the artifact ``model_pt`` and read
+  with ``torch.load(weights_only=True)``: loading runs no pickled code, and a
+  later run can download them to warm-start (``train.init_from: champion``);
+- the model object is defined by the file ``training/inference/serving_model.py``
+  (logged as-is, executed on load) instead of a cloudpickled
+  ``PythonModel`` instance, which MLflow 3 warns about (pickles execute
+  arbitrary code on load, and break when the class moves);
+- ``code_paths`` ships the ``training`` package with the model, so it loads
+  in any environment with the pinned requirements, without this repository;
+- not ``mlflow.pytorch``: that serves the bare network (normalised tensors
+  in, class indices out), not raw columns in, original labels out.
+
+This module imports mlflow at the top (it exists only to be logged and
+loaded); the rest of ``training/`` imports it lazily or not at all.
+"""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+from typing import Any
+
+import mlflow.pyfunc
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from training.inference.model_file import load_model_checkpoint
+from training.inference.predict import Predictor
+from training.inference.token_scoring import TokenScorer
+from training.kinds.registry import CODECS
+from training.objectives.next_token import LANGUAGE_MODEL
+
+MODEL_ARTIFACT = "model_pt"  # key in context.artifacts; stored as artifacts/model.pt in the model
+MODEL_NAME = "model"  # the logged model's name
+MODEL_CODE = Path(__file__).resolve().with_name("serving_model.py")
+TRAINING_PACKAGE = Path(__file__).resolve().parents[1]  # the whole `training` package ships with the model
+
+
+OUTPUTS = ("label", "probabilities")  # params={"output": ...}: the labels, or labels and class probabilities
+
+
+class TabularTorchModel(mlflow.pyfunc.PythonModel):
+    """Raw input columns in (numbers, strings for categoricals and ids, lists for vectors), original labels
+    (or regression values) out; with ``params={"output": "probabilities"}`` a classifier returns a frame of
+    the label (multilabel: the row's list of labels) and one ``probability_<class>`` column per class.
+    An unseen category is scored as unknown."""
+
+    def load_context(self, context) -> None:
+        self._predictor = load_predictor(context.artifacts[MODEL_ARTIFACT])
+
+    def predict(self, context, model_input: pd.DataFrame, params: dict[str, Any] | None = None):
+        return predictions(self._predictor, model_input, (params or {}).get("output", "label"))
+
+
+def load_predictor(model_path: str | Path) -> Predictor | TokenScorer:
+    """What serves ``model.pt``: a ``TokenScorer`` for a next_token model, else a ``Predictor``."""
+    model, meta = load_model_checkpoint(model_path)
+    if (meta.get("objective") or {}).get("name") == LANGUAGE_MODEL:
+        return TokenScorer(model, meta)
+    return Predictor(model, meta)
+
+
+def predictions(predictor: Predictor | TokenScorer, frame: pd.DataFrame, output: str = "label"):
+    """What the served model returns for ``output`` (``OUTPUTS``); a next_token model: its scores."""
+    if isinstance(predictor, TokenScorer):
+        if output != "label":
+            raise ValueError(
+                f"params.output {output!r}: a next_token model returns tokens, loss and perplexity per row"
+            )
+        return predictor.score(frame)
+    if output not in OUTPUTS:
+        raise ValueError(f"params.output must be one of {OUTPUTS}, not {output!r}")
+    if output == "label" or predictor.task == "regression":
+        return predictor.predict(frame)
+    probabilities = predictor.predict_proba(frame)
+    result = pd.DataFrame({"label": predictor.predict(frame)}, index=frame.index)
+    for label in probabilities.columns:
+        result[f"probability_{label}"] = probabilities[label].to_numpy()
+    return result
+
+
+def raw_example(predictor: Predictor | TokenScorer, frame: pd.DataFrame) -> pd.DataFrame:
+    """The input columns as a user sends them: numbers of the source's kind (``source_dtype``), strings and
+    lists as they are. The example makes the signature, so an integer column of the source is declared
+    ``long``, a bool one ``boolean``, a float one ``double``: the source's own frame and a hand-built one
+    pass MLflow's checks, and the model casts inside (``NumericCodec.encode``)."""
+    example = frame[predictor.features].copy()
+    source_types = predictor.meta.get("source_types") or {}  # absent in a model.pt from before: float64
+    for name, info in predictor.inputs.items():
+        if info.kind == "numeric":
+            example[name] = _as_source(example[name], source_dtype(source_types.get(name)))
+        elif info.kind == "vector":
+            example[name] = [list(map(float, row)) for row in example[name]]
+    return example
+
+
+def source_dtype(arrow_type: str | None) -> pa.DataType:
+    """What a numeric input is declared as, from its type in the source (``model.pt``'s ``source_types``):
+    every integer int64 (MLflow ``long``: int8..int64 and uint8..uint32 frames pass, and pandas' default
+    int64; a narrower declaration refuses a hand-built ``[3]``), bool bool (``boolean``), every float float64
+    (``double``: float32 and float64 frames pass). float64 for an older model.pt, a decimal or any other type."""
+    try:
+        kind = pa.type_for_alias(arrow_type) if arrow_type else pa.float64()
+    except ValueError:
+        return pa.float64()
+    if pa.types.is_integer(kind):
+        return pa.int64()
+    return pa.bool_() if pa.types.is_boolean(kind) else pa.float64()
+
+
+def _as_source(values: pd.Series, arrow_type: pa.DataType) -> pd.Series:
+    """The shard's float32 values (exact for the source's integers up to 2**24) as ``arrow_type``."""
+    array = pa.array(values.to_numpy(dtype="float64"), from_pandas=True)
+    return pd.Series(pc.cast(array, arrow_type).to_numpy(zero_copy_only=False), index=values.index, name=values.name)
+
+
+def user_code_paths(model: str) -> list[str]:
+    """A user factory's code to ship with the model (``train.model: package.module:factory``): its top-level
+    package directory (or the module's file when it has none), so the model loads outside this repository."""
+    if ":" not in model:
+        return []
+    import importlib
+
+    module_name = model.partition(":")[0]
+    top = importlib.import_module(module_name.split(".")[0])
+    if top.__file__ is None:  # a namespace package (no __init__.py): the directory that holds the module
+        module_file = Path(importlib.import_module(module_name).__file__).resolve()
+        return [next(str(Path(p).resolve()) for p in top.__path__ if Path(p).resolve() in module_file.parents)]
+    path = Path(top.__file__)
+    return [str(path.parent if path.name == "__init__.py" else path)]
+
+
+def pip_requirements(kinds: set[str] | frozenset[str] = frozenset()) -> list[str]:
+    """Pinned to what is installed: skips MLflow's slow requirement inference. ``kinds``: the model's input
+    kinds, each adding what it needs (``Codec.serving_packages``: text needs ``tokenizers``)."""
+    from importlib.metadata import version
+
+    extra = dict.fromkeys(package for kind in sorted(kinds) for package in CODECS[kind].serving_packages)
+    packages = ("torch", "mlflow", "pandas", "numpy", "pyarrow", *extra)
+    return [f"{package}=={version(package)}" for package in packages]
+
+
+def log_pyfunc_model(
+    model_path: str | Path, input_example: pd.DataFrame, run_id: str, tags: dict[str, str] | None = None
+):
+    """Log the pyfunc model as an output of MLflow run ``run_id``; returns ``ModelInfo``.
+
+    ``Model.log`` with an explicit ``run_id`` (what ``mlflow.pyfunc.log_model``
+    calls, minus the fluent "active run"): no run is started or ended here,
+    so the pipeline's run stays RUNNING until the flow ends it. Uses the
+    process-wide tracking URI (``ddpflow/tracking/runs.py: use_tracking_uri``).
+
+    The input example is raw input columns (numbers of the source's kind,
+    ``raw_example``: the signature declares integers as ``long``, bools as
+    ``boolean``, floats as ``double``, so the rows a user trained on pass
+    MLflow's checks unchanged; strings for categoricals and ids; lists for
+    vectors); the signature has the ``output`` param (``OUTPUTS``).
+    """
+    from mlflow.models import Model, infer_signature
+
+    model_path = Path(model_path)
+    predictor = load_predictor(model_path)
+    example = raw_example(predictor, input_example)  # a next_token model: its text column alone
+    # Created here, in the run's experiment: given only run_id, Model.log would
+    # put the model in the fluent "current" experiment (the Default one).
+    client = mlflow.MlflowClient()
+    experiment_id = client.get_run(run_id).info.experiment_id
+    logged = client.create_logged_model(experiment_id, name=MODEL_NAME, source_run_id=run_id, tags=tags)
+    return Model.log(
+        artifact_path=None,
+        name=MODEL_NAME,
+        flavor=mlflow.pyfunc,
+        run_id=run_id,
+        model_id=logged.model_id,
+        python_model=str(MODEL_CODE),
+        artifacts={MODEL_ARTIFACT: str(model_path)},
+        code_paths=[str(TRAINING_PACKAGE), *user_code_paths(predictor.meta["model_spec"]["model"])],
+        signature=infer_signature(example, predictor.predict(example), params={"output": "label"}),
+        input_example=example,
+        pip_requirements=pip_requirements({info.kind for info in predictor.inputs.values()}),
+        metadata={"python_version": platform.python_version(), "task": predictor.task, "features": predictor.features},
+    )

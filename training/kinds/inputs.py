@@ -1,0 +1,92 @@
+"""What the model is told about each input: ``InputInfo``, from the manifest.
+
+Every input kind (numeric, categorical, hashed, vector; images and text come with their own issues)
+reaches the model the same way: one entry of the batch dict, a tensor ``[B, *shape]`` of ``dtype``.
+A model factory (``training/models/registry.py``) is called with ``inputs: dict[str, InputInfo]`` in the
+manifest's order, so it can size embeddings from ``cardinality`` and layers from ``shape``.
+
+    inputs = inputs_from_manifest(manifest)        # {"tenure_days": InputInfo(kind="numeric", ...), ...}
+    inputs["country"].cardinality                  # embedding rows: null + unknown + the vocabulary
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from training.core.config import INPUT_KINDS
+
+KINDS = INPUT_KINDS  # what data.inputs accepts (training/core/config.py), in that order
+EMBEDDED_KINDS = ("categorical", "hashed")  # integer indices into an embedding of ``cardinality`` rows
+
+
+@dataclass(frozen=True)
+class InputInfo:
+    name: str
+    kind: str  # one of KINDS
+    dtype: str  # the batch tensor's torch dtype name: "float32" | "int64"
+    shape: tuple[int, ...] = ()  # per row: () a scalar, (D,) a vector
+    cardinality: int | None = None  # categorical / hashed: embedding rows, index 0 null, 1 unknown (categorical)
+    options: dict[str, Any] = field(default_factory=dict)
+    # A ragged kind's stored values' dtype ("uint8" image bytes, "int32" token ids): its rows are kept in the node
+    # cache as values + offsets (training/kinds/ragged.py) and become ``dtype`` tensors only per batch. None: a
+    # fixed-shape kind, stored as the batch tensor itself ([rows, *shape] of ``dtype``).
+    ragged_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"input {self.name!r}: unknown kind {self.kind!r} (known: {', '.join(KINDS)})")
+        object.__setattr__(self, "shape", tuple(int(size) for size in self.shape))
+
+    def mask_name(self) -> str:
+        """The batch dict's entry for this input's mask, where a kind needs one (no tabular kind does)."""
+        return f"{self.name}_mask"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "cardinality": self.cardinality,
+            "options": dict(self.options),
+            **({"ragged_dtype": self.ragged_dtype} if self.ragged_dtype else {}),  # absent: older manifests match
+        }
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> InputInfo:
+        return cls(
+            name=raw["name"],
+            kind=raw["kind"],
+            dtype=raw["dtype"],
+            shape=tuple(raw.get("shape") or ()),
+            cardinality=raw.get("cardinality"),
+            options=dict(raw.get("options") or {}),
+            ragged_dtype=raw.get("ragged_dtype"),
+        )
+
+
+def numeric_input(name: str) -> InputInfo:
+    return InputInfo(name=name, kind="numeric", dtype="float32")
+
+
+def inputs_from_dicts(raw: list[dict[str, Any]]) -> dict[str, InputInfo]:
+    return {entry["name"]: InputInfo.from_dict(entry) for entry in raw}
+
+
+def inputs_from_manifest(manifest) -> dict[str, InputInfo]:
+    """The manifest's inputs, in order; a manifest from before typed inputs: its features, all numeric."""
+    if getattr(manifest, "inputs", None):
+        return inputs_from_dicts(manifest.inputs)
+    return {name: numeric_input(name) for name in manifest.features}
+
+
+def describe_inputs(inputs: dict[str, InputInfo]) -> str:
+    """The inputs counted by kind, for a log line: "7 numeric, 3 categorical, 1 hashed" (kinds in KINDS order)."""
+    counts = {kind: sum(info.kind == kind for info in inputs.values()) for kind in KINDS}
+    return ", ".join(f"{count} {kind}" for kind, count in counts.items() if count) or "no inputs"
+
+
+def numeric_names(inputs: dict[str, InputInfo]) -> list[str]:
+    """The numeric inputs in order: the columns of the numeric block (``Manifest.features``)."""
+    return [name for name, info in inputs.items() if info.kind == "numeric"]

@@ -1,0 +1,164 @@
+"""Per-column statistics of the train split, merged batch by batch in prepare's one pass.
+
+``RunningMoments``: mean and standard deviation (Chan et al.). Prepare keeps one
+for the train split's features and, for regression, one for its target
+(``Manifest.label_mean/label_std``).
+
+``RunningHistogram``: each feature's counts on a dyadic grid
+(``Manifest.feature_histograms``), what ``ddpflow/drift.py`` compares between the
+champion's training data and a new run's.
+
+Each batch's own mean and squared deviations are computed in float64 with
+numpy, then merged into the running totals; this is as accurate as one
+``numpy.mean``/``numpy.std`` over all rows, without holding them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class RunningMoments:
+    def __init__(self, n_features: int):
+        self.count = 0
+        self.mean = np.zeros(n_features, dtype=np.float64)
+        self.m2 = np.zeros(n_features, dtype=np.float64)
+
+    def update(self, columns: np.ndarray) -> None:
+        """``columns``: shape (n_features, rows), any float dtype."""
+        rows = columns.shape[1]
+        if rows == 0:
+            return
+        centered = columns.astype(np.float64)  # a copy, centred in place below
+        batch_mean = centered.mean(axis=1)
+        centered -= batch_mean[:, None]
+        batch_m2 = np.einsum("ij,ij->i", centered, centered)  # no squared temporary: 3x faster
+        total = self.count + rows
+        delta = batch_mean - self.mean
+        self.mean += delta * (rows / total)
+        self.m2 += batch_m2 + np.square(delta) * (self.count * rows / total)
+        self.count = total
+
+    def std(self) -> np.ndarray:
+        """Population std (numpy's default ddof=0); 0 -> 1 so normalising never divides by zero."""
+        std = np.sqrt(self.m2 / max(self.count, 1))
+        return np.where(std > 0, std, 1.0)
+
+
+# ---------------------------------------------------------------- histograms (what drift needs)
+
+HISTOGRAM_BINS = 64  # per feature; the data always spans more than half of them (see RunningHistogram)
+# A constant column gets bins this much finer than its value, so a later different value still lands apart.
+_CONSTANT_RESOLUTION_BITS = 30
+_MIN_EXPONENT = -120  # 2**-e stays a finite float32
+
+
+class RunningHistogram:
+    """Per-column counts on a dyadic grid, built in one streaming pass with no range known up front.
+
+    Column ``i``'s bins have width ``2**exponent[i]`` and start at whole multiples of
+    it: a value ``x`` is in absolute bin ``floor(x / 2**e)``, and the histogram keeps
+    ``bins`` consecutive absolute bins from ``offset[i]``. When a batch falls outside,
+    the width doubles (two neighbouring bins merge exactly into one, since both grids
+    are dyadic) until the whole range seen fits, so the counts stay exact for the
+    final grid and the data spans more than half of the bins.
+
+    Why dyadic: the histograms of two datasets (the champion's training data and a
+    candidate's) re-bin exactly onto a common grid, the coarser of the two
+    (``ddpflow/drift.py``), so comparing them needs no interpolation, also for
+    discrete features (0/1 flags, small integers).
+    """
+
+    def __init__(self, n_columns: int, bins: int = HISTOGRAM_BINS):
+        if bins < 2 or bins % 2:
+            raise ValueError(f"bins must be an even number >= 2, not {bins}")
+        self.bins = bins
+        self.exponent = np.zeros(n_columns, dtype=np.int64)
+        self.offset = np.zeros(n_columns, dtype=np.int64)
+        self.counts = np.zeros((n_columns, bins), dtype=np.int64)
+        self.minimum = np.full(n_columns, np.inf)
+        self.maximum = np.full(n_columns, -np.inf)
+
+    def update(self, columns: np.ndarray) -> None:
+        """``columns``: shape (n_columns, rows) of finite values (prepare drops or refuses the others)."""
+        rows = columns.shape[1]
+        if rows == 0:
+            return
+        # float32, as the shards store them: scaling by a power of two and flooring are exact in it,
+        # and 4x faster than in float64 (this runs on every train batch of prepare).
+        values = columns.astype(np.float32, copy=False)
+        low, high = values.min(axis=1).astype(np.float64), values.max(axis=1).astype(np.float64)
+        first = np.isinf(self.minimum)
+        self.minimum, self.maximum = np.minimum(self.minimum, low), np.maximum(self.maximum, high)
+        for column in np.flatnonzero(first | ~self._fits(low, high)):
+            self._regrid(int(column), first=bool(first[column]))
+        scaled = values * np.ldexp(np.float32(1.0), -self.exponent).astype(np.float32)[:, None]
+        np.floor(scaled, out=scaled)
+        index = scaled.astype(np.int64)  # whole numbers of magnitude below 2**32 (float32 has 24 bits): exact
+        # Column i's bins sit at i * bins in one flat bincount: one pass for every column.
+        index += (np.arange(len(index)) * self.bins - self.offset)[:, None]
+        counts = np.bincount(index.ravel(), minlength=self.counts.size)
+        if len(counts) != self.counts.size or (counts.reshape(self.counts.shape).sum(axis=1) != rows).any():
+            # Cannot happen: the regrid above made every value fit (the same exact scaling in float64).
+            # Checked rather than clipped, which would cost a pass over every value of every batch.
+            raise AssertionError(f"RunningHistogram: a value fell outside its bins (exponents {self.exponent})")
+        self.counts += counts.reshape(self.counts.shape)
+
+    def _fits(self, low: np.ndarray, high: np.ndarray) -> np.ndarray:
+        scale = np.ldexp(1.0, -self.exponent)
+        return (np.floor(low * scale) >= self.offset) & (np.floor(high * scale) < self.offset + self.bins)
+
+    def _regrid(self, column: int, first: bool) -> None:
+        low, high = float(self.minimum[column]), float(self.maximum[column])
+        exponent = _smallest_exponent(low, high, self.bins)
+        if not first:
+            exponent = max(exponent, int(self.exponent[column]))
+        while np.floor(high / 2.0**exponent) - np.floor(low / 2.0**exponent) >= self.bins:
+            exponent += 1
+        offset = int(np.floor(low / 2.0**exponent))
+        if not first:
+            shift = exponent - int(self.exponent[column])
+            old = self.offset[column] + np.arange(self.bins)  # absolute bins at the old width
+            moved = (old >> shift) - offset  # the same bins at the new width: exact, the grids are dyadic
+            kept = self.counts[column] > 0
+            self.counts[column] = np.bincount(
+                moved[kept], weights=self.counts[column][kept], minlength=self.bins
+            ).astype(np.int64)
+        self.exponent[column], self.offset[column] = exponent, offset
+
+    def to_list(self) -> list[dict[str, object]]:
+        """Per column ``{"exponent", "offset", "counts", "min", "max"}``: bin ``k`` holds the values in
+        ``[(offset + k) * 2**exponent, (offset + k + 1) * 2**exponent)``."""
+        return [
+            {
+                "exponent": int(self.exponent[i]),
+                "offset": int(self.offset[i]),
+                "counts": self.counts[i].tolist(),
+                "min": float(self.minimum[i]),
+                "max": float(self.maximum[i]),
+            }
+            for i in range(len(self.counts))
+        ]
+
+
+def _smallest_exponent(low: float, high: float, bins: int) -> int:
+    """A first guess of the finest dyadic width that holds ``[low, high]`` in ``bins`` bins (the caller checks)."""
+    span = high - low
+    if span > 0:
+        return max(int(np.floor(np.log2(span / bins))), _MIN_EXPONENT)
+    magnitude = max(abs(low), 1.0)  # a constant column: bins far finer than its value
+    return max(int(np.floor(np.log2(magnitude))) - _CONSTANT_RESOLUTION_BITS, _MIN_EXPONENT)
+
+
+class ClassCounts:
+    """The train split's rows per class index (``Manifest.train_class_counts``): what
+    ``train.class_weights: balanced`` weighs classes by (training/objectives/registry.py)."""
+
+    def __init__(self, n_classes: int):
+        self.counts = np.zeros(n_classes, dtype=np.int64)
+
+    def update(self, class_indices: np.ndarray) -> None:
+        self.counts += np.bincount(class_indices.astype(np.int64, copy=False), minlength=len(self.counts))
+
+    def to_list(self) -> list[int]:
+        return self.counts.tolist()

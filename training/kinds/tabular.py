@@ -1,0 +1,236 @@
+"""The tabular kinds: numeric, categorical, hashed and vector columns (one ``Codec`` each; what each kind
+guarantees: ``registry.py``'s docstring and docs/data.md)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from training.core.errors import DataError
+from training.kinds.arrow_types import is_category, is_hashable, is_number, is_vector
+from training.kinds.base import Codec, plain
+from training.kinds.hashing import hash_values
+from training.kinds.stats import RunningMoments
+
+NULL_INDEX, UNKNOWN_INDEX = 0, 1  # categorical; hashed uses 0 for null only
+
+
+# A categorical column with more distinct train values than this share of its rows looks like an id.
+ID_LIKE_SHARE = 0.9
+
+
+ID_LIKE_MIN_ROWS = 50  # below this many rows the share says nothing
+
+
+class NumericCodec(Codec):
+    kind = "numeric"
+    takes = staticmethod(is_number)
+    takes_what = "a number (integer, float, decimal, bool)"
+
+    def stored_type(self, source_type: pa.DataType) -> pa.DataType:
+        return pa.float32()
+
+    def encode(self, array: pa.Array) -> np.ndarray:
+        """float32; null -> NaN, beyond float32 -> inf (both invalid to prepare)."""
+        array = plain(array)
+        if not pa.types.is_floating(array.type) or array.null_count:
+            array = pc.fill_null(pc.cast(array, pa.float64()), np.nan)
+        with np.errstate(over="ignore", invalid="ignore"):
+            return array.to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
+
+    def valid(self, array: pa.Array, where: str) -> np.ndarray:
+        return np.isfinite(self.encode(array))
+
+
+DRIFT_TOP_CATEGORIES = 1000  # per categorical input: the most frequent values' train counts, the rest together
+
+
+class CategoricalCodec(Codec):
+    kind = "categorical"
+    dtype = "int64"
+    takes = staticmethod(is_category)
+    takes_what = "a string, integer or bool"
+
+    def __init__(self, name: str, options: dict[str, Any] | None = None):
+        super().__init__(name, {"min_count": 1, **(options or {})})
+        self._counts: list[pa.Table] = []
+        self.observed_rows = 0
+        self.vocabulary: pa.Array | None = None
+
+    def stored_type(self, source_type: pa.DataType) -> pa.DataType:
+        return plain(pa.array([], type=source_type)).type
+
+    def observe(self, array: pa.Array) -> None:
+        array = plain(array)
+        self.observed_rows += len(array) - array.null_count
+        counts = pc.value_counts(array.drop_null()).flatten()
+        self._counts.append(pa.table({"value": counts[0], "count": counts[1]}))
+        if len(self._counts) > 32:  # keep the pending tables few however many batches
+            self._counts = [self._merged()]
+
+    def _merged(self) -> pa.Table:
+        if not self._counts:
+            return pa.table({"value": pa.array([], pa.string()), "count": pa.array([], pa.int64())})
+        table = pa.concat_tables(self._counts)
+        return table.group_by("value").aggregate([("count", "sum")]).rename_columns(["value", "count"])
+
+    def fit(self) -> dict[str, Any]:
+        counts = self._merged()
+        if self.observed_rows >= ID_LIKE_MIN_ROWS and counts.num_rows > ID_LIKE_SHARE * self.observed_rows:
+            raise DataError(
+                f"categorical input {self.name!r}: {counts.num_rows} distinct values in {self.observed_rows} "
+                "train rows; "
+                f"it looks like an id: use {{kind: hashed, buckets: N}} for data.inputs.{self.name}"
+            )
+        ordered = counts.sort_by([("count", "descending"), ("value", "ascending")])
+        ordered = ordered.filter(pc.greater_equal(ordered["count"], self.options["min_count"]))
+        if self.options.get("max_size"):
+            ordered = ordered.slice(0, self.options["max_size"])
+        self.vocabulary = ordered["value"].combine_chunks()
+        return {
+            "value_type": str(self.vocabulary.type),
+            "values": self.vocabulary.to_pylist(),
+            "counts": ordered["count"].to_pylist(),
+        }
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.vocabulary = pa.array(state["values"], type=_arrow_type(state["value_type"]))
+
+    def cardinality(self) -> int:
+        return len(self.vocabulary) + 2  # + null + unknown
+
+    def drift_stats(self) -> dict[str, Any] | None:
+        """The train counts of the most frequent values (``DRIFT_TOP_CATEGORIES``), the rest together."""
+        if self.vocabulary is None:
+            return None
+        state = self.fit()
+        top = DRIFT_TOP_CATEGORIES
+        return {
+            "kind": "categorical",
+            "counts": dict(zip(map(str, state["values"][:top]), state["counts"][:top])),
+            "other": int(sum(state["counts"][top:])) + int(self.observed_rows - sum(state["counts"])),
+        }
+
+    def encode(self, array: pa.Array) -> np.ndarray:
+        array = plain(array)
+        if array.type != self.vocabulary.type:
+            try:
+                array = pc.cast(array, self.vocabulary.type)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as error:
+                raise ValueError(
+                    f"input column {self.name!r} holds {array.type} values; its vocabulary holds "
+                    f"{self.vocabulary.type} ({error})"
+                ) from None
+        found = pc.index_in(array, value_set=self.vocabulary)
+        index = pc.fill_null(pc.add(found, 2), UNKNOWN_INDEX).to_numpy(zero_copy_only=False).astype(np.int64)
+        index[pc.is_null(array).to_numpy(zero_copy_only=False)] = NULL_INDEX
+        return index
+
+
+class HashedCodec(Codec):
+    kind = "hashed"
+    dtype = "int64"
+    takes = staticmethod(is_hashable)
+    takes_what = "a string, integer or binary"
+
+    def stored_type(self, source_type: pa.DataType) -> pa.DataType:
+        return plain(pa.array([], type=source_type)).type
+
+    def cardinality(self) -> int:
+        return int(self.options["buckets"]) + 1  # + null
+
+    def encode(self, array: pa.Array) -> np.ndarray:
+        array = plain(array)
+        nulls = pc.is_null(array).to_numpy(zero_copy_only=False)
+        if nulls.any():
+            filler = "" if pa.types.is_string(array.type) or pa.types.is_binary(array.type) else 0
+            array = pc.fill_null(array, pa.scalar(filler, type=array.type))
+        buckets = np.uint64(self.options["buckets"])
+        index = (hash_values(array) % buckets).astype(np.int64) + 1
+        index[nulls] = NULL_INDEX
+        return index
+
+
+class VectorCodec(Codec):
+    kind = "vector"
+    takes = staticmethod(is_vector)
+    takes_what = "a list of numbers (list<float> or fixed_size_list<float>)"
+    drift_reads_rows = True  # per-dimension mean and std of the train rows
+
+    def __init__(self, name: str, options: dict[str, Any] | None = None):
+        super().__init__(name, options)
+        self.dim: int | None = None
+        self._moments: RunningMoments | None = None
+
+    def stored_type(self, source_type: pa.DataType) -> pa.DataType:
+        return pa.list_(pa.float32())
+
+    def _lengths(self, array: pa.Array) -> np.ndarray:
+        if not (pa.types.is_list(array.type) or pa.types.is_large_list(array.type)):
+            array = pc.cast(array, pa.list_(pa.float32())) if pa.types.is_fixed_size_list(array.type) else array
+        if not pa.types.is_list(array.type) and not pa.types.is_large_list(array.type):
+            raise ValueError(f"vector input {self.name!r} has type {array.type}; a vector is a list of numbers")
+        return pc.fill_null(pc.list_value_length(array), -1).to_numpy(zero_copy_only=False)
+
+    def valid(self, array: pa.Array, where: str) -> np.ndarray:
+        """Non-null rows of the first row's length, every element finite; the length is learnt here."""
+        lengths = self._lengths(array)
+        if self.dim is None and (lengths >= 0).any():
+            self.dim = int(lengths[lengths >= 0][0])
+            if self.dim == 0:
+                raise DataError(f"{where}: vector column {self.name!r}: its first row is empty")
+        ok = lengths == self.dim
+        if ok.any():
+            values = pc.list_flatten(pc.filter(_as_list(array), pa.array(ok)))
+            finite = np.isfinite(NumericCodec(self.name).encode(values)).reshape(-1, self.dim).all(axis=1)
+            ok[np.flatnonzero(ok)[~finite]] = False
+        return ok
+
+    def bad_lengths(self, array: pa.Array) -> list[int]:
+        """The row lengths other than ``dim`` in ``array`` (null rows excluded), distinct, sorted."""
+        lengths = self._lengths(array)
+        return sorted({int(n) for n in lengths if n >= 0 and n != self.dim})
+
+    def fit(self) -> dict[str, Any]:
+        return {"dim": self.dim}
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.dim = int(state["dim"])
+
+    def shape(self) -> tuple[int, ...]:
+        return (int(self.dim),)
+
+    def encode(self, array: pa.Array) -> np.ndarray:
+        array = _as_list(plain(array))
+        lengths = self._lengths(array)
+        wrong = np.flatnonzero(lengths != self.dim)
+        if len(wrong):
+            raise ValueError(
+                f"vector input {self.name!r}: row {int(wrong[0])} has length {int(lengths[wrong[0]])} "
+                f"(null: -1); the model takes vectors of length {self.dim}"
+            )
+        values = NumericCodec(self.name).encode(pc.list_flatten(array))
+        return values.reshape(len(array), self.dim)
+
+    def drift_update(self, array: pa.Array) -> None:
+        if self._moments is None:
+            self._moments = RunningMoments(self.dim)
+        self._moments.update(self.encode(array).T)
+
+    def drift_stats(self) -> dict[str, Any] | None:
+        if self._moments is None:
+            return None
+        return {"kind": "vector", "mean": self._moments.mean.tolist(), "std": self._moments.std().tolist()}
+
+
+def _as_list(array: pa.Array) -> pa.Array:
+    if pa.types.is_fixed_size_list(array.type):
+        return pc.cast(array, pa.list_(array.type.value_type))
+    return array
+
+
+def _arrow_type(name: str) -> pa.DataType:
+    return pa.string() if name in ("string", "large_string", "string_view") else pa.type_for_alias(name)

@@ -1,0 +1,91 @@
+"""The one loss contract: every objective returns a PER-ROW loss, and the step's loss is
+
+    L = Σ_i w_i · ℓ_i / Σ_i w_i     over the real rows of the GLOBAL batch (all ranks, all micro-batches),
+
+w_i the row's weight (its data.weight times its class weight under ``train.class_weights``; 1 otherwise; sampler padding
+0). training/loop/step.py: ``TrainStep`` makes DDP's averaged gradient exactly ∇L whatever the world size
+(its docstring). An objective says:
+
+- ``n_outputs(n_classes)``: the width of the model's output ``[B, n]``;
+- ``label_kind``: what a label is: a class index (int64 ``[B]``), a multi-hot row (float32 ``[B, C]``)
+  or a value (float32 ``[B]``, the standardised regression target);
+- ``per_row_loss(outputs, labels) -> [B]``: float32, computed in fp32 also under bf16 autocast;
+- ``tally(n_classes)``: the sums its exact metrics come from (training/objectives/metrics.py);
+- ``decode(outputs) -> (label index or value, probabilities or None)``: what evaluation and serving report.
+
+The built-in objectives implement it beside this module (``builtin.py``, ``next_token.py``); the registry
+(``registry.py``) builds the one ``train.objective`` names, built-in or a user's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from training.objectives.metrics import MeanTally, Tally
+
+CLASS_INDEX, MULTI_HOT, VALUE = "class_index", "multi_hot", "value"  # what a label is
+
+
+class Objective:
+    """The contract (module docstring). A user objective subclasses it and defines ``per_row_loss``."""
+
+    name = "objective"
+    label_kind = VALUE
+    # The loss on the target's original scale is the standardised one times target_std ** this
+    # (mse: 2, exact; every other objective reports its loss on the scale it trains on: 0).
+    loss_scale_power = 0
+
+    def __init__(self, n_classes: int | None = None, **kwargs: Any):
+        self.n_classes = n_classes
+        self.kwargs = dict(kwargs)
+        self.class_weights: torch.Tensor | None = None  # [C] float32, set by build_objective
+
+    def n_outputs(self, n_classes: int | None) -> int:
+        return n_classes if self.label_kind != VALUE and n_classes else 1
+
+    def per_row_loss(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} must define per_row_loss(outputs, labels) -> [B]")
+
+    def metric_names(self) -> tuple[str, ...]:
+        return ()
+
+    def row_metrics(self, outputs: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {}
+
+    def decode(self, outputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.label_kind == VALUE:
+            return outputs.float().reshape(len(outputs)), None
+        probabilities = outputs.float().softmax(dim=1)
+        return outputs.argmax(dim=1), probabilities
+
+    def tally(self, n_classes: int | None) -> Tally:
+        return MeanTally(self.per_row_loss, self.row_metrics, self.metric_names(), self.loss_scale_power)
+
+    def row_weights(self, labels: torch.Tensor) -> torch.Tensor | None:
+        """Each row's class weight (``train.class_weights``), or None when every row weighs 1."""
+        if self.class_weights is None:
+            return None
+        return self.class_weights.to(labels.device).index_select(0, labels.long())
+
+    def remap_outputs(self, outputs: torch.Tensor, remap: torch.Tensor) -> torch.Tensor:
+        """Outputs in the model's class order -> the dataset's (``remap[model index] = dataset index``)."""
+        return torch.empty_like(outputs).index_copy_(1, remap.to(outputs.device), outputs)
+
+    def targets(self, inputs: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+        """What ``per_row_loss`` compares the outputs with: the batch's labels (next_token: its own tokens)."""
+        return labels
+
+    def split_row_weights(self, split) -> torch.Tensor | None:
+        """Each train row's weight in the loss, for the whole split (``TrainBatches``): its class weight."""
+        return self.row_weights(split.labels)
+
+    def model_kwargs(self) -> dict[str, Any]:
+        """What the model must be told beyond ``train.model_kwargs`` (next_token: which text it models)."""
+        return {}
+
+    def describe(self) -> dict[str, Any]:
+        """What model.pt records (``objective_from_checkpoint`` rebuilds it): the name and its kwargs only;
+        label smoothing and class weights shape training, not how a model's outputs are read."""
+        return {"name": self.name, "kwargs": dict(self.kwargs)}

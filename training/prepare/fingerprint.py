@@ -1,0 +1,50 @@
+"""The prepared dataset's fingerprint: what the source is and how it is prepared.
+
+    sha256(json({"prepare_version", "source": identity, "prep": the data fields that change the output}))[:16]
+
+The source identity is its files' paths, sizes and modification times (or
+fsspec ETags), or the synthetic spec; so editing, adding or removing a file
+gives a new fingerprint. ``data.root`` (where the output goes),
+``data.read_batch_rows`` (how fast it is read) and ``data.cache_dir`` (where
+ranks keep their node cache) do not change the output and are left out, so the
+same data prepared under another root or batch size hashes alike.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from training.core.config import DataConfig
+from training.kinds.registry import CODECS
+
+# Bump when prepare's output changes for the same input (layout, dtypes, split rule, manifest statistics).
+# 2: regression manifests carry label_mean/label_std (target standardisation).
+# 3: manifests carry feature_histograms (data drift).
+# 4: typed inputs (data.inputs, data.weight): raw columns in the shards, encoders.json, Manifest.inputs.
+PREPARE_VERSION = 4
+# DataConfig fields that do not change the prepared output.
+_NOT_OUTPUT_FIELDS = frozenset({"root", "read_batch_rows", "source", "cache_dir"})
+
+
+def tokenizer_files(data: DataConfig) -> dict[str, str]:
+    """Each input's user file (a text input's tokenizer.json) -> its sha256: a new file's content is a new
+    dataset. Its kind says which file (``Codec.user_file_sha256``)."""
+    specs = data.input_specs() or {}
+    found = {name: CODECS[spec.kind].user_file_sha256(spec.options()) for name, spec in specs.items()}
+    return {name: sha for name, sha in found.items() if sha is not None}
+
+
+def prep_fields(data: DataConfig) -> dict[str, Any]:
+    """The data config minus what does not change the output (the source enters via its identity)."""
+    return {name: value for name, value in data.model_dump(mode="json").items() if name not in _NOT_OUTPUT_FIELDS}
+
+
+def dataset_fingerprint(source_identity: dict[str, Any], data: DataConfig) -> str:
+    payload = {"prepare_version": PREPARE_VERSION, "source": source_identity, "prep": prep_fields(data)}
+    files = tokenizer_files(data)
+    if files:  # only with a user's tokenizer.json: every other dataset keeps its fingerprint
+        payload["tokenizer_files"] = files
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
