@@ -1,0 +1,282 @@
+"""The baselines every evaluation is compared with, scored on the same test rows through the same tallies.
+
+- trivial, always (``baseline_trivial/<metric>``): a constant "model" whose outputs are the train split's
+  class prior as log-probabilities (softmax; binary: the prior's logit; multilabel: each label's prior
+  logit) or the train split's mean (regression). Its accuracy is the share of test rows in the train
+  split's majority class, its log loss the prior's, its ROC AUC 0.5 (every row tied), its R² about 0.
+- reference, for tables (``baseline_reference/<metric>``): scikit-learn's HistGradientBoosting fitted on
+  the train split (training/reference.py), on by default (``eval.reference``).
+
+Both are read as the candidate's own outputs are: through its objective (model.pt's), its class order,
+its target normalisation, and ``training/evaluate.py``'s tallies, so every metric has the definition the
+candidate's has, and the rows are the manifest's test rows, each once (the count is checked).
+
+    baselines = evaluate_baselines("runs/x/model.pt", "data/shards/<fp>", "test", reference=True)
+    baselines.metrics()   # {"baseline_trivial/test_accuracy": 0.76, "baseline_reference/test_accuracy": 0.80, ...}
+
+Plain code (no Prefect, no MLflow); the evaluate task runs it in its own process, never in the ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from training.data.manifest import Manifest, read_manifest
+from training.evaluate import _ClassificationEvaluation, _labels, _multilabel_metrics
+from training.normalisation import Normaliser
+from training.spec.objectives import Objective, objective_from_checkpoint
+
+TRIVIAL, REFERENCE = "baseline_trivial", "baseline_reference"
+BASELINES = (TRIVIAL, REFERENCE)
+# Objectives whose outputs a constant can stand for (a user objective's outputs mean what its code says).
+SCORABLE = ("softmax", "binary", "multilabel", "mse", "huber")
+# A class (or multilabel label state) without a train row counts as this many rows, so the prior's log loss
+# stays finite on a test row of that class.
+ABSENT_ROWS = 0.5
+LABEL_BATCH_ROWS = 262_144
+
+_logger = logging.getLogger("ddpflow.baselines")
+
+
+def baseline_metric(which: str, metric: str) -> str:
+    """``baseline_trivial/test_accuracy``: the MLflow name of a baseline's metric."""
+    return f"{which}/{metric}"
+
+
+def is_baseline_metric(name: str) -> bool:
+    return name.split("/", 1)[0] in BASELINES
+
+
+def model_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """The candidate's own metrics, without its baselines'."""
+    return {name: value for name, value in metrics.items() if not is_baseline_metric(name)}
+
+
+def baseline_values(metrics: dict[str, float], which: str) -> dict[str, float]:
+    """One baseline's metrics by their plain names (``test_accuracy``), from a flat dict."""
+    prefix = f"{which}/"
+    return {name[len(prefix) :]: value for name, value in metrics.items() if name.startswith(prefix)}
+
+
+@dataclass
+class Baselines:
+    """The two baselines' metrics on one split (plain names, ``test_accuracy``), or why one is missing."""
+
+    trivial: dict[str, float] | None = None
+    reference: dict[str, float] | None = None
+    notes: list[str] = field(default_factory=list)  # why a baseline is missing; how the reference was fitted
+    reference_fit: dict[str, Any] | None = None  # rows, sampled, iterations, seconds
+
+    def metrics(self) -> dict[str, float]:
+        """Flat and MLflow-ready: ``baseline_trivial/<metric>``, ``baseline_reference/<metric>``; each class's
+        precision and recall stay with the candidate's own metrics."""
+        flat = {}
+        for which, values in ((TRIVIAL, self.trivial), (REFERENCE, self.reference)):
+            for name, value in (values or {}).items():
+                if "_precision_" not in name and "_recall_" not in name:
+                    flat[baseline_metric(which, name)] = value
+        return flat
+
+
+class OutputScorer:
+    """Outputs and labels, batch by batch, into the metrics ``evaluate_split`` reports for a model, through the
+    same objects: the classification evaluation (accuracy, log loss, F1, ROC AUC, per-class precision and
+    recall), the multilabel tally, or the regression tally on the standardised target."""
+
+    def __init__(self, objective: Objective, manifest: Manifest, normaliser: Normaliser):
+        self.objective, self.manifest, self.normaliser = objective, manifest, normaliser
+        self.samples = 0
+        if manifest.task == "classification":
+            self.evaluation = _ClassificationEvaluation(objective, manifest.n_outputs)
+        else:
+            self.tally = objective.tally(manifest.n_outputs if manifest.task == "multilabel" else None)
+
+    def add(self, outputs: torch.Tensor, labels: torch.Tensor) -> None:
+        if self.manifest.task == "classification":
+            self.evaluation.add(outputs, labels, None)
+        elif self.manifest.task == "multilabel":
+            self.tally.add(outputs, labels)
+        else:
+            self.tally.add(outputs, self.normaliser.target_(labels.float().clone()))
+        self.samples += len(labels)
+
+    def metrics(self, split: str) -> dict[str, float]:
+        if self.samples != self.manifest.rows(split):
+            raise RuntimeError(f"scored {self.samples} {split} rows but the manifest lists {self.manifest.rows(split)}")
+        labels = self.manifest.label_mapping
+        if self.manifest.task == "classification":
+            metrics = self.evaluation.metrics(split, labels)[0]
+        elif self.manifest.task == "multilabel":
+            metrics = _multilabel_metrics(self.tally, split, labels)[0]
+        else:
+            metrics = self.tally.metrics(self.tally.sums(), split, self.normaliser.target_std)
+        metrics[f"{split}_samples"] = float(self.samples)
+        return metrics
+
+
+def class_outputs(objective: Objective, log_probabilities: torch.Tensor) -> torch.Tensor:
+    """Class log-probabilities ``[B, C]`` (the dataset's class order) as the objective's outputs: softmax takes
+    them as logits, binary its one logit (log p1 - log p0)."""
+    if objective.name == "binary":
+        return (log_probabilities[:, 1] - log_probabilities[:, 0]).unsqueeze(1)
+    return log_probabilities
+
+
+def value_outputs(values: torch.Tensor, normaliser: Normaliser) -> torch.Tensor:
+    """Predicted values on the original scale as a regression model's outputs (the standardised scale)."""
+    return ((values.double() - normaliser.target_mean) / normaliser.target_std).float().reshape(-1, 1)
+
+
+def log_prior(counts: np.ndarray, rows: float) -> np.ndarray:
+    """log(count / rows) per class, a class without train rows counting ``ABSENT_ROWS``."""
+    return np.log(np.where(counts > 0, counts, ABSENT_ROWS) / rows)
+
+
+# ---------------------------------------------------------------------------------------- the train split
+
+
+def label_batches(manifest: Manifest, dataset_dir: Path, split: str) -> Iterator[torch.Tensor]:
+    """The split's labels as training and evaluation read them (``_labels``), shard by shard, in order."""
+    for shard in manifest.split_files(dataset_dir, split):
+        for batch in pq.ParquetFile(shard).iter_batches(batch_size=LABEL_BATCH_ROWS, columns=[manifest.label]):
+            yield _labels(batch.column(0), manifest)
+
+
+def train_class_counts(manifest: Manifest, dataset_dir: Path) -> np.ndarray:
+    """Rows per class of the train split: the manifest's (prepare counted them), else counted from its shards
+    (older manifests; multilabel: rows holding each label)."""
+    if manifest.task == "classification" and manifest.train_class_counts is not None:
+        return np.asarray(manifest.train_class_counts, dtype=np.float64)
+    counts = np.zeros(manifest.n_outputs, dtype=np.float64)
+    for labels in label_batches(manifest, dataset_dir, "train"):
+        if manifest.task == "multilabel":
+            counts += labels.double().sum(dim=0).numpy()
+        else:
+            counts += np.bincount(labels.numpy(), minlength=len(counts))
+    return counts
+
+
+def train_mean(manifest: Manifest, dataset_dir: Path) -> float:
+    """The train split's mean target: the manifest's (prepare computed it), else from its shards."""
+    if manifest.label_mean is not None:
+        return float(manifest.label_mean)
+    total, rows = 0.0, 0
+    for labels in label_batches(manifest, dataset_dir, "train"):
+        total, rows = total + float(labels.double().sum()), rows + len(labels)
+    return total / max(rows, 1)
+
+
+def trivial_outputs(
+    objective: Objective, manifest: Manifest, dataset_dir: Path, normaliser: Normaliser
+) -> torch.Tensor:
+    """The constant model's one output row ``[1, n_outputs]``."""
+    if manifest.task == "regression":
+        return value_outputs(torch.tensor([train_mean(manifest, dataset_dir)]), normaliser)
+    counts, rows = train_class_counts(manifest, dataset_dir), manifest.rows("train")
+    if manifest.task == "multilabel":  # each label's prior logit: log p - log(1 - p)
+        return torch.from_numpy(log_prior(counts, rows) - log_prior(rows - counts, rows)).float().unsqueeze(0)
+    return class_outputs(objective, torch.from_numpy(log_prior(counts, rows)).float().unsqueeze(0))
+
+
+# ---------------------------------------------------------------------------------------- both baselines
+
+
+def checkpoint_reading(model_path: str | Path) -> tuple[Objective, Normaliser]:
+    """How the candidate's outputs are read: model.pt's objective and target normalisation (weights untouched:
+    memory-mapped, never read)."""
+    meta = torch.load(Path(model_path), map_location="cpu", weights_only=True, mmap=True)
+    return objective_from_checkpoint(meta), Normaliser.from_checkpoint(meta)
+
+
+def trivial_baseline(
+    objective: Objective, normaliser: Normaliser, manifest: Manifest, dataset_dir: str | Path, split: str = "test"
+) -> dict[str, float]:
+    """The constant model's metrics on every row of ``split`` (names as the candidate's: ``test_accuracy``)."""
+    dataset_dir = Path(dataset_dir)
+    constant = trivial_outputs(objective, manifest, dataset_dir, normaliser)
+    scorer = OutputScorer(objective, manifest, normaliser)
+    for labels in label_batches(manifest, dataset_dir, split):
+        scorer.add(constant.expand(len(labels), -1), labels)
+    return scorer.metrics(split)
+
+
+def evaluate_baselines(
+    model_path: str | Path,
+    dataset_dir: str | Path,
+    split: str = "test",
+    reference: bool = True,
+    reference_max_rows: int | None = None,
+    logger: Any = None,
+) -> Baselines:
+    """Both baselines for the candidate ``model_path`` on ``split``; a baseline that does not apply is left out
+    with the reason in ``notes`` (and in the log)."""
+    from training.reference import DEFAULT_MAX_ROWS, reference_baseline, reference_skip_reason
+
+    log = logger or _logger
+    dataset_dir = Path(dataset_dir)
+    manifest = read_manifest(dataset_dir)
+    objective, normaliser = checkpoint_reading(model_path)
+    baselines = Baselines()
+    if objective.name not in SCORABLE:
+        baselines.notes.append(
+            f"no baselines: train.objective {objective.name!r} is not one whose outputs a constant or another "
+            f"model can stand for ({', '.join(SCORABLE)})"
+        )
+        log.info("Baselines: %s", baselines.notes[-1])
+        return baselines
+    started = time.perf_counter()
+    baselines.trivial = trivial_baseline(objective, normaliser, manifest, dataset_dir, split)
+    log.info("Baseline trivial (train prior or mean) scored in %.2fs", time.perf_counter() - started)
+    skip = "eval.reference is false" if not reference else reference_skip_reason(manifest)
+    if skip:
+        baselines.notes.append(f"no reference model: {skip}")
+        log.info("Baselines: %s", baselines.notes[-1])
+        return baselines
+    try:
+        scored = reference_baseline(
+            objective, normaliser, manifest, dataset_dir, split, reference_max_rows or DEFAULT_MAX_ROWS
+        )
+    except Exception as error:  # a baseline never fails the candidate's evaluation: say why it is missing
+        baselines.notes.append(f"no reference model: fitting it failed: {type(error).__name__}: {error}")
+        log.warning("Baselines: %s", baselines.notes[-1])
+        return baselines
+    baselines.reference, baselines.reference_fit = scored.metrics, scored.fit
+    fit = scored.fit
+    baselines.notes.append(
+        f"reference: HistGradientBoosting fitted on {fit['rows']} train rows"
+        + (f" (a sample of {fit['train_rows']})" if fit["rows"] < fit["train_rows"] else "")
+        + f", {fit['iterations']} iterations in {fit['seconds']:.1f}s"
+    )
+    log.info("Baselines: %s", baselines.notes[-1])
+    return baselines
+
+
+def comparison(metrics: dict[str, float], names: list[str]) -> str:
+    """``test_roc_auc 0.781 · reference 0.781 · guessing 0.500`` for each of ``names`` the candidate has;
+    '' when no baseline was scored."""
+    parts = []
+    for name in names:
+        if name not in metrics:
+            continue
+        line = f"{name} {_number(metrics[name])}"
+        for which, word in ((REFERENCE, "reference"), (TRIVIAL, "guessing")):
+            value = metrics.get(baseline_metric(which, name))
+            if value is not None:
+                line += f" · {word} {_number(value)}"
+        if line != f"{name} {_number(metrics[name])}":
+            parts.append(line)
+    return "; ".join(parts)
+
+
+def _number(value: float) -> str:
+    return f"{value:.3f}" if math.isfinite(value) and abs(value) < 1000 else f"{value:.4g}"
