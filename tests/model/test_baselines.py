@@ -197,3 +197,34 @@ def test_a_useless_model_is_rejected_even_as_the_first_model(
     _, learnt = gate(config, dataset, model_factory(dataset, steps=40), with_baselines)
     assert learnt.decision == "promoted" and learnt.version == "1"
     assert str(find_alias(client, MODEL).version) == "1"
+
+
+def test_trailing_the_reference_is_a_warning_or_with_require_reference_a_rejection(
+    mlflow_store, dataset_factory, model_factory
+):
+    uri, artifacts = mlflow_store
+    dataset = dataset_factory(rows={"train": 600, "val": 20, "test": 200})
+    weak = model_factory(dataset, "weak", steps=1)  # beats guessing, trails boosting
+    manifest = read_manifest(dataset)
+    metrics = evaluate_split(weak, dataset).metrics | evaluate_baselines(weak, dataset, "test").metrics()
+    assert metrics["baseline_trivial/test_accuracy"] < metrics["test_accuracy"]
+    assert metrics["test_accuracy"] < metrics["baseline_reference/test_accuracy"] - 0.02, metrics
+
+    def register(**registry):
+        config = PipelineConfig.model_validate(
+            {
+                "mlflow": {"tracking_uri": uri, "artifact_location": artifacts},
+                "registry": {"model_name": MODEL, **registry},
+            }
+        )
+        run_id = start_pipeline_run(config, "run", {}, manifest.fingerprint, manifest, {"nproc_per_node": 1}, dataset)
+        return run_id, register_candidate(config, run_id, str(weak), str(dataset), metrics, uri)
+
+    _, strict = register(require_reference=True)
+    assert strict.decision == "rejected" and "trails the reference model" in strict.reason
+    assert "registry.require_reference is true" in strict.reason
+    run_id, warned = register()
+    assert warned.decision == "promoted" and "trails the reference model" in warned.warning
+    assert MlflowClient(uri).get_run(run_id).data.tags["registry.warning"] == warned.warning
+    _, wide = register(reference_margin=0.5)  # a margin wider than the gap: no warning
+    assert wide.warning is None
