@@ -79,11 +79,12 @@ class Baselines:
 
     def metrics(self) -> dict[str, float]:
         """Flat and MLflow-ready: ``baseline_trivial/<metric>``, ``baseline_reference/<metric>``; each class's
-        precision and recall stay with the candidate's own metrics."""
+        precision and recall, and the test split's majority share (a property of its labels, not of a model),
+        stay with the candidate's own metrics."""
         flat = {}
         for which, values in ((TRIVIAL, self.trivial), (REFERENCE, self.reference)):
             for name, value in (values or {}).items():
-                if "_precision_" not in name and "_recall_" not in name:
+                if not any(part in name for part in ("_precision_", "_recall_", "_majority_share")):
                     flat[baseline_metric(which, name)] = value
         return flat
 
