@@ -177,10 +177,18 @@ def reference_baseline(
     objective: Objective, normaliser: Normaliser, manifest: Manifest, dataset_dir: str | Path, split: str, max_rows: int
 ) -> ReferenceScore:
     """Fit on the train split (or its sample), score every row of ``split`` through the candidate's tallies."""
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=fit_threads()):  # predicting runs OpenMP threads too
+        return _fit_and_score(objective, normaliser, manifest, Path(dataset_dir), split, max_rows)
+
+
+def _fit_and_score(
+    objective: Objective, normaliser: Normaliser, manifest: Manifest, dataset_dir: Path, split: str, max_rows: int
+) -> ReferenceScore:
     from training.baselines import OutputScorer, class_outputs, value_outputs
     from training.evaluate import _labels
 
-    dataset_dir = Path(dataset_dir)
     model, columns, fit = fit_reference(manifest, dataset_dir, max_rows)
     scorer = OutputScorer(objective, manifest, normaliser)
     names = [*columns.inputs, manifest.label]
