@@ -167,9 +167,10 @@ def _log_probabilities(model, matrix: np.ndarray, n_classes: int, fitted_rows: i
     known = torch.log_softmax(raw, dim=1)
     if len(present) == n_classes:
         return known.float()
-    absent = np.log(0.5 / max(fitted_rows, 1))
-    full = torch.full((len(raw), n_classes), absent, dtype=torch.float64)
-    full[:, present] = known + np.log1p(-np.exp(absent) * (n_classes - len(present)))
+    missing = n_classes - len(present)
+    absent = min(0.5 / max(fitted_rows, 1), 0.5 / missing)  # together at most half the probability
+    full = torch.full((len(raw), n_classes), np.log(absent), dtype=torch.float64)
+    full[:, present] = known + np.log1p(-absent * missing)
     return full.float()
 
 
