@@ -6,6 +6,7 @@ the real registration step on a SQLite MLflow store."""
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -13,10 +14,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from mlflow import MlflowClient
+from mlflow.entities import Metric
 
-from ddpflow.tracking.registration import register_candidate
+from ddpflow.tracking.registration import register_candidate, register_run
 from ddpflow.tracking.registry import find_alias
-from ddpflow.tracking.runs import start_pipeline_run
+from ddpflow.tracking.runs import DATASET_DIR_TAG, MODEL_PATH_TAG, start_pipeline_run
 from training.baselines import evaluate_baselines, trivial_baseline
 from training.checkpoint import inference_checkpoint
 from training.config import DataConfig, PipelineConfig
@@ -218,11 +220,17 @@ def test_trailing_the_reference_is_a_warning_or_with_require_reference_a_rejecti
             }
         )
         run_id = start_pipeline_run(config, "run", {}, manifest.fingerprint, manifest, {"nproc_per_node": 1}, dataset)
+        now = int(time.time() * 1000)  # logged as the evaluate task logs them: `ddpflow register` reads them back
+        MlflowClient(uri).log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in metrics.items()])
+        MlflowClient(uri).set_tag(run_id, MODEL_PATH_TAG, str(weak))
+        MlflowClient(uri).set_tag(run_id, DATASET_DIR_TAG, str(dataset))
         return run_id, register_candidate(config, run_id, str(weak), str(dataset), metrics, uri)
 
-    _, strict = register(require_reference=True)
+    strict_run, strict = register(require_reference=True)
     assert strict.decision == "rejected" and "trails the reference model" in strict.reason
     assert "registry.require_reference is true" in strict.reason
+    again = register_run(strict_run, tracking_uri=uri)  # the run's own config and its logged baselines
+    assert again.decision == "rejected" and again.reason == strict.reason
     run_id, warned = register()
     assert warned.decision == "promoted" and "trails the reference model" in warned.warning
     assert MlflowClient(uri).get_run(run_id).data.tags["registry.warning"] == warned.warning
