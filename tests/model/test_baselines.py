@@ -5,6 +5,7 @@ the real registration step on a SQLite MLflow store."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -22,7 +23,7 @@ from ddpflow.tracking.runs import DATASET_DIR_TAG, MODEL_PATH_TAG, start_pipelin
 from training.baselines import evaluate_baselines, trivial_baseline
 from training.checkpoint import inference_checkpoint
 from training.config import DataConfig, PipelineConfig
-from training.data.manifest import read_manifest
+from training.data.manifest import read_manifest, write_manifest
 from training.data.prepare import prepare_dataset
 from training.evaluate import evaluate_split
 from training.models import ModelSpec, build_model
@@ -76,6 +77,37 @@ def test_the_trivial_regression_baseline_predicts_the_train_mean(dataset_factory
     assert metrics["test_mae"] == pytest.approx(np.mean(np.abs(test - mean)), rel=1e-5)
     expected_r2 = 1 - np.sum((test - mean) ** 2) / np.sum((test - test.mean()) ** 2)
     assert metrics["test_r2"] == pytest.approx(expected_r2, abs=1e-5) and metrics["test_r2"] <= 0
+
+
+def test_the_trivial_multilabel_baseline_is_each_labels_train_prior(dataset_factory):
+    """Each label's train share as its constant logit: a label held by more than half the train rows is always
+    predicted, the others never; the loss is the mean binary cross entropy of those priors."""
+    dataset = dataset_factory(n_classes=3, rows={"train": 200, "val": 10, "test": 50}, shard_rows=40)
+    manifest = read_manifest(dataset)
+    rng = np.random.default_rng(3)
+    share = np.array([0.7, 0.2, 0.45])  # label 0 mostly on, the others mostly off
+    hot = {}
+    for split in ("train", "val", "test"):
+        hot[split] = []
+        for path in manifest.split_files(dataset, split):
+            table = pq.read_table(path)
+            rows = rng.random((table.num_rows, 3)) < share
+            hot[split].append(rows)
+            lists = pa.array([np.flatnonzero(row).tolist() for row in rows], pa.list_(pa.int64()))
+            pq.write_table(table.set_column(table.schema.get_field_index("label"), "label", lists), path)
+    manifest = dataclasses.replace(manifest, task="multilabel", train_class_counts=None)
+    write_manifest(dataset, manifest)
+    train, test = np.concatenate(hot["train"]), np.concatenate(hot["test"]).astype(np.float64)
+    prior = train.mean(axis=0)
+    objective = make_objective("multilabel", "multilabel", 3, multi_hot_label=True)
+
+    metrics = trivial_baseline(objective, Normaliser.from_manifest(manifest), manifest, dataset)
+
+    predicted = prior > 0.5
+    assert metrics["test_exact_match"] == pytest.approx(np.mean(((test > 0.5) == predicted).all(axis=1)), abs=1e-12)
+    entropy = -(test * np.log(prior) + (1 - test) * np.log(1 - prior)).mean(axis=1).mean()
+    assert metrics["test_loss"] == pytest.approx(entropy, rel=1e-5)
+    assert metrics["test_samples"] == 50
 
 
 # ----------------------------------------------------------------------------- the reference model
