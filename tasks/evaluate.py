@@ -4,7 +4,9 @@ The numbers come from ``training/evaluate.py``; the MLflow run gets them through
 ``ddpflow/tracking/runs.py: log_evaluation`` (metrics, ``eval/metrics.json``, a
 confusion-matrix or residual plot, where the model and data are). This task
 writes ``RUN_DIR/eval/metrics.json`` and a Prefect markdown artifact with a link
-to the run.
+to the run. Beside the model, the baselines (``training/baselines.py``: the train
+prior or mean, and the HistGradientBoosting reference for tables) are scored on the
+same test rows here, in this process, never in the ranks.
 """
 
 from __future__ import annotations
