@@ -232,7 +232,8 @@ def print_summary(summary: dict[str, Any], as_json: bool) -> None:
 
 def _for_people(summary: dict[str, Any]) -> dict[str, Any]:
     """The headline test metrics on one line, the accuracy with the majority class's share beside it (what always
-    guessing that class scores) and counts as integers; per-class precision/recall stay in --json and MLflow.
+    guessing that class scores) and counts as integers; the baselines' comparison on another line; per-class
+    precision/recall stay in --json and MLflow.
     Data drift as its one-line message (the per-feature numbers are in --json and the MLflow run)."""
     metrics = summary.get("test_metrics") or {}
     headline = {
@@ -243,7 +244,11 @@ def _for_people(summary: dict[str, Any]) -> dict[str, Any]:
     shown = ", ".join(_metric_text(name, value, metrics) for name, value in headline.items())
     drift = {"data_drift": summary["data_drift"].get("message")} if summary.get("data_drift") else {}
     selection = {"selection": describe_selection(summary["selection"])} if summary.get("selection") else {}
-    return {**summary, "test_metrics": shown, **drift, **selection}
+    # The model beside the reference model and the trivial baseline: "test_roc_auc 0.781 · reference 0.781 ·
+    # guessing 0.500" (their full metrics are in --json and the MLflow run).
+    baselines = {"baselines": (summary.get("baselines") or {}).get("comparison") or "none scored"}
+    baselines = baselines if "baselines" in summary else {}
+    return {**summary, "test_metrics": shown, **baselines, **drift, **selection}
 
 
 MAJORITY_SHARE = "_majority_share"  # <split>_majority_share: training/inference/evaluate.py

@@ -174,9 +174,11 @@ def test_every_ddpflow_module_imports_without_prefect_tasks_or_flows():
 
 def test_the_rank_program_starts_without_pandas_mlflow_matplotlib_prefect_or_pillow():
     """Every rank (and the node cache builder) imports training.train: a package it pulls in costs start-up time
-    in each of them on every launch. pandas is imported only where an id column is hashed (training/prepare/split.py).
+    in each of them on every launch. pandas is imported only where an id column is hashed (training/prepare/split.py);
+    scikit-learn only where the evaluation fits its reference model (training/inference/reference.py).
     """
-    leaked = leaked_after_importing(["training.train"], ("pandas", "mlflow", "matplotlib", "prefect", "PIL"))
+    forbidden = ("pandas", "mlflow", "matplotlib", "prefect", "PIL", "sklearn")
+    leaked = leaked_after_importing(["training.train"], forbidden)
     assert leaked == [], f"training.train pulled in: {leaked}"
 
 
