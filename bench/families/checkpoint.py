@@ -13,15 +13,14 @@ import time
 
 import torch
 
-from bench.harness import Result, Row, Stats, Timer, log
-from bench.workload import Context
+from bench import ddpflow_api
+from bench.harness.context import Context
+from bench.harness.results import Result, Row, Stats, Timer, log
 
 INTERVAL_S = 60.0
 
 
 def run(ctx: Context) -> list[Result]:
-    from bench import ddpflow_api
-
     torch.set_num_threads(ctx.threads)
     hidden, steps = (256, 20) if ctx.quick else (1024, 60)  # full: a 13 MB state, about a minute in all
     model = torch.nn.Sequential(

@@ -15,12 +15,13 @@ import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from bench import loaders
-from bench.harness import Result, Row, Stats, Timer, log, turns
-from bench.workload import (
+from bench import ddpflow_api
+from bench.harness.context import Context
+from bench.harness.results import Result, Row, Stats, Timer, log, turns
+from bench.workloads import loaders
+from bench.workloads.tabular import (
     BATCH,
     CATEGORICALS,
-    Context,
     build_input_model_and_optimizer,
     build_model_and_optimizer,
     cycle,
@@ -42,8 +43,6 @@ REFERENCES = {  # label, what it is, earlier measurement
 def run(ctx: Context) -> list[Result]:
     sizes = ctx.sizes
     set_threads(ctx.threads)
-    from bench import ddpflow_api
-
     dataset = prepared_dir(ctx, sizes.rows)
     with Timer() as load:
         split = ddpflow_api.node_splits(dataset, ["train"])["train"].tensors
@@ -225,12 +224,12 @@ def presliced_inputs(split, batch: int, batches: int, seed: int = 0):
 
 
 def mixed_result(ctx: Context, split, rates: dict[str, list[float]], ratio: Stats, batches) -> Result:
-    from training.models import embedding_dim
-
     epoch_steps = len(batches)
     step_us = 1e6 * BATCH / Stats.of(rates["mixed_compute"]).median
 
-    embedded = ", ".join(f"{name} ({size} values, {embedding_dim(size)} wide)" for name, size in CATEGORICALS.items())
+    embedded = ", ".join(
+        f"{name} ({size} values, {ddpflow_api.embedding_dim(size)} wide)" for name, size in CATEGORICALS.items()
+    )
     return Result(
         name="datapath_mixed",
         title=MIXED_TITLE,

@@ -19,9 +19,11 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import processes
-from bench.harness import Result, Row, Stats, log, turns
-from bench.workload import BATCH, Context, prepared_dir, train_arrays
+from bench import ddpflow_api
+from bench.harness import processes
+from bench.harness.context import Context
+from bench.harness.results import Result, Row, Stats, log, turns
+from bench.workloads.tabular import BATCH, prepared_dir, train_arrays
 
 # ddpflow's defaults at parity with plain DDP, both measured in the same run: this machine's wake-up latency
 # (docs/benchmarks.md) is not ddpflow's to fix, so the defaults need only not cost anything.
@@ -39,7 +41,8 @@ class Config:
     warmup: int | None = None  # None: sizes.ddp_warmup
 
 
-# Ranks set up by ddpflow's own code (bench/ddp_rank.py --ranks ddpflow), one thread each like every row.
+RANK = "bench.ranks.ddp"  # the rank program every launch runs
+# Ranks set up by ddpflow's own code (bench/ranks/ddp.py --ranks ddpflow), one thread each like every row.
 DDPFLOW_RANKS = ["--ranks", "ddpflow", "--set", "train.num_threads=1"]
 POLLING = ["--set", "train.cpu_poll_allreduce=true"]
 
@@ -48,7 +51,7 @@ def configs(ctx: Context, feed: str) -> list[Config]:
     """Plain DDP, + cpu affinity, + one gradient bucket (plain PyTorch, one change each); ddpflow's defaults
     (its own rank set-up); + polling (opt-in); + grad_accum."""
     accum = ctx.sizes.grad_accum
-    bucket = ["--bucket-mb", str(ddpflow_bucket_mb())]
+    bucket = ["--bucket-mb", str(ddpflow_api.bucket_cap_mb())]
     every = [
         Config("one", "one rank (baseline)", 1, bucket),
         Config("plain", "2 ranks, plain DDP (default buckets, no pinning)", 2),
@@ -92,12 +95,6 @@ def configs(ctx: Context, feed: str) -> list[Config]:
     ]
     wanted = set(ctx.sizes.ddp_configs) - ({"naive"} if feed != "ddpflow" else set())
     return [config for config in every if config.key in wanted]
-
-
-def ddpflow_bucket_mb() -> float:
-    from bench.ddpflow_api import bucket_cap_mb
-
-    return bucket_cap_mb()
 
 
 def run(ctx: Context) -> list[Result]:
@@ -269,7 +266,7 @@ def what_ranks_run(feed: str) -> str:
 
 
 def launch(nproc: int, args: list[str]) -> None:
-    processes.run(processes.torchrun_argv(nproc, "bench.ddp_rank", args), timeout=600)
+    processes.run(processes.torchrun_argv(nproc, RANK, args), timeout=600)
 
 
 def npz(ctx: Context) -> Path:

@@ -8,30 +8,13 @@ weights do not change the speed), saved as a ddpflow ``model.pt``.
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from bench.harness import Result, Row, Stats, Timer, log
-from bench.workload import BATCH, Context, build_model_and_optimizer, prepared_dir, set_threads
-
-
-def write_model(dataset: Path, path: Path) -> Path:
-    """A model.pt as training writes it (``training.checkpoint.inference_checkpoint``), untrained weights."""
-    import torch
-
-    from training.checkpoint import inference_checkpoint
-    from training.data.manifest import read_manifest
-    from training.models import ModelSpec
-
-    manifest = read_manifest(dataset)
-    model, _ = build_model_and_optimizer(manifest.n_features, manifest.n_outputs)
-    spec = ModelSpec("mlp", manifest.n_features, manifest.n_outputs, {"hidden": [256, 256]})
-    torch.save(inference_checkpoint(model.state_dict(), spec, manifest, epochs=0, metrics={}), path)
-    return path
+from bench import ddpflow_api
+from bench.harness.context import Context
+from bench.harness.results import Result, Row, Stats, Timer, log
+from bench.workloads.tabular import BATCH, build_model_and_optimizer, prepared_dir, set_threads, write_model
 
 
 def run(ctx: Context) -> list[Result]:
-    from bench import ddpflow_api
-
     set_threads(ctx.threads)
     dataset = prepared_dir(ctx, ctx.sizes.rows)
     model_path = write_model(dataset, ctx.workdir / "eval-model.pt")

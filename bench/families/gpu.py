@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import time
 
-from bench import processes
-from bench.harness import Result, Row, Stats, log
-from bench.workload import BATCH, Context, build_model_and_optimizer, cycle, prepared_dir
+from bench import ddpflow_api
+from bench.harness import processes
+from bench.harness.context import Context
+from bench.harness.results import Result, Row, Stats, log
+from bench.workloads import loaders
+from bench.workloads.tabular import BATCH, build_model_and_optimizer, cycle, prepared_dir
 
 TITLE = "GPU"
 
@@ -27,8 +30,6 @@ def run(ctx: Context) -> list[Result]:
 
     if not torch.cuda.is_available():
         return [Result(name="gpu", title=TITLE, target=0.95, status="skipped", reason="no CUDA device on this machine")]
-    from bench import ddpflow_api, loaders
-
     torch.backends.cuda.matmul.allow_tf32 = True
     device = torch.device("cuda", 0)
     dataset = prepared_dir(ctx, ctx.sizes.rows)
@@ -140,7 +141,7 @@ def nccl_scaling(ctx: Context, dataset, gpus: int) -> list[Row]:
                 "--bucket-mb",
                 "25",
             ]
-            processes.run(processes.torchrun_argv(nproc, "bench.ddp_rank", args), timeout=600)
+            processes.run(processes.torchrun_argv(nproc, "bench.ranks.ddp", args), timeout=600)
             ranks = processes.read_rank_files(out)
             rates[nproc].append(sum(r["samples"] for r in ranks) / max(r["seconds"] for r in ranks))
     efficiency = Stats.of(many / (gpus * one) for many, one in zip(rates[gpus], rates[1]))

@@ -5,88 +5,25 @@
   decoded with Pillow, the same transforms (the codec's random resized crop and flip, resize, normalise),
   ``DataLoader(num_workers=k, persistent_workers=True, pin_memory=True)``, the same model and optimizer.
 - **Decode throughput**: the loader alone (no step) ÷ Pillow decoding the same bytes in ``k`` processes.
+- **The worker core rule** (docs/training.md, ``training/runtime.py: make_room_for_workers``), measured: see
+  ``worker_rule`` below.
 
-The images are drawn here with Pillow (shapes on noise, PNG); nothing is downloaded.
+The images are drawn with Pillow (bench/workloads/images.py: shapes on noise, PNG); nothing is downloaded.
 """
 
 from __future__ import annotations
 
-import io
+import math
+import os
 from pathlib import Path
 
-from bench.harness import Result, Row, Stats, Timer, log, turns
-from bench.workload import Context, set_threads
+from bench import ddpflow_api
+from bench.harness.context import Context
+from bench.harness.results import Result, Row, Stats, Timer, log, turns
+from bench.workloads import images
+from bench.workloads.tabular import set_threads
 
-SIZE, CLASSES, BATCH = 64, 4, 64
-ROWS = {"quick": 256, "full": 4096}
-
-
-def _drawn(seed: int, label: int, size: int = SIZE, format: str = "PNG") -> bytes:
-    """A ``size`` x ``size`` PNG (or ``format``: JPEG): a bright shape (one per class) at a random place on dark
-    noise."""
-    import numpy as np
-    from PIL import Image, ImageDraw
-
-    rng = np.random.default_rng(seed)
-    image = Image.fromarray(rng.integers(0, 90, size=(size, size, 3), dtype=np.uint8))
-    draw = ImageDraw.Draw(image)
-    left, top = (int(v) for v in rng.integers(0, size // 2, size=2))
-    box = [left, top, left + size // 3, top + size // 3]
-    colour = tuple(int(v) for v in rng.integers(150, 256, size=3))
-    if label == 0:
-        draw.ellipse(box, fill=colour)
-    elif label == 1:
-        draw.rectangle(box, fill=colour)
-    elif label == 2:
-        draw.pieslice(box, 0, 200, fill=colour)
-    else:
-        draw.polygon([(box[0], box[3]), (box[2], box[3]), ((box[0] + box[2]) // 2, box[1])], fill=colour)
-    out = io.BytesIO()
-    image.save(out, format=format, **({"quality": 90} if format == "JPEG" else {}))
-    return out.getvalue()
-
-
-def prepared(
-    ctx: Context, rows: int | None = None, size: int = SIZE, distinct: int | None = None, drawn_px: int | None = None,
-    format: str = "PNG",
-) -> Path:  # fmt: skip
-    """A prepared dataset of ``rows`` PNGs of ``size`` x ``size`` (default: ROWS for the run's mode, SIZE), in an
-    image input ``photo``; with ``distinct``, row i holds the i % distinct-th of that many drawn images (a split
-    of many rows without drawing each); with ``drawn_px``, the images are drawn that large (in ``format``) and the
-    codec resizes them to ``size``."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from training.config import load_config
-    from training.data.prepare import prepare_dataset
-
-    rows = rows or ROWS["quick" if ctx.quick else "full"]
-    drawn_px = drawn_px or size
-    name = f"photos-{rows}-{size}-{distinct}" + ("" if (drawn_px, format) == (size, "PNG") else f"-{drawn_px}-{format}")
-    source = ctx.workdir / "images" / f"{name}.parquet"
-    source.parent.mkdir(parents=True, exist_ok=True)
-    labels = [i % CLASSES for i in range(rows)]
-    # distinct is a multiple of CLASSES
-    drawn = [_drawn(i, i % CLASSES, drawn_px, format) for i in range(distinct or rows)]
-    pq.write_table(
-        pa.table(
-            {
-                "id": list(range(rows)),
-                "photo": pa.array([drawn[i % len(drawn)] for i in range(rows)], pa.binary()),
-                "label": labels,
-            }
-        ),
-        source,
-    )
-    overrides = [
-        f"data.source={source}",
-        f"data.root={ctx.workdir / 'images' / name}",
-        "data.key=id",
-        f'data.inputs={{"photo": {{"kind": "image", "size": {size}}}}}',
-        "data.val_fraction=0.05",
-        "data.test_fraction=0.05",
-    ]
-    return prepare_dataset(load_config(None, overrides).data).dataset_dir
+BATCH = 64
 
 
 class ReferenceDataset:
@@ -100,31 +37,16 @@ class ReferenceDataset:
         return len(self.labels)
 
     def __getitem__(self, row: int):
-        import torch
-
-        from training.data.ragged import BatchContext
-
-        start, stop = int(self.offsets[row]), int(self.offsets[row + 1])
-        offsets = torch.tensor([0, stop - start])
-        image = self.codec.collate(
-            self.values[start:stop], offsets, BatchContext(torch.tensor([row]), self.epoch, 0, True)
-        )
-        return image[self.codec.name][0], self.labels[row]
+        image = ddpflow_api.collate_one(self.codec, self.values, self.offsets, row, self.epoch)
+        return image, self.labels[row]
 
 
 def run(ctx: Context) -> list[Result]:
     import torch
     from torch.utils.data import DataLoader
 
-    from bench import ddpflow_api
-    from training.data.manifest import read_manifest
-    from training.loading import TrainBatches
-    from training.models import ModelSpec, build_model
-    from training.spec.inputs import inputs_from_manifest
-
     set_threads(ctx.threads)
-    dataset = prepared(ctx)
-    manifest = read_manifest(dataset)
+    dataset = images.prepared(ctx)
     split = ddpflow_api.load_split(dataset, "train")
     codec = split.collators["photo"].__self__
     ragged = split.inputs["photo"]
@@ -132,10 +54,10 @@ def run(ctx: Context) -> list[Result]:
 
     def model_and_optimizer():
         torch.manual_seed(0)
-        model = build_model(ModelSpec.for_inputs("auto", inputs_from_manifest(manifest), CLASSES, {"width": 16}))
+        model = ddpflow_api.model_for(dataset, "auto", {"width": 16}, images.CLASSES)
         return model, torch.optim.AdamW(model.parameters(), 1e-3)
 
-    ours = TrainBatches(split, 0, 1, BATCH, 0, torch.device("cpu"), False, num_workers=workers)
+    ours = ddpflow_api.train_batches(split, batch=BATCH, num_workers=workers)
     reference_set = ReferenceDataset(ragged.values, ragged.offsets, split.labels, codec)
     reference = DataLoader(
         reference_set,
@@ -159,9 +81,9 @@ def run(ctx: Context) -> list[Result]:
 
     def train_reference(epoch: int, step: bool) -> int:
         seen = 0
-        for images, labels in reference:
+        for pictures, labels in reference:
             if step:
-                loss = torch.nn.functional.cross_entropy(model({"photo": images}), labels)
+                loss = torch.nn.functional.cross_entropy(model({"photo": pictures}), labels)
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
@@ -183,11 +105,10 @@ def run(ctx: Context) -> list[Result]:
     train_ratio = Stats.of(a / b for a, b in zip(rates["ddpflow"], rates["reference"]))
     decode_ratio = Stats.of(a / b for a, b in zip(rates["ddpflow_decode"], rates["reference_decode"]))
     note = (
-        f"{len(split):,} train PNGs of {SIZE}x{SIZE}, batch {BATCH}, {workers} persistent worker(s) each side, "
+        f"{len(split):,} train PNGs of {images.SIZE}x{images.SIZE}, batch {BATCH}, "
+        f"{workers} persistent worker(s) each side, "
         f"built-in CNN width 16, {ctx.threads} torch thread(s)."
     )
-    from bench import image_workers
-
     return [
         Result(
             name="images_train", title="Images: training", ratio=train_ratio, target=1.0,
@@ -203,5 +124,130 @@ def run(ctx: Context) -> list[Result]:
                   Row("reference: Dataset + DataLoader", Stats.of(rates["reference_decode"]), "images/s")],
             notes=[note],
         ),
-        *image_workers.run(ctx, dataset),  # the worker core rule, on the same PNGs
+        worker_rule(ctx, dataset),  # on the same PNGs
     ]  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- the worker core rule
+
+STEPS = {"quick": 3, "full": 16}  # the last steps of each epoch (``TrainBatches.epoch(start=...)`` skips the rest)
+LARGE_PX, LARGE_ROWS, LARGE_DISTINCT = 512, {"quick": 512, "full": 2048}, 64
+
+
+def _cores() -> tuple[int, ...]:
+    return tuple(sorted(os.sched_getaffinity(0)))
+
+
+def arrangements(cores: int, workers: int) -> dict[str, tuple[int, int]]:
+    """name -> (decode workers, intra-op threads) for a rank of ``cores`` cores and ``workers`` decode workers."""
+    return {
+        "dedicated cores": (workers, max(1, cores - workers)),
+        "no workers": (0, cores),
+        "shared cores": (workers, cores),
+    }
+
+
+def _rates(ctx, dataset: Path, plans: dict[str, tuple[int, int]], label: str) -> dict[str, list[float]]:
+    """images/s of each arrangement on ``dataset``, ``ctx.sizes.repeats`` turns each."""
+    import torch
+
+    split = ddpflow_api.load_split(dataset, "train")
+    loaders = {
+        name: ddpflow_api.train_batches(split, batch=BATCH, num_workers=workers) for name, (workers, _) in plans.items()
+    }
+    torch.manual_seed(0)
+    model = ddpflow_api.model_for(dataset, "auto", {"width": 16})
+    optimizer = torch.optim.AdamW(model.parameters(), 1e-3)
+    steps = math.ceil(len(split) / BATCH)
+    start = max(0, steps - STEPS["quick" if ctx.quick else "full"])
+
+    def train(name: str, epoch: int, first: int = start) -> float:
+        torch.set_num_threads(plans[name][1])
+        seen = 0
+        with Timer() as timer:
+            for batch in loaders[name].epoch(epoch, first):
+                loss = torch.nn.functional.cross_entropy(model(batch.inputs), batch.labels)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                seen += batch.samples
+        return seen / timer.seconds
+
+    for name in plans:  # start each loader's persistent workers, outside the timing: one step of epoch 0
+        train(name, 0, steps - 1)
+    rates: dict[str, list[float]] = {name: [] for name in plans}
+    for repeat in range(ctx.sizes.repeats):
+        for name in turns(list(plans), repeat):
+            rates[name].append(train(name, repeat + 1))
+        figures = ", ".join(f"{name} {values[-1]:,.0f} images/s" for name, values in rates.items())
+        log(f"image workers, {label}, repeat {repeat + 1}: {figures}")
+    return rates
+
+
+def worker_rule(ctx: Context, pngs: Path) -> Result:
+    """The worker core rule (docs/training.md, ``training/runtime.py: make_room_for_workers``), measured.
+
+    One CPU rank that owns every core of this machine trains the built-in CNN through ``TrainBatches``, in three
+    arrangements of the same cores, taking turns:
+
+    - **dedicated cores**: the decode workers on cores of their own, the rank's intra-op threads shrunk by as many
+      (threads + workers = cores);
+    - **no workers**: every core's thread on the step, decoding in the rank between steps;
+    - **shared cores**: the same workers, and a thread for every core as well (the OS time-shares the cores).
+
+    on two workloads at the two ends of what decoding costs next to the step: the images family's 64x64 PNGs
+    (decoding is cheap) and 512x512 JPEGs resized to 64 (decoding one costs about as much as training on it).
+
+    ddpflow's default is the arrangement ``decode_workers("auto")`` and ``make_room_for_workers`` give this rank,
+    taken from that code, not restated here. The headline is the default's images/s ÷ the best of the three, the
+    worse of the two workloads: at 1 it loses nothing to either alternative on either. On a rank of few cores the
+    arrangements differ most (here: 2 cores, 1 worker); the figures say what the rule does there, not what it
+    gives a 32-core rank.
+    """
+    import torch
+
+    cores = _cores()
+    default = ddpflow_api.default_decode_arrangement(cores)
+    plans = arrangements(len(cores), max(1, default[0]))  # a rank of under 4 cores gets none by default
+    default_name = next(name for name, plan in plans.items() if plan == default)
+    mode = "quick" if ctx.quick else "full"
+    jpegs = images.prepared(ctx, LARGE_ROWS[mode], images.SIZE, LARGE_DISTINCT, LARGE_PX, "JPEG")
+    workloads = {
+        f"{images.SIZE}x{images.SIZE} PNGs": pngs,
+        f"{LARGE_PX}x{LARGE_PX} JPEGs resized to {images.SIZE}": jpegs,
+    }
+    measured = {label: _rates(ctx, dataset, plans, label) for label, dataset in workloads.items()}
+    torch.set_num_threads(ctx.threads)
+
+    def default_over_best(rates: dict[str, list[float]]) -> list[float]:
+        return [values[0] / max(values) for values in zip(*(rates[name] for name in [default_name, *plans]))]
+
+    per_workload = {label: Stats.of(default_over_best(rates)) for label, rates in measured.items()}
+    ratio = min(per_workload.values(), key=lambda stats: stats.median)
+
+    def row_label(label: str, name: str, workers: int, threads: int) -> str:
+        default_mark = " (the default)" if name == default_name else ""
+        return f"{label}: {name}{default_mark}, {workers} worker(s) + {threads} thread(s)"
+
+    rows = [
+        Row(row_label(label, name, *plan), Stats.of(measured[label][name]), "images/s",
+            per_workload[label] if name == default_name else None)
+        for label in measured
+        for name, plan in plans.items()
+    ]  # fmt: skip
+    return Result(
+        name="image_worker_rule",
+        title="Images: the worker core rule",
+        ratio=ratio,
+        target=0.95,
+        ratio_label=(
+            "ddpflow's default arrangement's images/s ÷ the best of dedicated cores, no workers and shared "
+            "cores (one rank, every core; the worse workload)"
+        ),
+        rows=rows,
+        notes=[
+            f"Batch {BATCH}, built-in CNN width 16, one rank on {len(cores)} core(s), the last "
+            f"{STEPS[mode]} steps of an epoch per turn; the default ({default_name}) is what "
+            "`decode_workers` and `make_room_for_workers` give it."
+        ],
+    )

@@ -22,51 +22,12 @@ import sys
 import time
 from pathlib import Path
 
-from bench import processes
-from bench.ddpflow_api import EVALUATE_IN_A_PROCESS, RANK_MODULE
-from bench.harness import REPO_ROOT, Result, Row, Stats, Timer, log
-from bench.workload import BATCH, Context, synthetic_url
+from bench import ddpflow_api
+from bench.harness import processes
+from bench.harness.context import Context
+from bench.harness.results import REPO_ROOT, Result, Row, Stats, Timer, log
+from bench.workloads.pipeline import FIRST_STEP, NOOP_RANK, small_config, small_dataset
 from devtools.ports import free_port
-from training.log import TRAIN
-
-NOOP_RANK = """import torch.distributed as dist
-dist.init_process_group("gloo")
-dist.barrier()
-print("ranks ready", flush=True)
-dist.destroy_process_group()
-"""
-FIRST_STEP = "step 1/"  # rank 0's progress line after its first step (progress_interval_s is tiny)
-
-
-def small_config(ctx: Context, root: Path, **train):
-    from training.config import PipelineConfig
-
-    rows = ctx.sizes.orchestration_rows
-    return PipelineConfig.model_validate(
-        {
-            "data": {"source": synthetic_url(rows), "root": str(ctx.workdir / "small-shards")},
-            "train": {
-                "epochs": 1,
-                "batch_size": BATCH,
-                "nproc_per_node": 2,
-                "run_root": str(root / "runs"),
-                "max_restarts": 0,
-                **train,
-            },
-            "mlflow": {
-                "tracking_uri": f"sqlite:///{root / 'mlflow.db'}",
-                "artifact_location": (root / "mlartifacts").as_uri(),
-                "experiment": "bench",
-            },
-            "registry": {"model_name": "bench-model"},
-        }
-    )
-
-
-def small_dataset(ctx: Context) -> Path:
-    from bench.ddpflow_api import prepare
-
-    return ctx.cached("small-dataset", lambda: prepare(small_config(ctx, ctx.workdir).data))
 
 
 def run(ctx: Context) -> list[Result]:
@@ -150,21 +111,19 @@ def launch_latency(ctx: Context) -> Result:
 
 def ddpflow_first_step(ctx: Context, dataset: Path, root: Path) -> dict[str, float]:
     """Seconds from the launcher's start to rank 0's first line, to its first step, and to the end."""
-    from bench.ddpflow_api import launch_training
-    from ddpflow.launch.stage import TrainRequest
-
     config = small_config(ctx, root, progress_interval_s=1e-6)
+    train_line = ddpflow_api.train_line_prefix()
     seen: dict[str, float] = {}
 
     def on_line(line) -> None:
         now = time.perf_counter()
-        if line.rank == 0 and line.text.startswith(TRAIN):
+        if line.rank == 0 and line.text.startswith(train_line):
             seen.setdefault("first line", now)
         if line.rank in (0, None) and FIRST_STEP in line.text:
             seen.setdefault("first step", now)
 
     start = time.perf_counter()
-    launch_training(TrainRequest(config, dataset, root / "run", on_line=on_line), timeout_s=300)
+    ddpflow_api.launch_training(config, dataset, root / "run", on_line, timeout_s=300)
     seen["end"] = time.perf_counter()
     if "first step" not in seen:
         raise RuntimeError(f"no line with {FIRST_STEP!r} from rank 0 in the launch under {root / 'run'}")
@@ -175,8 +134,6 @@ def ddpflow_first_step(ctx: Context, dataset: Path, root: Path) -> dict[str, flo
 
 
 def orchestration(ctx: Context) -> Result:
-    from ddpflow import stack
-
     dataset = small_dataset(ctx)
     env = processes.child_env(threads=1)
     for inherited in ("PREFECT_API_URL", "PREFECT_HOME", "MLFLOW_TRACKING_URI"):
@@ -185,7 +142,7 @@ def orchestration(ctx: Context) -> Result:
     alone.mkdir(parents=True, exist_ok=True)
     cold_start, warm_start = temporary_server_starts(alone, env)
     with Timer() as stack_up:
-        stack.up(
+        ddpflow_api.stack_up(
             REPO_ROOT,
             prefect_port=free_port(),
             mlflow_port=free_port(),
@@ -195,7 +152,8 @@ def orchestration(ctx: Context) -> Result:
     try:
         with_stack, without_stack, bare, imports = [], [], [], []
         for repeat in range(ctx.sizes.orchestration_repeats):
-            imports.append(processes.run([sys.executable, "-c", "import flows.pipeline"], timeout=300, env=env)[1])
+            flow_import = [sys.executable, "-c", f"import {ddpflow_api.FLOW_MODULE}"]
+            imports.append(processes.run(flow_import, timeout=300, env=env)[1])
             root = ctx.workdir / "orchestration" / str(repeat)
             runs = [(with_stack, "with-stack", stacked, "stack"), (without_stack, "alone", alone, "temporary")]
             for walls, name, project, server in runs if repeat % 2 == 0 else reversed(runs):  # alternate who's first
@@ -206,7 +164,7 @@ def orchestration(ctx: Context) -> Result:
                 f"without (temporary server) {without_stack[-1]:.1f} s, bare torchrun + evaluate {bare[-1]:.1f} s"
             )
     finally:
-        stack.down(REPO_ROOT, state_dir=stacked / ".ddpflow")
+        ddpflow_api.stack_down(REPO_ROOT, state_dir=stacked / ".ddpflow")
     extra = Stats.of(a - b for a, b in zip(with_stack, bare))
     temporary_cost = Stats.of(a - b for a, b in zip(without_stack, with_stack))
     return Result(
@@ -263,13 +221,11 @@ def orchestration(ctx: Context) -> Result:
 
 def temporary_server_starts(project: Path, env: dict[str, str]) -> tuple[float, float]:
     """Seconds until a temporary server answers: first with a new database, then with the one it made."""
-    from ddpflow.prefect_server import start_temporary_server
-
     server_env = {**env, "PREFECT_HOME": str(project / ".ddpflow" / "prefect")}
     seconds = []
     for _ in range(2):
         start = time.perf_counter()
-        server = start_temporary_server(server_env)
+        server = ddpflow_api.start_temporary_server(server_env)
         try:
             server.wait_until_ready(timeout_s=300)
             seconds.append(time.perf_counter() - start)
@@ -299,7 +255,7 @@ def ddpflow_run_wall(ctx: Context, root: Path, project: Path, env: dict[str, str
     """`ddpflow run` in ``project`` (its stack, if any, is found from there); wall seconds."""
     root.mkdir(parents=True, exist_ok=True)
     config = small_config(ctx, root)
-    argv = [sys.executable, "-m", "flows.cli", "run", *cli_overrides(config), "--json"]
+    argv = [sys.executable, "-m", ddpflow_api.CLI_MODULE, "run", *cli_overrides(config), "--json"]
     start = time.perf_counter()
     result = subprocess.run(argv, cwd=project, env=env, capture_output=True, text=True, timeout=600)
     wall = time.perf_counter() - start
@@ -312,17 +268,16 @@ def ddpflow_run_wall(ctx: Context, root: Path, project: Path, env: dict[str, str
 
 
 def bare_train_eval_wall(ctx: Context, dataset: Path, root: Path, env: dict[str, str]) -> float:
-    from training.job import TrainJob
-
     config = small_config(ctx, root)
     run_dir = root / "run"
-    job = TrainJob(config, str(dataset), str(run_dir)).write(run_dir / "train_config.json")
+    job = ddpflow_api.write_train_job(config, dataset, run_dir)
     bare_env = dict(env, OMP_NUM_THREADS="1")
     bare_env.pop("PREFECT_API_URL", None)
     with Timer() as wall:
-        processes.run(processes.torchrun_argv(2, RANK_MODULE, ["--config", str(job)]), timeout=600, env=bare_env)
+        ranks = processes.torchrun_argv(2, ddpflow_api.RANK_MODULE, ["--config", str(job)])
+        processes.run(ranks, timeout=600, env=bare_env)
         processes.run(
-            [sys.executable, "-c", EVALUATE_IN_A_PROCESS, str(run_dir / "model.pt"), str(dataset)],
+            [sys.executable, "-c", ddpflow_api.EVALUATE_IN_A_PROCESS, str(run_dir / "model.pt"), str(dataset)],
             timeout=600,
             env=bare_env,
         )

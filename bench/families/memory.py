@@ -18,20 +18,37 @@ categoricals). Reported, no target.
 
 Prepare: peak RSS above the imports at 1x and 4x rows; prepare streams the
 source in record batches, so the peak should barely grow with rows.
+
+Real-run memory: a real 2-rank train stage on the 1x and 4x datasets, its ranks
+sampled from /proc (``real_run_memory``).
+
+The probes run in fresh processes (bench/ranks/memory_probe.py), under torchrun
+for the node figures.
 """
 
 from __future__ import annotations
 
+import re
 import tempfile
+import threading
+import time
 from pathlib import Path
 
-from bench import processes
-from bench.harness import Result, Row, Stats, log, turns
-from bench.workload import Context, mixed_prepared_dir, prepared_dir, raw_bytes, source_file
+import psutil
+
+from bench import ddpflow_api
+from bench.harness import processes
+from bench.harness.context import Context
+from bench.harness.results import Result, Row, Stats, log, turns
+from bench.workloads import images
+from bench.workloads.pipeline import small_config
+from bench.workloads.tabular import mixed_prepared_dir, prepared_dir, raw_bytes, source_file
 
 NODE_RANKS = (2, 4)
 NODE_TARGET = 1.3  # summed data PSS of a node's ranks ÷ raw train bytes
 WARM_LOAD_TARGET_S = 0.2  # a rank's data loading once the node cache exists
+
+PROBE = "bench.ranks.memory_probe"
 
 LOADS = {
     "preallocated": "ddpflow: tensors allocated from the manifest, filled batch by batch",
@@ -41,16 +58,14 @@ LOADS = {
 
 
 def probe(args: list[str]) -> dict:
-    output, _ = processes.run(processes.python_argv("bench.memory_probe", args), timeout=600)
+    output, _ = processes.run(processes.python_argv(PROBE, args), timeout=600)
     return processes.read_json_lines(output)[-1]
 
 
 def run(ctx: Context) -> list[Result]:
-    from training.data.manifest import read_manifest
-
     rows = ctx.sizes.rows
     dataset = prepared_dir(ctx, rows)
-    train_raw = raw_bytes(read_manifest(dataset).rows("train"))
+    train_raw = raw_bytes(ddpflow_api.manifest(dataset).rows("train"))
     peaks: dict[str, list[float]] = {how: [] for how in LOADS}
     for _ in range(ctx.sizes.memory_repeats):
         for how in LOADS:
@@ -71,8 +86,6 @@ def run(ctx: Context) -> list[Result]:
             f"after a reset; {ctx.sizes.memory_repeats} run(s) each."
         ],
     )
-    from bench import run_memory
-
     return [
         *node_memory(ctx, dataset, train_raw),
         load,
@@ -80,7 +93,7 @@ def run(ctx: Context) -> list[Result]:
         build_memory(ctx),
         rank_anon_memory(ctx),
         image_anon_memory(ctx),
-        *run_memory.run(ctx),
+        real_run_memory(ctx),
     ]
 
 
@@ -88,7 +101,7 @@ def node_launch(ctx: Context, nproc: int, how: str, dataset, cache_dir) -> list[
     """One torchrun launch of ``bench.memory_probe node``: every rank's figures, in rank order."""
     out = Path(tempfile.mkdtemp(prefix=f"node-{nproc}-{how}-", dir=ctx.workdir))
     args = ["node", "--how", how, "--dataset", str(dataset), "--cache-dir", str(cache_dir), "--out", str(out)]
-    processes.run(processes.torchrun_argv(nproc, "bench.memory_probe", args), timeout=600)
+    processes.run(processes.torchrun_argv(nproc, PROBE, args), timeout=600)
     ranks = sorted(processes.read_rank_files(out), key=lambda figures: figures["rank"])
     if len(ranks) != nproc:
         raise RuntimeError(f"node memory, {nproc} ranks ({how}): {len(ranks)} rank reports")
@@ -237,8 +250,6 @@ def build_memory(ctx: Context) -> Result:
     """The node cache's builder, on the workload's numeric train split and on the mixed one: its largest
     anonymous memory above its imports ÷ one record batch's bytes (it streams: that is what it should hold),
     and its peak RSS with the mapped file's pages ÷ the file (those are page cache, written back)."""
-    from bench import ddpflow_api
-
     tables = {"numeric": prepared_dir(ctx, ctx.sizes.rows), "mixed (numeric + 4 categoricals)": None}
     tables["mixed (numeric + 4 categoricals)"] = mixed_prepared_dir(ctx, ctx.sizes.rows)
     figures: dict[str, list[dict]] = {name: [] for name in tables}
@@ -301,8 +312,6 @@ def rank_anon_memory(ctx: Context) -> Result:
 def image_anon_memory(ctx: Context) -> Result:
     """The same with an encoded-image byte column (the node cache's ragged section: the PNG bytes and their
     offsets, file-backed too): the epoch's decoded batches come and go, so again only the permutation grows."""
-    from bench import images
-
     small, large = ctx.sizes.image_anon_rows
     return anon_growth(
         ctx,
@@ -325,8 +334,6 @@ def anon_growth(
 ) -> Result:
     """RssAnon of a process holding the mapped train split over an epoch, at 1x and 4x rows: its growth ÷ the
     sampler permutation's (8 bytes a train row)."""
-    from bench import ddpflow_api
-
     small, large = sorted(datasets)
     anon: dict[int, list[float]] = {small: [], large: []}
     train_rows = {}
@@ -356,5 +363,138 @@ def anon_growth(
             "One process: imports, then the train split mapped from the node cache (built before), then an epoch of "
             "batches; RssAnon (anonymous pages only: the cache's file pages are not in it) above the imports, its "
             f"largest over the epoch. {what}. {ctx.sizes.memory_repeats} run(s) each."
+        ],
+    )
+
+
+# ----------------------------------------------------------------------------- a real run's memory
+
+RUN_RANKS = 2
+RUN_TARGET = 1.3  # peak summed data PSS growth ÷ raw train growth
+SAMPLE_S = 0.05
+_MAPPING = re.compile(r"^[0-9a-f]+-[0-9a-f]+ ")
+
+
+def rank_memory(pid: int) -> tuple[int, int] | None:
+    """(Pss_Anon, PSS of the node-cache files it maps) in bytes; None once the process is gone."""
+    try:
+        rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+        smaps = Path(f"/proc/{pid}/smaps").read_text()
+    except OSError:
+        return None
+    anon = next((int(line.split()[1]) * 1024 for line in rollup.splitlines() if line.startswith("Pss_Anon:")), 0)
+    cache, in_cache_file = 0, False
+    for line in smaps.splitlines():
+        if _MAPPING.match(line):
+            in_cache_file = line.rstrip().endswith(".bin")
+        elif in_cache_file and line.startswith("Pss:"):
+            cache += int(line.split()[1]) * 1024
+    return anon, cache
+
+
+def rank_pids() -> list[int]:
+    """This process's descendants that run the rank program (not torchrun's agent)."""
+    pids = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            argv = " ".join(child.cmdline())
+        except psutil.Error:
+            continue
+        if ddpflow_api.RANK_MODULE in argv and "torch.distributed.run" not in argv:
+            pids.append(child.pid)
+    return pids
+
+
+def sampled_run(ctx: Context, rows: int, root: Path) -> dict[str, float]:
+    """One real 2-rank, 1-epoch train stage on the ``rows``-row dataset: the peak summed anon + cache PSS of the
+    ranks, and the largest single rank's anon."""
+    dataset = prepared_dir(ctx, rows)
+    config = small_config(ctx, root, nproc_per_node=RUN_RANKS, progress_interval_s=60)
+    failure: list[BaseException] = []
+
+    def train() -> None:
+        try:
+            ddpflow_api.launch_training(config, dataset, root / "run", lambda line: None, timeout_s=900)
+        except BaseException as error:  # re-raised in the sampling thread
+            failure.append(error)
+
+    worker = threading.Thread(target=train, daemon=True)
+    worker.start()
+    peak_sum = peak_anon = 0
+    while worker.is_alive():
+        figures = [got for got in map(rank_memory, rank_pids()) if got]
+        if len(figures) == RUN_RANKS:
+            peak_sum = max(peak_sum, sum(anon + cache for anon, cache in figures))
+            peak_anon = max(peak_anon, *(anon for anon, _ in figures))
+        time.sleep(SAMPLE_S)
+    if failure:
+        raise failure[0]
+    return {"peak_sum": peak_sum, "peak_anon": peak_anon}
+
+
+def real_run_memory(ctx: Context) -> Result:
+    """Memory of a real training run: the node's data memory at its peak, and how a rank's memory grows with data.
+
+    The node memory figures (``node_memory`` above) come from a probe that loads the splits the way ranks do and
+    walks an epoch's batches. This one runs the real thing: the train stage as the Prefect task runs it
+    (``launch_training``: preflight, job file, torchrun, ``training.train``), 2 ranks, 1 epoch, on the 1x and the 4x
+    dataset, while this process samples every rank every 50 ms:
+
+    - Pss_Anon (``/proc/PID/smaps_rollup``): the rank's private memory, every copy it makes;
+    - the PSS of its node-cache mappings (``/proc/PID/smaps``, the ``*.bin`` files): a page mapped by both ranks
+      counts half in each, so the sum over the ranks is the page cache's one copy.
+
+    The interpreter, torch, the process group and the model cost the same at 1x and 4x, so differences between the
+    two runs are the data's: the peak summed (anon + cache) PSS grows by ``ratio`` x the raw train bytes it added
+    (target 1.3; the cache holds the val split too, which is 1/8 of the train rows), and a rank's own anon memory by
+    what its sampler's permutation takes (``RankSampler.rank_indices``: the epoch's n-row permutation, 8 bytes a row,
+    while this rank's n/W rows are taken from it).
+    """
+    small, large = ctx.sizes.prepare_memory_rows
+    train_rows = {rows: ddpflow_api.manifest(prepared_dir(ctx, rows)).rows("train") for rows in (small, large)}
+    runs = {small: [], large: []}
+    for repeat in range(ctx.sizes.memory_repeats):
+        for rows in (small, large):
+            runs[rows].append(sampled_run(ctx, rows, ctx.workdir / "run-memory" / f"{rows}-{repeat}"))
+        log(
+            "real-run memory: peak summed PSS "
+            + ", ".join(f"{rows:,} rows {runs[rows][-1]['peak_sum'] / 1e6:.0f} MB" for rows in (small, large))
+        )
+    added_raw = raw_bytes(train_rows[large]) - raw_bytes(train_rows[small])
+    added_rows = train_rows[large] - train_rows[small]
+
+    def growth(key: str, per: int) -> Stats:
+        return Stats.of((b[key] - a[key]) / per for a, b in zip(runs[small], runs[large]))
+
+    node, rank = growth("peak_sum", added_raw), growth("peak_anon", added_rows)
+    return Result(
+        name="run_memory",
+        title="Real-run memory",
+        ratio=node,
+        target=RUN_TARGET,
+        direction="le",
+        ratio_label="growth of the peak summed (anon + node-cache) PSS of the ranks ÷ raw train bytes added, "
+        f"{small:,} to {large:,} rows, a real 2-rank train stage",
+        rows=[
+            *(
+                Row(
+                    f"{rows:,} rows: peak summed PSS of the 2 ranks",
+                    Stats.of(r["peak_sum"] / 1e6 for r in runs[rows]),
+                    "MB",
+                )
+                for rows in (small, large)
+            ),
+            Row(
+                "a rank's anon memory at its peak, per train row added",
+                rank,
+                "bytes",
+                note="the sampler's epoch permutation: 8 bytes a row, plus 8/W for this rank's share",
+            ),
+        ],
+        notes=[
+            "The train stage as the Prefect task runs it (preflight, torchrun, training.train), 2 CPU ranks, "
+            "1 epoch, the node cache built in the run; every rank sampled every 50 ms from /proc. Fixed costs "
+            "(interpreter, torch, process group, model) cancel in the difference of the two runs.",
+            f"{ctx.sizes.memory_repeats} repeat(s).",
         ],
     )

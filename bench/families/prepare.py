@@ -15,8 +15,10 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from bench.harness import Result, Row, Stats, Timer, log
-from bench.workload import Context, data_config, prepared_dir, raw_bytes, source_file
+from bench import ddpflow_api
+from bench.harness.context import Context
+from bench.harness.results import Result, Row, Stats, Timer, log
+from bench.workloads.tabular import data_config, prepared_dir, raw_bytes, source_file
 
 
 def run(ctx: Context) -> list[Result]:
@@ -58,18 +60,14 @@ def run(ctx: Context) -> list[Result]:
 
 
 def prepare_into(ctx: Context, source: Path, root: Path) -> Path:
-    from bench.ddpflow_api import prepare
-
-    return prepare(data_config(ctx, source, root=root))
+    return ddpflow_api.prepare(data_config(ctx, source, root=root))
 
 
 def shard_settings(dataset_dir: Path) -> dict:
     """Compression, dictionary use and row-group size, read back from a written shard."""
     import pyarrow.parquet as pq
 
-    from training.data.manifest import read_manifest
-
-    manifest = read_manifest(dataset_dir)
+    manifest = ddpflow_api.manifest(dataset_dir)
     first = manifest.split_files(dataset_dir, "train")[0]
     metadata = pq.ParquetFile(first).metadata
     column = metadata.row_group(0).column(0)

@@ -9,16 +9,22 @@ largest size ÷ at the smallest (1.0 = linear; above: superlinear).
 
 from __future__ import annotations
 
-from bench.harness import Result, Row, Stats, Timer, log
-from bench.workload import BATCH, Context, build_model_and_optimizer, data_config, set_threads, source_file
+from bench import ddpflow_api
+from bench.harness.context import Context
+from bench.harness.results import Result, Row, Stats, Timer, log
+from bench.workloads.tabular import (
+    BATCH,
+    build_model_and_optimizer,
+    data_config,
+    set_threads,
+    source_file,
+    write_model,
+)
 
 LINEAR_WITHIN = 1.2  # per-row cost at the largest size at most 20% above the smallest's
 
 
 def stage_times(ctx: Context, rows: int) -> dict[str, float]:
-    from bench import ddpflow_api
-    from bench.evaluation import write_model
-
     source = source_file(ctx, rows)
     times: dict[str, float] = {}
     with Timer() as prepare:

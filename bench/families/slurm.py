@@ -18,12 +18,13 @@ import sys
 import time
 from pathlib import Path
 
-from bench import processes
-from bench.harness import Result, Row, Stats, log, skipped, turns
-from bench.orchestration import FIRST_STEP, NOOP_RANK, free_port, small_config, small_dataset
-from bench.workload import Context
+from bench import ddpflow_api
+from bench.harness import processes
+from bench.harness.context import Context
+from bench.harness.results import Result, Row, Stats, log, skipped, turns
+from bench.workloads.pipeline import FIRST_STEP, NOOP_RANK, small_config, small_dataset
+from devtools.ports import free_port
 from devtools.slurm_local_cluster import LocalSlurmCluster, missing_requirements, start, stop
-from training.log import TRAIN
 
 NAME, TITLE = "slurm", "Launch through Slurm"
 NODES = 2
@@ -109,23 +110,21 @@ def _stats(samples: list[dict[str, float]], key: str) -> Stats:
 
 def ddpflow_first_step(ctx: Context, dataset: Path, root: Path) -> dict[str, float]:
     """Seconds from the train stage's start to the job's rendezvous line, rank 0's first line, first step, the end."""
-    from bench.ddpflow_api import launch_training
-    from ddpflow.launch.stage import TrainRequest
-
     config = small_config(ctx, root, launcher="slurm", nnodes=NODES, nproc_per_node=1, progress_interval_s=1e-6)
+    train_line = ddpflow_api.train_line_prefix()
     seen: dict[str, float] = {}
 
     def on_line(line) -> None:
         now = time.perf_counter()
         if line.rank is None and line.text.startswith("ddpflow: rendezvous on "):
             seen.setdefault("rendezvous", now)
-        if line.rank == 0 and line.text.startswith(TRAIN):
+        if line.rank == 0 and line.text.startswith(train_line):
             seen.setdefault("first line", now)
         if line.rank == 0 and FIRST_STEP in line.text:
             seen.setdefault("first step", now)
 
     start = time.perf_counter()
-    launch_training(TrainRequest(config, dataset, root / "run", on_line=on_line), timeout_s=600)
+    ddpflow_api.launch_training(config, dataset, root / "run", on_line, timeout_s=600)
     seen["end"] = time.perf_counter()
     if "first step" not in seen:
         raise RuntimeError(f"no line with {FIRST_STEP!r} from rank 0 in the Slurm launch under {root / 'run'}")

@@ -16,8 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.harness import Result, Row, Stats, Timer, log, turns
-from bench.workload import Context, set_threads
+from bench import ddpflow_api
+from bench.harness.context import Context
+from bench.harness.results import Result, Row, Stats, Timer, log, turns
+from bench.workloads.tabular import set_threads
 
 MAX_LEN, VOCAB, BATCH = 64, 2000, 64
 MODEL_KWARGS = {"d_model": 32, "n_heads": 2, "n_layers": 1, "hidden": [32]}
@@ -27,9 +29,6 @@ def write_text_dataset(ctx: Context, rows: int) -> Path:
     """Zipf-distributed words of three "languages" (5-80 words a row), prepared by ddpflow's prepare."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-
-    from bench import ddpflow_api
-    from training.config import load_config
 
     rng = np.random.default_rng(0)
     words = np.array([f"w{i}" for i in range(5000)])
@@ -42,29 +41,26 @@ def write_text_dataset(ctx: Context, rows: int) -> Path:
     pq.write_table(pa.table({"snippet": text, "language": languages}), source)
     inputs = {"snippet": {"kind": "text", "max_len": MAX_LEN, "tokenizer": {"type": "bpe", "vocab_size": VOCAB}}}
     settings = [f"data.source={source}", f"data.root={ctx.workdir / 'text-shards'}", "data.label=language"]
-    data = load_config(None, [*settings, f"data.inputs={json.dumps(inputs)}"]).data
+    data = ddpflow_api.data_config_from_overrides([*settings, f"data.inputs={json.dumps(inputs)}"])
     return ddpflow_api.prepare(data)
 
 
 def train_strings(dataset: Path) -> list[str]:
     import pyarrow.parquet as pq
 
-    from training.data.manifest import read_manifest
-
-    manifest = read_manifest(dataset)
+    manifest = ddpflow_api.manifest(dataset)
     strings = []
     for path in manifest.split_files(dataset, "train"):
         strings += pq.read_table(path, columns=["snippet"])["snippet"].fill_null("").to_pylist()
     return strings
 
 
-def build_model(inputs, n_outputs: int):
+def build_model(dataset: Path):
+    """The built-in transformer for the dataset's text input, and AdamW."""
     import torch
 
-    from training.models import ModelSpec, build_model
-
     torch.manual_seed(0)
-    model = build_model(ModelSpec.for_inputs("transformer", inputs, n_outputs, MODEL_KWARGS))
+    model = ddpflow_api.model_for(dataset, "transformer", MODEL_KWARGS)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
@@ -101,16 +97,10 @@ def reference_epoch(model, optimizer, ids: list, labels, pad_id: int, epoch: int
 def run(ctx: Context) -> list[Result]:
     import torch
 
-    from bench import ddpflow_api
-    from training.data.manifest import read_manifest
-    from training.loading import manifest_codecs
-    from training.spec.inputs import inputs_from_manifest
-
     set_threads(ctx.threads)
     rows = 4_000 if ctx.quick else 20_000
     dataset = write_text_dataset(ctx, rows)
-    manifest = read_manifest(dataset)
-    codec = manifest_codecs(dataset, manifest)["snippet"]
+    codec = ddpflow_api.codecs(dataset)["snippet"]
     strings = train_strings(dataset)
     fill_rates, alone_rates = [], []
     for repeat in range(ctx.sizes.repeats):
@@ -123,20 +113,19 @@ def run(ctx: Context) -> list[Result]:
         log(f"text repeat {repeat + 1}: load_split {fill_rates[-1]:,.0f} rows/s, tokenizers {alone_rates[-1]:,.0f}")
     tokenize = Stats.of(a / b for a, b in zip(fill_rates, alone_rates))
 
-    inputs = inputs_from_manifest(manifest)
     ragged = split.inputs["snippet"]
     ids = [ragged.row(i).long() for i in range(len(ragged))]
     tokens_in_split = int(ragged.lengths().sum())
 
     def ddpflow_side(epoch: int) -> float:
-        model, optimizer = build_model(inputs, manifest.n_outputs)
+        model, optimizer = build_model(dataset)
         batches = ddpflow_api.train_batches(split, batch=BATCH)
         with Timer() as timer:
             ddpflow_api.train_epoch(model, optimizer, batches, epoch)
         return tokens_in_split / timer.seconds
 
     def reference_side(epoch: int) -> float:
-        model, optimizer = build_model(inputs, manifest.n_outputs)
+        model, optimizer = build_model(dataset)
         with Timer() as timer:
             tokens = reference_epoch(model, optimizer, ids, split.labels, codec.pad_id, epoch)
         return tokens / timer.seconds

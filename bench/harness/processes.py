@@ -16,8 +16,8 @@ from typing import Any
 
 import psutil
 
-from bench.harness import REPO_ROOT
-from ddpflow.launch.process_tree import session_members, stop_processes
+from bench.ddpflow_api import session_members, stop_processes
+from bench.harness.results import REPO_ROOT
 
 
 class ChildFailed(RuntimeError):

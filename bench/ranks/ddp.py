@@ -1,6 +1,6 @@
-"""One rank of a DDP throughput measurement; run under torchrun by bench/scaling.py and bench/gpu.py.
+"""One rank of a DDP throughput measurement; run under torchrun by the ddp and gpu families (bench/families/).
 
-    python -m torch.distributed.run --standalone --nproc_per_node=2 -m bench.ddp_rank \\
+    python -m torch.distributed.run --standalone --nproc_per_node=2 -m bench.ranks.ddp \\
         --feed ddpflow --data DATASET_DIR --steps 300 --warmup 30 --out DIR \\
         [--ranks ddpflow [--set train.cpu_poll_allreduce=true ...]] [--affinity] [--bucket-mb 25] [--grad-accum 4]
 
@@ -114,8 +114,8 @@ class PlainFeed:
         import numpy as np
         import torch
 
-        from bench import loaders
-        from bench.workload import cycle
+        from bench.workloads import loaders
+        from bench.workloads.tabular import cycle
 
         self.args, self.device = args, device
         data = np.load(args.data)
@@ -161,7 +161,7 @@ def main() -> None:
     args = parse_args()
     if args.ranks == "ddpflow":
         from bench import ddpflow_api
-        from bench.workload import build_model_and_optimizer
+        from bench.workloads.tabular import build_model_and_optimizer
 
         with ddpflow_api.ddpflow_rank(args.set) as rank:
             ctx = rank.ctx
@@ -177,7 +177,7 @@ def plain_rank(args) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from bench.workload import build_model_and_optimizer
+    from bench.workloads.tabular import build_model_and_optimizer
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])

@@ -1,10 +1,10 @@
-"""Memory of one job in fresh processes; run by bench/memory.py.
+"""Memory of one job in fresh processes; run by the memory family (bench/families/memory.py).
 
-    python -m bench.memory_probe load --how preallocated|concat|pandas --dataset DIR
-    python -m bench.memory_probe prepare --source FILE --root DIR
-    python -m bench.memory_probe anon --dataset DIR --cache-dir DIR
-    python -m bench.memory_probe build --dataset DIR --cache-dir DIR
-    python -m torch.distributed.run --standalone --nproc_per_node N -m bench.memory_probe \
+    python -m bench.ranks.memory_probe load --how preallocated|concat|pandas --dataset DIR
+    python -m bench.ranks.memory_probe prepare --source FILE --root DIR
+    python -m bench.ranks.memory_probe anon --dataset DIR --cache-dir DIR
+    python -m bench.ranks.memory_probe build --dataset DIR --cache-dir DIR
+    python -m torch.distributed.run --standalone --nproc_per_node N -m bench.ranks.memory_probe \
         node --how cache|load --dataset DIR --cache-dir DIR --out DIR
 
 ``load``/``prepare``: imports everything first, resets the kernel's peak-RSS mark
@@ -59,15 +59,13 @@ def load(how: str, dataset: str):
     import pyarrow.parquet as pq
     import torch
 
-    from training.data.manifest import read_manifest
+    from bench import ddpflow_api
 
-    manifest = read_manifest(dataset)
+    manifest = ddpflow_api.manifest(dataset)
     files = manifest.split_files(dataset, "train")
     columns = [*manifest.features, manifest.label]
     if how == "preallocated":
-        from bench.ddpflow_api import load_train_split
-
-        split = load_train_split(dataset)
+        split = ddpflow_api.load_train_split(dataset)
         return split.features, split.labels
     if how == "concat":  # read every shard, concatenate, then convert: the obvious pyarrow way
         table = pa.concat_tables([pq.read_table(path, columns=columns) for path in files])
@@ -84,10 +82,9 @@ def load(how: str, dataset: str):
 
 
 def prepare(source: str, root: str):
-    from training.config import DataConfig
-    from training.data.prepare import prepare_dataset
+    from bench import ddpflow_api
 
-    return prepare_dataset(DataConfig(source=source, label="label", root=root))
+    return ddpflow_api.prepare(ddpflow_api.data_config(source=source, label="label", root=root))
 
 
 def data_pss(cache_dir: str) -> int:
@@ -113,17 +110,15 @@ def node(how: str, dataset: str, cache_dir: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    import training.data.node_cache  # noqa: F401 - imported before the baseline, as training.train does
     from bench import ddpflow_api
-    from bench.workload import BATCH, build_model_and_optimizer
-    from training.data.manifest import read_manifest
-    from training.distributed import shard_range
+    from bench.workloads.tabular import BATCH, build_model_and_optimizer
 
+    ddpflow_api.import_node_cache()  # before the baseline, as training.train does
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model_and_optimizer = build_model_and_optimizer()
-    read_manifest(dataset)  # warm the JSON and dataclass machinery before the baseline
+    ddpflow_api.manifest(dataset)  # warm the JSON and dataclass machinery before the baseline
     baseline = data_pss(cache_dir)
     dist.barrier()
     started = time.perf_counter()
@@ -137,7 +132,7 @@ def node(how: str, dataset: str, cache_dir: str, out: str) -> None:
     load_seconds = time.perf_counter() - started
     for _ in ddpflow_api.train_batches(train, batch=BATCH, rank=rank, world_size=world).epoch(0):
         pass
-    start, stop = shard_range(len(val), rank, world)
+    start, stop = ddpflow_api.shard_range(len(val), rank, world)
     float(val.features[start:stop].sum())
     dist.barrier()  # every rank holds its data: the node's sum is now complete
     after = data_pss(cache_dir)
@@ -154,10 +149,11 @@ def anon(dataset: str, cache_dir: str, trim: bool = False) -> None:
     over an epoch of batches from the mapped train split (the cache built before, by the caller)."""
     import torch
 
-    import training.data.node_cache  # noqa: F401 - imported before the baseline, as training.train does
     from bench import ddpflow_api
-    from bench.processes import report
-    from bench.workload import BATCH
+    from bench.harness.processes import report
+    from bench.workloads.tabular import BATCH
+
+    ddpflow_api.import_node_cache()  # before the baseline, as training.train does
 
     torch.set_num_threads(1)
     held = held_anon if trim else (lambda: rss_bytes("RssAnon"))
@@ -183,12 +179,11 @@ def held_anon() -> int:
 def build(dataset: str, cache_dir: str) -> None:
     import threading
 
-    import training.data.node_cache  # noqa: F401 - what the builder process imports before it builds
     from bench import ddpflow_api
-    from bench.processes import report
-    from training.data.manifest import read_manifest
+    from bench.harness.processes import report
 
-    read_manifest(dataset)  # warm the JSON and dataclass machinery before the baseline
+    ddpflow_api.import_node_cache()  # what the builder process imports before it builds
+    ddpflow_api.manifest(dataset)  # warm the JSON and dataclass machinery before the baseline
     baseline_rss, baseline_anon = rss_bytes("VmRSS"), rss_bytes("RssAnon")
     exact = reset_peak()
     largest_anon, done = baseline_anon, threading.Event()
@@ -250,16 +245,16 @@ def main() -> None:
     import pyarrow.parquet  # noqa: F401
     import torch  # noqa: F401
 
-    import training.data.prepare
-    import training.loading  # noqa: F401
+    from bench import ddpflow_api
+    from bench.harness.processes import report
+
+    ddpflow_api.import_prepare_and_load()
 
     baseline = rss_bytes("VmRSS")
     exact = reset_peak()
     result = load(args.how, args.dataset) if args.job == "load" else prepare(args.source, args.root)
     peak = rss_bytes("VmHWM") if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     del result
-    from bench.processes import report
-
     report(baseline=baseline, peak=peak, peak_above_imports=peak - baseline, exact_peak=exact)
 
 

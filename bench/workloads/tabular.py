@@ -1,20 +1,20 @@
-"""The shared workload: sizes, data on disk, the model, and a training loop.
+"""The shared tabular workload: data on disk, the model, and a training loop.
 
 Default workload: synthetic classification, 1M rows x 32 float32 features,
 10 classes, MLP 32-256-256-10, AdamW, batch 512 per rank, one torch thread per
-rank (two ranks on two cores). Everything a benchmark writes lives under the
-run's temporary directory and is built at most once per run (``Context.cache``).
+rank (two ranks on two cores). Its sizes are the run's (bench/harness/context.py);
+what it writes is built at most once per run (``Context.cached``).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from bench import ddpflow_api
+from bench.harness.context import Context
 
 FEATURES = 32
 CLASSES = 10
@@ -22,94 +22,6 @@ HIDDEN = (256, 256)
 BATCH = 512
 LR = 1e-3
 WEIGHT_DECAY = 0.01
-
-
-@dataclass(frozen=True)
-class Sizes:
-    rows: int = 1_000_000
-    repeats: int = 3
-    # in-process training measurements: timed steps after warm-up steps
-    steps: int = 400
-    warmup: int = 20
-    # torchrun measurements (per launch)
-    ddp_steps: int = 800  # ~6 s per launch: short windows let one burst of host noise decide a repeat
-    ddp_warmup: int = 30
-    naive_steps: int = 15
-    grad_accum: int = 4
-    grad_accum_more: int = (
-        8  # the headline: the accumulation this machine needs to hide its all-reduce (docs/benchmarks.md)
-    )
-    ddp_configs: tuple[str, ...] = (
-        "one",
-        "plain",
-        "affinity",
-        "bucket",
-        "defaults",
-        "poll",
-        "alone",
-        "accum",
-        "accum_more",
-        "naive",
-    )
-    ddp_repeats: int = 3
-    memory_repeats: int = 2
-    # rows for the memory and scale families
-    prepare_memory_rows: tuple[int, int] = (1_000_000, 4_000_000)  # 1x and 4x the workload
-    # 1x and 4x for a rank's anon memory with an image column: prepare checks and profiles every image
-    # (about 1-2 ms each on 2 cores), so far fewer rows than the numeric 1x/4x
-    image_anon_rows: tuple[int, int] = (25_000, 100_000)
-    scale_rows: tuple[int, ...] = (250_000, 1_000_000, 4_000_000)
-    orchestration_rows: int = 20_000
-    orchestration_repeats: int = 2
-
-    def with_rows(self, rows: int) -> Sizes:
-        """The same run on another dataset size; the 1x/4x and scale sizes follow."""
-        return replace(self, rows=rows, prepare_memory_rows=(rows, rows * 4), scale_rows=(rows // 4, rows, rows * 4))
-
-
-FULL = Sizes()
-QUICK = Sizes(
-    rows=20_000,
-    repeats=2,
-    steps=20,
-    warmup=3,
-    ddp_steps=20,
-    ddp_warmup=3,
-    naive_steps=5,
-    grad_accum=2,
-    ddp_configs=("one", "plain", "defaults"),  # proves both rank set-ups and the headline, measures nothing
-    ddp_repeats=1,
-    memory_repeats=1,
-    prepare_memory_rows=(5_000, 20_000),
-    image_anon_rows=(200, 800),
-    scale_rows=(5_000, 20_000),
-    orchestration_rows=2_000,
-    orchestration_repeats=1,
-)
-
-
-@dataclass
-class Context:
-    sizes: Sizes
-    quick: bool
-    gpu: bool
-    workdir: Path
-    threads: int = 1
-    cache: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def create(cls, *, quick: bool, gpu: bool, workdir: str | None = None) -> Context:
-        root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="ddpflow-bench-"))
-        root.mkdir(parents=True, exist_ok=True)
-        return cls(sizes=QUICK if quick else FULL, quick=quick, gpu=gpu, workdir=root)
-
-    def cleanup(self) -> None:
-        shutil.rmtree(self.workdir, ignore_errors=True)
-
-    def cached(self, key: str, build: Callable[[], Any]) -> Any:
-        if key not in self.cache:
-            self.cache[key] = build()
-        return self.cache[key]
 
 
 # --------------------------------------------------------------------------- data
@@ -126,25 +38,21 @@ def raw_bytes(rows: int) -> int:
 
 def source_file(ctx: Context, rows: int) -> Path:
     """A Parquet source (plain encoding, the synthetic generator's), written once per run."""
-    from training.data.synthetic import write_synthetic
 
     def build() -> Path:
-        return write_synthetic(synthetic_url(rows), ctx.workdir / "source" / f"rows-{rows}.parquet")
+        return ddpflow_api.write_synthetic(synthetic_url(rows), ctx.workdir / "source" / f"rows-{rows}.parquet")
 
     return ctx.cached(f"source:{rows}", build)
 
 
 def data_config(ctx: Context, source: str | Path, root: str | Path | None = None, **overrides: Any):
-    from training.config import DataConfig
-
-    return DataConfig(source=str(source), label="label", root=str(root or ctx.workdir / "shards"), **overrides)
+    root = str(root or ctx.workdir / "shards")
+    return ddpflow_api.data_config(source=str(source), label="label", root=root, **overrides)
 
 
 def prepared_dir(ctx: Context, rows: int) -> Path:
     """ddpflow's prepared dataset (manifest + shards) for ``rows`` rows, prepared once per run."""
-    from bench.ddpflow_api import prepare
-
-    return ctx.cached(f"prepared:{rows}", lambda: prepare(data_config(ctx, source_file(ctx, rows))))
+    return ctx.cached(f"prepared:{rows}", lambda: ddpflow_api.prepare(data_config(ctx, source_file(ctx, rows))))
 
 
 # The mixed table (issue 21's data path): the workload's numeric columns plus these categoricals, each drawn
@@ -174,13 +82,11 @@ def mixed_source_file(ctx: Context, rows: int) -> Path:
 
 def mixed_prepared_dir(ctx: Context, rows: int) -> Path:
     """The mixed table prepared with ``data.inputs``: FEATURES numeric columns and ``CATEGORICALS``."""
-    from bench.ddpflow_api import prepare
-
     inputs = {**{f"f{i}": "numeric" for i in range(FEATURES)}, **dict.fromkeys(CATEGORICALS, "categorical")}
 
     def build() -> Path:
         config = data_config(ctx, mixed_source_file(ctx, rows), ctx.workdir / "mixed-shards", inputs=inputs)
-        return prepare(config)
+        return ddpflow_api.prepare(config)
 
     return ctx.cached(f"mixed-prepared:{rows}", build)
 
@@ -191,11 +97,9 @@ def train_arrays(ctx: Context, rows: int):
     import pyarrow.parquet as pq
     import torch
 
-    from training.data.manifest import read_manifest
-
     def build():
         dataset = prepared_dir(ctx, rows)
-        manifest = read_manifest(dataset)
+        manifest = ddpflow_api.manifest(dataset)
         files, features, label = manifest.split_files(dataset, "train"), manifest.features, manifest.label
         table = pq.read_table(files, columns=[*features, label])
         x = np.empty((table.num_rows, len(features)), dtype=np.float32)
@@ -215,10 +119,8 @@ def build_model_and_optimizer(
 ):
     import torch
 
-    from training.models import ModelSpec, build_model
-
     torch.manual_seed(seed)
-    model = build_model(ModelSpec("mlp", n_features, n_outputs, {"hidden": list(HIDDEN)})).to(device or "cpu")
+    model = ddpflow_api.mlp(n_features, n_outputs, HIDDEN).to(device or "cpu")
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     return model, optimizer
 
@@ -227,15 +129,17 @@ def build_input_model_and_optimizer(dataset: Path, seed: int = 0):
     """The built-in mlp for the dataset's inputs (embeddings for its categoricals), HIDDEN wide, and AdamW."""
     import torch
 
-    from training.data.manifest import read_manifest
-    from training.models import ModelSpec, build_model
-    from training.spec.inputs import inputs_from_manifest
-
-    manifest = read_manifest(dataset)
     torch.manual_seed(seed)
-    spec = ModelSpec.for_inputs("mlp", inputs_from_manifest(manifest), manifest.n_outputs, {"hidden": list(HIDDEN)})
-    model = build_model(spec)
+    model = ddpflow_api.model_for(dataset, "mlp", {"hidden": list(HIDDEN)})
     return model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+
+
+def write_model(dataset: Path, path: Path) -> Path:
+    """A model.pt of the workload's MLP for ``dataset``, as training writes it, with untrained weights (they do
+    not change how fast it evaluates)."""
+    manifest = ddpflow_api.manifest(dataset)
+    model, _ = build_model_and_optimizer(manifest.n_features, manifest.n_outputs)
+    return ddpflow_api.write_model_file(dataset, path, model, HIDDEN)
 
 
 def train_step(model, optimizer, loss_fn, x, y) -> None:
