@@ -1,4 +1,4 @@
-"""Drift of a text input (ddpflow/drift.py calls it for each text input both datasets have).
+"""Drift of a text input (report.py calls it for each text input both datasets have).
 
 From prepare's train-split statistics (training/spec/text.py: ``text_drift_stats``), three entries:
 - ``<name>:length``: PSI over the tokens-per-row distribution (its bins grouped into about equal shares of the
@@ -18,14 +18,14 @@ from typing import Any
 
 import numpy as np
 
+from ddpflow.drift.psi import DRIFT_GROUPS, FeatureDrift, category_psi, equal_share_groups, population_stability_index
 
-def text_drift(name: str, reference: dict[str, Any], current: dict[str, Any]) -> list:
-    from ddpflow.drift import DRIFT_GROUPS, FeatureDrift, _equal_share_groups, category_psi, population_stability_index
 
+def text_drift(name: str, reference: dict[str, Any], current: dict[str, Any]) -> list[FeatureDrift]:
     before, after = _padded(reference["lengths"], current["lengths"])
     entries = []
     if before.sum() > 0 and after.sum() > 0:
-        group = _equal_share_groups(before, DRIFT_GROUPS)
+        group = equal_share_groups(before, DRIFT_GROUPS)
         psi = population_stability_index(np.bincount(group, weights=before), np.bincount(group, weights=after))
         mean_before, std_before = _mean_std(before)
         mean_after, _ = _mean_std(after)

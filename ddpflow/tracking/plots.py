@@ -12,7 +12,7 @@ from training.evaluate import CONFUSION_MAX_CLASSES, EvalResult
 from training.spec.next_token import LANGUAGE_MODEL
 
 if TYPE_CHECKING:
-    from ddpflow.drift import DriftReport
+    from ddpflow.drift.report import DriftReport
 
 DRIFT_FEATURES_SHOWN = 30  # beyond this the labels are unreadable; the report JSON has them all
 
