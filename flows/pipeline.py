@@ -34,7 +34,7 @@ from prefect.runtime import deployment, flow_run
 from prefect.states import Completed, State
 
 from ddpflow.launch.failure import LaunchInterrupted
-from ddpflow.launch.slurm_commands import check_cluster
+from ddpflow.launch.slurm.commands import check_cluster
 from ddpflow.rundirs import find_resumable_run, new_run_dir
 from ddpflow.tracking.registry import champion_checkpoint
 from ddpflow.tracking.runs import (

@@ -19,7 +19,7 @@ from flow.flow_logs import flow_run_logs
 from mlflow.tracking import MlflowClient
 from slurm_cluster import processes_mentioning, wait_until
 
-from ddpflow.launch.slurm_commands import SlurmSetupError
+from ddpflow.launch.slurm.commands import SlurmSetupError
 from training.config import ConfigError
 from training.data.manifest import read_manifest
 from training.layout import FINAL_MODEL

@@ -9,13 +9,13 @@ errors (``RankFailed`` with the root cause, ``LaunchTimeout``, ``LaunchStalled``
 ``LaunchInterrupted``, ``LaunchError``). ``LAUNCHERS["slurm"]`` in stage.py.
 
 How:
-  * preflight (slurm_commands.check_cluster): the commands answer, the partition exists;
-  * the batch script and the sbatch argv (slurm_script.py), the job id recorded in
+  * preflight (commands.check_cluster): the commands answer, the partition exists;
+  * the batch script and the sbatch argv (script.py), the job id recorded in
     RUN_DIR/slurm/job.json before anything else can happen (signals are held meanwhile);
   * following with ``scontrol show job`` every ``slurm.poll_interval_s`` (PENDING reasons are
     said once each), and every node's lines from the job's output file, labelled
     ``[n2 rank 1]`` / ``[n2 torchrun]`` / ``[slurm]``;
-  * the end (slurm_output.py): COMPLETED -> the result; otherwise the root cause per node, with
+  * the end (output.py): COMPLETED -> the result; otherwise the root cause per node, with
     the local launcher's failure analysis (failure.py) on that node's torchrun lines and logs;
   * any way out before the end (exception, SIGTERM/SIGINT, cancellation, timeout, stall) runs
     ``scancel`` and waits up to 30 s until Slurm says nothing of the job is left;
@@ -35,16 +35,14 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 from ddpflow.launch.command import launch_env
 from ddpflow.launch.failure import LaunchError, LaunchInterrupted, LaunchStalled, LaunchTimeout
-from ddpflow.launch.process_tree import chain_to_previous_handler
-from ddpflow.launch.slurm_commands import (
+from ddpflow.launch.process_tree import forward_signals
+from ddpflow.launch.slurm.commands import (
     JobInfo,
     SlurmSetupError,
     SlurmUnreachable,
@@ -54,7 +52,7 @@ from ddpflow.launch.slurm_commands import (
     show_job,
     submit,
 )
-from ddpflow.launch.slurm_output import (
+from ddpflow.launch.slurm.output import (
     SRUN_LABEL,
     OutputTail,
     SlurmLine,
@@ -62,7 +60,7 @@ from ddpflow.launch.slurm_output import (
     raise_unless_completed,
     read_end_record,
 )
-from ddpflow.launch.slurm_script import JobPaths, batch_script, sbatch_command
+from ddpflow.launch.slurm.script import JobPaths, batch_script, sbatch_command
 from ddpflow.launch.stage import TrainRequest, TrainResult, check_request, finished_result, write_job
 from ddpflow.launch.supervisor import run_dir_lock
 from training.config import PipelineConfig
@@ -335,28 +333,17 @@ class _JobFollower:
             except LaunchError:
                 pass  # not confirmed yet: stop_unless_ended() waits for it
 
-    @contextmanager
-    def scancel_on_signals(self) -> Iterator[None]:
-        """While the job is ours: SIGTERM/SIGINT scancel it first, then go to the previous handler."""
-        if threading.current_thread() is not threading.main_thread():
-            yield  # only the main thread may set handlers; follow() watches the main thread instead
-            return
-        previous = {}
+    def scancel_on_signals(self):
+        """While the job is ours: SIGTERM/SIGINT scancel it first, then go to the previous handler (in the main
+        thread only; elsewhere follow() watches the main thread instead)."""
 
-        def handler(signum, frame):
+        def stop(signum: int) -> None:
             self.stop_reason = LaunchInterrupted(
                 f"received {signal.Signals(signum).name}; cancelled Slurm job {self.job_id}"
             )
             self.scancel_now()
-            chain_to_previous_handler(previous[signum], signum, frame)
 
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            previous[sig] = signal.signal(sig, handler)
-        try:
-            yield
-        finally:
-            for sig, old in previous.items():
-                signal.signal(sig, old)
+        return forward_signals(stop)
 
     @staticmethod
     def _hold_signals() -> set | None:

@@ -1,4 +1,4 @@
-"""A Slurm job's output and how it ended (plain Python): the other half of ddpflow/launch/slurm.py.
+"""A Slurm job's output and how it ended (plain Python): the other half of launcher.py.
 
     line = label_line(raw, ["n1", "n2"])          # "1: [default1]:text" -> [n2 rank 1] text
     raise_unless_completed(config, paths, job_id, info, stop)   # nothing when COMPLETED, else the error
@@ -25,8 +25,8 @@ from ddpflow.launch.failure import (
     failure_from_output,
     is_peer_lost,
 )
-from ddpflow.launch.slurm_commands import JobInfo, SlurmSetupError, expand_nodes
-from ddpflow.launch.slurm_script import CANNOT_SEE, JobPaths
+from ddpflow.launch.slurm.commands import JobInfo, SlurmSetupError, expand_nodes
+from ddpflow.launch.slurm.script import CANNOT_SEE, JobPaths
 from ddpflow.launch.supervisor import OutputLine, parse_line
 from training.config import PipelineConfig
 

@@ -137,7 +137,7 @@ def batch_script(
     lines = [
         "#!/bin/bash",
         f"# ddpflow training job for {run_dir}",
-        "# Written by ddpflow/launch/slurm_script.py and kept for people to read. Submitted as:",
+        "# Written by ddpflow/launch/slurm/script.py and kept for people to read. Submitted as:",
         "#   " + " ".join(q(part) for part in sbatch_command(config, paths, layout)),
         "# Its output: RUN_DIR/slurm/<job id>.out (every node's lines, labelled 'K: ' with the node's index).",
         "set -u",
