@@ -396,20 +396,20 @@ def stop_processes(processes, grace_s: float) -> None:
 
 def stack_up(project: Path, **options: Any) -> None:
     """``ddpflow stack up`` (the local Prefect and MLflow servers, work pool, deployments, worker) for ``project``."""
-    from ddpflow import stack
+    from ddpflow.services import stack
 
     stack.up(project, **options)
 
 
 def stack_down(project: Path, **options: Any) -> None:
     """``ddpflow stack down``: stops what ``stack_up`` started."""
-    from ddpflow import stack
+    from ddpflow.services import stack
 
     stack.down(project, **options)
 
 
 def start_temporary_server(env: dict[str, str]):
     """The temporary Prefect server a ``ddpflow run`` without a stack starts (``.wait_until_ready``, ``.stop``)."""
-    from ddpflow.prefect_server import start_temporary_server as start
+    from ddpflow.services.prefect_server import start_temporary_server as start
 
     return start(env)

@@ -6,14 +6,14 @@
     ddpflow stack    up|down|status [--project .] [--prefect-port 4200] [--mlflow-port 5000] ...
 
 Each subcommand calls plain functions (``training.data.prepare``, the flows,
-``ddpflow.stack``) and prints a short summary for people, or with ``--json``
+``ddpflow.services.stack``) and prints a short summary for people, or with ``--json``
 one JSON object on stdout (everything else goes to stderr).
 
 Exit status: 0 done; 1 a flow or the stack failed (the last line says which and
 why); 2 a user error (``error: ...`` on the last line, no traceback); 130 Ctrl-C;
 128 + N when signal N ended it (SIGTERM 143, SIGHUP 129, also sent when the
 parent process dies). Whatever ends it, `run` and `register` stop everything
-they started first (ddpflow/lifetime.py, ddpflow/prefect_server.py).
+they started first (ddpflow/lifetime.py, ddpflow/services/prefect_server.py).
 
 `run` and `register` use ``PREFECT_API_URL`` if set, else the project's stack
 if it runs (`ddpflow stack up`), else a temporary Prefect server of their own.
@@ -32,9 +32,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ddpflow import stack
 from ddpflow.lifetime import Terminated, ended_by_signals, shielded
-from ddpflow.prefect_server import PrefectServer, PrefectServerError, prefect_server
+from ddpflow.services import stack
+from ddpflow.services.prefect_server import PrefectServer, PrefectServerError, prefect_server
 from flows.environment import set_local_defaults
 from training.config import ConfigError, PipelineConfig, load_config
 from training.selection import describe_selection

@@ -10,7 +10,7 @@ finds the stack's Prefect server by itself), minus the bare work: torchrun
 ``training.train`` then ``evaluate_split`` in a plain process, on the same
 prepared data. Next to it, in the same repeat, ``ddpflow run`` in a project
 without a stack, which starts and stops a temporary Prefect server of its own
-(ddpflow/prefect_server.py): the difference is what the temporary server costs
+(ddpflow/services/prefect_server.py): the difference is what the temporary server costs
 a run.
 """
 

@@ -64,7 +64,7 @@ import psutil
 
 from ddpflow.launch.process_tree import is_running, session_members, stop_processes, with_parent_death_signal
 from ddpflow.lifetime import shielded
-from ddpflow.stack import HOST, http_ok, running_prefect_api
+from ddpflow.services.stack import HOST, http_ok, running_prefect_api
 
 # What Prefect sets for its own temporary server (SubprocessASGIServer._run_uvicorn_command).
 TEMPORARY_SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}

@@ -22,7 +22,7 @@ import yaml
 from flow.cli_runs import cli_env
 from mlflow.tracking import MlflowClient
 
-from ddpflow import stack as local_stack
+from ddpflow.services import stack as local_stack
 from devtools.ports import free_port
 from training.log import TRAIN
 
