@@ -35,6 +35,10 @@ import os
 import time
 from pathlib import Path
 
+from bench import ddpflow_api
+from bench.workloads import loaders
+from bench.workloads.tabular import build_model_and_optimizer, cycle
+
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
@@ -74,7 +78,6 @@ class DdpflowFeed:
     """Warm-up and timed epochs through ddpflow's loader and training loop."""
 
     def __init__(self, args, rank: int, world: int, device):
-        from bench import ddpflow_api
 
         self.api, self.args, self.device = ddpflow_api, args, device
         split = ddpflow_api.node_splits(args.data, ["train"])["train"].tensors  # as training.train gets it
@@ -113,9 +116,6 @@ class PlainFeed:
     def __init__(self, args, rank: int, world: int, device):
         import numpy as np
         import torch
-
-        from bench.workloads import loaders
-        from bench.workloads.tabular import cycle
 
         self.args, self.device = args, device
         data = np.load(args.data)
@@ -160,9 +160,6 @@ class PlainFeed:
 def main() -> None:
     args = parse_args()
     if args.ranks == "ddpflow":
-        from bench import ddpflow_api
-        from bench.workloads.tabular import build_model_and_optimizer
-
         with ddpflow_api.ddpflow_rank(args.set) as rank:
             ctx = rank.ctx
             model, optimizer = build_model_and_optimizer(device=ctx.device)
@@ -176,8 +173,6 @@ def plain_rank(args) -> None:
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
-
-    from bench.workloads.tabular import build_model_and_optimizer
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])

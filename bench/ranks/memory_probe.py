@@ -36,6 +36,10 @@ import os
 import resource
 from pathlib import Path
 
+from bench import ddpflow_api
+from bench.harness.processes import report
+from bench.workloads.tabular import BATCH, build_model_and_optimizer
+
 
 def rss_bytes(field: str) -> int:
     """VmRSS (now) or VmHWM (peak since the last reset) from /proc/self/status."""
@@ -59,8 +63,6 @@ def load(how: str, dataset: str):
     import pyarrow.parquet as pq
     import torch
 
-    from bench import ddpflow_api
-
     manifest = ddpflow_api.manifest(dataset)
     files = manifest.split_files(dataset, "train")
     columns = [*manifest.features, manifest.label]
@@ -82,7 +84,6 @@ def load(how: str, dataset: str):
 
 
 def prepare(source: str, root: str):
-    from bench import ddpflow_api
 
     return ddpflow_api.prepare(ddpflow_api.data_config(source=source, label="label", root=root))
 
@@ -109,9 +110,6 @@ def node(how: str, dataset: str, cache_dir: str, out: str) -> None:
 
     import torch
     import torch.distributed as dist
-
-    from bench import ddpflow_api
-    from bench.workloads.tabular import BATCH, build_model_and_optimizer
 
     ddpflow_api.import_node_cache()  # before the baseline, as training.train does
     torch.set_num_threads(1)
@@ -149,10 +147,6 @@ def anon(dataset: str, cache_dir: str, trim: bool = False) -> None:
     over an epoch of batches from the mapped train split (the cache built before, by the caller)."""
     import torch
 
-    from bench import ddpflow_api
-    from bench.harness.processes import report
-    from bench.workloads.tabular import BATCH
-
     ddpflow_api.import_node_cache()  # before the baseline, as training.train does
 
     torch.set_num_threads(1)
@@ -178,9 +172,6 @@ def held_anon() -> int:
 
 def build(dataset: str, cache_dir: str) -> None:
     import threading
-
-    from bench import ddpflow_api
-    from bench.harness.processes import report
 
     ddpflow_api.import_node_cache()  # what the builder process imports before it builds
     ddpflow_api.manifest(dataset)  # warm the JSON and dataclass machinery before the baseline
@@ -244,9 +235,6 @@ def main() -> None:
     import pandas  # noqa: F401
     import pyarrow.parquet  # noqa: F401
     import torch  # noqa: F401
-
-    from bench import ddpflow_api
-    from bench.harness.processes import report
 
     ddpflow_api.import_prepare_and_load()
 
