@@ -4,6 +4,7 @@
     ddpflow run      --config configs/demo.yaml [--set train.epochs=1] [--json]
     ddpflow register --run-id <mlflow run id> [--config ...]   (re-run the registration gate)
     ddpflow stack    up|down|status [--project .] [--prefect-port 4200] [--mlflow-port 5000] ...
+    ddpflow serve    NAME[@alias|/version] [--port 5001] [--tracking-uri URI]   (MLflow's scoring server)
 
 Each subcommand calls plain functions (``training.data.prepare``, the flows,
 ``ddpflow.services.stack``) and prints a short summary for people, or with ``--json``
@@ -27,6 +28,7 @@ import atexit
 import json
 import os
 import re
+import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -93,6 +95,35 @@ def cmd_register(args: argparse.Namespace) -> None:
         return _run_flow(register_finished_run, run_id=args.run_id, config=config, overrides=overrides)
 
     print_summary(_with_prefect_server(register), args.json)
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    """MLflow's scoring server for a registered model, until Ctrl-C or SIGTERM (then nothing is left running)."""
+    from ddpflow.serve import ScoringServer, ScoringServerError
+    from ddpflow.tracking.runs import resolve_tracking_uri
+    from ddpflow.tracking.served_model import served_model
+
+    if args.tracking_uri:
+        os.environ["MLFLOW_TRACKING_URI"] = args.tracking_uri
+    tracking_uri = resolve_tracking_uri(_load(args))  # --tracking-uri, else $MLFLOW_TRACKING_URI, else the config
+    model = served_model(args.model, tracking_uri)  # a missing model, alias or version: exit 2, named
+    try:
+        with ScoringServer(model.uri, tracking_uri, host=args.host, port=args.port) as server:
+            server.wait_until_ready()
+            print(_serving_note(model, server.url), flush=True)
+            server.wait()
+    except ScoringServerError as error:
+        raise CommandFailed(str(error)) from None
+
+
+def _serving_note(model: Any, url: str) -> str:
+    lines = [f"Serving {model.name} v{model.version} ({model.uri}) at {url}"]
+    if model.example is not None:
+        body = shlex.quote(json.dumps(model.example))
+        lines.append("Score one row of its input example:")
+        lines.append(f"  curl -s {url}/invocations -H 'Content-Type: application/json' -d {body}")
+    lines.append("Ctrl-C stops it.")
+    return "\n".join(lines)
 
 
 def cmd_stack(args: argparse.Namespace) -> None:
@@ -179,16 +210,32 @@ def print_summary(summary: dict[str, Any], as_json: bool) -> None:
 
 
 def _for_people(summary: dict[str, Any]) -> dict[str, Any]:
-    """The headline test metrics on one line; per-class precision/recall stay in --json and MLflow.
+    """The headline test metrics on one line, the accuracy with the majority class's share beside it (what always
+    guessing that class scores) and counts as integers; per-class precision/recall stay in --json and MLflow.
     Data drift as its one-line message (the per-feature numbers are in --json and the MLflow run)."""
     metrics = summary.get("test_metrics") or {}
-    headline = {name: value for name, value in metrics.items() if not re.search(r"_(precision|recall)_", name)}
-    shown = ", ".join(
-        f"{name}={value:.4g}" if isinstance(value, float) else f"{name}={value}" for name, value in headline.items()
-    )
+    headline = {
+        name: value
+        for name, value in metrics.items()
+        if not re.search(r"_(precision|recall)_", name) and not name.endswith(MAJORITY_SHARE)
+    }
+    shown = ", ".join(_metric_text(name, value, metrics) for name, value in headline.items())
     drift = {"data_drift": summary["data_drift"].get("message")} if summary.get("data_drift") else {}
     selection = {"selection": describe_selection(summary["selection"])} if summary.get("selection") else {}
     return {**summary, "test_metrics": shown, **drift, **selection}
+
+
+MAJORITY_SHARE = "_majority_share"  # <split>_majority_share: training/evaluate.py
+_COUNT = re.compile(r"_(samples|tokens|scored_rows)$")  # metrics that count rows or tokens
+
+
+def _metric_text(name: str, value: Any, metrics: dict[str, Any]) -> str:
+    """``name=value``: 4 significant digits, a count as an integer, an accuracy with its split's majority share."""
+    if isinstance(value, float) and _COUNT.search(name) and value.is_integer():
+        return f"{name}={int(value)}"
+    text = f"{name}={value:.4g}" if isinstance(value, float) else f"{name}={value}"
+    share = metrics.get(name.removesuffix("_accuracy") + MAJORITY_SHARE) if name.endswith("_accuracy") else None
+    return f"{text} (majority class {share:.4g})" if isinstance(share, float) else text
 
 
 def _where_to_look(summary: dict[str, Any]) -> str:
@@ -253,6 +300,15 @@ def build_parser() -> argparse.ArgumentParser:
     stack_parser.add_argument("--mlflow-dir", help="where mlflow.db and mlartifacts/ live (default: <project>)")
     stack_parser.add_argument("--json", action="store_true", help="print one machine-readable JSON object")
     stack_parser.set_defaults(handler=cmd_stack)
+
+    serve = sub.add_parser("serve", help="serve a registered model over HTTP (MLflow's scoring server) until Ctrl-C")
+    serve.add_argument("model", metavar="NAME[@alias|/version]", help="registered model; NAME alone: NAME@champion")
+    serve.add_argument("--port", type=int, default=5001, help="default: 5001 (the stack's MLflow server has 5000)")
+    serve.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1 (0.0.0.0: reachable from others)")
+    serve.add_argument("--tracking-uri", help="the registry (default: $MLFLOW_TRACKING_URI, else the config's)")
+    serve.add_argument("--config", "-c", help="YAML config file (its mlflow.tracking_uri)")
+    serve.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    serve.set_defaults(handler=cmd_serve)
     return parser
 
 

@@ -48,7 +48,10 @@ def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_label(config: PipelineConfig) -> str:
-    """``<model>-<data>``, e.g. ``mlp-synthetic-classification`` or ``tabnet-sales``."""
+    """``<model>-<data>``, e.g. ``mlp-synthetic-classification`` or ``tabnet-sales``; with ``train.model: auto``
+    (the default, resolved only once the data is prepared) the data alone, e.g. ``synthetic-classification``."""
+    if config.train.model == "auto":
+        return _safe(data_label(config.data.source))
     return _safe(f"{model_label(config.train.model)}-{data_label(config.data.source)}")
 
 

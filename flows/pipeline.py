@@ -57,6 +57,7 @@ from tasks.register import register_model
 from tasks.train import KILL_GRACE_S, TrainRequest, train_model
 from training.config import PipelineConfig
 from training.data.prepare import PreparedDataset
+from training.models import with_resolved_model
 from training.preflight import check_data, check_machine
 from training.selection import selection_summary
 from training.topology import RankLayout
@@ -92,6 +93,8 @@ def train_pipeline(
     check_tracking_reachable(tracking_uri)
 
     prepared = prepare_data(config)
+    # train.model auto -> the built-in model for these inputs: what the run records and its identity holds.
+    config = with_resolved_model(config, prepared.manifest)
     check_data(config, prepared.manifest, layout)
     if config.train.skip_if_unchanged:
         unchanged = check_unchanged(config, prepared.fingerprint, tracking_uri)

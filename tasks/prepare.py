@@ -20,6 +20,7 @@ from prefect.logging import get_run_logger
 from training.config import PipelineConfig
 from training.data.prepare import PreparedDataset, prepare_dataset
 from training.layout import SPLITS
+from training.spec.inputs import describe_inputs, inputs_from_manifest
 
 
 @task(name="prepare-data", retries=0, cache_policy=NO_CACHE)
@@ -28,12 +29,12 @@ def prepare_data(config: PipelineConfig) -> PreparedDataset:
     prepared = prepare_dataset(config.data)
     manifest = prepared.manifest
     logger.info(
-        "%s dataset %s at %s (%s, %d features, train/val/test rows %s, %d dropped)",
+        "%s dataset %s at %s (%s, inputs: %s, train/val/test rows %s, %d dropped)",
         "cache hit:" if prepared.cache_hit else "prepared",
         prepared.fingerprint,
         prepared.dataset_dir,
         manifest.task,
-        manifest.n_features,
+        describe_inputs(inputs_from_manifest(manifest)),
         "/".join(str(manifest.rows(split)) for split in SPLITS),
         manifest.dropped_rows,
     )

@@ -140,9 +140,18 @@ def inference_checkpoint(
         # The fitted encoders (training/spec/codecs.py: encoders.json) and the weight column: raw rows in.
         "encoders": encoders or {},
         "weight": manifest.weight,
+        # Each input's type in the source, as prepare read it ("int64", "bool", "float"...): what the served
+        # model's signature declares (training/serving.py: raw_example). Absent in older files: float64.
+        "source_types": source_types(manifest),
         "selected_epoch": selection["selected_epoch"] if selection else metrics.get("epoch", epochs - 1),
         "selection": selection,
     }
+
+
+def source_types(manifest: Manifest) -> dict[str, str]:
+    """The inputs' Arrow types in the source (the manifest's ``schema``), by name."""
+    inputs = set(manifest.input_names())
+    return {column["name"]: column["type"] for column in manifest.schema if column["name"] in inputs}
 
 
 def training_identity(config: PipelineConfig | Mapping[str, Any], fingerprint: str | None) -> dict[str, Any]:

@@ -53,6 +53,8 @@ ChangesWeightsWhenSet = Annotated[_T, WeightsEffect(True, omitted_at_default=Tru
 KeepsWeights = Annotated[_T, WeightsEffect(False)]  # may change between attempts of one training
 
 
+MODELS = ("auto", "mlp", "image_cnn", "transformer")  # train.model's built-in names (training/models.py)
+
 OBJECTIVES = (
     "auto",
     "softmax",
@@ -237,10 +239,11 @@ class TrainConfig(_Section):
     )
     seed: ChangesWeights[int] = 0
     model: ChangesWeights[str] = Field(
-        "mlp",
-        description="'mlp' (embeddings for categorical and hashed inputs), 'image_cnn' (image inputs), 'transformer' "
-        "(text inputs), 'auto' (the built-in model for the inputs: mlp for tables, image_cnn with an image input, "
-        "transformer with text) or a user factory 'package.module:factory' called as "
+        "auto",
+        description="'auto' (the default: the built-in model for the inputs, mlp for tables, image_cnn with an "
+        "image input, transformer with text; a run records, and its identity holds, the model auto picked), 'mlp' "
+        "(embeddings for categorical and hashed inputs), 'image_cnn' (image inputs), 'transformer' (text inputs) "
+        "or a user factory 'package.module:factory' called as "
         "factory(inputs, n_outputs, **model_kwargs) (docs/models.md; the older factory(n_features, n_outputs) "
         "takes numeric inputs).",
     )
@@ -505,10 +508,8 @@ class TrainConfig(_Section):
     @field_validator("model")
     @classmethod
     def _model_name_or_import_path(cls, value: str) -> str:
-        if value not in ("mlp", "auto", "transformer") and (":" not in value or not all(value.split(":", 1))):
-            raise ValueError(
-                f"{value!r} is neither 'mlp', 'auto', 'transformer' nor an import path 'package.module:factory'"
-            )
+        if value not in MODELS and (":" not in value or not all(value.split(":", 1))):
+            raise ValueError(f"{value!r} is neither one of {list(MODELS)} nor an import path 'package.module:factory'")
         return value
 
 

@@ -230,8 +230,9 @@ CONFUSION_MAX_CLASSES = 50  # above: per-class metrics only (a confusion matrix 
 
 class _ClassificationEvaluation:
     """softmax and binary on one split: the objective's tally (training/spec/metrics.py, the same formulas as
-    validation), per-class precision and recall, a confusion matrix up to ``CONFUSION_MAX_CLASSES`` classes and,
-    for binary, the exact ROC AUC over every row's score (the evaluation sees every row in one process)."""
+    validation), per-class precision and recall, a confusion matrix up to ``CONFUSION_MAX_CLASSES`` classes, the
+    majority class's share of the rows (``<split>_majority_share``: the accuracy of always guessing it) and, for
+    two classes, the exact ROC AUC and PR AUC over every row's score (the evaluation sees every row in one process)."""
 
     def __init__(self, objective: Objective, n_classes: int):
         self.objective, self.n_classes = objective, n_classes
@@ -252,7 +253,8 @@ class _ClassificationEvaluation:
 
     def metrics(self, split: str, labels: list[Any]) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
         sums = self.tally.sums()
-        metrics = self.tally.metrics(sums, split, scored=self.tally.scored_rows())  # binary: ROC AUC
+        metrics = self.tally.metrics(sums, split, scored=self.tally.scored_rows())  # 2 classes: ROC AUC, PR AUC
+        metrics[f"{split}_majority_share"] = self.tally.majority_share(sums)  # what always guessing it scores
         precision, recall, support = self.tally.per_class(sums)
         per_class = {}
         for index, label in enumerate(labels):

@@ -167,7 +167,7 @@ def weighted_losses(per_row: torch.Tensor, weights: torch.Tensor | None) -> torc
 @dataclass(frozen=True)
 class ValidationPass:
     """One rank's share of validation: the tally's sums (all-reduced by the caller) and, where a metric ranks
-    rows (binary's ROC AUC), every row's score (gathered by the caller)."""
+    rows (two classes: ROC AUC, PR AUC), every row's score (gathered by the caller)."""
 
     sums: torch.Tensor  # float64, on the device
     scored: tuple | None = None  # (scores, is positive) numpy arrays; None: sums only
@@ -223,6 +223,6 @@ def validation_metrics(
     if count == 0:
         return {"val_samples": 0}
     extra = {}
-    if scored is not None:  # every rank's rows: the rank metrics (ROC AUC) see the whole val split
+    if scored is not None:  # every rank's rows: the rank metrics (ROC AUC, PR AUC) see the whole val split
         extra["scored"] = tuple(np.concatenate(parts) for parts in zip(*scored))
     return {**tally.metrics(total, "val", target_std, **extra), "val_samples": count}

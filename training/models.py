@@ -11,9 +11,13 @@ older contract, ``factory(n_features, n_outputs, **model_kwargs)`` with ``forwar
 working when every input is numeric (a forward pre-hook stacks the numeric inputs, in manifest order, into
 ``[B, F]``; the module and its state dict are the factory's own, so its model.pt files still load).
 
-Built in: ``mlp`` (numeric, categorical, hashed and vector inputs; see ``MLP``), ``transformer`` (text inputs,
-with any tabular ones: training/text_models.py) and ``auto``, which picks the built-in model for the inputs
-(``transformer`` when one is text, else ``mlp``).
+Built in: ``mlp`` (numeric, categorical, hashed and vector inputs; see ``MLP``), ``image_cnn`` (image inputs,
+with any tabular ones: training/image_models.py), ``transformer`` (text inputs, with any tabular ones:
+training/text_models.py) and ``auto``, the default, which picks the built-in model for the inputs
+(``image_cnn`` when one is an image, ``transformer`` when one is text, else ``mlp``). The pipeline resolves
+``auto`` once the data is prepared (``with_resolved_model``), so a run's records and its training identity
+name the model that trained: the default on a table is the same training as ``train.model: mlp``.
+A built-in model named explicitly that cannot take the inputs is a ConfigError naming the one that can.
 """
 
 from __future__ import annotations
@@ -26,15 +30,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from training.config import MODELS, ConfigError, PipelineConfig
 from training.imports import import_factory
-from training.spec.inputs import EMBEDDED_KINDS, InputInfo, inputs_from_dicts, numeric_input
+from training.spec.inputs import EMBEDDED_KINDS, InputInfo, inputs_from_dicts, inputs_from_manifest, numeric_input
 
-BUILT_IN = (
-    "mlp",
-    "auto",
-    "image_cnn",
-    "transformer",
-)  # image_cnn: training/image_models.py; transformer: training/text_models.py
+BUILT_IN = MODELS  # image_cnn: training/image_models.py; transformer: training/text_models.py
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,55 @@ def pick_model(model: str, inputs: dict[str, InputInfo]) -> str:
     if any(info.kind == "text" for info in inputs.values()):
         return "transformer"  # training/text_models.py
     return "mlp"  # numeric, categorical, hashed, vector: all tabular
+
+
+def with_resolved_model(config: PipelineConfig, manifest) -> PipelineConfig:
+    """The config with ``train.model: auto`` replaced by the built-in model it picks for the manifest's inputs
+    (any other model: the config itself). The pipeline calls it once the data is prepared, before anything
+    records the config or computes its training identity (resume, skip_if_unchanged, the MLflow run)."""
+    picked = pick_model(config.train.model, inputs_from_manifest(manifest))
+    if picked == config.train.model:
+        return config
+    return config.model_copy(update={"train": config.train.model_copy(update={"model": picked})})
+
+
+def check_fits(model: str, inputs: dict[str, InputInfo]) -> None:
+    """A built-in model that cannot take these inputs: ConfigError saying which model can (a user factory
+    checks its own inputs)."""
+    problem = _fit_problem(model, inputs)
+    if problem is None:
+        return
+    picked = pick_model("auto", inputs)
+    if _fit_problem(picked, inputs) is None:
+        raise ConfigError(f"{problem}; set train.model: auto or {picked}")
+    kinds = sorted({info.kind for info in inputs.values()})
+    raise ConfigError(
+        f"{problem}; no built-in model takes {kinds} together: "
+        "train.model: package.module:factory names your own (docs/models.md)"
+    )
+
+
+def _fit_problem(model: str, inputs: dict[str, InputInfo]) -> str | None:
+    kinds = {info.kind for info in inputs.values()}
+    if model == "auto":
+        model = pick_model(model, inputs)
+    takes = {"mlp": _MLP_KINDS, "image_cnn": (*_MLP_KINDS, "image"), "transformer": (*_MLP_KINDS, "text")}
+    if model not in takes:
+        return None
+    needs = {"image_cnn": "image", "transformer": "text"}.get(model)
+    if needs is not None and needs not in kinds:
+        return f"train.model {model} needs at least one {needs} input (data.inputs: {{name: {needs}}})"
+    others = [f"{name} ({info.kind})" for name, info in inputs.items() if info.kind not in takes[model]]
+    if others:
+        return f"train.model {model} takes {_TAKES[model]} inputs, not {others}"
+    return None
+
+
+_TAKES = {
+    "mlp": "numeric, categorical, hashed and vector",
+    "image_cnn": "image, numeric, categorical, hashed and vector",
+    "transformer": "text, numeric, categorical, hashed and vector",
+}
 
 
 def embedding_dim(cardinality: int) -> int:
@@ -191,6 +240,7 @@ def takes_inputs(factory: Callable[..., nn.Module]) -> bool:
 def build_model(spec: ModelSpec, features: Sequence[str] | None = None) -> nn.Module:
     factory = resolve_factory(spec.model)
     inputs = spec.input_infos(features)
+    check_fits(spec.model, inputs)
     if takes_inputs(factory):
         model = factory(inputs, spec.n_outputs, **spec.model_kwargs)
     else:

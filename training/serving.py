@@ -33,6 +33,8 @@ from typing import Any
 
 import mlflow.pyfunc
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from training.evaluate import load_model_checkpoint
 from training.predict import Predictor
@@ -88,14 +90,38 @@ def predictions(predictor: Predictor | TokenScorer, frame: pd.DataFrame, output:
 
 
 def raw_example(predictor: Predictor | TokenScorer, frame: pd.DataFrame) -> pd.DataFrame:
-    """The input columns as a user sends them: numbers as float64, strings and lists as they are."""
+    """The input columns as a user sends them: numbers of the source's kind (``source_dtype``), strings and
+    lists as they are. The example makes the signature, so an integer column of the source is declared
+    ``long``, a bool one ``boolean``, a float one ``double``: the source's own frame and a hand-built one
+    pass MLflow's checks, and the model casts inside (``NumericCodec.encode``)."""
     example = frame[predictor.features].copy()
+    source_types = predictor.meta.get("source_types") or {}  # absent in a model.pt from before: float64
     for name, info in predictor.inputs.items():
         if info.kind == "numeric":
-            example[name] = example[name].astype("float64")
+            example[name] = _as_source(example[name], source_dtype(source_types.get(name)))
         elif info.kind == "vector":
             example[name] = [list(map(float, row)) for row in example[name]]
     return example
+
+
+def source_dtype(arrow_type: str | None) -> pa.DataType:
+    """What a numeric input is declared as, from its type in the source (``model.pt``'s ``source_types``):
+    every integer int64 (MLflow ``long``: int8..int64 and uint8..uint32 frames pass, and pandas' default
+    int64; a narrower declaration refuses a hand-built ``[3]``), bool bool (``boolean``), every float float64
+    (``double``: float32 and float64 frames pass). float64 for an older model.pt, a decimal or any other type."""
+    try:
+        kind = pa.type_for_alias(arrow_type) if arrow_type else pa.float64()
+    except ValueError:
+        return pa.float64()
+    if pa.types.is_integer(kind):
+        return pa.int64()
+    return pa.bool_() if pa.types.is_boolean(kind) else pa.float64()
+
+
+def _as_source(values: pd.Series, arrow_type: pa.DataType) -> pd.Series:
+    """The shard's float32 values (exact for the source's integers up to 2**24) as ``arrow_type``."""
+    array = pa.array(values.to_numpy(dtype="float64"), from_pandas=True)
+    return pd.Series(pc.cast(array, arrow_type).to_numpy(zero_copy_only=False), index=values.index, name=values.name)
 
 
 def user_code_paths(model: str) -> list[str]:
@@ -133,10 +159,11 @@ def log_pyfunc_model(
     so the pipeline's run stays RUNNING until the flow ends it. Uses the
     process-wide tracking URI (``ddpflow/tracking/runs.py: use_tracking_uri``).
 
-    The input example is raw input columns (numbers as float64, what a pandas
-    user has, so the signature accepts float64 and, by safe upcast, float32;
-    strings for categoricals and ids; lists for vectors); the signature has
-    the ``output`` param (``OUTPUTS``).
+    The input example is raw input columns (numbers of the source's kind,
+    ``raw_example``: the signature declares integers as ``long``, bools as
+    ``boolean``, floats as ``double``, so the rows a user trained on pass
+    MLflow's checks unchanged; strings for categoricals and ids; lists for
+    vectors); the signature has the ``output`` param (``OUTPUTS``).
     """
     from mlflow.models import Model, infer_signature
 

@@ -64,7 +64,7 @@ from training.runtime import (
 )
 from training.selection import Selection
 from training.spec.codecs import read_encoders
-from training.spec.inputs import inputs_from_manifest
+from training.spec.inputs import describe_inputs, inputs_from_manifest
 from training.spec.objectives import build_objective
 from training.step_checkpoints import StepSchedule
 
@@ -133,7 +133,8 @@ class Trainer:
         self.train_split, self.val = cached["train"].tensors, cached["val"].tensors
         log_main(
             self.ctx.is_main,
-            f"loaded {len(self.train_split)} train / {len(self.val)} val rows x {self.manifest.n_features} features "
+            f"loaded {len(self.train_split)} train / {len(self.val)} val rows of "
+            f"{describe_inputs(inputs_from_manifest(self.manifest))} inputs "
             f"in {time.monotonic() - loaded_at:.1f}s",
         )
 
@@ -315,7 +316,7 @@ class Trainer:
         coverage.check(self.expected_coverage, epoch)  # CoverageError naming the epoch
         start, stop = shard_range(manifest.rows("val"), ctx.rank, ctx.world_size)
         val_pass = evaluate(self.model, self.val, start, stop, self.val_batch_size, self.settings)
-        scored = ctx.gather_objects(val_pass.scored) if val_pass.scored is not None else None  # binary: AUC
+        scored = ctx.gather_objects(val_pass.scored) if val_pass.scored is not None else None  # 2 classes: AUCs
         val = validation_metrics(ctx.all_reduce_sum(val_pass.sums.unbind()), self.settings, target_std, scored)
         if val["val_samples"] != manifest.rows("val"):
             raise RuntimeError(

@@ -111,3 +111,31 @@ def test_other_data_resumes_in_neither_place(tmp_path):
     assert find_resumable_run(tmp_path, "fp2", load_config(None, BASE)) is None
     with pytest.raises(ResumeMismatchError, match=r"dataset fingerprint 'fp1' != 'fp2'"):
         Checkpointer(run_dir, SingleProcess()).load_resumable(load_config(None, BASE), "fp2")
+
+
+def test_a_run_recorded_with_model_mlp_is_the_same_training_as_the_default_auto_on_a_table(tmp_path):
+    """train.model defaults to auto; what auto resolves to for the inputs is what the identity holds, so a run
+    directory (and a champion's identity tag) recorded with ``model: mlp``, as every run was before, resumes."""
+    from types import SimpleNamespace
+
+    from ddpflow.tracking.runs import training_identity_tag
+    from training.models import with_resolved_model
+    from training.spec.inputs import InputInfo, numeric_input
+
+    table = SimpleNamespace(
+        inputs=[numeric_input("hours").to_dict(), InputInfo("city", "categorical", "int64", cardinality=9).to_dict()]
+    )
+    run_dir = make_run(tmp_path, "20260101-000000-a", load_config(None, [*BASE, "train.model=mlp"]), "fp1")
+    default = load_config(None, BASE)
+    assert default.train.model == "auto"
+    resolved = with_resolved_model(default, table)
+    assert resolved.train.model == "mlp" and default.train.model == "auto"
+    assert find_resumable_run(tmp_path, "fp1", resolved) == run_dir
+    Checkpointer(run_dir, SingleProcess()).load_resumable(resolved, "fp1")  # no ResumeMismatchError
+    mlp = load_config(None, [*BASE, "train.model=mlp"])
+    assert training_identity_tag(resolved, "fp1") == training_identity_tag(mlp, "fp1")
+    images = SimpleNamespace(inputs=[InputInfo("photo", "image", "float32", (3, 8, 8)).to_dict()])
+    assert with_resolved_model(default, images).train.model == "image_cnn"
+    assert find_resumable_run(tmp_path, "fp1", with_resolved_model(default, images)) is None
+    custom = load_config(None, [*BASE, "train.model=my_pkg.nets:wide"])
+    assert with_resolved_model(custom, table) is custom

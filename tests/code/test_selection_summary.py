@@ -26,3 +26,20 @@ def test_a_run_that_trained_every_epoch_says_so_and_an_old_result_has_no_selecti
     assert _for_people({"selection": summary})["selection"] == "epoch 3 of 3 (last val_accuracy 0.9)"
     assert selection_summary({"epoch": 2, "val_loss": 1.0}, train) is None
     assert "selection" not in _for_people({"test_metrics": {}})
+
+
+def test_the_summary_shows_the_majority_share_beside_accuracy_and_counts_as_integers():
+    metrics = {
+        "test_loss": 0.41234,
+        "test_accuracy": 0.8712345,
+        "test_roc_auc": 0.912,
+        "test_precision_yes": 0.5,
+        "test_majority_share": 0.6,
+        "test_samples": 32530.0,
+    }
+    shown = _for_people({"test_metrics": metrics})["test_metrics"]
+    assert shown == (
+        "test_loss=0.4123, test_accuracy=0.8712 (majority class 0.6), test_roc_auc=0.912, test_samples=32530"
+    )
+    tokens = _for_people({"test_metrics": {"test_token_accuracy": 0.5, "test_tokens": 1.5e6}})["test_metrics"]
+    assert tokens == "test_token_accuracy=0.5, test_tokens=1500000"

@@ -45,8 +45,9 @@ def test_a_setting_that_keeps_the_weights_leaves_the_identity(field, value):
 def test_the_identity_of_runs_recorded_before_stays_the_same():
     """The tag on existing runs and model versions (skip_if_unchanged compares it): a lost or added
     ChangesWeights declaration changes these hashes, and every champion would stop matching."""
-    assert training_identity_tag(PipelineConfig(), "fp0") == "aba5fe4681d3c94b"
-    changed = config(lr=0.01, model_kwargs={"hidden": [8]}, nproc_per_node=2)
+    # They were recorded with train.model mlp (its default then; the pipeline now records what auto picks).
+    assert training_identity_tag(config(model="mlp"), "fp0") == "aba5fe4681d3c94b"
+    changed = config(model="mlp", lr=0.01, model_kwargs={"hidden": [8]}, nproc_per_node=2)
     assert training_identity_tag(changed, "fp1") == "c6294b16f1623240"
 
 

@@ -214,3 +214,16 @@ def test_a_list_label_is_multilabel_with_multi_hot_rows(table_file, make_config)
     with_null = table_file({"x": np.zeros(3), "tags": pa.array([["a"], None, ["b"]])}, "null.parquet")
     with pytest.raises(DataError, match="label column 'tags' has 1 null"):
         prepare_dataset(make_config(with_null, label="tags"))
+
+
+def test_the_inputs_are_described_by_kind_for_the_logs():
+    from training.spec.inputs import InputInfo, describe_inputs, numeric_input
+
+    inputs = {
+        "city": InputInfo("city", "categorical", "int64", cardinality=5),
+        **{f"x{i}": numeric_input(f"x{i}") for i in range(7)},
+        "shop": InputInfo("shop", "hashed", "int64", cardinality=101),
+        "plan": InputInfo("plan", "categorical", "int64", cardinality=3),
+    }
+    assert describe_inputs(inputs) == "7 numeric, 2 categorical, 1 hashed"
+    assert describe_inputs({}) == "no inputs"

@@ -106,6 +106,7 @@ def test_prepare_task_names_every_column_left_out_in_its_log_and_an_artifact(pre
         logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
     messages = [log.message for log in logs]
     assert any("'country'" in m and "data.inputs.country: categorical" in m for m in messages), messages
+    assert any(m.startswith("prepared dataset") and "inputs: 1 numeric," in m for m in messages), messages
     assert any("'merchant_id'" in m and "data.inputs.merchant_id: {kind: hashed" in m for m in messages), messages
     artifact = Artifact.get("prepared-dataset-left-out")
     left = json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data

@@ -33,8 +33,7 @@ def test_an_image_folder_trains_registers_and_serves_images(prefect_harness, mak
     root = write_image_folder(tmp_path / "shapes", per_class=20)
     config = make_config(
         **{
-            "data.source": str(root),
-            "train.model": "auto",
+            "data.source": str(root),  # train.model left at its default, auto: the image model
             "train.model_kwargs": {"width": 8, "blocks": [1, 1], "groups": 4},
             "train.epochs": 3,
             "train.batch_size": 8,
@@ -46,6 +45,8 @@ def test_an_image_folder_trains_registers_and_serves_images(prefect_harness, mak
     assert manifest.key == "path" and manifest.label_mapping == sorted(SHAPES)
     assert [(entry["name"], entry["kind"]) for entry in manifest.inputs] == [("image", "image")]
     assert torch.load(run_dir / "model.pt", weights_only=True)["model_spec"]["model"] == "image_cnn"
+    run = MlflowClient(summary["tracking_uri"]).get_run(summary["mlflow_run_id"])
+    assert run.data.params["train.model"] == "image_cnn", "the run records the model auto picked"
 
     evaluated = evaluate_split(run_dir / "model.pt", dataset, return_predictions=True)
     artifacts = {a.path for a in MlflowClient(summary["tracking_uri"]).list_artifacts(summary["mlflow_run_id"], "eval")}

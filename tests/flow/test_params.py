@@ -53,3 +53,8 @@ def test_run_label_names_the_model_and_the_data():
         {"train": {"model": "my_pkg.nets:wide_net"}, "data": {"source": "data/churn.csv"}}
     )
     assert run_label(config) == "wide_net-churn"
+
+
+def test_run_label_with_the_default_model_auto_names_the_data():
+    """auto is resolved only once the data is prepared; a flow run is named before that."""
+    assert run_label(PipelineConfig.model_validate({"data": {"source": "data/churn.csv"}})) == "churn"

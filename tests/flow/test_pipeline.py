@@ -49,7 +49,7 @@ def test_first_run_trains_evaluates_and_is_promoted_to_champion(two_runs):
 
     run_dir = Path(first["run_dir"])
     assert run_dir.parent == Path(config["train"]["run_root"]).resolve()
-    assert run_dir.name.endswith("mlp-synthetic-classification"), "run dir is <time>-<flow run name>"
+    assert run_dir.name.endswith("-synthetic-classification"), "run dir is <time>-<flow run name>"
     for name_on_disk in (FINAL_MODEL, METRICS, EVAL_METRICS, TRAIN_JOB):
         assert (run_dir / name_on_disk).is_file(), name_on_disk
 

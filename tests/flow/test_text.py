@@ -1,7 +1,8 @@
 """String columns through `ddpflow run` end to end, one run: a CSV of short code snippets labelled by language,
 one text input with a tokenizer fitted on train, one with a user's tokenizer.json, a categorical, null and empty
-text. It beats the majority class, the champion's pyfunc answers raw strings (in process and over HTTP with
-`mlflow models serve`) with what the evaluation scored, and the run logs its most confidently wrong rows."""
+text, train.model left at its default (auto: the transformer). It beats the majority class (its share is logged),
+the champion's pyfunc answers raw strings (in process and over HTTP with `mlflow models serve`) with what the
+evaluation scored, and the run logs its most confidently wrong rows."""
 
 from __future__ import annotations
 
@@ -66,7 +67,6 @@ def test_a_text_classifier_trains_through_ddpflow_run_and_serves_raw_strings(pre
             "data.inputs": inputs,
             "train.epochs": 3,
             "train.batch_size": 32,
-            "train.model": "auto",
             "train.model_kwargs": {"d_model": 16, "n_heads": 2, "n_layers": 1, "hidden": [16]},
         }
     )
@@ -79,6 +79,8 @@ def test_a_text_classifier_trains_through_ddpflow_run_and_serves_raw_strings(pre
     majority = test["lang"].value_counts(normalize=True).max()
     accuracy = summary["test_metrics"]["test_accuracy"]
     assert accuracy > majority + 0.2, f"test accuracy {accuracy:.3f} vs the majority class's {majority:.3f}"
+    assert summary["test_metrics"]["test_majority_share"] == pytest.approx(majority, abs=1e-12)
+    assert summary["test_metrics"]["test_samples"] == len(test)
 
     with use_tracking_uri(config["mlflow"]["tracking_uri"]):
         served = mlflow.pyfunc.load_model(f"models:/{config['registry']['model_name']}@champion")

@@ -227,6 +227,33 @@ def pairwise_auc(scores: np.ndarray, positive: np.ndarray) -> float:
     return float(((pos[:, None] > neg[None, :]) + 0.5 * (pos[:, None] == neg[None, :])).mean())
 
 
+def average_precision(scores: np.ndarray, positive: np.ndarray) -> float:
+    """Average precision by its definition: at each distinct score, from the highest, the precision of every row
+    scored at least that, times the share of the positives that score adds."""
+    total = 0.0
+    for threshold in np.unique(scores)[::-1]:
+        chosen = scores >= threshold
+        added = positive[scores == threshold].sum() / positive.sum()
+        total += added * positive[chosen].mean()
+    return float(total)
+
+
+def test_a_two_class_softmax_model_reports_roc_auc_pr_auc_and_the_majority_share(dataset_factory, model_factory):
+    """The default objective on a two-class label: ROC AUC and PR AUC over the log-odds of the second class, and
+    the share of the most frequent class in the split beside the accuracy, each exact over every row."""
+    dataset = dataset_factory(n_classes=2, rows={"train": 400, "val": 50, "test": 203}, shard_rows=90)
+    model_path = model_factory(dataset)
+    result = evaluate_split(model_path, dataset, batch_size=64)
+    frame = read_split(dataset)
+    outputs = reference_outputs(model_path, frame)
+    scores, positive = (outputs[:, 1] - outputs[:, 0]).numpy(), frame["label"].to_numpy() == 1
+    assert result.metrics["test_roc_auc"] == pytest.approx(pairwise_auc(scores, positive), abs=1e-9)
+    assert result.metrics["test_pr_auc"] == pytest.approx(average_precision(scores, positive), abs=1e-9)
+    counts = np.bincount(frame["label"].to_numpy(), minlength=2)
+    assert counts.min() > 0 and result.metrics["test_majority_share"] == counts.max() / 203
+    assert result.metrics["test_accuracy"] > result.metrics["test_majority_share"]
+
+
 def test_binary_evaluation_reports_the_exact_roc_auc_and_serves_labels(dataset_factory, tmp_path):
     dataset = dataset_factory(n_classes=2, rows={"train": 600, "val": 50, "test": 257}, shard_rows=100)
     model_path = binary_model_file(dataset, tmp_path / "binary" / "model.pt")
@@ -236,6 +263,7 @@ def test_binary_evaluation_reports_the_exact_roc_auc_and_serves_labels(dataset_f
     target = frame["label"].to_numpy()
     assert result.metrics["test_roc_auc"] == pytest.approx(pairwise_auc(logits.numpy(), target == 1), abs=1e-12)
     assert 0.8 < result.metrics["test_roc_auc"] <= 1.0
+    assert result.metrics["test_pr_auc"] == pytest.approx(average_precision(logits.numpy(), target == 1), abs=1e-9)
     np.testing.assert_array_equal(result.predictions, (logits > 0).long().numpy())
     assert result.metrics["test_accuracy"] == pytest.approx(float(((logits > 0).numpy() == target).mean()))
     bce = torch.nn.functional.binary_cross_entropy_with_logits(logits, torch.tensor(target, dtype=torch.float32))

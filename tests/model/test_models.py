@@ -120,3 +120,22 @@ def test_a_user_factorys_package_is_shipped_with_the_served_model():
     (shipped,) = user_code_paths("tests.model.dropout_model:dropout_mlp")
     assert shipped == str(Path(__file__).resolve().parents[1])  # the top-level package: tests/
     assert user_code_paths("mlp") == [] and user_code_paths("auto") == []
+
+
+def test_the_default_is_auto_and_an_explicit_model_that_cannot_take_the_inputs_names_the_one_that_can():
+    """train.model defaults to auto; mlp named on an image folder says to set auto or image_cnn (and image_cnn
+    is a name the config takes); image and text together: no built-in takes both, a factory does."""
+    from training.config import ConfigError, PipelineConfig
+
+    assert PipelineConfig().train.model == "auto"
+    assert PipelineConfig.model_validate({"train": {"model": "image_cnn"}}).train.model == "image_cnn"
+    image = {"image": InputInfo("image", "image", "float32", (3, 12, 12))}
+    wanted = r"mlp takes .* not \['image \(image\)'\]; set train.model: auto or image_cnn$"
+    with pytest.raises(ConfigError, match=wanted):
+        build_model(ModelSpec.for_inputs("mlp", image, 3, {}))
+    with pytest.raises(ConfigError, match=r"image_cnn needs at least one image input.*auto or mlp$"):
+        build_model(ModelSpec.for_inputs("image_cnn", MIXED, 3, {}))
+    assert build_model(ModelSpec.for_inputs("auto", image, 3, {"width": 4, "blocks": [1], "groups": 2}))
+    text = {"note": InputInfo("note", "text", "int64", (8,), 50)}
+    with pytest.raises(ConfigError, match=r"no built-in model takes \['image', 'text'\] together"):
+        build_model(ModelSpec.for_inputs("auto", {**image, **text}, 3, {}))

@@ -16,7 +16,7 @@ from stand_in_models import NumericLinear
 from training.config import ConfigError, load_config
 from training.loading import SplitTensors, TrainBatches
 from training.loop import StepSettings, TrainStep
-from training.spec.metrics import roc_auc
+from training.spec.metrics import pr_auc, roc_auc
 from training.spec.objectives import (
     Binary,
     Huber,
@@ -299,6 +299,21 @@ def test_roc_auc_is_undefined_for_one_class():
     assert math.isnan(roc_auc(np.array([0.2, 0.3]), np.array([1, 1])))
 
 
+@pytest.mark.parametrize(
+    ("scores", "labels", "average_precision"),
+    [
+        ([0.1, 0.4, 0.35, 0.8], [0, 0, 1, 1], 5 / 6),  # sklearn's average_precision_score docs example
+        ([1.0, 2.0, 2.0, 3.0], [0, 0, 1, 1], 0.5 * 1 + 0.5 * 2 / 3),  # tied rows enter at one threshold
+        ([0.5, 0.5, 0.5, 0.5], [0, 1, 0, 1], 0.5),  # all tied: the positives' share
+        ([0.9, 0.8, 0.1], [1, 1, 0], 1.0),
+        ([0.3, 0.2], [1, 1], 1.0),  # no negative: every threshold is precise
+    ],
+)
+def test_pr_auc_is_the_average_precision_with_ties(scores, labels, average_precision):
+    assert pr_auc(np.array(scores), np.array(labels)) == pytest.approx(average_precision, abs=1e-12)
+    assert math.isnan(pr_auc(np.array([0.2, 0.3]), np.array([0, 0])))
+
+
 # --- the preflight ----------------------------------------------------------------------------------------
 
 
@@ -343,10 +358,11 @@ def test_prepare_records_the_train_splits_class_counts(tmp_path):
     assert sum(manifest.train_class_counts) == manifest.rows("train")
 
 
-@pytest.mark.parametrize("objective", [Binary(2), Softmax(3), make_objective("huber", "regression", None)])
+@pytest.mark.parametrize("objective", [Binary(2), Softmax(2), Softmax(3), make_objective("huber", "regression", None)])
 def test_validation_sharded_over_ranks_reports_what_one_pass_does(objective):
     """Two ranks' slices of the val split, their sums added (the all-reduce) and scored rows gathered, give
-    the metrics of one pass over the whole split: ROC AUC included for binary."""
+    the metrics of one pass over the whole split: ROC AUC and PR AUC included for two classes, whichever
+    objective (binary's logit, softmax's log-odds of class 1)."""
     from training.loop import evaluate, validation_metrics
 
     generator = torch.Generator().manual_seed(4)
@@ -367,7 +383,9 @@ def test_validation_sharded_over_ranks_reports_what_one_pass_does(objective):
     assert one == pytest.approx(two, rel=1e-6) and one["val_samples"] == 101
     expected = {Binary: "val_roc_auc", Softmax: "val_macro_f1", Huber: "val_rmse"}[type(objective)]
     assert expected in one
-    if isinstance(objective, Binary):
-        assert "val_roc_auc" in one and one["val_roc_auc"] == pytest.approx(
-            roc_auc(model.linear(split.features).detach().reshape(-1).numpy(), (labels == 1).numpy())
-        )
+    assert ("val_roc_auc" in one, "val_pr_auc" in one) == (classes == 2, classes == 2)
+    if classes == 2:
+        outputs = model.linear(split.features).detach()
+        scores = (outputs[:, 1] - outputs[:, 0] if outputs.shape[1] == 2 else outputs.reshape(-1)).numpy()
+        assert one["val_roc_auc"] == pytest.approx(roc_auc(scores, (labels == 1).numpy()))
+        assert one["val_pr_auc"] == pytest.approx(pr_auc(scores, (labels == 1).numpy()))

@@ -204,10 +204,37 @@ def test_champion_pyfunc_predicts_like_evaluate_on_raw_columns(make_config, data
     frame = pa.concat_tables([pq.read_table(path) for path in manifest.split_files(dataset, "test")]).to_pandas()
     with use_tracking_uri(config.mlflow.tracking_uri):
         served = mlflow.pyfunc.load_model("models:/gate-test@champion")
-    predicted = served.predict(frame[manifest.features].astype("float64"))
+    predicted = served.predict(frame[manifest.features])  # float32, as the source has them
     evaluated = evaluate_split(model_path, dataset, return_predictions=True).predictions
     np.testing.assert_array_equal(np.asarray(predicted), np.asarray(manifest.label_mapping)[evaluated])
     assert served.metadata.get_input_schema().input_names() == manifest.features
+    assert {spec.type.name for spec in served.metadata.get_input_schema().inputs} == {"double"}  # float32 too
+
+
+def test_a_model_pt_from_before_source_types_is_served_as_float64(
+    make_config, dataset_factory, model_factory, tmp_path
+):
+    """A model.pt written before it recorded its inputs' source types still loads, logs and serves: its numeric
+    inputs are declared double (float64) as they were, so what its users send keeps working."""
+    import torch
+
+    from training.serving import log_pyfunc_model
+
+    config = make_config()
+    dataset = dataset_factory(rows={"train": 300, "val": 30, "test": 60})
+    checkpoint = torch.load(model_factory(dataset), weights_only=True)
+    assert checkpoint.pop("source_types") == dict.fromkeys(read_manifest(dataset).features, "float")
+    old = tmp_path / "old.pt"
+    torch.save(checkpoint, old)
+    manifest, run_id = start_run(config, dataset)
+    frame = pq.read_table(manifest.split_files(dataset, "test")[0]).to_pandas()
+    with use_tracking_uri(config.mlflow.tracking_uri):
+        logged = log_pyfunc_model(old, frame.head(3), run_id=run_id)
+        served = mlflow.pyfunc.load_model(logged.model_uri)
+    assert {spec.type.name for spec in served.metadata.get_input_schema().inputs} == {"double"}
+    evaluated = evaluate_split(old, dataset, return_predictions=True).predictions
+    predicted = served.predict(frame[manifest.features].astype("float64"))
+    np.testing.assert_array_equal(np.asarray(predicted), np.asarray(manifest.label_mapping)[evaluated])
 
 
 def test_champion_checkpoint_downloads_the_champions_weights(make_config, dataset_factory, model_factory, tmp_path):

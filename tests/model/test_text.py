@@ -102,10 +102,12 @@ def test_auto_is_mlp_without_text_and_transformer_needs_text():
     tabular = {name: info for name, info in INPUTS.items() if info.kind != "text"}
     assert pick_model("auto", tabular) == "mlp"
     assert pick_model("auto", INPUTS) == "transformer"
-    with pytest.raises(ValueError, match="transformer needs at least one text input"):
+    with pytest.raises(ValueError, match="transformer needs at least one text input.*set train.model: auto or mlp$"):
         build_model(ModelSpec.for_inputs("transformer", tabular, 2, {}))
     with pytest.raises(
-        ValueError, match="mlp takes numeric, categorical, hashed and vector inputs.*snippet \\(text\\)"
+        ValueError,
+        match="mlp takes numeric, categorical, hashed and vector inputs.*snippet \\(text\\).*; "
+        "set train.model: auto or transformer$",
     ):
         build_model(ModelSpec.for_inputs("mlp", INPUTS, 2, {}))
 

@@ -325,7 +325,7 @@ OBJECTIVE_CASES = {
     "binary_class_weights": (
         2,
         {"objective": "binary", "class_weights": {"b": 3.0}},
-        ("val_accuracy", "val_macro_f1", "val_log_loss", "val_roc_auc"),
+        ("val_accuracy", "val_macro_f1", "val_log_loss", "val_roc_auc", "val_pr_auc"),
     ),
     "huber": (0, {"objective": "huber", "objective_kwargs": {"delta": 0.5}}, ("val_rmse", "val_mae", "val_r2")),
 }

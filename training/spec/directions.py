@@ -13,7 +13,7 @@ from __future__ import annotations
 
 SPLITS = ("train", "val", "test", "gate_candidate", "gate_champion")
 HIGHER_IS_BETTER = (
-    "accuracy", "top5_accuracy", "macro_f1", "micro_f1", "f1", "roc_auc", "auc", "r2", "precision", "recall",
+    "accuracy", "top5_accuracy", "macro_f1", "micro_f1", "f1", "roc_auc", "pr_auc", "auc", "r2", "precision", "recall",
     "exact_match", "token_accuracy",
 )  # fmt: skip
 LOWER_IS_BETTER = ("loss", "log_loss", "rmse", "mse", "mae", "huber", "error", "perplexity")

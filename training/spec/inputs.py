@@ -79,6 +79,12 @@ def inputs_from_manifest(manifest) -> dict[str, InputInfo]:
     return {name: numeric_input(name) for name in manifest.features}
 
 
+def describe_inputs(inputs: dict[str, InputInfo]) -> str:
+    """The inputs counted by kind, for a log line: "7 numeric, 3 categorical, 1 hashed" (kinds in KINDS order)."""
+    counts = {kind: sum(info.kind == kind for info in inputs.values()) for kind in KINDS}
+    return ", ".join(f"{count} {kind}" for kind, count in counts.items() if count) or "no inputs"
+
+
 def numeric_names(inputs: dict[str, InputInfo]) -> list[str]:
     """The numeric inputs in order: the columns of the numeric block (``Manifest.features``)."""
     return [name for name, info in inputs.items() if info.kind == "numeric"]

@@ -1,4 +1,4 @@
-"""Exact metrics from sums: the tallies an objective fills (training/spec/objectives.py) and ROC AUC.
+"""Exact metrics from sums: the tallies an objective fills (training/spec/objectives.py), ROC AUC and PR AUC.
 
 A tally turns each batch into a fixed-length float64 vector of SUMS (counts, loss sums, per-class
 true positives...). Sums add across batches, across ranks (one all-reduce of the vector) and across
@@ -63,6 +63,25 @@ def roc_auc(scores: np.ndarray, positives: np.ndarray) -> float:
     ranks[order] = np.repeat(run_rank, ends - starts)
     u = ranks[positives].sum() - n_positive * (n_positive + 1) / 2.0
     return float(u / (n_positive * n_negative))
+
+
+def pr_auc(scores: np.ndarray, positives: np.ndarray) -> float:
+    """Exact PR AUC as average precision: the precision at each distinct score threshold (rows tied on a score
+    enter together), weighted by the recall it adds (equals sklearn's ``average_precision_score``). NaN when no
+    row is positive (undefined); 1 when every row is."""
+    scores = np.asarray(scores, dtype=np.float64)
+    positives = np.asarray(positives).astype(bool)
+    n_positive = int(positives.sum())
+    if n_positive == 0:
+        return math.nan
+    order = np.argsort(-scores, kind="mergesort")
+    sorted_scores, hits = scores[order], positives[order]
+    # The last row of each run of tied scores: one threshold each.
+    ends = np.r_[np.flatnonzero(sorted_scores[1:] != sorted_scores[:-1]), len(sorted_scores) - 1]
+    true_positive = np.cumsum(hits)[ends]
+    precision = true_positive / (ends + 1)
+    recall_added = np.diff(np.r_[0, true_positive]) / n_positive
+    return float(np.sum(recall_added * precision))
 
 
 class Tally:
@@ -138,7 +157,8 @@ class ClassTally(Tally):
         self.n_classes = n_classes
         self.top_k = n_classes > TOP_K_ABOVE_CLASSES
         self._loss, self._log_loss, self._decode = loss, log_loss, decode
-        # binary: each row's score for class 1 (its logit), kept for the exact ROC AUC (4 + 1 bytes a row).
+        # Two classes (binary, softmax): each row's score for class 1 (its log-odds), kept for the exact ROC AUC and
+        # PR AUC (4 + 1 bytes a row).
         self._score = score
         self._scores: list[np.ndarray] = []
         self._positives: list[np.ndarray] = []
@@ -188,7 +208,7 @@ class ClassTally(Tally):
         target_std: float = 1.0,
         scored: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> dict[str, float]:
-        """``scored``: every row's ``scored_rows()`` (all ranks'), for ``<prefix>_roc_auc``."""
+        """``scored``: every row's ``scored_rows()`` (all ranks'), for ``<prefix>_roc_auc`` and ``<prefix>_pr_auc``."""
         rows, weight = float(self.part(sums, "rows")), float(self.part(sums, "weight"))
         if rows == 0:
             return {}
@@ -203,7 +223,13 @@ class ClassTally(Tally):
             metrics[f"{prefix}_top{TOP_K}_accuracy"] = float(self.part(sums, "top_k")) / rows
         if scored is not None:
             metrics[f"{prefix}_roc_auc"] = roc_auc(*scored)
+            metrics[f"{prefix}_pr_auc"] = pr_auc(*scored)
         return metrics
+
+    def majority_share(self, sums: torch.Tensor) -> float:
+        """The share of the rows in the most frequent class: the accuracy of always answering it."""
+        actual = self.part(sums, "actual")
+        return float(actual.max() / actual.sum()) if float(actual.sum()) > 0 else math.nan
 
     def per_class(self, sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(precision, recall, support) per class."""

@@ -16,7 +16,8 @@ w_i the row's weight (its data.weight times its class weight under ``train.class
 Built-ins (``train.objective``):
 
 - ``softmax``: C outputs, a class index label; cross entropy (with ``train.label_smoothing``);
-  metrics: loss, accuracy, macro-F1, log loss, top-5 accuracy above 10 classes.
+  metrics: loss, accuracy, macro-F1, log loss, top-5 accuracy above 10 classes; with 2 classes ROC AUC and
+  PR AUC too, as binary (class index 1 positive, scored by its log-odds).
 - ``binary``: ONE logit, the class index 0/1 of a 2-class label (index 1, the second label in sorted
   order, is the positive class); BCE with logits; the same metrics, plus ROC AUC (exact: every row's
   score is kept and ranked).
@@ -133,7 +134,13 @@ class Softmax(Objective):
         return F.cross_entropy(outputs.float(), labels.long(), reduction="none")
 
     def tally(self, n_classes):
-        return ClassTally(n_classes, self.per_row_loss, self.log_loss, self.decode)
+        score = self.positive_score if n_classes == 2 else None  # two classes: ROC AUC and PR AUC, as binary
+        return ClassTally(n_classes, self.per_row_loss, self.log_loss, self.decode, score=score)
+
+    def positive_score(self, outputs):
+        """Two classes: the row's log-odds of class 1 (logit 1 - logit 0); it ranks rows as its probability does."""
+        outputs = outputs.float()
+        return outputs[:, 1] - outputs[:, 0]
 
 
 class Binary(Objective):
