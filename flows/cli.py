@@ -99,7 +99,7 @@ def cmd_register(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     """MLflow's scoring server for a registered model, until Ctrl-C or SIGTERM (then nothing is left running)."""
-    from ddpflow.serve import ScoringServer, ScoringServerError
+    from ddpflow.services.scoring_server import ScoringServer, ScoringServerError
     from ddpflow.tracking.runs import resolve_tracking_uri
     from ddpflow.tracking.served_model import served_model
 
