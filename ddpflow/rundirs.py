@@ -14,6 +14,10 @@ becomes ``-``, leading dots and dashes are dropped, so ``../x`` or ``/etc`` cann
     still run (ddpflow/launch/slurm/launcher.py: ``has_unfinished_job``; the launch then reattaches to it),
     and ``model.pt`` does not,
   * and that no live launch holds (its ``.launch.lock`` flock is free).
+
+``record_mlflow_run(run_dir, run_id)``: RUN_DIR/mlflow_run.json names the MLflow run that trains there
+now, and returns the one before it (the run a resume continues), for the pipeline to link the two.
+``resume_epoch(run_dir)``: the epoch (1-based) a re-run of the same config continues from.
 """
 
 from __future__ import annotations
@@ -29,9 +33,12 @@ from ddpflow.launch.slurm.launcher import has_unfinished_job
 from ddpflow.launch.supervisor import is_locked
 from training.checkpoint import training_identity
 from training.config import PipelineConfig
-from training.layout import CONFIG, FINAL_MODEL, LAST_CHECKPOINT, TRAIN_JOB
-from training.step_checkpoints import step_checkpoints
+from training.fileio import atomic_write_json
+from training.layout import CONFIG, FINAL_MODEL, LAST_CHECKPOINT, METRICS, TRAIN_JOB
+from training.metrics_sink import read_metrics_lines
+from training.step_checkpoints import step_checkpoints, step_position
 
+MLFLOW_RUN_FILE = "mlflow_run.json"  # {"run_id": ...}: the MLflow run training in this directory
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 _MAX_NAME = 80
 
@@ -73,6 +80,31 @@ def find_resumable_run(run_root: str | os.PathLike, fingerprint: str, config: Pi
         if run_identity(run_dir) == wanted and not is_locked(run_dir):
             return run_dir
     return None
+
+
+def record_mlflow_run(run_dir: str | os.PathLike, run_id: str) -> str | None:
+    """Name ``run_id`` as the MLflow run training in RUN_DIR; returns the run named before it, if another."""
+    path = Path(run_dir) / MLFLOW_RUN_FILE
+    earlier = (_read_json(path) or {}).get("run_id")
+    atomic_write_json(path, {"run_id": run_id})
+    return str(earlier) if earlier and earlier != run_id else None
+
+
+def resume_epoch(run_dir: str | os.PathLike) -> int | None:
+    """The epoch (1-based) a re-run of the same config resumes RUN_DIR from; None when it would start over
+    (no checkpoint yet) or has nothing left to train (model.pt written)."""
+    run_dir = Path(run_dir)
+    checkpoints = (run_dir / LAST_CHECKPOINT).parent
+    steps = step_checkpoints(checkpoints)
+    if (run_dir / FINAL_MODEL).exists() or not ((run_dir / LAST_CHECKPOINT).is_file() or steps):
+        return None
+    try:
+        done = len({line["epoch"] for line in read_metrics_lines(run_dir / METRICS) if "epoch" in line})
+    except (OSError, ValueError):
+        done = 0
+    positions = [position for position in map(step_position, steps) if position is not None]
+    mid_epoch = max((epoch for epoch, _ in positions), default=-1)  # 0-based epoch of the newest step checkpoint
+    return max(done, mid_epoch) + 1
 
 
 def run_identity(run_dir: Path) -> dict[str, Any] | None:

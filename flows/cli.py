@@ -1,8 +1,8 @@
 """The ``ddpflow`` command: all of its argument parsing and all of its printing.
 
     ddpflow prepare  --config configs/demo.yaml [--set data.root=/tmp/shards] [--json]
-    ddpflow run      --config configs/demo.yaml [--set train.epochs=1] [--json]
-    ddpflow register --run-id <mlflow run id> [--config ...]   (re-run the registration gate)
+    ddpflow run      --config configs/demo.yaml [--set train.epochs=1] [--json] [--verbose]
+    ddpflow register --run-id <mlflow run id> [--config ...] [--verbose]   (re-run the registration gate)
     ddpflow stack    up|down|status [--project .] [--prefect-port 4200] [--mlflow-port 5000] ...
     ddpflow serve    NAME[@alias|/version] [--port 5001] [--tracking-uri URI]   (MLflow's scoring server)
 
@@ -11,10 +11,15 @@ Each subcommand calls plain functions (``training.data.prepare``, the flows,
 one JSON object on stdout (everything else goes to stderr).
 
 Exit status: 0 done; 1 a flow or the stack failed (the last line says which and
-why); 2 a user error (``error: ...`` on the last line, no traceback); 130 Ctrl-C;
+why); 2 a user error (``error: ...`` on the last line, said once, no traceback); 130 Ctrl-C
+(the line before says how to resume);
 128 + N when signal N ended it (SIGTERM 143, SIGHUP 129, also sent when the
 parent process dies). Whatever ends it, `run` and `register` stop everything
 they started first (ddpflow/lifetime.py, ddpflow/services/prefect_server.py).
+
+`run` and `register` log everything, tracebacks included, to
+``.ddpflow/logs/<command>-<time>-<pid>.log``; the console shows a user's error once
+(``--verbose``: also Prefect's records of it, with the trace) (ddpflow/console.py).
 
 `run` and `register` use ``PREFECT_API_URL`` if set, else the project's stack
 if it runs (`ddpflow stack up`), else a temporary Prefect server of their own.
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import json
+import logging
 import os
 import re
 import shlex
@@ -34,6 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ddpflow.console import CommandLog
 from ddpflow.lifetime import Terminated, ended_by_signals, shielded
 from ddpflow.services import stack
 from ddpflow.services.prefect_server import PrefectServer, PrefectServerError, prefect_server
@@ -50,6 +57,9 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
     PermissionError,
     ConnectionError,
 )
+
+
+FLOW_COMMANDS = ("run", "register")  # the commands that run a flow: they keep a log file
 
 
 class CommandFailed(Exception):
@@ -72,6 +82,7 @@ def cmd_run(args: argparse.Namespace) -> None:
     def run(server: PrefectServer) -> dict[str, Any]:
         from flows.pipeline import train_pipeline  # while a temporary server starts
 
+        _log_to_file(args)
         server.wait_until_ready()
         return _run_flow(train_pipeline, config=config)
 
@@ -91,6 +102,7 @@ def cmd_register(args: argparse.Namespace) -> None:
     def register(server: PrefectServer) -> dict[str, Any]:
         from flows.registration import register_finished_run
 
+        _log_to_file(args)
         server.wait_until_ready()
         return _run_flow(register_finished_run, run_id=args.run_id, config=config, overrides=overrides)
 
@@ -148,6 +160,15 @@ def cmd_stack(args: argparse.Namespace) -> None:
     except stack.StackError as error:
         raise CommandFailed(str(error)) from None  # names the part that failed and its log
     print_summary(summary, args.json)
+
+
+def _log_to_file(args: argparse.Namespace) -> None:
+    """Once Prefect has configured logging (on import): every record to the command's log file; a user's
+    error kept off the console, which says it once (unless --verbose)."""
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    consoles = [h for h in logging.getLogger().handlers if isinstance(h, PrefectConsoleHandler)]
+    args.command_log.attach(consoles, () if args.verbose else USER_ERRORS)
 
 
 def _load(args: argparse.Namespace) -> PipelineConfig:
@@ -272,6 +293,12 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one machine-readable JSON object")
 
 
+def _verbose_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--verbose", "-v", action="store_true", help="show the full trace of a failure here, not only in the log file"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ddpflow", description="Retrain PyTorch models on a schedule: prepare, train (DDP), evaluate, register."
@@ -284,11 +311,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run the whole pipeline once, locally: prepare, train (DDP), evaluate, register")
     _config_args(run)
+    _verbose_arg(run)
     run.set_defaults(handler=cmd_run)
 
     register = sub.add_parser("register", help="re-run the registration gate for a finished MLflow run")
     register.add_argument("--run-id", required=True, help="the MLflow run id of a finished pipeline run")
     _config_args(register)
+    _verbose_arg(register)
     register.set_defaults(handler=cmd_register)
 
     stack_parser = sub.add_parser("stack", help="local Prefect server + worker + MLflow server on 127.0.0.1")
@@ -324,21 +353,32 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_command(args: argparse.Namespace) -> int:
+    log = args.command_log = CommandLog.open(Path.cwd(), args.command) if args.command in FLOW_COMMANDS else None
     with ended_by_signals():
         try:
             args.handler(args)
         except USER_ERRORS as error:
-            return _fail(str(error), 2)
+            return _fail(str(error), 2, log, error)
         except (CommandFailed, PrefectServerError) as error:
-            return _fail(str(error), 1)
-        except KeyboardInterrupt:
-            return _fail("interrupted", 130)
+            return _fail(str(error), 1, log, error)
+        except KeyboardInterrupt as error:
+            return _fail("interrupted", 130, log, error)
         except Terminated as stop:
-            return _fail(str(stop), stop.code)
+            return _fail(str(stop), stop.code, log, stop)
+        finally:
+            if log is not None:
+                log.detach()
     return 0
 
 
-def _fail(message: str, status: int) -> int:
+def _fail(message: str, status: int, log: CommandLog | None = None, error: BaseException | None = None) -> int:
+    """The command's last line; before it, how to resume (an interrupted run's note) and where the trace is."""
+    for note in getattr(error, "__notes__", None) or []:
+        print(f"ddpflow: {note}", file=sys.stderr)
+    if log is not None and log.attached and error is not None:
+        log.record_error(error)
+        if status in (1, 2) and log.quiet:
+            print(f"ddpflow: the full trace is in {log.path} (or run with --verbose)", file=sys.stderr)
     print(f"error: {message}", file=sys.stderr)
     return status
 

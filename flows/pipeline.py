@@ -19,7 +19,12 @@ Completed after prepare and the checks, without training: the decision is
 
 On any failure after the MLflow run exists, the run is ended FAILED (KILLED
 when it was stopped from outside), the run directory (checkpoints, metrics.jsonl) stays on disk, the champion alias is
-never touched, and the original error is re-raised so its root cause shows.
+never touched, and the original error is re-raised so its root cause shows. A run stopped from outside
+says how to go on: "re-run the same command to resume from epoch N" (a note on the error, which
+`ddpflow run` prints, and a line in the flow run's log).
+
+A run that resumes an unfinished run directory is tagged ``ddpflow.resumed_from`` with the MLflow run
+that trained there before, and that run ``ddpflow.resumed_by`` with it (RUN_DIR/mlflow_run.json).
 """
 
 from __future__ import annotations
@@ -33,9 +38,10 @@ from prefect.exceptions import Abort, TerminationSignal
 from prefect.runtime import deployment, flow_run
 from prefect.states import Completed, State
 
+from ddpflow.console import LOG_ONLY
 from ddpflow.launch.failure import LaunchInterrupted
 from ddpflow.launch.slurm.commands import check_cluster
-from ddpflow.rundirs import find_resumable_run, new_run_dir
+from ddpflow.rundirs import find_resumable_run, new_run_dir, record_mlflow_run, resume_epoch
 from ddpflow.tracking.registry import champion_checkpoint
 from ddpflow.tracking.runs import (
     RESTARTS_TAG,
@@ -43,6 +49,7 @@ from ddpflow.tracking.runs import (
     check_tracking_reachable,
     end_pipeline_run,
     how_to_open,
+    link_resumed_run,
     resolve_tracking_uri,
     start_pipeline_run,
     tag_run,
@@ -121,6 +128,9 @@ def train_pipeline(
     )
     try:
         tag_run(tracking_uri, run_id, {RUN_DIR_TAG: str(run_dir)})
+        earlier_run_id = record_mlflow_run(run_dir, run_id)
+        if earlier_run_id is not None:
+            link_resumed_run(tracking_uri, earlier_run_id, run_id)
         drift = measure_data_drift(config, prepared.manifest, run_id, tracking_uri)
         request = TrainRequest(
             config,
@@ -140,7 +150,10 @@ def train_pipeline(
             config, run_id, trained.model_path, str(prepared.dataset_dir), test_metrics, tracking_uri
         )
     except BaseException as error:
-        end_pipeline_run(run_id, tracking_uri, status="KILLED" if isinstance(error, INTERRUPTIONS) else "FAILED")
+        interrupted = isinstance(error, INTERRUPTIONS)
+        end_pipeline_run(run_id, tracking_uri, status="KILLED" if interrupted else "FAILED")
+        if interrupted:
+            _say_how_to_resume(error, Path(run_dir), logger)
         raise
     end_pipeline_run(run_id, tracking_uri, status="FINISHED")
     return {
@@ -214,6 +227,19 @@ def _skipped(
         "restarts": 0,
     }
     return Completed(message=f"skipped: {unchanged.reason}", data=summary)
+
+
+def _say_how_to_resume(error: BaseException, run_dir: Path, logger: Any) -> None:
+    """A note on the error (`ddpflow run` prints it) and, for the UI and the log file, a line in the flow run's log."""
+    try:
+        epoch = resume_epoch(run_dir)
+    except Exception:  # reading the run directory must not replace the interruption
+        return
+    if epoch is None:
+        return
+    hint = f"re-run the same command to resume from epoch {epoch} (run directory {run_dir})"
+    error.add_note(hint)
+    logger.warning("Stopped: %s", hint, extra={LOG_ONLY: True})  # the console has the command's own line
 
 
 def _warm_start_weights(config: PipelineConfig, run_dir: Path, logger: Any) -> str | None:

@@ -4,7 +4,11 @@ The work, its order and its guarantees are in ddpflow/tracking/registration.py
 (plain Python). This wrapper adds what only Prefect can give:
 - the gate lock: a Prefect global concurrency limit ``ddpflow-gate-<model>``
   (limit 1, created on first use), so two flow runs registering the same model
-  (the ``manual`` and ``nightly`` deployments, on any worker) gate one at a time;
+  (the ``manual`` and ``nightly`` deployments, on any worker) gate one at a time.
+  The limit is read first and created only when absent: a create that collides
+  with an existing name makes the Prefect server log a ~140-line
+  ``IntegrityError`` traceback (its 409 handler logs every conflict), which
+  every repeat run used to print;
 - retries (3) of transient MLflow errors only, and the run logger.
 """
 
@@ -21,7 +25,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, GlobalConcurrencyLimitUpdate
 from prefect.concurrency.sync import concurrency
-from prefect.exceptions import ObjectAlreadyExists
+from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
 from ddpflow.tracking.registration import register_candidate
 from ddpflow.tracking.registry import is_transient
@@ -49,14 +53,21 @@ def gate_lock(model_name: str) -> Iterator[None]:
 
 
 def _ensure_limit(name: str) -> None:
-    """Create the limit (1 slot) on first use; put back one that someone disabled or widened."""
+    """Reuse the limit, or create it (1 slot) when absent; put back one that someone disabled or widened.
+
+    Read before create: Prefect has no atomic upsert, and its server logs a traceback for every create that
+    hits the name's unique constraint. Only two first registrations of one model at the same moment can
+    still race to create it; the loser's create then fails with ObjectAlreadyExists and it reads the winner's.
+    """
     with get_client(sync_client=True) as client:
         try:
-            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
-            return
-        except ObjectAlreadyExists:
-            pass
-        existing = client.read_global_concurrency_limit_by_name(name)
+            existing = client.read_global_concurrency_limit_by_name(name)
+        except ObjectNotFound:
+            try:
+                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+                return
+            except ObjectAlreadyExists:  # created a moment ago by a concurrent first registration
+                existing = client.read_global_concurrency_limit_by_name(name)
         if existing.limit != 1 or not existing.active:
             logging.getLogger(__name__).warning(
                 "concurrency limit %s had limit=%s active=%s; the gate needs 1 slot: reset",

@@ -34,6 +34,7 @@ from prefect.context import TaskRunContext
 from prefect.exceptions import Abort
 from prefect.logging import get_run_logger
 
+from ddpflow.console import LOG_ONLY
 from ddpflow.launch.failure import LaunchInterrupted, LaunchTimeout
 from ddpflow.launch.stage import TrainRequest, TrainResult, run_train_stage
 from ddpflow.launch.supervisor import OutputLine
@@ -73,7 +74,9 @@ def train_model(request: TrainRequest, mlflow_run_id: str | None = None) -> Trai
     )
 
     def on_line(line: OutputLine) -> None:
-        (logger.warning if line.is_torchrun_warning else logger.info)(str(line))
+        # After a stop, torchrun's shutdown (its SignalException traceback) goes to the log file and the UI only.
+        extra = {LOG_ONLY: True} if line.after_stop else None
+        (logger.warning if line.is_torchrun_warning else logger.info)(str(line), extra=extra)
         if follower is not None:
             follower.poke()
 

@@ -27,7 +27,9 @@ stop for blocking code and cancelled tasks' children can survive
   process takes torchrun down, and torchrun in turn stops its ranks
   (within TORCH_ELASTIC_SHUTDOWN_TIMEOUT = ``grace_s``);
 * holds an exclusive lock on RUN_DIR while torchrun runs, so two launches never
-  share a run directory (``is_locked`` tells the resume rule a run is live).
+  share a run directory (``is_locked`` tells the resume rule a run is live);
+  ``.launch.lock`` exists only while held, and ``torchrun.pid`` is removed when
+  torchrun exits 0 (a failed or stopped launch keeps it: what was stopped).
 
 Why a launch failed: failure.py.
 """
@@ -67,10 +69,13 @@ _SCAN_S = 1.0  # how often the descendants are recorded
 
 @dataclass(frozen=True)
 class OutputLine:
-    """One line of torchrun's output. ``rank`` is the local rank, None for torchrun's own lines."""
+    """One line of torchrun's output. ``rank`` is the local rank, None for torchrun's own lines.
+    ``after_stop``: printed after the launcher began stopping the tree (torchrun's shutdown: its
+    ``SignalException`` traceback), for the log rather than a person's console."""
 
     rank: int | None
     text: str
+    after_stop: bool = False
 
     def __str__(self) -> str:
         return f"[{'torchrun' if self.rank is None else f'rank {self.rank}'}] {self.text}"
@@ -81,12 +86,12 @@ class OutputLine:
         return self.rank is None and self.text[:1] in ("W", "E") and self.text[1:5].isdigit()
 
 
-def parse_line(raw: str) -> OutputLine:
+def parse_line(raw: str, after_stop: bool = False) -> OutputLine:
     raw = raw.rstrip("\n")
     match = _RANK_PREFIX.match(raw)
     if match:
-        return OutputLine(int(match["rank"]), match["text"])
-    return OutputLine(None, raw)
+        return OutputLine(int(match["rank"]), match["text"], after_stop)
+    return OutputLine(None, raw, after_stop)
 
 
 # ----------------------------------------------------------------------------- the run-dir lock
@@ -94,31 +99,50 @@ def parse_line(raw: str) -> OutputLine:
 
 @contextmanager
 def run_dir_lock(run_dir: str | os.PathLike) -> Iterator[None]:
-    """Hold an exclusive flock on RUN_DIR/.launch.lock; fails at once if another launch holds it."""
+    """Hold an exclusive flock on RUN_DIR/.launch.lock; fails at once if another launch holds it.
+
+    The file exists only while a launch holds it: it is removed (still locked) on the way out, so a
+    finished run directory keeps no lock file. A launch that opened the file just before that removal
+    and locks the removed file afterwards sees that the path no longer names what it locked, and
+    reports the directory in use (run it again) rather than share the directory with a newer lock.
+    """
     path = Path(run_dir) / LOCK_FILE
     with open(path, "a+") as handle:  # closing releases the lock
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise LaunchError(f"{run_dir} is in use by another launch (lock {path} is held)") from None
+        if not _names_this_file(path, handle):
+            raise LaunchError(f"{run_dir} was in use by another launch a moment ago (lock {path}); run it again")
         handle.seek(0)
         handle.truncate()
         handle.write(f"{os.getpid()}\n")
         handle.flush()
-        yield
+        try:
+            yield
+        finally:
+            path.unlink(missing_ok=True)  # while still held: no one can take the lock between the two
+
+
+def _names_this_file(path: Path, handle) -> bool:
+    try:
+        return os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino
+    except FileNotFoundError:
+        return False
 
 
 def is_locked(run_dir: str | os.PathLike) -> bool:
     """True when a live launch holds RUN_DIR's lock."""
     path = Path(run_dir) / LOCK_FILE
-    if not path.exists():
-        return False
-    with open(path, "a+") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(handle, fcntl.LOCK_UN)
+    try:
+        with open(path) as handle:  # read-only: never creates the file
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(handle, fcntl.LOCK_UN)
+            return False
+    except FileNotFoundError:  # no launch holds it: the lock file exists only while one does
         return False
 
 
@@ -164,6 +188,7 @@ def launch(
                 stop = launcher.wait(timeout_s, stall_timeout_s, should_cancel, cancel_check_s)
         finally:
             # Any way out of wait() (exception, Prefect's TerminationSignal, KeyboardInterrupt) kills the tree.
+            launcher.stopping = launcher.stopping or (launcher.tree is not None and launcher.proc.poll() is None)
             if launcher.tree is not None:
                 launcher.tree.terminate(grace_s)
                 launcher.drain()
@@ -175,6 +200,8 @@ def launch(
             raise stop
         if launcher.proc.returncode != 0:
             raise failure_from_output(run_dir, job_dir, launcher.tail, launcher.proc.returncode)
+        # Finished: the PIDs matter no more. A failed or stopped launch keeps them, to show what was stopped.
+        (run_dir / PID_FILE).unlink(missing_ok=True)
         return result
 
 
@@ -192,6 +219,7 @@ class _Launcher:
         self.tree: ProcessTree | None = None
         self._stop_reason: LaunchError | None = None
         self._output_ended = False  # the reader's end-of-output marker has been taken from the queue
+        self.stopping = False  # the tree is being stopped: what torchrun prints now is its shutdown
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
@@ -227,7 +255,7 @@ class _Launcher:
 
     def _deliver(self, raw: str) -> None:
         self.last_output = time.monotonic()
-        line = parse_line(raw)
+        line = parse_line(raw, after_stop=self.stopping)
         if not line.text.strip():
             return  # torchrun's tail emits empty "[defaultN]:" lines; they say nothing
         if line.rank is None:
@@ -278,6 +306,7 @@ class _Launcher:
                     reason = LaunchInterrupted(f"{why}; killed torchrun and its ranks")
             if reason is not None:
                 self._stop_reason = reason
+                self.stopping = True
                 break
         if self._stop_reason is None:
             self.proc.wait()
@@ -301,6 +330,7 @@ class _Launcher:
         thread only; elsewhere wait() watches the main thread instead)."""
 
         def stop(signum: int) -> None:
+            self.stopping = True
             self._stop_reason = LaunchInterrupted(
                 f"received {signal.Signals(signum).name}; killed torchrun and its ranks"
             )

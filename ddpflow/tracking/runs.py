@@ -58,6 +58,9 @@ DATASET_DIR_TAG = "ddpflow.dataset_dir"
 RUN_DIR_TAG = "ddpflow.run_dir"  # the run directory (checkpoints and logs), for people
 RESTARTS_TAG = "ddp.restarts"  # beside ddp.nnodes and ddp.world_size
 SLURM_JOB_TAG = "slurm.job_id"  # the Slurm job that trained (train.launcher: slurm)
+# A resumed run and the interrupted (or failed) run whose run directory and checkpoints it continues.
+RESUMED_FROM_TAG = "ddpflow.resumed_from"
+RESUMED_BY_TAG = "ddpflow.resumed_by"
 LOCAL_MLFLOW_UI = "http://127.0.0.1:5000"  # `mlflow ui --backend-store-uri sqlite:///...` serves here
 TERMINAL_STATUSES = ("FINISHED", "FAILED", "KILLED")
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -359,6 +362,16 @@ def tag_run(tracking_uri: str, run_id: str, tags: dict[str, str]) -> None:
     client = MlflowClient(tracking_uri=tracking_uri)
     for key, value in tags.items():
         client.set_tag(run_id, key, value)
+
+
+def link_resumed_run(tracking_uri: str, earlier_run_id: str, run_id: str) -> None:
+    """Tag the two runs with each other (``ddpflow.resumed_from`` / ``ddpflow.resumed_by``): one story in the UI.
+    Never raises: an earlier run in another store (or deleted) only gets a warning."""
+    try:
+        tag_run(tracking_uri, run_id, {RESUMED_FROM_TAG: earlier_run_id})
+        tag_run(tracking_uri, earlier_run_id, {RESUMED_BY_TAG: run_id})
+    except Exception as error:
+        logger.warning("could not link MLflow run %s to the run it resumes, %s: %s", run_id, earlier_run_id, error)
 
 
 def read_run_config(client: MlflowClient, run_id: str) -> PipelineConfig:

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpflow.launch.supervisor import LOCK_FILE
-from ddpflow.rundirs import find_resumable_run, new_run_dir
+from ddpflow.launch.failure import LaunchError
+from ddpflow.launch.supervisor import LOCK_FILE, is_locked, run_dir_lock
+from ddpflow.rundirs import find_resumable_run, new_run_dir, record_mlflow_run, resume_epoch
 from training.checkpoint import Checkpointer, ResumeMismatchError
 from training.config import PipelineConfig, load_config
 from training.distributed import SingleProcess
@@ -139,3 +140,25 @@ def test_a_run_recorded_with_model_mlp_is_the_same_training_as_the_default_auto_
     assert find_resumable_run(tmp_path, "fp1", with_resolved_model(default, images)) is None
     custom = load_config(None, [*BASE, "train.model=my_pkg.nets:wide"])
     assert with_resolved_model(custom, table) is custom
+
+
+def test_the_lock_file_exists_only_while_a_launch_holds_it(tmp_path):
+    with run_dir_lock(tmp_path):
+        assert (tmp_path / LOCK_FILE).is_file() and is_locked(tmp_path)
+        with pytest.raises(LaunchError, match="in use by another launch"), run_dir_lock(tmp_path):
+            pass
+    assert not (tmp_path / LOCK_FILE).exists() and not is_locked(tmp_path)
+    assert not (tmp_path / LOCK_FILE).exists(), "is_locked never creates it"
+
+
+def test_a_run_directory_names_its_mlflow_runs_and_the_epoch_a_rerun_resumes_from(tmp_path):
+    assert record_mlflow_run(tmp_path, "first") is None
+    assert record_mlflow_run(tmp_path, "first") is None, "the same run again is no resume"
+    assert record_mlflow_run(tmp_path, "second") == "first"
+    assert resume_epoch(tmp_path) is None, "no checkpoint: a re-run starts over"
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "last.pt").write_bytes(b"")
+    (tmp_path / "metrics.jsonl").write_text('{"epoch": 0}\n{"epoch": 1}\n{"epoch": 1}\n{"torn')
+    assert resume_epoch(tmp_path) == 3, "two epochs done (one logged twice), a torn line skipped"
+    (tmp_path / "model.pt").write_bytes(b"")
+    assert resume_epoch(tmp_path) is None, "finished: nothing to resume"

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pytest
+import yaml
 
 from training.config import ConfigError, load_config
 from training.data.prepare import DataError, prepare_dataset
@@ -220,3 +224,33 @@ def test_an_integer_feature_beyond_float32s_exact_range_is_warned_about(table_fi
     prepared = prepare_dataset(make_config(table_file(typed_table(dh, account=ids))))
     (warning,) = prepared.manifest.extra["warnings"]
     assert "'account'" in warning and "2^24" in warning and "categorical" in warning and "hashed" in warning
+
+
+def test_ddpflow_run_says_a_data_error_once_without_a_traceback(tmp_path, table_file, dh, prefect_harness):
+    """The whole command, as a user runs it: the error once, in a few lines; the trace in the log file.
+    (Prefect's engines used to print it with two tracebacks, five times, in 77-95 lines.) --verbose keeps the
+    console's records whole: tests/code/test_console.py."""
+    from flow.cli_runs import cli_env
+
+    path = table_file(dh.numeric_table(rows=1000), "truncated.parquet")
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    config = {
+        "data": {"source": str(path), "root": str(tmp_path / "shards")},
+        "train": {"nproc_per_node": 2, "backend": "gloo", "run_root": str(tmp_path / "runs")},
+        "registry": {"model_name": "truncated-source"},
+        "mlflow": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "truncated-source"},
+    }
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+
+    argv = [sys.executable, "-m", "flows.cli", "run", "--config", "run.yaml"]
+    env = cli_env(prefect_harness)
+    done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert lines[-1].startswith(f"error: {path}: cannot be read as parquet"), done.stderr
+    assert len(lines) <= 15 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.count("cannot be read as parquet") == 1, done.stderr
+    (log_file,) = re.findall(r"the full trace is in (\S+) \(or run with --verbose\)", done.stderr)
+    log_text = Path(log_file).read_text()
+    assert Path(log_file).parent == tmp_path / ".ddpflow" / "logs"
+    assert "Traceback" in log_text and "DataError" in log_text, log_text[-3000:]

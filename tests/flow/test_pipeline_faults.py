@@ -14,6 +14,8 @@ import pytest
 from flow.flow_logs import flow_run_logs
 from mlflow.tracking import MlflowClient
 
+from ddpflow.launch.supervisor import LOCK_FILE, PID_FILE
+from ddpflow.tracking.runs import RESUMED_BY_TAG, RESUMED_FROM_TAG
 from training.data.errors import DataError
 from training.layout import FINAL_MODEL, LAST_CHECKPOINT, METRICS
 from training.metrics_sink import read_metrics_lines
@@ -134,6 +136,10 @@ def test_restarts_exhausted_fail_with_the_root_cause_then_the_same_config_resume
     resumed = train_pipeline(config=fragile)
     assert Path(resumed["run_dir"]) == failed_dir, "the same config resumes the unfinished run instead of starting over"
     assert (failed_dir / FINAL_MODEL).is_file()
+    assert not (failed_dir / LOCK_FILE).exists() and not (failed_dir / PID_FILE).exists(), "finished: neither"
+    # One story in MLflow: the failed run and the run that finished its work name each other.
+    assert client.get_run(resumed["mlflow_run_id"]).data.tags[RESUMED_FROM_TAG] == failed_run.info.run_id
+    assert client.get_run(failed_run.info.run_id).data.tags[RESUMED_BY_TAG] == resumed["mlflow_run_id"]
     # It started at the checkpointed epoch: the rank says so, and only the last epoch was trained.
     resumed_line = f"resumed from {failed_dir / LAST_CHECKPOINT} after 1 epoch(s)"
     logs = flow_run_logs(resumed["flow_run_id"], resumed_line, epoch_progress(epochs, epochs))

@@ -9,6 +9,8 @@ PREFECT_HOME". With the project's stack up, the run uses the stack's server.
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,8 +24,11 @@ import yaml
 from flow.cli_runs import cli_env
 from mlflow.tracking import MlflowClient
 
+from ddpflow.launch.supervisor import LOCK_FILE, PID_FILE
 from ddpflow.services import stack as local_stack
+from ddpflow.tracking.runs import RESUMED_BY_TAG, RESUMED_FROM_TAG
 from devtools.ports import free_port
+from training.layout import FINAL_MODEL
 from training.log import TRAIN
 
 REPO = Path(__file__).resolve().parents[2]
@@ -93,7 +98,8 @@ def as_from_a_terminal() -> None:
 class LiveRun:
     """A command started in the background; its stdout and stderr collected as they come."""
 
-    def __init__(self, argv: list[str], cwd: Path, env: dict[str, str]):
+    def __init__(self, argv: list[str], cwd: Path, env: dict[str, str], own_group: bool = False):
+        """``own_group``: in a process group of its own, as a terminal's foreground job is, for ``ctrl_c``."""
         self.popen = subprocess.Popen(
             argv,
             cwd=cwd,
@@ -103,6 +109,7 @@ class LiveRun:
             text=True,
             bufsize=1,
             preexec_fn=as_from_a_terminal,
+            start_new_session=own_group,
         )
         self.out: list[str] = []
         self.err: list[str] = []
@@ -142,10 +149,19 @@ class LiveRun:
     def last_error_line(self) -> str:
         return "".join(self.err).strip().splitlines()[-1]
 
+    def ctrl_c(self) -> None:
+        """What a terminal does on Ctrl-C: SIGINT to the whole foreground process group."""
+        os.killpg(self.popen.pid, signal.SIGINT)
+
     def kill(self) -> None:
         if self.popen.poll() is None:
             self.popen.kill()
             self.popen.wait()
+
+
+def error_lines(output: str) -> list[str]:
+    """Lines a person reads as an error: a traceback, or a log record at ERROR level (Prefect's or its server's)."""
+    return [line for line in output.splitlines() if "Traceback" in line or re.search(r"\bERROR\b", line)]
 
 
 @pytest.fixture(scope="module")
@@ -154,17 +170,26 @@ def project(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("project")
 
 
-@pytest.mark.torchrun
-@pytest.mark.server  # a temporary Prefect server
-def test_run_and_register_use_a_temporary_server_and_leave_nothing_behind(make_config, project):
-    """The normal way out; and a stack.json whose server is gone is passed over with one line."""
-    prefect_home = project / ".ddpflow" / "prefect"
+@pytest.fixture(scope="module")
+def first_run(make_config, project) -> tuple[dict, str, subprocess.CompletedProcess]:
+    """The module's first `ddpflow run` (a temporary server): its config, its config file, its result.
+    It registers the model, so the gate's concurrency limit of its name exists in the project's Prefect
+    database from then on: later runs of the same model name reuse it."""
     stale = local_stack.StackState(prefect_url=f"http://127.0.0.1:{free_port()}", mlflow_url="http://127.0.0.1:1")
     stale.write(project / ".ddpflow" / "stack.json")
     config = make_config()
     run_config = write_config(project, config)
-
     result = ddpflow(["run", "--config", run_config, "--set", "train.epochs=1", "--json"], project)
+    return config, run_config, result
+
+
+@pytest.mark.torchrun
+@pytest.mark.server  # a temporary Prefect server
+def test_run_and_register_use_a_temporary_server_and_leave_nothing_behind(first_run, project):
+    """The normal way out; and a stack.json whose server is gone is passed over with one line."""
+    prefect_home = project / ".ddpflow" / "prefect"
+    config, run_config, result = first_run
+    stale_url = json.loads((project / ".ddpflow" / "stack.json").read_text())["prefect_url"]
     assert result.returncode == 0, result.stderr[-4000:]
     summary = json.loads(result.stdout)  # stdout holds only the summary; Prefect logs to stderr
     assert summary["decision"] == "promoted" and str(summary["model_version"]) == "1"
@@ -175,10 +200,11 @@ def test_run_and_register_use_a_temporary_server_and_leave_nothing_behind(make_c
     assert prefect_home.is_dir(), "PREFECT_HOME defaults to <project>/.ddpflow/prefect"
     assert summary["prefect_server"] == "temporary"
     assert [line for line in result.stderr.splitlines() if "does not answer" in line] == [
-        f"ddpflow: {project / '.ddpflow' / 'stack.json'} names a Prefect server at {stale.prefect_url} "
+        f"ddpflow: {project / '.ddpflow' / 'stack.json'} names a Prefect server at {stale_url} "
         "that does not answer; using a temporary Prefect server"
     ]
     assert "Error logging to API" not in result.stderr, "logs are sent before the server stops"
+    assert not list(Path(summary["run_dir"]).glob("*.lock")) and not (Path(summary["run_dir"]) / PID_FILE).exists()
     assert wait_until_none_left(prefect_home, within_s=10) == []
 
     registered = ddpflow(["register", "--run-id", summary["mlflow_run_id"], "--config", run_config, "--json"], project)
@@ -204,10 +230,10 @@ def test_run_with_a_bad_value_exits_2_with_the_field_on_the_last_line(tmp_path):
     ("signum", "status", "last_line"),
     [
         (signal.SIGTERM, 143, "error: terminated by SIGTERM"),  # kill, a scheduler, a container runtime
-        (signal.SIGINT, 130, "error: interrupted"),  # Ctrl-C
+        # Ctrl-C (SIGINT to the whole process group): test_ctrl_c_stops_in_a_few_lines_and_the_same_command_resumes
         # SIGHUP (the terminal closes): test_the_parent_dying_stops_the_run_and_everything_it_started sends it.
     ],
-    ids=["SIGTERM", "SIGINT"],
+    ids=["SIGTERM"],
 )
 def test_a_signal_during_training_stops_the_ranks_and_the_temporary_server(
     make_config, project, signum, status, last_line
@@ -231,6 +257,63 @@ def test_a_signal_during_training_stops_the_ranks_and_the_temporary_server(
     client = MlflowClient(config["mlflow"]["tracking_uri"])
     experiment = client.get_experiment_by_name(config["mlflow"]["experiment"])
     assert [r.info.status for r in client.search_runs([experiment.experiment_id])] == ["KILLED"]  # not FAILED
+
+
+# Rank 1 stops (sleeps) in epoch 2 (1-based), once per run directory: epoch 1 is checkpointed when Ctrl-C comes.
+HANG_IN_EPOCH_2 = "hang:rank=1:epoch=1:step=2"
+CTRL_C_LINES = 20  # at most this many lines from Ctrl-C to the end
+CTRL_C_EXIT_S = 20.0  # "a few seconds" (about 3 s here), with room for a loaded 2-core machine
+
+
+@pytest.mark.torchrun
+@pytest.mark.server  # a temporary Prefect server
+def test_ctrl_c_stops_in_a_few_lines_and_the_same_command_resumes_cleanly(first_run, make_config, project):
+    """Ctrl-C: exit 130 within seconds, a few lines, no torchrun traceback, how to resume; then the same command
+    resumes to the end: no lock or PID file left, the two MLflow runs name each other, and this second
+    registration of the model's name prints no server traceback (the gate's limit is reused, not re-created)."""
+    prefect_home = project / ".ddpflow" / "prefect"
+    model_name = first_run[0]["registry"]["model_name"]
+    assert first_run[2].returncode == 0, first_run[2].stderr[-4000:]
+    config = make_config(**{"train.epochs": 2, "registry.model_name": model_name})
+    argv = ["run", "--config", write_config(project, config)]
+    env = {**cli_env(), "DDPFLOW_FAULT": HANG_IN_EPOCH_2}
+    run = LiveRun([sys.executable, "-m", "flows.cli", *argv], project, env, own_group=True)
+    run_root = Path(config["train"]["run_root"])
+    try:
+        deadline = time.monotonic() + 300
+        while not list(run_root.glob("*/.fault-hang-done")) and run.popen.poll() is None:
+            assert time.monotonic() < deadline, run.output[-4000:]
+            time.sleep(0.2)
+        lines_before = len(run.out) + len(run.err)
+        pressed = time.monotonic()
+        run.ctrl_c()
+        assert run.finish() == 130, run.output[-4000:]
+        took_s = time.monotonic() - pressed
+    finally:
+        run.kill()
+    after = (run.out + run.err)[lines_before:]
+    assert len(after) <= CTRL_C_LINES, "".join(after)
+    assert took_s < CTRL_C_EXIT_S, "".join(after)
+    assert "Traceback" not in run.output and "SignalException" not in run.output, "".join(after)
+    (run_dir,) = run_root.iterdir()
+    assert f"ddpflow: re-run the same command to resume from epoch 2 (run directory {run_dir})\n" in run.err
+    assert run.last_error_line == "error: interrupted"
+    assert wait_until_none_left(prefect_home) == []
+
+    resumed = ddpflow([*argv, "--json"], project, env)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert error_lines(resumed.stderr) == [], resumed.stderr[-6000:]  # the gate's limit: no IntegrityError
+    summary = json.loads(resumed.stdout)
+    assert Path(summary["run_dir"]) == run_dir and (run_dir / FINAL_MODEL).is_file()
+    assert not (run_dir / LOCK_FILE).exists() and not (run_dir / PID_FILE).exists()
+    client = MlflowClient(config["mlflow"]["tracking_uri"])
+    experiment = client.get_experiment_by_name(config["mlflow"]["experiment"])
+    runs = {r.info.status: r for r in client.search_runs([experiment.experiment_id])}
+    assert sorted(runs) == ["FINISHED", "KILLED"]
+    assert runs["FINISHED"].info.run_id == summary["mlflow_run_id"]
+    assert runs["FINISHED"].data.tags[RESUMED_FROM_TAG] == runs["KILLED"].info.run_id
+    assert runs["KILLED"].data.tags[RESUMED_BY_TAG] == runs["FINISHED"].info.run_id
+    assert wait_until_none_left(prefect_home, within_s=10) == []
 
 
 PARENT = """
