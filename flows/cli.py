@@ -7,7 +7,7 @@
     ddpflow serve    NAME[@alias|/version] [--port 5001] [--tracking-uri URI]   (MLflow's scoring server)
 
 Each subcommand calls plain functions (``training.prepare.dataset``, the flows,
-``ddpflow.stack``) and prints a short summary for people, or with ``--json``
+``ddpflow.services.stack``) and prints a short summary for people, or with ``--json``
 one JSON object on stdout (everything else goes to stderr).
 
 Exit status: 0 done; 1 a flow or the stack failed (the last line says which and
@@ -15,7 +15,7 @@ why); 2 a user error (``error: ...`` on the last line, said once, no traceback);
 (the line before says how to resume);
 128 + N when signal N ended it (SIGTERM 143, SIGHUP 129, also sent when the
 parent process dies). Whatever ends it, `run` and `register` stop everything
-they started first (ddpflow/lifetime.py, ddpflow/prefect_server.py).
+they started first (ddpflow/lifetime.py, ddpflow/services/prefect_server.py).
 
 `run` and `register` log everything, tracebacks included, to
 ``.ddpflow/logs/<command>-<time>-<pid>.log``; the console shows a user's error once
@@ -40,10 +40,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ddpflow import stack
 from ddpflow.console import CommandLog
 from ddpflow.lifetime import Terminated, ended_by_signals, shielded
-from ddpflow.prefect_server import PrefectServer, PrefectServerError, prefect_server
+from ddpflow.services import stack
+from ddpflow.services.prefect_server import PrefectServer, PrefectServerError, prefect_server
 from flows.environment import set_local_defaults
 from training.core.config import ConfigError, PipelineConfig, load_config
 from training.loop.selection import describe_selection
@@ -111,7 +111,7 @@ def cmd_register(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     """MLflow's scoring server for a registered model, until Ctrl-C or SIGTERM (then nothing is left running)."""
-    from ddpflow.serve import ScoringServer, ScoringServerError
+    from ddpflow.services.scoring_server import ScoringServer, ScoringServerError
     from ddpflow.tracking.runs import resolve_tracking_uri
     from ddpflow.tracking.served_model import served_model
 

@@ -40,7 +40,7 @@ from prefect.states import Completed, State
 
 from ddpflow.console import LOG_ONLY
 from ddpflow.launch.failure import LaunchInterrupted
-from ddpflow.launch.slurm_commands import check_cluster
+from ddpflow.launch.slurm.commands import check_cluster
 from ddpflow.rundirs import find_resumable_run, new_run_dir, record_mlflow_run, resume_epoch
 from ddpflow.tracking.registry import champion_checkpoint
 from ddpflow.tracking.runs import (

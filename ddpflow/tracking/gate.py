@@ -17,7 +17,7 @@ Decisions:
   opt-in: the registration step then fails the run (``ChampionUnreadableError``);
   and any candidate that would be promoted over a readable champion while one of
   its features drifted from the champion's training data by more than
-  ``registry.max_drift_psi`` (PSI, ``ddpflow/drift.py``): it waits as challenger
+  ``registry.max_drift_psi`` (PSI, ``ddpflow/drift/``): it waits as challenger
   whatever its metric, for someone to look at the data first.
 
 A metric's direction, when ``registry.greater_is_better`` is not given, is inferred from its kind
@@ -34,7 +34,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from ddpflow.drift import FeatureDrift
+from ddpflow.drift.psi import FeatureDrift
 from training.core.directions import higher_is_better as metric_higher_is_better  # noqa: F401 (the gate's rule)
 from training.core.monitor import is_better
 from training.inference.baselines import REFERENCE, TRIVIAL, baseline_metric, model_metrics

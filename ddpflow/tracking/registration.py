@@ -41,7 +41,7 @@ from mlflow.entities import Metric, RunTag
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 
-from ddpflow.drift import FeatureDrift
+from ddpflow.drift.psi import FeatureDrift
 from ddpflow.tracking.drift import drift_from_version
 from ddpflow.tracking.gate import (
     APPLIED,

@@ -247,18 +247,8 @@ def layer_of(folder: str) -> int:
     return next(layer for layer, folders in enumerate(TRAINING_LAYERS) if folder in folders)
 
 
-def test_no_import_circle_in_flows_tasks_or_training():
-    circles = circles_touching("flows", "tasks", "training")
-    assert circles == [], "import circles (module:line -> imported module):\n" + "\n".join(map(str, circles))
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="two known circles, broken on issue 35's bench/ddpflow branch: ddpflow.drift <-> ddpflow.text_drift, "
-    "bench.images <-> bench.image_workers. When that branch lands this test passes: delete this mark then",
-)
-def test_no_import_circle_in_ddpflow_or_bench():
-    circles = circles_touching("ddpflow", "bench")
+def test_no_import_circle_in_the_product():
+    circles = circles_touching(*PRODUCT_PACKAGES)
     assert circles == [], "import circles (module:line -> imported module):\n" + "\n".join(map(str, circles))
 
 
