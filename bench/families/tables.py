@@ -106,9 +106,7 @@ def run_boosting(spec: TableSpec, dataset: Path, inputs: dict[str, str]) -> dict
     from sklearn.metrics import accuracy_score, r2_score, roc_auc_score
 
     train, test = ddpflow_api.split_frame(dataset, "train"), ddpflow_api.split_frame(dataset, "test")
-    categories = {
-        name: sorted(train[name].dropna().unique()) for name, kind in inputs.items() if kind == "categorical"
-    }
+    categories = {name: sorted(train[name].dropna().unique()) for name, kind in inputs.items() if kind == "categorical"}
     x_train, x_test = (boosting_features(frame, inputs, categories) for frame in (train, test))
     y_train, y_test = train[spec.label], test[spec.label]
     model_class = HistGradientBoostingRegressor if spec.task == REGRESSION else HistGradientBoostingClassifier
@@ -166,7 +164,11 @@ def row_for(spec: TableSpec, figures: dict) -> Row:
         + f"; ddpflow {sum(seconds.values()):.0f} s (prepare {seconds['prepare']:.1f}, train "
         f"{seconds['train']:.1f}, evaluate {seconds['evaluate']:.1f}), boosting fit {figures['boosting_fit_s']:.1f} s"
         f"; load {figures['load_1min']:.1f}"
-        + (f"; ids as ordinal codes for boosting: {', '.join(figures['ordinal_ids'])}" if figures["ordinal_ids"] else "")
+        + (
+            f"; ids as ordinal codes for boosting: {', '.join(figures['ordinal_ids'])}"
+            if figures["ordinal_ids"]
+            else ""
+        )
     )
     return Row(
         f"{spec.name}: {spec.structure}",

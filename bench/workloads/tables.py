@@ -271,13 +271,17 @@ def ticket_priority(rng: np.random.Generator, rows: int) -> pd.DataFrame:
     )
 
 
+def kinds(numeric: str, categorical: str) -> dict[str, str]:
+    """``data.inputs`` in short form: the space-separated numeric columns, then the categorical ones."""
+    return {**dict.fromkeys(numeric.split(), "numeric"), **dict.fromkeys(categorical.split(), "categorical")}
+
+
 GENERATED = (
     TableSpec(
         "trips_late",
         BINARY,
         "late",
-        ({"hour": "numeric", "weekday": "numeric", "day_of_year": "numeric", "route": "categorical",
-                "carrier": "categorical", "distance_km": "numeric", "stops": "numeric"}),  # fmt: skip
+        kinds("hour weekday day_of_year distance_km stops", categorical="route carrier"),
         "is a trip late: rush hours, weekends and winter, route id (3,000, Zipf), carrier x distance, "
         "heavy-tailed distance; ~20% late",
         trips_late,
@@ -286,8 +290,7 @@ GENERATED = (
         "card_fraud",
         BINARY,
         "fraud",
-        ({"customer": "categorical", "merchant_kind": "categorical", "amount": "numeric", "hour": "numeric",
-                "foreign": "numeric", "card_age_days": "numeric"}),  # fmt: skip
+        kinds("amount hour foreign card_age_days", categorical="customer merchant_kind"),
         "fraud, ~2% positive: Pareto amounts x merchant kind, night hours, customer id (5,000), bool foreign",
         card_fraud,
     ),
@@ -295,8 +298,7 @@ GENERATED = (
         "credit_default",
         BINARY,
         "default",
-        ({"age": "numeric", "income": "numeric", "debt_ratio": "numeric", "months_employed": "numeric",
-                "home": "categorical", "purpose": "categorical", "has_cosigner": "numeric"}),  # fmt: skip
+        kinds("age income debt_ratio months_employed has_cosigner", categorical="home purpose"),
         "default (yes/no): nulls at random in income (5%), informative nulls in months_employed (the unemployed, "
         "7%, who default more), log-normal income",
         credit_default,
@@ -306,8 +308,7 @@ GENERATED = (
         "plan_choice",
         MULTICLASS,
         "plan",
-        ({"age": "numeric", "region": "categorical", "device": "categorical", "monthly_gb": "numeric",
-                "income": "numeric", "has_family": "numeric"}),  # fmt: skip
+        kinds("age monthly_gb income has_family", categorical="region device"),
         "4 plans (strings): region x age, device, income, usage",
         plan_choice,
     ),
@@ -315,8 +316,7 @@ GENERATED = (
         "ticket_priority",
         MULTICLASS,
         "priority",
-        ({"account": "categorical", "product": "categorical", "tier": "categorical", "hour": "numeric",
-                "last_contact_days": "numeric", "attachments": "numeric"}),  # fmt: skip
+        kinds("hour last_contact_days attachments", categorical="account product tier"),
         "5 priorities, imbalanced: product x hour of day, tier, account id (4,000), informative nulls in "
         "last_contact_days (15%: new customers, more urgent)",
         ticket_priority,
@@ -326,8 +326,7 @@ GENERATED = (
         "house_prices",
         REGRESSION,
         "price",
-        ({"neighbourhood": "categorical", "kind": "categorical", "area_m2": "numeric", "rooms": "numeric",
-                "year_built": "numeric", "month_sold": "numeric", "garage": "numeric", "lot_m2": "numeric"}),  # fmt: skip
+        kinds("area_m2 rooms year_built month_sold garage lot_m2", categorical="neighbourhood kind"),
         "price from ~10^4 to ~10^7 (multiplicative): neighbourhood (800), kind, log-normal area, month sold; "
         "lot_m2 null for every flat (informative, ~50%)",
         house_prices,
@@ -337,8 +336,7 @@ GENERATED = (
         "store_sales",
         REGRESSION,
         "units",
-        ({"store": "categorical", "category": "categorical", "weekday": "numeric", "day_of_year": "numeric",
-                "promo": "numeric", "price": "numeric"}),  # fmt: skip
+        kinds("weekday day_of_year promo price", categorical="store category"),
         "units sold (Poisson counts, 0 to hundreds): store id (2,000), weekday and season (garden x date), "
         "promotions, category x price",
         store_sales,
@@ -347,8 +345,7 @@ GENERATED = (
         "insurance_claims",
         REGRESSION,
         "claim",
-        ({"driver_age": "numeric", "vehicle": "categorical", "region": "categorical",
-                "vehicle_value": "numeric", "years_insured": "numeric"}),  # fmt: skip
+        kinds("driver_age vehicle_value years_insured", categorical="vehicle region"),
         "claim amount, log-normal (a few to thousands): vehicle x driver age, region (40), nulls at random in two "
         "columns (4% each)",
         insurance_claims,
@@ -357,14 +354,38 @@ GENERATED = (
 )
 
 BUNDLED = (
-    TableSpec("breast_cancer", BINARY, "target", {}, "scikit-learn's load_breast_cancer: 569 rows, 30 numeric",
-              bundled="load_breast_cancer"),  # fmt: skip
-    TableSpec("wine", MULTICLASS, "target", {}, "scikit-learn's load_wine: 178 rows, 13 numeric, 3 classes",
-              bundled="load_wine"),  # fmt: skip
-    TableSpec("digits", MULTICLASS, "target", {}, "scikit-learn's load_digits: 1,797 rows, 64 int pixels, 10 classes",
-              bundled="load_digits"),  # fmt: skip
-    TableSpec("diabetes", REGRESSION, "target", {}, "scikit-learn's load_diabetes: 442 rows, 10 numeric",
-              bundled="load_diabetes"),  # fmt: skip
+    TableSpec(
+        "breast_cancer",
+        BINARY,
+        "target",
+        {},
+        "scikit-learn's load_breast_cancer: 569 rows, 30 numeric",
+        bundled="load_breast_cancer",
+    ),
+    TableSpec(
+        "wine",
+        MULTICLASS,
+        "target",
+        {},
+        "scikit-learn's load_wine: 178 rows, 13 numeric, 3 classes",
+        bundled="load_wine",
+    ),
+    TableSpec(
+        "digits",
+        MULTICLASS,
+        "target",
+        {},
+        "scikit-learn's load_digits: 1,797 rows, 64 pixels (0-16), 10 classes",
+        bundled="load_digits",
+    ),
+    TableSpec(
+        "diabetes",
+        REGRESSION,
+        "target",
+        {},
+        "scikit-learn's load_diabetes: 442 rows, 10 numeric",
+        bundled="load_diabetes",
+    ),
 )
 TABLES = GENERATED + BUNDLED
 
