@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from bench.__main__ import FAMILIES, family_module
-from bench.families.tables import MAX_BINS, boosting_features
+from bench.families.tables import MAX_BINS, boosting_features, wide_ids
 from bench.workloads.tables import (
     BINARY,
     BUNDLED,
@@ -121,10 +121,10 @@ def test_bundled_tables_load_offline_with_their_label():
         assert all(name.replace("_", "").isalnum() for name in inputs), spec.name
 
 
-def test_boosting_takes_categoricals_natively_and_wide_ids_as_codes():
+def test_boosting_takes_categoricals_natively_and_leaves_wide_ids_to_the_target_encoder():
     frame = pd.DataFrame({"small": ["a", "b", None], "wide": ["id1", "id9", "unseen"], "x": [1.0, np.nan, 3.0]})
     categories = {"small": ["a", "b"], "wide": [f"id{i}" for i in range(MAX_BINS + 1)]}
     features = boosting_features(frame, {"small": "categorical", "wide": "categorical", "x": "numeric"}, categories)
-    assert isinstance(features["small"].dtype, pd.CategoricalDtype)
-    assert features["wide"].dtype == np.float64 and np.isnan(features["wide"].iloc[2])
+    assert isinstance(features["small"].dtype, pd.CategoricalDtype) and pd.isna(features["small"].iloc[2])
+    assert "wide" not in features and wide_ids(categories) == ["wide"]
     assert np.isnan(features["x"].iloc[1])
