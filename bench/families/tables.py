@@ -44,8 +44,9 @@ def write_table(ctx: Context, spec: TableSpec, rows: int) -> tuple[Path, dict[st
     return path, inputs_of(spec, frame), len(frame)
 
 
-def user_config(ctx: Context, spec: TableSpec, source: Path, inputs: dict[str, str]):
-    """A user's natural config: inputs by kind, the label, drop where nulls are, 2 ranks; defaults otherwise."""
+def user_config(ctx: Context, spec: TableSpec, source: Path, inputs: dict[str, str], batch_size: int | None = None):
+    """A user's natural config: inputs by kind, the label, drop where nulls are, 2 ranks; defaults otherwise
+    (``batch_size``: what the user sets after ddpflow refused the default on a small table)."""
     root = ctx.workdir / "tables" / spec.name
     data = {"source": str(source), "root": str(root / "shards"), "label": spec.label, "inputs": inputs}
     if spec.nulls:
@@ -55,7 +56,11 @@ def user_config(ctx: Context, spec: TableSpec, source: Path, inputs: dict[str, s
     return ddpflow_api.pipeline_config(
         {
             "data": data,
-            "train": {"nproc_per_node": 2, "run_root": str(root / "runs")},
+            "train": {
+                "nproc_per_node": 2,
+                "run_root": str(root / "runs"),
+                **({"batch_size": batch_size} if batch_size else {}),
+            },
             "mlflow": {
                 "tracking_uri": f"sqlite:///{root / 'mlflow.db'}",
                 "artifact_location": (root / "mlartifacts").as_uri(),
@@ -142,7 +147,18 @@ def measure(ctx: Context, spec: TableSpec, rows: int) -> dict:
     source, inputs, source_rows = write_table(ctx, spec, rows)
     config = user_config(ctx, spec, source, inputs)
     load = os.getloadavg()[0]
-    ours = run_ddpflow(config, spec)
+    refused = ""
+    try:
+        ours = run_ddpflow(config, spec)
+    except Exception as error:
+        if "train.batch_size" not in str(error):
+            raise
+        # The default batch is refused on a small table: set what the error asks (a power of two that fits).
+        refused = str(error).partition(";")[0]
+        share = ddpflow_api.manifest(ddpflow_api.prepare(config.data)).rows("train") // 2
+        batch = 2 ** (share.bit_length() - 1)
+        ours = run_ddpflow(user_config(ctx, spec, source, inputs, batch_size=batch), spec)
+        refused = f"default refused ({refused}); rerun with train.batch_size {batch}"
     theirs = run_boosting(spec, ours["dataset"], inputs)
     dropped = ddpflow_api.manifest(ours["dataset"]).dropped_rows
     figures = {
@@ -161,6 +177,7 @@ def measure(ctx: Context, spec: TableSpec, rows: int) -> dict:
         "load_1min": load,
         "target_encoded": theirs["wide"],
         "epochs_run": ours["epochs"],
+        "refused": refused,
     }
     log(f"tables {spec.name}: {json.dumps(figures, default=str)}")
     return figures
@@ -176,6 +193,7 @@ def row_for(spec: TableSpec, figures: dict) -> Row:
         + f"; ddpflow {sum(seconds.values()):.0f} s (prepare {seconds['prepare']:.1f}, train "
         f"{seconds['train']:.1f}, evaluate {seconds['evaluate']:.1f}), boosting fit {figures['boosting_fit_s']:.1f} s"
         f"; load {figures['load_1min']:.1f}"
+        + (f"; **{figures['refused']}**" if figures["refused"] else "")
         + (f"; target-encoded for boosting: {', '.join(encoded)}" if (encoded := figures["target_encoded"]) else "")
     )
     return Row(
