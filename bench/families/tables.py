@@ -122,7 +122,7 @@ def run_boosting(spec: TableSpec, dataset: Path, inputs: dict[str, str]) -> dict
         x_train, x_test = (boosting_features(frame, inputs, categories) for frame in (train, test))
         wide = wide_ids(categories)
         if wide:  # scikit-learn's advice for many categories: target encoding, cross-fitted on train
-            encoder = TargetEncoder(random_state=0)
+            encoder = TargetEncoder(target_type="continuous" if spec.task == REGRESSION else "auto")
             encoded = encoder.fit_transform(train[wide].astype(object), y_train)
             names = list(encoder.get_feature_names_out())
             x_train = pd.concat([x_train, pd.DataFrame(encoded, columns=names, index=x_train.index)], axis=1)
