@@ -37,6 +37,7 @@ FAMILIES = {
     "scale": "Scale",
     "images": "Images",
     "text": "Text",
+    "tables": "Tables beside boosting",  # ddpflow's default model against HistGradientBoosting
     "gpu": "GPU",  # skipped (recorded as such) without CUDA
 }
 

@@ -418,3 +418,22 @@ def start_temporary_server(env: dict[str, str]):
     from ddpflow.services.prefect_server import start_temporary_server as start
 
     return start(env)
+
+
+# ----------------------------------------------------------------------------- quality on a prepared table
+
+
+def evaluate_metrics(model_path: str | Path, dataset_dir: str | Path, split: str = "test") -> dict[str, float]:
+    """``training.inference.evaluate.evaluate_split``'s metrics (``test_roc_auc``, ``test_accuracy``, ``test_r2``)."""
+    from training.inference.evaluate import evaluate_split
+
+    return dict(evaluate_split(model_path, dataset_dir, split).metrics)
+
+
+def split_frame(dataset_dir: str | Path, split: str):
+    """The rows of a prepared split as its shards hold them (after ``data.on_invalid``), as a pandas frame."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    files = manifest(dataset_dir).split_files(dataset_dir, split)
+    return pa.concat_tables([pq.read_table(path) for path in files]).to_pandas()
