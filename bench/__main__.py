@@ -19,24 +19,31 @@ import sys
 import time
 from pathlib import Path
 
-from bench.harness import REPO_ROOT, Result, log, machine_info, render_docs, run_guarded, write_results
-from bench.workload import Context
+from bench.harness.context import Context
+from bench.harness.machine import machine_info
+from bench.harness.report import render_docs
+from bench.harness.results import REPO_ROOT, Result, log, run_guarded, write_results
 
-# name -> (module, title); run in this order. Each module has run(ctx) -> list[Result].
+# name -> title; run in this order. Family NAME is the module bench/families/NAME.py, with run(ctx) -> list[Result].
 FAMILIES = {
-    "datapath": ("bench.datapath", "Data path"),
-    "ddp": ("bench.scaling", "DDP scaling"),
-    "prepare": ("bench.storage", "Prepare and shards"),
-    "memory": ("bench.memory", "Memory"),
-    "checkpoint": ("bench.checkpointing", "Step checkpoints"),
-    "evaluate": ("bench.evaluation", "Evaluate"),
-    "launch": ("bench.orchestration", "Launch and orchestration"),
-    "slurm": ("bench.slurm_launch", "Launch through Slurm"),  # skipped (recorded as such) without Slurm
-    "scale": ("bench.scale", "Scale"),
-    "images": ("bench.images", "Images"),
-    "text": ("bench.text", "Text"),
-    "gpu": ("bench.gpu", "GPU"),  # skipped (recorded as such) without CUDA
+    "datapath": "Data path",
+    "ddp": "DDP scaling",
+    "prepare": "Prepare and shards",
+    "memory": "Memory",
+    "checkpoint": "Step checkpoints",
+    "evaluate": "Evaluate",
+    "launch": "Launch and orchestration",
+    "slurm": "Launch through Slurm",  # skipped (recorded as such) without Slurm
+    "scale": "Scale",
+    "images": "Images",
+    "text": "Text",
+    "tables": "Tables beside boosting",  # ddpflow's default model against HistGradientBoosting
+    "gpu": "GPU",  # skipped (recorded as such) without CUDA
 }
+
+
+def family_module(name: str) -> str:
+    return f"bench.families.{name}"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -109,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     results: list[Result] = []
     try:
         for name in args.families:
-            module_name, title = FAMILIES[name]
+            module_name, title = family_module(name), FAMILIES[name]
             log(f"--- {title}")
             results += run_guarded(name, title, lambda module=module_name: importlib.import_module(module).run(ctx))
             for result in results[-1:]:

@@ -29,7 +29,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 LOG_ONLY = "ddpflow_log_only"  # a record attribute: keep this record off the console
-LOG_DIR = Path(".ddpflow") / "logs"  # under the project, beside the stack's logs (ddpflow/stack.py)
+LOG_DIR = Path(".ddpflow") / "logs"  # under the project, beside the stack's logs (ddpflow/services/stack.py)
 KEEP_LOGS = 30  # per command; older command logs are removed when a new one opens
 _FORMAT = "%(asctime)s | %(levelname)-7s | %(name)s - %(message)s"
 

@@ -11,7 +11,7 @@ becomes ``-``, leading dots and dashes are dropped, so ``../x`` or ``/etc`` cann
     resume rule, which the checkpointer applies to last.pt too) of its config.json and
     dataset equals this config's and fingerprint's,
   * whose training did not finish: ``checkpoints/last.pt`` or a step checkpoint exists, or a Slurm job it recorded may
-    still run (ddpflow/launch/slurm.py: ``has_unfinished_job``; the launch then reattaches to it),
+    still run (ddpflow/launch/slurm/launcher.py: ``has_unfinished_job``; the launch then reattaches to it),
     and ``model.pt`` does not,
   * and that no live launch holds (its ``.launch.lock`` flock is free).
 
@@ -29,7 +29,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from ddpflow.launch.slurm import has_unfinished_job
+from ddpflow.launch.slurm.launcher import has_unfinished_job
 from ddpflow.launch.supervisor import is_locked
 from training.checkpoint.files import training_identity
 from training.checkpoint.steps import step_checkpoints, step_position

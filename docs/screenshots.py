@@ -27,7 +27,7 @@ from websockets.sync.client import connect
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ddpflow.stack import StackLayout, StackState
+from ddpflow.services.stack import StackLayout, StackState
 
 # (file name, which UI, path): the pages a reader of docs/deployments.md wants to see.
 PAGES = (

@@ -7,7 +7,7 @@
     ddpflow serve    NAME[@alias|/version] [--port 5001] [--tracking-uri URI]   (MLflow's scoring server)
 
 Each subcommand calls plain functions (``training.prepare.dataset``, the flows,
-``ddpflow.stack``) and prints a short summary for people, or with ``--json``
+``ddpflow.services.stack``) and prints a short summary for people, or with ``--json``
 one JSON object on stdout (everything else goes to stderr).
 
 Exit status: 0 done; 1 a flow or the stack failed (the last line says which and
@@ -15,7 +15,7 @@ why); 2 a user error (``error: ...`` on the last line, said once, no traceback);
 (the line before says how to resume);
 128 + N when signal N ended it (SIGTERM 143, SIGHUP 129, also sent when the
 parent process dies). Whatever ends it, `run` and `register` stop everything
-they started first (ddpflow/lifetime.py, ddpflow/prefect_server.py).
+they started first (ddpflow/lifetime.py, ddpflow/services/prefect_server.py).
 
 `run` and `register` log everything, tracebacks included, to
 ``.ddpflow/logs/<command>-<time>-<pid>.log``; the console shows a user's error once
@@ -40,10 +40,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ddpflow import stack
 from ddpflow.console import CommandLog
 from ddpflow.lifetime import Terminated, ended_by_signals, shielded
-from ddpflow.prefect_server import PrefectServer, PrefectServerError, prefect_server
+from ddpflow.services import stack
+from ddpflow.services.prefect_server import PrefectServer, PrefectServerError, prefect_server
 from flows.environment import set_local_defaults
 from training.core.config import ConfigError, PipelineConfig, load_config
 from training.loop.selection import describe_selection
@@ -111,7 +111,7 @@ def cmd_register(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     """MLflow's scoring server for a registered model, until Ctrl-C or SIGTERM (then nothing is left running)."""
-    from ddpflow.serve import ScoringServer, ScoringServerError
+    from ddpflow.services.scoring_server import ScoringServer, ScoringServerError
     from ddpflow.tracking.runs import resolve_tracking_uri
     from ddpflow.tracking.served_model import served_model
 
@@ -232,7 +232,8 @@ def print_summary(summary: dict[str, Any], as_json: bool) -> None:
 
 def _for_people(summary: dict[str, Any]) -> dict[str, Any]:
     """The headline test metrics on one line, the accuracy with the majority class's share beside it (what always
-    guessing that class scores) and counts as integers; per-class precision/recall stay in --json and MLflow.
+    guessing that class scores) and counts as integers; the baselines' comparison on another line; per-class
+    precision/recall stay in --json and MLflow.
     Data drift as its one-line message (the per-feature numbers are in --json and the MLflow run)."""
     metrics = summary.get("test_metrics") or {}
     headline = {
@@ -243,7 +244,11 @@ def _for_people(summary: dict[str, Any]) -> dict[str, Any]:
     shown = ", ".join(_metric_text(name, value, metrics) for name, value in headline.items())
     drift = {"data_drift": summary["data_drift"].get("message")} if summary.get("data_drift") else {}
     selection = {"selection": describe_selection(summary["selection"])} if summary.get("selection") else {}
-    return {**summary, "test_metrics": shown, **drift, **selection}
+    # The model beside the reference model and the trivial baseline: "test_roc_auc 0.781 · reference 0.781 ·
+    # guessing 0.500" (their full metrics are in --json and the MLflow run).
+    baselines = {"baselines": (summary.get("baselines") or {}).get("comparison") or "none scored"}
+    baselines = baselines if "baselines" in summary else {}
+    return {**summary, "test_metrics": shown, **baselines, **drift, **selection}
 
 
 MAJORITY_SHARE = "_majority_share"  # <split>_majority_share: training/inference/evaluate.py

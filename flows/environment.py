@@ -3,7 +3,7 @@
 Prefect reads its settings once, at import. The ``ddpflow`` command calls
 ``set_local_defaults()`` first so that Prefect keeps its state inside the
 project (never ``~/.prefect``), sends no telemetry, and gives a temporary
-local server (ddpflow/prefect_server.py) enough time to start on a busy machine.
+local server (ddpflow/services/prefect_server.py) enough time to start on a busy machine.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 # The temporary server needs ~15 s cold on 2 cores; Prefect's 20 s default fails under load.
-# ddpflow/prefect_server.py reads the same variable as Prefect does.
+# ddpflow/services/prefect_server.py reads the same variable as Prefect does.
 EPHEMERAL_STARTUP_TIMEOUT_S = "90"
 
 

@@ -40,7 +40,7 @@ from prefect.states import Completed, State
 
 from ddpflow.console import LOG_ONLY
 from ddpflow.launch.failure import LaunchInterrupted
-from ddpflow.launch.slurm_commands import check_cluster
+from ddpflow.launch.slurm.commands import check_cluster
 from ddpflow.rundirs import find_resumable_run, new_run_dir, record_mlflow_run, resume_epoch
 from ddpflow.tracking.registry import champion_checkpoint
 from ddpflow.tracking.runs import (
@@ -64,6 +64,7 @@ from tasks.register import register_model
 from tasks.train import KILL_GRACE_S, TrainRequest, train_model
 from training.core.config import PipelineConfig
 from training.core.topology import RankLayout
+from training.inference.baselines import REFERENCE, TRIVIAL, baseline_values, comparison, model_metrics
 from training.loop.selection import selection_summary
 from training.models.registry import with_resolved_model
 from training.preflight import check_data, check_machine
@@ -163,7 +164,9 @@ def train_pipeline(
         "model_version": decision.get("version"),
         "decision": decision.get("decision"),
         "reason": decision.get("reason"),
-        "test_metrics": test_metrics,
+        **({"warning": decision["warning"]} if decision.get("warning") else {}),
+        "test_metrics": model_metrics(test_metrics),
+        "baselines": _baselines(config, prepared.manifest.task, test_metrics),
         "selection": selection_summary(trained.metrics, config.train),  # the epoch model.pt holds
         "data_drift": drift,
         "mlflow_run_id": run_id,
@@ -227,6 +230,17 @@ def _skipped(
         "restarts": 0,
     }
     return Completed(message=f"skipped: {unchanged.reason}", data=summary)
+
+
+def _baselines(config: PipelineConfig, task: str, metrics: dict[str, float]) -> dict[str, Any]:
+    """The baselines' test metrics and the line that compares them with the model's (``comparison``): on the gate
+    metric, and on ROC AUC where there is one."""
+    names = [config.registry.gate_metric(task), "test_roc_auc"]
+    return {
+        "comparison": comparison(metrics, list(dict.fromkeys(names))),
+        "trivial": baseline_values(metrics, TRIVIAL),
+        "reference": baseline_values(metrics, REFERENCE),
+    }
 
 
 def _say_how_to_resume(error: BaseException, run_dir: Path, logger: Any) -> None:

@@ -1,6 +1,6 @@
 """Prefect task: how this run's train split differs from the champion's training data.
 
-The numbers are ``ddpflow/drift.py``'s (PSI and mean shift per feature) and the MLflow
+The numbers are ``ddpflow/drift/``'s (PSI and mean shift per feature) and the MLflow
 side ``ddpflow/tracking/drift.py``'s (``drift/data_drift.png``, ``data_drift_max_psi``).
 This wrapper adds the Prefect view: a log line and a markdown artifact ``data-drift``
 listing the five most drifted features. Drift is a report: with no champion, or when

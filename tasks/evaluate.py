@@ -4,7 +4,9 @@ The numbers come from ``training/inference/evaluate.py``; the MLflow run gets th
 ``ddpflow/tracking/runs.py: log_evaluation`` (metrics, ``eval/metrics.json``, a
 confusion-matrix or residual plot, where the model and data are). This task
 writes ``RUN_DIR/eval/metrics.json`` and a Prefect markdown artifact with a link
-to the run.
+to the run. Beside the model, the baselines (``training/inference/baselines.py``: the train
+prior or mean, and the HistGradientBoosting reference for tables) are scored on the
+same test rows here, in this process, never in the ranks.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from training.core.config import PipelineConfig
 from training.core.fileio import atomic_write_json
 from training.core.layout import EVAL_METRICS
 from training.core.manifest import read_manifest
+from training.inference.baselines import Baselines, evaluate_baselines
 from training.inference.evaluate import evaluate_split
 from training.inference.model_file import EvalResult
 from training.objectives.next_token import LANGUAGE_MODEL, evaluated_as
@@ -28,14 +31,27 @@ from training.objectives.next_token import LANGUAGE_MODEL, evaluated_as
 PLOT_ROWS = 20_000  # residual plot: enough points to see structure, bounded memory
 
 
-def evaluation_markdown(result: EvalResult, model_path: str, run_link: str) -> str:
-    """The Prefect UI's view of the evaluation: headline metrics, per-class table, link to the MLflow run."""
+def evaluation_markdown(result: EvalResult, model_path: str, run_link: str, baselines: Baselines | None = None) -> str:
+    """The Prefect UI's view of the evaluation: headline metrics beside the baselines', per-class table, link to
+    the MLflow run."""
+    baselines = baselines or Baselines()
+    trivial, reference = baselines.trivial or {}, baselines.reference or {}
+
+    def cell(values: dict[str, float], name: str) -> str:
+        return f"{values[name]:.6g}" if name in values else "—"
+
     rows = "\n".join(
-        f"| {name} | {value:.6g} |"
+        f"| {name} | {value:.6g} | {cell(reference, name)} | {cell(trivial, name)} |"
         for name, value in result.metrics.items()
         if not name.split("_", 1)[1].startswith(("precision_", "recall_"))
     )
-    text = f"# Evaluation on {result.samples} {result.split} rows\n\n| metric | value |\n|---|---|\n{rows}\n"
+    text = (
+        f"# Evaluation on {result.samples} {result.split} rows\n\n"
+        "| metric | model | reference (HistGradientBoosting) | trivial (train prior or mean) |\n"
+        f"|---|---|---|---|\n{rows}\n"
+    )
+    if baselines.notes:
+        text += "\n" + "".join(f"- {note}\n" for note in baselines.notes)
     if result.per_class:
         per_class = "\n".join(
             f"| {label} | {v['precision']:.4f} | {v['recall']:.4f} | {v['support']} |"
@@ -50,7 +66,9 @@ def evaluation_markdown(result: EvalResult, model_path: str, run_link: str) -> s
 def evaluate_model(
     model_path: str, dataset_dir: str, run_id: str, tracking_uri: str, config: PipelineConfig
 ) -> dict[str, float]:
-    """Test-split metrics (``test_accuracy``, ``test_rmse``, ...), logged to the MLflow run; returns them."""
+    """Test-split metrics (``test_accuracy``, ``test_rmse``, ...) and the baselines' on the same rows
+    (``baseline_trivial/test_accuracy``, ``baseline_reference/...``: training/inference/baselines.py), logged
+    to the MLflow run; returns them."""
     logger = get_run_logger()
     model_path = str(model_path)
     # Per-row predictions only for the residual or row-loss plot; a confusion matrix is counted on the fly.
@@ -71,10 +89,15 @@ def evaluate_model(
             result.metrics["test_tokens"],
             result.samples,
         )
-    metrics_path = atomic_write_json(Path(model_path).parent / EVAL_METRICS, result.to_dict())
-    log_evaluation(tracking_uri, run_id, result, metrics_path, model_path, dataset_dir)
+    baselines = evaluate_baselines(
+        model_path, dataset_dir, "test", config.eval.reference, config.eval.reference_max_rows, logger
+    )
+    metrics_path = atomic_write_json(
+        Path(model_path).parent / EVAL_METRICS, {**result.to_dict(), "baselines": baselines.metrics()}
+    )
+    log_evaluation(tracking_uri, run_id, result, metrics_path, model_path, dataset_dir, baselines.metrics())
     create_markdown_artifact(
-        markdown=evaluation_markdown(result, model_path, how_to_open(tracking_uri, run_id)),
+        markdown=evaluation_markdown(result, model_path, how_to_open(tracking_uri, run_id), baselines),
         key="model-evaluation",
         description=f"Test metrics of MLflow run {run_id}",
     )
@@ -84,7 +107,7 @@ def evaluate_model(
     logger.info(
         "Evaluated %s on %d test rows in %.2fs: %s", model_path, result.samples, result.seconds, _headline(result)
     )
-    return result.metrics
+    return {**result.metrics, **baselines.metrics()}
 
 
 HEADLINES = {

@@ -19,7 +19,7 @@ flow run (UI, API, ``prefect flow-run cancel``) it kills torchrun's tree within 
 few seconds, even for a flow run in a plain Python process that no worker watches.
 
 ``train.launcher: slurm``: the same task runs the stage as one Slurm job instead
-(ddpflow/launch/slurm.py, the same request, result and errors; docs/slurm.md) and
+(ddpflow/launch/slurm/, the same request, result and errors; docs/slurm.md) and
 tags the MLflow run with the job's id as soon as it is submitted or found.
 """
 

@@ -5,8 +5,9 @@
     ProcessTree(popen)                   torchrun and every descendant it ever had (ranks live in their
                                          own sessions, so torchrun's group alone does not reach them)
     with_parent_death_signal(argv)       the child gets SIGTERM when the launching thread dies
+    with forward_signals(stop):          SIGTERM/SIGINT call ``stop`` first, then the handler they replaced
 
-Used by the launcher (ddpflow/launch/supervisor.py), the local stack and bench/.
+Used by the launchers (ddpflow/launch/supervisor.py, ddpflow/launch/slurm/), the local stack and bench/.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 
 import psutil
 
@@ -159,3 +161,27 @@ def chain_to_previous_handler(previous, signum: int, frame) -> None:
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)  # die of the signal, as the default would
     # SIG_IGN: the stop reason set by the handler ends the wait with LaunchInterrupted.
+
+
+@contextmanager
+def forward_signals(stop: Callable[[int], None]) -> Iterator[None]:
+    """While inside: SIGTERM and SIGINT call ``stop(signum)`` first (a launcher stops what it started), then do
+    what the handler they replaced would have done (``chain_to_previous_handler``); the old handlers come back
+    on the way out. Only the main thread may set handlers: elsewhere this does nothing, and the caller watches
+    the main thread instead."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {}
+
+    def handler(signum, frame):
+        stop(signum)
+        chain_to_previous_handler(previous[signum], signum, frame)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        previous[sig] = signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)

@@ -3,7 +3,7 @@
     request = TrainRequest(config, dataset_dir, run_dir, on_line=print)
     result = launcher_for(config)(request)            # train.launcher picks it from LAUNCHERS
 
-Every launcher (``ddpflow/launch/local.py``: torchrun on this machine; ``slurm.py``: one batch
+Every launcher (``ddpflow/launch/local.py``: torchrun on this machine; ``slurm/launcher.py``: one batch
 job) is a ``Launcher``: it takes the request and returns the result, or raises one of the
 same errors (``RankFailed`` with the root cause, ``LaunchTimeout``, ``LaunchStalled``,
 ``LaunchInterrupted``, ``LaunchError``; ``ConfigError`` from the preflight before anything
@@ -37,7 +37,7 @@ from training.preflight import check_data, check_machine
 # the contract's types (this module) are importable by every launcher without an import circle.
 LAUNCHERS: dict[str, str] = {
     "local": "ddpflow.launch.local:run_training",
-    "slurm": "ddpflow.launch.slurm:run_training_on_slurm",
+    "slurm": "ddpflow.launch.slurm.launcher:run_training_on_slurm",
 }
 
 

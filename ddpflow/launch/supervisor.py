@@ -51,7 +51,7 @@ from pathlib import Path
 
 from ddpflow.launch.command import ERROR_FILE, LOG_DIR, PROJECT_ROOT
 from ddpflow.launch.failure import LaunchError, LaunchInterrupted, LaunchStalled, LaunchTimeout, failure_from_output
-from ddpflow.launch.process_tree import ProcessTree, chain_to_previous_handler, with_parent_death_signal
+from ddpflow.launch.process_tree import ProcessTree, forward_signals, with_parent_death_signal
 from training.core.fileio import atomic_write_json
 
 PID_FILE = "torchrun.pid"
@@ -325,30 +325,19 @@ class _Launcher:
                 return
             self._deliver(raw)
 
-    @contextmanager
-    def signals_forwarded(self) -> Iterator[None]:
-        """While torchrun runs: SIGTERM/SIGINT kill the tree first, then go to the previous handler."""
-        if threading.current_thread() is not threading.main_thread():
-            yield  # only the main thread may set handlers; wait() watches the main thread instead
-            return
-        previous = {}
+    def signals_forwarded(self):
+        """While torchrun runs: SIGTERM/SIGINT kill the tree first, then go to the previous handler (in the main
+        thread only; elsewhere wait() watches the main thread instead)."""
 
-        def handler(signum, frame):
+        def stop(signum: int) -> None:
             self.stopping = True
             self._stop_reason = LaunchInterrupted(
                 f"received {signal.Signals(signum).name}; killed torchrun and its ranks"
             )
             if self.tree is not None:
                 self.tree.terminate(self.grace_s)
-            chain_to_previous_handler(previous[signum], signum, frame)
 
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            previous[sig] = signal.signal(sig, handler)
-        try:
-            yield
-        finally:
-            for sig, old in previous.items():
-                signal.signal(sig, old)
+        return forward_signals(stop)
 
 
 def _new_job_dir(log_root: Path, before: set[Path]) -> Path | None:

@@ -10,7 +10,7 @@ shards; a run from before that artifact existed falls back to the manifest in it
 ``ddpflow.dataset_dir``. When neither is there, or a manifest has no histograms
 (prepared by an older ddpflow), drift is "not available" with the reason: a log
 line, never an error. With no champion yet there is nothing to compare with, and
-nothing is logged. The numbers are ``ddpflow/drift.py``'s.
+nothing is logged. The numbers are ``ddpflow/drift/``'s (``report.compare``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric
 from mlflow.entities.model_registry import ModelVersion
 
-from ddpflow.drift import DriftReport, DriftUnavailable, compare
+from ddpflow.drift.psi import DriftUnavailable
+from ddpflow.drift.report import DriftReport, compare
 from ddpflow.tracking.plots import drift_figure
 from ddpflow.tracking.registry import CHAMPION, find_alias, first_line, is_transient
 from ddpflow.tracking.runs import DATASET_DIR_TAG, TRAINING_DATA_ARTIFACT

@@ -4,7 +4,11 @@
     verdict = decide(candidate_value, reading, rules)  # (decision, reason)
 
 Decisions:
-- ``rejected``: a metric is NaN/inf, or the gate metric misses ``registry.min_metric``.
+- ``rejected``: a metric is NaN/inf; the gate metric misses ``registry.min_metric``; it does not beat the
+  trivial baseline (``baseline_trivial/<metric>``: the train prior or mean on the same test rows) by more
+  than ``registry.min_lift`` (so guessing is never crowned, not even as the first model); or, with
+  ``registry.require_reference``, it trails the reference model (``baseline_reference/<metric>``) by more
+  than ``registry.reference_margin`` (without it: ``reference_warning``, a warning).
 - ``promoted``: no champion yet; the candidate beats the champion (both scored on the
   same test shards) by more than ``min_delta``; the champion loads but cannot score
   this data (``incompatible``); or the champion is unreadable and the user opted in
@@ -13,7 +17,7 @@ Decisions:
   opt-in: the registration step then fails the run (``ChampionUnreadableError``);
   and any candidate that would be promoted over a readable champion while one of
   its features drifted from the champion's training data by more than
-  ``registry.max_drift_psi`` (PSI, ``ddpflow/drift.py``): it waits as challenger
+  ``registry.max_drift_psi`` (PSI, ``ddpflow/drift/``): it waits as challenger
   whatever its metric, for someone to look at the data first.
 
 A metric's direction, when ``registry.greater_is_better`` is not given, is inferred from its kind
@@ -30,9 +34,10 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from ddpflow.drift import FeatureDrift
+from ddpflow.drift.psi import FeatureDrift
 from training.core.directions import higher_is_better as metric_higher_is_better  # noqa: F401 (the gate's rule)
 from training.core.monitor import is_better
+from training.inference.baselines import REFERENCE, TRIVIAL, baseline_metric, model_metrics
 
 PROMOTED, CHALLENGER, REJECTED = "promoted", "challenger", "rejected"
 # champion_status is "<kind>" or "<kind>: <detail>"
@@ -58,6 +63,9 @@ class GateRules:
     min_metric: float | None = None
     replace_unreadable_champion: bool = False
     max_drift_psi: float | None = None
+    min_lift: float = 0.0
+    require_reference: bool = False
+    reference_margin: float = 0.02
 
 
 @dataclass(frozen=True)
@@ -91,16 +99,52 @@ class ChampionReading:
 
 
 def rejection_reason(metrics: dict[str, float], rules: GateRules) -> str | None:
-    """Why the candidate may not be registered at all, or None."""
-    invalid = sorted(name for name, value in metrics.items() if not math.isfinite(float(value)))
+    """Why the candidate may not be registered at all, or None.
+
+    ``metrics``: the candidate's, and its baselines' under ``baseline_trivial/`` and ``baseline_reference/``
+    (a baseline's NaN, e.g. a ROC AUC of one class, is not the candidate's fault: only its own are checked).
+    """
+    own = model_metrics(metrics)
+    invalid = sorted(name for name, value in own.items() if not math.isfinite(float(value)))
     if invalid:
         return f"metrics {invalid} are NaN or infinite"
+    value = own[rules.metric]
     if rules.min_metric is not None:
-        value, floor = metrics[rules.metric], rules.min_metric
+        floor = rules.min_metric
         if (value < floor) if rules.greater_is_better else (value > floor):
             better = "higher" if rules.greater_is_better else "lower"
             return f"{rules.metric}={value:.6g} misses registry.min_metric={floor:.6g} ({better} is better)"
+    trivial = metrics.get(baseline_metric(TRIVIAL, rules.metric))
+    if (
+        trivial is not None
+        and math.isfinite(trivial)
+        and not is_better(value, trivial, rules.greater_is_better, rules.min_lift)
+    ):
+        return (
+            f"{rules.metric}={value:.6g} does not beat the trivial baseline's {trivial:.6g} (the train split's "
+            f"class prior or mean on the same test rows) by more than registry.min_lift={rules.min_lift:g}: "
+            "no better than guessing"
+        )
+    if rules.require_reference:
+        return reference_warning(metrics, rules, "registry.require_reference is true")
     return None
+
+
+def reference_warning(metrics: dict[str, float], rules: GateRules, consequence: str = "") -> str | None:
+    """The candidate trails the reference model (baseline_reference) on the gate metric by more than
+    ``registry.reference_margin``: what to say, or None (also when no reference was scored)."""
+    value, reference = metrics.get(rules.metric), metrics.get(baseline_metric(REFERENCE, rules.metric))
+    if value is None or reference is None or not math.isfinite(reference) or not math.isfinite(value):
+        return None
+    margin = rules.reference_margin
+    trails = value < reference - margin if rules.greater_is_better else value > reference + margin
+    if not trails:
+        return None
+    text = (
+        f"{rules.metric}={value:.6g} trails the reference model (HistGradientBoosting on the same split) at "
+        f"{reference:.6g} by more than registry.reference_margin={margin:g}"
+    )
+    return f"{text}; {consequence}" if consequence else text
 
 
 def decide(
@@ -171,6 +215,7 @@ class GateDecision:
     already_registered: bool = False
     drift_feature: str | None = None  # the most drifted feature against the champion's training data
     drift_psi: float | None = None
+    warning: str | None = None  # trails the reference model (registry.reference_margin), when not a rejection
 
     @classmethod
     def judge(
@@ -182,13 +227,14 @@ class GateDecision:
         candidate: float,
         champion: ChampionReading,
         drift: FeatureDrift | None = None,
+        warning: str | None = None,
     ) -> GateDecision:
         decision, reason = decide(candidate, champion, rules, drift)
         return cls(
             decision, reason, model_name, run_id, rules.metric, rules.greater_is_better, float(candidate),
             version=str(version), champion_value=champion.value, champion_version=champion.version,
             champion_status=champion.status, drift_feature=drift.feature if drift else None,
-            drift_psi=drift.psi if drift else None,
+            drift_psi=drift.psi if drift else None, warning=warning,
         )  # fmt: skip
 
     @classmethod
@@ -219,6 +265,7 @@ class GateDecision:
             already_registered=already_registered,
             drift_feature=tags.get("gate.drift_feature") or None,
             drift_psi=number("gate.drift_psi"),
+            warning=tags.get("gate.warning") or None,
         )
 
     @property
@@ -248,6 +295,7 @@ class GateDecision:
                 "gate.champion_status": self.champion_status,
                 "gate.drift_feature": self.drift_feature,
                 "gate.drift_psi": self.drift_psi,
+                "gate.warning": self.warning,
                 "gate.reason": self.reason,
                 DECISION_TAG: self.decision,
             }
@@ -256,7 +304,7 @@ class GateDecision:
     def run_tags(self) -> dict[str, str]:
         """The gate's record on the MLflow run (``registry.*``)."""
         fields = ("decision", "reason", "model_name", "version", "metric", "candidate_value")
-        fields += ("champion_value", "champion_version", "champion_status")
+        fields += ("champion_value", "champion_version", "champion_status", "warning")
         return _tag_values({f"registry.{name}": getattr(self, name) for name in fields})
 
     def run_metrics(self) -> dict[str, float]:

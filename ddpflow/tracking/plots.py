@@ -13,7 +13,7 @@ from training.inference.model_file import EvalResult
 from training.objectives.next_token import LANGUAGE_MODEL
 
 if TYPE_CHECKING:
-    from ddpflow.drift import DriftReport
+    from ddpflow.drift.report import DriftReport
 
 DRIFT_FEATURES_SHOWN = 30  # beyond this the labels are unreadable; the report JSON has them all
 

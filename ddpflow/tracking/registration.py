@@ -4,7 +4,9 @@
     decision = register_run(run_id, overrides=["registry.min_delta=0.01"])  # `ddpflow register --run-id`
 
 What the step guarantees (docs/registry.md says the same to users):
-- A rejected candidate (NaN metric, misses ``min_metric``) is never registered.
+- A rejected candidate (NaN metric, misses ``min_metric``, no better than the trivial baseline by
+  ``min_lift``, or trailing the reference with ``require_reference``) is never registered. The trivial
+  baseline is the evaluation's (``baseline_trivial/<metric>``), or scored here when a run lacks it.
 - Otherwise the model is registered once per MLflow run (found again by its
   ``ddpflow.run_id`` tag), then, holding ``gate_lock(model_name)``, @champion is
   read, the champion is re-scored on the same test shards, and the decision is
@@ -39,7 +41,7 @@ from mlflow.entities import Metric, RunTag
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 
-from ddpflow.drift import FeatureDrift
+from ddpflow.drift.psi import FeatureDrift
 from ddpflow.tracking.drift import drift_from_version
 from ddpflow.tracking.gate import (
     APPLIED,
@@ -52,6 +54,7 @@ from ddpflow.tracking.gate import (
     GateDecision,
     GateRules,
     recorded_complete,
+    reference_warning,
     rejection_reason,
     unreadable_champion_message,
 )
@@ -80,6 +83,14 @@ from ddpflow.tracking.runs import (
 )
 from training.core.config import PipelineConfig, apply_overrides, validate_config
 from training.core.manifest import Manifest, read_manifest
+from training.inference.baselines import (
+    SCORABLE,
+    TRIVIAL,
+    baseline_metric,
+    checkpoint_reading,
+    is_baseline_metric,
+    trivial_baseline,
+)
 from training.inference.evaluate import evaluate_split
 from training.inference.model_file import IncompatibleModelError, load_model_checkpoint
 from training.objectives.next_token import evaluated_as
@@ -138,6 +149,9 @@ def gate_rules(config: PipelineConfig, task: str) -> GateRules:
         min_metric=registry.min_metric,
         replace_unreadable_champion=registry.replace_unreadable_champion,
         max_drift_psi=registry.max_drift_psi,
+        min_lift=registry.min_lift,
+        require_reference=registry.require_reference,
+        reference_margin=registry.reference_margin,
     )
 
 
@@ -215,6 +229,7 @@ class _Registration:
             )
             return decision
         candidate = float(metrics[rules.metric])
+        metrics = self._with_trivial_baseline(metrics, rules, model_path, dataset_dir)
         rejection = rejection_reason(metrics, rules)
         if rejection:
             decision = GateDecision.rejected(rules, self.name, self.run_id, candidate, rejection)
@@ -225,14 +240,41 @@ class _Registration:
             version = register_version(
                 self.client, self.config, self.experiment_id, self.run_id, model_path, manifest, dataset_dir
             )
+        warning = reference_warning(metrics, rules)
+        if warning:
+            self.logger.warning("Run %s: %s", self.run_id, warning)
         with self.gate_lock(self.name):
-            decision = self._gate(version, rules, candidate, dataset_dir, manifest)
+            decision = self._gate(version, rules, candidate, dataset_dir, manifest, warning)
         log = self.logger.info if decision.decision == PROMOTED else self.logger.warning
         log("%s v%s: %s (%s)", self.name, decision.version, decision.decision, decision.reason)
         return decision
 
+    def _with_trivial_baseline(
+        self, metrics: dict[str, float], rules: GateRules, model_path: str, dataset_dir: str
+    ) -> dict[str, float]:
+        """``metrics`` with the trivial baseline's gate metric: the evaluation's, else scored now (a run evaluated
+        before baselines existed); unchanged when the model's objective has none (a language model, a user
+        objective) or its model.pt cannot be read here."""
+        name = baseline_metric(TRIVIAL, rules.metric)
+        if name in metrics or not Path(model_path).is_file():
+            return metrics
+        objective, normaliser = checkpoint_reading(model_path)
+        if objective.name not in SCORABLE:
+            return metrics
+        manifest = read_manifest(dataset_dir)
+        trivial = trivial_baseline(objective, normaliser, manifest, dataset_dir, "test")
+        if rules.metric not in trivial:
+            return metrics
+        return {**metrics, name: trivial[rules.metric]}
+
     def _gate(
-        self, version: ModelVersion, rules: GateRules, candidate: float, dataset_dir: str, manifest: Manifest
+        self,
+        version: ModelVersion,
+        rules: GateRules,
+        candidate: float,
+        dataset_dir: str,
+        manifest: Manifest,
+        warning: str | None = None,
     ) -> GateDecision:
         """Under the lock: read @champion (it may have moved while we waited), decide, record, then move aliases."""
         champion = find_alias(self.client, self.name, CHAMPION)
@@ -246,7 +288,7 @@ class _Registration:
             )
             drift = self._worst_drift(champion, rules, manifest)
             decision = GateDecision.judge(
-                rules, self.name, self.run_id, str(version.version), candidate, reading, drift
+                rules, self.name, self.run_id, str(version.version), candidate, reading, drift, warning
             )
         self._record(decision)
         self.hooks.before_aliases(decision)
@@ -398,7 +440,9 @@ def register_run(
     config = config or read_run_config(client, run_id)
     if overrides:
         config = validate_config(apply_overrides(config.model_dump(mode="json"), list(overrides)))
-    metrics = {name: value for name, value in run.data.metrics.items() if name.startswith("test_")}
+    metrics = {
+        name: value for name, value in run.data.metrics.items() if name.startswith("test_") or is_baseline_metric(name)
+    }
     model_path, dataset_dir = tags[MODEL_PATH_TAG], tags[DATASET_DIR_TAG]
     if "://" not in dataset_dir and not Path(dataset_dir).is_dir():
         raise RegistrationError(f"MLflow run {run_id}: its dataset {dataset_dir} is gone; the gate scores on it")

@@ -391,13 +391,18 @@ def log_evaluation(
     metrics_path: str | Path,
     model_path: str | Path,
     dataset_dir: str | Path,
+    baselines: dict[str, float] | None = None,
 ) -> None:
-    """Test metrics, ``eval/metrics.json``, the figure, and where the model and data are (for re-registration)."""
+    """Test metrics, ``eval/metrics.json``, the figure, and where the model and data are (for re-registration).
+
+    ``baselines``: ``baseline_trivial/<metric>`` and ``baseline_reference/<metric>`` (training/inference/baselines.py),
+    logged beside the model's own metrics so the MLflow UI compares them."""
     from ddpflow.tracking.plots import evaluation_figure, misclassified_figure
 
     client = MlflowClient(tracking_uri=tracking_uri)
     now = int(time.time() * 1000)
-    client.log_batch(run_id, metrics=[Metric(name, value, now, 0) for name, value in result.metrics.items()])
+    logged = {**result.metrics, **(baselines or {})}
+    client.log_batch(run_id, metrics=[Metric(name, value, now, 0) for name, value in logged.items()])
     client.log_artifact(run_id, str(metrics_path), "eval")
     figure, name = evaluation_figure(result)
     client.log_figure(run_id, figure, f"eval/{name}")

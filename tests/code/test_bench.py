@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-from bench.harness import Result, Row, Stats, render_docs, repeat, replace_block
+from bench.harness.report import render_docs, replace_block
+from bench.harness.results import Result, Row, Stats, repeat
 
 # The in-process families: together they drive prepare, the loader, the training loop and evaluate.
 QUICK_FAMILIES = ["datapath", "prepare", "evaluate", "scale"]
@@ -143,8 +144,8 @@ def test_a_partial_run_keeps_the_other_families_results(tmp_path):
 def test_memory_family_measures_the_node_cache_build_and_a_rank_with_an_image_column(tmp_path):
     """The memory family's in-process parts on tiny data: the builder's peak ÷ one record batch (numeric and mixed
     tables) and a rank's anon growth with an encoded-image column (each probe a fresh process, as in a run)."""
-    from bench import memory
-    from bench.workload import Context
+    from bench.families import memory
+    from bench.harness.context import Context
 
     ctx = Context.create(quick=True, gpu=False, workdir=str(tmp_path / "work"))
     build = memory.build_memory(ctx)
@@ -160,3 +161,54 @@ def test_memory_family_measures_the_node_cache_build_and_a_rank_with_an_image_co
     small, large = (row for row in images.rows if row.label.endswith("train rows"))
     assert int(large.label.split()[0].replace(",", "")) > 3 * int(small.label.split()[0].replace(",", ""))
     assert small.value.median > 0 and images.ratio is not None
+
+
+# The layers of bench/, bottom first: a module imports only modules of its own layer or a lower one.
+BENCH_LAYERS = ("bench.ddpflow_api", "bench.harness", "bench.workloads", "bench.ranks", "bench.families", "bench")
+PRODUCT = ("ddpflow", "training", "tasks", "flows")
+
+
+def _bench_imports(repo_root) -> dict[str, set[str]]:
+    """Every bench module -> the names it imports, at any depth (imports inside functions too)."""
+    import ast
+
+    graph = {}
+    for path in sorted((repo_root / "bench").rglob("*.py")):
+        parts = path.relative_to(repo_root).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module)
+                names.update(f"{node.module}.{alias.name}" for alias in node.names)
+        graph[module] = names
+    return graph
+
+
+def _layer(module: str) -> int:
+    return max(i for i, layer in enumerate(BENCH_LAYERS) if module == layer or module.startswith(layer + "."))
+
+
+def test_only_the_facade_imports_the_product_and_bench_imports_run_one_way(repo_root):
+    graph = _bench_imports(repo_root)
+    assert {"bench.ddpflow_api", "bench.harness.results", "bench.ranks.ddp", "bench.families.images"} <= set(graph)
+    product = {module: sorted(n for n in names if n.split(".")[0] in PRODUCT) for module, names in graph.items()}
+    assert {module: names for module, names in product.items() if names and module != "bench.ddpflow_api"} == {}
+    assert product["bench.ddpflow_api"], "the facade is where the product is reached"
+    upward = {
+        module: sorted(name for name in names if name in graph and _layer(name) > _layer(module))
+        for module, names in graph.items()
+    }
+    assert {module: names for module, names in upward.items() if names} == {}
+    families = {module for module in graph if module.startswith("bench.families.")}
+    crossing = {module: sorted(graph[module] & families - {module}) for module in families}
+    assert {module: names for module, names in crossing.items() if names} == {}, "families never import each other"
+
+
+def test_every_family_is_the_module_named_as_its_only_name(repo_root):
+    from bench.__main__ import FAMILIES
+
+    modules = {path.stem for path in (repo_root / "bench" / "families").glob("*.py")} - {"__init__"}
+    assert modules == set(FAMILIES)

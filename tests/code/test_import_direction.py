@@ -174,9 +174,11 @@ def test_every_ddpflow_module_imports_without_prefect_tasks_or_flows():
 
 def test_the_rank_program_starts_without_pandas_mlflow_matplotlib_prefect_or_pillow():
     """Every rank (and the node cache builder) imports training.train: a package it pulls in costs start-up time
-    in each of them on every launch. pandas is imported only where an id column is hashed (training/prepare/split.py).
+    in each of them on every launch. pandas is imported only where an id column is hashed (training/prepare/split.py);
+    scikit-learn only where the evaluation fits its reference model (training/inference/reference.py).
     """
-    leaked = leaked_after_importing(["training.train"], ("pandas", "mlflow", "matplotlib", "prefect", "PIL"))
+    forbidden = ("pandas", "mlflow", "matplotlib", "prefect", "PIL", "sklearn")
+    leaked = leaked_after_importing(["training.train"], forbidden)
     assert leaked == [], f"training.train pulled in: {leaked}"
 
 
@@ -245,18 +247,8 @@ def layer_of(folder: str) -> int:
     return next(layer for layer, folders in enumerate(TRAINING_LAYERS) if folder in folders)
 
 
-def test_no_import_circle_in_flows_tasks_or_training():
-    circles = circles_touching("flows", "tasks", "training")
-    assert circles == [], "import circles (module:line -> imported module):\n" + "\n".join(map(str, circles))
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="two known circles, broken on issue 35's bench/ddpflow branch: ddpflow.drift <-> ddpflow.text_drift, "
-    "bench.images <-> bench.image_workers. When that branch lands this test passes: delete this mark then",
-)
-def test_no_import_circle_in_ddpflow_or_bench():
-    circles = circles_touching("ddpflow", "bench")
+def test_no_import_circle_in_the_product():
+    circles = circles_touching(*PRODUCT_PACKAGES)
     assert circles == [], "import circles (module:line -> imported module):\n" + "\n".join(map(str, circles))
 
 

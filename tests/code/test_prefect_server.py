@@ -1,4 +1,4 @@
-"""Which Prefect server a command uses, and the temporary server's life (ddpflow/prefect_server.py).
+"""Which Prefect server a command uses, and the temporary server's life (ddpflow/services/prefect_server.py).
 
 Real Prefect servers (Prefect's own temporary-server command), real processes.
 """
@@ -15,9 +15,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ddpflow import stack
 from ddpflow.launch.process_tree import is_running, session_members
-from ddpflow.prefect_server import FROM_STACK, TEMPORARY, choose_server, start_temporary_server
+from ddpflow.services import stack
+from ddpflow.services.prefect_server import FROM_STACK, TEMPORARY, choose_server, start_temporary_server
 
 pytestmark = pytest.mark.server  # each test starts a Prefect server: 5-15 s
 
@@ -65,7 +65,7 @@ def test_a_running_stack_is_used_an_explicit_url_wins_and_the_temporary_server_s
 
 OWNER = """
 import os, sys, time
-from ddpflow.prefect_server import start_temporary_server
+from ddpflow.services.prefect_server import start_temporary_server
 server = start_temporary_server(dict(os.environ))
 server.wait_until_ready(timeout_s=180)
 print(server.pid, flush=True)

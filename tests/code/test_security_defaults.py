@@ -63,7 +63,7 @@ def test_no_shell_strings_are_run(parsed):
 def test_every_server_ddpflow_starts_is_told_to_bind_loopback_only(tmp_path):
     """The stack's two servers and `ddpflow run`'s temporary Prefect server. Their listening sockets
     are checked on the running processes too (test_deployments_e2e.py, test_prefect_server.py)."""
-    from ddpflow import prefect_server, stack
+    from ddpflow.services import prefect_server, stack
 
     layout = stack.StackLayout.for_project(tmp_path)
     argvs = (

@@ -1,5 +1,5 @@
 """The run summary's selection line (flows/cli.py prints it; flows/pipeline.py builds it from the train
-stage's last metrics line)."""
+stage's last metrics line) and its baselines line (training/inference/baselines.py: comparison)."""
 
 from __future__ import annotations
 
@@ -43,3 +43,24 @@ def test_the_summary_shows_the_majority_share_beside_accuracy_and_counts_as_inte
     )
     tokens = _for_people({"test_metrics": {"test_token_accuracy": 0.5, "test_tokens": 1.5e6}})["test_metrics"]
     assert tokens == "test_token_accuracy=0.5, test_tokens=1500000"
+
+
+def test_the_summary_shows_the_model_beside_the_reference_and_guessing():
+    from training.inference.baselines import comparison
+
+    metrics = {
+        "test_accuracy": 0.765,
+        "test_roc_auc": 0.67,
+        "baseline_trivial/test_accuracy": 0.763,
+        "baseline_reference/test_accuracy": 0.804,
+        "baseline_trivial/test_roc_auc": 0.5,
+        "baseline_reference/test_roc_auc": 0.781,
+    }
+    line = comparison(metrics, ["test_accuracy", "test_roc_auc"])
+    assert line == (
+        "test_accuracy 0.765 · reference 0.804 · guessing 0.763; test_roc_auc 0.670 · reference 0.781 · guessing 0.500"
+    )
+    shown = _for_people({"test_metrics": {"test_accuracy": 0.765}, "baselines": {"comparison": line}})
+    assert shown["baselines"] == line
+    assert comparison({"test_rmse": 1.0}, ["test_rmse"]) == ""  # no baseline scored: no line
+    assert _for_people({"test_metrics": {}, "baselines": {"comparison": ""}})["baselines"] == "none scored"

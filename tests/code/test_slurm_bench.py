@@ -1,12 +1,12 @@
-"""bench/slurm_launch.py: the Slurm family is recorded as skipped, with the reason, where Slurm cannot run."""
+"""bench/families/slurm.py: the Slurm family is recorded as skipped, with the reason, where Slurm cannot run."""
 
 from __future__ import annotations
 
 import json
 
-from bench import slurm_launch
 from bench.__main__ import main, parse_args
-from bench.workload import Context
+from bench.families import slurm
+from bench.harness.context import Context
 
 
 def test_make_bench_runs_the_slurm_family_and_records_it_skipped_where_slurm_is_missing(tmp_path, monkeypatch):
@@ -26,7 +26,7 @@ def test_without_the_slurm_programs_the_family_is_skipped_naming_what_is_missing
     empty = tmp_path / "bin"
     empty.mkdir()
     monkeypatch.setenv("PATH", str(empty))
-    [result] = slurm_launch.run(Context.create(quick=True, gpu=False, workdir=str(tmp_path / "work")))
+    [result] = slurm.run(Context.create(quick=True, gpu=False, workdir=str(tmp_path / "work")))
     assert result.status == "skipped" and result.name == "slurm"
     assert "sbatch" in result.reason and "slurmd" in result.reason, result.reason
     assert not (tmp_path / "work" / "slurm-cluster").exists(), "no cluster was started"

@@ -1,4 +1,4 @@
-"""ddpflow/launch/slurm.py on a real two-node Slurm cluster (tests/slurm_cluster.py), with stand-in ranks.
+"""ddpflow/launch/slurm/ on a real two-node Slurm cluster (tests/slurm_cluster.py), with stand-in ranks.
 
 The ranks are tests/code/ranks/dummy_rank.py (no torch import), so a job costs the two torchrun
 agents' start-up; what is trained does not matter here (tests/flow/test_pipeline_slurm.py trains).
@@ -19,8 +19,8 @@ from slurm_cluster import processes_mentioning, skip_or_fail_in_ci, wait_until
 
 import ddpflow.launch.command
 from ddpflow.launch.failure import LaunchInterrupted, LaunchTimeout, RankFailed
-from ddpflow.launch.slurm import SlurmLine
-from ddpflow.launch.slurm_commands import SlurmSetupError
+from ddpflow.launch.slurm.commands import SlurmSetupError
+from ddpflow.launch.slurm.launcher import SlurmLine
 from ddpflow.launch.stage import TrainRequest, TrainResult, run_train_stage
 from training.core.config import PipelineConfig
 

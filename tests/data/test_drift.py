@@ -1,5 +1,5 @@
 """Drift's inputs and numbers: the per-feature histogram prepare keeps, the cheap source fingerprint the
-watch uses, and the PSI / mean shift between two prepared datasets (ddpflow/drift.py)."""
+watch uses, and the PSI / mean shift between two prepared datasets (ddpflow/drift/)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ddpflow.drift import (
-    PSI_EPSILON,
-    DriftUnavailable,
-    common_grid,
-    compare,
-    histogram_psi,
-    population_stability_index,
-)
+from ddpflow.drift.psi import PSI_EPSILON, DriftUnavailable, common_grid, histogram_psi, population_stability_index
+from ddpflow.drift.report import compare
 from training.core.errors import DataError
 from training.core.manifest import read_manifest
 from training.kinds.stats import HISTOGRAM_BINS, RunningHistogram

@@ -181,7 +181,7 @@ def test_auto_is_a_groupnorm_cnn_that_takes_images_with_tabular_inputs():
 
 
 def test_drift_compares_width_height_and_brightness(tmp_path, make_config):
-    from ddpflow.drift import compare
+    from ddpflow.drift.report import compare
 
     reference = prepare_dataset(make_config(write_image_folder(tmp_path / "a", per_class=10))).manifest
     same = prepare_dataset(make_config(write_image_folder(tmp_path / "b", per_class=10))).manifest

@@ -175,7 +175,7 @@ def test_config_forms_and_wrong_options(tmp_path):
 
 
 def test_drift_of_token_lengths_words_and_unknown_tokens(tmp_path, table_file, make_config):
-    from ddpflow.drift import compare
+    from ddpflow.drift.report import compare
 
     strings = snippets(200)["snippet"].combine_chunks().drop_null()
     user = tmp_path / "tok.json"

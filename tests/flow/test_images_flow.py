@@ -35,7 +35,9 @@ def test_an_image_folder_trains_registers_and_serves_images(prefect_harness, mak
         **{
             "data.source": str(root),  # train.model left at its default, auto: the image model
             "train.model_kwargs": {"width": 8, "blocks": [1, 1], "groups": 4},
-            "train.epochs": 3,
+            # Enough to beat guessing: the gate rejects a model that does not (3 epochs at lr 0.01 did not).
+            "train.epochs": 8,
+            "train.lr": 0.03,
             "train.batch_size": 8,
             "train.num_workers": 1,  # auto gives a rank of 1 core none
         }

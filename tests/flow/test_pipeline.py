@@ -46,6 +46,14 @@ def test_first_run_trains_evaluates_and_is_promoted_to_champion(two_runs):
     assert first["cache_hit"] is False
     assert 0.0 <= first["test_metrics"]["test_accuracy"] <= 1.0
     assert first["test_metrics"]["test_accuracy"] > 0.5, "3 learnable classes: a trained model beats chance clearly"
+    # The baselines, in the summary and beside the model's metrics in MLflow: the same test rows, guessing beaten.
+    baselines, test_rows = first["baselines"], first["test_metrics"]["test_samples"]
+    assert baselines["trivial"]["test_samples"] == baselines["reference"]["test_samples"] == test_rows
+    assert baselines["trivial"]["test_accuracy"] < first["test_metrics"]["test_accuracy"]
+    assert baselines["comparison"].startswith("test_accuracy ") and " · guessing " in baselines["comparison"]
+    logged = MlflowClient(config["mlflow"]["tracking_uri"]).get_run(first["mlflow_run_id"]).data.metrics
+    assert logged["baseline_trivial/test_accuracy"] == baselines["trivial"]["test_accuracy"]
+    assert logged["baseline_reference/test_accuracy"] == baselines["reference"]["test_accuracy"]
 
     run_dir = Path(first["run_dir"])
     assert run_dir.parent == Path(config["train"]["run_root"]).resolve()

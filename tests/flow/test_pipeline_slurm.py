@@ -19,7 +19,7 @@ from flow.flow_logs import flow_run_logs
 from mlflow.tracking import MlflowClient
 from slurm_cluster import processes_mentioning, wait_until
 
-from ddpflow.launch.slurm_commands import SlurmSetupError
+from ddpflow.launch.slurm.commands import SlurmSetupError
 from training.core.config import ConfigError
 from training.core.layout import FINAL_MODEL
 from training.core.log import TRAIN

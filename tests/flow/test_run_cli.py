@@ -24,8 +24,8 @@ import yaml
 from flow.cli_runs import cli_env
 from mlflow.tracking import MlflowClient
 
-from ddpflow import stack as local_stack
 from ddpflow.launch.supervisor import LOCK_FILE, PID_FILE
+from ddpflow.services import stack as local_stack
 from ddpflow.tracking.runs import RESUMED_BY_TAG, RESUMED_FROM_TAG
 from devtools.ports import free_port
 from training.core.layout import FINAL_MODEL

@@ -12,7 +12,7 @@ import psutil
 import pytest
 import yaml
 
-from ddpflow import stack
+from ddpflow.services import stack
 from training.core.config import load_config
 
 

@@ -25,6 +25,8 @@ from ddpflow.tracking.gate import (
     decide,
     metric_higher_is_better,
     recorded_complete,
+    reference_warning,
+    rejection_reason,
 )
 from ddpflow.tracking.registration import GateHooks, register_candidate, register_run
 from ddpflow.tracking.registry import MODEL_PT_IN_MODEL, ChampionDownloadError, champion_checkpoint, find_alias
@@ -53,6 +55,29 @@ def test_decide_for_every_kind_of_champion():
     opted_in = GateRules("test_accuracy", True, replace_unreadable_champion=True)
     decision, reason = decide(0.1, ChampionReading.unreadable("3", "model.pt is gone"), opted_in)
     assert decision == "promoted" and "was unreadable" in reason and "replace_unreadable_champion" in reason
+
+
+def test_a_candidate_must_beat_guessing_and_may_be_held_to_the_reference():
+    rules = GateRules("test_accuracy", True)
+    guessing = {"baseline_trivial/test_accuracy": 0.763, "baseline_reference/test_accuracy": 0.804}
+    tie = rejection_reason({"test_accuracy": 0.763, **guessing}, rules)
+    assert "does not beat the trivial baseline's 0.763" in tie and "no better than guessing" in tie  # strictly
+    assert rejection_reason({"test_accuracy": 0.7631, **guessing}, rules) is None
+    lift = GateRules("test_accuracy", True, min_lift=0.01)
+    assert "registry.min_lift=0.01" in rejection_reason({"test_accuracy": 0.77, **guessing}, lift)
+    losses = GateRules("test_log_loss", False)  # lower is better: the prior's log loss must be beaten downwards
+    assert rejection_reason({"test_log_loss": 0.55, "baseline_trivial/test_log_loss": 0.55}, losses)
+    assert rejection_reason({"test_log_loss": 0.54, "baseline_trivial/test_log_loss": 0.55}, losses) is None
+    # A baseline's NaN (a ROC AUC with one class) is not the candidate's: only its own metrics must be finite.
+    assert rejection_reason({"test_accuracy": 0.9, "baseline_trivial/test_roc_auc": math.nan}, rules) is None
+    # Trailing the reference: a warning by default, a rejection with registry.require_reference.
+    trailing = {"test_accuracy": 0.78, **guessing}
+    assert rejection_reason(trailing, rules) is None
+    assert "trails the reference model" in reference_warning(trailing, rules)
+    assert reference_warning({"test_accuracy": 0.785, **guessing}, rules) is None  # within the 0.02 margin
+    strict = GateRules("test_accuracy", True, require_reference=True)
+    assert "registry.require_reference is true" in rejection_reason(trailing, strict)
+    assert rejection_reason({"test_accuracy": 0.79, **guessing}, strict) is None
 
 
 @pytest.mark.parametrize(

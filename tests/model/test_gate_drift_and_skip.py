@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from mlflow.entities.model_registry import ModelVersion, ModelVersionTag
 
-from ddpflow.drift import FeatureDrift
+from ddpflow.drift.psi import FeatureDrift
 from ddpflow.tracking.gate import (
     CHALLENGER,
     PROMOTED,

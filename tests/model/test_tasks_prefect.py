@@ -54,6 +54,12 @@ def test_evaluate_then_register_under_prefect(prefect_harness, mlflow_store, dat
     client = MlflowClient(uri)
     run = client.get_run(run_id)
     assert run.data.metrics["test_accuracy"] == pytest.approx(metrics["test_accuracy"])
+    # The baselines, scored on the same test rows, beside the model's metrics: returned, in MLflow, in the file.
+    for which in ("baseline_trivial", "baseline_reference"):
+        assert run.data.metrics[f"{which}/test_samples"] == manifest.rows("test")
+        assert run.data.metrics[f"{which}/test_accuracy"] == pytest.approx(metrics[f"{which}/test_accuracy"])
+        assert written["baselines"][f"{which}/test_accuracy"] == metrics[f"{which}/test_accuracy"]
+    assert metrics["baseline_trivial/test_accuracy"] < metrics["test_accuracy"]
     assert {item.path for item in client.list_artifacts(run_id, "eval")} == {
         "eval/metrics.json",
         "eval/confusion_matrix.png",
@@ -65,6 +71,8 @@ def test_evaluate_then_register_under_prefect(prefect_harness, mlflow_store, dat
             artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["model-evaluation"]))
         )
         assert any(run_id in str(artifact.data) and "test_accuracy" in str(artifact.data) for artifact in markdown)
+        ours = next(str(artifact.data) for artifact in markdown if run_id in str(artifact.data))
+        assert "reference (HistGradientBoosting)" in ours and "trivial (train prior or mean)" in ours
         assert failed and prefect.read_task_run(failed_task_run).run_count == 1
         # The gate ran under the model's lock: a global concurrency limit created on first use, now released.
         lock = prefect.read_global_concurrency_limit_by_name(gate_lock_name("prefect-test"))

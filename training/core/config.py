@@ -541,6 +541,15 @@ def _weights_effect(metadata: list[Any]) -> WeightsEffect | None:
 
 class EvalConfig(_Section):
     batch_size: int = Field(65_536, ge=1, description="Rows per inference batch while streaming the test split.")
+    reference: bool = Field(
+        True,
+        description="Fit scikit-learn's HistGradientBoosting on the train split and score it on the test rows "
+        "beside the model (baseline_reference/*; tables only: numeric, categorical and hashed inputs). The "
+        "trivial baseline (train prior or mean, baseline_trivial/*) is always scored.",
+    )
+    reference_max_rows: int = Field(
+        200_000, ge=100, description="The reference fits a uniform sample of this many train rows above it."
+    )
 
 
 class RegistryConfig(_Section):
@@ -553,6 +562,20 @@ class RegistryConfig(_Section):
     greater_is_better: bool | None = Field(None, description="Default: inferred from the metric name.")
     min_delta: float = Field(0.0, ge=0, description="The candidate must beat the champion by more than this.")
     min_metric: float | None = Field(None, description="Floor a model must reach to be registered at all.")
+    min_lift: float = Field(
+        0.0,
+        ge=0,
+        description="The candidate must beat the trivial baseline (train prior or mean, scored on the same test "
+        "rows) on the gate metric by more than this, or it is rejected, also as the first model.",
+    )
+    require_reference: bool = Field(
+        False,
+        description="Reject a candidate that trails the reference model (baseline_reference) on the gate metric "
+        "by more than registry.reference_margin; default: a warning in the log and the summary.",
+    )
+    reference_margin: float = Field(
+        0.02, ge=0, description="How far the candidate may trail the reference model before it is flagged."
+    )
     replace_unreadable_champion: bool = Field(
         False,
         description="Opt-in: promote the candidate over a champion whose files are missing or unreadable "

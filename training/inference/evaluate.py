@@ -217,6 +217,55 @@ def _multilabel_metrics(tally, split: str, labels: list[Any]) -> tuple[dict[str,
     return metrics, per_class
 
 
+class OutputScorer:
+    """Outputs and labels, batch by batch, into the metrics ``evaluate_split`` reports for a model, through the
+    same objects: the classification evaluation (accuracy, log loss, F1, ROC AUC, per-class precision and
+    recall), the multilabel tally, or the regression tally on the standardised target."""
+
+    def __init__(self, objective: Objective, manifest: Manifest, normaliser: Normaliser):
+        self.objective, self.manifest, self.normaliser = objective, manifest, normaliser
+        self.samples = 0
+        if manifest.task == "classification":
+            self.evaluation = _ClassificationEvaluation(objective, manifest.n_outputs)
+        else:
+            self.tally = objective.tally(manifest.n_outputs if manifest.task == "multilabel" else None)
+
+    def add(self, outputs: torch.Tensor, labels: torch.Tensor) -> None:
+        if self.manifest.task == "classification":
+            self.evaluation.add(outputs, labels, None)
+        elif self.manifest.task == "multilabel":
+            self.tally.add(outputs, labels)
+        else:
+            self.tally.add(outputs, self.normaliser.target_(labels.float().clone()))
+        self.samples += len(labels)
+
+    def metrics(self, split: str) -> dict[str, float]:
+        if self.samples != self.manifest.rows(split):
+            raise RuntimeError(f"scored {self.samples} {split} rows but the manifest lists {self.manifest.rows(split)}")
+        labels = self.manifest.label_mapping
+        if self.manifest.task == "classification":
+            metrics = self.evaluation.metrics(split, labels)[0]
+        elif self.manifest.task == "multilabel":
+            metrics = _multilabel_metrics(self.tally, split, labels)[0]
+        else:
+            metrics = self.tally.metrics(self.tally.sums(), split, self.normaliser.target_std)
+        metrics[f"{split}_samples"] = float(self.samples)
+        return metrics
+
+
+def class_outputs(objective: Objective, log_probabilities: torch.Tensor) -> torch.Tensor:
+    """Class log-probabilities ``[B, C]`` (the dataset's class order) as the objective's outputs: softmax takes
+    them as logits, binary its one logit (log p1 - log p0)."""
+    if objective.name == "binary":
+        return (log_probabilities[:, 1] - log_probabilities[:, 0]).unsqueeze(1)
+    return log_probabilities
+
+
+def value_outputs(values: torch.Tensor, normaliser: Normaliser) -> torch.Tensor:
+    """Predicted values on the original scale as a regression model's outputs (the standardised scale)."""
+    return ((values.double() - normaliser.target_mean) / normaliser.target_std).float().reshape(-1, 1)
+
+
 def evaluate_split(
     model_path: str | Path,
     dataset_dir: str | Path,

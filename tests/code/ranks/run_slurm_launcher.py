@@ -1,4 +1,4 @@
-"""Runs the Slurm launcher (ddpflow/launch/slurm.py) on the stand-in rank in its own process, for signal tests.
+"""Runs the Slurm launcher (ddpflow/launch/slurm/launcher.py) on the stand-in rank in its own process, for signal tests.
 
     run_slurm_launcher.py CONFIG_JSON DATASET_DIR RUN_DIR
 
@@ -18,7 +18,7 @@ from launch_helpers import DUMMY_RANK
 
 import ddpflow.launch.command
 from ddpflow.launch.failure import LaunchError
-from ddpflow.launch.slurm import run_training_on_slurm
+from ddpflow.launch.slurm.launcher import run_training_on_slurm
 from ddpflow.launch.stage import TrainRequest
 from training.core.config import PipelineConfig
 

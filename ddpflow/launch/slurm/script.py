@@ -1,0 +1,201 @@
+"""The Slurm batch script of a training run and the sbatch command that submits it (plain Python).
+
+    paths = JobPaths(run_dir)
+    text = batch_script(config, paths, dataset_dir, layout, env)   # RUN_DIR/slurm/job.sh, kept for people
+    argv = sbatch_command(config, paths, layout)                      # a list, never a shell string
+
+What the script does, on the job's first node (where Slurm runs a batch script):
+  1. ``srun`` one short step on every node: do the dataset, RUN_DIR and the Python
+     interpreter exist there? A node that cannot see one prints
+     ``ddpflow: node NODE cannot see PATH`` and the job stops before torchrun starts.
+  2. The rendezvous: the first node's ``NodeAddr`` and a free port on it.
+  3. ``srun --ntasks-per-node=1``: one torchrun agent per node, c10d rendezvous,
+     ``--rdzv-id job-<job id>``, ``is_host=1`` only on node 0 (the others would fail
+     to bind the store's port), each node's torchrun logs and error file in a folder
+     of its own. ``--label`` prefixes every line with the node's index in the job.
+  4. Writes its own end (exit code, time) to RUN_DIR/slurm/<job id>/end.json, also
+     when scancel or the time limit TERMs it: ``scontrol`` forgets a finished job
+     after MinJobAge, and a launcher that reattaches later must still learn how it ended.
+
+Files (``JobPaths``)::
+
+    RUN_DIR/slurm/job.sh              this script (rewritten before each submission)
+    RUN_DIR/slurm/job.json            the job ddpflow follows: its id, when and how it was submitted
+    RUN_DIR/slurm/<id>.out            the job's output: the script's lines and every node's, labelled "K: "
+    RUN_DIR/slurm/<id>/end.json       how the job ended, written by the job itself
+    RUN_DIR/slurm/<id>/<node>/        that node's torchrun logs (logs/) and root-cause error file (error.json)
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ddpflow.launch import command
+from ddpflow.launch.command import ERROR_FILE, LOG_DIR, PROJECT_ROOT
+from training.core.config import PipelineConfig
+from training.core.layout import MANIFEST, TRAIN_JOB
+from training.core.topology import RankLayout
+
+SLURM_DIR = "slurm"
+CANNOT_SEE = "cannot see"  # the check step's words: "ddpflow: node NODE cannot see PATH"
+# torchrun prefixes each rank's lines with this; ${rank} is the GLOBAL rank (global rank 0 may be on any node).
+RANK_PREFIX_TEMPLATE = "[${role_name}${rank}]:"
+# Set per node by the torchrun step (its folder, its rendezvous role), not by the batch script.
+PER_NODE_ENV = ("TORCHELASTIC_ERROR_FILE", "OMP_NUM_THREADS")
+
+
+@dataclass(frozen=True)
+class JobPaths:
+    """Where a run's Slurm files live (see the module doc)."""
+
+    run_dir: Path
+
+    @property
+    def folder(self) -> Path:
+        return self.run_dir / SLURM_DIR
+
+    @property
+    def script(self) -> Path:
+        return self.folder / "job.sh"
+
+    @property
+    def record(self) -> Path:
+        return self.folder / "job.json"
+
+    def output(self, job_id: str) -> Path:
+        return self.folder / f"{job_id}.out"
+
+    def job_folder(self, job_id: str) -> Path:
+        return self.folder / str(job_id)
+
+    def end_record(self, job_id: str) -> Path:
+        return self.job_folder(job_id) / "end.json"
+
+    def node_folder(self, job_id: str, node: str) -> Path:
+        return self.job_folder(job_id) / node
+
+    def node_log_dir(self, job_id: str, node: str) -> Path:
+        return self.node_folder(job_id, node) / LOG_DIR
+
+
+def sbatch_command(config: PipelineConfig, paths: JobPaths, layout: RankLayout) -> list[str]:
+    """``sbatch --parsable ...`` for this run: the job's shape from the config, then the user's extra options."""
+    slurm = config.slurm
+    argv = [
+        "sbatch", "--parsable",
+        f"--job-name=ddpflow-{paths.run_dir.name}"[:128],
+        f"--nodes={config.train.nnodes}",
+        "--ntasks-per-node=1",  # one torchrun agent per node; it starts that node's ranks
+        # The agent's one task runs every rank of its node: at least a core per rank.
+        f"--cpus-per-task={slurm.cpus_per_task or layout.nproc_per_node}",
+        f"--output={paths.folder}/%j.out",
+        f"--chdir={PROJECT_ROOT}",  # where the local launcher runs torchrun too
+    ]  # fmt: skip
+    if slurm.partition:
+        argv.append(f"--partition={slurm.partition}")
+    if slurm.account:
+        argv.append(f"--account={slurm.account}")
+    if slurm.time_limit:
+        argv.append(f"--time={slurm.time_limit}")
+    if slurm.gpus_per_node:
+        argv.append(f"--gpus-per-node={slurm.gpus_per_node}")
+    return [*argv, *slurm.sbatch_args, str(paths.script)]
+
+
+def torchrun_argv(config: PipelineConfig, job_path: Path, layout: RankLayout) -> list[str]:
+    """One node's torchrun agent; ``$head_addr``, ``$port`` and ``$SLURM_JOB_ID`` are filled in by the script."""
+    train = config.train
+    rank_program = command.RANK_ENTRYPOINT  # read at call time: tests point it at a stand-in rank
+    entry = [rank_program] if rank_program.endswith(".py") else ["-m", rank_program]
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", str(train.nnodes),
+        "--nproc-per-node", str(layout.nproc_per_node),
+        "--rdzv-backend", "c10d",
+        "--max-restarts", str(train.max_restarts),
+        "--tee", "3",  # every rank's lines on torchrun's stdout (and in its log files)
+        *entry, "--config", str(job_path),
+    ]  # fmt: skip
+
+
+def batch_script(
+    config: PipelineConfig, paths: JobPaths, dataset_dir: str | Path, layout: RankLayout, env: dict[str, str]
+) -> str:
+    """The batch script's text. ``env``: the variables ddpflow sets for ranks (command.py: launch_env)."""
+    run_dir = paths.run_dir
+    job_path = run_dir / TRAIN_JOB
+    visible = [Path(dataset_dir).resolve() / MANIFEST, job_path, Path(sys.executable)]
+    exports = {key: value for key, value in sorted(env.items()) if key not in PER_NODE_ENV}
+    exports["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = RANK_PREFIX_TEMPLATE
+    threads = str(config.train.num_threads) if config.train.num_threads else None
+    q = shlex.quote
+    agent = torchrun_argv(config, job_path, layout)
+    rendezvous = ["--rdzv-endpoint", '"$head_addr:$port"', "--rdzv-id", '"job-$SLURM_JOB_ID"']
+    lines = [
+        "#!/bin/bash",
+        f"# ddpflow training job for {run_dir}",
+        "# Written by ddpflow/launch/slurm/script.py and kept for people to read. Submitted as:",
+        "#   " + " ".join(q(part) for part in sbatch_command(config, paths, layout)),
+        "# Its output: RUN_DIR/slurm/<job id>.out (every node's lines, labelled 'K: ' with the node's index).",
+        "set -u",
+        f"run_dir={q(str(run_dir))}",
+        f"job_dir={q(str(paths.folder))}/$SLURM_JOB_ID",
+        'mkdir -p "$job_dir"',
+        "",
+        "# How the job ended, written by the job itself: scontrol forgets finished jobs after MinJobAge.",
+        "record_end() {",
+        '    printf \'{"job_id": "%s", "exit_code": %d, "how": "%s", "ended_at": "%s"}\\n\' \\',
+        '        "$SLURM_JOB_ID" "$1" "$2" "$(date -u +%Y-%m-%dT%H:%M:%SZ)" > "$job_dir/end.json.tmp"',
+        '    mv -f "$job_dir/end.json.tmp" "$job_dir/end.json"',
+        "}",
+        "# scancel and the time limit send TERM: record it, and let Slurm stop the steps.",
+        "trap 'record_end 143 terminated; exit 143' TERM",
+        "",
+        "# What every rank inherits (ddpflow/launch/command.py: launch_env).",
+        *(f"export {key}={q(value)}" for key, value in exports.items()),
+        "",
+        "# 1. Every node must see the dataset, the run directory and the Python interpreter.",
+        "srun --ntasks-per-node=1 --kill-on-bad-exit=0 /bin/sh -c \\",
+        f'    \'for path; do [ -e "$path" ] || {{ echo "ddpflow: node $SLURMD_NODENAME {CANNOT_SEE} $path"; '
+        "bad=1; }; done; exit ${bad:-0}' \\",
+        "    ddpflow-check " + " ".join(q(str(path)) for path in visible) + " &",
+        "wait $!",
+        "status=$?",
+        'if [ "$status" -ne 0 ]; then record_end "$status" node-check; exit "$status"; fi',
+        "",
+        "# 2. The rendezvous: the first node (this one) by its NodeAddr (node names need not resolve), a free port.",
+        'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        "head_addr=$(scontrol show node \"$head_node\" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')",
+        # (-I -S: no site packages to import, so the interpreter starts in a few milliseconds.)
+        f'port=$({q(sys.executable)} -I -S -c \'import socket; s = socket.socket(); s.bind(("", 0)); '
+        "print(s.getsockname()[1])')",
+        'echo "ddpflow: rendezvous on $head_node ($head_addr:$port) for $SLURM_JOB_NUM_NODES nodes"',
+        "",
+        "# 3. One torchrun agent per node, each with its own folder; only node 0 hosts the rendezvous store.",
+        "# (srun does not pass the job's --cpus-per-task on to a step by itself since Slurm 22.05.)",
+        'srun --ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" --kill-on-bad-exit=1 --label /bin/sh -c \'',
+        '    node_dir="$0/$SLURMD_NODENAME"; mkdir -p "$node_dir"',
+        f'    export TORCHELASTIC_ERROR_FILE="$node_dir/{ERROR_FILE}" PET_LOG_DIR="$node_dir/{LOG_DIR}"',
+        '    export PET_RDZV_CONF="is_host=$(( SLURM_NODEID == 0 ))"',
+        *(
+            [f"    export OMP_NUM_THREADS={threads}"]
+            if threads
+            else [
+                f"    threads=$(( ${{SLURM_CPUS_ON_NODE:-1}} / {layout.nproc_per_node} ))",
+                "    export OMP_NUM_THREADS=$(( threads > 0 ? threads : 1 ))",
+            ]
+        ),
+        '    exec "$@"\' "$job_dir" \\',
+        "    " + " ".join(q(part) for part in agent[:3]) + " \\",
+        "    " + " ".join(q(part) for part in agent[3 : agent.index("--tee")]) + " " + " ".join(rendezvous) + " \\",
+        "    " + " ".join(q(part) for part in agent[agent.index("--tee") :]) + " &",
+        "wait $!",
+        "status=$?",
+        'record_end "$status" finished',
+        'exit "$status"',
+        "",
+    ]
+    return "\n".join(lines)
