@@ -306,6 +306,11 @@ def test_a_table_with_nulls_trains_and_its_served_model_scores_rows_with_nulls(m
     assert manifest.dropped_rows == 0 and manifest.n_features == 5  # age, income, x + 2 indicators
     assert set(prepared.summary()["null_rates"]) == {"age", "income"}
     dataset = prepared.dataset_dir
+    from training.inference.reference import _Columns  # the boosting reference: missing values as NaN, natively
+
+    shard = pq.read_table(manifest.split_files(dataset, "train")[0])
+    codes = _Columns(manifest, dataset).codes(shard)
+    assert np.isnan(codes[:, 0]).sum() == shard["age"].null_count > 0  # not the network's imputed mean
     model_path = train_typed_model(dataset, tmp_path / "runs" / "nulls" / "model.pt")
     run_id, decision = pipeline(config, dataset, model_path)
     assert decision.version is not None
