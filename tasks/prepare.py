@@ -5,9 +5,10 @@ Prefect view: a log line saying whether the dataset was reused (cache hit) or
 prepared, and a table artifact with the rows and shards per split; a warning
 and a second table artifact (``prepared-dataset-left-out``) for every column the
 default inputs left out, with the ``data.inputs`` entry that would include it;
-and prepare's warnings (integers beyond float32's exact range). No retries
-(bad input fails the same way every time) and no Prefect caching: prepare's
-own fingerprint cache works across processes and flow runs.
+prepare's warnings (integers beyond float32's exact range); and each numeric
+input's share of missing values in the train split. No retries (bad input fails
+the same way every time) and no Prefect caching: prepare's own fingerprint cache
+works across processes and flow runs.
 """
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ def prepare_data(config: PipelineConfig) -> PreparedDataset:
     )
     for warning in manifest.extra.get("warnings", []):
         logger.warning("data: %s", warning)
+    null_rates = manifest.extra.get("null_rates", {})
+    if null_rates:
+        logger.info(
+            "data: missing values (imputed with the train mean, with a missing indicator) in the train split: %s",
+            ", ".join(f"{name} {rate:.1%}" for name, rate in null_rates.items()),
+        )
     left_out = manifest.extra.get("left_out", [])
     for column in left_out:
         logger.warning(

@@ -13,6 +13,9 @@ own), and
 on the groups' proportions, each floored at ``PSI_EPSILON`` so an empty group
 counts as nearly empty instead of dividing by zero. Identical data gives 0;
 a rule of thumb reads < 0.1 as no real change, 0.1-0.25 as moderate, > 0.25 as large.
+
+Missing values: a numeric feature's nulls (``nulls`` in its histogram) are one more group,
+so a shift of its null rate shows as drift (none on either side adds nothing).
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ class FeatureDrift:
     mean_shift: float  # (current mean - reference mean) / reference std
     reference_mean: float
     current_mean: float
+    # A numeric input's train-split share of missing (null/NaN) values; their shift is part of ``psi``.
+    reference_null_rate: float = 0.0
+    current_null_rate: float = 0.0
 
 
 def population_stability_index(expected: Any, actual: Any, epsilon: float = PSI_EPSILON) -> float:
@@ -55,11 +61,26 @@ def population_stability_index(expected: Any, actual: Any, epsilon: float = PSI_
 
 def histogram_psi(reference: dict[str, Any], current: dict[str, Any], groups: int = DRIFT_GROUPS) -> float:
     """PSI between two ``RunningHistogram`` entries of one feature (see the module docstring)."""
+    present = (sum(reference["counts"]), sum(current["counts"]))
+    if not all(present):  # a column of nothing but missing values on a side: present against missing alone
+        expected, actual = [present[0], reference.get("nulls", 0)], [present[1], current.get("nulls", 0)]
+        return population_stability_index(expected, actual)
     reference_counts, current_counts = common_grid(reference, current)
     group = equal_share_groups(reference_counts, groups)
     expected = np.bincount(group, weights=reference_counts)
     actual = np.bincount(group, weights=current_counts, minlength=len(expected))
+    # The missing values are a group of their own: a shift of the null rate is drift too (none on either side:
+    # a group empty on both, which adds nothing).
+    expected = np.append(expected, reference.get("nulls", 0))
+    actual = np.append(actual, current.get("nulls", 0))
     return population_stability_index(expected, actual)
+
+
+def null_rate(histogram: dict[str, Any]) -> float:
+    """The share of missing values in a ``RunningHistogram`` entry (0 in manifests from before they counted)."""
+    nulls = int(histogram.get("nulls", 0))
+    total = nulls + int(sum(histogram["counts"]))
+    return nulls / total if total else 0.0
 
 
 def common_grid(first: dict[str, Any], second: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:

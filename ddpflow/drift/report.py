@@ -8,7 +8,9 @@ prepare keeps each numeric feature's train-split histogram on a dyadic grid
 (``training/kinds/stats.py: RunningHistogram``) beside its mean and std; the PSI is psi.py's.
 
 Mean shift, per feature: (current mean - reference mean) / reference std, the
-shift in units of the reference's spread.
+shift in units of the reference's spread (the mean over the present values). A numeric
+feature's null rates are reported beside it (``reference_null_rate``, ``current_null_rate``);
+their shift is part of its PSI (psi.py).
 
 Other input kinds and the label, from the manifests' ``extra["drift_stats"]``
 (prepare's train-split counts, training/prepare/dataset.py): each input kind's drift is the function
@@ -25,7 +27,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ddpflow.drift.kinds import categorical_drift, image_drift, vector_drift
-from ddpflow.drift.psi import DriftUnavailable, FeatureDrift, category_psi, histogram_psi
+from ddpflow.drift.psi import DriftUnavailable, FeatureDrift, category_psi, histogram_psi, null_rate
 from ddpflow.drift.text import text_drift
 from training.core.manifest import Manifest
 
@@ -101,6 +103,8 @@ def _feature_drift(name: str, reference: Manifest, i: int, current: Manifest, j:
         mean_shift=(current_mean - reference_mean) / spread,
         reference_mean=reference_mean,
         current_mean=current_mean,
+        reference_null_rate=null_rate(reference.feature_histograms[i]),
+        current_null_rate=null_rate(current.feature_histograms[j]),
     )
 
 

@@ -61,11 +61,23 @@ class DriftOutcome:
                 "max_psi": self.report.max_psi,
                 "worst_feature": self.report.worst.feature,
                 "top": [
-                    {"feature": drift.feature, "psi": drift.psi, "mean_shift": drift.mean_shift}
+                    {
+                        "feature": drift.feature,
+                        "psi": drift.psi,
+                        "mean_shift": drift.mean_shift,
+                        **_null_rates(drift),
+                    }
                     for drift in self.report.top(count)
                 ],
             }
         return summary
+
+
+def _null_rates(drift) -> dict[str, float]:
+    """A feature's null rates, where either dataset has missing values."""
+    if not (drift.reference_null_rate or drift.current_null_rate):
+        return {}
+    return {"reference_null_rate": drift.reference_null_rate, "current_null_rate": drift.current_null_rate}
 
 
 def measure_and_log_drift(

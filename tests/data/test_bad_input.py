@@ -53,11 +53,40 @@ def test_non_numeric_feature(table_file, expect_error, dh):
 
 @pytest.mark.parametrize("bad_value", [np.nan, np.inf, None], ids=["nan", "inf", "null"])
 def test_invalid_feature_values_error_with_counts(table_file, expect_error, dh, bad_value):
+    """inf always stops; null and NaN stop where the input says ``missing: error`` (today's stop, on request)."""
     x2 = dh.numeric_table()["x2"].to_pylist()
     for row in (5, 2000, 4999):  # spread over several read batches: the count covers all of them
         x2[row] = bad_value
     path = table_file(dh.numeric_table().set_column(3, "x2", pa.array(x2, type=pa.float64())))
-    expect_error(path, str(path), "3 rows", "column 'x2': 3", "on_invalid=drop")
+    inputs = {"x0": "numeric", "x1": "numeric", "x2": {"kind": "numeric", "missing": "error"}}
+    expect_error(path, str(path), "3 rows", "column 'x2': 3", "on_invalid=drop", inputs=inputs)
+    if bad_value is np.inf:  # inf is not a missing value: it stops with the default too
+        expect_error(path, str(path), "3 rows", "column 'x2': 3", "on_invalid=drop")
+
+
+@pytest.mark.parametrize("bad_value", [np.nan, None], ids=["nan", "null"])
+def test_nulls_in_numeric_inputs_are_values_by_default(table_file, make_config, dh, bad_value):
+    """An int64 and a float input with nulls prepare by default: every row kept, the nulls counted in the
+    prepare report and the histograms, each input given a missing indicator; a null label still stops."""
+    table = dh.numeric_table()
+    x2 = table["x2"].to_pylist()
+    for row in (5, 2000, 4999):
+        x2[row] = bad_value
+    table = table.set_column(3, "x2", pa.array(x2, type=pa.float64()))
+    counts = pa.array([None if i % 10 == 0 else v for i, v in enumerate(table["count"].to_pylist())], pa.int64())
+    prepared = prepare_dataset(make_config(table_file(table.set_column(4, "count", counts))))
+    manifest = prepared.manifest
+    assert manifest.dropped_rows == 0 and sum(manifest.rows(split) for split in manifest.splits) == dh.rows
+    rates = prepared.summary()["null_rates"]
+    assert set(rates) == {"x2", "count"} and rates["count"] == pytest.approx(0.1, abs=0.02)
+    indicators = {entry["name"] for entry in manifest.inputs if entry.get("missing_indicator")}
+    assert indicators == {"x2", "count"} and manifest.n_features == len(manifest.features) + 2
+    histograms = dict(zip(manifest.features, manifest.feature_histograms, strict=True))
+    assert histograms["x0"]["nulls"] == 0
+    assert histograms["count"]["nulls"] == round(rates["count"] * manifest.rows("train"))
+    with_null_label = table.set_column(5, "label", pa.array([None] + table["label"].to_pylist()[1:]))
+    with pytest.raises(DataError, match="label column 'label' has 1 null"):
+        prepare_dataset(make_config(table_file(with_null_label, "null_label.parquet")))
 
 
 def test_invalid_labels_error_with_counts(table_file, expect_error, dh):
@@ -73,7 +102,7 @@ def test_invalid_labels_error_with_counts(table_file, expect_error, dh):
 
 def test_all_rows_dropped(table_file, expect_error, dh):
     table = dh.numeric_table(rows=100)
-    path = table_file(table.set_column(1, "x0", pa.array([np.nan] * 100)))
+    path = table_file(table.set_column(1, "x0", pa.array([np.inf] * 100)))
     expect_error(path, "all 100 rows were dropped", on_invalid="drop")
 
 

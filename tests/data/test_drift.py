@@ -200,6 +200,38 @@ def test_compare_ranks_the_shifted_feature_first(table_file, make_config, dh):
     assert report.to_dict()["worst_feature"] == "x1"
 
 
+def test_the_histogram_counts_missing_values_apart_and_its_bins_stay_exact():
+    values = np.random.default_rng(5).normal(0, 1, 9000).astype(np.float32)
+    values[::4] = np.nan
+    values[:1000] = np.nan  # whole batches of nothing but missing values too
+    entry = streamed(values, batch=500)
+    present = values[~np.isnan(values)]
+    expected, _ = np.histogram(present.astype(np.float64), bins=grid_edges(entry))
+    np.testing.assert_array_equal(np.asarray(entry["counts"]), expected)
+    assert entry["nulls"] == int(np.isnan(values).sum()) and entry["min"] == present.min()
+    empty = streamed(np.full(100, np.nan, dtype=np.float32))  # nothing but missing values
+    assert empty["nulls"] == 100 and sum(empty["counts"]) == 0
+    assert histogram_psi(empty, empty) == 0.0 and histogram_psi(entry, empty) > 0.25  # compared, not refused
+
+
+def test_a_shift_of_a_columns_null_rate_is_drift_and_both_rates_are_reported(table_file, make_config, dh):
+    """The same rows, x0's null rate 0 -> 30%: the present values keep their distribution (each split keeps its
+    rows, nulls drawn at random), yet x0 drifts (its nulls are a PSI group of their own) and reports both rates."""
+    table = dh.numeric_table()
+    reference = prepare_dataset(make_config(table_file(table, "a.parquet"), key="id")).manifest
+    x0 = table.column("x0").to_numpy().copy()
+    x0[np.random.default_rng(6).random(len(x0)) < 0.3] = np.nan
+    nulls = table.set_column(table.schema.get_field_index("x0"), "x0", pa.array(x0))
+    current = prepare_dataset(make_config(table_file(nulls, "b.parquet"), key="id")).manifest
+    report = compare(reference, current)
+    assert report.worst.feature == "x0" and report.worst.psi > 0.25  # large, by the rule of thumb
+    assert report.worst.reference_null_rate == 0.0
+    assert report.worst.current_null_rate == pytest.approx(0.3, abs=0.03)
+    assert abs(report.worst.mean_shift) < 0.1  # the present values did not move
+    assert all(drift.psi == 0.0 for drift in report.features[1:])  # the other columns: the same rows
+    assert report.to_dict()["features"][0]["current_null_rate"] == report.worst.current_null_rate
+
+
 def test_a_manifest_without_histograms_makes_drift_unavailable_not_an_error(table_file, make_config, dh):
     current = prepare_dataset(make_config(table_file(dh.numeric_table()))).manifest
     old = dataclasses.replace(current, fingerprint="0ld0ld0ld0ld0ld0", feature_histograms=None)

@@ -245,3 +245,54 @@ def test_the_inputs_are_described_by_kind_for_the_logs():
     }
     assert describe_inputs(inputs) == "7 numeric, 2 categorical, 1 hashed"
     assert describe_inputs({}) == "no inputs"
+
+
+def test_a_numeric_codec_imputes_the_train_mean_and_indicates_missing_values_fitted_on_train_only():
+    """The imputed value is the mean of the TRAIN rows' non-null values (val/test rows never reach
+    ``observe``), nulls and NaN alike are missing, inf is not, and the indicator exists only where the train
+    split held a missing value; missing: error imputes nothing."""
+    codec = make_codec("age", "numeric", {})
+    codec.observe(pa.array([10, None, 30], type=pa.int64()))
+    codec.observe(pa.array([20.0, np.nan]))
+    state = codec.fit()
+    assert state == {"impute": 20.0, "indicator": True, "rows": 5, "nulls": 2}
+    served = pa.array([None, 5.0, np.nan, np.inf])
+    np.testing.assert_array_equal(codec.encode(served), np.array([20.0, 5.0, 20.0, np.inf], dtype=np.float32))
+    np.testing.assert_array_equal(codec.missing(served), np.array([1, 0, 1, 0], dtype=np.float32))
+    assert codec.valid(served, "f").tolist() == [True, True, True, False]
+    assert codec.info().missing_indicator
+    clean = make_codec("x", "numeric", {})
+    clean.observe(pa.array([1.0, 3.0]))
+    assert clean.fit()["indicator"] is False and not clean.info().missing_indicator
+    assert clean.encode(pa.array([None], type=pa.float64())).tolist() == [2.0]  # imputed, no indicator
+    strict = make_codec("x", "numeric", {"missing": "error"})
+    strict.observe(pa.array([1.0, None]))
+    assert strict.fit()["indicator"] is False and strict.valid(pa.array([None, 1.0]), "f").tolist() == [False, True]
+    assert np.isnan(strict.encode(pa.array([None], type=pa.float64()))).all()  # serving refuses it
+    loaded = make_codec("age", "numeric", {})
+    loaded.load(state)
+    assert loaded.encode(served).tolist()[:3] == [20.0, 5.0, 20.0] and loaded.info().missing_indicator
+
+
+def test_numeric_imputation_is_fitted_on_the_train_split_only(table_file, make_config, dh):
+    """Prepared: encoders.json's imputed value is the mean of the train split's non-null values, not of all
+    rows', and its null count is the train split's; the missing setting is part of the dataset's fingerprint."""
+    rng = np.random.default_rng(1)
+    rows = 3000
+    value = rng.lognormal(0.0, 2.0, size=rows)  # skewed: the mean of any other subset differs
+    value[::7] = np.nan
+    table = pa.table({"id": np.arange(rows), "v": value, "label": rng.integers(0, 2, size=rows)})
+    path = table_file(table)
+    prepared = prepare_dataset(make_config(path, key="id", inputs={"v": "numeric"}))
+    state = read_encoders(prepared.dataset_dir, prepared.manifest)["v"]["state"]
+    train = dh.read_split(prepared, "train")["v"]
+    assert state["nulls"] == train.null_count > 0 and state["rows"] == len(train) < rows
+    train_values = train.to_numpy(zero_copy_only=False).astype(np.float64)
+    assert state["impute"] == pytest.approx(np.nanmean(train_values), rel=1e-6)
+    assert state["impute"] != pytest.approx(np.nanmean(value), rel=1e-3)  # not the whole source's
+    assert prepared.manifest.n_features == 2  # v and its indicator
+    strict = prepare_dataset(
+        make_config(path, key="id", inputs={"v": {"kind": "numeric", "missing": "error"}}, on_invalid="drop")
+    )
+    assert strict.fingerprint != prepared.fingerprint and strict.manifest.n_features == 1
+    assert strict.manifest.dropped_rows == int(np.isnan(value).sum())

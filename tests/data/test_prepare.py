@@ -258,7 +258,15 @@ def test_drop_invalid_rows_records_dropped_rows(table_file, make_config, dh):
     label = table["label"].to_pylist()
     label[20:23] = [None] * 3
     table = table.set_column(1, "x0", pa.array(x0)).set_column(5, "label", pa.array(label))
-    prepared = prepare_dataset(make_config(table_file(table), key="id", on_invalid="drop"))
+    path = table_file(table)
+    # NaN in a numeric input is a missing value (imputed, kept); inf and a null label are invalid.
+    prepared = prepare_dataset(make_config(path, key="id", on_invalid="drop"))
+    assert prepared.manifest.dropped_rows == 8 and prepared.summary()["dropped_rows"] == 8
+    assert prepared.manifest.extra["invalid_per_column"] == {"x0": 5, "label": 3}
+    assert prepared.manifest.extra["null_rates"]["x0"] > 0
+    # With missing: error, NaN is invalid too: dropped with the rest.
+    inputs = {"x0": {"kind": "numeric", "missing": "error"}, "x1": "numeric"}
+    prepared = prepare_dataset(make_config(path, key="id", on_invalid="drop", inputs=inputs))
     assert prepared.manifest.dropped_rows == 18 and prepared.summary()["dropped_rows"] == 18
     assert prepared.manifest.extra["invalid_per_column"] == {"x0": 15, "label": 3}
     kept = sorted(sum((t["id"].to_pylist() for t in dh.read_all_splits(prepared).values()), []))

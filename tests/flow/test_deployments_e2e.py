@@ -253,7 +253,6 @@ def mixed_table_overrides(running: Stack) -> tuple[str, ...]:
         "data.key=customer_id",
         f"data.inputs={json.dumps(MIXED_INPUTS)}",
         f"registry.model_name={MIXED_MODEL_NAME}",
-        "data.on_invalid=drop",  # the rows whose nullable integer is null, as test_mixed_inputs does
     )
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import mlflow
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -236,6 +237,103 @@ def test_a_model_pt_from_before_source_types_is_served_as_float64(
     evaluated = evaluate_split(old, dataset, return_predictions=True).predictions
     predicted = served.predict(frame[manifest.features].astype("float64"))
     np.testing.assert_array_equal(np.asarray(predicted), np.asarray(manifest.label_mapping)[evaluated])
+
+
+def nulls_table(rows: int = 1200, seed: int = 3) -> pa.Table:
+    """Numbers as real tables hold them: an int64 column with nulls (informative: a missing age means
+    label 1), a float column with NaN and nulls, a clean float, an int64 label."""
+    rng = np.random.default_rng(seed)
+    age = rng.integers(18, 90, size=rows)
+    no_age = rng.random(rows) < 0.2
+    income = rng.lognormal(3.0, 1.0, size=rows)
+    income[rng.random(rows) < 0.05] = np.nan
+    income_nulls = rng.random(rows) < 0.05
+    x = rng.normal(size=rows)
+    label = (no_age | (x > 0.8)).astype(np.int64)
+    return pa.table(
+        {
+            "age": pa.array(age, mask=no_age),
+            "income": pa.array(income, mask=income_nulls),  # NaN and null: both missing
+            "x": x,
+            "label": label,
+        }
+    )
+
+
+def train_typed_model(dataset: Path, path: Path, steps: int = 150) -> Path:
+    """A model.pt as the trainer writes it (the built-in model on every input, through the loader's encoding
+    and with the dataset's encoders), after full-batch Adam steps on the train split."""
+    import torch
+
+    from training.inference.model_file import inference_checkpoint
+    from training.kinds.inputs import inputs_from_manifest
+    from training.kinds.registry import read_encoders
+    from training.loading.batches import load_split
+    from training.models.registry import ModelSpec, build_model
+
+    manifest = read_manifest(dataset)
+    split = load_split(dataset, manifest, "train")
+    spec = ModelSpec.for_inputs("mlp", inputs_from_manifest(manifest), manifest.n_outputs, {"hidden": [16]})
+    torch.manual_seed(0)
+    model = build_model(spec)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    batch = split.rows(0, len(split))
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(batch), split.labels)
+        loss.backward()
+        optimizer.step()
+    encoders = read_encoders(dataset, manifest)
+    metrics = {"train_loss": float(loss.detach())}
+    checkpoint = inference_checkpoint(model.state_dict(), spec, manifest, 1, metrics, encoders)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(checkpoint, path)
+    return path
+
+
+def test_a_table_with_nulls_trains_and_its_served_model_scores_rows_with_nulls(make_config, tmp_path):
+    """Nulls are values: int64 and float inputs with nulls prepare (not refused), the model sees each one's
+    missing indicator, and the champion served through MLflow scores rows with None, NaN and pandas' nullable
+    Int64 as the evaluation scored them; a missing age means label 1, which only the indicator can tell."""
+    from training.prepare.dataset import prepare_dataset
+
+    source = tmp_path / "nulls.parquet"
+    pq.write_table(nulls_table(), source)
+    config = make_config()
+    data = config.data.model_copy(update={"source": str(source), "label": "label"})
+    prepared = prepare_dataset(data)
+    manifest = prepared.manifest
+    assert manifest.dropped_rows == 0 and manifest.n_features == 5  # age, income, x + 2 indicators
+    assert set(prepared.summary()["null_rates"]) == {"age", "income"}
+    dataset = prepared.dataset_dir
+    from training.inference.reference import _Columns  # the boosting reference: missing values as NaN, natively
+
+    shard = pq.read_table(manifest.split_files(dataset, "train")[0])
+    codes = _Columns(manifest, dataset).codes(shard)
+    assert np.isnan(codes[:, 0]).sum() == shard["age"].null_count > 0  # not the network's imputed mean
+    model_path = train_typed_model(dataset, tmp_path / "runs" / "nulls" / "model.pt")
+    run_id, decision = pipeline(config, dataset, model_path)
+    assert decision.version is not None
+    frame = pa.concat_tables([pq.read_table(path) for path in manifest.split_files(dataset, "test")]).to_pandas()
+    assert frame["age"].isna().any() and frame["income"].isna().any()
+    evaluated = evaluate_split(model_path, dataset, return_predictions=True)
+    assert evaluated.metrics["test_accuracy"] > 0.9  # the indicator carries the missing ages
+    expected = np.asarray(manifest.label_mapping)[evaluated.predictions]
+    with use_tracking_uri(config.mlflow.tracking_uri):
+        served = mlflow.pyfunc.load_model("models:/gate-test@champion")
+    schema = {spec.name: spec for spec in served.metadata.get_input_schema().inputs}
+    assert schema["age"].type.to_dict() == {"type": "any"} and schema["income"].type.name == "double"
+    assert all(spec.required for spec in schema.values())
+    features = frame[manifest.features]  # the shard's float32 with NaN where a value is missing
+    np.testing.assert_array_equal(np.asarray(served.predict(features)), expected)
+    source_rows = pq.read_table(source).to_pandas()  # the source's own dtypes: age float64 with NaN
+    by_source = served.predict(source_rows[manifest.features].head(200))
+    nullable = source_rows[manifest.features].head(200).astype({"age": "Int64"})  # pandas' nullable integer
+    np.testing.assert_array_equal(np.asarray(served.predict(nullable)), np.asarray(by_source))
+    by_hand = pd.DataFrame({"age": [None, 40, None], "income": [None, np.nan, 12.0], "x": [0.0, 0.0, 2.0]})
+    assert np.asarray(served.predict(by_hand)).tolist()[0] == 1  # no age: label 1
+    ints = pd.DataFrame({"age": [30, 40], "income": [10.0, 20.0], "x": [0.0, 0.1]})  # a plain int64 column
+    assert len(served.predict(ints)) == 2
 
 
 def test_champion_checkpoint_downloads_the_champions_weights(make_config, dataset_factory, model_factory, tmp_path):

@@ -447,9 +447,25 @@ def _multilabel_table(rng: np.random.Generator, rows: int) -> dict:
     return {**{f"f{i}": x[:, i] for i in range(3)}, "label": [list(names[row]) for row in hits]}
 
 
+def _nulls_table(rng: np.random.Generator, rows: int) -> dict:
+    """Numbers as real tables hold them: an int64 input with nulls (a missing one means label 1) and a float
+    input with NaN and nulls; the default inputs impute them and add a missing indicator each."""
+    x = rng.normal(size=(rows, 2))
+    visits = rng.integers(0, 50, size=rows)
+    no_visits = rng.random(rows) < 0.2
+    spend = np.where(rng.random(rows) < 0.1, np.nan, x[:, 1])
+    return {
+        "visits": pa.array(visits, mask=no_visits),
+        "spend": pa.array(spend, mask=rng.random(rows) < 0.05),
+        "f0": x[:, 0],
+        "label": (no_visits | (x[:, 0] > 0.5)).astype(np.int64),
+    }
+
+
 PREPARED_CASES = {
     "weighted_rows": (_weighted_table, {"weight": "w"}, ("val_accuracy", "val_macro_f1")),
     "multilabel": (_multilabel_table, {}, ("val_micro_f1", "val_macro_f1", "val_exact_match")),
+    "numeric_nulls": (_nulls_table, {}, ("val_accuracy",)),
 }
 
 
@@ -550,9 +566,12 @@ def exact_runs(exact_datasets, tmp_path_factory) -> ExactRuns:
 
 
 @pytest.mark.parametrize("case", PREPARED_CASES)
-def test_weighted_rows_and_multilabel_on_two_ranks_train_the_weights_of_one_rank_with_twice_the_batch(case, exact_runs):
-    """The exact update where Σ w is not the row count (data.weight 0.5..3) and for a sigmoid per label
-    (a list<string> label): 2 ranks x 8 against 1 rank x 16, the last global step short."""
+def test_weighted_rows_multilabel_and_nulls_on_two_ranks_train_the_weights_of_one_rank_with_twice_the_batch(
+    case, exact_runs
+):
+    """The exact update where Σ w is not the row count (data.weight 0.5..3), for a sigmoid per label
+    (a list<string> label) and for numeric inputs holding nulls (imputed, with missing indicators): 2 ranks x 8
+    against 1 rank x 16, the last global step short."""
     two, one = exact_runs[f"{case}_w2"], exact_runs[f"{case}_w1x2"]
     dataset = two.dataset_dir()
     manifest = json.loads((dataset / "manifest.json").read_text())
@@ -570,6 +589,9 @@ def test_weighted_rows_and_multilabel_on_two_ranks_train_the_weights_of_one_rank
         assert two.model()["objective"]["name"] == "multilabel"
         assert two.model()["model_spec"]["n_outputs"] == 3
         assert_multilabel_serving_equals_evaluation(two.run_dir / "model.pt", dataset, manifest)
+    if case == "numeric_nulls":
+        assert two.model()["model_spec"]["n_features"] == 5  # visits, spend, f0 and two missing indicators
+        assert_serving_with_nulls_equals_evaluation(two.run_dir / "model.pt", dataset, manifest)
 
 
 @pytest.mark.server  # `mlflow models serve`
@@ -608,6 +630,21 @@ def test_a_multilabel_model_served_over_http_answers_label_lists_and_probabiliti
     assert ((served > 0.5) == evaluated).all()
     in_process = predictions(Predictor.from_checkpoint(model_path), rows, "probabilities")
     np.testing.assert_allclose(served, in_process[[f"probability_{label}" for label in labels]], rtol=1e-6)
+
+
+def assert_serving_with_nulls_equals_evaluation(model_path: Path, dataset: Path, manifest: dict) -> None:
+    """The test split's raw rows, nulls and all, served as the evaluation scored them."""
+    from training.inference.evaluate import evaluate_split
+    from training.inference.predict import Predictor
+
+    evaluation = evaluate_split(model_path, dataset, "test", return_predictions=True)
+    frame = pd.concat(
+        [pq.read_table(dataset / shard["file"]).to_pandas() for shard in manifest["splits"]["test"]["shards"]]
+    )
+    assert frame["visits"].isna().any()
+    served = Predictor.from_checkpoint(model_path).predict(frame)
+    assert (served == np.asarray(manifest["label_mapping"])[evaluation.predictions]).all()
+    assert evaluation.metrics["test_accuracy"] > 0.7  # the missing visits are learnt through the indicator
 
 
 def assert_multilabel_serving_equals_evaluation(model_path: Path, dataset: Path, manifest: dict) -> None:

@@ -52,8 +52,9 @@ class Manifest:
     features: list[str]
     # Class index -> original label value (as it appeared in the source); None for regression.
     label_mapping: list[Any] | None
-    feature_mean: list[float]  # train split, per feature
-    feature_std: list[float]  # train split, per feature; 0 replaced by 1
+    # The train split's non-null values, per feature, then 0 (mean) and 1 (std) per missing indicator (n_features).
+    feature_mean: list[float]
+    feature_std: list[float]  # 0 replaced by 1
     splits: dict[str, SplitInfo]
     schema: list[dict[str, str]]  # the source columns used: [{"name": ..., "type": ...}]
     config: dict[str, Any]  # the data config that produced it
@@ -82,7 +83,9 @@ class Manifest:
 
     @property
     def n_features(self) -> int:
-        return len(self.features)
+        """The numeric block's width: the numeric inputs, then a missing indicator per numeric input whose train
+        split held nulls (training/kinds/inputs.py: ``block_names``); ``feature_mean`` is as long."""
+        return len(self.features) + sum(bool(entry.get("missing_indicator")) for entry in self.inputs or [])
 
     @property
     def n_outputs(self) -> int:

@@ -61,9 +61,13 @@ class Predictor:
             raise ValueError(f"input is missing feature columns {missing}; the model needs {self.features}")
         columns = {name: _arrow(frame[name], name) for name in self.features}
         numeric = [name for name, info in self.inputs.items() if info.kind == "numeric"]
+        # A null or NaN is imputed (the train mean, and the missing indicator where the model has one); one the
+        # codec cannot impute (missing: error, or a model from before) is refused, and inf always is.
         bad = [name for name in numeric if not np.isfinite(self._codecs[name].encode(columns[name])).all()]
         if bad:
-            raise ValueError(f"input columns {bad} hold NaN or infinite values")
+            raise ValueError(
+                f"input columns {bad} hold infinite values, or null/NaN where the model takes none (missing: error)"
+            )
         try:
             return encode_columns(columns, self.inputs, self._codecs, self._normaliser)
         except ValueError as error:

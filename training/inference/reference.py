@@ -79,10 +79,14 @@ class _Columns:
         self.lookup: dict[str, np.ndarray] = {}
 
     def codes(self, batch) -> np.ndarray:
-        """Each input's encoded values (numeric float, categorical and hashed the codec's index), [rows, inputs]."""
-        return np.column_stack([self.codecs[name].encode(batch.column(name)) for name in self.inputs]).astype(
-            np.float64
-        )
+        """Each input's encoded values (numeric float, categorical and hashed the codec's index), [rows, inputs].
+        A numeric input's values as stored, a null as NaN (``raw``: not the network's imputed value, boosting
+        takes missing values natively)."""
+        columns = []
+        for name in self.inputs:
+            codec, column = self.codecs[name], batch.column(name)
+            columns.append(codec.raw(column) if codec.kind == "numeric" else codec.encode(column))
+        return np.column_stack(columns).astype(np.float64)
 
     def fit(self, codes: np.ndarray) -> None:
         """Rank each categorical column's codes by count in the fitted rows (ties: the smaller code first)."""

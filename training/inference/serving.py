@@ -126,6 +126,29 @@ def _as_source(values: pd.Series, arrow_type: pa.DataType) -> pd.Series:
     return pd.Series(pc.cast(array, arrow_type).to_numpy(zero_copy_only=False), index=values.index, name=values.name)
 
 
+def accepting_nulls(signature, predictor: Predictor | TokenScorer):
+    """The signature with every input column required (MLflow marks a column whose example holds a null
+    optional, i.e. one that may be left out) and each numeric input that imputes nulls declared so that MLflow
+    lets them through: a float column is ``double`` (NaN, None and pandas' Float64 pass), an integer one
+    ``any``, since MLflow's ``long`` refuses every null (a float64 NaN, pandas' nullable Int64) and its ``double``
+    a plain int64 column: ``any`` takes the source's int64, float64 with NaN and Int64 frames, and the model's
+    own encoding (``NumericCodec``) reads them, refusing what is not a number."""
+    from mlflow.models import ModelSignature
+    from mlflow.types.schema import AnyType, ColSpec, Schema
+
+    if not signature.inputs.has_input_names():
+        return signature
+    inputs = getattr(predictor, "inputs", {})
+    source_types = predictor.meta.get("source_types") or {}
+    columns = []
+    for spec in signature.inputs.inputs:
+        info = inputs.get(spec.name)
+        integer = pa.types.is_integer(source_dtype(source_types.get(spec.name)))
+        kind = AnyType() if info is not None and info.missing_indicator and integer else spec.type
+        columns.append(ColSpec(kind, spec.name, required=True))
+    return ModelSignature(Schema(columns), signature.outputs, signature.params)
+
+
 def user_code_paths(model: str) -> list[str]:
     """A user factory's code to ship with the model (``train.model: package.module:factory``): its top-level
     package directory (or the module's file when it has none), so the model loads outside this repository."""
@@ -187,7 +210,9 @@ def log_pyfunc_model(
         python_model=str(MODEL_CODE),
         artifacts={MODEL_ARTIFACT: str(model_path)},
         code_paths=[str(TRAINING_PACKAGE), *user_code_paths(predictor.meta["model_spec"]["model"])],
-        signature=infer_signature(example, predictor.predict(example), params={"output": "label"}),
+        signature=accepting_nulls(
+            infer_signature(example, predictor.predict(example), params={"output": "label"}), predictor
+        ),
         input_example=example,
         pip_requirements=pip_requirements({info.kind for info in predictor.inputs.values()}),
         metadata={"python_version": platform.python_version(), "task": predictor.task, "features": predictor.features},

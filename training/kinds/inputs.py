@@ -32,6 +32,9 @@ class InputInfo:
     # cache as values + offsets (training/kinds/ragged.py) and become ``dtype`` tensors only per batch. None: a
     # fixed-shape kind, stored as the batch tensor itself ([rows, *shape] of ``dtype``).
     ragged_dtype: str | None = None
+    # A numeric input whose train split held nulls (or NaN): its 0/1 missing indicator is a column of the numeric
+    # block too (``block_names``), after the numeric inputs, so the model learns what a missing value means.
+    missing_indicator: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -51,6 +54,7 @@ class InputInfo:
             "cardinality": self.cardinality,
             "options": dict(self.options),
             **({"ragged_dtype": self.ragged_dtype} if self.ragged_dtype else {}),  # absent: older manifests match
+            **({"missing_indicator": True} if self.missing_indicator else {}),  # likewise
         }
 
     @classmethod
@@ -63,6 +67,7 @@ class InputInfo:
             cardinality=raw.get("cardinality"),
             options=dict(raw.get("options") or {}),
             ragged_dtype=raw.get("ragged_dtype"),
+            missing_indicator=bool(raw.get("missing_indicator", False)),
         )
 
 
@@ -90,3 +95,15 @@ def describe_inputs(inputs: dict[str, InputInfo]) -> str:
 def numeric_names(inputs: dict[str, InputInfo]) -> list[str]:
     """The numeric inputs in order: the columns of the numeric block (``Manifest.features``)."""
     return [name for name, info in inputs.items() if info.kind == "numeric"]
+
+
+def missing_name(name: str) -> str:
+    """The batch dict's name of numeric input ``name``'s missing indicator (a column of the numeric block)."""
+    return f"{name}.missing"
+
+
+def block_names(inputs: dict[str, InputInfo]) -> list[str]:
+    """The columns of the numeric block, in order: the numeric inputs (``numeric_names``), then the missing
+    indicator of each that has one (``InputInfo.missing_indicator``). What the model's numeric block holds."""
+    numeric = numeric_names(inputs)
+    return numeric + [missing_name(name) for name in numeric if inputs[name].missing_indicator]

@@ -11,7 +11,9 @@ split, then the ONE encoding of raw columns into the tensors a model sees. The n
     codec.encode(pa_array) -> numpy      # [rows, *shape] of the input's dtype
 
 What each kind guarantees (docs/data.md):
-- numeric: float32, null -> NaN (prepare drops or refuses it); normalised by training/kinds/normalisation.py.
+- numeric: float32; a null or NaN is the train split's mean (``missing: impute``, the default), and an input
+  whose train split held any adds a 0/1 missing indicator column to the numeric block (``block_names``);
+  ``missing: error`` makes it invalid (data.on_invalid). Normalised by training/kinds/normalisation.py.
 - categorical: int64 index; 0 = null, 1 = unknown (a value not in the vocabulary: unseen, or rarer than
   ``min_count``, or cut by ``max_size``), 2.. = the vocabulary, ordered by train count (descending), then value.
 - hashed: int64 index; 0 = null, 1 + (a stable 64-bit hash of the value mod ``buckets``) otherwise. The hash is
@@ -33,7 +35,7 @@ import pyarrow as pa
 
 from training.kinds.base import Codec
 from training.kinds.image import ImageCodec
-from training.kinds.inputs import InputInfo
+from training.kinds.inputs import InputInfo, block_names, numeric_names
 from training.kinds.tabular import CategoricalCodec, HashedCodec, NumericCodec, VectorCodec
 from training.kinds.text import TextCodec
 
@@ -114,13 +116,16 @@ def encode_columns(
     training/kinds/normalisation.py), and handed over as views of its columns, as the loader does."""
     import torch
 
-    numeric = [name for name, info in inputs.items() if info.kind == "numeric"]
+    numeric = numeric_names(inputs)
+    names = block_names(inputs)  # the numeric inputs, then their missing indicators
     rows = len(next(iter(columns.values()))) if columns else 0
-    block = np.empty((rows, len(numeric)), dtype=np.float32)
+    block = np.empty((rows, len(names)), dtype=np.float32)
     for j, name in enumerate(numeric):
         block[:, j] = codecs[name].encode(columns[name])
+    for k, name in enumerate([name for name in numeric if inputs[name].missing_indicator], len(numeric)):
+        block[:, k] = codecs[name].missing(columns[name])
     features = normaliser.features_(torch.from_numpy(block))
-    batch = {name: features[:, j] for j, name in enumerate(numeric)}
+    batch = {name: features[:, j] for j, name in enumerate(names)}
     for name, info in inputs.items():
         if info.kind == "numeric":
             continue

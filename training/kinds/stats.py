@@ -19,29 +19,49 @@ import numpy as np
 
 
 class RunningMoments:
+    """Per column: the count, mean and squared deviations of its values; NaN (a missing value) is not one."""
+
     def __init__(self, n_features: int):
-        self.count = 0
+        self.count = np.zeros(n_features, dtype=np.int64)
         self.mean = np.zeros(n_features, dtype=np.float64)
         self.m2 = np.zeros(n_features, dtype=np.float64)
 
     def update(self, columns: np.ndarray) -> None:
-        """``columns``: shape (n_features, rows), any float dtype."""
+        """``columns``: shape (n_features, rows), any float dtype; NaN values are left out of their column's."""
         rows = columns.shape[1]
         if rows == 0:
             return
         centered = columns.astype(np.float64)  # a copy, centred in place below
+        missing = np.isnan(centered)
+        if missing.any():
+            self._update_missing(centered, missing)
+            return
         batch_mean = centered.mean(axis=1)
         centered -= batch_mean[:, None]
         batch_m2 = np.einsum("ij,ij->i", centered, centered)  # no squared temporary: 3x faster
+        self._merge(rows, batch_mean, batch_m2)
+
+    def _update_missing(self, centered: np.ndarray, missing: np.ndarray) -> None:
+        counts = (~missing).sum(axis=1)
+        centered[missing] = 0.0
+        batch_mean = np.divide(centered.sum(axis=1), counts, out=np.zeros(len(counts)), where=counts > 0)
+        centered -= batch_mean[:, None]
+        centered[missing] = 0.0
+        self._merge(counts, batch_mean, np.einsum("ij,ij->i", centered, centered))
+
+    def _merge(self, rows, batch_mean: np.ndarray, batch_m2: np.ndarray) -> None:
+        """Chan et al.: this batch's ``rows`` (a count, or one per column) merged into the running totals."""
         total = self.count + rows
         delta = batch_mean - self.mean
-        self.mean += delta * (rows / total)
-        self.m2 += batch_m2 + np.square(delta) * (self.count * rows / total)
+        share = np.divide(rows, total, out=np.zeros(len(delta)), where=total > 0)
+        cross = np.divide(self.count * rows, total, out=np.zeros(len(delta)), where=total > 0)
+        self.mean += delta * share
+        self.m2 += batch_m2 + np.square(delta) * cross
         self.count = total
 
     def std(self) -> np.ndarray:
         """Population std (numpy's default ddof=0); 0 -> 1 so normalising never divides by zero."""
-        std = np.sqrt(self.m2 / max(self.count, 1))
+        std = np.sqrt(self.m2 / np.maximum(self.count, 1))
         return np.where(std > 0, std, 1.0)
 
 
@@ -78,35 +98,56 @@ class RunningHistogram:
         self.counts = np.zeros((n_columns, bins), dtype=np.int64)
         self.minimum = np.full(n_columns, np.inf)
         self.maximum = np.full(n_columns, -np.inf)
+        self.nulls = np.zeros(n_columns, dtype=np.int64)  # missing (NaN) values per column, not in ``counts``
 
     def update(self, columns: np.ndarray) -> None:
-        """``columns``: shape (n_columns, rows) of finite values (prepare drops or refuses the others)."""
+        """``columns``: shape (n_columns, rows) of finite values, or NaN for a missing one (counted in ``nulls``);
+        prepare drops or refuses the others."""
         rows = columns.shape[1]
         if rows == 0:
             return
         # float32, as the shards store them: scaling by a power of two and flooring are exact in it,
         # and 4x faster than in float64 (this runs on every train batch of prepare).
         values = columns.astype(np.float32, copy=False)
+        missing = np.isnan(values)
+        if not missing.any():
+            self._add(values, np.arange(len(values)))
+            return
+        self.nulls += missing.sum(axis=1)
+        full = ~missing.any(axis=1)
+        if full.any():
+            self._add(values[full], np.flatnonzero(full))
+        for column in np.flatnonzero(~full):  # the columns with missing values: their present ones
+            present = values[column][~missing[column]]
+            if len(present):
+                self._add(present[None, :], np.array([column]))
+
+    def _add(self, values: np.ndarray, columns: np.ndarray) -> None:
+        """Count ``values`` (float32, finite, one row per entry of ``columns``) into those columns' bins."""
+        rows = values.shape[1]
         low, high = values.min(axis=1).astype(np.float64), values.max(axis=1).astype(np.float64)
-        first = np.isinf(self.minimum)
-        self.minimum, self.maximum = np.minimum(self.minimum, low), np.maximum(self.maximum, high)
-        for column in np.flatnonzero(first | ~self._fits(low, high)):
-            self._regrid(int(column), first=bool(first[column]))
-        scaled = values * np.ldexp(np.float32(1.0), -self.exponent).astype(np.float32)[:, None]
+        first = np.isinf(self.minimum[columns])
+        self.minimum[columns] = np.minimum(self.minimum[columns], low)
+        self.maximum[columns] = np.maximum(self.maximum[columns], high)
+        for k in np.flatnonzero(first | ~self._fits(low, high, columns)):
+            self._regrid(int(columns[k]), first=bool(first[k]))
+        scaled = values * np.ldexp(np.float32(1.0), -self.exponent[columns]).astype(np.float32)[:, None]
         np.floor(scaled, out=scaled)
         index = scaled.astype(np.int64)  # whole numbers of magnitude below 2**32 (float32 has 24 bits): exact
         # Column i's bins sit at i * bins in one flat bincount: one pass for every column.
-        index += (np.arange(len(index)) * self.bins - self.offset)[:, None]
-        counts = np.bincount(index.ravel(), minlength=self.counts.size)
-        if len(counts) != self.counts.size or (counts.reshape(self.counts.shape).sum(axis=1) != rows).any():
+        index += (np.arange(len(index)) * self.bins - self.offset[columns])[:, None]
+        size = len(columns) * self.bins
+        counts = np.bincount(index.ravel(), minlength=size)
+        if len(counts) != size or (counts.reshape(len(columns), self.bins).sum(axis=1) != rows).any():
             # Cannot happen: the regrid above made every value fit (the same exact scaling in float64).
             # Checked rather than clipped, which would cost a pass over every value of every batch.
             raise AssertionError(f"RunningHistogram: a value fell outside its bins (exponents {self.exponent})")
-        self.counts += counts.reshape(self.counts.shape)
+        self.counts[columns] += counts.reshape(len(columns), self.bins)
 
-    def _fits(self, low: np.ndarray, high: np.ndarray) -> np.ndarray:
-        scale = np.ldexp(1.0, -self.exponent)
-        return (np.floor(low * scale) >= self.offset) & (np.floor(high * scale) < self.offset + self.bins)
+    def _fits(self, low: np.ndarray, high: np.ndarray, columns: np.ndarray) -> np.ndarray:
+        scale = np.ldexp(1.0, -self.exponent[columns])
+        offset = self.offset[columns]
+        return (np.floor(low * scale) >= offset) & (np.floor(high * scale) < offset + self.bins)
 
     def _regrid(self, column: int, first: bool) -> None:
         low, high = float(self.minimum[column]), float(self.maximum[column])
@@ -127,8 +168,8 @@ class RunningHistogram:
         self.exponent[column], self.offset[column] = exponent, offset
 
     def to_list(self) -> list[dict[str, object]]:
-        """Per column ``{"exponent", "offset", "counts", "min", "max"}``: bin ``k`` holds the values in
-        ``[(offset + k) * 2**exponent, (offset + k + 1) * 2**exponent)``."""
+        """Per column ``{"exponent", "offset", "counts", "min", "max", "nulls"}``: bin ``k`` holds the values in
+        ``[(offset + k) * 2**exponent, (offset + k + 1) * 2**exponent)``; ``nulls`` counts the missing ones."""
         return [
             {
                 "exponent": int(self.exponent[i]),
@@ -136,6 +177,7 @@ class RunningHistogram:
                 "counts": self.counts[i].tolist(),
                 "min": float(self.minimum[i]),
                 "max": float(self.maximum[i]),
+                "nulls": int(self.nulls[i]),
             }
             for i in range(len(self.counts))
         ]

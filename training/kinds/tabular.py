@@ -3,6 +3,7 @@ guarantees: ``registry.py``'s docstring and docs/data.md)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -13,6 +14,7 @@ from training.core.errors import DataError
 from training.kinds.arrow_types import is_category, is_hashable, is_number, is_vector
 from training.kinds.base import Codec, plain
 from training.kinds.hashing import hash_values
+from training.kinds.inputs import InputInfo
 from training.kinds.stats import RunningMoments
 
 NULL_INDEX, UNKNOWN_INDEX = 0, 1  # categorical; hashed uses 0 for null only
@@ -25,24 +27,89 @@ ID_LIKE_SHARE = 0.9
 ID_LIKE_MIN_ROWS = 50  # below this many rows the share says nothing
 
 
+MISSING_POLICIES = ("impute", "error")  # {kind: numeric, missing: ...}; impute is the default
+
+
 class NumericCodec(Codec):
+    """A number per row, float32. Nulls are values: by default (``missing: impute``) a null or NaN is replaced by
+    the mean of the train split's non-null values, and an input whose train split held any gets a 0/1 missing
+    indicator, a column of the numeric block (``InputInfo.missing_indicator``), as boosting learns a direction
+    for missing values. Both are fitted on the train split only (``observe``/``fit``, in encoders.json).
+    ``missing: error`` makes a null invalid, as every non-finite value is (``data.on_invalid``): inf is never
+    a missing value."""
+
     kind = "numeric"
     takes = staticmethod(is_number)
     takes_what = "a number (integer, float, decimal, bool)"
 
+    def __init__(self, name: str, options: dict[str, Any] | None = None):
+        super().__init__(name, options)
+        if self.options.get("missing", "impute") not in MISSING_POLICIES:
+            raise ValueError(f"numeric input {name!r}: missing must be one of {MISSING_POLICIES}")
+        self.rows, self.nulls, self._sum = 0, 0, 0.0
+        self.impute: float | None = None  # None: not fitted (a dataset from before): nulls stay NaN
+        self.indicator = False
+
+    @property
+    def imputes(self) -> bool:
+        return self.options.get("missing", "impute") == "impute"
+
     def stored_type(self, source_type: pa.DataType) -> pa.DataType:
         return pa.float32()
 
-    def encode(self, array: pa.Array) -> np.ndarray:
-        """float32; null -> NaN, beyond float32 -> inf (both invalid to prepare)."""
+    def raw(self, array: pa.Array) -> np.ndarray:
+        """float32; null -> NaN, beyond float32 -> inf (what the shard stores, nulls as nulls)."""
         array = plain(array)
         if not pa.types.is_floating(array.type) or array.null_count:
             array = pc.fill_null(pc.cast(array, pa.float64()), np.nan)
         with np.errstate(over="ignore", invalid="ignore"):
             return array.to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
 
+    def encode(self, array: pa.Array) -> np.ndarray:
+        """float32; a null or NaN is the fitted imputed value (NaN when the input takes none), inf stays inf."""
+        values = self.raw(array)
+        if self.imputes and self.impute is not None:
+            missing = np.isnan(values)
+            if missing.any():
+                values = np.where(missing, np.float32(self.impute), values)
+        return values
+
+    def missing(self, array: pa.Array) -> np.ndarray:
+        """The missing indicator: float32 1 where the row's value is null or NaN, else 0."""
+        return np.isnan(self.raw(array)).astype(np.float32)
+
     def valid(self, array: pa.Array, where: str) -> np.ndarray:
-        return np.isfinite(self.encode(array))
+        values = self.raw(array)
+        return ~np.isinf(values) if self.imputes else np.isfinite(values)
+
+    def observe(self, array: pa.Array) -> None:
+        """Train rows: how many, how many null or NaN, the sum of the others (the imputed value is their mean)."""
+        values = self.raw(array)
+        present = values[~np.isnan(values)]
+        self.rows += len(values)
+        self.nulls += len(values) - len(present)
+        self._sum += float(present.sum(dtype=np.float64))
+
+    def fit(self) -> dict[str, Any]:
+        if self.rows:
+            present = self.rows - self.nulls
+            self.impute = self._sum / present if present else 0.0
+            self.indicator = self.imputes and self.nulls > 0
+        if self.impute is None:
+            return {}
+        return {"impute": self.impute, "indicator": self.indicator, "rows": self.rows, "nulls": self.nulls}
+
+    def load(self, state: dict[str, Any]) -> None:
+        if "impute" in state:
+            self.impute, self.indicator = float(state["impute"]), bool(state["indicator"])
+            self.rows, self.nulls = int(state["rows"]), int(state["nulls"])
+
+    def null_rate(self) -> float:
+        """The train split's share of null or NaN values (0 before it is observed)."""
+        return self.nulls / self.rows if self.rows else 0.0
+
+    def info(self) -> InputInfo:
+        return replace(super().info(), missing_indicator=self.indicator)
 
 
 DRIFT_TOP_CATEGORIES = 1000  # per categorical input: the most frequent values' train counts, the rest together
@@ -185,7 +252,7 @@ class VectorCodec(Codec):
         ok = lengths == self.dim
         if ok.any():
             values = pc.list_flatten(pc.filter(_as_list(array), pa.array(ok)))
-            finite = np.isfinite(NumericCodec(self.name).encode(values)).reshape(-1, self.dim).all(axis=1)
+            finite = np.isfinite(NumericCodec(self.name).raw(values)).reshape(-1, self.dim).all(axis=1)
             ok[np.flatnonzero(ok)[~finite]] = False
         return ok
 
@@ -212,7 +279,7 @@ class VectorCodec(Codec):
                 f"vector input {self.name!r}: row {int(wrong[0])} has length {int(lengths[wrong[0]])} "
                 f"(null: -1); the model takes vectors of length {self.dim}"
             )
-        values = NumericCodec(self.name).encode(pc.list_flatten(array))
+        values = NumericCodec(self.name).raw(pc.list_flatten(array))
         return values.reshape(len(array), self.dim)
 
     def drift_update(self, array: pa.Array) -> None:

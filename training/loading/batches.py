@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from training.core.manifest import Manifest
 from training.kinds.base import Codec
-from training.kinds.inputs import inputs_from_manifest, numeric_names
+from training.kinds.inputs import block_names, inputs_from_manifest
 from training.kinds.normalisation import Normaliser
 from training.kinds.ragged import BatchContext, RaggedArray, evaluation_context
 from training.kinds.registry import codecs_for, read_encoders
@@ -200,7 +200,7 @@ def split_from_sections(manifest: Manifest, sections: dict[str, torch.Tensor]) -
             if info.kind != "numeric"
         },
         weights=sections.get(WEIGHTS),
-        numeric=tuple(numeric_names(inputs)),
+        numeric=tuple(block_names(inputs)),
     )
 
 
@@ -254,8 +254,7 @@ def fill_split(
                 raise ShardError(f"{path}: the {split} split holds more rows than the manifest's {rows}")
             # Written through numpy views of the preallocated tensors: no temporaries, dtype cast on copy.
             block = sections[FEATURES][offset:stop].numpy()
-            for j, name in enumerate(manifest.features):
-                block[:, j] = values_of(batch.column(name))
+            fill_numeric(block, batch, manifest.features, codecs)
             for name in others:
                 sections[INPUT_PREFIX + name][offset:stop].numpy()[:] = _encoded(codecs[name], batch, name, path)
             for name, fill in ragged.items():
@@ -273,6 +272,17 @@ def fill_split(
             raise ShardError(f"{path}: holds {offset - start} rows, the manifest says {shard.rows}")
     if offset != rows:
         raise ShardError(f"{dataset_dir}: the {split} split's shards hold {offset} rows, the manifest says {rows}")
+
+
+def fill_numeric(block: np.ndarray, batch: pa.RecordBatch, features: Sequence[str], codecs: dict[str, Codec]) -> None:
+    """The numeric block's rows: each numeric input's values (a null as its imputed value, through its codec),
+    then the 0/1 missing indicator of each input that has one (training/kinds/inputs.py: ``block_names``)."""
+    indicators = [name for name in features if getattr(codecs[name], "indicator", False)]
+    for j, name in enumerate(features):
+        column = batch.column(name)
+        block[:, j] = codecs[name].encode(column) if column.null_count else values_of(column)
+    for k, name in enumerate(indicators, len(features)):
+        block[:, k] = codecs[name].missing(batch.column(name))
 
 
 def values_of(column: pa.Array | pa.ChunkedArray) -> np.ndarray:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from training.kinds.inputs import EMBEDDED_KINDS, InputInfo
+from training.kinds.inputs import EMBEDDED_KINDS, InputInfo, block_names
 from training.models.tabular import TABULAR_KINDS, embedding_dim, numeric_block
 
 
@@ -90,7 +90,7 @@ class ImageClassifier(nn.Module):
         self.trunks = nn.ModuleDict(
             {name: ImageTrunk(inputs[name].shape[0], width, blocks, groups) for name in self.images}
         )
-        self.numeric = [name for name, info in inputs.items() if info.kind == "numeric"]
+        self.numeric = block_names(inputs)  # the numeric inputs, then their missing indicators
         self.vectors = [name for name, info in inputs.items() if info.kind == "vector"]
         self.embedded = [name for name, info in inputs.items() if info.kind in EMBEDDED_KINDS]
         self.embeddings = nn.ModuleDict(

@@ -31,7 +31,7 @@ from torch import nn
 
 from training.core.config import MODELS, ConfigError, PipelineConfig
 from training.core.imports import import_factory
-from training.kinds.inputs import InputInfo, inputs_from_dicts, inputs_from_manifest, numeric_input
+from training.kinds.inputs import InputInfo, block_names, inputs_from_dicts, inputs_from_manifest, numeric_input
 from training.kinds.registry import CODECS
 from training.models.image import image_classifier
 from training.models.tabular import TABULAR_KINDS, mlp, numeric_block
@@ -58,7 +58,7 @@ class ModelSpec:
         cls, model: str, inputs: dict[str, InputInfo], n_outputs: int, model_kwargs: dict[str, Any]
     ) -> ModelSpec:
         """The spec of ``train.model`` for these inputs (``auto`` resolved to the built-in it picks)."""
-        n_numeric = sum(info.kind == "numeric" for info in inputs.values())
+        n_numeric = len(block_names(inputs))  # the numeric block's width: missing indicators included
         return cls(
             pick_model(model, inputs), n_numeric, n_outputs, dict(model_kwargs), [i.to_dict() for i in inputs.values()]
         )
@@ -192,7 +192,7 @@ def _legacy_model(factory: Callable[..., nn.Module], spec: ModelSpec, inputs: di
         )
     model = factory(spec.n_features, spec.n_outputs, **spec.model_kwargs)
     if isinstance(model, nn.Module):
-        names = list(inputs)
+        names = block_names(inputs)  # the numeric inputs, then their missing indicators
         model.register_forward_pre_hook(lambda module, args: _stacked(args, names))
     return model
 

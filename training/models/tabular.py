@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from training.kinds.inputs import EMBEDDED_KINDS, InputInfo
+from training.kinds.inputs import EMBEDDED_KINDS, InputInfo, block_names
 
 
 def embedding_dim(cardinality: int) -> int:
@@ -20,7 +20,8 @@ def embedding_dim(cardinality: int) -> int:
 class MLP(nn.Module):
     """Feed-forward net over every tabular input: Linear -> ReLU (-> Dropout) per hidden layer, then a head.
 
-    Its input row is, in this order: the numeric inputs (manifest order), then each vector input, then an
+    Its input row is, in this order: the numeric inputs (manifest order) and the missing indicators of those
+    whose train split held nulls (``block_names``), then each vector input, then an
     embedding per categorical and hashed input (``embedding_dim(cardinality)`` wide, or
     ``embedding_dims[name]``). With numeric inputs only it is exactly the earlier MLP: the same layers,
     created in the same order (so the same seed gives the same weights) and the same state dict keys.
@@ -35,7 +36,7 @@ class MLP(nn.Module):
         embedding_dims: dict[str, int] | None = None,
     ):
         super().__init__()
-        self.numeric = [name for name, info in inputs.items() if info.kind == "numeric"]
+        self.numeric = block_names(inputs)  # the numeric inputs, then their missing indicators
         self.vectors = [name for name, info in inputs.items() if info.kind == "vector"]
         embedded = {name: info for name, info in inputs.items() if info.kind in EMBEDDED_KINDS}
         unknown = [f"{name} ({info.kind})" for name, info in inputs.items() if info.kind not in TABULAR_KINDS]

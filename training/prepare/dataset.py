@@ -74,6 +74,7 @@ class PreparedDataset:
             "inputs": {entry["name"]: entry["kind"] for entry in manifest.inputs or []},
             "left_out": manifest.extra.get("left_out", []),
             "warnings": manifest.extra.get("warnings", []),
+            "null_rates": manifest.extra.get("null_rates", {}),
             "n_classes": len(manifest.label_mapping) if manifest.task in CLASS_TASKS else None,
             "rows": {split: manifest.rows(split) for split in SPLITS},
             "dropped_rows": manifest.dropped_rows,
@@ -249,8 +250,8 @@ class InvalidRows:
     def error(self, where: str) -> DataError:
         counts = ", ".join(f"column {column!r}: {count}" for column, count in self.per_column.items())
         return DataError(
-            f"{self.first_file or where}: {self.rows} rows hold null, NaN or inf values ({counts}); "
-            "fix the data or set data.on_invalid=drop to drop them"
+            f"{self.first_file or where}: {self.rows} rows hold invalid values ({counts}): inf, or null/NaN in a "
+            "label or a {kind: numeric, missing: error} input; fix the data or set data.on_invalid=drop to drop them"
         )
 
 
@@ -299,8 +300,11 @@ def _build(source: Source, data: DataConfig, fingerprint: str, out_dir: Path) ->
     checks.check_weights(source, sum(split.rows for split in splits.values()))
     encoders = _write_encoders(out_dir, codecs)
     manifest = _manifest(source, data, plan, labels, splits, moments, histograms, targets, invalid, fingerprint)
+    indicators = sum(codecs[name].indicator for name in plan.features)  # each a 0/1 column: mean 0, std 1
     return dataclasses.replace(
         manifest,
+        feature_mean=manifest.feature_mean + [0.0] * indicators,
+        feature_std=manifest.feature_std + [1.0] * indicators,
         inputs=[codec.info().to_dict() for codec in codecs.values()],
         encoders=encoders,
         weight=plan.weight,
@@ -310,6 +314,8 @@ def _build(source: Source, data: DataConfig, fingerprint: str, out_dir: Path) ->
             "left_out": left_out,
             "warnings": checks.warnings(),
             "drift_stats": drift_stats.to_dict(),
+            # The train split's share of null/NaN values per numeric input (those with any): imputed, indicated.
+            "null_rates": {name: codecs[name].null_rate() for name in plan.features if codecs[name].nulls},
         },
     )
 
@@ -434,7 +440,9 @@ class _BatchRows:
             self.label = pc.cast(self.raw_label, pa.float32())
         self.key = batch.column(plan.key) if plan.key else None
         self.weight = _weights(batch.column(plan.weight)) if plan.weight else None
-        self._feature_ok = np.isfinite(self.features)
+        # A numeric input's null or NaN is a value (imputed) unless it says missing: error; inf never is.
+        imputes = np.array([codecs[name].imputes for name in plan.features], dtype=bool)[:, None]
+        self._feature_ok = np.isfinite(self.features) | (np.isnan(self.features) & imputes)
         self._others_ok = {name: codecs[name].valid(column, file) for name, column in self.others.items()}
         self.wrong_lengths = [
             _wrong_length(file, name, codecs[name], column, ok)
@@ -481,7 +489,10 @@ class _BatchRows:
         self.weight = self.weight[self.valid] if self.weight is not None else None
 
     def observe(self, rows: np.ndarray) -> None:
-        """The train rows, for the encoders that learn from them (the categorical vocabulary)."""
+        """The train rows, for the encoders that learn from them (the categorical vocabulary, a numeric input's
+        imputed value and null count)."""
+        for i, name in enumerate(self.plan.features):
+            self.codecs[name].observe(pa.array(self.features[i][rows]))
         indices = pa.array(rows, type=pa.int64())
         for name, column in self.others.items():
             self.codecs[name].observe(column.take(indices))
@@ -503,7 +514,7 @@ class _BatchRows:
 
     def table(self, rows: np.ndarray, schema: pa.Schema) -> pa.Table:
         indices = pa.array(rows, type=pa.int64())
-        columns = [pa.array(self.features[i][rows]) for i in range(len(self.plan.features))]
+        columns = [_stored_numbers(self.features[i][rows]) for i in range(len(self.plan.features))]
         columns += [pc.cast(self.others[name].take(indices), schema.field(name).type) for name in self.plan.others]
         columns.append(pc.cast(self.label.take(indices), schema.field(self.plan.label).type))
         if self.key is not None:
@@ -511,6 +522,12 @@ class _BatchRows:
         if self.weight is not None:
             columns.append(pa.array(self.weight[rows].astype(np.float32)))
         return pa.Table.from_arrays(columns, schema=schema)
+
+
+def _stored_numbers(values: np.ndarray) -> pa.Array:
+    """A numeric input's float32 shard column: a missing value (NaN here) as a null."""
+    missing = np.isnan(values)
+    return pa.array(values, mask=missing) if missing.any() else pa.array(values)
 
 
 def _class_lists(raw: pa.Array, classes: pa.Array) -> pa.Array:

@@ -23,7 +23,9 @@ from training.kinds.registry import CODECS
 # 2: regression manifests carry label_mean/label_std (target standardisation).
 # 3: manifests carry feature_histograms (data drift).
 # 4: typed inputs (data.inputs, data.weight): raw columns in the shards, encoders.json, Manifest.inputs.
-PREPARE_VERSION = 4
+# 5: nulls are values: a numeric input's nulls are kept (imputed in the encoding, fitted on the train split),
+#    a missing indicator per numeric input with train nulls, null counts in the histograms (data.inputs.*.missing).
+PREPARE_VERSION = 5
 # DataConfig fields that do not change the prepared output.
 _NOT_OUTPUT_FIELDS = frozenset({"root", "read_batch_rows", "source", "cache_dir"})
 
