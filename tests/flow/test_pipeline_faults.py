@@ -82,8 +82,8 @@ def test_a_killed_rank_is_restarted_and_the_restart_is_recorded(champion_run, co
 def test_bad_data_fails_at_prepare_and_registers_nothing(champion_run, config, client, tmp_path):
     from flows.pipeline import train_pipeline
 
-    csv = tmp_path / "bad.csv"
-    csv.write_text("f0,f1,label\n1.0,2.0,0\nnan,3.0,1\n" + "".join(f"{i}.0,{i}.5,{i % 2}\n" for i in range(200)))
+    csv = tmp_path / "bad.csv"  # inf: a null or NaN in a numeric input is a value (imputed), inf is not
+    csv.write_text("f0,f1,label\n1.0,2.0,0\ninf,3.0,1\n" + "".join(f"{i}.0,{i}.5,{i % 2}\n" for i in range(200)))
     bad = copy.deepcopy(config)
     bad["data"]["source"] = str(csv)
     runs_before = len(runs_in(client, config))
