@@ -218,9 +218,10 @@ def _multilabel_metrics(tally, split: str, labels: list[Any]) -> tuple[dict[str,
 
 
 class OutputScorer:
-    """Outputs and labels, batch by batch, into the metrics ``evaluate_split`` reports for a model, through the
-    same objects: the classification evaluation (accuracy, log loss, F1, ROC AUC, per-class precision and
-    recall), the multilabel tally, or the regression tally on the standardised target."""
+    """Outputs and labels, batch by batch, into the metrics ``evaluate_split`` reports for a model: the
+    classification evaluation (accuracy, log loss, F1, ROC AUC, per-class precision and recall), the multilabel
+    tally, or the regression tally on the standardised target. ``evaluate_split`` scores a model through it and
+    the baselines score their constant and reference outputs through it, so every metric has one definition."""
 
     def __init__(self, objective: Objective, manifest: Manifest, normaliser: Normaliser):
         self.objective, self.manifest, self.normaliser = objective, manifest, normaliser
@@ -230,27 +231,40 @@ class OutputScorer:
         else:
             self.tally = objective.tally(manifest.n_outputs if manifest.task == "multilabel" else None)
 
-    def add(self, outputs: torch.Tensor, labels: torch.Tensor) -> None:
-        if self.manifest.task == "classification":
-            self.evaluation.add(outputs, labels, None)
-        elif self.manifest.task == "multilabel":
-            self.tally.add(outputs, labels)
-        else:
-            self.tally.add(outputs, self.normaliser.target_(labels.float().clone()))
+    def add(self, outputs: torch.Tensor, labels: torch.Tensor, remap: torch.Tensor | None = None) -> torch.Tensor:
+        """Tally one batch; returns its predictions: class indices (the dataset's index space), multi-hot rows
+        ``[B, C]`` (multilabel) or values on the original scale (regression)."""
         self.samples += len(labels)
-
-    def metrics(self, split: str) -> dict[str, float]:
-        if self.samples != self.manifest.rows(split):
-            raise RuntimeError(f"scored {self.samples} {split} rows but the manifest lists {self.manifest.rows(split)}")
-        labels = self.manifest.label_mapping
         if self.manifest.task == "classification":
-            metrics = self.evaluation.metrics(split, labels)[0]
+            return self.evaluation.add(outputs, labels, remap)
+        if self.manifest.task == "multilabel":
+            self.tally.add(outputs, labels)
+            return self.objective.decode(outputs)[0]
+        # Scored on the standardised scale the model trained on, as validation is; reported on the original one
+        # (the tally's target_std); predictions on the original scale.
+        self.tally.add(outputs, self.normaliser.target_(labels.float().clone()))
+        return self.normaliser.target_inverse(outputs.reshape(-1).float())
+
+    def scored(self, split: str, where: str | Path = "") -> tuple[dict[str, float], dict[str, dict[str, float]] | None]:
+        """The split's metrics (``<split>_<metric>``, ``<split>_samples``) and, for classes and labels, each one's
+        precision, recall and support; the row count is checked against the manifest."""
+        if self.samples != self.manifest.rows(split):
+            listed = self.manifest.rows(split)
+            raise RuntimeError(
+                f"{where or 'evaluation'}: read {self.samples} {split} rows but the manifest lists {listed}"
+            )
+        labels, per_class = self.manifest.label_mapping, None
+        if self.manifest.task == "classification":
+            metrics, per_class = self.evaluation.metrics(split, labels)
         elif self.manifest.task == "multilabel":
-            metrics = _multilabel_metrics(self.tally, split, labels)[0]
+            metrics, per_class = _multilabel_metrics(self.tally, split, labels)
         else:
             metrics = self.tally.metrics(self.tally.sums(), split, self.normaliser.target_std)
         metrics[f"{split}_samples"] = float(self.samples)
-        return metrics
+        return metrics, per_class
+
+    def metrics(self, split: str) -> dict[str, float]:
+        return self.scored(split)[0]
 
 
 def class_outputs(objective: Objective, log_probabilities: torch.Tensor) -> torch.Tensor:
@@ -297,12 +311,9 @@ def evaluate_split(
         )  # fmt: skip
     remap = check_compatible(meta, manifest, model_path)
     normaliser = Normaliser.from_checkpoint(meta)  # the model's own statistics, also when re-scoring a champion
-    classification, multilabel = manifest.task == "classification", manifest.task == "multilabel"
-    if classification:
-        evaluation = _ClassificationEvaluation(objective, manifest.n_outputs)
-    else:
-        tally = objective.tally(manifest.n_outputs if multilabel else None)
-    samples, kept_predictions, kept_targets = 0, [], []
+    classification = manifest.task == "classification"
+    scorer = OutputScorer(objective, manifest, normaliser)
+    kept_predictions, kept_targets = [], []
     image = next((name for name, info in checkpoint_inputs(meta).items() if info.kind == "image"), None)
     misclassified: list[dict[str, Any]] = []
     texts = [name for name, info in checkpoint_inputs(meta).items() if info.kind == "text"]
@@ -310,42 +321,25 @@ def evaluate_split(
     with torch.inference_mode():
         for x, y, raw in _iter_batches(manifest, dataset_dir, split, meta, batch_size):
             output = model(x)  # x: the batch dict, through the model's own codecs and normalisation
-            if classification:
-                predicted = evaluation.add(output, y, remap)
-                if image is not None and len(misclassified) < MISCLASSIFIED_SHOWN:
-                    is_wrong = predicted != y.long()
-                    _keep_misclassified(misclassified, raw, image, is_wrong, y, predicted, manifest.label_mapping)
-                if wrong is not None:
-                    wrong.add(samples, raw, y, predicted, evaluation.probabilities(output, remap))
-            elif multilabel:  # the objective's multilabel tally; predictions multi-hot [B, C] (no confusion matrix)
-                tally.add(output, y)
-                predicted = objective.decode(output)[0]
-            else:
-                # Scored on the standardised scale the model trained on, as validation is; reported on the
-                # original one (the tally's target_std); predictions on the original scale.
-                tally.add(output, normaliser.target_(y.float().clone()))
-                predicted = normaliser.target_inverse(output.reshape(-1).float())
-            samples += len(y)
+            predicted = scorer.add(output, y, remap)
+            if classification and image is not None and len(misclassified) < MISCLASSIFIED_SHOWN:
+                is_wrong = predicted != y.long()
+                _keep_misclassified(misclassified, raw, image, is_wrong, y, predicted, manifest.label_mapping)
+            if wrong is not None:
+                wrong.add(scorer.samples - len(y), raw, y, predicted, scorer.evaluation.probabilities(output, remap))
             if return_predictions:
                 room = len(y) if max_predictions is None else max(0, max_predictions - sum(map(len, kept_targets)))
                 if room:
                     kept_predictions.append(predicted[:room].numpy())
                     kept_targets.append(y[:room].numpy())
-    if samples != manifest.rows(split):
-        raise RuntimeError(f"{dataset_dir}: read {samples} {split} rows but the manifest lists {manifest.rows(split)}")
-    result = EvalResult(task=manifest.task, split=split, samples=samples, metrics={}, seconds=0.0)
-    if classification:
-        result.metrics, result.per_class = evaluation.metrics(split, manifest.label_mapping)
-        result.confusion_matrix = evaluation.confusion_matrix()
+    result = EvalResult(task=manifest.task, split=split, samples=scorer.samples, metrics={}, seconds=0.0)
+    result.metrics, result.per_class = scorer.scored(split, dataset_dir)
+    if result.per_class is not None:
         result.class_labels = [str(label) for label in manifest.label_mapping]
+    if classification:
+        result.confusion_matrix = scorer.evaluation.confusion_matrix()
         result.misclassified = misclassified if image is not None else None
         result.confidently_wrong = wrong.table() if wrong is not None else None
-    elif multilabel:
-        result.metrics, result.per_class = _multilabel_metrics(tally, split, manifest.label_mapping)
-        result.class_labels = [str(label) for label in manifest.label_mapping]
-    else:
-        result.metrics = tally.metrics(tally.sums(), split, normaliser.target_std)
-    result.metrics[f"{split}_samples"] = float(samples)
     if return_predictions:
         result.predictions = np.concatenate(kept_predictions) if kept_predictions else np.empty(0)
         result.targets = np.concatenate(kept_targets) if kept_targets else np.empty(0)
