@@ -176,18 +176,7 @@ class _ClassificationEvaluation:
         sums = self.tally.sums()
         metrics = self.tally.metrics(sums, split, scored=self.tally.scored_rows())  # 2 classes: ROC AUC, PR AUC
         metrics[f"{split}_majority_share"] = self.tally.majority_share(sums)  # what always guessing it scores
-        precision, recall, support = self.tally.per_class(sums)
-        per_class = {}
-        for index, label in enumerate(labels):
-            name = metric_label(label)
-            metrics[f"{split}_precision_{name}"] = float(precision[index])
-            metrics[f"{split}_recall_{name}"] = float(recall[index])
-            per_class[str(label)] = {
-                "precision": float(precision[index]),
-                "recall": float(recall[index]),
-                "support": int(support[index]),
-            }
-        return metrics, per_class
+        return metrics, _per_class(metrics, split, labels, *self.tally.per_class(sums))
 
     def probabilities(self, outputs: torch.Tensor, remap: torch.Tensor | None) -> torch.Tensor:
         """[B, C] class probabilities in the dataset's index order (binary: both classes)."""
@@ -205,6 +194,12 @@ def _multilabel_metrics(tally, split: str, labels: list[Any]) -> tuple[dict[str,
     metrics = tally.metrics(sums, split)
     actual = tally.part(sums, "actual")
     precision, recall = precision_recall(tally.part(sums, "true_positive"), tally.part(sums, "predicted"), actual)
+    return metrics, _per_class(metrics, split, labels, precision, recall, actual)
+
+
+def _per_class(metrics: dict[str, float], split: str, labels: list[Any], precision, recall, support):
+    """Each class's (or label's) precision and recall into ``metrics`` (``<split>_precision_<label>``), and the
+    per-class table: label -> precision, recall, support."""
     per_class = {}
     for index, label in enumerate(labels):
         metrics[f"{split}_precision_{metric_label(label)}"] = float(precision[index])
@@ -212,9 +207,9 @@ def _multilabel_metrics(tally, split: str, labels: list[Any]) -> tuple[dict[str,
         per_class[str(label)] = {
             "precision": float(precision[index]),
             "recall": float(recall[index]),
-            "support": int(actual[index]),
+            "support": int(support[index]),
         }
-    return metrics, per_class
+    return per_class
 
 
 class OutputScorer:
