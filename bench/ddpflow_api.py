@@ -3,7 +3,7 @@
 Benchmarks drive the stages (prepare, load, the training loop, evaluate, launch, the local stack) and read the
 contracts (config, manifest, models, job, synthetic data) only through these functions and constants, so that
 when the product's modules move or a stage's API changes, only this file changes
-(tests/code/test_bench.py checks that no other bench/ module imports the product). What ``python -m`` starts in
+(tests/bench/test_bench.py checks that no other bench/ module imports the product). What ``python -m`` starts in
 a child process (the rank program, an evaluation) is named here too. Product imports sit inside the functions:
 importing bench costs no product import.
 """

@@ -11,5 +11,5 @@
     training/  what every rank runs under torchrun (no Prefect, no MLflow at import)
 
 Imports run one way: flows -> tasks -> ddpflow -> training
-(tests/code/test_import_direction.py enforces it). No work at import time.
+(tests/house/test_import_direction.py enforces it). No work at import time.
 """

@@ -26,9 +26,19 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # devtools/ and bench/ are not installed: tests import them from the repository root, however pytest was started.
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
-# tests/slurm_cluster.py: the session's two-node Slurm cluster (the `slurm_cluster` fixture) and its probes.
+# The suite's shared helpers sit at tests/'s top (tests are not a package), the stand-in ranks and their helpers
+# in tests/ranks/; the test folders below mirror the product (flows/, tasks/, ddpflow/, training/, bench/, and
+# house/ for checks of the whole product).
 sys.path.append(str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent / "ranks"))
+# Fixtures that tests in several folders use, from the helper modules that define them:
+# tests/slurm_cluster.py: the session's two-node Slurm cluster (the `slurm_cluster` fixture) and its probes;
+# tests/source_tables.py: small source files and a DataConfig for prepare (`make_config`, `table_file`, `dh`;
+# tests/flows/conftest.py gives the flows' tests their own `make_config`, a whole pipeline's config);
+# tests/manifest_datasets.py: prepared datasets and model.pt files written from their contracts.
+from manifest_datasets import dataset_factory, model_factory  # noqa: E402, F401
 from slurm_cluster import slurm_cluster  # noqa: E402, F401
+from source_tables import dh, make_config, table_file  # noqa: E402, F401
 
 # The marks torchrun, server and slurm, the guard that keeps them true, --reverse-modules.
 pytest_plugins = ["suite_marks"]

@@ -10,7 +10,7 @@ Trainer seeds every process RNG when it builds the model) and its own log: rank 
 during the case are also written to ``RUN_DIR/output-rank{r}.txt``, so a test can check what one case
 printed. A test then compares its own case's files, so a failure still names the case.
 
-How a test uses it (tests/model/test_train_ddp.py: ``EXACT_RUNS`` and the ``exact_runs`` fixture)::
+How a test uses it (tests/training/test_train_ddp.py: ``EXACT_RUNS`` and the ``exact_runs`` fixture)::
 
     results = launch_cases(root, {"w2": (config_w2, dataset), "w2_poll": (config_poll, dataset)}, env)
     results["w2"].returncode, results["w2"].run_dir, results["w2"].output

@@ -1,7 +1,7 @@
 """What every rank runs under torchrun, and the rules the layers above (ddpflow, tasks, flows) share.
 
 Folders by layer, lowest first; a folder imports its own layer and the ones below, never one above
-(``tests/code/test_import_direction.py: TRAINING_LAYERS``; the picture: docs/architecture.md):
+(``tests/house/test_import_direction.py: TRAINING_LAYERS``; the picture: docs/architecture.md):
 
     core/                                the config, the manifest, the run directory's names, small utilities
     kinds/, objectives/, distributed/    input kinds and objectives (contract < built-ins < registry), processes

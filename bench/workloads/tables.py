@@ -3,7 +3,7 @@
 Each generated table is a seeded function of (rows, seed): the same call gives the same frame, bit for bit.
 Columns come in the dtypes real sources have (int64, int32, float32, bool, strings, nullable integers with
 nulls) and the label is binary, several classes or a regression target. ``TableSpec.structure`` says what each
-table holds; tests/code/test_bench_tables.py checks the claims (nulls where stated, the imbalance, the range).
+table holds; tests/bench/test_bench_tables.py checks the claims (nulls where stated, the imbalance, the range).
 
 What a user declares (``TableSpec.inputs``: every column by kind) is what the benchmark prepares; the label
 and nothing else is left out.

@@ -23,7 +23,7 @@ all-reduces the bucket with SUM; ``ddp_average`` does the same to the bucket.
 (torch's ``allreduce_hook`` DIVIDES by the world size instead: for a world
 size that is not a power of two, ``x / 3`` and ``x * (1 / 3)`` differ in the
 last bit, for 40% of a small MLP's gradient values.) Polling with W ranks trains the
-weights that not polling does (tests/model/test_train_ddp.py, W=2 and W=3).
+weights that not polling does (tests/training/test_train_ddp.py, W=2 and W=3).
 Only the way the rank waits for the LAST bucket differs; earlier buckets still
 overlap the backward pass.
 """

@@ -414,7 +414,7 @@ class RankSampler(DistributedSampler):
         return order
 
     def _permutation(self, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        # The same steps as DistributedSampler.__iter__ (tests/model/test_loading.py checks it).
+        # The same steps as DistributedSampler.__iter__ (tests/training/loading/test_loading.py checks it).
         generator = torch.Generator()
         generator.manual_seed(self.seed + self.epoch)
         rows = len(self.dataset)

@@ -3,7 +3,7 @@ its pooled features joined with any tabular inputs (numeric, vector, embedded), 
 
 It normalises with GroupNorm, never BatchNorm: a BatchNorm's statistics are those of each rank's share of the
 batch, so 1 rank x 2b and 2 ranks x b would train different weights; GroupNorm's are per row, and the exact
-update holds at any world size (tests/model/test_images.py). Only Pillow and torch: no torchvision.
+update holds at any world size (tests/training/test_images.py). Only Pillow and torch: no torchvision.
 
     model_kwargs: {width: 32, blocks: [1, 1, 1], groups: 8, embedding_dims: {country: 4}}
 

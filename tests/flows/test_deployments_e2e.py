@@ -1,0 +1,538 @@
+"""End to end through the real stack: `ddpflow stack up` (Prefect server with its event and trigger services,
+work pool, `prefect deploy --all` from the real prefect.yaml, process worker, MLflow server); deployment runs
+through the worker, cancellation, new data starting a training through the deployment trigger, `ddpflow run`
+in the stack's project, the UIs, then `ddpflow stack down`.
+
+One stack for the module: it costs 30-60 s to start on 2 cores, so every test that needs a running stack is
+here. Every store is in a temp dir, which is also the stack's project directory (its state in
+``<tmp>/.ddpflow``): the MLflow SQLite store (the worker's MLFLOW_TRACKING_URI), the prepared data and the
+run directories (flow-run parameter overrides). Tests keep apart by model name, run root and source.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pandas as pd
+import psutil
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from mlflow import MlflowClient
+
+from ddpflow.watch import EVENT, variable_name
+from devtools.ports import free_port
+from devtools.waiting import wait_until
+from tests.flows.test_mixed_inputs import INPUTS as MIXED_INPUTS
+from tests.flows.test_mixed_inputs import churn_table
+from tests.flows.test_run_cli import LiveRun, cli_env, write_config
+
+pytestmark = [pytest.mark.server, pytest.mark.torchrun]  # the stack; its runs train
+
+MODEL_NAME = "ddpflow-e2e"
+MIXED_MODEL_NAME = "ddpflow-e2e-mixed"  # its own model: the gate never compares it with the numeric champion
+TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+RUN_TIMEOUT_S = 420
+
+
+def ddpflow(*args: str, env: dict[str, str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+class Stack:
+    """A running stack started by `ddpflow stack up`, and how to talk to it."""
+
+    def __init__(self, repo: Path, tmp: Path, env: dict[str, str], up: dict[str, Any]):
+        self.repo, self.tmp, self.env, self.up = repo, tmp, env, up
+        self.state_dir = tmp / ".ddpflow"  # tmp is a project: `ddpflow run` there finds this stack
+        self.mlflow_uri = f"sqlite:///{tmp / 'mlflow' / 'mlflow.db'}"
+        self.prefect_url = up["prefect_ui"]
+        self.mlflow_url = up["mlflow_ui"]
+        self.run_root = tmp / "runs"
+        self.stack_args = ("--project", str(repo), "--state-dir", str(self.state_dir))
+
+    @property
+    def cli_env(self) -> dict[str, str]:
+        return {
+            **self.env,
+            "PREFECT_API_URL": f"{self.prefect_url}/api",
+            "PREFECT_HOME": str(self.state_dir / "prefect"),
+        }
+
+    def prefect(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "prefect", *args],
+            cwd=self.repo,
+            env=self.cli_env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    def api(self, method: str, path: str, **kwargs: Any) -> Any:
+        response = httpx.request(method, f"{self.prefect_url}/api{path}", timeout=30, **kwargs)
+        response.raise_for_status()
+        return response.json()
+
+    def deployment(self, name: str) -> dict[str, Any]:
+        return self.api("GET", f"/deployments/name/train-pipeline/{name}")
+
+    def tiny_run_params(self, *extra: str) -> str:
+        """The manual deployment's own config, shrunk, with every path in the temp dir; ``extra`` overrides win."""
+        overrides = [
+            "data.source=synthetic://classification?rows=2000&features=8&classes=3&seed=1",
+            f"data.root={self.tmp / 'shards'}",
+            f"train.run_root={self.run_root}",
+            "train.epochs=1",
+            "train.nproc_per_node=1",  # DDP itself is tested elsewhere; this is the path through the worker
+            f"registry.model_name={MODEL_NAME}",
+            f"mlflow.artifact_location={self.tmp / 'mlflow' / 'mlartifacts'}",
+            *extra,
+        ]
+        return json.dumps({"overrides": overrides})
+
+    def submit_manual_run(self, *extra: str) -> str:
+        """`prefect deployment run train-pipeline/manual`, as a user types it."""
+        result = self.prefect("deployment", "run", "train-pipeline/manual", "--params", self.tiny_run_params(*extra))
+        assert result.returncode == 0, result.stdout + result.stderr
+        match = re.search(r"UUID:\s*([0-9a-f-]{36})", result.stdout)
+        assert match, result.stdout
+        return match.group(1)
+
+    def create_flow_run(self, deployment: str, parameters: dict[str, Any]) -> str:
+        """The flow run `prefect deployment run` creates, through the API: the worker runs it the same way, and no
+        CLI process (4-8 s of imports) starts. For tests whose subject is not the CLI."""
+        # Prefect's own client, as `prefect deployment run` uses: it retries the server's 503 ("busy": SQLite under
+        # load), which a bare HTTP call saw in a loaded suite run.
+        from prefect.client.orchestration import SyncPrefectClient
+
+        with SyncPrefectClient(f"{self.prefect_url}/api") as client:
+            found = client.read_deployment_by_name(deployment)
+            return str(client.create_flow_run_from_deployment(found.id, parameters=parameters).id)
+
+    def wait_for_terminal(self, flow_run_ids: list[str], timeout_s: float = RUN_TIMEOUT_S) -> dict[str, dict[str, Any]]:
+        deadline = time.monotonic() + timeout_s
+        runs: dict[str, dict[str, Any]] = {}
+        while time.monotonic() < deadline:
+            runs = {run_id: self.api("GET", f"/flow_runs/{run_id}") for run_id in flow_run_ids}
+            if all(run["state_type"] in TERMINAL for run in runs.values()):
+                return runs
+            time.sleep(0.5)
+        states = {run_id: (run["state_type"], run["state_name"]) for run_id, run in runs.items()}
+        pytest.fail(f"flow runs not finished after {timeout_s} s: {states}; worker log: {self.log_tail('worker')}")
+
+    def log_tail(self, name: str, lines: int = 40) -> str:
+        path = self.state_dir / "logs" / f"{name}.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.is_file() else "(no log)"
+
+    def mlflow_runs_by_flow_run(self) -> dict[str, Any]:
+        client = MlflowClient(tracking_uri=self.mlflow_uri)
+        experiments = client.search_experiments()
+        runs = client.search_runs([e.experiment_id for e in experiments])
+        return {run.data.tags.get("prefect.flow_run_id"): run for run in runs}
+
+    def champion_version(self) -> str | None:
+        client = MlflowClient(tracking_uri=self.mlflow_uri)
+        try:
+            return str(client.get_model_version_by_alias(MODEL_NAME, "champion").version)
+        except Exception:
+            return None
+
+    def recorded_pids(self) -> dict[str, int]:
+        return {
+            name: info["pid"]
+            for name, info in json.loads((self.state_dir / "stack.json").read_text())["processes"].items()
+        }
+
+
+@pytest.fixture(scope="module")
+def stack(repo_root: Path, tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("stack")
+    env = {
+        **os.environ,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        # A queued run (collision strategy ENQUEUE) retries for a slot after this; default 30 s.
+        "PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS": "2",
+        "OMP_NUM_THREADS": "1",
+    }
+    env.pop("MLFLOW_TRACKING_URI", None)
+    env.pop("PREFECT_API_URL", None)
+    args = ("--project", str(repo_root), "--state-dir", str(tmp / ".ddpflow"), "--mlflow-dir", str(tmp / "mlflow"))
+    result = ddpflow(
+        "stack",
+        "up",
+        *args,
+        "--prefect-port",
+        str(free_port()),
+        "--mlflow-port",
+        str(free_port()),
+        "--json",
+        env=env,
+        cwd=repo_root,
+    )
+    assert result.returncode == 0, f"stack up failed:\n{result.stdout}\n{result.stderr}"
+    running = Stack(repo_root, tmp, env, json.loads(result.stdout))
+    try:
+        yield running
+    finally:
+        try:
+            stack_down_leaves_no_process_alive(running)
+        finally:
+            ddpflow("stack", "down", *running.stack_args, env=env, cwd=repo_root, timeout=120)  # a no-op if down
+
+
+def stack_down_leaves_no_process_alive(stack: Stack) -> None:
+    """`ddpflow stack down`, checked where it runs: at the end of the module, whatever order the tests ran in
+    (a failure here shows as an error at the last test's teardown)."""
+    pids = stack.recorded_pids()
+    assert set(pids) == {"prefect-server", "mlflow", "worker"}
+    # Children too (uvicorn/gunicorn workers, flow-run processes).
+    family = {pid: [c.pid for c in psutil.Process(pid).children(recursive=True)] for pid in pids.values()}
+    result = ddpflow("stack", "down", *stack.stack_args, "--json", env=stack.env, cwd=stack.repo, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert sorted(json.loads(result.stdout)["stopped"]) == ["mlflow", "prefect-server", "worker"]
+    survivors = [
+        pid
+        for parent, children in family.items()
+        for pid in (parent, *children)
+        if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    ]
+    assert survivors == []
+    assert not (stack.state_dir / "stack.json").exists()
+    status = json.loads(ddpflow("stack", "status", *stack.stack_args, "--json", env=stack.env, cwd=stack.repo).stdout)
+    assert status["running"] is False
+
+
+def test_deploy_all_creates_both_deployments_from_prefect_yaml(stack: Stack) -> None:
+    nightly, manual = stack.deployment("nightly"), stack.deployment("manual")
+    assert [s["schedule"]["cron"] for s in nightly["schedules"]] == ["0 2 * * *"]
+    assert nightly["schedules"][0]["schedule"]["timezone"] == "UTC"
+    assert nightly["schedules"][0]["active"] is True
+    assert manual["schedules"] == []
+    for deployment, strategy in ((nightly, "CANCEL_NEW"), (manual, "ENQUEUE")):
+        assert deployment["work_pool_name"] == "ddpflow-local"
+        assert deployment["entrypoint"] == "flows/pipeline.py:train_pipeline"
+        assert deployment["global_concurrency_limit"]["limit"] == 1
+        assert deployment["concurrency_options"]["collision_strategy"] == strategy
+        # `{{ $PWD }}` is rendered at deploy time into the project root.
+        assert deployment["pull_steps"] == [
+            {"prefect.deployments.steps.set_working_directory": {"directory": str(stack.repo)}}
+        ]
+    assert nightly["parameters"] == {"config_file": "configs/nightly.yaml"}
+    assert manual["parameters"] == {"config_file": "configs/manual.yaml"}
+
+
+def test_deploy_all_again_updates_in_place(stack: Stack) -> None:
+    before = stack.deployment("nightly")
+    result = stack.prefect("--no-prompt", "deploy", "--all")
+    assert result.returncode == 0, result.stdout + result.stderr
+    after = stack.deployment("nightly")
+    assert after["id"] == before["id"]
+    assert [s["slug"] for s in after["schedules"]] == ["nightly-0200-utc"]
+
+
+def mixed_table_overrides(running: Stack) -> tuple[str, ...]:
+    """A small mixed table (numeric, 3 categoricals, a hashed id, a vector) as a Parquet file, and the
+    ``data.inputs`` override that names its inputs, as a user passes them in the deployment's parameters."""
+    source = running.tmp / "churn.parquet"
+    pq.write_table(churn_table(rows=600), source)
+    return (
+        f"data.source={source}",
+        "data.label=churned",
+        "data.key=customer_id",
+        f"data.inputs={json.dumps(MIXED_INPUTS)}",
+        f"registry.model_name={MIXED_MODEL_NAME}",
+    )
+
+
+def test_two_manual_runs_at_once_complete_in_turn_and_register_models(stack: Stack) -> None:
+    """`prefect deployment run` x2 through the worker: the limit queues the second, each keeps its own files.
+    The second trains the mixed table (issue 21: it trains through a deployment) on the inputs its parameters
+    name."""
+    flow_run_ids = [stack.submit_manual_run(), stack.submit_manual_run(*mixed_table_overrides(stack))]
+    runs = stack.wait_for_terminal(flow_run_ids, timeout_s=2 * RUN_TIMEOUT_S)
+    failed = {
+        run["name"]: (run["state_name"], (run["state"] or {}).get("message"))
+        for run in runs.values()
+        if run["state_type"] != "COMPLETED"
+    }
+    assert not failed, f"{failed}\n{stack.log_tail('worker')}"
+    # `manual` is ENQUEUE with limit 1: none is cancelled, they run one after another.
+    spans = sorted((run["start_time"], run["end_time"]) for run in runs.values())
+    assert all(earlier[1] <= later[0] for earlier, later in zip(spans, spans[1:])), f"runs overlapped: {spans}"
+
+    # One MLflow run per flow run, each FINISHED, with its artifacts in the temp store (not the project).
+    mlflow_runs = stack.mlflow_runs_by_flow_run()
+    ours = [mlflow_runs[run_id] for run_id in flow_run_ids]
+    assert len({run.info.run_id for run in ours}) == 2
+    assert all(run.info.status == "FINISHED" and str(stack.tmp) in run.info.artifact_uri for run in ours)
+    # Each run got its own directory, with its own model.
+    run_dirs = [d for d in stack.run_root.iterdir() if d.is_dir()]
+    assert len(run_dirs) == 2 and all((d / "model.pt").is_file() and (d / "config.json").is_file() for d in run_dirs)
+    # The registry has new versions, each from one of these runs, and a champion.
+    client = MlflowClient(tracking_uri=stack.mlflow_uri)
+    versions = client.search_model_versions(f"name='{MODEL_NAME}'")
+    assert versions and {v.run_id for v in versions} <= {run.info.run_id for run in ours}
+    assert client.get_model_version_by_alias(MODEL_NAME, "champion").run_id in {run.info.run_id for run in ours}
+    assert_trained_on_the_mixed_inputs(stack, ours[1].info.run_id)
+
+
+def assert_trained_on_the_mixed_inputs(running: Stack, mlflow_run_id: str) -> None:
+    """The mixed run's champion takes the raw mixed columns: its signature is the inputs the parameters named."""
+    import mlflow
+    from mlflow.types import DataType
+
+    from ddpflow.tracking.runs import use_tracking_uri
+
+    champion = MlflowClient(tracking_uri=running.mlflow_uri).get_model_version_by_alias(MIXED_MODEL_NAME, "champion")
+    assert champion.run_id == mlflow_run_id
+    with use_tracking_uri(running.mlflow_uri):
+        schema = mlflow.models.get_model_info(f"models:/{MIXED_MODEL_NAME}@champion").signature.inputs
+    assert sorted(schema.input_names()) == sorted(MIXED_INPUTS)
+    types = {spec.name: spec.type for spec in schema.inputs}
+    assert types["country"] == DataType.string and types["merchant_id"] == DataType.string
+    assert types["tenure"] == DataType.double and "Array" in str(types["embedding"])
+
+
+def wait_for_training(run_root: Path, within_s: float = 180) -> tuple[Path, list[int]]:
+    """The run directory once an epoch is done, and every PID of the run: the flow-run process
+    (launcher), torchrun, its ranks and anything below them."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        for pid_file in run_root.glob("*/torchrun.pid"):
+            metrics = pid_file.parent / "metrics.jsonl"
+            if not (metrics.is_file() and metrics.read_text().strip()):
+                continue
+            record = json.loads(pid_file.read_text())
+            try:
+                below = [p.pid for p in psutil.Process(record["torchrun_pid"]).children(recursive=True)]
+            except psutil.NoSuchProcess:
+                below = []
+            return pid_file.parent, sorted(
+                {record["launcher_pid"], record["torchrun_pid"], *record["descendants"], *below}
+            )
+        time.sleep(0.5)
+    pytest.fail(f"no training under way in {run_root} after {within_s} s")
+
+
+def still_alive(pids: list[int]) -> list[int]:
+    return [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+
+
+def test_cancelling_a_worker_run_kills_every_process_and_keeps_the_champion(stack: Stack) -> None:
+    """`prefect flow-run cancel` on a deployment run that is training (2 ranks) under the process worker."""
+    client = MlflowClient(tracking_uri=stack.mlflow_uri)
+    champion_before = stack.champion_version()
+    run_root = stack.tmp / "runs-cancelled"
+    parameters = stack.tiny_run_params(
+        "data.source=synthetic://classification?rows=20000&features=8&classes=3&seed=2",
+        f"train.run_root={run_root}",
+        "train.epochs=1000",  # far more than the test waits for: only the cancel can end it
+        "train.nproc_per_node=2",
+        "train.batch_size=64",
+    )
+    flow_run_id = stack.create_flow_run("train-pipeline/manual", json.loads(parameters))
+    run_dir, pids = wait_for_training(run_root)
+    assert len(pids) >= 4, pids  # the flow-run process, torchrun, 2 ranks
+
+    result = stack.prefect("flow-run", "cancel", flow_run_id)
+    assert result.returncode == 0, result.stdout + result.stderr
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (
+        still_alive(pids) or stack.api("GET", f"/flow_runs/{flow_run_id}")["state_type"] != "CANCELLED"
+    ):
+        time.sleep(0.5)
+    run = stack.api("GET", f"/flow_runs/{flow_run_id}")
+    assert run["state_type"] == "CANCELLED", (run["state_name"], stack.log_tail("worker"))
+    assert still_alive(pids) == [], stack.log_tail("worker")
+
+    assert not (run_dir / "model.pt").exists() and (run_dir / "checkpoints" / "last.pt").is_file()
+    assert stack.champion_version() == champion_before
+    mlflow_run = stack.mlflow_runs_by_flow_run()[flow_run_id]
+    assert mlflow_run.info.status == "KILLED"  # stopped from outside, not a failure
+    assert client.search_model_versions(f"name='{MODEL_NAME}' and run_id='{mlflow_run.info.run_id}'") == []
+
+
+# --- new data starts a training (issue 15): watch-data, its event, the deployment trigger ----------------------
+# `watch-data/every-10-minutes` runs three times through the worker, on an unseen source (recorded, no event),
+# the same source (no event), and the source with rows appended (`ddpflow.data.changed`); the deployment
+# trigger of `train-pipeline/on-new-data` then starts exactly one training, with that config, which completes.
+
+WATCH_MODEL_NAME = "ddpflow-watch-e2e"
+TRIGGER_WAIT_S = 120  # event -> automation -> flow run: seconds, unless the machine is very busy
+
+
+def write_rows(path: Path, rows: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    frame = pd.DataFrame({f"f{i}": rng.normal(size=rows) for i in range(4)})
+    frame["label"] = (frame["f0"] - frame["f2"] > 0).astype(int)
+    frame.to_csv(path, mode="a" if path.exists() else "w", header=not path.exists(), index=False)
+
+
+def watched_config(running: Stack) -> Path:
+    source = running.tmp / "incoming" / "sales.csv"
+    source.parent.mkdir(parents=True)
+    write_rows(source, 2000, seed=0)
+    config = {
+        "data": {"source": str(source), "label": "label", "root": str(running.tmp / "watch-shards")},
+        "train": {"epochs": 1, "nproc_per_node": 1, "batch_size": 128, "run_root": str(running.tmp / "watch-runs")},
+        "registry": {"model_name": WATCH_MODEL_NAME},
+        "mlflow": {"artifact_location": str(running.tmp / "mlflow" / "mlartifacts")},
+    }
+    path = running.tmp / "watched.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def run_watch(running: Stack, config_file: Path) -> dict[str, Any]:
+    flow_run_id = running.create_flow_run("watch-data/every-10-minutes", {"config_file": str(config_file)})
+    run = running.wait_for_terminal([flow_run_id], timeout_s=240)[flow_run_id]
+    assert run["state_type"] == "COMPLETED", (run["state_name"], running.log_tail("worker"))
+    return run
+
+
+def flow_runs_of(running: Stack, deployment_id: str) -> list[dict[str, Any]]:
+    return running.api("POST", "/flow_runs/filter", json={"flow_runs": {"deployment_id": {"any_": [deployment_id]}}})
+
+
+def changed_events(running: Stack, source: Path) -> list[dict[str, Any]]:
+    body = {"filter": {"event": {"name": [EVENT]}, "resource": {"labels": {"ddpflow.source": str(source)}}}}
+    return running.api("POST", "/events/filter", json=body)["events"]
+
+
+def test_new_data_starts_one_training_through_the_trigger_and_unchanged_data_none(stack: Stack) -> None:
+    on_new_data = stack.deployment("on-new-data")
+    watch = stack.api("GET", "/deployments/name/watch-data/every-10-minutes")
+    assert [schedule["schedule"]["interval"] for schedule in watch["schedules"]] == [600.0]
+    # `prefect deploy` turned the deployment's trigger into an automation that runs it.
+    automations = stack.api("GET", f"/automations/related-to/prefect.deployment.{on_new_data['id']}")
+    assert [(a["trigger"]["expect"], a["actions"][0]["deployment_id"]) for a in automations] == [
+        ([EVENT], on_new_data["id"])
+    ]
+
+    config_file = watched_config(stack)
+    source = stack.tmp / "incoming" / "sales.csv"
+    variable = variable_name(str(config_file), None)
+
+    run_watch(stack, config_file)  # first look: recorded, nothing emitted
+    first_seen = stack.api("GET", f"/variables/name/{variable}")["value"]
+    run_watch(stack, config_file)  # unchanged: nothing emitted
+    # The run saw "unchanged": it writes the variable only on a change (a first look or new data).
+    assert stack.api("GET", f"/variables/name/{variable}")["value"] == first_seen
+    # That it emitted nothing, and nothing was started, is checked below, once the appended rows' event has
+    # arrived and its training has finished: an event from this earlier run would have arrived by then too.
+
+    write_rows(source, 50, seed=1)  # new rows land
+    run_watch(stack, config_file)
+    try:
+        triggered = wait_until(lambda: flow_runs_of(stack, on_new_data["id"]), TRIGGER_WAIT_S, "the trigger's run")
+    except TimeoutError as error:
+        pytest.fail(f"{error}: no training started by the trigger: {stack.log_tail('prefect-server')}")
+    assert len(triggered) == 1, triggered
+    training = stack.wait_for_terminal([triggered[0]["id"]], timeout_s=RUN_TIMEOUT_S)[triggered[0]["id"]]
+    assert training["state_type"] == "COMPLETED", (training["state_name"], stack.log_tail("worker"))
+    assert training["parameters"] == {"config_file": str(config_file), "overrides": []}
+
+    # Exactly one event, for the appended rows, carrying the old and new identity.
+    events = changed_events(stack, source)
+    assert len(events) == 1, events
+    payload = events[0]["payload"]
+    now_seen = stack.api("GET", f"/variables/name/{variable}")["value"]
+    assert payload["previous"]["fingerprint"] == first_seen["fingerprint"] != now_seen["fingerprint"]
+    assert payload["current"]["fingerprint"] == now_seen["fingerprint"]
+    assert payload["current"]["bytes"] > payload["previous"]["bytes"]
+    assert events[0]["resource"]["ddpflow.config"] == str(config_file)
+    # The training used the new data and registered a model from it.
+    mlflow_run = stack.mlflow_runs_by_flow_run()[training["id"]]
+    assert mlflow_run.data.tags["data.fingerprint"] == now_seen["fingerprint"]
+    versions = MlflowClient(tracking_uri=stack.mlflow_uri).search_model_versions(f"name='{WATCH_MODEL_NAME}'")
+    assert [v.run_id for v in versions] == [mlflow_run.info.run_id]
+    assert [run["id"] for run in flow_runs_of(stack, on_new_data["id"])] == [training["id"]]  # one event, one run
+
+
+# --- `ddpflow run` in the stack's project uses the stack's server (issue 16) ----------------------------------
+
+
+def test_run_uses_the_projects_running_stack_and_starts_no_server(make_config, stack: Stack) -> None:
+    """`ddpflow run` in a project whose stack is up (its stack.json in <project>/.ddpflow) runs the flow on the
+    stack's Prefect server and starts no server of its own."""
+    project, prefect_api_url = stack.tmp, f"{stack.prefect_url}/api"
+    config = make_config()
+    run = LiveRun(
+        # One epoch: what is checked is which server the run uses and what it starts.
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "run",
+            "--config",
+            write_config(project, config),
+            "--set",
+            "train.epochs=1",
+            "--json",
+        ],
+        project,
+        cli_env(),  # no PREFECT_API_URL
+    )
+    started_by_the_run: set[str] = set()
+    try:
+        while run.popen.poll() is None:  # everything the run starts, while it runs
+            try:
+                started_by_the_run |= {
+                    " ".join(child.cmdline()) for child in psutil.Process(run.popen.pid).children(recursive=True)
+                }
+            except psutil.Error:
+                pass
+            time.sleep(0.5)
+        assert run.finish() == 0, run.output[-4000:]
+    finally:
+        run.kill()
+    assert any("torch.distributed.run" in argv for argv in started_by_the_run), "the scan must see torchrun"
+    assert [argv for argv in started_by_the_run if "uvicorn" in argv or " server start" in argv] == []
+
+    summary = json.loads("".join(run.out))  # stdout holds only the summary
+    assert summary["prefect_server"] == "stack" and summary["prefect_api_url"] == prefect_api_url
+    flow_run = httpx.get(f"{prefect_api_url}/flow_runs/{summary['flow_run_id']}", timeout=30).json()
+    assert flow_run["state_type"] == "COMPLETED" and flow_run["name"] == summary["flow_run"]
+    assert summary["prefect_run_url"] == f"{stack.prefect_url}/runs/flow-run/{summary['flow_run_id']}"
+
+
+def test_both_uis_answer(stack: Stack) -> None:
+    for url in (stack.prefect_url, stack.mlflow_url):
+        response = httpx.get(url, timeout=30, follow_redirects=True)
+        assert response.status_code == 200, url
+        assert "<html" in response.text.lower()
+    # The UI's scripts call the API where the server says it is: this stack's port, not 4200.
+    assert httpx.get(f"{stack.prefect_url}/ui-settings", timeout=30).json()["api_url"] == f"{stack.prefect_url}/api"
+    status = ddpflow("stack", "status", *stack.stack_args, "--json", env=stack.env, cwd=stack.repo)
+    summary = json.loads(status.stdout)
+    assert summary["running"] and summary["prefect_healthy"] and summary["mlflow_healthy"]
+
+
+def test_the_stack_listens_on_loopback_only(stack: Stack) -> None:
+    """Nothing the stack started accepts connections from other machines."""
+    listening = []
+    for pid in stack.recorded_pids().values():
+        root = psutil.Process(pid)
+        for proc in (root, *root.children(recursive=True)):
+            try:
+                listening += [
+                    (proc.pid, conn.laddr.ip, conn.laddr.port)
+                    for conn in proc.net_connections(kind="inet")
+                    if conn.status == psutil.CONN_LISTEN
+                ]
+            except psutil.NoSuchProcess:
+                pass
+    assert listening, "no listening socket found: the scan is broken"
+    assert [entry for entry in listening if entry[1] not in ("127.0.0.1", "::1")] == []

@@ -1,0 +1,350 @@
+"""`ddpflow run` and `ddpflow register` as a user runs them: real subprocesses, real Prefect servers, tiny data.
+
+Every way a run ends (it finishes, a signal, its parent dies) must leave no process
+behind: torchrun, its ranks and the temporary Prefect server all carry the run's
+PREFECT_HOME in their environment, so "nothing left" is "no process with that
+PREFECT_HOME". With the project's stack up, the run uses the stack's server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from ddpflow.launch.supervisor import LOCK_FILE, PID_FILE
+from ddpflow.services import stack as local_stack
+from ddpflow.tracking.runs import RESUMED_BY_TAG, RESUMED_FROM_TAG
+from devtools.ports import free_port
+from tests.flows.cli_runs import cli_env
+from training.core.layout import FINAL_MODEL
+from training.core.log import TRAIN
+
+REPO = Path(__file__).resolve().parents[2]
+TRAINING_LINE = TRAIN  # a rank's own log line: the ranks are up and training
+GONE_WITHIN_S = 30.0
+# Enough work that only a signal ends the run while the test watches.
+ENDLESS = {
+    "data.source": "synthetic://classification?rows=20000&features=8&classes=3&seed=2",
+    "train.epochs": 1000,
+    "train.batch_size": 64,
+}
+
+
+def ddpflow(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args],
+        cwd=cwd,
+        env=env or cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+
+
+def write_config(project: Path, config: dict) -> str:
+    (project / "run.yaml").write_text(yaml.safe_dump(config))
+    return "run.yaml"
+
+
+def processes_with_home(prefect_home: Path) -> list[psutil.Process]:
+    """Every process whose environment carries this PREFECT_HOME: the CLI, its server, torchrun, ranks."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("PREFECT_HOME") == str(prefect_home) and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def wait_until_none_left(prefect_home: Path, within_s: float = GONE_WITHIN_S) -> list[str]:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        left = processes_with_home(prefect_home)
+        if not left:
+            return []
+        time.sleep(0.5)
+    return [f"{p.pid} {' '.join(p.cmdline()[:8])}" for p in processes_with_home(prefect_home)]
+
+
+def is_temporary_server(proc: psutil.Process) -> bool:
+    try:
+        return "prefect.server.api.server:create_app" in proc.cmdline()
+    except psutil.Error:
+        return False
+
+
+def as_from_a_terminal() -> None:
+    """The signal dispositions a command typed at a terminal starts with. A suite started in the background
+    (``nohup``, ``cmd &`` in a script) ignores SIGINT and SIGHUP, its children inherit that, and a command
+    that ignores them rightly keeps running."""
+    for signum in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_DFL)
+
+
+class LiveRun:
+    """A command started in the background; its stdout and stderr collected as they come."""
+
+    def __init__(self, argv: list[str], cwd: Path, env: dict[str, str], own_group: bool = False):
+        """``own_group``: in a process group of its own, as a terminal's foreground job is, for ``ctrl_c``."""
+        self.popen = subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+            preexec_fn=as_from_a_terminal,
+            start_new_session=own_group,
+        )
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._readers = [
+            threading.Thread(target=self._read, args=(stream, lines), daemon=True)
+            for stream, lines in ((self.popen.stdout, self.out), (self.popen.stderr, self.err))
+        ]
+        for reader in self._readers:
+            reader.start()
+
+    @staticmethod
+    def _read(stream, lines: list[str]) -> None:
+        for line in stream:
+            lines.append(line)
+
+    def wait_for_line(self, marker: str, within_s: float = 300) -> None:
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            if any(marker in line for line in self.out + self.err):
+                return
+            if self.popen.poll() is not None:
+                break
+            time.sleep(0.2)
+        pytest.fail(f"no {marker!r} line within {within_s} s:\n{self.output[-4000:]}")
+
+    def finish(self, within_s: float = 60) -> int:
+        code = self.popen.wait(timeout=within_s)
+        for reader in self._readers:
+            reader.join(timeout=5)
+        return code
+
+    @property
+    def output(self) -> str:
+        return "".join(self.out + self.err)
+
+    @property
+    def last_error_line(self) -> str:
+        return "".join(self.err).strip().splitlines()[-1]
+
+    def ctrl_c(self) -> None:
+        """What a terminal does on Ctrl-C: SIGINT to the whole foreground process group."""
+        os.killpg(self.popen.pid, signal.SIGINT)
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait()
+
+
+def error_lines(output: str) -> list[str]:
+    """Lines a person reads as an error: a traceback, or a log record at ERROR level (Prefect's or its server's)."""
+    return [line for line in output.splitlines() if "Traceback" in line or re.search(r"\bERROR\b", line)]
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    """One project directory for the module: its Prefect database is created once, later servers start warm."""
+    return tmp_path_factory.mktemp("project")
+
+
+@pytest.fixture(scope="module")
+def first_run(make_config, project) -> tuple[dict, str, subprocess.CompletedProcess]:
+    """The module's first `ddpflow run` (a temporary server): its config, its config file, its result.
+    It registers the model, so the gate's concurrency limit of its name exists in the project's Prefect
+    database from then on: later runs of the same model name reuse it."""
+    stale = local_stack.StackState(prefect_url=f"http://127.0.0.1:{free_port()}", mlflow_url="http://127.0.0.1:1")
+    stale.write(project / ".ddpflow" / "stack.json")
+    config = make_config()
+    run_config = write_config(project, config)
+    result = ddpflow(["run", "--config", run_config, "--set", "train.epochs=1", "--json"], project)
+    return config, run_config, result
+
+
+@pytest.mark.torchrun
+@pytest.mark.server  # a temporary Prefect server
+def test_run_and_register_use_a_temporary_server_and_leave_nothing_behind(first_run, project):
+    """The normal way out; and a stack.json whose server is gone is passed over with one line."""
+    prefect_home = project / ".ddpflow" / "prefect"
+    config, run_config, result = first_run
+    stale_url = json.loads((project / ".ddpflow" / "stack.json").read_text())["prefect_url"]
+    assert result.returncode == 0, result.stderr[-4000:]
+    summary = json.loads(result.stdout)  # stdout holds only the summary; Prefect logs to stderr
+    assert summary["decision"] == "promoted" and str(summary["model_version"]) == "1"
+    assert Path(summary["run_dir"], "model.pt").is_file()
+    assert summary["selection"]["selected_epoch"] == 0 and summary["selection"]["epochs_trained"] == 1
+    run = MlflowClient(config["mlflow"]["tracking_uri"]).get_run(summary["mlflow_run_id"])
+    assert run.data.params["train.epochs"] == "1", "--set overrides the file"
+    assert prefect_home.is_dir(), "PREFECT_HOME defaults to <project>/.ddpflow/prefect"
+    assert summary["prefect_server"] == "temporary"
+    assert [line for line in result.stderr.splitlines() if "does not answer" in line] == [
+        f"ddpflow: {project / '.ddpflow' / 'stack.json'} names a Prefect server at {stale_url} "
+        "that does not answer; using a temporary Prefect server"
+    ]
+    assert "Error logging to API" not in result.stderr, "logs are sent before the server stops"
+    assert not list(Path(summary["run_dir"]).glob("*.lock")) and not (Path(summary["run_dir"]) / PID_FILE).exists()
+    assert wait_until_none_left(prefect_home, within_s=10) == []
+
+    registered = ddpflow(["register", "--run-id", summary["mlflow_run_id"], "--config", run_config, "--json"], project)
+    assert registered.returncode == 0, registered.stderr[-4000:]
+    decision = json.loads(registered.stdout)
+    assert decision["already_registered"] is True and decision["decision"] == "promoted"
+    assert decision["prefect_server"] == "temporary"
+    assert wait_until_none_left(prefect_home, within_s=10) == []
+
+
+def test_run_with_a_bad_value_exits_2_with_the_field_on_the_last_line(tmp_path):
+    result = ddpflow(["run", "--set", "train.epochs=-1", "--json"], tmp_path)
+    assert result.returncode == 2
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("error:") and "train.epochs" in last_line, result.stderr
+    assert result.stdout == ""
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.torchrun
+@pytest.mark.server  # a temporary Prefect server
+@pytest.mark.parametrize(
+    ("signum", "status", "last_line"),
+    [
+        (signal.SIGTERM, 143, "error: terminated by SIGTERM"),  # kill, a scheduler, a container runtime
+        # Ctrl-C (SIGINT to the whole process group): test_ctrl_c_stops_in_a_few_lines_and_the_same_command_resumes
+        # SIGHUP (the terminal closes): test_the_parent_dying_stops_the_run_and_everything_it_started sends it.
+    ],
+    ids=["SIGTERM"],
+)
+def test_a_signal_during_training_stops_the_ranks_and_the_temporary_server(
+    make_config, project, signum, status, last_line
+):
+    prefect_home = project / ".ddpflow" / "prefect"
+    config = make_config(**ENDLESS)
+    run = LiveRun(
+        [sys.executable, "-m", "flows.cli", "run", "--config", write_config(project, config)], project, cli_env()
+    )
+    try:
+        run.wait_for_line(TRAINING_LINE)
+        started = processes_with_home(prefect_home)
+        assert any(is_temporary_server(p) for p in started), "the scan must see the temporary server"
+        assert any("torch.distributed.run" in " ".join(p.cmdline()) for p in started), "... and torchrun"
+        run.popen.send_signal(signum)
+        assert run.finish() == status, run.output[-4000:]
+    finally:
+        run.kill()
+    assert run.last_error_line == last_line
+    assert wait_until_none_left(prefect_home) == []
+    client = MlflowClient(config["mlflow"]["tracking_uri"])
+    experiment = client.get_experiment_by_name(config["mlflow"]["experiment"])
+    assert [r.info.status for r in client.search_runs([experiment.experiment_id])] == ["KILLED"]  # not FAILED
+
+
+# Rank 1 stops (sleeps) in epoch 2 (1-based), once per run directory: epoch 1 is checkpointed when Ctrl-C comes.
+HANG_IN_EPOCH_2 = "hang:rank=1:epoch=1:step=2"
+CTRL_C_LINES = 20  # at most this many lines from Ctrl-C to the end
+CTRL_C_EXIT_S = 20.0  # "a few seconds" (about 3 s here), with room for a loaded 2-core machine
+
+
+@pytest.mark.torchrun
+@pytest.mark.server  # a temporary Prefect server
+def test_ctrl_c_stops_in_a_few_lines_and_the_same_command_resumes_cleanly(first_run, make_config, project):
+    """Ctrl-C: exit 130 within seconds, a few lines, no torchrun traceback, how to resume; then the same command
+    resumes to the end: no lock or PID file left, the two MLflow runs name each other, and this second
+    registration of the model's name prints no server traceback (the gate's limit is reused, not re-created)."""
+    prefect_home = project / ".ddpflow" / "prefect"
+    model_name = first_run[0]["registry"]["model_name"]
+    assert first_run[2].returncode == 0, first_run[2].stderr[-4000:]
+    config = make_config(**{"train.epochs": 2, "registry.model_name": model_name})
+    argv = ["run", "--config", write_config(project, config)]
+    env = {**cli_env(), "DDPFLOW_FAULT": HANG_IN_EPOCH_2}
+    run = LiveRun([sys.executable, "-m", "flows.cli", *argv], project, env, own_group=True)
+    run_root = Path(config["train"]["run_root"])
+    try:
+        deadline = time.monotonic() + 300
+        while not list(run_root.glob("*/.fault-hang-done")) and run.popen.poll() is None:
+            assert time.monotonic() < deadline, run.output[-4000:]
+            time.sleep(0.2)
+        lines_before = len(run.out) + len(run.err)
+        pressed = time.monotonic()
+        run.ctrl_c()
+        assert run.finish() == 130, run.output[-4000:]
+        took_s = time.monotonic() - pressed
+    finally:
+        run.kill()
+    after = (run.out + run.err)[lines_before:]
+    assert len(after) <= CTRL_C_LINES, "".join(after)
+    assert took_s < CTRL_C_EXIT_S, "".join(after)
+    assert "Traceback" not in run.output and "SignalException" not in run.output, "".join(after)
+    (run_dir,) = run_root.iterdir()
+    assert f"ddpflow: re-run the same command to resume from epoch 2 (run directory {run_dir})\n" in run.err
+    assert run.last_error_line == "error: interrupted"
+    assert wait_until_none_left(prefect_home) == []
+
+    resumed = ddpflow([*argv, "--json"], project, env)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert error_lines(resumed.stderr) == [], resumed.stderr[-6000:]  # the gate's limit: no IntegrityError
+    summary = json.loads(resumed.stdout)
+    assert Path(summary["run_dir"]) == run_dir and (run_dir / FINAL_MODEL).is_file()
+    assert not (run_dir / LOCK_FILE).exists() and not (run_dir / PID_FILE).exists()
+    client = MlflowClient(config["mlflow"]["tracking_uri"])
+    experiment = client.get_experiment_by_name(config["mlflow"]["experiment"])
+    runs = {r.info.status: r for r in client.search_runs([experiment.experiment_id])}
+    assert sorted(runs) == ["FINISHED", "KILLED"]
+    assert runs["FINISHED"].info.run_id == summary["mlflow_run_id"]
+    assert runs["FINISHED"].data.tags[RESUMED_FROM_TAG] == runs["KILLED"].info.run_id
+    assert runs["KILLED"].data.tags[RESUMED_BY_TAG] == runs["FINISHED"].info.run_id
+    assert wait_until_none_left(prefect_home, within_s=10) == []
+
+
+PARENT = """
+import subprocess, sys
+subprocess.Popen(sys.argv[1:])  # inherits this process's stdout: the test reads the run's lines
+print("started", flush=True)
+import time; time.sleep(3600)
+"""
+
+
+@pytest.mark.torchrun
+@pytest.mark.server  # a temporary Prefect server
+def test_the_parent_dying_stops_the_run_and_everything_it_started(make_config, project):
+    """A wrapper (a script, a supervisor) SIGKILLed: the run gets SIGHUP from Linux and cleans up, as it does
+    when the terminal it runs in closes."""
+    prefect_home = project / ".ddpflow" / "prefect"
+    config = make_config(**ENDLESS)
+    run_config = write_config(project, config)
+    argv = [sys.executable, "-c", PARENT, sys.executable, "-m", "flows.cli", "run", "--config", run_config]
+    wrapper = LiveRun(argv, project, cli_env())
+    try:
+        wrapper.wait_for_line(TRAINING_LINE)
+        (cli,) = [p for p in psutil.Process(wrapper.popen.pid).children() if "flows.cli" in p.cmdline()]
+        assert any(is_temporary_server(p) for p in processes_with_home(prefect_home))
+        wrapper.popen.kill()
+        cli.wait(timeout=60)  # not our child: psutil cannot read its status, its last line says it
+        wrapper.finish()  # the run wrote to the wrapper's pipes: read to their end
+    finally:
+        wrapper.kill()
+    assert wrapper.last_error_line == "error: terminated by SIGHUP"  # the parent-death signal
+    assert wait_until_none_left(prefect_home) == []
+    client = MlflowClient(config["mlflow"]["tracking_uri"])
+    experiment = client.get_experiment_by_name(config["mlflow"]["experiment"])
+    assert [r.info.status for r in client.search_runs([experiment.experiment_id])] == ["KILLED"]  # not FAILED

@@ -1,0 +1,172 @@
+"""The Checkpointer on its own (no torchrun): atomic writes, rank-0-only writes, resume and warm-start rules."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from training.checkpoint.files import Checkpointer, ResumeMismatchError, atomic_save, identity_entries
+from training.core.config import load_config
+from training.distributed.context import SingleProcess
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+class NotMain(SingleProcess):
+    is_main = False
+
+    def __init__(self):
+        self.barriers = []
+
+    def checkpoint_barrier(self, path) -> None:
+        self.barriers.append(path.name)
+
+
+def saved_state(config, epoch: int = 1, fingerprint: str = "fp") -> dict:
+    """A last.pt of the shape ``Trainer.state_dict()`` writes."""
+    return {
+        "model": {"w": torch.ones(3)},
+        "optimizer": {},
+        "scheduler": None,
+        "epoch": epoch,
+        "rng": {"per_rank": []},
+        "world_size": 2,
+        "metrics": [],
+        **identity_entries(config, fingerprint),  # what the resume rule reads, under its own key names
+    }
+
+
+def test_a_failed_write_names_the_path_and_keeps_the_good_checkpoint(tmp_path):
+    # A real write failure: RLIMIT_FSIZE in a child process (root ignores chmod),
+    # SIGXFSZ ignored so that write() fails with EFBIG.
+    script = textwrap.dedent(
+        f"""
+        import resource, signal, torch
+        from training.checkpoint.files import Checkpointer, CheckpointWriteError
+        from training.distributed.context import SingleProcess
+        checkpointer = Checkpointer({str(tmp_path)!r}, SingleProcess())
+        checkpointer.save_last({{"model": {{"w": torch.ones(100)}}, "epoch": 1}})
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
+        try:
+            checkpointer.save_last({{"model": {{"w": torch.ones(1_000_000)}}, "epoch": 2}})
+        except CheckpointWriteError as error:
+            print("ERROR", error)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert done.returncode == 0, done.stderr
+    assert "ERROR cannot write checkpoint" in done.stdout and str(tmp_path / "checkpoints" / "last.pt") in done.stdout
+    last = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
+    assert last["epoch"] == 1 and last["model"]["w"].shape == (100,)
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["last.pt"]  # the temp file was removed
+
+
+def test_an_unwritable_directory_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(OSError, match=str(blocker / "last.pt")):
+        atomic_save({"x": 1}, blocker / "last.pt")
+
+
+def test_only_the_main_rank_writes_but_every_rank_waits(tmp_path):
+    coordinator = NotMain()
+    hooked = []
+    checkpointer = Checkpointer(tmp_path, coordinator, before_write=hooked.append)
+    checkpointer.save_last({"epoch": 1})
+    checkpointer.save_final({"model": {}})
+    assert not any(tmp_path.rglob("*.pt")) and coordinator.barriers == ["last.pt", "model.pt"]
+    assert hooked == []  # the write hook (faults.py: slow_checkpoint) runs on the writer only
+
+    main = Checkpointer(tmp_path, SingleProcess(), before_write=lambda path: hooked.append(path.exists()))
+    main.save_last({"epoch": 1})
+    assert hooked == [False]  # before the file is written
+
+
+def test_a_single_process_group_has_its_own_checkpoint_barrier():
+    """DistContext's barrier after a write runs on a gloo group of its own, apart from the collectives' group
+    (one-rank gloo here). That its timeout is train.checkpoint_timeout_s, not the collective one, is shown by a
+    real write that outlasts it: tests/training/test_train_ddp.py, test_a_checkpoint_write_beyond_checkpoint_timeout."""
+    script = textwrap.dedent(
+        """
+        import datetime, torch.distributed as dist
+        from training.core.config import load_config
+        from training.distributed.context import distributed
+        config = load_config(None, ["train.checkpoint_timeout_s=7", "train.backend=gloo"])
+        with distributed(config.train) as ctx:
+            group = ctx.checkpoint_group
+            assert group is not None and group is not dist.group.WORLD
+            assert dist.distributed_c10d._get_pg_default_device(group).type == "cpu"
+            ctx.checkpoint_barrier("last.pt")
+            print("BARRIER PASSED")
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert done.returncode == 0, done.stderr
+    assert "BARRIER PASSED" in done.stdout
+
+
+def test_resume_continues_the_same_training_only(tmp_path):
+    config = load_config(None, ["train.epochs=2", "train.lr=0.01"])
+    checkpointer = Checkpointer(tmp_path, SingleProcess())
+    assert checkpointer.load_resumable(config, "fp") is None  # nothing to resume
+    checkpointer.save_last(saved_state(config))
+
+    assert checkpointer.load_resumable(config, "fp")["epoch"] == 1
+    # More epochs is another training (training/checkpoint/files.py: the resume rule).
+    with pytest.raises(ResumeMismatchError, match=r"train\.epochs 2 != 5"):
+        checkpointer.load_resumable(load_config(None, ["train.epochs=5", "train.lr=0.01"]), "fp")
+    # Settings that do not change the training itself may differ.
+    assert checkpointer.load_resumable(
+        load_config(None, ["train.epochs=2", "train.lr=0.01", "train.progress_interval_s=1"]), "fp"
+    )
+    with pytest.raises(ResumeMismatchError, match=r"train\.lr 0\.01 != 0\.1"):
+        checkpointer.load_resumable(load_config(None, ["train.epochs=2", "train.lr=0.1"]), "fp")
+    with pytest.raises(ResumeMismatchError, match="fingerprint"):
+        checkpointer.load_resumable(config, "another")
+
+
+def test_a_cosine_schedule_pins_the_epoch_count(tmp_path):
+    config = load_config(None, ["train.epochs=3", "train.lr_schedule=cosine"])
+    checkpointer = Checkpointer(tmp_path, SingleProcess())
+    checkpointer.save_last(saved_state(config))
+    assert checkpointer.load_resumable(config, "fp") is not None
+    with pytest.raises(ResumeMismatchError, match=r"train\.epochs 3 != 4"):
+        checkpointer.load_resumable(load_config(None, ["train.epochs=4", "train.lr_schedule=cosine"]), "fp")
+
+
+def test_warm_start_needs_the_same_architecture_and_features(tmp_path, capsys):
+    spec = {"model": "mlp", "n_features": 2, "n_outputs": 3, "model_kwargs": {}}
+    atomic_save(
+        {"model": {"w": torch.full((2,), 7.0)}, "model_spec": spec, "features": ["a", "b"]}, tmp_path / "model.pt"
+    )
+    checkpointer = Checkpointer(tmp_path / "run", SingleProcess())
+
+    weights = checkpointer.load_warm_start(str(tmp_path / "model.pt"), spec, ["a", "b"])
+    assert torch.equal(weights["w"], torch.full((2,), 7.0))
+    assert checkpointer.load_warm_start(str(tmp_path / "model.pt"), {**spec, "n_outputs": 4}, ["a", "b"]) is None
+    assert checkpointer.load_warm_start(str(tmp_path / "model.pt"), spec, ["b", "a"]) is None
+    assert checkpointer.load_warm_start(str(tmp_path / "missing.pt"), spec, ["a", "b"]) is None
+    assert checkpointer.load_warm_start(None, spec, ["a", "b"]) is None
+    out = capsys.readouterr().out
+    assert out.count("training from scratch") == 3 and "does not exist" in out
