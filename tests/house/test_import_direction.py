@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import pkgutil
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -260,22 +261,66 @@ def test_the_circle_finder_finds_a_circle_hidden_in_a_function_and_names_its_lin
     assert "training.kinds.ragged" in built["training.kinds.registry"]  # one inside a function counts too
 
 
-def test_training_folders_are_the_listed_layers_each_holding_modules():
+def test_the_circle_search_covers_every_folder_of_ddpflow_and_bench():
+    """ddpflow/ and bench/ have folders of their own (launch/, tracking/, drift/...; families/, harness/...): every
+    module in them is in the graph the circle search walks, with the imports inside its functions."""
+    built = first_party_graph()
+    for package in ("ddpflow", "bench"):
+        modules = {module_name(path) for path in (REPO / package).rglob("*.py")}
+        folders = {module.split(".")[1] for module in modules if module.count(".") >= 2}
+        assert len(folders) >= 3, f"{package}/ has almost no folders: has the layout changed?"
+        assert sorted(modules - set(built)) == [], f"{package}/ modules outside the circle search"
+    assert "ddpflow.tracking.plots" in built["ddpflow.tracking.runs"]  # imported inside log_evaluation
+    assert "ddpflow.launch.stage" in built["bench.ddpflow_api"]  # imported inside launch_training
+
+
+def layer_folder_problems(training_dir: Path) -> list[str]:
+    """What is wrong with training/'s folders against TRAINING_LAYERS: a folder on disk not listed, a listed one
+    missing, one without a docstring in its __init__.py saying what belongs there, one holding no module, and too
+    many modules at the top."""
     listed = {folder for layer in TRAINING_LAYERS for folder in layer}
-    on_disk = {path.name for path in (REPO / "training").iterdir() if path.is_dir() and path.name != "__pycache__"}
-    assert on_disk == listed, (
-        f"training/ folders not in TRAINING_LAYERS: {sorted(on_disk - listed)}; "
-        f"listed but missing: {sorted(listed - on_disk)}"
-    )
-    for folder in sorted(listed):
-        package = REPO / "training" / folder / "__init__.py"
-        assert package.is_file() and ast.get_docstring(ast.parse(package.read_text())), (
-            f"training/{folder}/__init__.py must say in its docstring what belongs in the folder"
-        )
-        modules = [path for path in package.parent.glob("*.py") if path.name != "__init__.py"]
-        assert modules, f"training/{folder}/ holds no module"
-    top = sorted(path.name for path in (REPO / "training").glob("*.py") if path.name != "__init__.py")
-    assert len(top) <= MAX_TOP_LEVEL_MODULES, f"{len(top)} modules at training/'s top: {top}"
+    on_disk = {path.name for path in training_dir.iterdir() if path.is_dir() and path.name != "__pycache__"}
+    problems = [f"training/{folder}/ is not in TRAINING_LAYERS" for folder in sorted(on_disk - listed)]
+    problems += [f"training/{folder}/ is listed in TRAINING_LAYERS but missing" for folder in sorted(listed - on_disk)]
+    for folder in sorted(listed & on_disk):
+        package = training_dir / folder / "__init__.py"
+        if not (package.is_file() and ast.get_docstring(ast.parse(package.read_text()))):
+            problems.append(f"training/{folder}/__init__.py must say in its docstring what belongs in the folder")
+        if not [path for path in package.parent.glob("*.py") if path.name != "__init__.py"]:
+            problems.append(f"training/{folder}/ holds no module")
+    top = sorted(path.name for path in training_dir.glob("*.py") if path.name != "__init__.py")
+    if len(top) > MAX_TOP_LEVEL_MODULES:
+        problems.append(f"{len(top)} modules at training/'s top: {top}")
+    return problems
+
+
+def test_training_folders_are_the_listed_layers_each_holding_modules():
+    assert layer_folder_problems(REPO / "training") == []
+
+
+def test_the_layer_check_names_a_folder_that_is_missing_empty_undocumented_or_not_listed(tmp_path):
+    for layer in TRAINING_LAYERS:
+        for folder in layer:
+            (tmp_path / folder).mkdir()
+            (tmp_path / folder / "__init__.py").write_text(f'"""What belongs in {folder}/."""\n')
+            (tmp_path / folder / "module.py").write_text("")
+    assert layer_folder_problems(tmp_path) == []
+    missing, empty, undocumented = TRAINING_LAYERS[0][0], TRAINING_LAYERS[1][0], TRAINING_LAYERS[2][0]
+    shutil.rmtree(tmp_path / missing)
+    (tmp_path / empty / "module.py").unlink()
+    (tmp_path / undocumented / "__init__.py").write_text("")
+    (tmp_path / "unlisted").mkdir()
+    assert layer_folder_problems(tmp_path) == [
+        "training/unlisted/ is not in TRAINING_LAYERS",
+        f"training/{missing}/ is listed in TRAINING_LAYERS but missing",
+        *sorted(
+            [
+                f"training/{empty}/ holds no module",
+                f"training/{undocumented}/__init__.py must say in its docstring what belongs in the folder",
+            ],
+            key=lambda problem: problem.split("/")[1],
+        ),
+    ]
 
 
 def test_a_training_layer_never_imports_a_layer_above_it():
