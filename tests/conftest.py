@@ -76,3 +76,15 @@ def prefect_harness() -> str:
 
     with prefect_test_harness(server_startup_timeout=180):
         yield PREFECT_API_URL.value()
+
+
+@pytest.fixture
+def stand_in_rank(monkeypatch):
+    """Ranks (every node's, under Slurm) run tests/ranks/dummy_rank.py instead of training.train: a launch costs the
+    torchrun agents' start-up and no torch import in the ranks (tests/ddpflow/launch, tests/tasks)."""
+    from launch_helpers import DUMMY_RANK
+
+    import ddpflow.launch.command
+
+    monkeypatch.setattr(ddpflow.launch.command, "RANK_ENTRYPOINT", str(DUMMY_RANK))
+    return monkeypatch

@@ -13,13 +13,15 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 
 
-def cli_env(prefect_api_url: str | None = None) -> dict[str, str]:
+def cli_env(prefect_api_url: str | None = None, prefect_home: Path | None = None) -> dict[str, str]:
     """This environment without the session's Prefect and MLflow settings: the CLI chooses its own servers.
     With ``prefect_api_url`` (the session's harness), the CLI uses that server as a user's PREFECT_API_URL,
-    and starts none of its own (10-40 s each on 2 cores)."""
+    and starts none of its own (10-40 s each on 2 cores); ``prefect_home``: the CLI's own PREFECT_HOME."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
     if prefect_api_url:
         env["PREFECT_API_URL"] = prefect_api_url
+    if prefect_home:
+        env["PREFECT_HOME"] = str(prefect_home)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "180"  # a loaded test machine
     env["PYTHONUNBUFFERED"] = "1"

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
+from launch_helpers import is_alive  # tests/ranks/
 from mlflow import MlflowClient
 from prefect import flow
 from prefect.client.orchestration import get_client
@@ -40,13 +40,6 @@ COLLECTIVE_TIMEOUT_S = 10  # long enough for 2 ranks to start together on a busy
 def all_pids_of_the_run(run_dir: Path) -> list[int]:
     record = json.loads((run_dir / PID_FILE).read_text())
     return sorted({record["torchrun_pid"], *record["descendants"]})
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 # ----------------------------------------------------------------------------- a hang in the real rank program
@@ -89,7 +82,7 @@ def test_a_hung_rank_fails_the_launch_through_the_collective_timeout_and_leaves_
     assert "Timed out waiting" in str(error)  # gloo's own words stay in the message
     pids = all_pids_of_the_run(run_dir)
     assert len(pids) >= 3  # torchrun and its 2 ranks were recorded
-    assert [pid for pid in pids if alive(pid)] == []
+    assert [pid for pid in pids if is_alive(pid)] == []
     assert not (run_dir / "model.pt").exists()
 
 

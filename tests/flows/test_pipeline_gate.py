@@ -9,7 +9,6 @@ temporary server of its own would cost 10-20 s; tests/flows/test_run_cli.py cove
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from mlflow.tracking import MlflowClient
 
 from ddpflow.tracking.gate import ChampionUnreadableError
 from ddpflow.tracking.registry import MODEL_PT_IN_MODEL
+from tests.flows.cli_runs import cli_env
 
 pytestmark = pytest.mark.torchrun
 
@@ -67,16 +67,12 @@ def test_the_recovery_command_in_the_error_replaces_the_champion(unreadable, tmp
     environment, _, arguments = command.partition(" ddpflow ")
     variable, _, uri = environment.partition("=")
     assert variable == "MLFLOW_TRACKING_URI" and uri == config["mlflow"]["tracking_uri"]
-    repo = Path(__file__).resolve().parents[2]
     done = subprocess.run(
         [sys.executable, "-m", "flows.cli", *arguments.split(), "--json"],
         cwd=tmp_path,
         env={
-            **{key: value for key, value in os.environ.items() if not key.startswith("PREFECT_")},
+            **cli_env(str(get_current_settings().api.url), tmp_path / "prefect-home"),
             "MLFLOW_TRACKING_URI": uri,
-            "PYTHONPATH": str(repo),
-            "PREFECT_HOME": str(tmp_path / "prefect-home"),
-            "PREFECT_API_URL": str(get_current_settings().api.url),
         },
         capture_output=True,
         text=True,

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,9 +28,10 @@ from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 
+from tests.flows.cli_runs import cli_env
+
 pytestmark = pytest.mark.torchrun
 
-REPO = Path(__file__).resolve().parents[2]
 FEATURES = ["f0", "f1", "f2", "f3"]
 
 
@@ -100,12 +100,7 @@ def cli_run_json(config: dict, tmp: Path) -> dict:
     done = subprocess.run(
         [sys.executable, "-m", "flows.cli", "run", "--config", str(config_file), "--json"],
         cwd=tmp,
-        env={
-            **{key: value for key, value in os.environ.items() if not key.startswith("PREFECT_")},
-            "PYTHONPATH": str(REPO),
-            "PREFECT_HOME": str(tmp / "prefect-home"),
-            "PREFECT_API_URL": str(get_current_settings().api.url),
-        },
+        env=cli_env(str(get_current_settings().api.url), tmp / "prefect-home"),
         capture_output=True,
         text=True,
         timeout=540,

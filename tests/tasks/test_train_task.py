@@ -13,22 +13,14 @@ from pathlib import Path
 
 import psutil
 import pytest
-from launch_helpers import DUMMY_RANK, is_alive, make_manifest, still_alive
+from launch_helpers import is_alive, make_manifest, still_alive
 from prefect import flow
 
-import ddpflow.launch.command
 from ddpflow.launch.failure import RankFailed
 from tasks.train import TrainRequest, TrainResult, train_model
 from training.core.config import PipelineConfig
 
 TRAIN_FLOW = Path(__file__).resolve().parents[1] / "ranks" / "train_flow.py"
-
-
-@pytest.fixture
-def stand_in_rank(monkeypatch):
-    """Ranks run tests/ranks/dummy_rank.py instead of training.train."""
-    monkeypatch.setattr(ddpflow.launch.command, "RANK_ENTRYPOINT", str(DUMMY_RANK))
-    return monkeypatch
 
 
 def two_ranks(**train) -> PipelineConfig:

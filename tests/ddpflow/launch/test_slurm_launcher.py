@@ -28,13 +28,6 @@ pytestmark = pytest.mark.torchrun
 RUN_SLURM_LAUNCHER = Path(__file__).resolve().parents[2] / "ranks" / "run_slurm_launcher.py"
 
 
-@pytest.fixture
-def stand_in_rank(monkeypatch):
-    """Every node's torchrun starts tests/ranks/dummy_rank.py instead of training.train."""
-    monkeypatch.setattr(ddpflow.launch.command, "RANK_ENTRYPOINT", str(DUMMY_RANK))
-    return monkeypatch
-
-
 def slurm_config(train: dict | None = None, slurm: dict | None = None) -> PipelineConfig:
     return PipelineConfig.model_validate(
         {

@@ -42,6 +42,18 @@ def saved_state(config, epoch: int = 1, fingerprint: str = "fp") -> dict:
     }
 
 
+def run_python(script: str) -> subprocess.CompletedProcess:
+    """``script`` in a fresh interpreter of its own (its rlimits, its process group), from the repository."""
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+
+
 def test_a_failed_write_names_the_path_and_keeps_the_good_checkpoint(tmp_path):
     # A real write failure: RLIMIT_FSIZE in a child process (root ignores chmod),
     # SIGXFSZ ignored so that write() fails with EFBIG.
@@ -60,14 +72,7 @@ def test_a_failed_write_names_the_path_and_keeps_the_good_checkpoint(tmp_path):
             print("ERROR", error)
         """
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
+    done = run_python(script)
     assert done.returncode == 0, done.stderr
     assert "ERROR cannot write checkpoint" in done.stdout and str(tmp_path / "checkpoints" / "last.pt") in done.stdout
     last = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
@@ -114,14 +119,7 @@ def test_a_single_process_group_has_its_own_checkpoint_barrier():
             print("BARRIER PASSED")
         """
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
+    done = run_python(script)
     assert done.returncode == 0, done.stderr
     assert "BARRIER PASSED" in done.stdout
 
