@@ -49,7 +49,7 @@ def test_a_store_that_does_not_exist_is_named_not_created(tmp_path):
 )
 def test_a_numeric_input_is_declared_in_its_source_kind(source, declared):
     shard = pd.Series(np.array([0, 1, 7], dtype=np.float32), name="x")  # the shard's float32 values
-    example = NumericCodec("x").serving_example(shard, source)
+    example = NumericCodec.serving_example(shard, source)
     assert example.dtype == np.dtype(declared)
     assert example.tolist() == [0, 1, 7] if declared != "bool" else example.tolist() == [False, True, True]
     assert isinstance(source_dtype(source), pa.DataType)

@@ -163,7 +163,8 @@ class Codec:
         table."""
         return plain(array).to_pylist()
 
-    def serving_example(self, values, source_type: str | None):
+    @classmethod
+    def serving_example(cls, values, source_type: str | None):
         """A pandas Series of the input's values as a served model's example row holds them (its signature is
         inferred from it); ``source_type``: the column's Arrow type in the source (``model.pt``'s
         ``source_types``). Most kinds: as they are."""

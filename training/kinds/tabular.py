@@ -115,7 +115,8 @@ class NumericCodec(Codec):
     def info(self) -> InputInfo:
         return replace(super().info(), missing_indicator=self.indicator)
 
-    def serving_example(self, values, source_type: str | None):
+    @classmethod
+    def serving_example(cls, values, source_type: str | None):
         """Numbers of the source's own type (``source_dtype``): the signature MLflow infers from them takes
         the source's frames and hand-built ones alike; the model casts inside (``encode``)."""
         array = pa.array(values.to_numpy(dtype="float64"), from_pandas=True)  # the shard's float32 values
@@ -317,7 +318,8 @@ class VectorCodec(Codec):
             f"have length {self.dim} (its first row's) and finite values: fix the data or set data.on_invalid=drop"
         )
 
-    def serving_example(self, values, source_type: str | None):
+    @classmethod
+    def serving_example(cls, values, source_type: str | None):
         """Each row a list of Python floats (a list<double> column of the signature)."""
         return [list(map(float, row)) for row in values]
 
