@@ -108,6 +108,14 @@ def test_without_the_plugin_a_process_refuses_the_kind():
     assert bare.returncode != 0 and "unknown input kind 'digits'" in bare.stderr, bare.stderr[-2000:]
 
 
+def test_a_plugin_that_does_not_import_is_named(monkeypatch):
+    from training.kinds.registry import kind_record
+
+    monkeypatch.setenv("DDPFLOW_PLUGINS", "tests.model.no_such_kind")
+    with pytest.raises(ConfigError, match=r"DDPFLOW_PLUGINS / ddpflow.kinds: cannot import 'tests.model.no_such_kind'"):
+        kind_record("audio")
+
+
 def test_its_options_and_its_column_are_checked_by_its_record(plugin_env, tmp_path):
     from training.kinds.registry import check_inputs
 

@@ -77,13 +77,13 @@ def plugin_modules() -> list[str]:
 
 
 def load_plugins() -> None:
-    """Import every plugin module (each registers its kinds); an import error names the module and where it
-    was named."""
+    """Import every plugin module (each registers its kinds); ConfigError naming a module that does not
+    import and where it was named."""
     for module in plugin_modules():
         try:
             importlib.import_module(module)
         except ImportError as problem:
-            raise ImportError(f"{PLUGINS_ENV} / {PLUGINS_ENTRY_POINTS}: cannot import {module!r} ({problem})") from None
+            raise ConfigError(f"{PLUGINS_ENV} / {PLUGINS_ENTRY_POINTS}: cannot import {module!r} ({problem})") from None
 
 
 def kind_record(kind: str) -> type[Codec]:

@@ -34,7 +34,8 @@ def tokenizer_files(data: DataConfig) -> dict[str, str]:
     """Each input's user file (a text input's tokenizer.json) -> its sha256: a new file's content is a new
     dataset. Its kind says which file (``Codec.user_file_sha256``)."""
     specs = data.input_specs() or {}
-    found = {name: kind_record(spec.kind).user_file_sha256(input_options(name, spec)) for name, spec in specs.items()}
+    options = {name: input_options(name, spec) for name, spec in specs.items()}  # ConfigError naming the input
+    found = {name: kind_record(specs[name].kind).user_file_sha256(given) for name, given in options.items()}
     return {name: sha for name, sha in found.items() if sha is not None}
 
 
