@@ -25,6 +25,7 @@ from training.core.config import ConfigError, PipelineConfig
 from training.core.manifest import Manifest
 from training.core.topology import RankLayout, resolve_ranks
 from training.kinds.inputs import inputs_from_manifest
+from training.kinds.registry import check_inputs
 from training.models.registry import ModelSpec, build_model, resolve_factory
 from training.objectives.registry import BUILT_IN, build_objective, check_objective, resolve_user_objective
 
@@ -35,6 +36,7 @@ def check_machine(config: PipelineConfig, gpus: int | None = None) -> RankLayout
     ``gpus=None`` asks torch how many GPUs this machine has. With ``train.launcher: slurm`` the
     ranks run on the job's nodes instead: see ``_check_slurm_nodes``.
     """
+    check_inputs(config.data)  # each input's kind is registered and takes its options (its record says)
     if config.train.launcher == "slurm":
         return _check_slurm_nodes(config)
     layout = resolve_ranks(config.train, gpus)  # ConfigError for NCCL without GPUs

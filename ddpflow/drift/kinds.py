@@ -1,16 +1,17 @@
-"""Drift of the categorical, vector and image inputs, from prepare's train-split statistics
-(``Manifest.extra["drift_stats"]["inputs"][name]``); each ``(name, reference, current) -> [FeatureDrift]``:
+"""The drift measures of the categorical, vector and image inputs (each kind's record names its measure:
+``Codec.drift_measure``), from prepare's train-split statistics (``Manifest.extra["drift_stats"]["inputs"][name]``);
+each ``(name, reference, current) -> [FeatureDrift]``:
 
-- a categorical input: PSI over its category frequencies (the reference's most
+- ``frequencies`` (a categorical input): PSI over its category frequencies (the reference's most
   frequent values, the rest as one "other" bucket, and one "unseen" bucket for
   values the reference never had); mean shift 0;
-- a vector input: the mean shift of each dimension, the largest in size
+- ``dimension_means`` (a vector input): the mean shift of each dimension, the largest in size
   reported (``feature`` is ``name[d]``); PSI 0 (no histogram per dimension); nothing when the two
   datasets' vectors differ in length;
-- an image input: PSI over the histograms of its images' width, height and mean brightness
-  (``feature`` is ``name:width``, ``name:height``, ``name:brightness``); mean shift 0.
+- ``histograms`` (an image input): PSI over each histogram its statistics hold, an image's width, height and
+  mean brightness (``feature`` is ``name:width``, ``name:height``, ``name:brightness``); mean shift 0.
 
-A text input's drift is text.py's. report.py picks the function by the input's kind.
+A text input's drift (``words``) is text.py's. report.py picks the function by the measure.
 """
 
 from __future__ import annotations
@@ -35,13 +36,12 @@ def vector_drift(name: str, reference: dict[str, Any], current: dict[str, Any]) 
     return [FeatureDrift(f"{name}[{worst}]", 0.0, float(shifts[worst]), float(before[worst]), float(after[worst]))]
 
 
-IMAGE_MEASURES = ("width", "height", "brightness")  # an image input's train histograms (training/kinds/image.py)
-
-
-def _image_measure_drift(name: str, measure: str, reference: dict[str, Any], current: dict[str, Any]) -> FeatureDrift:
+def _measure_drift(name: str, measure: str, reference: dict[str, Any], current: dict[str, Any]) -> FeatureDrift:
     """PSI of one measure of an image input (``feature`` is ``name:width``...); mean shift 0."""
     return FeatureDrift(f"{name}:{measure}", histogram_psi(reference[measure], current[measure]), 0.0, 0.0, 0.0)
 
 
-def image_drift(name: str, reference: dict[str, Any], current: dict[str, Any]) -> list[FeatureDrift]:
-    return [_image_measure_drift(name, measure, reference, current) for measure in IMAGE_MEASURES]
+def histograms_drift(name: str, reference: dict[str, Any], current: dict[str, Any]) -> list[FeatureDrift]:
+    """One entry per histogram the statistics hold (every entry but "kind", in the reference's order)."""
+    measures = [measure for measure in reference if measure != "kind" and measure in current]
+    return [_measure_drift(name, measure, reference, current) for measure in measures]

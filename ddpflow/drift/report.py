@@ -13,11 +13,12 @@ feature's null rates are reported beside it (``reference_null_rate``, ``current_
 their shift is part of its PSI (psi.py).
 
 Other input kinds and the label, from the manifests' ``extra["drift_stats"]``
-(prepare's train-split counts, training/prepare/dataset.py): each input kind's drift is the function
-``KIND_DRIFT`` names for it (kinds.py: categorical, vector, image; text.py: text); an input whose kind has
-none is left out. The label (``DriftReport.label``, ``feature`` is ``label:<name>``): PSI over
-the class counts (classification) or its histogram (regression); not an
-input, so not part of ``max_psi`` (what the gate's max_drift_psi reads).
+(prepare's train-split counts, training/prepare/dataset.py): each input's drift is the measure its kind's
+record names (``Codec.drift_measure``), the function ``DRIFT_MEASURES`` holds for it (kinds.py: category
+frequencies, vector dimension means, named histograms; text.py: lengths and words); an input whose kind names
+none, or is not registered here, is left out. The label (``DriftReport.label``, ``feature`` is
+``label:<name>``): PSI over the class counts (classification) or its histogram (regression); not an input, so
+not part of ``max_psi`` (what the gate's max_drift_psi reads).
 """
 
 from __future__ import annotations
@@ -26,18 +27,29 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ddpflow.drift.kinds import categorical_drift, image_drift, vector_drift
+from ddpflow.drift.kinds import categorical_drift, histograms_drift, vector_drift
 from ddpflow.drift.psi import DriftUnavailable, FeatureDrift, category_psi, histogram_psi, null_rate
 from ddpflow.drift.text import text_drift
 from training.core.manifest import Manifest
+from training.kinds.registry import kind_record
 
-# An input kind -> its drift: (name, reference stats, current stats) -> the entries of the report.
-KIND_DRIFT: dict[str, Callable[[str, dict[str, Any], dict[str, Any]], list[FeatureDrift]]] = {
-    "categorical": categorical_drift,
-    "vector": vector_drift,
-    "image": image_drift,
-    "text": text_drift,
+# A drift measure (``Codec.drift_measure``) -> its drift: (name, reference stats, current stats) -> the entries
+# of the report.
+DRIFT_MEASURES: dict[str, Callable[[str, dict[str, Any], dict[str, Any]], list[FeatureDrift]]] = {
+    "frequencies": categorical_drift,
+    "dimension_means": vector_drift,
+    "histograms": histograms_drift,
+    "words": text_drift,
 }
+
+
+def drift_of(kind: str) -> Callable[[str, dict[str, Any], dict[str, Any]], list[FeatureDrift]] | None:
+    """The drift function of input kind ``kind``'s measure; None for a kind that has none or is not known."""
+    try:
+        measure = kind_record(kind).drift_measure
+    except ValueError:  # a plugin kind of another environment: nothing to compare it with
+        return None
+    return DRIFT_MEASURES.get(measure)
 
 
 @dataclass(frozen=True)
@@ -109,16 +121,17 @@ def _feature_drift(name: str, reference: Manifest, i: int, current: Manifest, j:
 
 
 def other_kinds_drift(reference: Manifest, current: Manifest) -> list[FeatureDrift]:
-    """Drift of the non-numeric inputs both datasets have, with the same kind on both sides (``KIND_DRIFT``)."""
+    """Drift of the non-numeric inputs both datasets have, with the same kind on both sides (``drift_of``)."""
     ref, cur = reference.extra.get("drift_stats"), current.extra.get("drift_stats")
     if not ref or not cur:
         return []
     drifts = []
     for name, stats in cur["inputs"].items():
         before = ref["inputs"].get(name)
-        if before is None or before["kind"] != stats["kind"] or stats["kind"] not in KIND_DRIFT:
+        drift = drift_of(stats["kind"])
+        if before is None or before["kind"] != stats["kind"] or drift is None:
             continue
-        drifts += KIND_DRIFT[stats["kind"]](name, before, stats)
+        drifts += drift(name, before, stats)
     return drifts
 
 

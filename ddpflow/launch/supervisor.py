@@ -59,7 +59,7 @@ LOCK_FILE = ".launch.lock"
 DEFAULT_GRACE_S = 5.0  # SIGTERM -> SIGKILL
 
 # torchrun --tee prefixes each rank's lines with "[<role><local_rank>]:".
-_RANK_PREFIX = re.compile(r"^\[(?P<role>[A-Za-z_]*?)(?P<rank>\d+)\]:(?P<text>.*)$")
+_RANK_PREFIX = re.compile(r"^\[(?P<role>[A-Za-z_]*?)(?P<rank>\d+)\]:(?P<line>.*)$")
 _POLL_S = 0.2  # how often the wait loop checks exit, deadlines and cancellation
 _SCAN_S = 1.0  # how often the descendants are recorded
 
@@ -90,7 +90,7 @@ def parse_line(raw: str, after_stop: bool = False) -> OutputLine:
     raw = raw.rstrip("\n")
     match = _RANK_PREFIX.match(raw)
     if match:
-        return OutputLine(int(match["rank"]), match["text"], after_stop)
+        return OutputLine(int(match["rank"]), match["line"], after_stop)
     return OutputLine(None, raw, after_stop)
 
 

@@ -103,7 +103,7 @@ def misclassified_figure(result: EvalResult):
     figure = Figure(figsize=(2.2 * columns, 2.4 * rows))
     for index, row in enumerate(shown):
         axes = figure.add_subplot(rows, columns, index + 1)
-        with Image.open(io.BytesIO(row["image"])) as image:
+        with Image.open(io.BytesIO(row["bytes"])) as image:
             axes.imshow(image.convert("RGB"))
         axes.set_title(f"{row['true']} -> {row['predicted']}", fontsize=8)
         axes.axis("off")

@@ -145,7 +145,7 @@ def test_evaluation_keeps_the_misclassified_images_with_their_bytes(one_rank, da
     assert result.misclassified is not None and len(result.misclassified) == min(wrong, 16)
     originals = {bytes(photo) for photo in image_table(90)["photo"].to_pylist()}
     for row in result.misclassified:
-        assert row["image"] in originals and row["true"] != row["predicted"] and row["input"] == "photo"
+        assert row["bytes"] in originals and row["true"] != row["predicted"] and row["input"] == "photo"
     if wrong:
         assert misclassified_figure(result) is not None
 

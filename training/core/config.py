@@ -71,7 +71,8 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-INPUT_KINDS = ("numeric", "categorical", "hashed", "vector", "image", "text")  # data.inputs kinds
+# The built-in data.inputs kinds, in the order logs list them; each one's record: training/kinds/registry.py.
+INPUT_KINDS = ("numeric", "categorical", "hashed", "vector", "image", "text")
 IMAGE_OPTIONS = ("size", "channels", "mean", "std", "augment")  # kind image (training/kinds/image.py, docs/data.md)
 TEXT_OPTIONS = ("max_len", "tokenizer")  # kind text (training/kinds/text.py, docs/data.md)
 TEXT_DEFAULT_MAX_LEN = 256
@@ -100,13 +101,17 @@ class TokenizerSpec(_Section):
 class InputSpec(_Section):
     """One entry of ``data.inputs``, long form: ``{kind: categorical, min_count: 5, max_size: 100000}``.
 
-    The short form is the kind alone (``country: categorical``). Options belong to one kind each:
-    numeric ``missing`` (impute, the default, or error); categorical ``min_count`` (default 1) and ``max_size``
-    (default: no limit); hashed ``buckets`` (required);
-    text ``max_len`` and ``tokenizer`` (training/kinds/text.py: ``TextOptions``).
+    The short form is the kind alone (``country: categorical``). Options belong to one kind each, and the kind's
+    record says which it takes, checks them and fills the defaults (training/kinds/registry.py:
+    ``input_options``, ``check_inputs``): numeric ``missing`` (impute, the default, or error); categorical
+    ``min_count`` (default 1) and ``max_size`` (default: no limit); hashed ``buckets`` (required); image
+    ``size``, ``channels``, ``mean``, ``std``, ``augment``; text ``max_len`` and ``tokenizer``. A kind of a
+    user's own (docs/models.md) takes its own keys: kept here as given, checked by its record.
     """
 
-    kind: Literal[INPUT_KINDS]  # the one list of kinds a user may name (kinds/registry.py: CODECS codes them)
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
+    kind: str = Field(min_length=1)  # a registered kind: INPUT_KINDS, or a plugin's (checked by check_inputs)
     missing: Literal["impute", "error"] | None = Field(
         None,
         description="numeric: impute (default: the train mean, plus a learned missing indicator) or error "
@@ -128,36 +133,11 @@ class InputSpec(_Section):
         description="text: {type: bpe|wordpiece|unigram, vocab_size: N} fitted on train, or a tokenizer.json path.",
     )
 
-    @model_validator(mode="after")
-    def _options_fit_the_kind(self) -> InputSpec:
-        allowed = {
-            "numeric": {"missing"},
-            "categorical": {"min_count", "max_size"},
-            "hashed": {"buckets"},
-            "image": set(IMAGE_OPTIONS),
-            "text": set(TEXT_OPTIONS),
-        }.get(self.kind, set())
-        names = ("missing", "min_count", "max_size", "buckets", *IMAGE_OPTIONS, *TEXT_OPTIONS)
-        given = {name for name in names if getattr(self, name) is not None}
-        if given - allowed:
-            raise ValueError(f"kind {self.kind!r} takes no option {sorted(given - allowed)}")
-        if self.kind == "hashed" and self.buckets is None:
-            raise ValueError("kind 'hashed' needs buckets (e.g. {kind: hashed, buckets: 1000003})")
-        return self
-
-    def options(self) -> dict[str, int]:
-        """The options with the defaults filled in (what the codec is built from)."""
-        if self.kind == "categorical":
-            return {"min_count": self.min_count or 1, **({"max_size": self.max_size} if self.max_size else {})}
-        if self.kind == "hashed":
-            return {"buckets": int(self.buckets)}
-        if self.kind == "image":  # the codec fills the defaults it learns from the train split
-            return {name: getattr(self, name) for name in IMAGE_OPTIONS if getattr(self, name) is not None}
-        if self.kind == "text":
-            return text_options(self.max_len, self.tokenizer)
-        if self.kind == "numeric":
-            return {"missing": self.missing} if self.missing else {}
-        return {}
+    def given_options(self) -> dict[str, Any]:
+        """The options set (not None), declared ones in field order, then a plugin kind's own keys."""
+        declared = {name: getattr(self, name) for name in type(self).model_fields if name != "kind"}
+        given = {name: value for name, value in declared.items() if value is not None}
+        return {**given, **(self.model_extra or {})}
 
 
 class DataConfig(_Section):

@@ -36,9 +36,10 @@ from training.inference.model_file import (
 )
 from training.inference.token_scoring import check_text_input, evaluate_tokens
 from training.inference.wrong_rows import ConfidentlyWrong
+from training.kinds.base import PICTURES, TABLE, Codec
 from training.kinds.inputs import InputInfo, inputs_from_manifest
 from training.kinds.normalisation import Normaliser
-from training.kinds.registry import encode_columns
+from training.kinds.registry import encode_columns, kind_record
 from training.loading.batches import fill_labels
 from training.objectives.base import Objective
 from training.objectives.metrics import precision_recall
@@ -120,17 +121,19 @@ def _row_bytes(inputs: dict[str, InputInfo]) -> int:
     return sum((8 if info.dtype == "int64" else 4) * max(1, int(np.prod(info.shape))) for info in inputs.values())
 
 
-def _keep_misclassified(kept: list[dict[str, Any]], batch, image: str, wrong: torch.Tensor, target, predicted, labels):
-    """Up to MISCLASSIFIED_SHOWN wrong rows of an image input, with their bytes and labels."""
-    from training.kinds.image import image_bytes
-
+def _keep_misclassified(
+    kept: list[dict[str, Any]], batch, shown: tuple[str, type[Codec]], wrong, target, predicted, labels
+):
+    """Up to MISCLASSIFIED_SHOWN wrong rows of an input shown as pictures (``shown``: its name and record), with
+    their encoded bytes ("bytes") and labels."""
+    image, record = shown
     rows = torch.nonzero(wrong).flatten()[: MISCLASSIFIED_SHOWN - len(kept)].tolist()
-    column = image_bytes(batch.column(image), image)
-    for row in rows:
+    column = record.shown_values(batch.column(image).take(rows), image)
+    for row, value in zip(rows, column):
         kept.append(
             {
                 "input": image,
-                "image": column[row].as_py(),
+                "bytes": value,
                 "true": str(labels[int(target[row])]),
                 "predicted": str(labels[int(predicted[row])]),
             }
@@ -309,9 +312,10 @@ def evaluate_split(
     classification = manifest.task == "classification"
     scorer = OutputScorer(objective, manifest, normaliser)
     kept_predictions, kept_targets = [], []
-    image = next((name for name, info in checkpoint_inputs(meta).items() if info.kind == "image"), None)
+    records = {name: kind_record(info.kind) for name, info in checkpoint_inputs(meta).items()}
+    image = next(((name, record) for name, record in records.items() if record.shown_as == PICTURES), None)
     misclassified: list[dict[str, Any]] = []
-    texts = [name for name, info in checkpoint_inputs(meta).items() if info.kind == "text"]
+    texts = [name for name, record in records.items() if record.shown_as == TABLE]
     wrong = ConfidentlyWrong(texts, manifest.label_mapping) if classification and texts else None
     with torch.inference_mode():
         for x, y, raw in _iter_batches(manifest, dataset_dir, split, meta, batch_size):

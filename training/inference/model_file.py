@@ -53,8 +53,9 @@ class EvalResult:
     # or regression values.
     predictions: np.ndarray | None = field(default=None, repr=False)
     targets: np.ndarray | None = field(default=None, repr=False)
-    # Classification with an image input: the first MISCLASSIFIED_SHOWN wrong rows, {"image" (its encoded bytes),
-    # "true", "predicted" (labels), "input"}, for the grid of misclassified images (ddpflow/tracking/plots.py).
+    # Classification with an input shown as pictures (an image input: Codec.shown_as): the first
+    # MISCLASSIFIED_SHOWN wrong rows, {"bytes" (its encoded bytes), "true", "predicted" (labels), "input"}, for
+    # the grid of misclassified images (ddpflow/tracking/plots.py).
     misclassified: list[dict[str, Any]] | None = field(default=None, repr=False)
     # A classifier with text inputs: its most confidently wrong rows (inference/wrong_rows.py), a table artifact.
     confidently_wrong: dict[str, list] | None = field(default=None, repr=False)  # {"columns", "data"}

@@ -28,7 +28,7 @@ from torch import nn
 
 from training.core.manifest import CLASS_TASKS
 from training.inference.model_file import checkpoint_codecs, checkpoint_inputs, load_model_checkpoint
-from training.kinds.inputs import InputInfo
+from training.kinds.inputs import InputInfo, numeric_names
 from training.kinds.normalisation import Normaliser
 from training.kinds.registry import encode_columns
 from training.objectives.registry import objective_from_checkpoint
@@ -60,7 +60,7 @@ class Predictor:
         if missing:
             raise ValueError(f"input is missing feature columns {missing}; the model needs {self.features}")
         columns = {name: _arrow(frame[name], name) for name in self.features}
-        numeric = [name for name, info in self.inputs.items() if info.kind == "numeric"]
+        numeric = numeric_names(self.inputs)
         # A null or NaN is imputed (the train mean, and the missing indicator where the model has one); one the
         # codec cannot impute (missing: error, or a model from before) is refused, and inf always is.
         bad = [name for name in numeric if not np.isfinite(self._codecs[name].encode(columns[name])).all()]

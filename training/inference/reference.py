@@ -33,12 +33,12 @@ import torch
 
 from training.core.manifest import Manifest
 from training.inference.evaluate import OutputScorer, _labels, class_outputs, value_outputs
+from training.kinds.base import CATEGORY
 from training.kinds.inputs import InputInfo, inputs_from_manifest
 from training.kinds.normalisation import Normaliser
-from training.kinds.registry import Codec, codecs_for, read_encoders
+from training.kinds.registry import Codec, codecs_for, kind_record, known_kinds, read_encoders
 from training.objectives.registry import Objective
 
-REFERENCE_KINDS = ("numeric", "categorical", "hashed")
 DEFAULT_MAX_ROWS = 200_000  # eval.reference_max_rows' default
 MAX_ITER = 100  # scikit-learn's default; early stopping ends most fits well before it
 MAX_CATEGORIES = 255  # HistGradientBoosting's most categories per feature (max_bins)
@@ -58,9 +58,10 @@ def reference_skip_reason(manifest: Manifest) -> str | None:
     if manifest.task not in ("classification", "regression"):
         return f"the label is {manifest.task}; the reference fits one class label or one value"
     others = {name: info.kind for name, info in inputs_from_manifest(manifest).items()}
-    others = {name: kind for name, kind in others.items() if kind not in REFERENCE_KINDS}
+    others = {name: kind for name, kind in others.items() if kind_record(kind).reference_column is None}
     if others:
-        return f"inputs {others} are not table columns (the reference takes {', '.join(REFERENCE_KINDS)} inputs)"
+        takes = [kind for kind in known_kinds() if kind_record(kind).reference_column is not None]
+        return f"inputs {others} are not table columns (the reference takes {', '.join(takes)} inputs)"
     if manifest.task == "classification" and manifest.n_outputs > MAX_CLASSES:
         return f"{manifest.n_outputs} classes (the reference fits up to {MAX_CLASSES})"
     if manifest.rows("train") == 0:
@@ -75,7 +76,8 @@ class _Columns:
     def __init__(self, manifest: Manifest, dataset_dir: Path):
         self.inputs: dict[str, InputInfo] = inputs_from_manifest(manifest)
         self.codecs: dict[str, Codec] = codecs_for(self.inputs, read_encoders(dataset_dir, manifest))
-        self.categorical = np.array([info.kind != "numeric" for info in self.inputs.values()])
+        taken_as = [kind_record(info.kind).reference_column for info in self.inputs.values()]
+        self.categorical = np.array([column == CATEGORY for column in taken_as])
         self.lookup: dict[str, np.ndarray] = {}
 
     def codes(self, batch) -> np.ndarray:
@@ -85,13 +87,13 @@ class _Columns:
         columns = []
         for name in self.inputs:
             codec, column = self.codecs[name], batch.column(name)
-            columns.append(codec.raw(column) if codec.kind == "numeric" else codec.encode(column))
+            columns.append(codec.encode(column) if codec.reference_column == CATEGORY else codec.raw(column))
         return np.column_stack(columns).astype(np.float64)
 
     def fit(self, codes: np.ndarray) -> None:
         """Rank each categorical column's codes by count in the fitted rows (ties: the smaller code first)."""
-        for j, (name, info) in enumerate(self.inputs.items()):
-            if info.kind == "numeric":
+        for j, name in enumerate(self.inputs):
+            if not self.categorical[j]:
                 continue
             column = codes[:, j].astype(np.int64)
             values, counts = np.unique(column[column > 0], return_counts=True)  # 0: null

@@ -34,12 +34,12 @@ from typing import Any
 import mlflow.pyfunc
 import pandas as pd
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from training.inference.model_file import load_model_checkpoint
 from training.inference.predict import Predictor
 from training.inference.token_scoring import TokenScorer
-from training.kinds.registry import CODECS
+from training.kinds.registry import CODECS, kind_record
+from training.kinds.tabular import source_dtype
 from training.objectives.next_token import LANGUAGE_MODEL
 
 MODEL_ARTIFACT = "model_pt"  # key in context.artifacts; stored as artifacts/model.pt in the model
@@ -92,38 +92,16 @@ def predictions(predictor: Predictor | TokenScorer, frame: pd.DataFrame, output:
 
 
 def raw_example(predictor: Predictor | TokenScorer, frame: pd.DataFrame) -> pd.DataFrame:
-    """The input columns as a user sends them: numbers of the source's kind (``source_dtype``), strings and
-    lists as they are. The example makes the signature, so an integer column of the source is declared
+    """The input columns as a user sends them, as each kind's record writes them (``Codec.serving_example``:
+    numbers of the source's own type, ``training/kinds/tabular.py: source_dtype``; lists of floats; strings and
+    bytes as they are). The example makes the signature, so an integer column of the source is declared
     ``long``, a bool one ``boolean``, a float one ``double``: the source's own frame and a hand-built one
     pass MLflow's checks, and the model casts inside (``NumericCodec.encode``)."""
     example = frame[predictor.features].copy()
     source_types = predictor.meta.get("source_types") or {}  # absent in a model.pt from before: float64
     for name, info in predictor.inputs.items():
-        if info.kind == "numeric":
-            example[name] = _as_source(example[name], source_dtype(source_types.get(name)))
-        elif info.kind == "vector":
-            example[name] = [list(map(float, row)) for row in example[name]]
+        example[name] = kind_record(info.kind).serving_example(example[name], source_types.get(name))
     return example
-
-
-def source_dtype(arrow_type: str | None) -> pa.DataType:
-    """What a numeric input is declared as, from its type in the source (``model.pt``'s ``source_types``):
-    every integer int64 (MLflow ``long``: int8..int64 and uint8..uint32 frames pass, and pandas' default
-    int64; a narrower declaration refuses a hand-built ``[3]``), bool bool (``boolean``), every float float64
-    (``double``: float32 and float64 frames pass). float64 for an older model.pt, a decimal or any other type."""
-    try:
-        kind = pa.type_for_alias(arrow_type) if arrow_type else pa.float64()
-    except ValueError:
-        return pa.float64()
-    if pa.types.is_integer(kind):
-        return pa.int64()
-    return pa.bool_() if pa.types.is_boolean(kind) else pa.float64()
-
-
-def _as_source(values: pd.Series, arrow_type: pa.DataType) -> pd.Series:
-    """The shard's float32 values (exact for the source's integers up to 2**24) as ``arrow_type``."""
-    array = pa.array(values.to_numpy(dtype="float64"), from_pandas=True)
-    return pd.Series(pc.cast(array, arrow_type).to_numpy(zero_copy_only=False), index=values.index, name=values.name)
 
 
 def accepting_nulls(signature, predictor: Predictor | TokenScorer):

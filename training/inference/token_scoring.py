@@ -41,8 +41,9 @@ from training.inference.model_file import (
     checkpoint_inputs,
     load_model_checkpoint,
 )
+from training.kinds.base import TOKENS
 from training.kinds.inputs import InputInfo, inputs_from_manifest
-from training.kinds.registry import collate_encoded
+from training.kinds.registry import block_of, collate_encoded
 from training.objectives.next_token import LANGUAGE_MODEL, MAX_LOG_PERPLEXITY, NextToken, RowScores, perplexity
 from training.objectives.registry import objective_from_checkpoint
 
@@ -60,7 +61,7 @@ def check_text_input(meta: dict[str, Any], manifest: Manifest, checkpoint: str |
     """``IncompatibleModelError`` unless the dataset has the model's text input, as text."""
     name = meta["objective"]["kwargs"]["input"]
     present = inputs_from_manifest(manifest).get(name)
-    if present is None or present.kind != "text":
+    if present is None or block_of(present) != TOKENS:
         found = "lacks it" if present is None else f"has it as {present.kind}"
         raise IncompatibleModelError(
             f"{checkpoint} is a next_token model of the text input {name!r}; dataset {manifest.fingerprint} {found}"

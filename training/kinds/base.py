@@ -3,6 +3,11 @@ encoding of raw columns into the tensors a model sees) and ``plain``, the one wa
 
 The built-in kinds implement it beside this module (``tabular.py``, ``image.py``, ``text.py``); the registry
 (``registry.py``) names them. A kind imports this module, never the registry.
+
+A codec class is the kind's one record: every per-kind decision of the code around it is an attribute or a
+method here (its options, the column it takes, the node cache section, the batch tensor, drift, serving, the
+built-in model's block, how evaluation shows its wrong rows), so nothing outside asks for the kind by name
+(tests/house/test_kind_dispatch.py). docs/models.md: "Adding an input kind".
 """
 
 from __future__ import annotations
@@ -28,8 +33,46 @@ def plain(array: pa.Array) -> pa.Array:
     return array
 
 
+# The blocks of the built-in models (training/models/) an input can feed: which one is the kind's
+# ``model_block``. A new kind whose batch tensor is one of these shapes feeds the built-in models unchanged.
+SCALAR = "scalar"  # a column of the float32 numeric block (normalised; the MLP's first block)
+EMBEDDING = "embedding"  # int64 indices [B] into an embedding of ``cardinality`` rows
+DENSE = "dense"  # float32 [B, D], concatenated as it is
+PIXELS = "pixels"  # float32 [B, C, H, W]: the image model's CNN trunk
+TOKENS = "tokens"  # int64 token ids [B, L] and a mask: the transformer's encoder (and next_token's input)
+MODEL_BLOCKS = (SCALAR, EMBEDDING, DENSE, PIXELS, TOKENS)
+
+# How scikit-learn's reference model takes an input (``Codec.reference_column``).
+NUMBER = "number"  # its raw values (``raw``: a null is NaN, boosting takes missing values natively)
+CATEGORY = "category"  # ``encode``'s index, a category
+
+# How scikit-learn's reference model takes an input (``Codec.reference_column``).
+NUMBER = "number"  # its raw values (``raw``: a null is NaN, boosting takes missing values natively)
+CATEGORY = "category"  # ``encode``'s index, a category
+
+# How evaluation shows a classifier's wrong rows of an input (``Codec.shown_as``, ``Codec.shown_values``).
+PICTURES = "pictures"  # the first misclassified rows' bytes, drawn as a grid (ddpflow/tracking/plots.py)
+TABLE = "table"  # a column of the most confidently wrong rows' table (training/inference/wrong_rows.py)
+
+
 class Codec:
     kind = ""
+    # data.inputs.<name>'s options this kind takes (``options_from`` checks them and fills the defaults).
+    option_names: tuple[str, ...] = ()
+    # The built-in model block the input feeds (one of MODEL_BLOCKS; None: no built-in model takes it).
+    model_block: str | None = None
+    # How the drift report compares the kind's ``drift_stats`` (ddpflow/drift/report.py: DRIFT_MEASURES);
+    # None: nothing beyond the numeric histograms.
+    drift_measure: str | None = None
+    # How scikit-learn's reference model takes the input (training/inference/reference.py): NUMBER or
+    # CATEGORY; None: not a table column, no reference.
+    reference_column: str | None = None
+    # How evaluation shows a classifier's wrong rows of this input (PICTURES, TABLE; None: not shown).
+    shown_as: str | None = None
+    # Whether the split's row hash reads the encoded values (``encode``) rather than the raw ones.
+    hashes_encoded = False
+    # Whether a fitted state is stored for it in encoders.json (a dataset from before may lack a numeric one).
+    needs_state = True
     dtype = "float32"  # the batch tensor's dtype
     # A ragged kind (text, images) sets the dtype of its stored values and implements ``encode_ragged`` and
     # ``collate`` instead of ``encode``: rows of any length in the node cache, a batch tensor per batch.
@@ -53,6 +96,16 @@ class Codec:
 
     def __init__(self, name: str, options: dict[str, Any] | None = None):
         self.name, self.options = name, dict(options or {})
+
+    @classmethod
+    def options_from(cls, given: dict[str, Any]) -> dict[str, Any]:
+        """``data.inputs.<name>``'s options (those given, not None) checked, with the defaults filled in: what
+        the codec is built from and the dataset fingerprint hashes. ValueError for an option the kind does not
+        take or a value it refuses (``check_inputs`` names the input)."""
+        unknown = sorted(set(given) - set(cls.option_names))
+        if unknown:
+            raise ValueError(f"kind {cls.kind!r} takes no option {unknown}")
+        return dict(given)
 
     @classmethod
     def user_file_sha256(cls, options: dict[str, Any]) -> str | None:
@@ -103,6 +156,19 @@ class Codec:
         return InputInfo(
             self.name, self.kind, self.dtype, self.shape(), self.cardinality(), self.options, self.ragged_dtype
         )
+
+    @classmethod
+    def shown_values(cls, array: pa.Array, name: str) -> list[Any]:
+        """Input ``name``'s rows as evaluation shows them (``shown_as``): encoded bytes for pictures, text for a
+        table."""
+        return plain(array).to_pylist()
+
+    @classmethod
+    def serving_example(cls, values, source_type: str | None):
+        """A pandas Series of the input's values as a served model's example row holds them (its signature is
+        inferred from it); ``source_type``: the column's Arrow type in the source (``model.pt``'s
+        ``source_types``). Most kinds: as they are."""
+        return values
 
     def encode(self, array: pa.Array) -> np.ndarray:
         """A fixed-shape kind's rows as the batch tensor's values, ``[rows, *shape]`` of ``dtype``."""

@@ -30,8 +30,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from training.core.config import IMAGE_OPTIONS
 from training.core.errors import DataError
-from training.kinds.base import Codec
+from training.kinds.base import PICTURES, PIXELS, Codec
 from training.kinds.stats import RunningHistogram
 
 # Pillow modes an image may have: each converts to RGB and L without losing its meaning. 16/32-bit integer
@@ -44,6 +45,10 @@ CROP_ATTEMPTS = 10
 
 class ImageCodec(Codec):
     kind = "image"
+    option_names = IMAGE_OPTIONS
+    model_block = PIXELS
+    drift_measure = "histograms"  # width, height, mean brightness (``drift_stats``)
+    shown_as = PICTURES
     dtype = "float32"
     ragged_dtype = "uint8"  # the node cache keeps the encoded bytes: one ragged section
     default_model, default_model_rank = "image_cnn", 0  # a small residual CNN, the tabular inputs beside it
@@ -69,6 +74,16 @@ class ImageCodec(Codec):
         self.state: dict[str, Any] = {}
         self.problems: dict[int, str] = {}  # the last read batch's rows that do not decode, and why
         self._rows_before: dict[str, int] = {}  # per source file: rows validated so far
+
+    @classmethod
+    def options_from(cls, given: dict[str, Any]) -> dict[str, Any]:
+        """The options given, in IMAGE_OPTIONS' order: the codec fills the defaults it learns from train."""
+        given = super().options_from(given)
+        return {name: given[name] for name in IMAGE_OPTIONS if name in given}
+
+    @classmethod
+    def shown_values(cls, array: pa.Array, name: str) -> list[Any]:
+        return image_bytes(array, name).to_pylist()
 
     @property
     def channels(self) -> int:

@@ -16,14 +16,14 @@ from typing import Any
 
 from training.core.config import INPUT_KINDS
 
-KINDS = INPUT_KINDS  # what data.inputs accepts (training/core/config.py), in that order
-EMBEDDED_KINDS = ("categorical", "hashed")  # integer indices into an embedding of ``cardinality`` rows
+KINDS = INPUT_KINDS  # the built-in kinds (training/core/config.py), in that order; plugins: kinds/registry.py
+NUMERIC = "numeric"  # the one kind whose inputs are the columns of the numeric block (``in_numeric_block``)
 
 
 @dataclass(frozen=True)
 class InputInfo:
     name: str
-    kind: str  # one of KINDS
+    kind: str  # one of KINDS, or a plugin's (training/kinds/registry.py: kind_record)
     dtype: str  # the batch tensor's torch dtype name: "float32" | "int64"
     shape: tuple[int, ...] = ()  # per row: () a scalar, (D,) a vector
     cardinality: int | None = None  # categorical / hashed: embedding rows, index 0 null, 1 unknown (categorical)
@@ -37,8 +37,6 @@ class InputInfo:
     missing_indicator: bool = False
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"input {self.name!r}: unknown kind {self.kind!r} (known: {', '.join(KINDS)})")
         object.__setattr__(self, "shape", tuple(int(size) for size in self.shape))
 
     def mask_name(self) -> str:
@@ -72,7 +70,7 @@ class InputInfo:
 
 
 def numeric_input(name: str) -> InputInfo:
-    return InputInfo(name=name, kind="numeric", dtype="float32")
+    return InputInfo(name=name, kind=NUMERIC, dtype="float32")
 
 
 def inputs_from_dicts(raw: list[dict[str, Any]]) -> dict[str, InputInfo]:
@@ -88,13 +86,20 @@ def inputs_from_manifest(manifest) -> dict[str, InputInfo]:
 
 def describe_inputs(inputs: dict[str, InputInfo]) -> str:
     """The inputs counted by kind, for a log line: "7 numeric, 3 categorical, 1 hashed" (kinds in KINDS order)."""
-    counts = {kind: sum(info.kind == kind for info in inputs.values()) for kind in KINDS}
+    order = [*KINDS, *(info.kind for info in inputs.values() if info.kind not in KINDS)]
+    counts = {kind: sum(info.kind == kind for info in inputs.values()) for kind in dict.fromkeys(order)}
     return ", ".join(f"{count} {kind}" for kind, count in counts.items() if count) or "no inputs"
 
 
 def numeric_names(inputs: dict[str, InputInfo]) -> list[str]:
     """The numeric inputs in order: the columns of the numeric block (``Manifest.features``)."""
-    return [name for name, info in inputs.items() if info.kind == "numeric"]
+    return [name for name, info in inputs.items() if in_numeric_block(info.kind)]
+
+
+def in_numeric_block(kind: str) -> bool:
+    """Whether an input of ``kind`` is a column of the one float32 numeric block (normalised together,
+    ``Manifest.features``) rather than an entry of its own in the batch dict: the numeric kind only."""
+    return kind == NUMERIC
 
 
 def missing_name(name: str) -> str:

@@ -26,16 +26,20 @@ What each kind guarantees (docs/data.md):
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
+import os
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
+from training.core.config import ConfigError, DataConfig, InputSpec
 from training.kinds.base import Codec
 from training.kinds.image import ImageCodec
-from training.kinds.inputs import InputInfo, block_names, numeric_names
+from training.kinds.inputs import KINDS, InputInfo, block_names, numeric_names
 from training.kinds.tabular import CategoricalCodec, HashedCodec, NumericCodec, VectorCodec
 from training.kinds.text import TextCodec
 
@@ -46,9 +50,94 @@ CODECS: dict[str, type[Codec]] = {
     codec.kind: codec for codec in (NumericCodec, CategoricalCodec, HashedCodec, VectorCodec, ImageCodec, TextCodec)
 }
 
+# Kinds of a user's own (docs/models.md, "Adding an input kind"): modules that call ``register_kind`` when
+# imported, named in this environment variable (comma-separated; the ranks, prepare and the served model
+# inherit it) or by an installed package's entry point in this group. Imported on the first lookup of a kind
+# the registry does not hold.
+PLUGINS_ENV = "DDPFLOW_PLUGINS"
+PLUGINS_ENTRY_POINTS = "ddpflow.kinds"
+
+
+def register_kind(codec: type[Codec]) -> type[Codec]:
+    """Add a kind of a user's own (a ``Codec`` subclass with its ``kind`` name); usable as a class decorator.
+    A built-in kind's name is refused; registering the same class again is a no-op."""
+    if not (isinstance(codec, type) and issubclass(codec, Codec)) or not codec.kind:
+        raise TypeError(f"register_kind takes a Codec subclass with a kind name, not {codec!r}")
+    known = CODECS.get(codec.kind)
+    if known is not None and known is not codec:
+        raise ValueError(f"input kind {codec.kind!r} is registered already ({known.__module__}.{known.__name__})")
+    CODECS[codec.kind] = codec
+    return codec
+
+
+def plugin_modules() -> list[str]:
+    """The modules named by ``DDPFLOW_PLUGINS`` and the ``ddpflow.kinds`` entry points, in that order."""
+    named = [name.strip() for name in os.environ.get(PLUGINS_ENV, "").split(",") if name.strip()]
+    return named + [point.value.partition(":")[0] for point in entry_points(group=PLUGINS_ENTRY_POINTS)]
+
+
+def load_plugins() -> None:
+    """Import every plugin module (each registers its kinds); ConfigError naming a module that does not
+    import and where it was named."""
+    for module in plugin_modules():
+        try:
+            importlib.import_module(module)
+        except ImportError as problem:
+            raise ConfigError(f"{PLUGINS_ENV} / {PLUGINS_ENTRY_POINTS}: cannot import {module!r} ({problem})") from None
+
+
+def kind_record(kind: str) -> type[Codec]:
+    """The record (``Codec`` class) of input kind ``kind``: a built-in, else a plugin's (imported now)."""
+    if kind not in CODECS:
+        load_plugins()
+    try:
+        return CODECS[kind]
+    except KeyError:
+        raise ValueError(
+            f"unknown input kind {kind!r} (known: {', '.join(known_kinds())}; a kind of your own: "
+            f"{PLUGINS_ENV}, docs/models.md)"
+        ) from None
+
+
+def known_kinds() -> list[str]:
+    """The built-in kinds in config.INPUT_KINDS' order, then the registered plugins'."""
+    return [*KINDS, *(kind for kind in CODECS if kind not in KINDS)]
+
+
+def block_of(info: InputInfo) -> str | None:
+    """The built-in model block the input feeds (its record's ``model_block``)."""
+    return kind_record(info.kind).model_block
+
+
+def inputs_in(inputs: dict[str, InputInfo], *blocks: str) -> list[str]:
+    """The inputs, in order, that feed one of ``blocks``."""
+    return [name for name, info in inputs.items() if block_of(info) in blocks]
+
 
 def make_codec(name: str, kind: str, options: dict[str, Any] | None = None) -> Codec:
-    return CODECS[kind](name, options)
+    return kind_record(kind)(name, options)
+
+
+# --------------------------------------------------------------------------- data.inputs: kinds and options
+
+
+def input_options(name: str, spec: InputSpec) -> dict[str, Any]:
+    """``data.inputs.<name>``'s options checked by its kind's record, with the defaults filled in; ConfigError
+    naming the input."""
+    try:
+        record = kind_record(spec.kind)
+    except ValueError as problem:
+        raise ConfigError(f"data.inputs.{name}.kind: {problem}") from None
+    try:
+        return record.options_from(spec.given_options())
+    except ValueError as problem:
+        raise ConfigError(f"data.inputs.{name}: {problem}") from None
+
+
+def check_inputs(data: DataConfig) -> dict[str, tuple[str, dict[str, Any]]]:
+    """Every configured input's (kind, options), each checked by its record: what prepare builds codecs from.
+    {} when ``data.inputs``/``data.features`` leave the inputs to the source's columns."""
+    return {name: (spec.kind, input_options(name, spec)) for name, spec in (data.input_specs() or {}).items()}
 
 
 # --------------------------------------------------------------------------- encoders.json
@@ -98,9 +187,9 @@ def codecs_for(inputs: dict[str, InputInfo], states: dict[str, Any]) -> dict[str
     known = codecs_from_states({name: states[name] for name in inputs if name in states})
     for name, info in inputs.items():
         if name not in known:
-            if info.kind != "numeric":
+            if kind_record(info.kind).needs_state:
                 raise ValueError(f"input {name!r} ({info.kind}) has no stored encoder state")
-            known[name] = NumericCodec(name)
+            known[name] = make_codec(name, info.kind)
     return {name: known[name] for name in inputs}
 
 
@@ -126,8 +215,8 @@ def encode_columns(
         block[:, k] = codecs[name].missing(columns[name])
     features = normaliser.features_(torch.from_numpy(block))
     batch = {name: features[:, j] for j, name in enumerate(names)}
-    for name, info in inputs.items():
-        if info.kind == "numeric":
+    for name in inputs:
+        if name in numeric:
             continue
         codec = codecs[name]
         if codec.ragged_dtype is None:

@@ -12,7 +12,7 @@ import pyarrow.compute as pc
 
 from training.core.errors import DataError
 from training.kinds.arrow_types import is_category, is_hashable, is_number, is_vector
-from training.kinds.base import Codec, plain
+from training.kinds.base import CATEGORY, DENSE, EMBEDDING, NUMBER, SCALAR, Codec, plain
 from training.kinds.hashing import hash_values
 from training.kinds.inputs import InputInfo
 from training.kinds.stats import RunningMoments
@@ -39,6 +39,10 @@ class NumericCodec(Codec):
     a missing value."""
 
     kind = "numeric"
+    option_names = ("missing",)
+    model_block = SCALAR
+    reference_column = NUMBER
+    needs_state = False  # a dataset from before imputation stored none: NaN stays NaN
     takes = staticmethod(is_number)
     takes_what = "a number (integer, float, decimal, bool)"
 
@@ -111,12 +115,38 @@ class NumericCodec(Codec):
     def info(self) -> InputInfo:
         return replace(super().info(), missing_indicator=self.indicator)
 
+    @classmethod
+    def serving_example(cls, values, source_type: str | None):
+        """Numbers of the source's own type (``source_dtype``): the signature MLflow infers from them takes
+        the source's frames and hand-built ones alike; the model casts inside (``encode``)."""
+        array = pa.array(values.to_numpy(dtype="float64"), from_pandas=True)  # the shard's float32 values
+        cast = pc.cast(array, source_dtype(source_type)).to_numpy(zero_copy_only=False)
+        return type(values)(cast, index=values.index, name=values.name)
+
+
+def source_dtype(arrow_type: str | None) -> pa.DataType:
+    """What a numeric input is declared as, from its type in the source (``model.pt``'s ``source_types``):
+    every integer int64 (MLflow ``long``: int8..int64 and uint8..uint32 frames pass, and pandas' default
+    int64; a narrower declaration refuses a hand-built ``[3]``), bool bool (``boolean``), every float float64
+    (``double``: float32 and float64 frames pass). float64 for an older model.pt, a decimal or any other type."""
+    try:
+        kind = pa.type_for_alias(arrow_type) if arrow_type else pa.float64()
+    except ValueError:
+        return pa.float64()
+    if pa.types.is_integer(kind):
+        return pa.int64()
+    return pa.bool_() if pa.types.is_boolean(kind) else pa.float64()
+
 
 DRIFT_TOP_CATEGORIES = 1000  # per categorical input: the most frequent values' train counts, the rest together
 
 
 class CategoricalCodec(Codec):
     kind = "categorical"
+    option_names = ("min_count", "max_size")
+    model_block = EMBEDDING
+    drift_measure = "frequencies"
+    reference_column = CATEGORY
     dtype = "int64"
     takes = staticmethod(is_category)
     takes_what = "a string, integer or bool"
@@ -126,6 +156,14 @@ class CategoricalCodec(Codec):
         self._counts: list[pa.Table] = []
         self.observed_rows = 0
         self.vocabulary: pa.Array | None = None
+
+    @classmethod
+    def options_from(cls, given: dict[str, Any]) -> dict[str, Any]:
+        given = super().options_from(given)
+        return {
+            "min_count": given.get("min_count") or 1,
+            **({"max_size": given["max_size"]} if given.get("max_size") else {}),
+        }
 
     def stored_type(self, source_type: pa.DataType) -> pa.DataType:
         return plain(pa.array([], type=source_type)).type
@@ -199,9 +237,19 @@ class CategoricalCodec(Codec):
 
 class HashedCodec(Codec):
     kind = "hashed"
+    option_names = ("buckets",)
+    model_block = EMBEDDING
+    reference_column = CATEGORY
     dtype = "int64"
     takes = staticmethod(is_hashable)
     takes_what = "a string, integer or binary"
+
+    @classmethod
+    def options_from(cls, given: dict[str, Any]) -> dict[str, Any]:
+        given = super().options_from(given)
+        if given.get("buckets") is None:
+            raise ValueError("kind 'hashed' needs buckets (e.g. {kind: hashed, buckets: 1000003})")
+        return {"buckets": int(given["buckets"])}
 
     def stored_type(self, source_type: pa.DataType) -> pa.DataType:
         return plain(pa.array([], type=source_type)).type
@@ -223,6 +271,9 @@ class HashedCodec(Codec):
 
 class VectorCodec(Codec):
     kind = "vector"
+    model_block = DENSE
+    drift_measure = "dimension_means"
+    hashes_encoded = True  # the split hashes a row's float values
     takes = staticmethod(is_vector)
     takes_what = "a list of numbers (list<float> or fixed_size_list<float>)"
     drift_reads_rows = True  # per-dimension mean and std of the train rows
@@ -255,6 +306,22 @@ class VectorCodec(Codec):
             finite = np.isfinite(NumericCodec(self.name).raw(values)).reshape(-1, self.dim).all(axis=1)
             ok[np.flatnonzero(ok)[~finite]] = False
         return ok
+
+    def invalid_error(self, where: str, array: pa.Array, ok: np.ndarray) -> DataError | None:
+        """The error for a read batch with invalid rows: the wrong lengths it holds, or null/non-finite rows."""
+        if ok.all():
+            return None
+        lengths = self.bad_lengths(array)
+        what = f"rows of length {lengths}" if lengths else "null rows or non-finite elements"
+        return DataError(
+            f"{where}: vector column {self.name!r} has {int((~ok).sum())} {what} in one read batch; every row must "
+            f"have length {self.dim} (its first row's) and finite values: fix the data or set data.on_invalid=drop"
+        )
+
+    @classmethod
+    def serving_example(cls, values, source_type: str | None):
+        """Each row a list of Python floats (a list<double> column of the signature)."""
+        return [list(map(float, row)) for row in values]
 
     def bad_lengths(self, array: pa.Array) -> list[int]:
         """The row lengths other than ``dim`` in ``array`` (null rows excluded), distinct, sorted."""

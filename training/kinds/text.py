@@ -38,10 +38,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from training.core.config import text_options
+from training.core.config import TEXT_OPTIONS, text_options
 from training.core.errors import DataError
 from training.kinds.arrow_types import is_text
-from training.kinds.base import Codec, plain
+from training.kinds.base import TABLE, TOKENS, Codec, plain
 
 PAD, UNK = "[PAD]", "[UNK]"
 SPECIAL_TOKENS = (PAD, UNK)  # ids 0 and 1 of a fitted tokenizer
@@ -71,6 +71,10 @@ def is_string_type(kind: pa.DataType) -> bool:
 
 class TextCodec(Codec):
     kind = "text"
+    option_names = TEXT_OPTIONS
+    model_block = TOKENS  # the transformer's encoder; next_token's input
+    drift_measure = "words"  # lengths, word frequencies, unknown tokens (``text_drift_stats``)
+    shown_as = TABLE  # the most confidently wrong rows' table
     dtype = "int64"  # the batch's token ids; the node cache holds them as int32 (ragged)
     ragged_dtype = "int32"
     default_model, default_model_rank = "transformer", 1  # training/models/text.py
@@ -85,6 +89,11 @@ class TextCodec(Codec):
         self._observed: list[pa.Array] = []
         self._state: dict[str, Any] | None = None
         self.tokenizer = None
+
+    @classmethod
+    def options_from(cls, given: dict[str, Any]) -> dict[str, Any]:
+        given = super().options_from(given)
+        return text_options(given.get("max_len"), given.get("tokenizer"))
 
     @classmethod
     def user_file_sha256(cls, options: dict[str, Any]) -> str | None:

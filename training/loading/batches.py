@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from training.core.manifest import Manifest
 from training.kinds.base import Codec
-from training.kinds.inputs import block_names, inputs_from_manifest
+from training.kinds.inputs import block_names, in_numeric_block, inputs_from_manifest
 from training.kinds.normalisation import Normaliser
 from training.kinds.ragged import BatchContext, RaggedArray, evaluation_context
 from training.kinds.registry import codecs_for, read_encoders
@@ -175,7 +175,7 @@ def split_layout(manifest: Manifest) -> list[Section]:
         if info.ragged_dtype:
             sections.append(Section(INPUT_PREFIX + name + OFFSETS, torch.int64, (), "offsets"))
             values.append(Section(INPUT_PREFIX + name + VALUES, getattr(torch, info.ragged_dtype), (), "values"))
-        elif info.kind != "numeric":
+        elif not in_numeric_block(info.kind):
             sections.append(Section(INPUT_PREFIX + name, getattr(torch, info.dtype), info.shape))
     label_shape = (manifest.n_outputs,) if manifest.task == "multilabel" else ()  # multi-hot [rows, C]
     sections.append(Section(LABELS, label_dtype(manifest.task), label_shape))
@@ -197,7 +197,7 @@ def split_from_sections(manifest: Manifest, sections: dict[str, torch.Tensor]) -
         inputs={
             name: _input_from(sections, name, bool(info.ragged_dtype))
             for name, info in inputs.items()
-            if info.kind != "numeric"
+            if not in_numeric_block(info.kind)
         },
         weights=sections.get(WEIGHTS),
         numeric=tuple(block_names(inputs)),
@@ -238,7 +238,7 @@ def fill_split(
     rows = manifest.rows(split)
     normaliser = Normaliser.from_manifest(manifest)
     codecs = manifest_codecs(dataset_dir, manifest)
-    others = [name for name, codec in codecs.items() if codec.kind != "numeric" and not codec.ragged_dtype]
+    others = [name for name, codec in codecs.items() if not in_numeric_block(codec.kind) and not codec.ragged_dtype]
     ragged = {
         name: RaggedFill(name, codec.ragged_dtype, sections, ragged_values)
         for name, codec in codecs.items()

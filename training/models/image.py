@@ -19,8 +19,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from training.kinds.inputs import EMBEDDED_KINDS, InputInfo, block_names
-from training.models.tabular import TABULAR_KINDS, embedding_dim, numeric_block
+from training.kinds.base import DENSE, EMBEDDING, PIXELS
+from training.kinds.inputs import InputInfo, block_names
+from training.kinds.registry import block_of, inputs_in
+from training.models.tabular import TABULAR_BLOCKS, embedding_dim, numeric_block
 
 
 def group_norm(channels: int, groups: int) -> nn.GroupNorm:
@@ -82,17 +84,17 @@ class ImageClassifier(nn.Module):
         embedding_dims: dict[str, int] | None = None,
     ):
         super().__init__()
-        takes = (*TABULAR_KINDS, "image")
-        unknown = [f"{name} ({info.kind})" for name, info in inputs.items() if info.kind not in takes]
+        takes = (*TABULAR_BLOCKS, PIXELS)
+        unknown = [f"{name} ({info.kind})" for name, info in inputs.items() if block_of(info) not in takes]
         if unknown:
             raise ValueError(f"the built-in image model takes images and tabular inputs, not {unknown}")
-        self.images = [name for name, info in inputs.items() if info.kind == "image"]
+        self.images = inputs_in(inputs, PIXELS)
         self.trunks = nn.ModuleDict(
             {name: ImageTrunk(inputs[name].shape[0], width, blocks, groups) for name in self.images}
         )
         self.numeric = block_names(inputs)  # the numeric inputs, then their missing indicators
-        self.vectors = [name for name, info in inputs.items() if info.kind == "vector"]
-        self.embedded = [name for name, info in inputs.items() if info.kind in EMBEDDED_KINDS]
+        self.vectors = inputs_in(inputs, DENSE)
+        self.embedded = inputs_in(inputs, EMBEDDING)
         self.embeddings = nn.ModuleDict(
             {
                 name: nn.Embedding(

@@ -31,10 +31,18 @@ from torch import nn
 
 from training.core.config import MODELS, ConfigError, PipelineConfig
 from training.core.imports import import_factory
-from training.kinds.inputs import InputInfo, block_names, inputs_from_dicts, inputs_from_manifest, numeric_input
-from training.kinds.registry import CODECS
+from training.kinds.base import PIXELS, TOKENS
+from training.kinds.inputs import (
+    InputInfo,
+    block_names,
+    inputs_from_dicts,
+    inputs_from_manifest,
+    numeric_input,
+    numeric_names,
+)
+from training.kinds.registry import block_of, kind_record, known_kinds
 from training.models.image import image_classifier
-from training.models.tabular import TABULAR_KINDS, mlp, numeric_block
+from training.models.tabular import TABULAR_BLOCKS, mlp, numeric_block
 from training.models.text import transformer
 
 BUILT_IN = MODELS  # image_cnn: training/models/image.py; transformer: training/models/text.py
@@ -93,7 +101,7 @@ def pick_model(model: str, inputs: dict[str, InputInfo]) -> str:
     """``auto``: the built-in model for the inputs (every tabular kind: ``mlp``); any other name as given."""
     if model != "auto":
         return model
-    kinds = [CODECS[kind] for kind in dict.fromkeys(info.kind for info in inputs.values())]
+    kinds = [kind_record(kind) for kind in dict.fromkeys(info.kind for info in inputs.values())]
     picks = sorted((codec.default_model_rank, codec.default_model) for codec in kinds if codec.default_model)
     return picks[0][1] if picks else "mlp"  # image_cnn, transformer: their kinds say so (Codec.default_model)
 
@@ -125,21 +133,23 @@ def check_fits(model: str, inputs: dict[str, InputInfo]) -> None:
 
 
 def _fit_problem(model: str, inputs: dict[str, InputInfo]) -> str | None:
-    kinds = {info.kind for info in inputs.values()}
     if model == "auto":
         model = pick_model(model, inputs)
-    takes = {"mlp": TABULAR_KINDS, "image_cnn": (*TABULAR_KINDS, "image"), "transformer": (*TABULAR_KINDS, "text")}
-    if model not in takes:
+    if model not in BLOCKS_TAKEN:
         return None
-    needs = {"image_cnn": "image", "transformer": "text"}.get(model)
-    if needs is not None and needs not in kinds:
-        return f"train.model {model} needs at least one {needs} input (data.inputs: {{name: {needs}}})"
-    others = [f"{name} ({info.kind})" for name, info in inputs.items() if info.kind not in takes[model]]
+    needs = BLOCK_NEEDED.get(model)
+    if needs is not None and needs not in {block_of(info) for info in inputs.values()}:
+        kind = next(kind for kind in known_kinds() if kind_record(kind).model_block == needs)
+        return f"train.model {model} needs at least one {kind} input (data.inputs: {{name: {kind}}})"
+    others = [f"{name} ({info.kind})" for name, info in inputs.items() if block_of(info) not in BLOCKS_TAKEN[model]]
     if others:
         return f"train.model {model} takes {_TAKES[model]} inputs, not {others}"
     return None
 
 
+# The model blocks (training/kinds/base.py: MODEL_BLOCKS) each built-in model takes, and the one it needs.
+BLOCKS_TAKEN = {"mlp": TABULAR_BLOCKS, "image_cnn": (*TABULAR_BLOCKS, PIXELS), "transformer": (*TABULAR_BLOCKS, TOKENS)}
+BLOCK_NEEDED = {"image_cnn": PIXELS, "transformer": TOKENS}
 _TAKES = {
     "mlp": "numeric, categorical, hashed and vector",
     "image_cnn": "image, numeric, categorical, hashed and vector",
@@ -184,7 +194,7 @@ def build_model(spec: ModelSpec, features: Sequence[str] | None = None) -> nn.Mo
 
 
 def _legacy_model(factory: Callable[..., nn.Module], spec: ModelSpec, inputs: dict[str, InputInfo]) -> nn.Module:
-    others = [f"{name} ({info.kind})" for name, info in inputs.items() if info.kind != "numeric"]
+    others = [f"{name} ({info.kind})" for name, info in inputs.items() if name not in numeric_names(inputs)]
     if others:
         raise ModelImportError(
             f"train.model: {spec.model!r} takes (n_features, n_outputs), numeric inputs only; the inputs "

@@ -1,6 +1,7 @@
 """The built-in tabular model ``mlp`` and the blocks the other built-in models reuse for their tabular inputs:
 an embedding per categorical or hashed input (``embedding_dim``), the numeric and vector inputs as one block
-(``numeric_block``), and the kinds an MLP takes (``TABULAR_KINDS``)."""
+(``numeric_block``), and the blocks an MLP takes (``TABULAR_BLOCKS``: each kind's record says which block its
+inputs feed, ``training/kinds/base.py: Codec.model_block``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from training.kinds.inputs import EMBEDDED_KINDS, InputInfo, block_names
+from training.kinds.base import DENSE, EMBEDDING, SCALAR
+from training.kinds.inputs import InputInfo, block_names
+from training.kinds.registry import block_of, inputs_in
 
 
 def embedding_dim(cardinality: int) -> int:
@@ -37,9 +40,9 @@ class MLP(nn.Module):
     ):
         super().__init__()
         self.numeric = block_names(inputs)  # the numeric inputs, then their missing indicators
-        self.vectors = [name for name, info in inputs.items() if info.kind == "vector"]
-        embedded = {name: info for name, info in inputs.items() if info.kind in EMBEDDED_KINDS}
-        unknown = [f"{name} ({info.kind})" for name, info in inputs.items() if info.kind not in TABULAR_KINDS]
+        self.vectors = inputs_in(inputs, DENSE)
+        embedded = {name: inputs[name] for name in inputs_in(inputs, EMBEDDING)}
+        unknown = [f"{name} ({info.kind})" for name, info in inputs.items() if block_of(info) not in TABULAR_BLOCKS]
         if unknown:
             raise ValueError(f"train.model mlp takes numeric, categorical, hashed and vector inputs, not {unknown}")
         widths = {
@@ -70,7 +73,7 @@ class MLP(nn.Module):
         return self.net(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
 
 
-TABULAR_KINDS = ("numeric", "vector", *EMBEDDED_KINDS)
+TABULAR_BLOCKS = (SCALAR, DENSE, EMBEDDING)  # the blocks an MLP takes (and the other built-ins beside theirs)
 
 
 def mlp(inputs: dict[str, InputInfo], n_outputs: int, **kwargs) -> MLP:

@@ -22,7 +22,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from training.kinds.base import TOKENS
 from training.kinds.inputs import InputInfo
+from training.kinds.registry import inputs_in
+from training.kinds.tabular import VectorCodec
 from training.models.tabular import MLP
 
 
@@ -70,7 +73,7 @@ class TextTransformer(nn.Module):
         language_model: str | None = None,
     ):
         super().__init__()
-        self.texts = [name for name, info in inputs.items() if info.kind == "text"]
+        self.texts = inputs_in(inputs, TOKENS)
         if not self.texts:
             raise ValueError("train.model transformer needs at least one text input (data.inputs: {name: text})")
         if language_model is not None and language_model not in self.texts:
@@ -88,7 +91,7 @@ class TextTransformer(nn.Module):
         )
         # Each pooled text is a vector input of the head, in the inputs' order.
         head_inputs = {
-            name: InputInfo(name, "vector", "float32", (d_model,)) if info.kind == "text" else info
+            name: InputInfo(name, VectorCodec.kind, "float32", (d_model,)) if name in self.encoders else info
             for name, info in inputs.items()
         }
         if language_model is not None:

@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from training.core.config import ConfigError
+from training.kinds.base import TOKENS as TOKEN_IDS
+from training.kinds.registry import kind_record
 from training.objectives.base import Objective
 from training.objectives.metrics import MeanTally
 
@@ -124,7 +126,8 @@ class TokenTally(MeanTally):
 
 def next_token_kwargs(kwargs: dict[str, Any], manifest) -> dict[str, Any]:
     """``objective_kwargs`` with the text input (the only one, when not named) and its vocabulary size."""
-    texts = {entry["name"]: entry for entry in manifest.inputs or [] if entry["kind"] == "text"}
+    inputs = manifest.inputs or []
+    texts = {entry["name"]: entry for entry in inputs if kind_record(entry["kind"]).model_block == TOKEN_IDS}
     name = kwargs.get("input")
     if name is None and len(texts) == 1:
         name = next(iter(texts))

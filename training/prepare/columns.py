@@ -22,7 +22,8 @@ from training.core.config import DataConfig
 from training.core.errors import DataError
 from training.kinds.arrow_types import is_hashable, is_numeric, is_text, is_vector, value_type
 from training.kinds.image import is_image_column
-from training.kinds.registry import CODECS
+from training.kinds.inputs import NUMERIC, in_numeric_block
+from training.kinds.registry import CODECS, input_options, kind_record
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class ColumnPlan:
     @property
     def others(self) -> list[str]:
         """The non-numeric inputs, in input order."""
-        return [name for name, (kind, _options) in self.inputs.items() if kind != "numeric"]
+        return [name for name, (kind, _options) in self.inputs.items() if not in_numeric_block(kind)]
 
     @property
     def columns(self) -> list[str]:
@@ -71,8 +72,8 @@ def plan_columns(schema: pa.Schema, data: DataConfig, where: str) -> ColumnPlan:
     if data.inputs is not None:
         inputs = _typed_inputs(schema, data, where)
     else:
-        inputs = {name: ("numeric", {}) for name in _features(schema, data, where)}
-    features = [name for name, (kind, _options) in inputs.items() if kind == "numeric"]
+        inputs = {name: (NUMERIC, {}) for name in _features(schema, data, where)}
+    features = [name for name, (kind, _options) in inputs.items() if in_numeric_block(kind)]
     return ColumnPlan(label=data.label, key=data.key, features=features, task=task, inputs=inputs, weight=data.weight)
 
 
@@ -83,14 +84,15 @@ def _typed_inputs(schema: pa.Schema, data: DataConfig, where: str) -> dict[str, 
             raise DataError(
                 f"{where}: input column {name!r} (data.inputs.{name}) not found; the columns are {schema.names}"
             )
+        options = input_options(name, spec)  # ConfigError naming the input: an unknown kind, a wrong option
         kind = schema.field(name).type
-        codec = CODECS[spec.kind]
+        codec = kind_record(spec.kind)
         if not codec.takes(kind):
             raise DataError(
                 f"{where}: input column {name!r} has type {kind}; data.inputs.{name} is {spec.kind}, "
                 f"which takes {codec.takes_what}{_kind_hint(kind)}"
             )
-        inputs[name] = (spec.kind, spec.options())
+        inputs[name] = (spec.kind, options)
     return inputs
 
 

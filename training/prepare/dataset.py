@@ -445,11 +445,6 @@ class _BatchRows:
         self._feature_ok = np.isfinite(self.features) | (np.isnan(self.features) & imputes)
         self._others_ok = {name: codecs[name].valid(column, file) for name, column in self.others.items()}
         self.wrong_lengths = [
-            _wrong_length(file, name, codecs[name], column, ok)
-            for name, column in self.others.items()
-            if codecs[name].kind == "vector" and not (ok := self._others_ok[name]).all()
-        ]
-        self.wrong_lengths += [
             error
             for name, c in self.others.items()
             if (error := codecs[name].invalid_error(file, c, self._others_ok[name]))
@@ -506,7 +501,7 @@ class _BatchRows:
             label_for_hash = pa.array(["\x1f".join(map(str, sorted(row))) for row in self.raw_label.to_pylist()])
         extra = hash_values(label_for_hash)
         for name, column in self.others.items():  # none for numeric tables: their split is as before
-            if self.codecs[name].kind == "vector":
+            if self.codecs[name].hashes_encoded:
                 extra = row_split.hash_rows(self.codecs[name].encode(column).astype(np.float64), extra)
             else:
                 extra = row_split.combine_hashes(extra, hash_values(column))
@@ -548,15 +543,6 @@ def _class_lists(raw: pa.Array, classes: pa.Array) -> pa.Array:
 def _weights(column: pa.Array) -> np.ndarray:
     """float64 row weights; null -> NaN (invalid)."""
     return pc.fill_null(pc.cast(plain(column), pa.float64()), np.nan).to_numpy(zero_copy_only=False)
-
-
-def _wrong_length(file: str, name: str, codec: Codec, column: pa.Array, ok: np.ndarray) -> DataError:
-    lengths = codec.bad_lengths(column)
-    what = f"rows of length {lengths}" if lengths else "null rows or non-finite elements"
-    return DataError(
-        f"{file}: vector column {name!r} has {int((~ok).sum())} {what} in one read batch; every row must have "
-        f"length {codec.dim} (its first row's) and finite values: fix the data or set data.on_invalid=drop"
-    )
 
 
 def _feature_matrix(batch: pa.RecordBatch, features: list[str]) -> np.ndarray:

@@ -17,7 +17,7 @@ import json
 from typing import Any
 
 from training.core.config import DataConfig
-from training.kinds.registry import CODECS
+from training.kinds.registry import input_options, kind_record
 
 # Bump when prepare's output changes for the same input (layout, dtypes, split rule, manifest statistics).
 # 2: regression manifests carry label_mean/label_std (target standardisation).
@@ -34,7 +34,8 @@ def tokenizer_files(data: DataConfig) -> dict[str, str]:
     """Each input's user file (a text input's tokenizer.json) -> its sha256: a new file's content is a new
     dataset. Its kind says which file (``Codec.user_file_sha256``)."""
     specs = data.input_specs() or {}
-    found = {name: CODECS[spec.kind].user_file_sha256(spec.options()) for name, spec in specs.items()}
+    options = {name: input_options(name, spec) for name, spec in specs.items()}  # ConfigError naming the input
+    found = {name: kind_record(specs[name].kind).user_file_sha256(given) for name, given in options.items()}
     return {name: sha for name, sha in found.items() if sha is not None}
 
 

@@ -30,7 +30,7 @@ from ddpflow.launch.slurm.script import CANNOT_SEE, JobPaths
 from ddpflow.launch.supervisor import OutputLine, parse_line
 from training.core.config import PipelineConfig
 
-SRUN_LABEL = re.compile(r"^\s*(?P<task>\d+): (?P<text>.*)$")  # srun --label: the node's index in the job
+SRUN_LABEL = re.compile(r"^\s*(?P<task>\d+): (?P<line>.*)$")  # srun --label: the node's index in the job
 _SRUN_TASK_EXIT = re.compile(r"srun: error: (?P<node>\S+): task \d+: Exited with exit code (?P<code>\d+)")
 _CANNOT_SEE = re.compile(rf"ddpflow: node (?P<node>\S+) {CANNOT_SEE} (?P<path>.+)$")
 
@@ -58,7 +58,7 @@ def label_line(raw: str, nodes: list[str]) -> SlurmLine:
     if match is None or not nodes:
         return SlurmLine(None, raw)
     task = int(match["task"])
-    inner = parse_line(match["text"])
+    inner = parse_line(match["line"])
     return SlurmLine(inner.rank, inner.text, node=nodes[task] if task < len(nodes) else f"node{task}")
 
 

@@ -1,5 +1,6 @@
 """Without a server or a launch: how `ddpflow serve` reads NAME[@alias|/version], and which type the served
-model's signature declares for each source type (training/inference/serving.py: source_dtype, raw_example)."""
+model's signature declares for each source type (training/kinds/tabular.py: NumericCodec.serving_example,
+source_dtype; training/inference/serving.py: raw_example)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pyarrow as pa
 import pytest
 
 from ddpflow.tracking.served_model import model_uri, served_model
-from training.inference.serving import _as_source, source_dtype
+from training.kinds.tabular import NumericCodec, source_dtype
 
 
 def test_a_model_is_named_by_alias_or_version_and_champion_by_default():
@@ -48,7 +49,7 @@ def test_a_store_that_does_not_exist_is_named_not_created(tmp_path):
 )
 def test_a_numeric_input_is_declared_in_its_source_kind(source, declared):
     shard = pd.Series(np.array([0, 1, 7], dtype=np.float32), name="x")  # the shard's float32 values
-    example = _as_source(shard, source_dtype(source))
+    example = NumericCodec.serving_example(shard, source)
     assert example.dtype == np.dtype(declared)
     assert example.tolist() == [0, 1, 7] if declared != "bool" else example.tolist() == [False, True, True]
     assert isinstance(source_dtype(source), pa.DataType)

@@ -153,19 +153,18 @@ def test_a_column_that_is_not_text_is_named(table_file, make_config):
 
 
 def test_config_forms_and_wrong_options(tmp_path):
+    from training.kinds.registry import check_inputs
+
     def load(inputs):
+        """The config as the flow checks it: loaded, then each input's options checked by its kind's record."""
         path = tmp_path / "c.yaml"
         path.write_text(json.dumps({"data": {"label": "language", "inputs": inputs}}))
-        return load_config(path)
+        config = load_config(path)
+        return {name: options for name, (_kind, options) in check_inputs(config.data).items()}
 
-    spec = load({"snippet": {"kind": "text", "max_len": 64, "tokenizer": {"type": "unigram", "vocab_size": 500}}})
-    assert spec.data.inputs["snippet"].options() == {
-        "max_len": 64,
-        "tokenizer": {"type": "unigram", "vocab_size": 500},
-    }
-    assert load({"snippet": {"kind": "text", "tokenizer": "tok.json"}}).data.inputs["snippet"].options()[
-        "tokenizer"
-    ] == {"file": "tok.json"}
+    options = load({"snippet": {"kind": "text", "max_len": 64, "tokenizer": {"type": "unigram", "vocab_size": 500}}})
+    assert options["snippet"] == {"max_len": 64, "tokenizer": {"type": "unigram", "vocab_size": 500}}
+    assert load({"snippet": {"kind": "text", "tokenizer": "tok.json"}})["snippet"]["tokenizer"] == {"file": "tok.json"}
     with pytest.raises(ConfigError, match="kind 'categorical' takes no option \\['max_len'\\]"):
         load({"snippet": {"kind": "categorical", "max_len": 4}})
     with pytest.raises(ConfigError, match="kind 'text' takes no option \\['buckets'\\]"):

@@ -58,9 +58,11 @@ def mixed(table_file, make_config):
 
 
 def test_short_and_long_forms_and_errors_that_name_the_path():
+    """The kind's record checks its options (``check_inputs``: the flow's preflight, prepare)."""
+    from training.kinds.registry import check_inputs
+
     config = load_config(None, ["data.inputs={a: categorical, b: {kind: hashed, buckets: 7}}"])
-    assert config.data.inputs["a"].options() == {"min_count": 1}
-    assert config.data.inputs["b"].options() == {"buckets": 7}
+    assert check_inputs(config.data) == {"a": ("categorical", {"min_count": 1}), "b": ("hashed", {"buckets": 7})}
     for override, fragment in (
         ("data.inputs={a: hashed}", "data.inputs.a: kind 'hashed' needs buckets"),
         ("data.inputs={a: {kind: numeric, min_count: 2}}", "data.inputs.a: kind 'numeric' takes no option"),
@@ -68,7 +70,7 @@ def test_short_and_long_forms_and_errors_that_name_the_path():
         ("data.inputs={label: numeric}", "inputs.label: 'label' is the label column"),
     ):
         with pytest.raises(ConfigError) as caught:
-            load_config(None, [override])
+            check_inputs(load_config(None, [override]).data)
         assert fragment in str(caught.value)
     with pytest.raises(ConfigError, match="data.inputs or data.features, not both"):
         load_config(None, ["data.inputs={a: numeric}", "data.features=[a]"])
@@ -216,22 +218,18 @@ def test_a_list_label_is_multilabel_with_multi_hot_rows(table_file, make_config)
         prepare_dataset(make_config(with_null, label="tags"))
 
 
-def test_the_kinds_config_accepts_are_the_kinds_the_registry_encodes():
-    """The list of kinds is written in three places (config validation, InputInfo, the codec registry):
-    a kind added to one and not the others is refused by the config or fails late in a rank."""
-    import typing
-
-    from training.core.config import INPUT_KINDS, InputSpec
+def test_the_kinds_config_names_are_the_kinds_the_registry_encodes():
+    """The built-in kinds are listed once (config.INPUT_KINDS) and each has its record in the registry; a
+    kind the registry does not hold is refused, naming the input and the known kinds."""
+    from training.core.config import INPUT_KINDS
     from training.kinds.inputs import KINDS
-    from training.kinds.registry import CODECS
+    from training.kinds.registry import CODECS, kind_record, known_kinds
 
-    accepted = typing.get_args(InputSpec.model_fields["kind"].annotation)
-    assert set(accepted) == set(INPUT_KINDS) == set(KINDS) == set(CODECS), (
-        accepted,
-        INPUT_KINDS,
-        KINDS,
-        sorted(CODECS),
-    )
+    built_in = [kind for kind, codec in CODECS.items() if codec.__module__.startswith("training.kinds.")]
+    assert built_in == list(INPUT_KINDS) == list(KINDS) == known_kinds()[: len(INPUT_KINDS)]
+    assert all(kind_record(kind).kind == kind for kind in INPUT_KINDS)
+    with pytest.raises(ValueError, match="unknown input kind 'audio' .known: numeric, categorical"):
+        kind_record("audio")
 
 
 def test_the_inputs_are_described_by_kind_for_the_logs():
