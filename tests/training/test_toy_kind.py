@@ -112,7 +112,9 @@ def test_a_plugin_that_does_not_import_is_named(monkeypatch):
     from training.kinds.registry import kind_record
 
     monkeypatch.setenv("DDPFLOW_PLUGINS", "tests.training.no_such_kind")
-    with pytest.raises(ConfigError, match=r"DDPFLOW_PLUGINS / ddpflow.kinds: cannot import 'tests.training.no_such_kind'"):
+    with pytest.raises(
+        ConfigError, match=r"DDPFLOW_PLUGINS / ddpflow.kinds: cannot import 'tests.training.no_such_kind'"
+    ):
         kind_record("audio")
 
 
