@@ -42,6 +42,7 @@ from ddpflow.console import LOG_ONLY
 from ddpflow.launch.failure import LaunchInterrupted
 from ddpflow.launch.slurm.commands import check_cluster
 from ddpflow.rundirs import find_resumable_run, new_run_dir, record_mlflow_run, resume_epoch
+from ddpflow.tracking.registration import gate_rules
 from ddpflow.tracking.registry import champion_checkpoint
 from ddpflow.tracking.runs import (
     RESTARTS_TAG,
@@ -235,7 +236,7 @@ def _skipped(
 def _baselines(config: PipelineConfig, task: str, metrics: dict[str, float]) -> dict[str, Any]:
     """The baselines' test metrics and the line that compares them with the model's (``comparison``): on the gate
     metric, and on ROC AUC where there is one."""
-    names = [config.registry.gate_metric(task), "test_roc_auc"]
+    names = [gate_rules(config, task).metric, "test_roc_auc"]
     return {
         "comparison": comparison(metrics, list(dict.fromkeys(names))),
         "trivial": baseline_values(metrics, TRIVIAL),

@@ -21,7 +21,7 @@ from ddpflow.tracking.runs import how_to_open
 from tasks.register import retry_on_transient_error
 from training.core.config import PipelineConfig
 from training.core.manifest import Manifest
-from training.objectives.next_token import LANGUAGE_MODEL, evaluated_as
+from training.objectives.registry import objective_record
 
 TOP_FEATURES = 5
 
@@ -58,12 +58,12 @@ def measure_data_drift(config: PipelineConfig, manifest: Manifest, run_id: str, 
     """Compare with @champion's training data, log the figure and metric to the run; returns a summary."""
     logger = get_run_logger()
     max_psi = config.registry.max_drift_psi
-    # A language model does not use the label: no label drift.
-    label = evaluated_as(config.train.objective, manifest.task) != LANGUAGE_MODEL
+    objective = objective_record(config.train.objective, manifest.task)
+    label = objective.uses_label  # an objective that does not learn the label (a language model): no label drift
     outcome = measure_and_log_drift(tracking_uri, config.registry.model_name, manifest, run_id, max_psi, label)
     (logger.warning if outcome.status == UNAVAILABLE else logger.info)("Data drift: %s", outcome.message)
     if not label and outcome.report is not None:
-        logger.info("next_token: the label's drift is not reported (a language model does not use the label)")
+        logger.info("%s: the label's drift is not reported (the objective does not use the label)", objective.name)
     create_markdown_artifact(
         markdown=drift_markdown(outcome, max_psi, how_to_open(tracking_uri, run_id)),
         key="data-drift",

@@ -26,7 +26,7 @@ from training.core.manifest import read_manifest
 from training.inference.baselines import Baselines, evaluate_baselines
 from training.inference.evaluate import evaluate_split
 from training.inference.model_file import EvalResult
-from training.objectives.next_token import LANGUAGE_MODEL, evaluated_as
+from training.objectives.registry import evaluation_of
 
 PLOT_ROWS = 20_000  # residual plot: enough points to see structure, bounded memory
 
@@ -71,24 +71,19 @@ def evaluate_model(
     to the MLflow run; returns them."""
     logger = get_run_logger()
     model_path = str(model_path)
-    # Per-row predictions only for the residual or row-loss plot; a confusion matrix is counted on the fly.
-    scored_as = evaluated_as(config.train.objective, read_manifest(dataset_dir).task)
+    # Per-row predictions only for a figure that draws them (residuals, row losses); a confusion matrix is counted
+    # on the fly. What the objective's evaluation is: training/objectives/base.py ``Evaluation``.
+    evaluation = evaluation_of(config.train, read_manifest(dataset_dir).task)
     result = evaluate_split(
         model_path,
         dataset_dir,
         "test",
         config.eval.batch_size,
-        return_predictions=scored_as in ("regression", LANGUAGE_MODEL),
+        return_predictions=evaluation.keeps_predictions,
         max_predictions=PLOT_ROWS,
     )
-    if result.task == LANGUAGE_MODEL:
-        logger.info(
-            "next_token: %d target tokens of %d test rows scored, per target token; the confusion matrix, "
-            "per-class metrics and most confidently wrong rows need a label per row and are not made for a "
-            "language model (eval/row_loss.png instead)",
-            result.metrics["test_tokens"],
-            result.samples,
-        )
+    if evaluation.note:
+        logger.info("%s: %s", config.train.objective, evaluation.note.format(samples=result.samples, **result.metrics))
     baselines = evaluate_baselines(
         model_path, dataset_dir, "test", config.eval.reference, config.eval.reference_max_rows, logger
     )
@@ -104,20 +99,11 @@ def evaluate_model(
     nan = [name for name, value in result.metrics.items() if math.isnan(value)]
     if nan:
         logger.warning("metrics %s are NaN: registration will reject this model", nan)
-    logger.info(
-        "Evaluated %s on %d test rows in %.2fs: %s", model_path, result.samples, result.seconds, _headline(result)
-    )
+    headline = _headline(result, evaluation.headline)
+    logger.info("Evaluated %s on %d test rows in %.2fs: %s", model_path, result.samples, result.seconds, headline)
     return {**result.metrics, **baselines.metrics()}
 
 
-HEADLINES = {
-    "classification": ("test_accuracy", "test_macro_f1", "test_loss"),
-    LANGUAGE_MODEL: ("test_loss", "test_perplexity", "test_token_accuracy"),
-    "multilabel": ("test_micro_f1", "test_macro_f1", "test_exact_match"),
-    "regression": ("test_rmse", "test_mae", "test_r2"),
-}
-
-
-def _headline(result: EvalResult) -> str:
-    names = [name for name in HEADLINES.get(result.task, ()) if name in result.metrics]
+def _headline(result: EvalResult, headline: tuple[str, ...]) -> str:
+    names = [name for name in headline if name in result.metrics]
     return ", ".join(f"{name}={result.metrics[name]:.4f}" for name in names)

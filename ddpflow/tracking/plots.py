@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 
 from training.inference.evaluate import CONFUSION_MAX_CLASSES
 from training.inference.model_file import EvalResult
-from training.objectives.next_token import LANGUAGE_MODEL
 
 if TYPE_CHECKING:
     from ddpflow.drift.report import DriftReport
@@ -21,9 +20,10 @@ DRIFT_FEATURES_SHOWN = 30  # beyond this the labels are unreadable; the report J
 def evaluation_figure(result: EvalResult):
     """(the figure, its file name under ``eval/``): a confusion matrix up to ``CONFUSION_MAX_CLASSES`` classes
     (training/inference/evaluate.py), above that the per-class recall (a C x C matrix neither fits in memory nor reads);
-    a next_token model's rows by their loss per target token (it has no label per row)."""
-    if result.task == LANGUAGE_MODEL:
-        return row_loss_figure(result), "row_loss.png"
+    or the figure the model's objective names (``result.figure``: ``FIGURES``, e.g. a language model's rows by
+    their loss per target token, as it has no label per row)."""
+    if result.figure is not None:
+        return FIGURES[result.figure](result), f"{result.figure}.png"
     if result.task == "multilabel":  # labels are not exclusive: no confusion matrix, each label's recall
         return per_class_recall_figure(result), "per_label_recall.png"
     if result.task == "classification":
@@ -131,7 +131,7 @@ def residual_figure(result: EvalResult):
 
 
 def row_loss_figure(result: EvalResult):
-    """A next_token model: how many test rows score each mean loss per target token (the served ``loss``: how
+    """A language model: how many test rows score each mean loss per target token (the served ``loss``: how
     surprising a row is), for the rows the evaluation kept that have a target; the split's test_loss marked."""
     import numpy as np
     from matplotlib.figure import Figure
@@ -154,6 +154,9 @@ def row_loss_figure(result: EvalResult):
     axes.title.set_fontsize(9)
     figure.tight_layout()
     return figure
+
+
+FIGURES = {"row_loss": row_loss_figure}  # an objective's own figure (training/objectives/base.py: Evaluation.figure)
 
 
 def drift_figure(report: DriftReport, reference: str, max_psi: float | None = None):

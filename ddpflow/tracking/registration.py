@@ -84,7 +84,6 @@ from ddpflow.tracking.runs import (
 from training.core.config import PipelineConfig, apply_overrides, validate_config
 from training.core.manifest import Manifest, read_manifest
 from training.inference.baselines import (
-    SCORABLE,
     TRIVIAL,
     baseline_metric,
     checkpoint_reading,
@@ -93,7 +92,7 @@ from training.inference.baselines import (
 )
 from training.inference.evaluate import evaluate_split
 from training.inference.model_file import IncompatibleModelError, load_model_checkpoint
-from training.objectives.next_token import evaluated_as
+from training.objectives.registry import evaluation_of
 
 GateLock = Callable[[str], AbstractContextManager]
 
@@ -140,8 +139,9 @@ class GateHooks:
 
 
 def gate_rules(config: PipelineConfig, task: str) -> GateRules:
-    """``task``: the dataset's; a next_token model is judged on its own metrics (test_loss, lower is better)."""
-    registry, judged = config.registry, evaluated_as(config.train.objective, task)
+    """``task``: the dataset's; the metric is ``registry.metric``, else the objective's (a language model is judged
+    on its own: test_loss, lower is better; training/objectives/base.py ``Evaluation.gate_metric``)."""
+    registry, judged = config.registry, evaluation_of(config.train, task).gate_metric
     return GateRules(
         metric=registry.gate_metric(judged),
         greater_is_better=registry.higher_is_better(judged),
@@ -237,8 +237,9 @@ class _Registration:
             self.logger.warning("Not registering run %s: %s", self.run_id, rejection)
             return decision
         if version is None:
+            scored_as = evaluation_of(self.config.train, manifest.task).scored_as
             version = register_version(
-                self.client, self.config, self.experiment_id, self.run_id, model_path, manifest, dataset_dir
+                self.client, self.config, self.experiment_id, self.run_id, model_path, manifest, dataset_dir, scored_as
             )
         warning = reference_warning(metrics, rules)
         if warning:
@@ -259,7 +260,7 @@ class _Registration:
         if name in metrics or not Path(model_path).is_file():
             return metrics
         objective, normaliser = checkpoint_reading(model_path)
-        if objective.name not in SCORABLE:
+        if not objective.has_baselines:
             return metrics
         manifest = read_manifest(dataset_dir)
         trivial = trivial_baseline(objective, normaliser, manifest, dataset_dir, "test")
@@ -282,7 +283,7 @@ class _Registration:
         if champion is not None and str(champion.version) == str(version.version):
             decision = self._promoted_earlier(version)
         else:
-            scored_as = evaluated_as(self.config.train.objective, manifest.task)
+            scored_as = evaluation_of(self.config.train, manifest.task).scored_as
             reading = read_champion(
                 self.client, champion, dataset_dir, rules.metric, self.config.eval.batch_size, scored_as
             )

@@ -191,15 +191,16 @@ def input_example(manifest: Manifest, dataset_dir: str | Path, rows: int = 5):
     return batch.to_pandas()
 
 
-def version_description(config: PipelineConfig, manifest: Manifest, run_tags: dict[str, str], run_id: str) -> str:
-    from training.objectives.next_token import evaluated_as  # torch: only when a version is made
-
+def version_description(
+    config: PipelineConfig, manifest: Manifest, run_tags: dict[str, str], run_id: str, scored_as: str | None = None
+) -> str:
+    """The version's description; ``scored_as``: what its evaluation is (the objective's, else the data's task)."""
     train = config.train
     global_batch = train.global_batch_size
     batch = f"batch {train.batch_size}/rank" if global_batch is None else f"global batch {global_batch}"
     rows = f"{manifest.rows('train')} train / {manifest.rows('val')} val / {manifest.rows('test')} test rows"
     return (
-        f"{evaluated_as(train.objective, manifest.task)} model '{train.model}' {train.model_kwargs or ''} "
+        f"{scored_as or manifest.task} model '{train.model}' {train.model_kwargs or ''} "
         f"trained on {manifest.source} "
         f"(fingerprint {manifest.fingerprint}: {rows}, {manifest.n_features} features). "
         f"{train.epochs} epochs, {batch}, lr {train.lr}, "
@@ -216,8 +217,10 @@ def register_version(
     model_path: str,
     manifest: Manifest,
     dataset_dir: str,
+    scored_as: str | None = None,
 ) -> ModelVersion:
-    """Log the pyfunc model (unless an earlier attempt did) and create the registry version.
+    """Log the pyfunc model (unless an earlier attempt did) and create the registry version (``scored_as``: what
+    its evaluation is, for the description).
 
     Uses MLflow's process-wide tracking URI: call inside ``runs.use_tracking_uri``.
     """
@@ -243,7 +246,7 @@ def register_version(
         run_id=run_id,
         model_id=model_uri.removeprefix("models:/"),
         tags={RUN_ID_TAG: run_id, "model_path": str(model_path), **lineage},
-        description=version_description(config, manifest, run_tags, run_id),
+        description=version_description(config, manifest, run_tags, run_id, scored_as),
     )
 
 

@@ -12,7 +12,7 @@ Reading: rank 0 reads (``torch.load(weights_only=True)``: files hold only
 tensors and plain Python values) and broadcasts the result, so every rank takes
 the same decision and only one reads the disk.
 
-What last.pt holds is ``Trainer.state_dict()``'s business (training/train.py);
+What last.pt holds is ``TrainState``'s business (training/checkpoint/state.py);
 the Checkpointer knows only the entries the resume rule reads
 (``identity_entries``: ``CONFIG_ENTRY``, ``FINGERPRINT_ENTRY``).
 

@@ -1,9 +1,9 @@
 """Step checkpoints: a resumable state inside an epoch, ``RUN_DIR/checkpoints/step-e{E}-s{S}.pt``.
 
 E is the epoch (0-based) and S the micro-batch steps of it already trained; the name alone orders them, so
-resume finds the newest without opening any. What one holds is ``Trainer.state_dict()``'s business, as for
-last.pt (training/train.py); here: WHEN one is due (``StepSchedule``), and HOW rank 0 writes it without
-stopping training (``BackgroundWriter``).
+resume finds the newest without opening any. What one holds is ``TrainState``'s business, as for last.pt
+(training/checkpoint/state.py: ``save_step``); here: WHEN one is due (``StepSchedule``), and HOW rank 0 writes
+it without stopping training (``BackgroundWriter``).
 
 When: after an optimizer step (never between the micro-batches of one, ``train.grad_accum``), every
 ``train.checkpoint_every_steps`` optimizer steps of the run, and/or once ``train.checkpoint_every_s`` seconds
@@ -11,7 +11,7 @@ passed since the last checkpoint by rank 0's clock (rank 0 decides and every ran
 one-number all-reduce per optimizer step, so all ranks enter the checkpoint's collectives together; the
 step count needs no collective). Not after the epoch's last step: last.pt covers that.
 
-How: the Trainer copies the state off the device into fresh CPU tensors (the snapshot, taken between steps,
+How: ``TrainState`` copies the state off the device into fresh CPU tensors (the snapshot, taken between steps,
 so it is one consistent state), then rank 0 writes it in a background thread while training goes on
 (atomically: training/core/fileio.py, complete or absent) and, once it is complete, deletes the older step
 checkpoints beyond ``train.keep_checkpoints``. The next checkpoint, last.pt and model.pt wait for a write
@@ -27,6 +27,8 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from training.loop.accumulation import OptimizerSteps
 
 STEP_PATTERN = re.compile(r"^step-e(\d+)-s(\d+)\.pt$")
 
@@ -60,7 +62,7 @@ class StepSchedule:
         rank0_flag: Callable[[bool], bool],
     ):
         self.every_steps, self.every_s = every_steps, every_s
-        self.grad_accum, self.steps_per_epoch = grad_accum, steps_per_epoch  # micro-batch steps
+        self.steps = OptimizerSteps(grad_accum, steps_per_epoch)  # steps_per_epoch: micro-batch steps
         self.rank0_flag = rank0_flag  # rank 0's bool on every rank (a collective)
         self.last_at = time.monotonic()
 
@@ -69,11 +71,10 @@ class StepSchedule:
         return self.every_steps is not None or self.every_s is not None
 
     def due(self, epoch: int, step: int) -> bool:
-        done = step + 1  # micro-batch steps of the epoch trained
-        if not self.enabled or done % self.grad_accum or done >= self.steps_per_epoch:
+        steps = self.steps
+        if not self.enabled or not steps.steps_optimizer(step) or step + 1 >= steps.micro_batches:
             return False
-        optimizer_steps = -(-self.steps_per_epoch // self.grad_accum)
-        run_steps = epoch * optimizer_steps + done // self.grad_accum  # optimizer steps of the run so far
+        run_steps = epoch * steps.steps_per_epoch + steps.step_of(step) + 1  # optimizer steps of the run so far
         due = self.every_steps is not None and run_steps % self.every_steps == 0
         if self.every_s is not None:
             due = self.rank0_flag(due or time.monotonic() - self.last_at >= self.every_s)

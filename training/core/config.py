@@ -536,8 +536,8 @@ class RegistryConfig(_Section):
     model_name: str = Field("ddpflow-model", min_length=1)
     metric: str | None = Field(
         None,
-        description="Gate metric; default test_accuracy (classification), test_loss (train.objective next_token, "
-        "lower is better) or test_rmse (regression).",
+        description="Gate metric; default the objective's: test_accuracy (classification), test_micro_f1 "
+        "(multilabel), test_rmse (regression), test_loss (train.objective next_token, lower is better).",
     )
     greater_is_better: bool | None = Field(None, description="Default: inferred from the metric name.")
     min_delta: float = Field(0.0, ge=0, description="The candidate must beat the champion by more than this.")
@@ -569,16 +569,17 @@ class RegistryConfig(_Section):
         "none: drift is only reported.",
     )
 
-    def gate_metric(self, task: str) -> str:
-        """``task``: what the evaluation scores (training/objectives/next_token.py: ``evaluated_as``)."""
-        return self.metric or {"classification": "test_accuracy", "next_token": "test_loss"}.get(task, "test_rmse")
+    def gate_metric(self, default: str) -> str:
+        """``registry.metric``, else ``default``: the objective's (training/objectives/base.py: ``Evaluation``)."""
+        return self.metric or default
 
-    def higher_is_better(self, task: str) -> bool:
+    def higher_is_better(self, default: str) -> bool:
+        """``registry.greater_is_better``, else the gate metric's direction (``default``: as ``gate_metric``)."""
         if self.greater_is_better is not None:
             return self.greater_is_better
         from training.core.directions import higher_is_better  # the one rule; torch-free
 
-        return higher_is_better(self.gate_metric(task))
+        return higher_is_better(self.gate_metric(default))
 
 
 class MlflowConfig(_Section):

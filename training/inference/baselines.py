@@ -39,8 +39,6 @@ from training.objectives.registry import Objective, objective_from_checkpoint
 
 TRIVIAL, REFERENCE = "baseline_trivial", "baseline_reference"
 BASELINES = (TRIVIAL, REFERENCE)
-# Objectives whose outputs a constant can stand for (a user objective's outputs mean what its code says).
-SCORABLE = ("softmax", "binary", "multilabel", "mse", "huber")
 # A class (or multilabel label state) without a train row counts as this many rows, so the prior's log loss
 # stays finite on a test row of that class.
 ABSENT_ROWS = 0.5
@@ -178,10 +176,10 @@ def evaluate_baselines(
     manifest = read_manifest(dataset_dir)
     objective, normaliser = checkpoint_reading(model_path)
     baselines = Baselines()
-    if objective.name not in SCORABLE:
+    if not objective.has_baselines:  # a user objective's outputs mean what its code says
         baselines.notes.append(
             f"no baselines: train.objective {objective.name!r} is not one whose outputs a constant or another "
-            f"model can stand for ({', '.join(SCORABLE)})"
+            "model can stand for (Objective.has_baselines)"
         )
         log.info("Baselines: %s", baselines.notes[-1])
         return baselines

@@ -9,9 +9,9 @@ row is counted exactly once and the count is checked against the manifest.
     result = evaluate_split("runs/x/model.pt", "data/shards/<fp>", split="test")
     result.metrics["test_accuracy"]
 
-A next_token language model is scored per target token by training/inference/token_scoring.py (test_loss,
-test_perplexity, test_token_accuracy, test_tokens), apart from the per-row classification and regression
-code below.
+Which evaluator scores a model is its objective's (``Evaluation.scorer``, training/objectives/base.py): a
+label per row (classification, multilabel, regression: the code below), or a language model's target tokens
+(training/inference/token_scoring.py: test_loss, test_perplexity, test_token_accuracy, test_tokens).
 """
 
 from __future__ import annotations
@@ -41,9 +41,8 @@ from training.kinds.inputs import InputInfo, inputs_from_manifest
 from training.kinds.normalisation import Normaliser
 from training.kinds.registry import encode_columns, kind_record
 from training.loading.batches import fill_labels
-from training.objectives.base import Objective
+from training.objectives.base import TOKEN_SCORER, Objective
 from training.objectives.metrics import precision_recall
-from training.objectives.next_token import LANGUAGE_MODEL
 from training.objectives.registry import objective_from_checkpoint
 
 
@@ -301,12 +300,15 @@ def evaluate_split(
         raise ValueError(f"{dataset_dir}: split {split!r} is empty; nothing to evaluate")
     model, meta = load_model_checkpoint(model_path)
     objective = objective_from_checkpoint(meta)  # how its outputs are read: model.pt's objective
-    if objective.name == LANGUAGE_MODEL:  # per target token, no label per row: its own module
+    evaluation = objective.evaluation(meta["task"])
+    if evaluation.scorer == TOKEN_SCORER:  # per target token, no label per row: its own module
         check_text_input(meta, manifest, model_path)
-        return evaluate_tokens(
+        result = evaluate_tokens(
             model, meta, objective, manifest, dataset_dir, split, batch_size,
             return_predictions=return_predictions, max_predictions=max_predictions, started=started,
         )  # fmt: skip
+        result.figure = evaluation.figure
+        return result
     remap = check_compatible(meta, manifest, model_path)
     normaliser = Normaliser.from_checkpoint(meta)  # the model's own statistics, also when re-scoring a champion
     classification = manifest.task == "classification"
@@ -331,7 +333,8 @@ def evaluate_split(
                 if room:
                     kept_predictions.append(predicted[:room].numpy())
                     kept_targets.append(y[:room].numpy())
-    result = EvalResult(task=manifest.task, split=split, samples=scorer.samples, metrics={}, seconds=0.0)
+    result = EvalResult(task=evaluation.scored_as, split=split, samples=scorer.samples, metrics={}, seconds=0.0)
+    result.figure = evaluation.figure
     result.metrics, result.per_class = scorer.scored(split, dataset_dir)
     if result.per_class is not None:
         result.class_labels = [str(label) for label in manifest.label_mapping]

@@ -40,7 +40,7 @@ class IncompatibleModelError(ValueError):
 
 @dataclass
 class EvalResult:
-    task: str  # the dataset's task, or "next_token" for a language model (training/inference/token_scoring.py)
+    task: str  # what the evaluation scored: the objective's ``Evaluation.scored_as`` (the dataset's task, or its own)
     split: str
     samples: int
     metrics: dict[str, float]  # flat, MLflow-ready: "<split>_accuracy", "<split>_rmse", ...
@@ -59,6 +59,8 @@ class EvalResult:
     misclassified: list[dict[str, Any]] | None = field(default=None, repr=False)
     # A classifier with text inputs: its most confidently wrong rows (inference/wrong_rows.py), a table artifact.
     confidently_wrong: dict[str, list] | None = field(default=None, repr=False)  # {"columns", "data"}
+    # The objective's figure (training/objectives/base.py: Evaluation.figure), None for the task's own.
+    figure: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """What ``eval/metrics.json`` holds (no per-row arrays)."""

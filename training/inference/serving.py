@@ -40,7 +40,8 @@ from training.inference.predict import Predictor
 from training.inference.token_scoring import TokenScorer
 from training.kinds.registry import CODECS, kind_record
 from training.kinds.tabular import source_dtype
-from training.objectives.next_token import LANGUAGE_MODEL
+from training.objectives.base import ROW_SCORER, TOKEN_SCORER
+from training.objectives.registry import objective_from_checkpoint
 
 MODEL_ARTIFACT = "model_pt"  # key in context.artifacts; stored as artifacts/model.pt in the model
 MODEL_NAME = "model"  # the logged model's name
@@ -64,12 +65,15 @@ class TabularTorchModel(mlflow.pyfunc.PythonModel):
         return predictions(self._predictor, model_input, (params or {}).get("output", "label"))
 
 
+SERVED_BY = {ROW_SCORER: Predictor, TOKEN_SCORER: TokenScorer}  # what serves a model, by its objective's scorer
+
+
 def load_predictor(model_path: str | Path) -> Predictor | TokenScorer:
-    """What serves ``model.pt``: a ``TokenScorer`` for a next_token model, else a ``Predictor``."""
+    """What serves ``model.pt``: its objective's scorer (``Evaluation.scorer``): a ``TokenScorer`` for a language
+    model, else a ``Predictor``."""
     model, meta = load_model_checkpoint(model_path)
-    if (meta.get("objective") or {}).get("name") == LANGUAGE_MODEL:
-        return TokenScorer(model, meta)
-    return Predictor(model, meta)
+    scorer = objective_from_checkpoint(meta).evaluation(meta["task"]).scorer
+    return SERVED_BY[scorer](model, meta)
 
 
 def predictions(predictor: Predictor | TokenScorer, frame: pd.DataFrame, output: str = "label"):

@@ -82,10 +82,15 @@ class StepMetricsSink:
         self.path = Path(run_dir) / STEP_METRICS
         lines = read_metrics_lines(self.path) if self.enabled else []
         self.logged_through = max((line.get(STEP_KEY, 0) for line in lines), default=0)
+        self.epoch = 0  # the epoch being trained: the loop sets it, ``add_step`` reports in it
         self._window()
 
     def _window(self) -> None:
         self.loss_sum, self.weight, self.norm_sum, self.count = 0.0, 0.0, 0.0, 0
+
+    def add_step(self, report: StepReport) -> None:
+        """``TrainStep``'s report of an optimizer step of the current ``epoch``."""
+        self.add(self.epoch, report)
 
     def add(self, epoch: int, report: StepReport) -> None:
         if not self.enabled:

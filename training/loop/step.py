@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from training.loading.batches import Batch, SplitTensors, TrainBatches, combined_row_weights
+from training.loop.accumulation import OptimizerSteps
 from training.loop.nonfinite import NonFiniteStep
 from training.objectives.base import Objective
 from training.objectives.registry import auto_objective, make_objective
@@ -66,8 +67,9 @@ class TrainStep:
     """One micro-batch of the exact update (module docstring), called for micro-batches 0, 1, ... of an epoch.
 
     Micro-batches ``[k * grad_accum, (k + 1) * grad_accum)`` form optimizer step k (the epoch's last may be
-    short); only the last of a step all-reduces (the others run under ``no_sync``), then the step clips,
-    updates, zeroes the gradients and advances the schedule.
+    short: ``steps``, training/loop/accumulation.py, the rule the loop reads too); only the last of a step
+    all-reduces (the others run under ``no_sync``), then the step clips, updates, zeroes the gradients and
+    advances the schedule.
     """
 
     def __init__(
@@ -81,6 +83,7 @@ class TrainStep:
     ):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.batches, self.settings = batches, settings
+        self.steps = OptimizerSteps(settings.grad_accum, len(batches))  # which micro-batches step the optimizer
         self.on_update = on_update  # after each optimizer step (the per-step curves: training/loop/metrics_sink.py)
         # This rank's loss sum Σ w·ℓ, weight Σ w (device tensors) and real rows of the optimizer step so far.
         self._step_loss, self._step_weight, self._step_rows = None, None, 0
@@ -88,8 +91,8 @@ class TrainStep:
 
     def __call__(self, index: int, batch: Batch) -> torch.Tensor:
         """Train micro-batch ``index``; returns its weighted loss sum Σ w_i ℓ_i (float64, detached, on the device)."""
-        group = self._optimizer_step_of(index)
-        last_in_group = index == group[-1]
+        group = self.steps.group(index)
+        last_in_group = self.steps.steps_optimizer(index)
         # DDP averages over W ranks: W / (weight of this optimizer step's real rows on all ranks) makes
         # the step's gradient that of Σ w·ℓ / Σ w over its global batch (module docstring).
         scale = self.batches.world_size / self.batches.global_weight(group.start, group.stop)
@@ -112,12 +115,6 @@ class TrainStep:
             self._update(group)
         return summed
 
-    def _optimizer_step_of(self, index: int) -> range:
-        """The micro-batches ``[first, stop)`` of micro-batch ``index``'s optimizer step."""
-        accum = self.settings.grad_accum
-        first = (index // accum) * accum
-        return range(first, min(first + accum, len(self.batches)))
-
     def _update(self, group: range) -> None:
         """Check, clip, step. Raises ``NonFiniteStep`` (training/loop/nonfinite.py) before a NaN or inf update."""
         if self.settings.grad_clip is not None:
@@ -133,7 +130,7 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
-        index = group.start // self.settings.grad_accum
+        index = self.steps.step_of(group.start)
         self.on_update(StepReport(index, loss, self._step_rows, grad_norm, lr, weight))
 
 

@@ -11,7 +11,12 @@ w_i the row's weight (its data.weight times its class weight under ``train.class
   or a value (float32 ``[B]``, the standardised regression target);
 - ``per_row_loss(outputs, labels) -> [B]``: float32, computed in fp32 also under bf16 autocast;
 - ``tally(n_classes)``: the sums its exact metrics come from (training/objectives/metrics.py);
-- ``decode(outputs) -> (label index or value, probabilities or None)``: what evaluation and serving report.
+- ``decode(outputs) -> (label index or value, probabilities or None)``: what evaluation and serving report;
+- ``uses_label``, ``has_baselines`` and ``evaluation(task) -> Evaluation``: how a model trained with it is
+  evaluated, shown and judged (which evaluator scores it, what its result is called, the gate's default metric,
+  the headline metrics, its figure): the questions tasks/ and ddpflow/tracking/ ask the objective's record
+  (``registry.py: objective_record``) instead of naming an objective. The defaults follow the dataset's task,
+  so a user's objective is evaluated as today's built-in of its task.
 
 The built-in objectives implement it beside this module (``builtin.py``, ``next_token.py``); the registry
 (``registry.py``) builds the one ``train.objective`` names, built-in or a user's.
@@ -19,6 +24,7 @@ The built-in objectives implement it beside this module (``builtin.py``, ``next_
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,6 +32,35 @@ import torch
 from training.objectives.metrics import MeanTally, Tally
 
 CLASS_INDEX, MULTI_HOT, VALUE = "class_index", "multi_hot", "value"  # what a label is
+ROW_SCORER, TOKEN_SCORER = "rows", "tokens"  # which evaluator scores a model (training/inference/evaluate.py: SCORERS)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """How a model trained with an objective is evaluated, shown and judged.
+
+    ``scored_as``: what its evaluation is (``EvalResult.task``): the dataset's task or the objective's own kind;
+    ``scorer``: ROW_SCORER (a label per row, training/inference/evaluate.py) or TOKEN_SCORER (a language model's target
+    tokens, training/inference/token_scoring.py); ``gate_metric``: what the gate judges unless
+    ``registry.metric`` says otherwise; ``headline``: the metrics the evaluate task's log line shows;
+    ``keeps_predictions``: its figure needs per-row predictions; ``figure``: the figure's name
+    (ddpflow/tracking/plots.py: FIGURES), None for the task's own (confusion matrix, per-class recall, residuals);
+    ``note``: what the evaluate task logs besides (``str.format`` with the metrics and ``samples``)."""
+
+    scored_as: str
+    gate_metric: str
+    headline: tuple[str, ...]
+    scorer: str = ROW_SCORER
+    keeps_predictions: bool = False
+    figure: str | None = None
+    note: str | None = None
+
+
+TASK_EVALUATIONS = {  # an objective of the dataset's task, per row (every built-in but a language model's)
+    "classification": Evaluation("classification", "test_accuracy", ("test_accuracy", "test_macro_f1", "test_loss")),
+    "multilabel": Evaluation("multilabel", "test_micro_f1", ("test_micro_f1", "test_macro_f1", "test_exact_match")),
+    "regression": Evaluation("regression", "test_rmse", ("test_rmse", "test_mae", "test_r2"), keeps_predictions=True),
+}
 
 
 class Objective:
@@ -33,6 +68,8 @@ class Objective:
 
     name = "objective"
     label_kind = VALUE
+    uses_label = True  # the dataset's label is what it learns (drift reports the label's drift)
+    has_baselines = False  # a constant or another model can stand for its outputs (training/inference/baselines.py)
     # The loss on the target's original scale is the standardised one times target_std ** this
     # (mse: 2, exact; every other objective reports its loss on the scale it trains on: 0).
     loss_scale_power = 0
@@ -41,6 +78,11 @@ class Objective:
         self.n_classes = n_classes
         self.kwargs = dict(kwargs)
         self.class_weights: torch.Tensor | None = None  # [C] float32, set by build_objective
+
+    @classmethod
+    def evaluation(cls, task: str) -> Evaluation:
+        """How a model trained with it on a ``task`` dataset is evaluated and judged (``Evaluation``)."""
+        return TASK_EVALUATIONS.get(task, TASK_EVALUATIONS["regression"])
 
     def n_outputs(self, n_classes: int | None) -> int:
         return n_classes if self.label_kind != VALUE and n_classes else 1

@@ -16,7 +16,9 @@ Built-ins (``train.objective``):
   the target's standard deviation (it trains on the standardised target); its loss is reported on
   that standardised scale.
 
-``next_token`` (a language model) has its own module, ``next_token.py``.
+Each is evaluated as its task's (``base.py: Objective.evaluation``) and has baselines (a constant or the
+reference model can stand for its outputs: ``has_baselines``). ``next_token`` (a language model) has its own
+module, ``next_token.py``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ DEFAULT_HUBER_DELTA = 1.0
 
 
 class Softmax(Objective):
+    has_baselines = True
     name, label_kind = "softmax", CLASS_INDEX
 
     def __init__(self, n_classes: int | None = None, label_smoothing: float = 0.0):
@@ -55,6 +58,7 @@ class Softmax(Objective):
 
 
 class Binary(Objective):
+    has_baselines = True
     name, label_kind = "binary", CLASS_INDEX
 
     def n_outputs(self, n_classes):
@@ -82,6 +86,7 @@ class Binary(Objective):
 
 
 class Multilabel(Objective):
+    has_baselines = True
     name, label_kind = "multilabel", MULTI_HOT
 
     def per_row_loss(self, outputs, labels):
@@ -96,6 +101,7 @@ class Multilabel(Objective):
 
 
 class MeanSquaredError(Objective):
+    has_baselines = True
     name, label_kind, loss_scale_power = "mse", VALUE, 2
 
     def per_row_loss(self, outputs, labels):
@@ -106,6 +112,7 @@ class MeanSquaredError(Objective):
 
 
 class Huber(Objective):
+    has_baselines = True
     name, label_kind = "huber", VALUE
 
     def __init__(self, n_classes: int | None = None, delta: float = DEFAULT_HUBER_DELTA):

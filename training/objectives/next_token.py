@@ -34,21 +34,28 @@ import torch.nn.functional as F
 from training.core.config import ConfigError
 from training.kinds.base import TOKENS as TOKEN_IDS
 from training.kinds.registry import kind_record
-from training.objectives.base import Objective
+from training.objectives.base import TOKEN_SCORER, Evaluation, Objective
 from training.objectives.metrics import MeanTally
 
 TOKENS = "tokens"  # the label kind: [B, L] target ids per position, IGNORE where there is none
 IGNORE = -100
 
 
-LANGUAGE_MODEL = "next_token"  # what a next_token model's evaluation is (EvalResult.task) and what the gate judges
+LANGUAGE_MODEL = "next_token"  # the objective's name, and what its evaluation is (EvalResult.task)
 MAX_LOG_PERPLEXITY = 700.0  # exp(700) ~ 1e304: a perplexity stays a finite float (the gate rejects inf)
-
-
-def evaluated_as(objective: str, task: str) -> str:
-    """What an evaluation of a model trained with ``objective`` on a ``task`` dataset scores: ``LANGUAGE_MODEL``
-    (per target token, no label per row) or the dataset's task (classification, regression, multilabel)."""
-    return LANGUAGE_MODEL if objective == LANGUAGE_MODEL else task
+# Scored per target token, whatever the dataset's task (training/inference/token_scoring.py); judged on test_loss,
+# lower is better; shown as its rows by their loss per target token (they have no label to be wrong about).
+EVALUATION = Evaluation(
+    scored_as=LANGUAGE_MODEL,
+    gate_metric="test_loss",
+    headline=("test_loss", "test_perplexity", "test_token_accuracy"),
+    scorer=TOKEN_SCORER,
+    keeps_predictions=True,
+    figure="row_loss",
+    note="{test_tokens:.0f} target tokens of {samples} test rows scored, per target token; the confusion matrix, "
+    "per-class metrics and most confidently wrong rows need a label per row and are not made for a language "
+    "model (eval/row_loss.png instead)",
+)
 
 
 def perplexity(loss: float) -> float:
@@ -71,6 +78,11 @@ class RowScores(NamedTuple):
 
 class NextToken(Objective):
     name, label_kind = LANGUAGE_MODEL, TOKENS
+    uses_label = False  # its targets are the text's own tokens: the dataset's label is not read
+
+    @classmethod
+    def evaluation(cls, task: str) -> Evaluation:
+        return EVALUATION
 
     def __init__(self, n_classes: int | None = None, input: str | None = None, vocab_size: int | None = None):
         super().__init__(n_classes, input=input, vocab_size=vocab_size)

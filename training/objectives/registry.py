@@ -21,21 +21,22 @@ import torch
 
 from training.core.config import ConfigError
 from training.core.imports import import_factory
-from training.objectives.base import CLASS_INDEX, MULTI_HOT, VALUE, Objective
+from training.objectives.base import CLASS_INDEX, MULTI_HOT, VALUE, Evaluation, Objective
 from training.objectives.builtin import Binary, Huber, MeanSquaredError, Multilabel, Softmax
 from training.objectives.next_token import NextToken, next_token_kwargs
 
-BUILT_IN = ("softmax", "binary", "multilabel", "mse", "huber", "next_token")
-
-
-BUILT_INS: dict[str, Callable[..., Objective]] = {
+BUILT_INS: dict[str, type[Objective]] = {
     "softmax": Softmax,
     "binary": Binary,
     "multilabel": Multilabel,
     "mse": MeanSquaredError,
     "huber": Huber,
+    "next_token": NextToken,  # a language model: any task's data, the label unused
 }
+BUILT_IN = tuple(BUILT_INS)
 TASKS = {"softmax": "classification", "binary": "classification", "mse": "regression", "huber": "regression"}
+# Built-ins whose kwargs come from the dataset (next_token: the text input and its vocabulary size).
+DATASET_KWARGS = {"next_token": next_token_kwargs}
 
 
 def auto_objective(task: str, multi_hot_label: bool = False) -> str:
@@ -67,8 +68,8 @@ def make_objective(
             f"train.label_smoothing: {label_smoothing} applies to the softmax objective only; "
             f"train.objective is {resolved!r}"
         )
-    if resolved == "next_token":  # its own module (training/objectives/next_token.py); any task's data
-        return NextToken(n_classes, **kwargs)
+    if resolved in DATASET_KWARGS:  # fits any task's data: what it reads is in its kwargs
+        return BUILT_INS[resolved](n_classes, **kwargs)
     if resolved not in BUILT_INS:
         return _user_objective(resolved, task, n_classes, kwargs, multi_hot_label)
     _check_fits(resolved, task, n_classes, multi_hot_label)
@@ -78,6 +79,23 @@ def make_objective(
         return BUILT_INS[resolved](n_classes, **kwargs)
     except TypeError as error:
         raise ConfigError(f"train.objective_kwargs: {resolved} does not take {kwargs}: {error}") from None
+
+
+def objective_record(name: str, task: str, multi_hot_label: bool = False) -> type[Objective]:
+    """The record of the objective ``name`` (``train.objective``) for a ``task`` dataset, without building it: its
+    class, which answers how its models are evaluated and judged (``uses_label``, ``has_baselines``,
+    ``evaluation``). A user's factory that is an ``Objective`` subclass is its own record; any other factory is
+    read with the contract's defaults (evaluated as its task's objectives are)."""
+    resolved = auto_objective(task, multi_hot_label) if name == "auto" else name
+    if resolved in BUILT_INS:
+        return BUILT_INS[resolved]
+    factory = resolve_user_objective(resolved)
+    return factory if isinstance(factory, type) and issubclass(factory, Objective) else Objective
+
+
+def evaluation_of(train, task: str) -> Evaluation:
+    """How a model trained by ``train`` (a TrainConfig) on a ``task`` dataset is evaluated and judged."""
+    return objective_record(train.objective, task).evaluation(task)
 
 
 def _check_fits(name: str, task: str, n_classes: int | None, multi_hot_label: bool) -> None:
@@ -149,8 +167,8 @@ def build_objective(train, manifest) -> Objective:
     multi_hot = multi_hot_label(manifest)
     n_classes = len(manifest.label_mapping) if manifest.label_mapping is not None else None
     kwargs = train.objective_kwargs
-    if train.objective == "next_token":
-        kwargs = next_token_kwargs(kwargs, manifest)  # the text input and its vocabulary size
+    if train.objective in DATASET_KWARGS:
+        kwargs = DATASET_KWARGS[train.objective](kwargs, manifest)
     objective = make_objective(train.objective, manifest.task, n_classes, kwargs, train.label_smoothing, multi_hot)
     if train.class_weights != "none":
         if objective.label_kind != CLASS_INDEX:
@@ -174,7 +192,7 @@ def objective_from_checkpoint(meta: Mapping[str, Any]) -> Objective:
 
 def check_objective(objective: Objective, n_classes: int | None) -> None:
     """Call the objective on a tiny batch: ConfigError naming it and the shape when it is not one loss per row."""
-    if objective.name == "next_token":
+    if objective.name in DATASET_KWARGS:
         return  # built in, and per position: the one-row-one-output probe below does not apply
     rows, width = 2, objective.n_outputs(n_classes)
     outputs = torch.zeros(rows, width)

@@ -95,9 +95,9 @@ def test_a_candidate_must_beat_guessing_and_may_be_held_to_the_reference():
 def test_the_gate_infers_each_metrics_direction_from_its_kind(metric, higher):
     assert metric_higher_is_better(metric) is higher
     registry = load_config(None, [f"registry.metric={metric}"]).registry
-    assert registry.higher_is_better("classification") is higher  # the config's default: the same rule
+    assert registry.higher_is_better("test_accuracy") is higher  # the objective default loses to registry.metric
     given = load_config(None, [f"registry.metric={metric}", f"registry.greater_is_better={not higher}"]).registry
-    assert given.higher_is_better("classification") is (not higher)  # given: it wins
+    assert given.higher_is_better("test_accuracy") is (not higher)  # given: it wins
 
 
 def test_the_decision_reads_back_from_its_version_tags():

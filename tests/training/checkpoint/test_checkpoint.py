@@ -168,3 +168,82 @@ def test_warm_start_needs_the_same_architecture_and_features(tmp_path, capsys):
     assert checkpointer.load_warm_start(None, spec, ["a", "b"]) is None
     out = capsys.readouterr().out
     assert out.count("training from scratch") == 3 and "does not exist" in out
+
+
+# --- what last.pt holds: training/checkpoint/state.py ------------------------------------------------------------
+
+# The keys of last.pt and a step checkpoint (docs/architecture.md): files written before TrainState existed hold them.
+LAST_PT_KEYS = {
+    "model", "optimizer", "scheduler", "epoch", "step", "epoch_sums", "global_batch", "rng", "world_size", "metrics",
+    "selection", "best_model", "config", "fingerprint",
+}  # fmt: skip
+
+
+class OneRank(SingleProcess):
+    """A one-rank group with the collectives ``TrainState`` and ``EpochSums`` call."""
+
+    device = torch.device("cpu")
+
+    def all_reduce_sum(self, values):
+        return [float(torch.as_tensor(value, dtype=torch.float64)) for value in values]
+
+    def all_reduce_int_sum(self, values):
+        return [int(value) for value in values]
+
+
+def train_state(config, run_dir, seed: int):
+    from training.checkpoint.state import TrainState
+
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    ctx = OneRank()
+    return TrainState(config, "fp", ctx, Checkpointer(run_dir, ctx), model, optimizer, scheduler, rank_batch=4)
+
+
+def test_the_train_state_writes_last_pts_keys_and_resumes_a_step_checkpoint_exactly(tmp_path):
+    from types import SimpleNamespace
+
+    from training.loop.epoch_sums import EpochSums
+
+    config = load_config(None, ["train.epochs=3", "train.select=best"])
+    state = train_state(config, tmp_path, seed=0)
+    state.model(torch.ones(5, 3)).sum().backward()
+    state.optimizer.step()
+    state.scheduler.step()
+    state.position.epochs_done, state.position.history = 1, [{"epoch": 0, "val_loss": 0.5}]
+    assert state.selection.observe(0, {"val_loss": 0.5, "val_samples": 10})
+    state.best.keep(state.model)
+    sums = EpochSums(torch.device("cpu"))
+    sums.add(SimpleNamespace(indices=torch.arange(4), samples=4), torch.tensor(2.5, dtype=torch.float64))
+    state.save_step(1, 2, sums)  # rank 0 writes in the background
+    state.checkpointer.wait_for_writes()
+    saved = torch.load(tmp_path / "checkpoints" / "step-e00001-s00000002.pt", weights_only=True)
+    assert set(saved) == LAST_PT_KEYS
+    assert saved["epoch_sums"] == {"loss": 2.5, "rows": 4, "coverage": sums.coverage.totals()}
+
+    resumed = train_state(config, tmp_path, seed=1)  # other initial weights
+    resumed.resume_or_seed(resumed.checkpointer.load_resumable(config, "fp"))
+    for name, value in state.model.state_dict().items():
+        assert torch.equal(resumed.model.state_dict()[name], value)
+    momentum = resumed.optimizer.state_dict()["state"][0]["momentum_buffer"]
+    assert torch.equal(momentum, state.optimizer.state_dict()["state"][0]["momentum_buffer"])
+    assert resumed.scheduler.state_dict() == state.scheduler.state_dict()
+    assert resumed.position.take_start() == (2, {"loss": 2.5, "rows": 4, "coverage": tuple(sums.coverage.totals())})
+    assert (resumed.position.epochs_done, resumed.position.history) == (1, [{"epoch": 0, "val_loss": 0.5}])
+    assert resumed.selection.best_epoch == 0 and resumed.best.weights is not None
+
+
+def test_the_train_state_resumes_a_last_pt_of_the_oldest_format(tmp_path):
+    """A last.pt from before step checkpoints, the global batch, selection and best weights (``saved_state``)."""
+    config = load_config(None, ["train.epochs=3"])
+    old = train_state(config, tmp_path, seed=0)
+    atomic_save(
+        {**saved_state(config), "model": old.model.state_dict(), "optimizer": old.optimizer.state_dict()},
+        tmp_path / "checkpoints" / "last.pt",
+    )
+    state = train_state(config, tmp_path, seed=1)
+    state.resume_or_seed(state.checkpointer.load_resumable(config, "fp"))
+    assert state.position.epochs_done == 1 and state.position.take_start() == (0, None)
+    assert torch.equal(state.model.weight, old.model.weight) and state.best.weights is None

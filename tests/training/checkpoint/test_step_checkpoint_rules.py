@@ -14,7 +14,7 @@ from training.distributed.context import SingleProcess
 
 def due_steps(schedule: StepSchedule, epochs: int = 2) -> list[tuple[int, int]]:
     """(epoch, steps trained) of each checkpoint the schedule asks for."""
-    return [(e, s + 1) for e in range(epochs) for s in range(schedule.steps_per_epoch) if schedule.due(e, s)]
+    return [(e, s + 1) for e in range(epochs) for s in range(schedule.steps.micro_batches) if schedule.due(e, s)]
 
 
 def test_a_step_checkpoint_is_due_every_n_optimizer_steps_of_the_run_never_mid_step_or_at_an_epoch_end():
