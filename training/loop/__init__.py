@@ -1,4 +1,5 @@
 """The training loop's parts: one step of the exact update and the exact validation pass (``step.py``), the
 optimizer and its schedule, model selection, the coverage certificate, the non-finite error, progress lines,
-metrics.jsonl and the test hooks. The Trainer (``training/train.py``) puts them together.
+metrics.jsonl, the test hooks and the stop a sweep's pruner asks for (``stop_request.py``). The Trainer
+(``training/train.py``) puts them together.
 """
