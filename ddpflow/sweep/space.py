@@ -245,6 +245,14 @@ def _check_grid(sweep: Sweep) -> None:
                 f"sweep.space.{key}: sampler grid needs choices or an integer range; "
                 f"give choices: [...] or use sampler tpe or random"
             )
+    points = 1
+    for dimension in sweep.sweep.space.values():
+        points *= len(dimension.choices) if dimension.choices is not None else int(dimension.high - dimension.low) + 1
+    if sweep.sweep.trials > points:
+        raise ConfigError(
+            f"sweep.trials: {sweep.sweep.trials} trials, but the grid has {points} point(s): every trial beyond "
+            "them would repeat one; lower sweep.trials or widen the space"
+        )
 
 
 def is_integer_range(key: str, dimension: Dimension) -> bool:

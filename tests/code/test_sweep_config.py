@@ -51,6 +51,7 @@ def _raw(space=None, **sweep) -> dict:
         ({"train.nproc_per_node": {"choices": [1, 2]}}, {}, "not tunable"),
         ({"train.lr": {"choices": []}}, {}, "choices is empty"),
         ({"train.lr": {"low": 1e-3, "high": 1e-2}}, {"sampler": "grid"}, "sampler grid needs choices"),
+        ({"train.lr": {"choices": [0.1, 0.01]}}, {"sampler": "grid"}, "sweep.trials: 4 trials, but the grid has 2"),
         (None, {"objective": "test_accuracy"}, "sweep.objective: 'test_accuracy' is not a validation metric"),
         (None, {"sampler": "bayes"}, "sweep.sampler"),
         (None, {"enqueue": [{"train.epochs": 3}]}, "sweep.enqueue[0]: ['train.epochs'] are not keys of sweep.space"),
