@@ -3,6 +3,7 @@
     ddpflow prepare  --config configs/demo.yaml [--set data.root=/tmp/shards] [--json]
     ddpflow run      --config configs/demo.yaml [--set train.epochs=1] [--json] [--verbose]
     ddpflow register --run-id <mlflow run id> [--config ...] [--verbose]   (re-run the registration gate)
+    ddpflow sweep    --config sweep.yaml [--set sweep.trials=40] [--json] [--verbose]   (tune; docs/sweeps.md)
     ddpflow stack    up|down|status [--project .] [--prefect-port 4200] [--mlflow-port 5000] ...
     ddpflow serve    NAME[@alias|/version] [--port 5001] [--tracking-uri URI]   (MLflow's scoring server)
 
@@ -59,7 +60,7 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
-FLOW_COMMANDS = ("run", "register")  # the commands that run a flow: they keep a log file
+FLOW_COMMANDS = ("run", "register", "sweep")  # the commands that run a flow: they keep a log file
 
 
 class CommandFailed(Exception):
@@ -92,6 +93,25 @@ def cmd_run(args: argparse.Namespace) -> None:
         return
     print_summary(_for_people(summary), as_json=False)
     print(_where_to_look(summary))
+
+
+def cmd_sweep(args: argparse.Namespace) -> None:
+    from ddpflow.sweep.space import load_sweep
+
+    sweep = load_sweep(args.config, args.overrides)  # a bad sweep section exits 2 here, before any server starts
+
+    def run(server: PrefectServer) -> dict[str, Any]:
+        from flows.sweep import sweep_pipeline
+
+        _log_to_file(args)
+        server.wait_until_ready()
+        return _run_flow(sweep_pipeline, config=sweep.as_raw())
+
+    summary = _with_prefect_server(run)
+    if not args.json:
+        summary = {**summary, "test_metrics": ", ".join(_metric_text(k, v, summary["test_metrics"])
+                                                         for k, v in summary["test_metrics"].items())}  # fmt: skip
+    print_summary(summary, args.json)
 
 
 def cmd_register(args: argparse.Namespace) -> None:
@@ -318,6 +338,11 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(run)
     _verbose_arg(run)
     run.set_defaults(handler=cmd_run)
+
+    sweep = sub.add_parser("sweep", help="tune train.* settings: one prepare, a DDP run per trial, the best one gated")
+    _config_args(sweep)
+    _verbose_arg(sweep)
+    sweep.set_defaults(handler=cmd_sweep)
 
     register = sub.add_parser("register", help="re-run the registration gate for a finished MLflow run")
     register.add_argument("--run-id", required=True, help="the MLflow run id of a finished pipeline run")

@@ -66,6 +66,7 @@ from training.loop.nonfinite import NonFiniteStep, non_finite_error
 from training.loop.optim import build_optimizer, build_schedule, optimizer_states_per_parameter
 from training.loop.progress import Progress
 from training.loop.step import StepSettings, TrainStep, evaluate, validation_metrics
+from training.loop.stop_request import stop_requested
 from training.models.registry import ModelSpec, build_model
 from training.objectives.registry import build_objective
 
@@ -237,6 +238,9 @@ class Trainer:
             self.sink.log_epoch(epoch, record)
             self.state.save_last()
             self.progress.end_epoch(record)
+            if epoch + 1 < self.config.epochs and stop_requested(self.job.run_dir, epoch, self.ctx):
+                log_main(self.ctx.is_main, f"stopped after epoch {epoch + 1}: the sweep's pruner asked for it")
+                break
         self.checkpointer.save_final(self.final_model() if self.ctx.is_main else {})
         log_main(self.ctx.is_main, f"wrote {self.checkpointer.final_path} ({self._selection_line()})")
 

@@ -1,12 +1,12 @@
 """The MLflow run's figures: the evaluation's (a confusion matrix, or residuals for regression; misclassified
-images) and data drift.
+images), data drift, and a sweep's objective against each parameter.
 
 ``matplotlib.figure.Figure`` directly: no pyplot state, no GUI backend, safe on a worker thread.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from training.inference.evaluate import CONFUSION_MAX_CLASSES
 from training.inference.model_file import EvalResult
@@ -202,3 +202,39 @@ def drift_figure(report: DriftReport, reference: str, max_psi: float | None = No
     )
     figure.tight_layout()
     return figure
+
+
+def sweep_figure(rows: list[dict[str, Any]], keys: list[str], objective: str, log_keys: tuple[str, ...] = ()):
+    """A sweep's objective against each tuned parameter, one panel per key: complete trials as dots (the best
+    one ringed), pruned ones as crosses at the last value reported; failed trials have no value to draw.
+    ``rows``: ``ddpflow/tracking/sweep.py: trial_rows``."""
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(4.2 * max(1, len(keys)), 3.8))
+    axes_row = figure.subplots(1, max(1, len(keys)), squeeze=False)[0]
+    best = next((row for row in rows if row.get("best")), None)
+    for axes, key in zip(axes_row, keys):
+        for state, marker, colour in (("complete", "o", "tab:blue"), ("pruned", "x", "tab:orange")):
+            points = [
+                (_plottable(row[key]), row["value"])
+                for row in rows
+                if row["state"] == state and row["value"] is not None
+            ]
+            if points:
+                axes.scatter(*zip(*points), marker=marker, color=colour, label=state)
+        if best is not None:
+            axes.scatter([_plottable(best[key])], [best["value"]], s=160, facecolors="none", edgecolors="tab:red",
+                         label=f"best (trial {best['trial']})")  # fmt: skip
+        if key in log_keys:
+            axes.set_xscale("log")
+        axes.set(xlabel=key, ylabel=objective)
+        axes.legend(fontsize=7)
+    failed = sum(row["state"] == "failed" for row in rows)
+    figure.suptitle(f"{objective} of {len(rows)} trials ({failed} failed, not drawn)", fontsize=10)
+    figure.tight_layout()
+    return figure
+
+
+def _plottable(value: Any) -> Any:
+    """A number as itself; a choice such as [256, 256] as its text (a categorical axis)."""
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)

@@ -162,7 +162,7 @@ def circles_touching(*packages: str) -> list[list[str]]:
 def test_every_training_module_imports_without_prefect_tasks_flows_or_ddpflow():
     modules = modules_of(training)
     assert "training.train" in modules and "training.prepare.dataset" in modules
-    leaked = leaked_after_importing(modules, ("prefect", "tasks", "flows", "ddpflow"))
+    leaked = leaked_after_importing(modules, ("prefect", "tasks", "flows", "ddpflow", "optuna"))
     assert leaked == [], f"training/ pulled in: {leaked}"
 
 
@@ -207,6 +207,18 @@ def test_mlflow_is_imported_only_in_the_tracking_layer_and_the_rank_side_serving
         if mlflow:
             offenders[str(path.relative_to(REPO))] = mlflow
     assert offenders == {}, f"call ddpflow/tracking/ instead of MLflow: {offenders}"
+
+
+def test_optuna_is_imported_only_by_the_sweep_package():
+    """The sweep's sampler, pruner and study live in ddpflow/sweep/ (issue 38); the ranks only read a verdict file."""
+    offenders = {}
+    for path in python_files(*PRODUCT_PACKAGES):
+        if path.is_relative_to(REPO / "ddpflow" / "sweep"):
+            continue
+        optuna = sorted(name for name in imported_names(path) if name.split(".")[0] == "optuna")
+        if optuna:
+            offenders[str(path.relative_to(REPO))] = optuna
+    assert offenders == {}, f"call ddpflow/sweep/ instead of Optuna: {offenders}"
 
 
 def test_the_installed_package_holds_no_test_or_bench_code_and_needs_none():

@@ -682,6 +682,8 @@ class PipelineConfig(_Section):
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
     mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
+    # `ddpflow sweep` reads and validates it (ddpflow/sweep/space.py); a run ignores it, and no record holds it.
+    sweep: dict[str, Any] | None = Field(None, exclude=True, description="A sweep's section: see docs/sweeps.md.")
 
     def flat(self) -> dict[str, Any]:
         """Dotted keys to scalar values, for MLflow params."""

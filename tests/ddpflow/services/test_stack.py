@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from ddpflow.services import stack
+from ddpflow.sweep.space import load_sweep
 from training.core.config import load_config
 
 
@@ -21,7 +22,7 @@ def test_prefect_yaml_deploys_the_pipeline_with_real_configs(repo_root: Path) ->
     assert spec["build"] is None and spec["push"] is None
     assert spec["pull"] == [{"prefect.deployments.steps.set_working_directory": {"directory": "{{ $PWD }}"}}]
     deployments = {d["name"]: d for d in spec["deployments"]}
-    assert set(deployments) == {"nightly", "manual", "slurm", "every-10-minutes", "on-new-data"}
+    assert set(deployments) == {"nightly", "manual", "slurm", "tune", "every-10-minutes", "on-new-data"}
     for deployment in deployments.values():
         path, _, function = deployment["entrypoint"].partition(":")
         assert f"def {function}(" in (repo_root / path).read_text()
@@ -36,6 +37,9 @@ def test_prefect_yaml_deploys_the_pipeline_with_real_configs(repo_root: Path) ->
     assert deployments["manual"]["schedules"] == []
     assert deployments["slurm"]["schedules"] == [] and "slurm" in deployments["slurm"]["tags"]
     assert load_config(repo_root / deployments["slurm"]["parameters"]["config_file"]).train.launcher == "slurm"
+    # The sweep deployment's section validates as `ddpflow sweep` reads it (docs/sweeps.md).
+    assert deployments["tune"]["entrypoint"] == "flows/sweep.py:sweep_pipeline"
+    assert load_sweep(repo_root / deployments["tune"]["parameters"]["config_file"]).sweep.trials >= 1
 
 
 def test_up_refuses_a_busy_port_before_starting_anything(tmp_path: Path, repo_root: Path) -> None:
