@@ -2,12 +2,12 @@
 
 For each table (bench/workloads/tables.py: 8 generated with known structure, 4 bundled with scikit-learn):
 
-- ddpflow, as a user runs it: ``data.inputs`` declares every column by kind, nothing else is set but
-  ``data.on_invalid: drop`` where the table holds nulls (today ddpflow refuses nulls in a numeric input
-  otherwise; the rows it drops are counted) and 2 ranks; the default model (``train.model: auto``) and every
-  default training setting, the default epoch budget included (``train.epochs`` 5, ``select: best`` by
-  ``val_loss``). Prepare, the train stage through torchrun (``ddpflow.launch``: what the Prefect task runs),
-  ``evaluate_split`` on the test split.
+- ddpflow, as a user runs it: ``data.inputs`` declares every column by kind, nothing else is set but 2 ranks
+  (nulls in a numeric input are values: imputed, with a missing indicator); the default model
+  (``train.model: auto``) and every default training setting, the epoch budget and early stopping included.
+  Prepare, the train stage through torchrun (``ddpflow.launch``: what the Prefect task runs),
+  ``evaluate_split`` on the test split. ``BENCH_TABLES_SET`` (``train.epochs=40;train.lr=0.002``, ``;``
+  between overrides) sets more for an experiment; the figures of docs/benchmarks.md are measured without it.
 - HistGradientBoosting with its defaults (``random_state=0`` so that a rerun is the same), fitted on the rows
   of ddpflow's own train split and scored on its own test split, read from the prepared shards: numeric
   columns as float (NaN as is), categoricals as pandas categoricals (``categorical_features="from_dtype"``);
@@ -45,15 +45,12 @@ def write_table(ctx: Context, spec: TableSpec, rows: int) -> tuple[Path, dict[st
 
 
 def user_config(ctx: Context, spec: TableSpec, source: Path, inputs: dict[str, str], batch_size: int | None = None):
-    """A user's natural config: inputs by kind, the label, drop where nulls are, 2 ranks; defaults otherwise
-    (``batch_size``: what the user sets after ddpflow refused the default on a small table)."""
+    """A user's natural config: inputs by kind, the label, 2 ranks; defaults otherwise (``batch_size``: what the
+    user sets after ddpflow refused the default on a small table; ``BENCH_TABLES_SET``: an experiment's
+    overrides)."""
     root = ctx.workdir / "tables" / spec.name
     data = {"source": str(source), "root": str(root / "shards"), "label": spec.label, "inputs": inputs}
-    if spec.nulls:
-        data["on_invalid"] = "drop"
-    if spec.task == REGRESSION:
-        data["task"] = "regression"  # as a user declares it: ddpflow infers an integer label (a count) as classes
-    return ddpflow_api.pipeline_config(
+    raw = ddpflow_api.apply_overrides(
         {
             "data": data,
             "train": {
@@ -67,8 +64,10 @@ def user_config(ctx: Context, spec: TableSpec, source: Path, inputs: dict[str, s
                 "experiment": "bench-tables",
             },
             "registry": {"model_name": f"bench-{spec.name}"},
-        }
+        },
+        [item for item in os.environ.get("BENCH_TABLES_SET", "").split(";") if item.strip()],
     )
+    return ddpflow_api.pipeline_config(raw)
 
 
 def run_ddpflow(config, spec: TableSpec) -> dict:

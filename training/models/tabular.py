@@ -4,12 +4,18 @@ an embedding per categorical or hashed input (``embedding_dim``), the numeric an
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from training.kinds.inputs import EMBEDDED_KINDS, InputInfo, block_names
+
+# The built-in mlp's defaults for a run (training/resolve.py fills them into train.model_kwargs; docs/models.md says
+# where each comes from). The class's own defaults stay those of the model.pt files written before, which rebuild
+# from their recorded model_kwargs.
+MLP_DEFAULTS: dict = {"hidden": [256, 256], "ensemble": 1}
 
 
 def embedding_dim(cardinality: int) -> int:
@@ -34,6 +40,7 @@ class MLP(nn.Module):
         hidden: Sequence[int] = (256, 256),
         dropout: float = 0.0,
         embedding_dims: dict[str, int] | None = None,
+        ensemble: int = 1,
     ):
         super().__init__()
         self.numeric = block_names(inputs)  # the numeric inputs, then their missing indicators
@@ -47,14 +54,15 @@ class MLP(nn.Module):
             for name, info in embedded.items()
         }
         width = len(self.numeric) + sum(inputs[name].shape[0] for name in self.vectors) + sum(widths.values())
-        layers: list[nn.Module] = []
+        row_width, layers = width, list[nn.Module]()
         for size in hidden:
             layers += [nn.Linear(width, int(size)), nn.ReLU()]
             if dropout > 0:
                 layers.append(nn.Dropout(dropout))
             width = int(size)
-        layers.append(nn.Linear(width, n_outputs))
+        layers.append(nn.Linear(width, n_outputs) if ensemble == 1 else EnsembleHead(width, n_outputs, ensemble))
         self.net = nn.Sequential(*layers)  # first: numeric-only models draw their weights as before
+        self.adapter = EnsembleAdapter(row_width, ensemble) if ensemble > 1 else None
         if embedded:
             self.embeddings = nn.ModuleDict(
                 {name: nn.Embedding(info.cardinality, widths[name]) for name, info in embedded.items()}
@@ -63,11 +71,47 @@ class MLP(nn.Module):
 
     def forward(self, batch):
         if isinstance(batch, torch.Tensor):
-            return self.net(batch)
+            return self.body(batch)
         parts = [numeric_block(batch, self.numeric)] if self.numeric else []
         parts += [batch[name] for name in self.vectors]
         parts += [self.embeddings[name](batch[name]) for name in self.embedded]
-        return self.net(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
+        return self.body(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
+
+    def body(self, row: torch.Tensor) -> torch.Tensor:
+        """The input row ``[B, D]`` -> ``[B, n_outputs]``; an ensemble runs its members on ``[B, k, D]``."""
+        return self.net(row if self.adapter is None else self.adapter(row))
+
+
+class EnsembleAdapter(nn.Module):
+    """TabM-mini's one non-shared part before the body: member i sees the input row scaled by its own ``r_i``
+    (``[B, D]`` -> ``[B, k, D]``), ``r`` initialised to random signs (Gorishniy et al., ICLR 2025), so the k
+    members start apart and the shared layers after it train them all at once."""
+
+    def __init__(self, width: int, members: int):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randint(0, 2, (members, width)).float() * 2 - 1)
+
+    def forward(self, row: torch.Tensor) -> torch.Tensor:
+        return row.unsqueeze(1) * self.scale
+
+
+class EnsembleHead(nn.Module):
+    """k linear heads, one per member (``[B, k, H]`` -> ``[B, k, O]``), averaged into the one output per row the
+    objective contract takes (``[B, O]``): logits for classes, the value for regression. Each head is initialised as
+    ``nn.Linear`` is (uniform in +-1/sqrt(H))."""
+
+    def __init__(self, width: int, n_outputs: int, members: int):
+        super().__init__()
+        bound = 1 / math.sqrt(width)
+        self.weight = nn.Parameter(torch.empty(members, width, n_outputs).uniform_(-bound, bound))
+        self.bias = nn.Parameter(torch.empty(members, n_outputs).uniform_(-bound, bound))
+
+    def members(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Every member's output, ``[B, k, O]``."""
+        return torch.einsum("bkh,kho->bko", hidden, self.weight) + self.bias
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.members(hidden).mean(dim=1)
 
 
 TABULAR_KINDS = ("numeric", "vector", *EMBEDDED_KINDS)
