@@ -112,16 +112,21 @@ class InputSpec(_Section):
     """One entry of ``data.inputs``, long form: ``{kind: categorical, min_count: 5, max_size: 100000}``.
 
     The short form is the kind alone (``country: categorical``). Options belong to one kind each:
-    numeric ``missing`` (impute, the default, or error); categorical ``min_count`` (default 1) and ``max_size``
-    (default: no limit); hashed ``buckets`` (required);
+    numeric ``missing`` (impute, the default, or error) and ``scaling`` (robust, the default, or standard);
+    categorical ``min_count`` (default 1) and ``max_size`` (default: no limit); hashed ``buckets`` (required);
     text ``max_len`` and ``tokenizer`` (training/kinds/text.py: ``TextOptions``).
     """
 
     kind: Literal[INPUT_KINDS]  # the one list of kinds a user may name (kinds/registry.py: CODECS codes them)
     missing: Literal["impute", "error"] | None = Field(
         None,
-        description="numeric: impute (default: the train mean, plus a learned missing indicator) or error "
+        description="numeric: impute (default: the train median, plus a learned missing indicator) or error "
         "(a null or NaN is invalid: data.on_invalid).",
+    )
+    scaling: Literal["robust", "standard"] | None = Field(
+        None,
+        description="numeric: robust (default: the train median and interquartile range, smoothly clipped) or "
+        "standard (the train mean and std).",
     )
     min_count: int | None = Field(None, ge=1, description="categorical: values seen fewer times in train are unknown.")
     max_size: int | None = Field(None, ge=1, description="categorical: keep at most this many most frequent values.")
@@ -142,13 +147,13 @@ class InputSpec(_Section):
     @model_validator(mode="after")
     def _options_fit_the_kind(self) -> InputSpec:
         allowed = {
-            "numeric": {"missing"},
+            "numeric": {"missing", "scaling"},
             "categorical": {"min_count", "max_size"},
             "hashed": {"buckets"},
             "image": set(IMAGE_OPTIONS),
             "text": set(TEXT_OPTIONS),
         }.get(self.kind, set())
-        names = ("missing", "min_count", "max_size", "buckets", *IMAGE_OPTIONS, *TEXT_OPTIONS)
+        names = ("missing", "scaling", "min_count", "max_size", "buckets", *IMAGE_OPTIONS, *TEXT_OPTIONS)
         given = {name for name in names if getattr(self, name) is not None}
         if given - allowed:
             raise ValueError(f"kind {self.kind!r} takes no option {sorted(given - allowed)}")
@@ -167,7 +172,7 @@ class InputSpec(_Section):
         if self.kind == "text":
             return text_options(self.max_len, self.tokenizer)
         if self.kind == "numeric":
-            return {"missing": self.missing} if self.missing else {}
+            return {name: getattr(self, name) for name in ("missing", "scaling") if getattr(self, name)}
         return {}
 
 

@@ -10,7 +10,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from training.kinds.inputs import EMBEDDED_KINDS, InputInfo, block_names
+from training.kinds.inputs import EMBEDDED_KINDS, InputInfo, block_names, numeric_names
+from training.models.numeric_embeddings import DEFAULT_DIM, NumericEmbeddings
+
+NUMERIC_EMBEDDINGS = ("ple", "none")  # model_kwargs numeric_embeddings: the input stem's choice
 
 # The built-in mlp's defaults for a run (training/resolve.py fills them into train.model_kwargs; docs/models.md says
 # where each comes from). The class's own defaults stay those of the model.pt files written before, which rebuild
@@ -40,10 +43,13 @@ class MLP(nn.Module):
         hidden: Sequence[int] = (256, 256),
         dropout: float = 0.0,
         embedding_dims: dict[str, int] | None = None,
+        numeric_embeddings: str = "ple",
+        numeric_embedding_dim: int = DEFAULT_DIM,
         ensemble: int = 1,
     ):
         super().__init__()
         self.numeric = block_names(inputs)  # the numeric inputs, then their missing indicators
+        stem = numeric_stem(inputs, numeric_embeddings, numeric_embedding_dim)
         self.vectors = [name for name, info in inputs.items() if info.kind == "vector"]
         embedded = {name: info for name, info in inputs.items() if info.kind in EMBEDDED_KINDS}
         unknown = [f"{name} ({info.kind})" for name, info in inputs.items() if info.kind not in TABULAR_KINDS]
@@ -54,6 +60,8 @@ class MLP(nn.Module):
             for name, info in embedded.items()
         }
         width = len(self.numeric) + sum(inputs[name].shape[0] for name in self.vectors) + sum(widths.values())
+        if stem is not None:  # each numeric input becomes its embedding; the missing indicators stay as they are
+            width += stem.out_features - stem.weight.shape[0]
         row_width, layers = width, list[nn.Module]()
         for size in hidden:
             layers += [nn.Linear(width, int(size)), nn.ReLU()]
@@ -68,11 +76,13 @@ class MLP(nn.Module):
                 {name: nn.Embedding(info.cardinality, widths[name]) for name, info in embedded.items()}
             )
         self.embedded = list(embedded)
+        if stem is not None:
+            self.numeric_embeddings = stem
 
     def forward(self, batch):
         if isinstance(batch, torch.Tensor):
-            return self.body(batch)
-        parts = [numeric_block(batch, self.numeric)] if self.numeric else []
+            return self.body(self._stem(batch))
+        parts = [self._stem(numeric_block(batch, self.numeric))] if self.numeric else []
         parts += [batch[name] for name in self.vectors]
         parts += [self.embeddings[name](batch[name]) for name in self.embedded]
         return self.body(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
@@ -80,6 +90,15 @@ class MLP(nn.Module):
     def body(self, row: torch.Tensor) -> torch.Tensor:
         """The input row ``[B, D]`` -> ``[B, n_outputs]``; an ensemble runs its members on ``[B, k, D]``."""
         return self.net(row if self.adapter is None else self.adapter(row))
+
+    def _stem(self, block: torch.Tensor) -> torch.Tensor:
+        """The numeric block ``[B, F]`` as the first layer takes it: with numeric embeddings, each numeric
+        input's embedding, then the missing indicators."""
+        stem = getattr(self, "numeric_embeddings", None)
+        if stem is None:
+            return block
+        count = stem.weight.shape[0]
+        return torch.cat([stem(block[:, :count]), block[:, count:]], dim=1)
 
 
 class EnsembleAdapter(nn.Module):
@@ -112,6 +131,17 @@ class EnsembleHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.members(hidden).mean(dim=1)
+
+
+def numeric_stem(inputs: dict[str, InputInfo], choice: str, dim: int) -> NumericEmbeddings | None:
+    """The numeric embeddings of the inputs' numeric columns (``numeric_embeddings: ple``, the default), or None:
+    ``none``, no numeric input, or a dataset prepared before the bins (no input has ``InputInfo.bins``)."""
+    if choice not in NUMERIC_EMBEDDINGS:
+        raise ValueError(f"train.model_kwargs.numeric_embeddings must be one of {NUMERIC_EMBEDDINGS}, not {choice!r}")
+    numeric = [inputs[name] for name in numeric_names(inputs)]
+    if choice == "none" or not any(info.bins is not None for info in numeric):
+        return None
+    return NumericEmbeddings([info.bins for info in numeric], int(dim))
 
 
 TABULAR_KINDS = ("numeric", "vector", *EMBEDDED_KINDS)

@@ -337,13 +337,18 @@ def _build(source: Source, data: DataConfig, fingerprint: str, out_dir: Path, ta
     splits = {name: writer.close() for name, writer in writers.items()}
     _check_splits(splits, invalid.rows, labels.rows, data, source)
     checks.check_weights(source, sum(split.rows for split in splits.values()))
+    _fit_train_columns(out_dir, splits["train"], codecs)
     encoders = _write_encoders(out_dir, codecs)
     manifest = _manifest(source, data, plan, labels, splits, moments, histograms, targets, invalid, fingerprint)
-    indicators = sum(codecs[name].indicator for name in plan.features)  # each a 0/1 column: mean 0, std 1
+    numeric = [codecs[name] for name in plan.features]
+    indicators = sum(codec.indicator for codec in numeric)  # each a 0/1 column: center 0, scale 1, unclipped
     return dataclasses.replace(
         manifest,
         feature_mean=manifest.feature_mean + [0.0] * indicators,
         feature_std=manifest.feature_std + [1.0] * indicators,
+        feature_center=[codec.center for codec in numeric] + [0.0] * indicators,
+        feature_scale=[codec.scale for codec in numeric] + [1.0] * indicators,
+        feature_clip=[codec.clip for codec in numeric] + [False] * indicators,
         inputs=[codec.info().to_dict() for codec in codecs.values()],
         encoders=encoders,
         weight=plan.weight,
@@ -358,6 +363,17 @@ def _build(source: Source, data: DataConfig, fingerprint: str, out_dir: Path, ta
             "null_rates": {name: codecs[name].null_rate() for name in plan.features if codecs[name].nulls},
         },
     )
+
+
+def _fit_train_columns(out_dir: Path, train: SplitInfo, codecs: dict[str, Codec]) -> None:
+    """Each input whose kind reads the train split's whole column (``Codec.reads_train_column``: a numeric
+    input's quantiles), read back from the train shards one column at a time: memory is one column."""
+    import pyarrow.parquet as pq
+
+    files = [str(out_dir / shard.file) for shard in train.shards]
+    for name, codec in codecs.items():
+        if codec.reads_train_column:
+            codec.fit_train_column(pq.read_table(files, columns=[name]).column(name).combine_chunks())
 
 
 def _left_out(source: Source, plan: ColumnPlan, data: DataConfig) -> list[dict[str, str]]:
