@@ -3,9 +3,10 @@
     config = resolve_for_data(config, manifest, world_size)
 
 - ``train.model: auto`` -> the built-in model for the inputs (``training/models/registry.py: with_resolved_model``);
-- the built-in ``mlp``'s defaults (``training/models/tabular.py: MLP_DEFAULTS``) filled into ``train.model_kwargs``
-  where the user left them out, so the run records the architecture it trains (an older model.pt, whose
-  model_kwargs do not hold them, rebuilds with the class's own defaults, as it was trained);
+- the built-in ``mlp``'s defaults (``training/models/tabular.py: MLP_DEFAULTS``) that differ from the class's own
+  filled into ``train.model_kwargs`` where the user left them out (``defaults_to_record``), so the run records the
+  architecture it trains (an older model.pt, whose model_kwargs do not hold them, rebuilds with the class's own
+  defaults, as it was trained); none while they agree;
 - ``train.batch_size: auto`` -> ``auto_batch_size(train rows, world size)`` (``training/core/config.py``);
 - ``train.early_stopping_patience: auto`` -> ``DEFAULT_PATIENCE`` with a val split, none without one.
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 from training.core.config import PipelineConfig
 from training.core.manifest import Manifest
 from training.models.registry import with_resolved_model
-from training.models.tabular import MLP_DEFAULTS
+from training.models.tabular import defaults_to_record
 
 
 def resolve_for_data(config: PipelineConfig, manifest: Manifest, world_size: int) -> PipelineConfig:
@@ -31,7 +32,7 @@ def resolve_for_data(config: PipelineConfig, manifest: Manifest, world_size: int
     train = config.train
     update = {}
     if train.model == "mlp":
-        kwargs = {**MLP_DEFAULTS, **train.model_kwargs}
+        kwargs = {**defaults_to_record(), **train.model_kwargs}
         if kwargs != train.model_kwargs:
             update["model_kwargs"] = kwargs
     if train.batch_size == "auto":

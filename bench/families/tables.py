@@ -188,7 +188,7 @@ def row_for(spec: TableSpec, figures: dict) -> Row:
     note = (
         f"{spec.task}; boosting {figures['boosting']:.3f}; "
         f"{figures['train_rows']:,} train / {figures['test_rows']:,} test rows"
-        + (f", **{dropped:,} of {figures['source_rows']:,} dropped** (nulls, on_invalid: drop)" if dropped else "")
+        + (f", **{dropped:,} of {figures['source_rows']:,} dropped** (invalid values)" if dropped else "")
         + f"; ddpflow {sum(seconds.values()):.0f} s (prepare {seconds['prepare']:.1f}, train "
         f"{seconds['train']:.1f}, evaluate {seconds['evaluate']:.1f}), boosting fit {figures['boosting_fit_s']:.1f} s"
         f"; load {figures['load_1min']:.1f}"
@@ -218,10 +218,12 @@ def run(ctx: Context) -> list[Result]:
     ddpflow_s = sum(sum(figures["ddpflow_s"].values()) for _, figures in measured)
     boosting_s = sum(figures["boosting_fit_s"] for _, figures in measured)
     notes = [
-        f"{rows:,} rows per generated table (the bundled ones: all their rows); ddpflow: data.inputs by kind, "
-        "data.on_invalid: drop on the tables with nulls (today a null in a numeric input is refused otherwise), "
-        "data.task: regression on the regression tables, 2 ranks, the default model and training settings "
-        "(train.epochs 5, the default; select best by val_loss). "
+        f"{rows:,} rows per generated table (the bundled ones: all their rows); ddpflow: data.inputs by kind and "
+        "2 ranks, nothing else: nulls are values, the task is inferred (the integer counts of store_sales: "
+        "regression), the default model and training settings (up to 100 epochs, early stopping after 10 without "
+        "a better val_loss, the best epoch's weights, the batch for the table's rows)"
+        + (f"; this run's extra settings: {extra}" if (extra := os.environ.get("BENCH_TABLES_SET")) else "")
+        + ". "
         "Boosting: HistGradientBoosting defaults (random_state 0), one thread, on the same train and test rows; ids "
         "with more than 255 values target-encoded (TargetEncoder, cross-fitted on train; its time is in the fit's).",
         f"Times: ddpflow {ddpflow_s:.0f} s in all (prepare + torchrun launch and training + evaluate), boosting "

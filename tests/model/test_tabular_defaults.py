@@ -20,7 +20,7 @@ from training.core.config import (
 from training.core.manifest import read_manifest
 from training.core.topology import RankLayout
 from training.kinds.inputs import numeric_input
-from training.models.tabular import MLP, MLP_DEFAULTS
+from training.models.tabular import MLP, MLP_DEFAULTS, defaults_to_record
 from training.preflight import check_data
 from training.resolve import resolve_for_data
 
@@ -43,7 +43,7 @@ def test_the_default_batch_fits_a_tiny_table_and_the_run_records_it(tiny):
     resolved = resolve_for_data(config(), tiny, TWO_RANKS.world_size)
     assert resolved.train.batch_size == 4  # 137 rows / (2 ranks x 16 steps) = 4.3 -> 4
     assert resolved.train.early_stopping_patience == DEFAULT_PATIENCE
-    assert resolved.train.model == "mlp" and resolved.train.model_kwargs == MLP_DEFAULTS
+    assert resolved.train.model == "mlp" and resolved.train.model_kwargs == defaults_to_record()
     assert '"batch_size":4' in resolved.model_dump_json()  # config.json holds the number, not auto
     assert resolve_for_data(resolved, tiny, TWO_RANKS.world_size) == resolved  # the stage's second pass: a no-op
     # A batch the user sets is theirs: kept, and still refused when it cannot fit.
@@ -68,7 +68,13 @@ def test_without_a_val_split_the_default_does_not_stop_early_and_is_not_refused(
 
 def test_the_users_model_kwargs_win_over_the_mlp_defaults(tiny):
     resolved = resolve_for_data(config(model_kwargs={"hidden": [8], "ensemble": 3}), tiny, 2)
-    assert resolved.train.model_kwargs == {**MLP_DEFAULTS, "hidden": [8], "ensemble": 3}
+    assert resolved.train.model_kwargs == {**defaults_to_record(), "hidden": [8], "ensemble": 3}
+    # What is recorded rebuilds MLP_DEFAULTS' architecture; nothing is recorded where the class gives it already.
+    built = MLP({"a": numeric_input("a")}, 2, **resolve_for_data(config(), tiny, 2).train.model_kwargs)
+    layers = list(built.net)
+    default_hidden = [a.out_features for a, b in zip(layers, layers[1:]) if isinstance(b, torch.nn.ReLU)]
+    assert default_hidden == MLP_DEFAULTS["hidden"]
+    assert (built.adapter is None) == (MLP_DEFAULTS["ensemble"] == 1)
     custom = config(model="tests.stand_in_models:whatever", model_kwargs={"width": 4})
     assert resolve_for_data(custom, tiny, 2).train.model_kwargs == {"width": 4}  # a factory's own: untouched
 

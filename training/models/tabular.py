@@ -4,6 +4,7 @@ an embedding per categorical or hashed input (``embedding_dim``), the numeric an
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Sequence
 
@@ -19,6 +20,17 @@ NUMERIC_EMBEDDINGS = ("ple", "none")  # model_kwargs numeric_embeddings: the inp
 # where each comes from). The class's own defaults stay those of the model.pt files written before, which rebuild
 # from their recorded model_kwargs.
 MLP_DEFAULTS: dict = {"hidden": [256, 256], "ensemble": 1}
+
+
+def defaults_to_record() -> dict:
+    """The MLP_DEFAULTS the class's own defaults do not already give: what a run must record in its
+    ``train.model_kwargs`` to rebuild its model (none while they agree, so a config's identity stays the same)."""
+    own = {name: param.default for name, param in inspect.signature(MLP.__init__).parameters.items()}
+    return {name: value for name, value in MLP_DEFAULTS.items() if _plain(own.get(name)) != _plain(value)}
+
+
+def _plain(value):
+    return list(value) if isinstance(value, tuple) else value
 
 
 def embedding_dim(cardinality: int) -> int:
