@@ -68,6 +68,13 @@ def data_config_from_overrides(overrides: list[str]):
     return load_config(None, overrides).data
 
 
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """``raw`` with ``section.key=value`` overrides applied, as ``--set`` does (``training.core.config``)."""
+    from training.core.config import apply_overrides as apply
+
+    return apply(raw, overrides)
+
+
 def pipeline_config(raw: dict[str, Any]):
     """A validated ``training.core.config.PipelineConfig``."""
     from training.core.config import PipelineConfig

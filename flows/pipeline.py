@@ -67,9 +67,9 @@ from training.core.config import PipelineConfig
 from training.core.topology import RankLayout
 from training.inference.baselines import REFERENCE, TRIVIAL, baseline_values, comparison, model_metrics
 from training.loop.selection import selection_summary
-from training.models.registry import with_resolved_model
 from training.preflight import check_data, check_machine
 from training.prepare.dataset import PreparedDataset
+from training.resolve import resolve_for_data
 
 # Stopped from outside (Ctrl-C, a signal, a cancelled flow run): the MLflow run ends KILLED, not FAILED.
 # Abort: train_model's answer to a cancelled flow run; TerminationSignal: Prefect's SIGTERM (a worker cancelling).
@@ -102,8 +102,9 @@ def train_pipeline(
     check_tracking_reachable(tracking_uri)
 
     prepared = prepare_data(config)
-    # train.model auto -> the built-in model for these inputs: what the run records and its identity holds.
-    config = with_resolved_model(config, prepared.manifest)
+    # train.model auto -> the built-in model for these inputs, the mlp's defaults, the batch and the patience for
+    # this data (training/resolve.py): what the run records and its identity holds.
+    config = resolve_for_data(config, prepared.manifest, layout.world_size)
     check_data(config, prepared.manifest, layout)
     if config.train.skip_if_unchanged:
         unchanged = check_unchanged(config, prepared.fingerprint, tracking_uri)

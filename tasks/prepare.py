@@ -5,7 +5,8 @@ Prefect view: a log line saying whether the dataset was reused (cache hit) or
 prepared, and a table artifact with the rows and shards per split; a warning
 and a second table artifact (``prepared-dataset-left-out``) for every column the
 default inputs left out, with the ``data.inputs`` entry that would include it;
-prepare's warnings (integers beyond float32's exact range); and each numeric
+how the task was decided (inferred from the label, or data.task); prepare's warnings (integers beyond float32's
+exact range); and each numeric
 input's share of missing values in the train split. No retries (bad input fails
 the same way every time) and no Prefect caching: prepare's own fingerprint cache
 works across processes and flow runs.
@@ -39,6 +40,8 @@ def prepare_data(config: PipelineConfig) -> PreparedDataset:
         "/".join(str(manifest.rows(split)) for split in SPLITS),
         manifest.dropped_rows,
     )
+    if manifest.extra.get("task_inferred"):
+        logger.info("data: %s", manifest.extra["task_inferred"])
     for warning in manifest.extra.get("warnings", []):
         logger.warning("data: %s", warning)
     null_rates = manifest.extra.get("null_rates", {})

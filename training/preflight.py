@@ -90,13 +90,13 @@ def check_data(config: PipelineConfig, manifest: Manifest, layout: RankLayout) -
     """Data-level checks: every rank gets at least one full batch; the model builds for these shapes."""
     train_rows = manifest.rows("train")
     per_rank = train_rows // layout.world_size
-    batch_size = config.train.rank_batch_size(layout.world_size)  # ConfigError naming global_batch_size
+    batch_size = config.train.rank_batch_size(layout.world_size, train_rows)  # ConfigError: global_batch_size
     if batch_size > per_rank:
         raise ConfigError(
             f"train.batch_size: {batch_size} is larger than each rank's share of the train split "
             f"({train_rows} rows / {layout.world_size} ranks = {per_rank}); lower it or add data"
         )
-    if config.train.early_stopping_patience is not None and manifest.rows("val") == 0:
+    if isinstance(config.train.early_stopping_patience, int) and manifest.rows("val") == 0:
         raise ConfigError(
             "train.early_stopping_patience: the val split is empty, so no epoch can be judged; "
             "set data.val_fraction above 0 or remove it"

@@ -167,8 +167,9 @@ class Trainer:
             optimizer_states_per_parameter(train),
         )
         train_split, self.val = placed["train"], placed["val"]  # a host copy placed elsewhere is let go
-        self.batch_size = train.rank_batch_size(ctx.world_size)  # train.batch_size, or the global one / W
-        self.val_batch_size = train.rank_val_batch_size(ctx.world_size)  # bounds validation's memory
+        rows = self.manifest.rows("train")
+        self.batch_size = train.rank_batch_size(ctx.world_size, rows)  # train.batch_size, or the global one / W
+        self.val_batch_size = train.rank_val_batch_size(ctx.world_size, rows)  # bounds validation's memory
         log_main(ctx.is_main, "data: " + "; ".join(where) + f"; validation in batches of {self.val_batch_size} rows")
         self.batches = TrainBatches(
             train_split, ctx.rank, ctx.world_size, self.batch_size, train.seed, ctx.device, train.pin_memory,

@@ -2,12 +2,12 @@
 
 For each table (bench/workloads/tables.py: 8 generated with known structure, 4 bundled with scikit-learn):
 
-- ddpflow, as a user runs it: ``data.inputs`` declares every column by kind, nothing else is set but
-  ``data.on_invalid: drop`` where the table holds nulls (today ddpflow refuses nulls in a numeric input
-  otherwise; the rows it drops are counted) and 2 ranks; the default model (``train.model: auto``) and every
-  default training setting, the default epoch budget included (``train.epochs`` 5, ``select: best`` by
-  ``val_loss``). Prepare, the train stage through torchrun (``ddpflow.launch``: what the Prefect task runs),
-  ``evaluate_split`` on the test split.
+- ddpflow, as a user runs it: ``data.inputs`` declares every column by kind, nothing else is set but 2 ranks
+  (nulls in a numeric input are values: imputed, with a missing indicator); the default model
+  (``train.model: auto``) and every default training setting, the epoch budget and early stopping included.
+  Prepare, the train stage through torchrun (``ddpflow.launch``: what the Prefect task runs),
+  ``evaluate_split`` on the test split. ``BENCH_TABLES_SET`` (``train.epochs=40;train.lr=0.002``, ``;``
+  between overrides) sets more for an experiment; the figures of docs/benchmarks.md are measured without it.
 - HistGradientBoosting with its defaults (``random_state=0`` so that a rerun is the same), fitted on the rows
   of ddpflow's own train split and scored on its own test split, read from the prepared shards: numeric
   columns as float (NaN as is), categoricals as pandas categoricals (``categorical_features="from_dtype"``);
@@ -45,15 +45,12 @@ def write_table(ctx: Context, spec: TableSpec, rows: int) -> tuple[Path, dict[st
 
 
 def user_config(ctx: Context, spec: TableSpec, source: Path, inputs: dict[str, str], batch_size: int | None = None):
-    """A user's natural config: inputs by kind, the label, drop where nulls are, 2 ranks; defaults otherwise
-    (``batch_size``: what the user sets after ddpflow refused the default on a small table)."""
+    """A user's natural config: inputs by kind, the label, 2 ranks; defaults otherwise (``batch_size``: what the
+    user sets after ddpflow refused the default on a small table; ``BENCH_TABLES_SET``: an experiment's
+    overrides)."""
     root = ctx.workdir / "tables" / spec.name
     data = {"source": str(source), "root": str(root / "shards"), "label": spec.label, "inputs": inputs}
-    if spec.nulls:
-        data["on_invalid"] = "drop"
-    if spec.task == REGRESSION:
-        data["task"] = "regression"  # as a user declares it: ddpflow infers an integer label (a count) as classes
-    return ddpflow_api.pipeline_config(
+    raw = ddpflow_api.apply_overrides(
         {
             "data": data,
             "train": {
@@ -67,8 +64,10 @@ def user_config(ctx: Context, spec: TableSpec, source: Path, inputs: dict[str, s
                 "experiment": "bench-tables",
             },
             "registry": {"model_name": f"bench-{spec.name}"},
-        }
+        },
+        [item for item in os.environ.get("BENCH_TABLES_SET", "").split(";") if item.strip()],
     )
+    return ddpflow_api.pipeline_config(raw)
 
 
 def run_ddpflow(config, spec: TableSpec) -> dict:
@@ -189,7 +188,7 @@ def row_for(spec: TableSpec, figures: dict) -> Row:
     note = (
         f"{spec.task}; boosting {figures['boosting']:.3f}; "
         f"{figures['train_rows']:,} train / {figures['test_rows']:,} test rows"
-        + (f", **{dropped:,} of {figures['source_rows']:,} dropped** (nulls, on_invalid: drop)" if dropped else "")
+        + (f", **{dropped:,} of {figures['source_rows']:,} dropped** (invalid values)" if dropped else "")
         + f"; ddpflow {sum(seconds.values()):.0f} s (prepare {seconds['prepare']:.1f}, train "
         f"{seconds['train']:.1f}, evaluate {seconds['evaluate']:.1f}), boosting fit {figures['boosting_fit_s']:.1f} s"
         f"; load {figures['load_1min']:.1f}"
@@ -219,10 +218,12 @@ def run(ctx: Context) -> list[Result]:
     ddpflow_s = sum(sum(figures["ddpflow_s"].values()) for _, figures in measured)
     boosting_s = sum(figures["boosting_fit_s"] for _, figures in measured)
     notes = [
-        f"{rows:,} rows per generated table (the bundled ones: all their rows); ddpflow: data.inputs by kind, "
-        "data.on_invalid: drop on the tables with nulls (today a null in a numeric input is refused otherwise), "
-        "data.task: regression on the regression tables, 2 ranks, the default model and training settings "
-        "(train.epochs 5, the default; select best by val_loss). "
+        f"{rows:,} rows per generated table (the bundled ones: all their rows); ddpflow: data.inputs by kind and "
+        "2 ranks, nothing else: nulls are values, the task is inferred (the integer counts of store_sales: "
+        "regression), the default model and training settings (up to 100 epochs, early stopping after 10 without "
+        "a better val_loss, the best epoch's weights, the batch for the table's rows)"
+        + (f"; this run's extra settings: {extra}" if (extra := os.environ.get("BENCH_TABLES_SET")) else "")
+        + ". "
         "Boosting: HistGradientBoosting defaults (random_state 0), one thread, on the same train and test rows; ids "
         "with more than 255 values target-encoded (TargetEncoder, cross-fitted on train; its time is in the fit's).",
         f"Times: ddpflow {ddpflow_s:.0f} s in all (prepare + torchrun launch and training + evaluate), boosting "

@@ -17,6 +17,7 @@ run's config.json and the ``TrainJob`` every rank reads, and reading the result.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
@@ -32,6 +33,7 @@ from training.core.layout import CONFIG, FINAL_MODEL, METRICS, TRAIN_JOB, run_fi
 from training.core.manifest import read_manifest
 from training.core.topology import RankLayout
 from training.preflight import check_data, check_machine
+from training.resolve import resolve_for_data
 
 # train.launcher -> the module:function that runs the stage that way. Imported when chosen, so that
 # the contract's types (this module) are importable by every launcher without an import circle.
@@ -81,8 +83,11 @@ def launcher_for(config: PipelineConfig) -> Launcher:
 
 
 def run_train_stage(request: TrainRequest) -> TrainResult:
-    """The train stage with the launcher its config names."""
-    return launcher_for(request.config)(request)
+    """The train stage with the launcher its config names, on the config resolved for the data
+    (``training/resolve.py``: a no-op where the pipeline resolved it already)."""
+    layout = check_machine(request.config) if request.layout is None else request.layout
+    resolved = resolve_for_data(request.config, read_manifest(request.dataset_dir), layout.world_size)
+    return launcher_for(resolved)(dataclasses.replace(request, config=resolved, layout=layout))
 
 
 # ----------------------------------------------------------------------------- what every launcher shares

@@ -339,6 +339,7 @@ def test_cancelling_a_worker_run_kills_every_process_and_keeps_the_champion(stac
         "data.source=synthetic://classification?rows=20000&features=8&classes=3&seed=2",
         f"train.run_root={run_root}",
         "train.epochs=1000",  # far more than the test waits for: only the cancel can end it
+        "train.early_stopping_patience=null",  # not early stopping either
         "train.nproc_per_node=2",
         "train.batch_size=64",
     )

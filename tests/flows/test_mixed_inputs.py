@@ -38,6 +38,7 @@ NUMERIC_TYPES = {
     "mobile": "bool",
     "spend": "float32",
     "children": "Int64",  # pandas' nullable integer: int64 in Parquet, nulls among its values
+    "amount": "Int64",  # heavy-tailed (lognormal, a few of 10^12), nulls among its values
 }
 # What the served model's signature declares for each (MLflow's column types): the source's kind, at the width
 # that takes both the source's own frame and a hand-built one (pandas' int64 and float64).
@@ -45,7 +46,7 @@ DECLARED = dict.fromkeys(("hour", "visits", "rooms", "floor", "age", "year", "vi
 DECLARED |= {"tenure": "double", "spend": "double", "mobile": "boolean"}
 # An integer with nulls in the train split: MLflow's long refuses every null and its double an int64 column, so
 # it is declared any (its nulls imputed, with a missing indicator: training/inference/serving.py).
-DECLARED["children"] = "any"
+DECLARED["children"] = DECLARED["amount"] = "any"
 INPUTS = {
     **dict.fromkeys(NUMERIC_TYPES, "numeric"),
     "country": "categorical",
@@ -73,6 +74,7 @@ def churn_table(rows: int = ROWS, seed: int = 0) -> pa.Table:
         "mobile": rng.random(rows) < 0.3,
         "spend": rng.gamma(2.0, 30.0, size=rows),
         "children": pd.array(np.where(rng.random(rows) < 0.05, None, rng.integers(0, 5, size=rows)), "Int64"),
+        "amount": pd.array(np.where(rng.random(rows) < 0.05, None, heavy_tailed(rng, rows)), "Int64"),
     }
     frame = pd.DataFrame(
         {
@@ -87,6 +89,13 @@ def churn_table(rows: int = ROWS, seed: int = 0) -> pa.Table:
         }
     )
     return pa.Table.from_pandas(frame, preserve_index=False)
+
+
+def heavy_tailed(rng: np.random.Generator, rows: int) -> np.ndarray:
+    """Amounts as real tables hold them: lognormal whole numbers, one row in 200 of 10^12."""
+    amount = np.round(rng.lognormal(4.0, 2.0, size=rows)).astype(np.int64)
+    amount[::200] = 10**12
+    return amount
 
 
 def read_back(source: Path) -> dict[str, pd.DataFrame]:
@@ -152,6 +161,15 @@ def test_a_mixed_table_trains_through_ddpflow_run_and_serves_raw_rows(prefect_ha
     by_hand = pd.DataFrame({name: raw[name].tolist() for name in INPUTS})
     assert by_hand["visits"].dtype == np.int64 and by_hand["spend"].dtype == np.float64
     np.testing.assert_array_equal(np.asarray(served.predict(by_hand)), expected)
+    # The scores, not only the labels: the served probabilities rank the test rows as the evaluation did (its
+    # ROC AUC), through the default encoding (robust scaling, the numeric embeddings' bins) and the nulls.
+    from sklearn.metrics import roc_auc_score
+
+    assert raw["amount"].isna().any() and raw["amount"].max() >= 10**12
+    assert read_manifest(dataset).feature_clip[0]  # robust scaling, the default
+    probability = served.predict(raw, params={"output": "probabilities"})["probability_1"].to_numpy()
+    auc = roc_auc_score(test["churned"], probability)
+    assert auc == pytest.approx(summary["test_metrics"]["test_roc_auc"], abs=1e-6)
     unseen = raw.head(3).copy()
     unseen["country"] = "atlantis"  # never seen in training: scored as unknown, never an error
     scored = served.predict(unseen, params={"output": "probabilities"})

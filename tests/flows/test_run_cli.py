@@ -38,6 +38,7 @@ GONE_WITHIN_S = 30.0
 ENDLESS = {
     "data.source": "synthetic://classification?rows=20000&features=8&classes=3&seed=2",
     "train.epochs": 1000,
+    "train.early_stopping_patience": None,  # nor early stopping
     "train.batch_size": 64,
 }
 

@@ -64,7 +64,8 @@ def test_with_a_global_batch_size_the_world_is_not_part_of_the_identity_but_the_
     # Without it, the per-rank batch and the world stay in (and an old identity stays what it was).
     assert identity("train.nproc_per_node=2") != identity("train.nproc_per_node=3")
     assert "global_batch_size" not in identity()["train"]
-    assert identity()["train"]["batch_size"] == 512
+    assert identity("train.batch_size=512")["train"]["batch_size"] == 512
+    assert identity()["train"]["batch_size"] == "auto"  # unresolved; a run resolves it for its data first
 
 
 @pytest.mark.torchrun

@@ -16,6 +16,7 @@ import torch
 from manifest_datasets import make_dataset
 
 from tests.training.test_train_ddp import Launch, assert_same_weights, launch, succeeded
+from training.core.config import DEFAULT_EPOCHS, DEFAULT_PATIENCE
 from training.core.layout import STEP_METRICS
 from training.inference.evaluate import evaluate_split
 
@@ -43,6 +44,30 @@ def stopped(regression, tmp_path_factory) -> Launch:
     """select: best (the default) with early stopping; every epoch's last.pt kept (DDPFLOW_KEEP_CHECKPOINTS)."""
     run_dir = tmp_path_factory.mktemp("stopped")
     return succeeded(launch(run_dir, regression, env={"DDPFLOW_KEEP_CHECKPOINTS": "1"}, **SETTINGS))
+
+
+@pytest.fixture(scope="module")
+def by_default(regression, tmp_path_factory) -> Launch:
+    """The defaults a user leaves alone (issue 36): the epoch budget, early stopping (patience auto) and the batch
+    (auto) on a 48-row train split, which the earlier default batch of 512 per rank refused. The settings of
+    ``job_config`` that are not the product's defaults are set back to them; the model and lr stay the suite's."""
+    run_dir = tmp_path_factory.mktemp("by_default")
+    defaults = {"epochs": DEFAULT_EPOCHS, "batch_size": "auto", "early_stopping_patience": "auto"}
+    settings = {**SETTINGS, **defaults, "log_every_steps": None}
+    return succeeded(launch(run_dir, regression, env={"DDPFLOW_KEEP_CHECKPOINTS": "1"}, **settings))
+
+
+def test_by_default_a_tiny_table_trains_and_stops_early_with_the_best_epochs_weights(by_default):
+    last_pt = torch.load(by_default.run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert last_pt["global_batch"] == 2, "48 train rows / (2 ranks x 16 steps): a batch of 1 row per rank"
+    records = by_default.metrics()
+    best, last = best_epoch(records), records[-1]["epoch"]
+    assert last == best + DEFAULT_PATIENCE < DEFAULT_EPOCHS - 1, "early stopping is on without being asked for"
+    final = by_default.model()
+    kept = torch.load(by_default.run_dir / "checkpoints" / f"epoch{best}.pt", weights_only=True)
+    assert_same_weights(final["model"], kept["model"], atol=0)  # the best epoch's weights, restored
+    assert final["selected_epoch"] == best and final["selection"]["stopped_early"] is True
+    assert final["selection"]["patience"] == DEFAULT_PATIENCE
 
 
 def best_epoch(records: list[dict]) -> int:

@@ -448,16 +448,20 @@ def _multilabel_table(rng: np.random.Generator, rows: int) -> dict:
 
 
 def _nulls_table(rng: np.random.Generator, rows: int) -> dict:
-    """Numbers as real tables hold them: an int64 input with nulls (a missing one means label 1) and a float
-    input with NaN and nulls; the default inputs impute them and add a missing indicator each."""
+    """Numbers as real tables hold them: an int64 input with nulls (a missing one means label 1), a float
+    input with NaN and nulls, and a heavy-tailed int64 amount (lognormal, a few of 10^9); the default inputs
+    impute the nulls and add a missing indicator each, scale robustly and embed each number on its bins."""
     x = rng.normal(size=(rows, 2))
     visits = rng.integers(0, 50, size=rows)
     no_visits = rng.random(rows) < 0.2
     spend = np.where(rng.random(rows) < 0.1, np.nan, x[:, 1])
+    amount = np.round(rng.lognormal(3.0, 1.5, size=rows)).astype(np.int64)
+    amount[::37] = 10**9
     return {
         "visits": pa.array(visits, mask=no_visits),
         "spend": pa.array(spend, mask=rng.random(rows) < 0.05),
         "f0": x[:, 0],
+        "amount": amount,
         "label": (no_visits | (x[:, 0] > 0.5)).astype(np.int64),
     }
 
@@ -590,7 +594,13 @@ def test_weighted_rows_multilabel_and_nulls_on_two_ranks_train_the_weights_of_on
         assert two.model()["model_spec"]["n_outputs"] == 3
         assert_multilabel_serving_equals_evaluation(two.run_dir / "model.pt", dataset, manifest)
     if case == "numeric_nulls":
-        assert two.model()["model_spec"]["n_features"] == 5  # visits, spend, f0 and two missing indicators
+        spec = two.model()["model_spec"]
+        assert spec["n_features"] == 6  # visits, spend, f0, amount and two missing indicators
+        # The default stem: each number embedded on its train quantile bins (robustly scaled: within (-3, 3)),
+        # and its piecewise-linear steps trained (they start at zero), equally on 2 ranks and on 1.
+        bins = {entry["name"]: entry["bins"] for entry in spec["inputs"]}
+        assert len(bins["amount"]) > 40 and max(map(abs, bins["amount"])) <= 3.0 and two.model()["feature_clip"][0]
+        assert two.model()["model"]["numeric_embeddings.steps"].abs().sum() > 0
         assert_serving_with_nulls_equals_evaluation(two.run_dir / "model.pt", dataset, manifest)
 
 
@@ -641,9 +651,15 @@ def assert_serving_with_nulls_equals_evaluation(model_path: Path, dataset: Path,
     frame = pd.concat(
         [pq.read_table(dataset / shard["file"]).to_pandas() for shard in manifest["splits"]["test"]["shards"]]
     )
-    assert frame["visits"].isna().any()
-    served = Predictor.from_checkpoint(model_path).predict(frame)
+    assert frame["visits"].isna().any() and frame["amount"].max() >= 10**9
+    predictor = Predictor.from_checkpoint(model_path)
+    served = predictor.predict(frame)
     assert (served == np.asarray(manifest["label_mapping"])[evaluation.predictions]).all()
+    # The scores too: the served probabilities rank the rows as the evaluation's log-odds did (its ROC AUC).
+    from sklearn.metrics import roc_auc_score
+
+    probability = predictor.predict_proba(frame).iloc[:, -1].to_numpy()
+    assert roc_auc_score(frame["label"], probability) == pytest.approx(evaluation.metrics["test_roc_auc"], abs=1e-6)
     assert evaluation.metrics["test_accuracy"] > 0.7  # the missing visits are learnt through the indicator
 
 

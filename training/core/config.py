@@ -44,6 +44,10 @@ class WeightsEffect:
     # A field added after identities were first recorded (on runs, model versions, last.pt): left out of
     # the identity while it holds its default, so every identity recorded before it existed stays the same.
     omitted_at_default: bool = False
+    # A field whose default changed since: the value the identity omits is the earlier default (the training
+    # every record that omitted it did), not today's default.
+    omitted_value: Any = None
+    omits_earlier_default: bool = False
 
 
 _T = TypeVar("_T")
@@ -52,6 +56,13 @@ ChangesWeights = Annotated[_T, WeightsEffect(True)]  # part of the training iden
 ChangesWeightsWhenSet = Annotated[_T, WeightsEffect(True, omitted_at_default=True)]
 KeepsWeights = Annotated[_T, WeightsEffect(False)]  # may change between attempts of one training
 
+
+# The training defaults a run resolves once the data is prepared (training/resolve.py; docs/models.md says where
+# each comes from): the epoch budget, early stopping's patience, the per-rank batch cap and the rows per step.
+DEFAULT_EPOCHS = 100
+DEFAULT_PATIENCE = 10
+AUTO_BATCH_MAX = 512
+AUTO_BATCH_STEPS = 16  # train.batch_size auto: at least this many steps an epoch
 
 MODELS = ("auto", "mlp", "image_cnn", "transformer")  # train.model's built-in names (training/models/registry.py)
 
@@ -103,7 +114,8 @@ class InputSpec(_Section):
 
     The short form is the kind alone (``country: categorical``). Options belong to one kind each, and the kind's
     record says which it takes, checks them and fills the defaults (training/kinds/registry.py:
-    ``input_options``, ``check_inputs``): numeric ``missing`` (impute, the default, or error); categorical
+    ``input_options``, ``check_inputs``): numeric ``missing`` (impute, the default, or error) and ``scaling``
+    (robust, the default, or standard); categorical
     ``min_count`` (default 1) and ``max_size`` (default: no limit); hashed ``buckets`` (required); image
     ``size``, ``channels``, ``mean``, ``std``, ``augment``; text ``max_len`` and ``tokenizer``. A kind of a
     user's own (docs/models.md) takes its own keys: kept here as given, checked by its record.
@@ -114,8 +126,13 @@ class InputSpec(_Section):
     kind: str = Field(min_length=1)  # a registered kind: INPUT_KINDS, or a plugin's (checked by check_inputs)
     missing: Literal["impute", "error"] | None = Field(
         None,
-        description="numeric: impute (default: the train mean, plus a learned missing indicator) or error "
+        description="numeric: impute (default: the train median, plus a learned missing indicator) or error "
         "(a null or NaN is invalid: data.on_invalid).",
+    )
+    scaling: Literal["robust", "standard"] | None = Field(
+        None,
+        description="numeric: robust (default: the train median and interquartile range, smoothly clipped) or "
+        "standard (the train mean and std).",
     )
     min_count: int | None = Field(None, ge=1, description="categorical: values seen fewer times in train are unknown.")
     max_size: int | None = Field(None, ge=1, description="categorical: keep at most this many most frequent values.")
@@ -219,9 +236,17 @@ class DataConfig(_Section):
 
 
 class TrainConfig(_Section):
-    epochs: ChangesWeights[int] = Field(5, ge=1)
-    batch_size: ChangesWeights[int | None] = Field(
-        512, ge=1, description="Per rank; none (and left unset) when train.global_batch_size is set."
+    epochs: ChangesWeights[int] = Field(
+        DEFAULT_EPOCHS,
+        ge=1,
+        description="The most epochs trained; early stopping (train.early_stopping_patience, on by default) ends "
+        "most runs sooner, with the best epoch's weights (train.select).",
+    )
+    batch_size: ChangesWeights[Annotated[int, Field(ge=1)] | Literal["auto"] | None] = Field(
+        "auto",
+        description="Per rank; auto (the default): min(512, the largest power of two <= the train rows per rank / "
+        "16), so a small table gets at least 16 steps an epoch and is never refused; the run records the number. "
+        "none (and left unset) when train.global_batch_size is set.",
     )
     global_batch_size: ChangesWeightsWhenSet[int | None] = Field(
         None,
@@ -355,8 +380,14 @@ class TrainConfig(_Section):
         "auto", description="auto: lower is better for a loss or an error (as the gate infers), else higher."
     )
     min_delta: ChangesWeightsWhenSet[float] = Field(0.0, ge=0, description="An epoch improves by more than this.")
-    early_stopping_patience: ChangesWeightsWhenSet[int | None] = Field(
-        None, ge=1, description="Stop after this many epochs without improvement of train.monitor; none: never."
+    # Omitted from the identity at none (never stop, its default before auto), so records from then keep theirs.
+    early_stopping_patience: Annotated[
+        Annotated[int, Field(ge=1)] | Literal["auto"] | None,
+        WeightsEffect(True, omitted_at_default=True, omitted_value=None, omits_earlier_default=True),
+    ] = Field(
+        "auto",
+        description="Stop after this many epochs without improvement of train.monitor; none: never. auto (the "
+        f"default): {DEFAULT_PATIENCE} where there is a val split, none without one; the run records the number.",
     )
     # The optimizer and its schedule (training/loop/optim.py).
     optimizer: ChangesWeightsWhenSet[Literal["adamw", "adam", "sgd"]] = "adamw"
@@ -396,9 +427,10 @@ class TrainConfig(_Section):
 
     @classmethod
     def identity_defaults(cls) -> dict[str, Any]:
-        """The weight fields left out of the identity at their default (``ChangesWeightsWhenSet``): name -> default."""
+        """The weight fields left out of the identity at their default (``ChangesWeightsWhenSet``): name -> default
+        (the earlier default where it changed since: ``WeightsEffect.omitted_value``)."""
         return {
-            name: info.get_default(call_default_factory=True)
+            name: effect.omitted_value if effect.omits_earlier_default else info.get_default(call_default_factory=True)
             for name, info in cls.model_fields.items()
             if (effect := _weights_effect(info.metadata)) is not None and effect.omitted_at_default
         }
@@ -408,8 +440,13 @@ class TrainConfig(_Section):
         """The weight fields that ``global_batch_size``, once set, stands for: the per-rank batch and the world."""
         return ("batch_size", "nproc_per_node", "nnodes")
 
-    def rank_batch_size(self, world_size: int) -> int:
-        """This run's per-rank batch: ``batch_size``, or ``global_batch_size`` / ``world_size`` (it must divide)."""
+    def rank_batch_size(self, world_size: int, train_rows: int | None = None) -> int:
+        """This run's per-rank batch: ``batch_size`` (``auto``: ``auto_batch_size`` of ``train_rows``), or
+        ``global_batch_size`` / ``world_size`` (it must divide)."""
+        if self.batch_size == "auto":
+            if train_rows is None:
+                raise ValueError("train.batch_size auto needs the train split's row count")
+            return auto_batch_size(train_rows, world_size)
         if self.global_batch_size is None:
             return int(self.batch_size)
         per_rank, left = divmod(self.global_batch_size, world_size)
@@ -421,9 +458,16 @@ class TrainConfig(_Section):
             )
         return per_rank
 
-    def rank_val_batch_size(self, world_size: int) -> int:
+    def rank_val_batch_size(self, world_size: int, train_rows: int | None = None) -> int:
         """Rows per forward pass of a rank's validation: ``val_batch_size``, or the per-rank train batch."""
-        return self.val_batch_size or self.rank_batch_size(world_size)
+        return self.val_batch_size or self.rank_batch_size(world_size, train_rows)
+
+    def patience(self, val_rows: int) -> int | None:
+        """Early stopping's patience: ``early_stopping_patience``, or (``auto``) DEFAULT_PATIENCE when there is
+        a val split to judge epochs by, else None."""
+        if self.early_stopping_patience == "auto":
+            return DEFAULT_PATIENCE if val_rows > 0 else None
+        return self.early_stopping_patience
 
     @model_validator(mode="after")
     def _one_batch_size(self) -> TrainConfig:
@@ -431,7 +475,7 @@ class TrainConfig(_Section):
             if self.batch_size is None:
                 raise ValueError("set train.batch_size (per rank) or train.global_batch_size")
             return self
-        if "batch_size" in self.model_fields_set and self.batch_size is not None:
+        if "batch_size" in self.model_fields_set and self.batch_size not in (None, "auto"):
             raise ValueError(
                 f"set train.batch_size ({self.batch_size}, per rank) or train.global_batch_size "
                 f"({self.global_batch_size}, all ranks), not both"
@@ -512,6 +556,14 @@ class TrainConfig(_Section):
         if value not in MODELS and (":" not in value or not all(value.split(":", 1))):
             raise ValueError(f"{value!r} is neither one of {list(MODELS)} nor an import path 'package.module:factory'")
         return value
+
+
+def auto_batch_size(train_rows: int, world_size: int) -> int:
+    """``train.batch_size: auto``: the largest power of two at most the train rows per rank / AUTO_BATCH_STEPS,
+    between 1 and AUTO_BATCH_MAX. A small table gets at least AUTO_BATCH_STEPS steps an epoch, and a batch every
+    rank can fill (the preflight's rule); a table of 16,384 rows or more per rank gets AUTO_BATCH_MAX."""
+    per_rank = max(1, train_rows // (world_size * AUTO_BATCH_STEPS))
+    return min(AUTO_BATCH_MAX, 1 << (per_rank.bit_length() - 1))
 
 
 def _weights_effect(metadata: list[Any]) -> WeightsEffect | None:

@@ -76,6 +76,12 @@ class Manifest:
     inputs: list[dict[str, Any]] | None = None
     encoders: dict[str, str] | None = None  # {"file": "encoders.json", "sha256": ...}; None: no encoders
     weight: str | None = None  # the row-weight column (data.weight), float32 in the shards
+    # How the numeric block is scaled (training/kinds/normalisation.py), per column of ``n_features``: center,
+    # scale (robust: median and interquartile range; standard: mean and std) and whether it is smoothly clipped;
+    # 0, 1, false per missing indicator. None in older manifests: feature_mean/feature_std, unclipped.
+    feature_center: list[float] | None = None
+    feature_scale: list[float] | None = None
+    feature_clip: list[bool] | None = None
     format_version: int = FORMAT_VERSION
     # Also: "left_out" (columns the default inputs left out, with the entry that would include each),
     # "warnings" (what prepare warns about, e.g. integers beyond float32's exact range).

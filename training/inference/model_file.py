@@ -133,6 +133,10 @@ def inference_checkpoint(
         "features": list(manifest.features),
         "feature_mean": list(manifest.feature_mean),
         "feature_std": list(manifest.feature_std),
+        # The scaling the model was trained with (robust by default); None in older manifests: mean/std.
+        "feature_center": manifest.feature_center,
+        "feature_scale": manifest.feature_scale,
+        "feature_clip": manifest.feature_clip,
         # Regression: the model predicts the standardised target; None (old files too) = raw scale.
         "label_mean": manifest.label_mean,
         "label_std": manifest.label_std,

@@ -79,6 +79,9 @@ class Codec:
     ragged_dtype: str | None = None
     # Whether a batch of the kind is decoded per batch and worth DataLoader workers (``train.num_workers: auto``).
     decodes_in_workers = False
+    # Whether prepare hands the kind the train split's whole column once, read back from its shards
+    # (``fit_train_column``), for statistics a stream of batches cannot give exactly (quantiles).
+    reads_train_column = False
     # Whether drift statistics need the train rows' values (``drift_update``) beyond what ``observe`` keeps.
     drift_reads_rows = False
     # The built-in model ``train.model: auto`` picks when an input is of this kind (None: the tabular ``mlp``);
@@ -131,6 +134,9 @@ class Codec:
 
     def observe(self, array: pa.Array) -> None:
         """Train rows only, batch by batch."""
+
+    def fit_train_column(self, array: pa.Array) -> None:
+        """The train split's whole stored column (only when ``reads_train_column``), after ``observe``."""
 
     def fit(self) -> dict[str, Any]:
         return {}

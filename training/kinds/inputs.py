@@ -35,9 +35,14 @@ class InputInfo:
     # A numeric input whose train split held nulls (or NaN): its 0/1 missing indicator is a column of the numeric
     # block too (``block_names``), after the numeric inputs, so the model learns what a missing value means.
     missing_indicator: bool = False
+    # A numeric input's bins for the model's numeric embeddings (training/models/numeric_embeddings.py): the train
+    # split's quantiles, scaled as the model sees the input, strictly increasing. None: none (older datasets).
+    bins: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(size) for size in self.shape))
+        if self.bins is not None:
+            object.__setattr__(self, "bins", tuple(float(edge) for edge in self.bins))
 
     def mask_name(self) -> str:
         """The batch dict's entry for this input's mask, where a kind needs one (no tabular kind does)."""
@@ -53,6 +58,7 @@ class InputInfo:
             "options": dict(self.options),
             **({"ragged_dtype": self.ragged_dtype} if self.ragged_dtype else {}),  # absent: older manifests match
             **({"missing_indicator": True} if self.missing_indicator else {}),  # likewise
+            **({"bins": list(self.bins)} if self.bins is not None else {}),  # likewise
         }
 
     @classmethod
@@ -66,6 +72,7 @@ class InputInfo:
             options=dict(raw.get("options") or {}),
             ragged_dtype=raw.get("ragged_dtype"),
             missing_indicator=bool(raw.get("missing_indicator", False)),
+            bins=raw.get("bins"),
         )
 
 

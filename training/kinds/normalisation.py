@@ -1,7 +1,12 @@
 """The ONE normalisation of model inputs and regression targets, shared by training, evaluation and serving.
 
-Features: ``(x - feature_mean) / feature_std``, with the train split's statistics
-(prepare computes them; a constant feature's std is stored as 1). Regression
+Features: ``(x - center) / scale``, with the train split's statistics (prepare computes them, each numeric
+input's codec from its whole train column: training/kinds/tabular.py), then, for the columns marked ``clip``,
+the smooth clip ``z / sqrt(1 + (z / 3)^2)`` (RealMLP's), which keeps every value within (-3, 3) and leaves
+the bulk (|z| < 1) almost as it is. A numeric input's default scaling is robust: center the median, scale the
+interquartile range, clipped (``{kind: numeric, scaling: standard}``: the mean and std, not clipped, the
+rule before). The missing indicators are 0/1 columns: center 0, scale 1, never clipped. A manifest or
+model.pt from before robust scaling has ``feature_mean``/``feature_std`` only: those, unclipped. Regression
 targets likewise with ``label_mean`` / ``label_std``: the model trains on the
 standardised target, and ``target_inverse`` maps its outputs back to the
 original scale before anyone sees them (metrics, served predictions).
@@ -29,15 +34,30 @@ from training.core.manifest import Manifest
 # Bump with any change to what these functions compute for the same statistics (or to what
 # training/loading/batches.py: load_split returns): node caches built under the old rule
 # (training/loading/node_cache.py) then get another file name and are rebuilt.
-NORMALISATION_VERSION = 1
+# 2: robust scaling (center/scale/clip per column).
+NORMALISATION_VERSION = 2
+
+SMOOTH_CLIP = 3.0  # the smooth clip's bound: z / sqrt(1 + (z / SMOOTH_CLIP)^2) lies within (-3, 3)
+
+
+def scale_columns_(x: torch.Tensor, center: torch.Tensor, scale: torch.Tensor, clip: torch.Tensor) -> torch.Tensor:
+    """``x`` [rows, F] float32, in place: ``(x - center) / scale``, then the smooth clip on the columns where
+    ``clip`` (bool [F]) is true. The one arithmetic of features (``Normaliser.features_``) and of the numeric
+    embeddings' bin edges (training/kinds/tabular.py), so an input equal to an edge lands on it exactly."""
+    x.sub_(center).div_(scale)
+    if bool(clip.any()):
+        part = x[:, clip]
+        x[:, clip] = part / torch.sqrt(1.0 + torch.square(part / SMOOTH_CLIP))
+    return x
 
 
 @dataclass(frozen=True)
 class Normaliser:
-    feature_mean: torch.Tensor  # [n_features] float32
-    feature_std: torch.Tensor  # [n_features] float32, no zeros
+    feature_mean: torch.Tensor  # [n_features] float32: each column's center (the mean under standard scaling)
+    feature_std: torch.Tensor  # [n_features] float32, no zeros: each column's scale (the std under standard)
     target_mean: float = 0.0
     target_std: float = 1.0
+    feature_clip: torch.Tensor | None = None  # [n_features] bool: the smoothly clipped columns (None: none)
 
     @classmethod
     def from_stats(
@@ -46,25 +66,40 @@ class Normaliser:
         feature_std: Sequence[float],
         label_mean: float | None = None,
         label_std: float | None = None,
+        feature_clip: Sequence[bool] | None = None,
     ) -> Normaliser:
-        """``label_mean``/``label_std`` None (classification, or files from before they existed): identity."""
+        """``feature_mean``/``feature_std``: each column's center and scale; ``feature_clip``: which columns are
+        smoothly clipped (None: none). ``label_mean``/``label_std`` None (classification, or files from before
+        they existed): identity."""
         if label_std is not None and not label_std > 0:
             raise ValueError(f"label_std must be positive, got {label_std!r}")
+        clip = torch.tensor(list(feature_clip), dtype=torch.bool) if feature_clip is not None else None
         return cls(
             torch.tensor(feature_mean, dtype=torch.float32),
             torch.tensor(feature_std, dtype=torch.float32),
             0.0 if label_mean is None else float(label_mean),
             1.0 if label_std is None else float(label_std),
+            clip if clip is not None and bool(clip.any()) else None,
         )
 
     @classmethod
     def from_manifest(cls, manifest: Manifest) -> Normaliser:
-        return cls.from_stats(manifest.feature_mean, manifest.feature_std, manifest.label_mean, manifest.label_std)
+        return cls.from_scaling(vars(manifest), manifest.label_mean, manifest.label_std)
 
     @classmethod
     def from_checkpoint(cls, meta: Mapping[str, Any]) -> Normaliser:
         """From a model.pt's entries (``training/inference/model_file.py: inference_checkpoint``)."""
-        return cls.from_stats(meta["feature_mean"], meta["feature_std"], meta.get("label_mean"), meta.get("label_std"))
+        return cls.from_scaling(meta, meta.get("label_mean"), meta.get("label_std"))
+
+    @classmethod
+    def from_scaling(cls, entries: Mapping[str, Any], label_mean, label_std) -> Normaliser:
+        """``feature_center``/``feature_scale``/``feature_clip`` where a manifest or model.pt has them, else
+        (written before robust scaling) ``feature_mean``/``feature_std``, unclipped."""
+        if entries.get("feature_center") is not None:
+            center, scale, clip = entries["feature_center"], entries["feature_scale"], entries["feature_clip"]
+        else:
+            center, scale, clip = entries["feature_mean"], entries["feature_std"], None
+        return cls.from_stats(center, scale, label_mean, label_std, clip)
 
     @property
     def standardises_target(self) -> bool:
@@ -72,7 +107,9 @@ class Normaliser:
 
     def features_(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise the float32 rows ``x`` [rows, n_features] in place; returns ``x``."""
-        return x.sub_(self.feature_mean).div_(self.feature_std)
+        if self.feature_clip is None:
+            return x.sub_(self.feature_mean).div_(self.feature_std)
+        return scale_columns_(x, self.feature_mean, self.feature_std, self.feature_clip)
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         """A normalised float32 copy of ``x`` (the same arithmetic as ``features_``)."""

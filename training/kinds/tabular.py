@@ -28,18 +28,31 @@ ID_LIKE_MIN_ROWS = 50  # below this many rows the share says nothing
 
 
 MISSING_POLICIES = ("impute", "error")  # {kind: numeric, missing: ...}; impute is the default
+SCALINGS = ("robust", "standard")  # {kind: numeric, scaling: ...}; robust is the default
+# The numeric embeddings' bins per numeric input: the train split's quantiles at 0, 1/48, ..., 1 (fewer where
+# values repeat), as Gorishniy et al. (NeurIPS 2022) compute them for piecewise-linear encoding.
+QUANTILE_BINS = 48
 
 
 class NumericCodec(Codec):
     """A number per row, float32. Nulls are values: by default (``missing: impute``) a null or NaN is replaced by
-    the mean of the train split's non-null values, and an input whose train split held any gets a 0/1 missing
-    indicator, a column of the numeric block (``InputInfo.missing_indicator``), as boosting learns a direction
-    for missing values. Both are fitted on the train split only (``observe``/``fit``, in encoders.json).
-    ``missing: error`` makes a null invalid, as every non-finite value is (``data.on_invalid``): inf is never
-    a missing value."""
+    the train split's center of the input (the median; the mean under ``scaling: standard``), and an input whose
+    train split held any gets a 0/1 missing indicator, a column of the numeric block
+    (``InputInfo.missing_indicator``), as boosting learns a direction for missing values. ``missing: error``
+    makes a null invalid, as every non-finite value is (``data.on_invalid``): inf is never a missing value.
+
+    Scaling (training/kinds/normalisation.py applies it): ``robust`` (the default) centres on the median,
+    divides by the interquartile range (half the range where the quartiles coincide, 1 for a constant) and
+    clips smoothly into (-3, 3), as RealMLP does, so heavy-tailed amounts keep their bulk apart;
+    ``standard``: the mean and std, unclipped. The bins of the numeric embeddings are the train quantiles
+    (``QUANTILE_BINS``), handed to the model normalised (``InputInfo.bins``). Everything is fitted on the train
+    split only: its null counts batch by batch (``observe``), its quantiles from the whole train column once
+    (``fit_train_column``: exact, so the same for any shard layout), all in encoders.json."""
+
+    reads_train_column = True
 
     kind = "numeric"
-    option_names = ("missing",)
+    option_names = ("missing", "scaling")
     model_block = SCALAR
     reference_column = NUMBER
     needs_state = False  # a dataset from before imputation stored none: NaN stays NaN
@@ -50,9 +63,19 @@ class NumericCodec(Codec):
         super().__init__(name, options)
         if self.options.get("missing", "impute") not in MISSING_POLICIES:
             raise ValueError(f"numeric input {name!r}: missing must be one of {MISSING_POLICIES}")
+        if self.scaling not in SCALINGS:
+            raise ValueError(f"numeric input {name!r}: scaling must be one of {SCALINGS}")
         self.rows, self.nulls, self._sum = 0, 0, 0.0
         self.impute: float | None = None  # None: not fitted (a dataset from before): nulls stay NaN
         self.indicator = False
+        # From the whole train column (fit_train_column); None: a dataset from before robust scaling.
+        self.center: float | None = None
+        self.scale, self.clip = 1.0, False
+        self.edges: list[float] = []  # the train quantiles, raw values, increasing: the embeddings' bins
+
+    @property
+    def scaling(self) -> str:
+        return self.options.get("scaling", "robust")
 
     @property
     def imputes(self) -> bool:
@@ -94,26 +117,68 @@ class NumericCodec(Codec):
         self.nulls += len(values) - len(present)
         self._sum += float(present.sum(dtype=np.float64))
 
+    def fit_train_column(self, array: pa.Array) -> None:
+        """The train split's whole column (its shards, read back by prepare): the scaling's statistics and the
+        bins, from its sorted present values, so neither the row order nor the shard layout can change them."""
+        values = self.raw(array)
+        present = np.sort(values[~np.isnan(values)]).astype(np.float64)
+        if not len(present):  # every train value missing: imputed as 0, a constant
+            self.center, self.scale, self.clip, self.edges = 0.0, 1.0, False, []
+            return
+        if self.scaling == "standard":
+            self.center, self.scale, self.clip = float(present.mean()), float(present.std()), False
+        else:
+            low, self.center, high = (float(q) for q in np.quantile(present, [0.25, 0.5, 0.75]))
+            self.scale, self.clip = high - low, True
+            if not self.scale > 0:
+                self.scale = (float(present[-1]) - float(present[0])) / 2
+        if not self.scale > 0:
+            self.scale = 1.0
+        quantiles = np.quantile(present, np.linspace(0.0, 1.0, QUANTILE_BINS + 1), method="lower")
+        self.edges = [float(edge) for edge in np.unique(quantiles)]
+
     def fit(self) -> dict[str, Any]:
         if self.rows:
             present = self.rows - self.nulls
             self.impute = self._sum / present if present else 0.0
+            if self.center is not None and self.scaling == "robust":
+                self.impute = self.center  # the median: an imputed value is 0 once scaled, as under standard
             self.indicator = self.imputes and self.nulls > 0
         if self.impute is None:
             return {}
-        return {"impute": self.impute, "indicator": self.indicator, "rows": self.rows, "nulls": self.nulls}
+        state = {"impute": self.impute, "indicator": self.indicator, "rows": self.rows, "nulls": self.nulls}
+        if self.center is not None:
+            state |= {"center": self.center, "scale": self.scale, "clip": self.clip, "edges": self.edges}
+        return state
 
     def load(self, state: dict[str, Any]) -> None:
         if "impute" in state:
             self.impute, self.indicator = float(state["impute"]), bool(state["indicator"])
             self.rows, self.nulls = int(state["rows"]), int(state["nulls"])
+        if "center" in state:
+            self.center, self.scale, self.clip = float(state["center"]), float(state["scale"]), bool(state["clip"])
+            self.edges = [float(edge) for edge in state["edges"]]
+
+    def scaled_edges(self) -> tuple[float, ...] | None:
+        """The bins' edges as the model sees its input (scaled and clipped by the one arithmetic,
+        ``normalisation.scale_columns_``, in float32), strictly increasing; None before robust scaling."""
+        if self.center is None:
+            return None
+        import torch
+
+        from training.kinds.normalisation import scale_columns_
+
+        edges = torch.tensor(self.edges, dtype=torch.float32).reshape(-1, 1)
+        one = (torch.tensor([value], dtype=torch.float32) for value in (self.center, self.scale))
+        scaled = scale_columns_(edges, *one, torch.tensor([self.clip]))
+        return tuple(float(edge) for edge in np.unique(scaled.numpy()))  # edges the clip merged: one
 
     def null_rate(self) -> float:
         """The train split's share of null or NaN values (0 before it is observed)."""
         return self.nulls / self.rows if self.rows else 0.0
 
     def info(self) -> InputInfo:
-        return replace(super().info(), missing_indicator=self.indicator)
+        return replace(super().info(), missing_indicator=self.indicator, bins=self.scaled_edges())
 
     @classmethod
     def serving_example(cls, values, source_type: str | None):

@@ -7,8 +7,9 @@ so far by more than ``train.min_delta`` (a NaN never improves).
 
 - ``select: best`` (default): model.pt holds the weights of the best epoch; ``last``:
   those of the last epoch trained.
-- Early stopping: after ``patience`` epochs in a row without improvement, training ends
-  normally (model.pt, metrics, registration).
+- Early stopping (on by default: ``train.early_stopping_patience: auto`` is ``DEFAULT_PATIENCE`` epochs where
+  there is a val split): after ``patience`` epochs in a row without improvement, training ends normally
+  (model.pt, with the best epoch's weights under ``select: best``, metrics, registration).
 
 Every rank runs the same ``Selection`` on the same metrics: validation is summed over
 all ranks (``Trainer.run_epoch``), so each rank computes the same numbers bit for bit and
@@ -43,9 +44,9 @@ class Selection:
 
     @classmethod
     def from_config(cls, train: TrainConfig) -> Selection:
+        # patience auto: DEFAULT_PATIENCE, whatever the val split (without one, no epoch is judged, none stops it).
         return cls(
-            train.select, train.monitor, train.monitor_higher_is_better(), train.min_delta,
-            train.early_stopping_patience,
+            train.select, train.monitor, train.monitor_higher_is_better(), train.min_delta, train.patience(1),
         )  # fmt: skip
 
     @property

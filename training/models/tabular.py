@@ -5,14 +5,35 @@ inputs feed, ``training/kinds/base.py: Codec.model_block``)."""
 
 from __future__ import annotations
 
+import inspect
+import math
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from training.kinds.base import DENSE, EMBEDDING, SCALAR
-from training.kinds.inputs import InputInfo, block_names
+from training.kinds.inputs import InputInfo, block_names, numeric_names
 from training.kinds.registry import block_of, inputs_in
+from training.models.numeric_embeddings import DEFAULT_DIM, NumericEmbeddings
+
+NUMERIC_EMBEDDINGS = ("ple", "none")  # model_kwargs numeric_embeddings: the input stem's choice
+
+# The built-in mlp's defaults for a run (training/resolve.py fills them into train.model_kwargs; docs/models.md says
+# where each comes from). The class's own defaults stay those of the model.pt files written before, which rebuild
+# from their recorded model_kwargs.
+MLP_DEFAULTS: dict = {"hidden": [256, 256], "ensemble": 1}
+
+
+def defaults_to_record() -> dict:
+    """The MLP_DEFAULTS the class's own defaults do not already give: what a run must record in its
+    ``train.model_kwargs`` to rebuild its model (none while they agree, so a config's identity stays the same)."""
+    own = {name: param.default for name, param in inspect.signature(MLP.__init__).parameters.items()}
+    return {name: value for name, value in MLP_DEFAULTS.items() if _plain(own.get(name)) != _plain(value)}
+
+
+def _plain(value):
+    return list(value) if isinstance(value, tuple) else value
 
 
 def embedding_dim(cardinality: int) -> int:
@@ -37,9 +58,13 @@ class MLP(nn.Module):
         hidden: Sequence[int] = (256, 256),
         dropout: float = 0.0,
         embedding_dims: dict[str, int] | None = None,
+        numeric_embeddings: str = "ple",
+        numeric_embedding_dim: int = DEFAULT_DIM,
+        ensemble: int = 1,
     ):
         super().__init__()
         self.numeric = block_names(inputs)  # the numeric inputs, then their missing indicators
+        stem = numeric_stem(inputs, numeric_embeddings, numeric_embedding_dim)
         self.vectors = inputs_in(inputs, DENSE)
         embedded = {name: inputs[name] for name in inputs_in(inputs, EMBEDDING)}
         unknown = [f"{name} ({info.kind})" for name, info in inputs.items() if block_of(info) not in TABULAR_BLOCKS]
@@ -50,27 +75,88 @@ class MLP(nn.Module):
             for name, info in embedded.items()
         }
         width = len(self.numeric) + sum(inputs[name].shape[0] for name in self.vectors) + sum(widths.values())
-        layers: list[nn.Module] = []
+        if stem is not None:  # each numeric input becomes its embedding; the missing indicators stay as they are
+            width += stem.out_features - stem.weight.shape[0]
+        row_width, layers = width, list[nn.Module]()
         for size in hidden:
             layers += [nn.Linear(width, int(size)), nn.ReLU()]
             if dropout > 0:
                 layers.append(nn.Dropout(dropout))
             width = int(size)
-        layers.append(nn.Linear(width, n_outputs))
+        layers.append(nn.Linear(width, n_outputs) if ensemble == 1 else EnsembleHead(width, n_outputs, ensemble))
         self.net = nn.Sequential(*layers)  # first: numeric-only models draw their weights as before
+        self.adapter = EnsembleAdapter(row_width, ensemble) if ensemble > 1 else None
         if embedded:
             self.embeddings = nn.ModuleDict(
                 {name: nn.Embedding(info.cardinality, widths[name]) for name, info in embedded.items()}
             )
         self.embedded = list(embedded)
+        if stem is not None:
+            self.numeric_embeddings = stem
 
     def forward(self, batch):
         if isinstance(batch, torch.Tensor):
-            return self.net(batch)
-        parts = [numeric_block(batch, self.numeric)] if self.numeric else []
+            return self.body(self._stem(batch))
+        parts = [self._stem(numeric_block(batch, self.numeric))] if self.numeric else []
         parts += [batch[name] for name in self.vectors]
         parts += [self.embeddings[name](batch[name]) for name in self.embedded]
-        return self.net(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
+        return self.body(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
+
+    def body(self, row: torch.Tensor) -> torch.Tensor:
+        """The input row ``[B, D]`` -> ``[B, n_outputs]``; an ensemble runs its members on ``[B, k, D]``."""
+        return self.net(row if self.adapter is None else self.adapter(row))
+
+    def _stem(self, block: torch.Tensor) -> torch.Tensor:
+        """The numeric block ``[B, F]`` as the first layer takes it: with numeric embeddings, each numeric
+        input's embedding, then the missing indicators."""
+        stem = getattr(self, "numeric_embeddings", None)
+        if stem is None:
+            return block
+        count = stem.weight.shape[0]
+        return torch.cat([stem(block[:, :count]), block[:, count:]], dim=1)
+
+
+class EnsembleAdapter(nn.Module):
+    """TabM-mini's one non-shared part before the body: member i sees the input row scaled by its own ``r_i``
+    (``[B, D]`` -> ``[B, k, D]``), ``r`` initialised to random signs (Gorishniy et al., ICLR 2025), so the k
+    members start apart and the shared layers after it train them all at once."""
+
+    def __init__(self, width: int, members: int):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randint(0, 2, (members, width)).float() * 2 - 1)
+
+    def forward(self, row: torch.Tensor) -> torch.Tensor:
+        return row.unsqueeze(1) * self.scale
+
+
+class EnsembleHead(nn.Module):
+    """k linear heads, one per member (``[B, k, H]`` -> ``[B, k, O]``), averaged into the one output per row the
+    objective contract takes (``[B, O]``): logits for classes, the value for regression. Each head is initialised as
+    ``nn.Linear`` is (uniform in +-1/sqrt(H))."""
+
+    def __init__(self, width: int, n_outputs: int, members: int):
+        super().__init__()
+        bound = 1 / math.sqrt(width)
+        self.weight = nn.Parameter(torch.empty(members, width, n_outputs).uniform_(-bound, bound))
+        self.bias = nn.Parameter(torch.empty(members, n_outputs).uniform_(-bound, bound))
+
+    def members(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Every member's output, ``[B, k, O]``."""
+        return torch.einsum("bkh,kho->bko", hidden, self.weight) + self.bias
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.members(hidden).mean(dim=1)
+
+
+def numeric_stem(inputs: dict[str, InputInfo], choice: str, dim: int) -> NumericEmbeddings | None:
+    """The numeric embeddings of the inputs' numeric columns (``numeric_embeddings: ple``, the default), or None:
+    ``none``, no numeric input, or a dataset prepared before the bins (no input has ``InputInfo.bins``)."""
+    if choice not in NUMERIC_EMBEDDINGS:
+        raise ValueError(f"train.model_kwargs.numeric_embeddings must be one of {NUMERIC_EMBEDDINGS}, not {choice!r}")
+    numeric = [inputs[name] for name in numeric_names(inputs)]
+    if choice == "none" or not any(info.bins is not None for info in numeric):
+        return None
+    return NumericEmbeddings([info.bins for info in numeric], int(dim))
 
 
 TABULAR_BLOCKS = (SCALAR, DENSE, EMBEDDING)  # the blocks an MLP takes (and the other built-ins beside theirs)

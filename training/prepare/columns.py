@@ -1,9 +1,12 @@
 """Which source columns are the label, key and features, and which task the label means.
 
-Task inference (when ``data.task`` is not set): an integer, string, boolean or
+Task inference (when ``data.task`` is not set): a string, boolean or
 categorical (dictionary) label means classification; a floating-point or
-decimal label means regression. Set ``data.task`` to override, e.g.
-``classification`` for a float column holding 0.0/1.0.
+decimal label means regression; an integer label means classification when it
+holds at most ``INTEGER_CLASSES_MAX`` distinct values and regression when it
+holds more (a count, a price in cents: ``integer_label_task``, decided on the
+values by prepare before the fingerprint). Set ``data.task`` to override, e.g.
+``classification`` for a float column holding 0.0/1.0; it always wins.
 
 Default inputs: every numeric column (integer, float, decimal, boolean) of
 the source except the label, the key and the weight, in source order; the
@@ -105,6 +108,35 @@ def is_label_list(kind: pa.DataType) -> bool:
     """A multilabel label: a list of strings or integers (the classes a row has)."""
     list_kind = pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
     return list_kind and (is_text(kind.value_type) or pa.types.is_integer(kind.value_type))
+
+
+# An integer label with more distinct values than this is a quantity to predict (regression), not classes.
+INTEGER_CLASSES_MAX = 50
+
+
+def is_integer_label(kind: pa.DataType) -> bool:
+    """An integer label (not bool): its task depends on how many distinct values it holds."""
+    return pa.types.is_integer(value_type(kind))
+
+
+def integer_label_task(distinct: int) -> str:
+    """The task of an integer label with ``distinct`` values (or more): classes up to INTEGER_CLASSES_MAX."""
+    return "classification" if distinct <= INTEGER_CLASSES_MAX else "regression"
+
+
+def describe_task(task: str, kind: pa.DataType, label: str, distinct: int | None, given: bool) -> str:
+    """One line for the prepare log: the task, how it was decided, and how to choose the other."""
+    if given:
+        return f"task {task} (data.task)"
+    other = "regression" if task == "classification" else "classification"
+    if distinct is not None:
+        count = f"{distinct}" if distinct <= INTEGER_CLASSES_MAX else f"more than {INTEGER_CLASSES_MAX}"
+        why = f"integer label {label!r} holds {count} distinct values"
+        rule = f"(integers with at most {INTEGER_CLASSES_MAX} distinct values are classes)"
+        return f"task {task}, inferred: {why} {rule}; set data.task: {other} to override"
+    if task == "multilabel":
+        return f"task multilabel, inferred: label {label!r} is a list ({kind})"
+    return f"task {task}, inferred from label {label!r}'s type {value_type(kind)}; set data.task: {other} to override"
 
 
 def infer_task(kind: pa.DataType, label: str, where: str) -> str:

@@ -40,7 +40,16 @@ from training.kinds.hashing import hash_values
 from training.kinds.registry import ENCODERS_FILE, encoder_states, encoders_sha256, encoders_text, make_codec
 from training.kinds.stats import ClassCounts, RunningHistogram, RunningMoments
 from training.prepare import split as row_split
-from training.prepare.columns import ColumnPlan, left_out_columns, plan_columns
+from training.prepare.columns import (
+    INTEGER_CLASSES_MAX,
+    ColumnPlan,
+    describe_task,
+    infer_task,
+    integer_label_task,
+    is_integer_label,
+    left_out_columns,
+    plan_columns,
+)
 from training.prepare.fingerprint import dataset_fingerprint
 from training.prepare.image_folder import with_image_folder_defaults
 from training.prepare.publish import discard, is_complete, make_temp_dir, publish, remove_stale_temp_dirs
@@ -70,6 +79,7 @@ class PreparedDataset:
             "dataset_dir": str(self.dataset_dir),
             "cache_hit": self.cache_hit,
             "task": manifest.task,
+            "task_inferred": manifest.extra.get("task_inferred"),
             "n_features": manifest.n_features,
             "inputs": {entry["name"]: entry["kind"] for entry in manifest.inputs or []},
             "left_out": manifest.extra.get("left_out", []),
@@ -86,6 +96,7 @@ def prepare_dataset(data: DataConfig) -> PreparedDataset:
     # The output root may sit inside a source directory (data/ and data/shards): never read it back.
     source = open_source(data.source, data.format, exclude=root)
     data = with_image_folder_defaults(data, source.identity())
+    data, task_line = _with_inferred_task(source, data)
     fingerprint = dataset_fingerprint(source.identity(), data)
     target = root / fingerprint
     if is_complete(target):
@@ -97,7 +108,7 @@ def prepare_dataset(data: DataConfig) -> PreparedDataset:
     remove_stale_temp_dirs(root)
     temp = make_temp_dir(root, fingerprint)
     try:
-        manifest = _build(source, data, fingerprint, temp)
+        manifest = _build(source, data, fingerprint, temp, task_line)
         _check_unchanged(source)
         write_manifest(temp, manifest)
         published = publish(temp, target)
@@ -116,6 +127,34 @@ def source_fingerprint(data: DataConfig) -> tuple[dict[str, Any], str]:
     """
     identity = source_identity(data.source, data.format, exclude=_output_root(data))
     return identity, dataset_fingerprint(identity, with_image_folder_defaults(data, identity))
+
+
+def _with_inferred_task(source: Source, data: DataConfig) -> tuple[DataConfig, str | None]:
+    """(``data`` with ``data.task: regression`` where an integer label holds more than INTEGER_CLASSES_MAX
+    distinct values, the prepare log's line on the task). Decided before the fingerprint, so such a dataset is
+    the one ``data.task: regression`` prepares; an integer label read as classes keeps its fingerprint (its task
+    is what it was). A label column not in the source: (data, None), and the column check names it."""
+    if data.label not in source.schema.names:
+        return data, None
+    kind = source.schema.field(data.label).type
+    if data.task is not None or not is_integer_label(kind):
+        task = data.task or (infer_task(kind, data.label, source.description) if not pa.types.is_null(kind) else None)
+        return data, (describe_task(task, kind, data.label, None, data.task is not None) if task else None)
+    distinct = _distinct_labels(source, data.label, data.read_batch_rows, INTEGER_CLASSES_MAX)
+    task = integer_label_task(distinct)
+    line = describe_task(task, kind, data.label, distinct, given=False)
+    return (data.model_copy(update={"task": "regression"}) if task == "regression" else data), line
+
+
+def _distinct_labels(source: Source, label: str, batch_rows: int, above: int) -> int:
+    """The label's distinct non-null values, counted until there are more than ``above`` (then that count)."""
+    seen = None
+    for _file, batch in source.iter_batches([label], batch_rows):
+        values = pc.unique(_plain(batch.column(0)).drop_null())
+        seen = values if seen is None else pc.unique(pa.concat_arrays([seen, values.cast(seen.type)]))
+        if len(seen) > above:
+            break
+    return 0 if seen is None else len(seen)
 
 
 def _output_root(data: DataConfig) -> Path:
@@ -255,7 +294,7 @@ class InvalidRows:
         )
 
 
-def _build(source: Source, data: DataConfig, fingerprint: str, out_dir: Path) -> Manifest:
+def _build(source: Source, data: DataConfig, fingerprint: str, out_dir: Path, task_line: str | None) -> Manifest:
     plan = plan_columns(source.schema, data, source.description)
     labels = _scan_labels(source, plan, data.read_batch_rows)
     _check_labels(labels, plan, data, source)
@@ -298,13 +337,18 @@ def _build(source: Source, data: DataConfig, fingerprint: str, out_dir: Path) ->
     splits = {name: writer.close() for name, writer in writers.items()}
     _check_splits(splits, invalid.rows, labels.rows, data, source)
     checks.check_weights(source, sum(split.rows for split in splits.values()))
+    _fit_train_columns(out_dir, splits["train"], codecs)
     encoders = _write_encoders(out_dir, codecs)
     manifest = _manifest(source, data, plan, labels, splits, moments, histograms, targets, invalid, fingerprint)
-    indicators = sum(codecs[name].indicator for name in plan.features)  # each a 0/1 column: mean 0, std 1
+    numeric = [codecs[name] for name in plan.features]
+    indicators = sum(codec.indicator for codec in numeric)  # each a 0/1 column: center 0, scale 1, unclipped
     return dataclasses.replace(
         manifest,
         feature_mean=manifest.feature_mean + [0.0] * indicators,
         feature_std=manifest.feature_std + [1.0] * indicators,
+        feature_center=[codec.center for codec in numeric] + [0.0] * indicators,
+        feature_scale=[codec.scale for codec in numeric] + [1.0] * indicators,
+        feature_clip=[codec.clip for codec in numeric] + [False] * indicators,
         inputs=[codec.info().to_dict() for codec in codecs.values()],
         encoders=encoders,
         weight=plan.weight,
@@ -312,12 +356,24 @@ def _build(source: Source, data: DataConfig, fingerprint: str, out_dir: Path) ->
         extra={
             **manifest.extra,
             "left_out": left_out,
+            "task_inferred": task_line,  # how the task was decided (the prepare log)
             "warnings": checks.warnings(),
             "drift_stats": drift_stats.to_dict(),
             # The train split's share of null/NaN values per numeric input (those with any): imputed, indicated.
             "null_rates": {name: codecs[name].null_rate() for name in plan.features if codecs[name].nulls},
         },
     )
+
+
+def _fit_train_columns(out_dir: Path, train: SplitInfo, codecs: dict[str, Codec]) -> None:
+    """Each input whose kind reads the train split's whole column (``Codec.reads_train_column``: a numeric
+    input's quantiles), read back from the train shards one column at a time: memory is one column."""
+    import pyarrow.parquet as pq
+
+    files = [str(out_dir / shard.file) for shard in train.shards]
+    for name, codec in codecs.items():
+        if codec.reads_train_column:
+            codec.fit_train_column(pq.read_table(files, columns=[name]).column(name).combine_chunks())
 
 
 def _left_out(source: Source, plan: ColumnPlan, data: DataConfig) -> list[dict[str, str]]:

@@ -25,7 +25,9 @@ from training.kinds.registry import input_options, kind_record
 # 4: typed inputs (data.inputs, data.weight): raw columns in the shards, encoders.json, Manifest.inputs.
 # 5: nulls are values: a numeric input's nulls are kept (imputed in the encoding, fitted on the train split),
 #    a missing indicator per numeric input with train nulls, null counts in the histograms (data.inputs.*.missing).
-PREPARE_VERSION = 5
+# 6: robust scaling (median/IQR, smooth clip) and the numeric embeddings' quantile bins, fitted on the train
+#    split's whole column: encoders.json's numeric states, Manifest.feature_center/scale/clip, InputInfo.bins.
+PREPARE_VERSION = 6
 # DataConfig fields that do not change the prepared output.
 _NOT_OUTPUT_FIELDS = frozenset({"root", "read_batch_rows", "source", "cache_dir"})
 

@@ -46,10 +46,14 @@ def test_a_setting_that_keeps_the_weights_leaves_the_identity(field, value):
 def test_the_identity_of_runs_recorded_before_stays_the_same():
     """The tag on existing runs and model versions (skip_if_unchanged compares it): a lost or added
     ChangesWeights declaration changes these hashes, and every champion would stop matching."""
-    # They were recorded with train.model mlp (its default then; the pipeline now records what auto picks).
-    assert training_identity_tag(config(model="mlp"), "fp0") == "aba5fe4681d3c94b"
-    changed = config(model="mlp", lr=0.01, model_kwargs={"hidden": [8]}, nproc_per_node=2)
+    # They were recorded with train.model mlp (its default then; the pipeline now records what auto picks), and
+    # the defaults of then: 5 epochs, batch 512 per rank, no early stopping (omitted from the identity as before).
+    then = {"model": "mlp", "epochs": 5, "batch_size": 512, "early_stopping_patience": None}
+    assert training_identity_tag(config(**then), "fp0") == "aba5fe4681d3c94b"
+    changed = config(**then, lr=0.01, model_kwargs={"hidden": [8]}, nproc_per_node=2)
     assert training_identity_tag(changed, "fp1") == "c6294b16f1623240"
+    # Today's defaults train otherwise (up to 100 epochs, early stopping, the batch for the data): another training.
+    assert training_identity_tag(config(model="mlp"), "fp0") != "aba5fe4681d3c94b"
 
 
 def test_every_train_field_is_declared_one_way_or_the_other():
@@ -74,10 +78,15 @@ def test_a_checkpoint_recorded_before_a_field_existed_keeps_its_identity():
     recorded without it is the same training as today's config at the default."""
     added = TrainConfig.identity_defaults()
     assert {"objective": "auto", "class_weights": "none", "label_smoothing": 0.0}.items() <= added.items()
-    old = config().model_dump(mode="json")
+    # early_stopping_patience's default became auto: a record without it never stopped early (none).
+    assert added["early_stopping_patience"] is None
+    today = config(early_stopping_patience=None)
+    old = today.model_dump(mode="json")
     for name in added:
         del old["train"][name]
     saved = {"config": old, "fingerprint": "fp"}
-    assert resume_mismatches(saved, config(), "fp") == []
-    assert training_identity(old, "fp") == training_identity(config(), "fp")
-    assert [p.split(" ")[0] for p in resume_mismatches(saved, config(objective="binary"), "fp")] == ["train.objective"]
+    assert resume_mismatches(saved, today, "fp") == []
+    assert training_identity(old, "fp") == training_identity(today, "fp")
+    assert training_identity(old, "fp") != training_identity(config(), "fp")  # auto stops early: not that training
+    wrong = config(objective="binary", early_stopping_patience=None)
+    assert [p.split(" ")[0] for p in resume_mismatches(saved, wrong, "fp")] == ["train.objective"]

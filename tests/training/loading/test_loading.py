@@ -58,8 +58,13 @@ def test_a_split_loads_into_normalised_tensors_matching_the_shards(prepared):
     split = load_split(prepared.dataset_dir, manifest, "train", read_rows=64)  # many record batches per shard
     assert len(manifest.splits["train"].shards) > 1
     table = read_train_table(prepared)
-    raw = torch.stack([torch.from_numpy(table[name].to_numpy()) for name in manifest.features], dim=1)
-    expected = (raw - torch.tensor(manifest.feature_mean)) / torch.tensor(manifest.feature_std)
+    raw = np.stack([table[name].to_numpy() for name in manifest.features], axis=1).astype(np.float64)
+    # Robust scaling (the default): the train median and interquartile range, then the smooth clip.
+    low, median, high = np.quantile(raw, [0.25, 0.5, 0.75], axis=0)
+    np.testing.assert_allclose(manifest.feature_center, median, rtol=1e-6)
+    np.testing.assert_allclose(manifest.feature_scale, high - low, rtol=1e-6)
+    z = (raw - median) / (high - low)
+    expected = torch.from_numpy(z / np.sqrt(1 + (z / 3) ** 2)).float()
     assert split.features.shape == (manifest.rows("train"), manifest.n_features) and split.features.is_contiguous()
     torch.testing.assert_close(split.features, expected)
     # The regression target is standardised with the train split's own statistics (prepare's streaming pass).
@@ -69,7 +74,7 @@ def test_a_split_loads_into_normalised_tensors_matching_the_shards(prepared):
     expected_labels = torch.from_numpy((target - manifest.label_mean) / manifest.label_std).float()
     torch.testing.assert_close(split.labels, expected_labels)
     assert split.labels.dtype == torch.float32  # regression
-    assert abs(float(split.features.mean())) < 0.05 and abs(float(split.labels.mean())) < 1e-4
+    assert abs(float(split.features.median())) < 0.05 and abs(float(split.labels.mean())) < 1e-4
 
 
 def test_a_manifest_without_target_statistics_loads_the_raw_target(prepared):

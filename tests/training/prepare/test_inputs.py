@@ -273,8 +273,9 @@ def test_a_numeric_codec_imputes_the_train_mean_and_indicates_missing_values_fit
 
 
 def test_numeric_imputation_is_fitted_on_the_train_split_only(table_file, make_config, dh):
-    """Prepared: encoders.json's imputed value is the mean of the train split's non-null values, not of all
-    rows', and its null count is the train split's; the missing setting is part of the dataset's fingerprint."""
+    """Prepared: encoders.json's imputed value is the median of the train split's non-null values (their mean
+    under scaling: standard), not of all rows', and its null count is the train split's; the missing setting is
+    part of the dataset's fingerprint."""
     rng = np.random.default_rng(1)
     rows = 3000
     value = rng.lognormal(0.0, 2.0, size=rows)  # skewed: the mean of any other subset differs
@@ -286,9 +287,13 @@ def test_numeric_imputation_is_fitted_on_the_train_split_only(table_file, make_c
     train = dh.read_split(prepared, "train")["v"]
     assert state["nulls"] == train.null_count > 0 and state["rows"] == len(train) < rows
     train_values = train.to_numpy(zero_copy_only=False).astype(np.float64)
-    assert state["impute"] == pytest.approx(np.nanmean(train_values), rel=1e-6)
-    assert state["impute"] != pytest.approx(np.nanmean(value), rel=1e-3)  # not the whole source's
+    assert state["impute"] == pytest.approx(np.nanmedian(train_values), rel=1e-6)
+    assert state["impute"] != pytest.approx(np.nanmedian(value), rel=1e-3)  # not the whole source's
     assert prepared.manifest.n_features == 2  # v and its indicator
+    standard = prepare_dataset(make_config(path, key="id", inputs={"v": {"kind": "numeric", "scaling": "standard"}}))
+    state = read_encoders(standard.dataset_dir, standard.manifest)["v"]["state"]
+    assert state["impute"] == pytest.approx(np.nanmean(train_values), rel=1e-6)
+    assert state["impute"] != pytest.approx(np.nanmean(value), rel=1e-3)
     strict = prepare_dataset(
         make_config(path, key="id", inputs={"v": {"kind": "numeric", "missing": "error"}}, on_invalid="drop")
     )

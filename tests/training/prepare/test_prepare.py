@@ -244,6 +244,37 @@ def test_float_label_means_regression(table_file, make_config, dh):
     assert forced.manifest.task == "regression"
 
 
+def test_an_integer_label_with_many_values_is_a_number_to_predict(table_file, make_config, dh):
+    """Issue 36: prices as int64 were read as thousands of classes unless data.task said regression. An integer
+    label with more than INTEGER_CLASSES_MAX distinct values is inferred as regression (the dataset data.task:
+    regression prepares, fingerprint included); few values stay classes (fingerprint as before); data.task wins."""
+    from training.prepare.columns import INTEGER_CLASSES_MAX
+    from training.prepare.dataset import source_fingerprint
+
+    prices = np.random.default_rng(0).integers(1_000, 900_000, size=dh.rows).astype(np.int64)
+    priced = table_file(dh.numeric_table().set_column(5, "label", pa.array(prices)), "prices.parquet")
+    inferred = prepare_dataset(make_config(priced))
+    assert inferred.manifest.task == "regression" and inferred.manifest.label_mapping is None
+    line = inferred.summary()["task_inferred"]
+    assert f"more than {INTEGER_CLASSES_MAX} distinct values" in line and "data.task: classification" in line
+    declared = prepare_dataset(make_config(priced, task="regression"))
+    assert declared.fingerprint == inferred.fingerprint and declared.cache_hit, "the same dataset"
+    assert declared.summary()["task_inferred"] == line  # the cached manifest, prepared as inferred
+    forced = prepare_dataset(make_config(priced, task="classification", on_invalid="drop"))
+    assert forced.manifest.task == "classification" and len(forced.manifest.label_mapping) > INTEGER_CLASSES_MAX
+
+    few = dh.numeric_table().set_column(5, "label", pa.array(np.arange(dh.rows) % INTEGER_CLASSES_MAX))
+    data = make_config(table_file(few, "few.parquet"))
+    classes = prepare_dataset(data)
+    assert classes.manifest.task == "classification" and len(classes.manifest.label_mapping) == INTEGER_CLASSES_MAX
+    assert f"holds {INTEGER_CLASSES_MAX} distinct values" in classes.summary()["task_inferred"]
+    assert classes.fingerprint == source_fingerprint(data)[1]  # the fingerprint of data.task unset, as before
+    assert (
+        "(data.task)"
+        in prepare_dataset(make_config(priced, task="regression", val_fraction=0.2)).summary()["task_inferred"]
+    )
+
+
 def test_explicit_features_and_key(table_file, make_config, dh):
     prepared = prepare_dataset(make_config(table_file(dh.numeric_table()), features=["x2", "x0"], key="id"))
     assert prepared.manifest.features == ["x2", "x0"]

@@ -1,0 +1,44 @@
+"""What a config's ``auto`` settings become for a prepared dataset and a world size, decided once.
+
+    config = resolve_for_data(config, manifest, world_size)
+
+- ``train.model: auto`` -> the built-in model for the inputs (``training/models/registry.py: with_resolved_model``);
+- the built-in ``mlp``'s defaults (``training/models/tabular.py: MLP_DEFAULTS``) that differ from the class's own
+  filled into ``train.model_kwargs`` where the user left them out (``defaults_to_record``), so the run records the
+  architecture it trains (an older model.pt, whose model_kwargs do not hold them, rebuilds with the class's own
+  defaults, as it was trained); none while they agree;
+- ``train.batch_size: auto`` -> ``auto_batch_size(train rows, world size)`` (``training/core/config.py``);
+- ``train.early_stopping_patience: auto`` -> ``DEFAULT_PATIENCE`` with a val split, none without one.
+
+The pipeline resolves before anything records the config or computes its training identity (resume,
+``train.skip_if_unchanged``, the MLflow run); the train stage (``ddpflow/launch/stage.py: run_train_stage``)
+resolves again (a no-op on a resolved config), so config.json and every rank hold numbers, never ``auto``. A rank
+given an unresolved config (a launcher called directly, as some tests do) reads the batch and the patience
+``auto`` the same way (``TrainConfig.rank_batch_size``, ``TrainConfig.patience``); its ``mlp`` is the class's own
+defaults (the architecture of model.pt files from before these defaults).
+"""
+
+from __future__ import annotations
+
+from training.core.config import PipelineConfig
+from training.core.manifest import Manifest
+from training.models.registry import with_resolved_model
+from training.models.tabular import defaults_to_record
+
+
+def resolve_for_data(config: PipelineConfig, manifest: Manifest, world_size: int) -> PipelineConfig:
+    """The config with every ``auto`` above replaced by its value for ``manifest`` on ``world_size`` ranks."""
+    config = with_resolved_model(config, manifest)
+    train = config.train
+    update = {}
+    if train.model == "mlp":
+        kwargs = {**defaults_to_record(), **train.model_kwargs}
+        if kwargs != train.model_kwargs:
+            update["model_kwargs"] = kwargs
+    if train.batch_size == "auto":
+        update["batch_size"] = train.rank_batch_size(world_size, manifest.rows("train"))
+    if train.early_stopping_patience == "auto":
+        update["early_stopping_patience"] = train.patience(manifest.rows("val"))
+    if not update:
+        return config
+    return config.model_copy(update={"train": train.model_copy(update=update)})
