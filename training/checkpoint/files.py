@@ -301,7 +301,7 @@ class Checkpointer:
             saved_spec, wanted_spec = payload.get("model_spec"), ModelSpec.from_dict(model_spec, features).to_dict()
             if isinstance(saved_spec, dict):
                 saved_spec = ModelSpec.from_dict(saved_spec, payload.get("features")).to_dict()
-            if saved_spec != wanted_spec or payload.get("features") != features:
+            if warm_start_shape(saved_spec) != warm_start_shape(wanted_spec) or payload.get("features") != features:
                 saved_features = len(payload.get("features") or [])
                 log_rank(
                     f"warm start: {path} has model_spec {payload.get('model_spec')} on {saved_features} "
@@ -325,3 +325,13 @@ class Checkpointer:
         if error is not None:
             raise error
         return result
+
+
+def warm_start_shape(spec: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A model spec as a warm start compares it: each numeric input's bins (training/models/numeric_embeddings.py)
+    by their count alone. The weights' shapes depend on the counts; the edges are the train quantiles of the data
+    at hand, which a model warm-started on new data should encode with."""
+    if not isinstance(spec, dict) or not spec.get("inputs"):
+        return spec
+    inputs = [{**entry, "bins": len(entry["bins"])} if entry.get("bins") else entry for entry in spec["inputs"]]
+    return {**spec, "inputs": inputs}

@@ -11,9 +11,10 @@ split, then the ONE encoding of raw columns into the tensors a model sees. The n
     codec.encode(pa_array) -> numpy      # [rows, *shape] of the input's dtype
 
 What each kind guarantees (docs/data.md):
-- numeric: float32; a null or NaN is the train split's mean (``missing: impute``, the default), and an input
-  whose train split held any adds a 0/1 missing indicator column to the numeric block (``block_names``);
-  ``missing: error`` makes it invalid (data.on_invalid). Normalised by training/kinds/normalisation.py.
+- numeric: float32; a null or NaN is the train split's center (the median; ``missing: impute``, the default),
+  and an input whose train split held any adds a 0/1 missing indicator column to the numeric block
+  (``block_names``); ``missing: error`` makes it invalid (data.on_invalid). Scaled by
+  training/kinds/normalisation.py: robustly (train median/IQR, smooth clip) or ``scaling: standard``.
 - categorical: int64 index; 0 = null, 1 = unknown (a value not in the vocabulary: unseen, or rarer than
   ``min_count``, or cut by ``max_size``), 2.. = the vocabulary, ordered by train count (descending), then value.
 - hashed: int64 index; 0 = null, 1 + (a stable 64-bit hash of the value mod ``buckets``) otherwise. The hash is

@@ -44,8 +44,9 @@ def embedding_dim(cardinality: int) -> int:
 class MLP(nn.Module):
     """Feed-forward net over every tabular input: Linear -> ReLU (-> Dropout) per hidden layer, then a head.
 
-    Its input row is, in this order: the numeric inputs (manifest order) and the missing indicators of those
-    whose train split held nulls (``block_names``), then each vector input, then an
+    Its input row is, in this order: the numeric inputs (manifest order; each as its numeric embedding,
+    ``numeric_embeddings.py``, unless ``numeric_embeddings: none`` or its dataset has no bins) and the missing
+    indicators of those whose train split held nulls (``block_names``), then each vector input, then an
     embedding per categorical and hashed input (``embedding_dim(cardinality)`` wide, or
     ``embedding_dims[name]``). With numeric inputs only it is exactly the earlier MLP: the same layers,
     created in the same order (so the same seed gives the same weights) and the same state dict keys.

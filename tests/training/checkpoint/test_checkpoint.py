@@ -247,3 +247,18 @@ def test_the_train_state_resumes_a_last_pt_of_the_oldest_format(tmp_path):
     state.resume_or_seed(state.checkpointer.load_resumable(config, "fp"))
     assert state.position.epochs_done == 1 and state.position.take_start() == (0, None)
     assert torch.equal(state.model.weight, old.model.weight) and state.best.weights is None
+
+
+def test_warm_start_on_new_data_takes_the_weights_when_the_bin_counts_match(tmp_path, capsys):
+    """A champion's numeric embeddings on new data: the bins (the new train quantiles) differ, their count is
+    what the weights' shapes depend on: the same count warm-starts, another trains from scratch."""
+    entry = {"name": "amount", "kind": "numeric", "dtype": "float32", "shape": [], "cardinality": None, "options": {}}
+    spec = {"model": "mlp", "n_features": 1, "n_outputs": 2, "model_kwargs": {}}
+    saved = {**spec, "inputs": [{**entry, "bins": [0.0, 1.0, 2.0]}]}
+    atomic_save({"model": {"w": torch.ones(2)}, "model_spec": saved, "features": ["amount"]}, tmp_path / "model.pt")
+    checkpointer = Checkpointer(tmp_path / "run", SingleProcess())
+    moved = {**spec, "inputs": [{**entry, "bins": [0.0, 1.5, 2.5]}]}
+    assert checkpointer.load_warm_start(str(tmp_path / "model.pt"), moved, ["amount"]) is not None
+    more = {**spec, "inputs": [{**entry, "bins": [0.0, 1.0, 2.0, 3.0]}]}
+    assert checkpointer.load_warm_start(str(tmp_path / "model.pt"), more, ["amount"]) is None
+    assert capsys.readouterr().out.count("training from scratch") == 1
