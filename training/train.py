@@ -63,6 +63,7 @@ from training.loop.hooks import NO_HOOKS, TrainHooks, hooks_from_env
 from training.loop.metrics_sink import MetricsSink, StepMetricsSink
 from training.loop.nonfinite import NonFiniteStep, non_finite_error
 from training.loop.optim import build_optimizer, build_schedule, optimizer_states_per_parameter
+from training.loop.preemption import Preempted, PreemptionWatch
 from training.loop.progress import Progress
 from training.loop.selection import Selection
 from training.loop.step import StepSettings, TrainStep, evaluate, validation_metrics
@@ -82,16 +83,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     preload_in_background()  # first: DDP's lazy imports overlap the rendezvous and data loading
     job = TrainJob.read(parse_args(argv).config)
+    preemption = PreemptionWatch.install(job.config.train)  # a stop signal saves and exits (loop/preemption.py)
     die_with_parent()
     with distributed(job.config.train) as ctx:
-        Trainer(job, ctx, hooks_from_env(ctx.rank, job.run_dir)).train()
+        try:
+            Trainer(job, ctx, hooks_from_env(ctx.rank, job.run_dir), preemption).train()
+        except Preempted:
+            return  # saved, recorded in RUN_DIR/preempted.json: exit 0, resumable
 
 
 class Trainer:
     """One rank's training: the constructor builds it, step by step, in the order it happens; ``train()`` runs it."""
 
-    def __init__(self, job: TrainJob, ctx: DistContext, hooks: TrainHooks = NO_HOOKS):
+    def __init__(
+        self, job: TrainJob, ctx: DistContext, hooks: TrainHooks = NO_HOOKS, preemption: PreemptionWatch | None = None
+    ):
         self.job, self.ctx, self.hooks = job, ctx, hooks
+        self.preemption = preemption or PreemptionWatch()  # none installed: never preempted
         self.config = job.config.train
         self.checkpointer = Checkpointer(
             job.run_dir, ctx, hooks.before_checkpoint_write, hooks.after_checkpoint_write, self.config.keep_checkpoints
@@ -218,6 +226,7 @@ class Trainer:
         self.progress = Progress(
             self.ctx.is_main, train.progress_interval_s, train.epochs, len(self.batches), self.ctx.world_size
         )
+        self.preemption.attach(self.ctx, len(self.batches), train.grad_accum)
 
     def _resume_or_seed(self, saved: dict[str, Any] | None) -> None:
         if saved is not None:
@@ -250,6 +259,8 @@ class Trainer:
             self.sink.log_epoch(epoch, record)
             self.checkpointer.save_last(self.state_dict())
             self.progress.end_epoch(record)
+            if self.epochs_done < self.config.epochs and self.preemption.requested():  # last.pt is the checkpoint
+                raise self.preemption.stopped(self.checkpointer, self.epochs_done, 0, self.job.run_dir)
         self.checkpointer.save_final(self.final_model() if self.ctx.is_main else {})
         log_main(self.ctx.is_main, f"wrote {self.checkpointer.final_path} ({self._selection_line()})")
 
@@ -302,8 +313,11 @@ class Trainer:
                 raise self._non_finite(epoch, bad) from None
             samples += batch.samples
             self.progress.step(step + 1, samples, lambda seen=samples: scale * loss.item() / max(1, seen))
-            if self.step_schedule.due(epoch, step):
+            preempted = self.preemption.due(step)  # the same on every rank (training/loop/preemption.py)
+            if preempted or self.step_schedule.due(epoch, step):
                 self._save_step(epoch, step + 1, loss, samples)
+            if preempted:
+                raise self.preemption.stopped(self.checkpointer, epoch, step + 1, self.job.run_dir)
         train_seconds = time.monotonic() - started
         self.hooks.end_epoch(epoch)
         weight = self.batches.global_weight(0, len(self.batches))  # the epoch's Σ w, all ranks (train_loss)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -319,6 +320,14 @@ class TrainConfig(_Section):
     stall_timeout_s: KeepsWeights[float | None] = Field(
         None, gt=0, description="Kill the run when no rank-0 output arrives for this long."
     )
+    preempt_signal: KeepsWeights[str | None] = Field(
+        "SIGUSR1",
+        description="Besides SIGTERM and SIGINT, the signal that preempts a run (Slurm's --signal=B:USR1@120): "
+        "every rank saves a step checkpoint at the next optimizer step and stops, resumable (docs/reliability.md).",
+    )
+    preempt_grace_s: KeepsWeights[float] = Field(
+        30.0, gt=0, description="How long a preempted run's ranks get to save and exit before the tree is killed."
+    )
     run_root: KeepsWeights[str] = Field("runs", description="Every run gets its own directory under here.")
     init_from: KeepsWeights[str | None] = Field(
         None, description="Warm start: 'champion' (the registry alias) or a model.pt path."
@@ -481,6 +490,22 @@ class TrainConfig(_Section):
         if isinstance(value, int) and value < 1:
             raise ValueError("must be >= 1 or 'auto'")
         return value
+
+    @field_validator("preempt_signal", mode="before")
+    @classmethod
+    def _a_signal_name(cls, value: str | int | None) -> str | None:
+        """ "USR1", "SIGUSR1" or "10" -> "SIGUSR1"; SIGKILL and SIGSTOP cannot be caught."""
+        if value is None:
+            return None
+        text = str(value).strip().upper()
+        try:
+            name = text if text.startswith("SIG") else f"SIG{text}"
+            sig = signal.Signals(int(text)) if text.isdigit() else signal.Signals[name]
+        except (KeyError, ValueError):
+            raise ValueError(f"{value!r} is not a signal name such as SIGUSR1") from None
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            raise ValueError(f"{sig.name} cannot be caught, so it cannot preempt a run")
+        return sig.name
 
     @field_validator("objective")
     @classmethod
