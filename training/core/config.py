@@ -649,6 +649,8 @@ SBATCH_OWNED_OPTIONS = {
     "--partition": "slurm.partition", "-p": "slurm.partition",
     "--account": "slurm.account", "-A": "slurm.account",
     "--time": "slurm.time_limit", "-t": "slurm.time_limit",
+    "--signal": "slurm.signal_before_s", "--requeue": "slurm.requeue", "--no-requeue": "slurm.requeue",
+    "--open-mode": "ddpflow (a requeued job appends to its output)",
     "--gpus-per-node": "slurm.gpus_per_node",
     "--cpus-per-task": "slurm.cpus_per_task", "-c": "slurm.cpus_per_task",
 }  # fmt: skip
@@ -688,6 +690,19 @@ class SlurmConfig(_Section):
         "passed as arguments, never through a shell.",
     )
     poll_interval_s: float = Field(2.0, gt=0, le=600, description="How often `scontrol show job` is asked.")
+    signal_before_s: int | None = Field(
+        120,
+        ge=1,
+        le=65535,
+        description="sbatch --signal=B:<train.preempt_signal>@N: Slurm signals the job this many seconds before its "
+        "time limit; the ranks save a step checkpoint and the job requeues itself (docs/reliability.md). "
+        "null: no signal asked for.",
+    )
+    requeue: bool = Field(
+        True,
+        description="sbatch --requeue: a preempted job (the signal above, `scontrol requeue`, a preemption) goes back "
+        "to the queue and resumes from its checkpoint; false: --no-requeue.",
+    )
 
     @field_validator("time_limit", mode="before")
     @classmethod

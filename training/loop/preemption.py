@@ -53,6 +53,8 @@ class Collectives(Protocol):
 
     def all_reduce_int_sum(self, values: list[int]) -> list[int]: ...
 
+    def checkpoint_barrier(self, path: str | Path) -> None: ...
+
 
 class Writes(Protocol):
     last_path: Path
@@ -127,4 +129,6 @@ class PreemptionWatch:
             atomic_write_json(run_file(run_dir, PREEMPTED), record)
             took = "" if waited is None else f" {waited:.1f}s after the signal"
             log_main(True, f"preempted by {name}: saved {where} to {path}{took}; the same command resumes there")
+        if self.ctx is not None:  # no rank leaves before both files are complete: a node's exit may end the job
+            self.ctx.checkpoint_barrier(path)
         return Preempted(f"preempted by {name} at {where}")
