@@ -78,6 +78,7 @@ from ddpflow.launch.process_tree import (
 from training.core.config import TrainConfig
 from training.core.fileio import atomic_write_json
 from training.core.layout import PREEMPTED
+from training.loop.preemption import preempt_signals
 
 PID_FILE = "torchrun.pid"
 LOCK_FILE = ".launch.lock"
@@ -184,8 +185,7 @@ class Preemption:
 
     @classmethod
     def for_train(cls, train: TrainConfig, ranks: int) -> Preemption:
-        extra = (signal.Signals[train.preempt_signal],) if train.preempt_signal else ()
-        return cls(ranks, train.preempt_grace_s, tuple(dict.fromkeys((signal.SIGTERM, signal.SIGINT, *extra))))
+        return cls(ranks, train.preempt_grace_s, preempt_signals(train))  # the signals the ranks catch
 
 
 def read_preempted(run_dir: str | os.PathLike) -> dict | None:
