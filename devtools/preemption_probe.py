@@ -64,6 +64,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--after-steps", type=int, default=3)
     parser.add_argument("--grace", type=float, default=None, help="train.preempt_grace_s (default: the config's)")
+    parser.add_argument("--signal", default="SIGTERM", help="what the launching process is sent (default SIGTERM)")
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="preemption-probe-"))
@@ -98,7 +99,7 @@ def main() -> None:
             if int(found[1]) >= args.after_steps:
                 sent = time.monotonic()
                 load = os.getloadavg()
-                child.send_signal(signal.SIGTERM)
+                child.send_signal(signal.Signals[args.signal])
                 subprocess.Popen([sys.executable, "-c", WATCH, str(child.pid)])  # when each process ends
         if sent is not None:
             print(f"+{time.monotonic() - sent:6.2f}s {line.rstrip()[:160]}")

@@ -445,10 +445,17 @@ class _Launcher:
         )
 
     def chain_held_signal(self) -> None:
-        """Do what the handler replaced for the held signal would have done (it may raise), once the ranks ended."""
+        """Do what the handler replaced for the held signal would have done (it may raise), once the ranks ended.
+        train.preempt_signal with no handler of the caller's (SIGUSR1 would end the process on the spot, skipping
+        every cleanup): LaunchInterrupted instead, which the train task does not retry."""
         if self.held is None or self.held[0] not in self.replaced:
             return
-        chain_to_previous_handler(self.replaced[self.held[0]], self.held[0], None)
+        signum, previous = self.held[0], self.replaced[self.held[0]]
+        if previous == signal.SIG_DFL and signum not in (signal.SIGTERM, signal.SIGINT):
+            record = read_preempted(self.run_dir)
+            saved = describe_preempted(record) if record else "the ranks did not save"
+            raise LaunchInterrupted(f"received {signal.Signals(signum).name}: {saved}")
+        chain_to_previous_handler(previous, signum, None)
 
 
 def _new_job_dir(log_root: Path, before: set[Path]) -> Path | None:
