@@ -13,7 +13,7 @@ one JSON object on stdout (everything else goes to stderr).
 
 Exit status: 0 done; 1 a flow or the stack failed (the last line says which and
 why); 2 a user error (``error: ...`` on the last line, said once, no traceback); 130 Ctrl-C
-(the line before says how to resume);
+(the line before says how to resume: the first Ctrl-C lets the ranks save where they are, a second stops at once);
 128 + N when signal N ended it (SIGTERM 143, SIGHUP 129, also sent when the
 parent process dies). Whatever ends it, `run` and `register` stop everything
 they started first (ddpflow/lifetime.py, ddpflow/services/prefect_server.py).

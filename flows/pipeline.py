@@ -39,8 +39,9 @@ from prefect.runtime import deployment, flow_run
 from prefect.states import Completed, State
 
 from ddpflow.console import LOG_ONLY
-from ddpflow.launch.failure import LaunchInterrupted
+from ddpflow.launch.failure import LaunchInterrupted, LaunchPreempted
 from ddpflow.launch.slurm.commands import check_cluster
+from ddpflow.launch.supervisor import read_preempted
 from ddpflow.rundirs import find_resumable_run, new_run_dir, record_mlflow_run, resume_epoch
 from ddpflow.tracking.registration import gate_rules
 from ddpflow.tracking.registry import champion_checkpoint
@@ -51,6 +52,7 @@ from ddpflow.tracking.runs import (
     end_pipeline_run,
     how_to_open,
     link_resumed_run,
+    preempted_tags,
     resolve_tracking_uri,
     start_pipeline_run,
     tag_run,
@@ -73,7 +75,8 @@ from training.resolve import resolve_for_data
 
 # Stopped from outside (Ctrl-C, a signal, a cancelled flow run): the MLflow run ends KILLED, not FAILED.
 # Abort: train_model's answer to a cancelled flow run; TerminationSignal: Prefect's SIGTERM (a worker cancelling).
-INTERRUPTIONS = (KeyboardInterrupt, SystemExit, LaunchInterrupted, Abort, TerminationSignal)
+# LaunchPreempted: the ranks saved and stopped (training/loop/preemption.py), after the task's retry.
+INTERRUPTIONS = (KeyboardInterrupt, SystemExit, LaunchInterrupted, LaunchPreempted, Abort, TerminationSignal)
 
 
 def _flow_run_name() -> str:
@@ -154,6 +157,8 @@ def train_pipeline(
         )
     except BaseException as error:
         interrupted = isinstance(error, INTERRUPTIONS)
+        if interrupted:
+            _tag_preempted(tracking_uri, run_id, Path(run_dir))
         end_pipeline_run(run_id, tracking_uri, status="KILLED" if interrupted else "FAILED")
         if interrupted:
             _say_how_to_resume(error, Path(run_dir), logger)
@@ -245,15 +250,30 @@ def _baselines(config: PipelineConfig, task: str, metrics: dict[str, float]) -> 
     }
 
 
+def _tag_preempted(tracking_uri: str, run_id: str, run_dir: Path) -> None:
+    """Ranks that saved and stopped (RUN_DIR/preempted.json): ddpflow.preempted=true and where, on the MLflow run."""
+    record = read_preempted(run_dir)
+    if record is None:
+        return
+    try:
+        tag_run(tracking_uri, run_id, preempted_tags(record))
+    except Exception as error:  # the tracking store must not replace the interruption
+        get_run_logger().warning("could not tag MLflow run %s as preempted: %s", run_id, error)
+
+
 def _say_how_to_resume(error: BaseException, run_dir: Path, logger: Any) -> None:
     """A note on the error (`ddpflow run` prints it) and, for the UI and the log file, a line in the flow run's log."""
     try:
         epoch = resume_epoch(run_dir)
+        preempted = read_preempted(run_dir)
     except Exception:  # reading the run directory must not replace the interruption
         return
     if epoch is None:
         return
-    hint = f"re-run the same command to resume from epoch {epoch} (run directory {run_dir})"
+    at = f"epoch {epoch}"
+    if preempted is not None and preempted.get("step") and int(preempted.get("epoch", -1)) + 1 == epoch:
+        at += f", step {preempted['step']}"  # the checkpoint the ranks saved when they were preempted
+    hint = f"re-run the same command to resume from {at} (run directory {run_dir})"
     error.add_note(hint)
     logger.warning("Stopped: %s", hint, extra={LOG_ONLY: True})  # the console has the command's own line
 

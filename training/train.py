@@ -64,6 +64,7 @@ from training.loop.hooks import NO_HOOKS, TrainHooks, hooks_from_env
 from training.loop.metrics_sink import MetricsSink, StepMetricsSink
 from training.loop.nonfinite import NonFiniteStep, non_finite_error
 from training.loop.optim import build_optimizer, build_schedule, optimizer_states_per_parameter
+from training.loop.preemption import Preempted, PreemptionWatch
 from training.loop.progress import Progress
 from training.loop.step import StepSettings, TrainStep, evaluate, validation_metrics
 from training.loop.stop_request import stop_requested
@@ -83,16 +84,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     preload_in_background()  # first: DDP's lazy imports overlap the rendezvous and data loading
     job = TrainJob.read(parse_args(argv).config)
+    preemption = PreemptionWatch.install(job.config.train)  # a stop signal saves and exits (loop/preemption.py)
     die_with_parent()
     with distributed(job.config.train) as ctx:
-        Trainer(job, ctx, hooks_from_env(ctx.rank, job.run_dir)).train()
+        try:
+            Trainer(job, ctx, hooks_from_env(ctx.rank, job.run_dir), preemption).train()
+        except Preempted:
+            return  # saved, recorded in RUN_DIR/preempted.json: exit 0, resumable
 
 
 class Trainer:
     """One rank's training: the constructor builds it, step by step, in the order it happens; ``train()`` runs it."""
 
-    def __init__(self, job: TrainJob, ctx: DistContext, hooks: TrainHooks = NO_HOOKS):
+    def __init__(
+        self, job: TrainJob, ctx: DistContext, hooks: TrainHooks = NO_HOOKS, preemption: PreemptionWatch | None = None
+    ):
         self.job, self.ctx, self.hooks = job, ctx, hooks
+        self.preemption = preemption or PreemptionWatch()  # none installed: never preempted
         self.config = job.config.train
         self.checkpointer = Checkpointer(
             job.run_dir, ctx, hooks.before_checkpoint_write, hooks.after_checkpoint_write, self.config.keep_checkpoints
@@ -213,6 +221,7 @@ class Trainer:
             self.job.config, self.manifest.fingerprint, ctx, self.checkpointer, self.model, optimizer, scheduler,
             self.batch_size,
         )  # fmt: skip
+        self.preemption.attach(ctx, len(self.batches), train.grad_accum)
 
     # --- the loop ---------------------------------------------------------------------------------------------
 
@@ -239,6 +248,8 @@ class Trainer:
             self.sink.log_epoch(epoch, record)
             self.state.save_last()
             self.progress.end_epoch(record)
+            if epoch + 1 < self.config.epochs and self.preemption.requested():  # last.pt is the checkpoint
+                raise self.preemption.stopped(self.checkpointer, epoch + 1, 0, self.job.run_dir)
             if epoch + 1 < self.config.epochs and stop_requested(self.job.run_dir, epoch, self.ctx):
                 log_main(self.ctx.is_main, f"stopped after epoch {epoch + 1}: the sweep's pruner asked for it")
                 break
@@ -308,9 +319,12 @@ class Trainer:
             except NonFiniteStep as bad:
                 raise self._non_finite(epoch, bad) from None
             self.progress.step(index + 1, sums.rows, lambda seen=sums.rows: scale * sums.loss.item() / max(1, seen))
-            if steps.steps_optimizer(index) and self.step_schedule.due(epoch, index):
+            preempted = self.preemption.due(index)  # the same on every rank (training/loop/preemption.py)
+            if preempted or (steps.steps_optimizer(index) and self.step_schedule.due(epoch, index)):
                 self.state.save_step(epoch, index + 1, sums)
                 self.step_schedule.written()
+            if preempted:
+                raise self.preemption.stopped(self.checkpointer, epoch, index + 1, self.job.run_dir)
         return sums
 
     def _loss_scale(self) -> float:

@@ -69,6 +69,10 @@ def launch_env(
     # torchrun's own @record copies the root-cause rank's error file here when the rank used @record.
     env["TORCHELASTIC_ERROR_FILE"] = str(Path(run_dir) / ERROR_FILE)
     env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(int(max(1, grace_s)))  # torchrun's own TERM -> KILL wait for ranks
+    # A signal to torchrun itself goes on to the ranks (they save and stop: training/loop/preemption.py), also
+    # train.preempt_signal, which would otherwise end torchrun on the spot (torchrun's --signals-to-handle).
+    extra = [config.train.preempt_signal] if config.train.preempt_signal else []
+    env["PET_SIGNALS_TO_HANDLE"] = ",".join(dict.fromkeys(["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", *extra]))
     # torchrun 2.13 shares one TCP store across restarts, so a restarted rank can read a dead peer's
     # address and hang in gloo's connectFullMesh (pytorch/pytorch#135712). A fresh store per round avoids it.
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"

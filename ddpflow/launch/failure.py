@@ -78,6 +78,16 @@ class LaunchInterrupted(LaunchError):
     """The launcher was told to stop (signal, cancellation, interpreter shutdown); the tree was killed."""
 
 
+class LaunchPreempted(LaunchError):
+    """The ranks were told to stop, saved a checkpoint at one step and exited: resumable. ``record`` is
+    RUN_DIR/preempted.json (training/loop/preemption.py). Not a LaunchInterrupted: the same launch again (a task's
+    retry, the next flow run) resumes at that step, where the signal did not also stop the launching process."""
+
+    def __init__(self, message: str, record: dict | None = None):
+        super().__init__(message)
+        self.record = record or {}
+
+
 def failure_from_output(run_dir: Path, job_dir: Path | None, tail: list[str], returncode: int) -> RankFailed:
     """An error naming the failing rank, its exit code and the root-cause text (see the module doc)."""
     summary = root_cause_summary(tail)

@@ -4,7 +4,8 @@
 
 The preflight's data checks, RUN_DIR/config.json and the job every rank reads (stage.py),
 the torchrun argv and the ranks' environment (command.py), then supervisor.py's ``launch``
-(streaming, timeouts, stall watchdog, cancellation, signals, the run-dir lock), limited by
+(streaming, timeouts, stall watchdog, cancellation, signals passed on to the ranks to save and stop
+within ``train.preempt_grace_s``, the run-dir lock), limited by
 ``train.timeout_s`` and ``train.stall_timeout_s``; then the result.
 """
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from ddpflow.launch.command import launch_env, torchrun_command
 from ddpflow.launch.stage import TrainRequest, TrainResult, check_request, finished_result, write_job
-from ddpflow.launch.supervisor import launch
+from ddpflow.launch.supervisor import Preemption, launch
 
 
 def run_training(request: TrainRequest) -> TrainResult:
@@ -40,5 +41,6 @@ def run_training(request: TrainRequest) -> TrainResult:
         grace_s=request.grace_s,
         should_cancel=request.should_cancel,
         cancel_check_s=request.cancel_check_s,
+        preemption=Preemption.for_train(config.train, layout.nproc_per_node),  # a stop signal: save, then stop
     )
     return finished_result(run_dir, launched.restarts, ended="torchrun exited 0")

@@ -6,6 +6,8 @@
                                          own sessions, so torchrun's group alone does not reach them)
     with_parent_death_signal(argv)       the child gets SIGTERM when the launching thread dies
     with forward_signals(stop):          SIGTERM/SIGINT call ``stop`` first, then the handler they replaced
+                                         (unless ``stop`` holds the signal back: a preemption under way)
+    catches_signal(proc, signum)         whether a process has a handler for a signal (the ranks' preemption)
 
 Used by the launchers (ddpflow/launch/supervisor.py, ddpflow/launch/slurm/), the local stack and bench/.
 """
@@ -113,6 +115,14 @@ class ProcessTree:
         with self._lock:
             return sorted(self._known)
 
+    def ranks(self) -> list[psutil.Process]:
+        """torchrun's own children, alive: the ranks (a rank's own children, decode workers, are not ranks)."""
+        try:
+            children = self._known[self.root.pid].children() if self.root.pid in self._known else []
+        except psutil.NoSuchProcess:
+            return []
+        return [child for child in children if is_running(child)]
+
     def alive(self) -> list[psutil.Process]:
         with self._lock:
             procs = list(self._known.values())
@@ -151,6 +161,19 @@ def with_parent_death_signal(argv: list[str]) -> list[str]:
     return [sys.executable, "-I", "-c", _PDEATHSIG_SHIM, str(os.getpid()), *argv]
 
 
+def catches_signal(proc: psutil.Process, signum: int) -> bool:
+    """Whether ``proc`` has a handler of its own for ``signum`` (Linux: the SigCgt mask of /proc/PID/status).
+    False where that cannot be read (another OS, the process gone): the caller then does not rely on it."""
+    try:
+        with open(f"/proc/{proc.pid}/status") as status:
+            for line in status:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (int(signum) - 1) & 1)
+    except (OSError, ValueError):
+        return False
+    return False
+
+
 def chain_to_previous_handler(previous, signum: int, frame) -> None:
     """Do what the signal handler we replaced would have done (launchers stop their ranks first, then call this)."""
     if callable(previous):
@@ -164,24 +187,27 @@ def chain_to_previous_handler(previous, signum: int, frame) -> None:
 
 
 @contextmanager
-def forward_signals(stop: Callable[[int], None]) -> Iterator[None]:
-    """While inside: SIGTERM and SIGINT call ``stop(signum)`` first (a launcher stops what it started), then do
-    what the handler they replaced would have done (``chain_to_previous_handler``); the old handlers come back
-    on the way out. Only the main thread may set handlers: elsewhere this does nothing, and the caller watches
-    the main thread instead."""
+def forward_signals(
+    stop: Callable[[int], bool | None], signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)
+) -> Iterator[dict[int, object]]:
+    """While inside: ``signals`` (SIGTERM and SIGINT) call ``stop(signum)`` first (a launcher stops what it
+    started), then do what the handler they replaced would have done (``chain_to_previous_handler``), unless
+    ``stop`` returns True: it holds the signal back (the ranks are saving) and chains later itself, with the
+    replaced handlers this yields. The old handlers come back on the way out. Only the main thread may set
+    handlers: elsewhere this does nothing, and the caller watches the main thread instead."""
+    previous: dict[int, object] = {}
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield previous
         return
-    previous = {}
 
     def handler(signum, frame):
-        stop(signum)
-        chain_to_previous_handler(previous[signum], signum, frame)
+        if not stop(signum):
+            chain_to_previous_handler(previous[signum], signum, frame)
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in dict.fromkeys(signals):
         previous[sig] = signal.signal(sig, handler)
     try:
-        yield
+        yield previous
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)

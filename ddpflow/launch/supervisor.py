@@ -23,6 +23,13 @@ stop for blocking code and cancelled tasks' children can survive
   installed only while torchrun runs, in the main thread, chained to the
   previous handlers), when the interpreter starts shutting down (main thread no
   longer alive: the non-main-thread case), and when ``should_cancel()`` says so;
+* except on a first stop signal (SIGTERM, SIGINT, ``train.preempt_signal``: ``Preemption``) while every
+  rank is up with its handler (``catches_signal``): then it passes the signal on to the ranks, which save a
+  step checkpoint at their next optimizer step and exit 0 (training/loop/preemption.py), waits up to
+  ``train.preempt_grace_s`` for torchrun to end, and only then does what the replaced handler does (Ctrl-C's
+  KeyboardInterrupt, Prefect's TerminationSignal, the CLI's exit). Past the grace, or on a second signal, it
+  kills the tree at once. torchrun restarts nothing: its ranks exit 0. Ranks that stopped this way (whoever
+  signalled them) leave RUN_DIR/preempted.json, and the launch raises ``LaunchPreempted``;
 * gives torchrun PR_SET_PDEATHSIG=SIGTERM, so that even a SIGKILLed launcher
   process takes torchrun down, and torchrun in turn stops its ranks
   (within TORCH_ELASTIC_SHUTDOWN_TIMEOUT = ``grace_s``);
@@ -37,6 +44,7 @@ Why a launch failed: failure.py.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import queue
 import re
@@ -49,10 +57,28 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 from ddpflow.launch.command import ERROR_FILE, LOG_DIR, PROJECT_ROOT
-from ddpflow.launch.failure import LaunchError, LaunchInterrupted, LaunchStalled, LaunchTimeout, failure_from_output
-from ddpflow.launch.process_tree import ProcessTree, forward_signals, with_parent_death_signal
+from ddpflow.launch.failure import (
+    LaunchError,
+    LaunchInterrupted,
+    LaunchPreempted,
+    LaunchStalled,
+    LaunchTimeout,
+    failure_from_output,
+)
+from ddpflow.launch.process_tree import (
+    ProcessTree,
+    catches_signal,
+    chain_to_previous_handler,
+    forward_signals,
+    with_parent_death_signal,
+)
+from training.core.config import TrainConfig
 from training.core.fileio import atomic_write_json
+from training.core.layout import PREEMPTED
+from training.loop.preemption import preempt_signals
 
 PID_FILE = "torchrun.pid"
 LOCK_FILE = ".launch.lock"
@@ -149,6 +175,34 @@ def is_locked(run_dir: str | os.PathLike) -> bool:
 # ----------------------------------------------------------------------------- launching
 
 
+@dataclass(frozen=True)
+class Preemption:
+    """A stop signal the launcher passes on to the ranks, which save and exit (training/loop/preemption.py)."""
+
+    ranks: int  # the local ranks torchrun starts: all of them must be up with their handler
+    grace_s: float = 30.0  # train.preempt_grace_s: from the signal to the kill
+    signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)  # the ranks' too: + train.preempt_signal
+
+    @classmethod
+    def for_train(cls, train: TrainConfig, ranks: int) -> Preemption:
+        return cls(ranks, train.preempt_grace_s, preempt_signals(train))  # the signals the ranks catch
+
+
+def read_preempted(run_dir: str | os.PathLike) -> dict | None:
+    """RUN_DIR/preempted.json, written by rank 0 once the ranks saved and stopped; None when absent."""
+    try:
+        return json.loads((Path(run_dir) / PREEMPTED).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def describe_preempted(record: dict) -> str:
+    """ "preempted by SIGTERM: saved step 7 of epoch 1 (PATH)" from RUN_DIR/preempted.json."""
+    step, epoch = int(record.get("step") or 0), int(record.get("epoch") or 0)
+    where = f"step {step} of epoch {epoch + 1}" if step else f"the end of epoch {epoch}"
+    return f"preempted by {record.get('signal')}: saved {where} ({record.get('checkpoint')})"
+
+
 @dataclass
 class LaunchResult:
     returncode: int
@@ -168,20 +222,24 @@ def launch(
     grace_s: float = DEFAULT_GRACE_S,
     should_cancel: Callable[[], str | None] | None = None,
     cancel_check_s: float = 2.0,
+    preemption: Preemption | None = None,
 ) -> LaunchResult:
     """Run ``argv`` (torchrun) to completion, streaming its lines to ``on_line`` in THIS thread.
 
     Raises RankFailed / LaunchTimeout / LaunchStalled / LaunchInterrupted, each after the
     whole tree is gone. ``should_cancel()`` is polled every ``cancel_check_s``; a non-empty
-    string it returns is the reason to stop.
+    string it returns is the reason to stop. ``preemption``: a first stop signal is passed on to the ranks
+    (module doc); without it every signal kills the tree. Ranks that stopped preempted: ``LaunchPreempted``,
+    or what the handler of the signal the launcher held back raises.
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     with run_dir_lock(run_dir):
         log_root = run_dir / LOG_DIR
         jobs_before = set(log_root.iterdir()) if log_root.is_dir() else set()
-        (run_dir / ERROR_FILE).unlink(missing_ok=True)  # an old attempt's error must not be read as this one's
-        launcher = _Launcher(argv, run_dir, env, on_line, grace_s)
+        for stale in (ERROR_FILE, PREEMPTED):  # an old attempt's error or stop must not be read as this one's
+            (run_dir / stale).unlink(missing_ok=True)
+        launcher = _Launcher(argv, run_dir, env, on_line, grace_s, preemption)
         try:
             with launcher.signals_forwarded():  # before start: no window where a signal skips the kill
                 launcher.start()
@@ -190,14 +248,18 @@ def launch(
             # Any way out of wait() (exception, Prefect's TerminationSignal, KeyboardInterrupt) kills the tree.
             launcher.stopping = launcher.stopping or (launcher.tree is not None and launcher.proc.poll() is None)
             if launcher.tree is not None:
-                launcher.tree.terminate(grace_s)
+                launcher.tree.terminate(0.0 if launcher.held is not None else grace_s)  # ranks had their grace
                 launcher.drain()
         job_dir = _new_job_dir(log_root, jobs_before)
         result = LaunchResult(
             launcher.proc.returncode, _count_restarts(job_dir), launcher.tree.pids(), str(job_dir) if job_dir else None
         )
+        launcher.chain_held_signal()  # the stop signal held back while the ranks saved: its handler raises now
         if stop is not None:
             raise stop
+        preempted = read_preempted(run_dir)
+        if preempted is not None:  # whoever signalled the ranks (torchrun, one rank): saved, resumable
+            raise LaunchPreempted(describe_preempted(preempted), preempted)
         if launcher.proc.returncode != 0:
             raise failure_from_output(run_dir, job_dir, launcher.tail, launcher.proc.returncode)
         # Finished: the PIDs matter no more. A failed or stopped launch keeps them, to show what was stopped.
@@ -206,7 +268,7 @@ def launch(
 
 
 class _Launcher:
-    def __init__(self, argv, run_dir: Path, env, on_line, grace_s: float):
+    def __init__(self, argv, run_dir: Path, env, on_line, grace_s: float, preemption: Preemption | None = None):
         self.argv = argv
         self.run_dir = run_dir
         self.env = env
@@ -220,6 +282,10 @@ class _Launcher:
         self._stop_reason: LaunchError | None = None
         self._output_ended = False  # the reader's end-of-output marker has been taken from the queue
         self.stopping = False  # the tree is being stopped: what torchrun prints now is its shutdown
+        self.preemption = preemption
+        self.held: tuple[int, float] | None = None  # a stop signal passed on to the ranks, and its deadline
+        self.replaced: dict[int, object] = {}  # the handlers forward_signals replaced (to chain a held signal)
+        self._said_held = False
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
@@ -292,6 +358,11 @@ class _Launcher:
                 reason = LaunchTimeout(
                     f"training exceeded train.timeout_s={timeout_s:g}s; killed torchrun and its ranks"
                 )
+            elif self.held is not None and now > self.held[1]:
+                reason = LaunchInterrupted(
+                    f"the ranks did not save and exit within train.preempt_grace_s={self.preemption.grace_s:g}s "
+                    f"of {signal.Signals(self.held[0]).name}; killed torchrun and its ranks"
+                )
             elif stall_timeout_s is not None and now - self.last_output > stall_timeout_s:
                 reason = LaunchStalled(
                     f"training stalled: no output for train.stall_timeout_s={stall_timeout_s:g}s; "
@@ -304,6 +375,9 @@ class _Launcher:
                 why = should_cancel()
                 if why:
                     reason = LaunchInterrupted(f"{why}; killed torchrun and its ranks")
+            if self.held is not None and not self._said_held:
+                self._said_held = True
+                self.on_line(OutputLine(None, self._held_note()))
             if reason is not None:
                 self._stop_reason = reason
                 self.stopping = True
@@ -325,19 +399,63 @@ class _Launcher:
                 return
             self._deliver(raw)
 
-    def signals_forwarded(self):
-        """While torchrun runs: SIGTERM/SIGINT kill the tree first, then go to the previous handler (in the main
-        thread only; elsewhere wait() watches the main thread instead)."""
+    @contextmanager
+    def signals_forwarded(self) -> Iterator[None]:
+        """While torchrun runs: a first stop signal goes to the ranks, which save and stop (``Preemption``);
+        otherwise, and on a second one, SIGTERM/SIGINT kill the tree first, then go to the previous handler (in
+        the main thread only; elsewhere wait() watches the main thread instead)."""
 
-        def stop(signum: int) -> None:
+        def stop(signum: int) -> bool:
+            if self.held is None and self._pass_to_ranks(signum):
+                self.held = (signum, time.monotonic() + self.preemption.grace_s)
+                return True  # held back: chained once the ranks are done (chain_held_signal)
             self.stopping = True
             self._stop_reason = LaunchInterrupted(
                 f"received {signal.Signals(signum).name}; killed torchrun and its ranks"
             )
             if self.tree is not None:
-                self.tree.terminate(self.grace_s)
+                self.tree.terminate(0.0 if self.held is not None else self.grace_s)  # a second signal: at once
+            return False
 
-        return forward_signals(stop)
+        signals = self.preemption.signals if self.preemption is not None else (signal.SIGTERM, signal.SIGINT)
+        with forward_signals(stop, signals) as replaced:
+            self.replaced = replaced
+            yield
+
+    def _pass_to_ranks(self, signum: int) -> bool:
+        """Send ``signum`` to every rank when all of them are up and catch it (their preemption handler, set with
+        SIGTERM's: Python catches SIGINT by itself); False, sending nothing, otherwise."""
+        if self.preemption is None or signum not in self.preemption.signals or self.tree is None:
+            return False
+        ranks = self.tree.ranks()
+        if len(ranks) < self.preemption.ranks or not all(catches_signal(rank, signal.SIGTERM) for rank in ranks):
+            return False  # starting up (or ending): nothing trained since the last checkpoint to save
+        for rank in ranks:
+            try:
+                rank.send_signal(signum)
+            except psutil.Error:
+                pass
+        return True
+
+    def _held_note(self) -> str:
+        name = signal.Signals(self.held[0]).name
+        return (
+            f"ddpflow: {name} passed on to the ranks: they save a checkpoint at their next step and stop "
+            f"(train.preempt_grace_s={self.preemption.grace_s:g}s; a second signal stops them at once)"
+        )
+
+    def chain_held_signal(self) -> None:
+        """Do what the handler replaced for the held signal would have done (it may raise), once the ranks ended.
+        train.preempt_signal with no handler of the caller's (SIGUSR1 would end the process on the spot, skipping
+        every cleanup): LaunchInterrupted instead, which the train task does not retry."""
+        if self.held is None or self.held[0] not in self.replaced:
+            return
+        signum, previous = self.held[0], self.replaced[self.held[0]]
+        if previous == signal.SIG_DFL and signum not in (signal.SIGTERM, signal.SIGINT):
+            record = read_preempted(self.run_dir)
+            saved = describe_preempted(record) if record else "the ranks did not save"
+            raise LaunchInterrupted(f"received {signal.Signals(signum).name}: {saved}")
+        chain_to_previous_handler(previous, signum, None)
 
 
 def _new_job_dir(log_root: Path, before: set[Path]) -> Path | None:

@@ -61,6 +61,19 @@ SLURM_JOB_TAG = "slurm.job_id"  # the Slurm job that trained (train.launcher: sl
 # A resumed run and the interrupted (or failed) run whose run directory and checkpoints it continues.
 RESUMED_FROM_TAG = "ddpflow.resumed_from"
 RESUMED_BY_TAG = "ddpflow.resumed_by"
+# A run whose ranks were preempted (training/loop/preemption.py): "true", and where they saved (the step checkpoint's
+# epoch, 0-based as in its name, and step; step 0: last.pt at the end of that many epochs), the signal, the file.
+PREEMPTED_TAG = "ddpflow.preempted"
+PREEMPTED_PREFIX = "ddpflow.preempted_"
+
+
+def preempted_tags(record: dict) -> dict[str, str]:
+    """The MLflow tags of RUN_DIR/preempted.json's record: ddpflow.preempted=true, ddpflow.preempted_epoch, _step,
+    _signal, _checkpoint."""
+    fields = ("epoch", "step", "signal", "checkpoint")
+    return {PREEMPTED_TAG: "true", **{PREEMPTED_PREFIX + name: str(record.get(name)) for name in fields}}
+
+
 LOCAL_MLFLOW_UI = "http://127.0.0.1:5000"  # `mlflow ui --backend-store-uri sqlite:///...` serves here
 TERMINAL_STATUSES = ("FINISHED", "FAILED", "KILLED")
 PROJECT_ROOT = Path(__file__).resolve().parents[2]

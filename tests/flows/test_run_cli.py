@@ -20,6 +20,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 import yaml
 from mlflow.tracking import MlflowClient
 
@@ -28,7 +29,7 @@ from ddpflow.services import stack as local_stack
 from ddpflow.tracking.runs import RESUMED_BY_TAG, RESUMED_FROM_TAG
 from devtools.ports import free_port
 from tests.flows.cli_runs import cli_env
-from training.core.layout import FINAL_MODEL
+from training.core.layout import FINAL_MODEL, PREEMPTED
 from training.core.log import TRAIN
 
 REPO = Path(__file__).resolve().parents[2]
@@ -225,43 +226,81 @@ def test_run_with_a_bad_value_exits_2_with_the_field_on_the_last_line(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+# Rank 0 pauses 4 s before step 5 (0-based) of the first epoch, once per run directory (training/loop/hooks.py):
+# a SIGTERM sent then reaches ranks at a known step, so they save after it, 6 steps into the epoch, although no
+# step checkpoints are configured. The pause does not change the weights.
+PAUSE_IN_EPOCH_1 = "pause:rank=0:epoch=0:step=5:seconds=4"
+PREEMPT_GRACE_S = 30.0  # train.preempt_grace_s's default
+
+
 @pytest.mark.torchrun
 @pytest.mark.server  # a temporary Prefect server
-@pytest.mark.parametrize(
-    ("signum", "status", "last_line"),
-    [
-        (signal.SIGTERM, 143, "error: terminated by SIGTERM"),  # kill, a scheduler, a container runtime
-        # Ctrl-C (SIGINT to the whole process group): test_ctrl_c_stops_in_a_few_lines_and_the_same_command_resumes
-        # SIGHUP (the terminal closes): test_the_parent_dying_stops_the_run_and_everything_it_started sends it.
-    ],
-    ids=["SIGTERM"],
-)
-def test_a_signal_during_training_stops_the_ranks_and_the_temporary_server(
-    make_config, project, signum, status, last_line
+def test_sigterm_saves_the_current_step_stops_everything_and_the_same_command_resumes_to_the_uninterrupted_weights(
+    first_run, make_config, project
 ):
+    """SIGTERM to `ddpflow run` mid-epoch (kill, a scheduler, a container runtime, a spot reclaim): the ranks save
+    a step checkpoint at the step they are in, within train.preempt_grace_s; the run ends KILLED and tagged
+    preempted, nothing is left running, exit 143; then the same command resumes at that step and ends on the
+    weights of the module's uninterrupted first run (the same config: one epoch)."""
     prefect_home = project / ".ddpflow" / "prefect"
-    config = make_config(**ENDLESS)
-    run = LiveRun(
-        [sys.executable, "-m", "flows.cli", "run", "--config", write_config(project, config)], project, cli_env()
-    )
+    assert first_run[2].returncode == 0, first_run[2].stderr[-4000:]
+    reference = Path(json.loads(first_run[2].stdout)["run_dir"]) / FINAL_MODEL
+    config = make_config()
+    argv = [sys.executable, "-m", "flows.cli", "run", "--config", write_config(project, config), "--set"]
+    argv.append("train.epochs=1")  # as the first run
+    run = LiveRun(argv, project, {**cli_env(), "DDPFLOW_FAULT": PAUSE_IN_EPOCH_1})
+    run_root = Path(config["train"]["run_root"])
     try:
-        run.wait_for_line(TRAINING_LINE)
+        deadline = time.monotonic() + 300
+        while not list(run_root.glob("*/.fault-pause-done")) and run.popen.poll() is None:
+            assert time.monotonic() < deadline, run.output[-4000:]
+            time.sleep(0.1)
         started = processes_with_home(prefect_home)
         assert any(is_temporary_server(p) for p in started), "the scan must see the temporary server"
         assert any("torch.distributed.run" in " ".join(p.cmdline()) for p in started), "... and torchrun"
-        run.popen.send_signal(signum)
-        assert run.finish() == status, run.output[-4000:]
+        sent = time.monotonic()
+        run.popen.send_signal(signal.SIGTERM)
+        assert run.finish() == 143, run.output[-4000:]
+        took_s = time.monotonic() - sent
     finally:
         run.kill()
-    assert run.last_error_line == last_line
+    assert run.last_error_line == "error: terminated by SIGTERM"
+    assert took_s < PREEMPT_GRACE_S, run.output[-4000:]
+    (run_dir,) = run_root.iterdir()
+    record = json.loads((run_dir / PREEMPTED).read_text())
+    assert (record["signal"], record["epoch"], record["step"]) == ("SIGTERM", 0, 6), record
+    assert Path(record["checkpoint"]) == run_dir / "checkpoints" / "step-e00000-s00000006.pt"
+    assert Path(record["checkpoint"]).is_file() and not (run_dir / FINAL_MODEL).exists()
+    (log,) = (project / ".ddpflow" / "logs").glob(f"run-*-{run.popen.pid}.log")  # SIGTERM: nobody at a console
+    assert f"re-run the same command to resume from epoch 1, step 6 (run directory {run_dir})" in log.read_text()
     assert wait_until_none_left(prefect_home) == []
     client = MlflowClient(config["mlflow"]["tracking_uri"])
     experiment = client.get_experiment_by_name(config["mlflow"]["experiment"])
-    assert [r.info.status for r in client.search_runs([experiment.experiment_id])] == ["KILLED"]  # not FAILED
+    (killed,) = client.search_runs([experiment.experiment_id])
+    assert killed.info.status == "KILLED"  # not FAILED
+    tags = killed.data.tags
+    assert (tags["ddpflow.preempted"], tags["ddpflow.preempted_epoch"], tags["ddpflow.preempted_step"]) == (
+        "true",
+        "0",
+        "6",
+    )
+
+    resumed = ddpflow([*argv[3:], "--json"], project)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    summary = json.loads(resumed.stdout)
+    assert Path(summary["run_dir"]) == run_dir
+    assert "at step 6 of epoch 0" in resumed.stderr, resumed.stderr[-4000:]  # the ranks' "resumed from ..." line
+    got, want = (torch.load(path, weights_only=True)["model"] for path in (run_dir / FINAL_MODEL, reference))
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=0, msg=name)
+    finished = client.get_run(summary["mlflow_run_id"])
+    assert finished.info.status == "FINISHED" and finished.data.tags[RESUMED_FROM_TAG] == killed.info.run_id
+    assert wait_until_none_left(prefect_home, within_s=10) == []
 
 
-# Rank 1 stops (sleeps) in epoch 2 (1-based), once per run directory: epoch 1 is checkpointed when Ctrl-C comes.
-HANG_IN_EPOCH_2 = "hang:rank=1:epoch=1:step=2"
+# Rank 1 pauses 4 s before step 2 (0-based) of epoch 2 (1-based), once per run directory: Ctrl-C then comes
+# while the ranks are at a known step, and they save after it (3 steps into epoch 2) before stopping.
+PAUSE_IN_EPOCH_2 = "pause:rank=1:epoch=1:step=2:seconds=4"
 CTRL_C_LINES = 20  # at most this many lines from Ctrl-C to the end
 CTRL_C_EXIT_S = 20.0  # "a few seconds" (about 3 s here), with room for a loaded 2-core machine
 
@@ -269,7 +308,8 @@ CTRL_C_EXIT_S = 20.0  # "a few seconds" (about 3 s here), with room for a loaded
 @pytest.mark.torchrun
 @pytest.mark.server  # a temporary Prefect server
 def test_ctrl_c_stops_in_a_few_lines_and_the_same_command_resumes_cleanly(first_run, make_config, project):
-    """Ctrl-C: exit 130 within seconds, a few lines, no torchrun traceback, how to resume; then the same command
+    """Ctrl-C: the ranks save where they are, exit 130 within seconds, a few lines, no torchrun traceback, how to
+    resume (the epoch and step); a second Ctrl-C would not wait for the save; then the same command
     resumes to the end: no lock or PID file left, the two MLflow runs name each other, and this second
     registration of the model's name prints no server traceback (the gate's limit is reused, not re-created)."""
     prefect_home = project / ".ddpflow" / "prefect"
@@ -277,12 +317,12 @@ def test_ctrl_c_stops_in_a_few_lines_and_the_same_command_resumes_cleanly(first_
     assert first_run[2].returncode == 0, first_run[2].stderr[-4000:]
     config = make_config(**{"train.epochs": 2, "registry.model_name": model_name})
     argv = ["run", "--config", write_config(project, config)]
-    env = {**cli_env(), "DDPFLOW_FAULT": HANG_IN_EPOCH_2}
+    env = {**cli_env(), "DDPFLOW_FAULT": PAUSE_IN_EPOCH_2}
     run = LiveRun([sys.executable, "-m", "flows.cli", *argv], project, env, own_group=True)
     run_root = Path(config["train"]["run_root"])
     try:
         deadline = time.monotonic() + 300
-        while not list(run_root.glob("*/.fault-hang-done")) and run.popen.poll() is None:
+        while not list(run_root.glob("*/.fault-pause-done")) and run.popen.poll() is None:
             assert time.monotonic() < deadline, run.output[-4000:]
             time.sleep(0.2)
         lines_before = len(run.out) + len(run.err)
@@ -297,7 +337,8 @@ def test_ctrl_c_stops_in_a_few_lines_and_the_same_command_resumes_cleanly(first_
     assert took_s < CTRL_C_EXIT_S, "".join(after)
     assert "Traceback" not in run.output and "SignalException" not in run.output, "".join(after)
     (run_dir,) = run_root.iterdir()
-    assert f"ddpflow: re-run the same command to resume from epoch 2 (run directory {run_dir})\n" in run.err
+    assert f"ddpflow: re-run the same command to resume from epoch 2, step 3 (run directory {run_dir})\n" in run.err
+    assert (run_dir / "checkpoints" / "step-e00001-s00000003.pt").is_file()
     assert run.last_error_line == "error: interrupted"
     assert wait_until_none_left(prefect_home) == []
 

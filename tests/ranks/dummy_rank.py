@@ -1,6 +1,10 @@
 """A stand-in rank for launcher tests: prints, sleeps, raises, hangs or spawns children.
 
-    dummy_rank.py --mode ok|raise|flaky|hang|spawn|stubborn|nccl-timeout [--lines N] [--interval S] [--fail-rank R]
+    dummy_rank.py --mode ok|raise|flaky|hang|spawn|stubborn|nccl-timeout|preemptible [--lines N] [--interval S]
+                  [--fail-rank R]
+
+preemptible: catches SIGTERM and SIGINT as a real rank's preemption handler does (training/loop/preemption.py),
+says so ("rank R got SIGTERM"), and never ends: a save that outlasts train.preempt_grace_s.
 
 nccl-timeout: the fail rank dies as NCCL's watchdog makes a rank die on a collective timeout
 (on stderr, the log text of a real rank that NCCL's watchdog aborted: nccl_watchdog_abort.log; then SIGABRT);
@@ -28,7 +32,7 @@ def main() -> None:
     parser.add_argument(
         "--mode",
         default=env("DUMMY_RANK_MODE", "ok"),
-        choices=["ok", "raise", "flaky", "hang", "spawn", "stubborn", "nccl-timeout"],
+        choices=["ok", "raise", "flaky", "hang", "spawn", "stubborn", "nccl-timeout", "preemptible"],
     )
     parser.add_argument("--lines", type=int, default=int(env("DUMMY_RANK_LINES", "3")))
     parser.add_argument("--interval", type=float, default=float(env("DUMMY_RANK_INTERVAL", "0.1")))
@@ -45,6 +49,13 @@ def main() -> None:
         # A grandchild in its own session, like a data-loader worker or a helper daemon.
         subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
         print(f"rank {rank} spawned a child", flush=True)
+    if args.mode == "preemptible":
+
+        def told(signum, frame):
+            print(f"rank {rank} got {signal.Signals(signum).name}", flush=True)
+
+        signal.signal(signal.SIGTERM, told)
+        signal.signal(signal.SIGINT, told)
     if args.mode == "stubborn":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only SIGKILL stops this rank
         print(f"rank {rank} ignores SIGTERM", flush=True)
@@ -62,7 +73,7 @@ def main() -> None:
         sys.stderr.flush()
         os.abort()  # SIGABRT, no Python exception: what std::terminate does to the real rank
 
-    if args.mode in ("hang", "spawn", "stubborn", "nccl-timeout"):
+    if args.mode in ("hang", "spawn", "stubborn", "nccl-timeout", "preemptible"):
         time.sleep(600)  # silent: only a kill ends it
     if args.config:
         write_outputs(args.config, rank)

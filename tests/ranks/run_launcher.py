@@ -5,6 +5,7 @@
 Prints every line, and "LAUNCH-ERROR: <message>" when launch raises.
 --thread: call launch() from a worker thread (as a Prefect task submitted to a thread pool would).
 --orphan-thread: the same, and the main thread ends once the ranks are up.
+--preempt-grace=S: a first SIGTERM/SIGINT goes to the ranks, which get S seconds (ddpflow.launch.supervisor.Preemption).
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launch_helpers import dummy_rank_argv
 
 from ddpflow.launch.failure import LaunchError
-from ddpflow.launch.supervisor import launch
+from ddpflow.launch.supervisor import Preemption, launch
 
 
-def run(run_dir: Path, rank_args: list[str]) -> None:
+def run(run_dir: Path, rank_args: list[str], preemption: Preemption | None = None) -> None:
     try:
-        launch(dummy_rank_argv(run_dir, *rank_args), run_dir, on_line=lambda line: print(line, flush=True), grace_s=2)
+        argv = dummy_rank_argv(run_dir, *rank_args)
+        launch(argv, run_dir, on_line=lambda line: print(line, flush=True), grace_s=2, preemption=preemption)
     except LaunchError as error:
         print(f"LAUNCH-ERROR: {error}", flush=True)
         raise
@@ -37,6 +39,8 @@ def main() -> None:
     split = argv.index("--")
     options, rank_args = argv[:split], argv[split + 1 :]
     run_dir = Path(options[0])
+    grace = [float(option.split("=", 1)[1]) for option in options if option.startswith("--preempt-grace=")]
+    preemption = Preemption(ranks=2, grace_s=grace[0]) if grace else None
     if "--thread" in options or "--orphan-thread" in options:
         worker = threading.Thread(target=run, args=(run_dir, rank_args))
         worker.start()
@@ -51,7 +55,7 @@ def main() -> None:
             return
         worker.join()
     else:
-        run(run_dir, rank_args)
+        run(run_dir, rank_args, preemption)
 
 
 if __name__ == "__main__":

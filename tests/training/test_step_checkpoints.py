@@ -19,6 +19,7 @@ image run resumed on 1 rank by ``nproc_per_node: auto`` without ``global_batch_s
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -42,7 +43,7 @@ from tests.training.test_train_ddp import (
 from tests.training.test_train_ddp import write_dataset as write_test_dataset
 from training.checkpoint.files import Checkpointer, ResumeMismatchError
 from training.core.config import load_config
-from training.core.layout import LAST_CHECKPOINT
+from training.core.layout import FINAL_MODEL, LAST_CHECKPOINT, PREEMPTED
 from training.core.manifest import read_manifest
 from training.distributed.context import SingleProcess
 from training.prepare.dataset import prepare_dataset
@@ -144,6 +145,14 @@ def stopped(dataset, tmp_path_factory) -> Launch:
     return result
 
 
+@pytest.fixture(scope="module")
+def preempted(dataset, tmp_path_factory) -> Launch:
+    """Dropout, NO step checkpoints configured, a restart allowed: rank 1 sends itself SIGUSR1
+    (train.preempt_signal) before step 9 of epoch 1 (training/loop/hooks.py: preempt)."""
+    env = {**RECORD, "DDPFLOW_FAULT": "preempt:rank=1:epoch=1:step=9"}
+    return launch(tmp_path_factory.mktemp("preempted"), dataset, max_restarts=1, env=env, **SETTINGS, **DROPOUT_MODEL)
+
+
 def resumed_on(stopped: Launch, dataset: Path, tmp_path: Path, nproc: int) -> Launch:
     run_dir = tmp_path / f"on{nproc}"
     shutil.copytree(stopped.run_dir, run_dir)
@@ -210,6 +219,33 @@ def test_an_image_model_with_augmentation_and_decode_workers_resumes_mid_epoch_t
         assert got["train_loss"] == pytest.approx(want["train_loss"], rel=1e-9)
         val = {key: value for key, value in want.items() if key.startswith("val_")}
         assert len(val) >= 3 and {key: got[key] for key in val} == pytest.approx(val, rel=1e-6)
+
+
+def test_a_signal_to_one_rank_saves_every_rank_at_that_step_and_the_resume_ends_on_the_uninterrupted_weights(
+    preempted, dataset, dropout_reference
+):
+    """Every rank learns of rank 1's signal at the same step (the all-reduced flag), a step checkpoint is written
+    there although none is configured, the ranks exit 0 ("preempted, resumable": RUN_DIR/preempted.json) and
+    torchrun restarts nothing; the same launch then resumes at that step to the uninterrupted weights."""
+    assert preempted.returncode == 0, preempted.output[-3000:]
+    record = json.loads((preempted.run_dir / PREEMPTED).read_text())
+    assert (record["epoch"], record["step"]) == (1, 10), record  # told before step 9: saved once it is trained
+    assert record["checkpoint"] == str(preempted.run_dir / "checkpoints" / "step-e00001-s00000010.pt")
+    assert record["signal"] == "a signal to another rank"  # rank 0 writes it; rank 1 was the one signalled
+    assert sorted(path.name for path in (preempted.run_dir / "checkpoints").iterdir()) == [
+        "last.pt",
+        "step-e00001-s00000010.pt",
+    ]
+    assert not (preempted.run_dir / FINAL_MODEL).exists()
+    assert len(preempted.metrics()) == 1  # epoch 0 only: the ranks stopped in epoch 1
+    (attempts,) = [list(job.glob("attempt_*")) for job in (preempted.run_dir / "logs").iterdir()]
+    assert len(attempts) == 1, "torchrun restarted the preempted group"
+
+    resumed = succeeded(launch(preempted.run_dir, dataset, env=RECORD, **SETTINGS, **DROPOUT_MODEL))
+    assert resumed_step(resumed) == 10
+    assert_resumed_at(10, GLOBAL_BATCH // 2, resumed, dropout_reference)
+    difference = assert_same_final_weights(resumed, dropout_reference, SAME_WORLD)
+    report("preempted (SIGUSR1 to rank 1) at step 10, resumed at step 10 (dropout, 2 ranks)", difference)
 
 
 def test_step_checkpoints_keep_the_newest_and_leave_no_torn_file(stopped):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -324,6 +325,14 @@ class TrainConfig(_Section):
     stall_timeout_s: KeepsWeights[float | None] = Field(
         None, gt=0, description="Kill the run when no rank-0 output arrives for this long."
     )
+    preempt_signal: KeepsWeights[str | None] = Field(
+        "SIGUSR1",
+        description="Besides SIGTERM and SIGINT, the signal that preempts a run (Slurm's --signal=B:USR1@120): "
+        "every rank saves a step checkpoint at the next optimizer step and stops, resumable (docs/reliability.md).",
+    )
+    preempt_grace_s: KeepsWeights[float] = Field(
+        30.0, gt=0, description="How long a preempted run's ranks get to save and exit before the tree is killed."
+    )
     run_root: KeepsWeights[str] = Field("runs", description="Every run gets its own directory under here.")
     init_from: KeepsWeights[str | None] = Field(
         None, description="Warm start: 'champion' (the registry alias) or a model.pt path."
@@ -506,6 +515,22 @@ class TrainConfig(_Section):
             raise ValueError("must be >= 1 or 'auto'")
         return value
 
+    @field_validator("preempt_signal", mode="before")
+    @classmethod
+    def _a_signal_name(cls, value: str | int | None) -> str | None:
+        """ "USR1", "SIGUSR1" or "10" -> "SIGUSR1"; SIGKILL and SIGSTOP cannot be caught."""
+        if value is None:
+            return None
+        text = str(value).strip().upper()
+        try:
+            name = text if text.startswith("SIG") else f"SIG{text}"
+            sig = signal.Signals(int(text)) if text.isdigit() else signal.Signals[name]
+        except (KeyError, ValueError):
+            raise ValueError(f"{value!r} is not a signal name such as SIGUSR1") from None
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            raise ValueError(f"{sig.name} cannot be caught, so it cannot preempt a run")
+        return sig.name
+
     @field_validator("objective")
     @classmethod
     def _objective_name_or_import_path(cls, value: str) -> str:
@@ -657,6 +682,8 @@ SBATCH_OWNED_OPTIONS = {
     "--partition": "slurm.partition", "-p": "slurm.partition",
     "--account": "slurm.account", "-A": "slurm.account",
     "--time": "slurm.time_limit", "-t": "slurm.time_limit",
+    "--signal": "slurm.signal_before_s", "--requeue": "slurm.requeue", "--no-requeue": "slurm.requeue",
+    "--open-mode": "ddpflow (a requeued job appends to its output)",
     "--gpus-per-node": "slurm.gpus_per_node",
     "--cpus-per-task": "slurm.cpus_per_task", "-c": "slurm.cpus_per_task",
 }  # fmt: skip
@@ -696,6 +723,19 @@ class SlurmConfig(_Section):
         "passed as arguments, never through a shell.",
     )
     poll_interval_s: float = Field(2.0, gt=0, le=600, description="How often `scontrol show job` is asked.")
+    signal_before_s: int | None = Field(
+        120,
+        ge=1,
+        le=65535,
+        description="sbatch --signal=B:<train.preempt_signal>@N: Slurm signals the job this many seconds before its "
+        "time limit; the ranks save a step checkpoint and the job requeues itself (docs/reliability.md). "
+        "null: no signal asked for.",
+    )
+    requeue: bool = Field(
+        True,
+        description="sbatch --requeue: a preempted job (the signal above, `scontrol requeue`, a preemption) goes back "
+        "to the queue and resumes from its checkpoint; false: --no-requeue.",
+    )
 
     @field_validator("time_limit", mode="before")
     @classmethod

@@ -10,6 +10,7 @@ A training run:       <train.run_root>/<run name>/
                           checkpoints/last.pt  resumable state, after every epoch
                           checkpoints/step-e{E}-s{S}.pt  the same, S steps into epoch E (train.checkpoint_every_*)
                           model.pt             the selected epoch's weights + what inference needs
+                          preempted.json       a preempted run's stop: signal, epoch, step, checkpoint (from rank 0)
                           eval/metrics.json    the evaluate stage's metrics
 """
 
@@ -25,6 +26,7 @@ METRICS = "metrics.jsonl"
 STEP_METRICS = "steps.jsonl"
 LAST_CHECKPOINT = "checkpoints/last.pt"
 FINAL_MODEL = "model.pt"
+PREEMPTED = "preempted.json"
 EVAL_METRICS = "eval/metrics.json"
 
 

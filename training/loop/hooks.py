@@ -8,6 +8,11 @@
   worker (torchrun ``--max-restarts``) from repeating it.
 - ``hang``:  sleep forever without entering a collective (a stuck rank). Once per
   run directory, like ``kill`` (marker ``.fault-hang-done``).
+- ``preempt``: send itself SIGUSR1 (``train.preempt_signal``'s default), as Slurm's ``--signal`` or a
+  person signalling one rank would: every rank must save at the end of that step and stop
+  (training/loop/preemption.py). Once per run directory (marker ``.fault-preempt-done``).
+- ``pause``: sleep ``seconds`` (default 5) once per run directory (marker ``.fault-pause-done``, written before
+  the sleep): a window in which a test knows where training is while it signals the run from outside.
 - ``raise``: ``RuntimeError("injected fault ...")``, every time: a permanent error.
 - ``nan``:   the model's output in that training step is NaN, every time (a diverged
   step: the non-finite check, training/loop/nonfinite.py, must stop the run there).
@@ -54,7 +59,7 @@ from training.core.log import log_rank
 FAULT_ENV = "DDPFLOW_FAULT"
 RECORD_INDICES_ENV = "DDPFLOW_RECORD_INDICES"
 KEEP_CHECKPOINTS_ENV = "DDPFLOW_KEEP_CHECKPOINTS"
-ACTIONS = ("kill", "hang", "raise", "nan", "slow_checkpoint", "skip_row")
+ACTIONS = ("kill", "hang", "raise", "nan", "slow_checkpoint", "skip_row", "preempt", "pause")
 _FIELDS = ("rank", "epoch", "step", "seconds")
 
 
@@ -153,6 +158,12 @@ class FaultInjector:
         log_rank(f"{FAULT_ENV}: {fault.action} at {where}")
         if fault.action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if fault.action == "preempt":
+            os.kill(os.getpid(), signal.SIGUSR1)
+            return
+        if fault.action == "pause":
+            time.sleep(fault.seconds or 5)
+            return
         while True:  # hang: no collectives, so peers block until their timeout
             time.sleep(3600)
 

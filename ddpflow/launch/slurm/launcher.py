@@ -19,6 +19,9 @@ How:
     the local launcher's failure analysis (failure.py) on that node's torchrun lines and logs;
   * any way out before the end (exception, SIGTERM/SIGINT, cancellation, timeout, stall) runs
     ``scancel`` and waits up to 30 s until Slurm says nothing of the job is left;
+  * preemption: the job asks for ``train.preempt_signal`` ahead of its time limit and requeues itself once its
+    ranks saved (script.py, docs/reliability.md); a requeued job is the same job, followed on to its end;
+    ranks that stopped in a job that was not requeued: ``LaunchPreempted`` (the task's retry resumes);
   * reattach: a launch in a RUN_DIR whose recorded job is still pending or running follows
     that job instead of submitting a second one; a recorded job that ended is read from its end
     record (COMPLETED: nothing to do), and a failed one is followed by a new job, which
@@ -40,7 +43,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ddpflow.launch.command import launch_env
-from ddpflow.launch.failure import LaunchError, LaunchInterrupted, LaunchStalled, LaunchTimeout
+from ddpflow.launch.failure import LaunchError, LaunchInterrupted, LaunchPreempted, LaunchStalled, LaunchTimeout
 from ddpflow.launch.process_tree import forward_signals
 from ddpflow.launch.slurm.commands import (
     JobInfo,
@@ -62,7 +65,7 @@ from ddpflow.launch.slurm.output import (
 )
 from ddpflow.launch.slurm.script import JobPaths, batch_script, sbatch_command
 from ddpflow.launch.stage import TrainRequest, TrainResult, check_request, finished_result, write_job
-from ddpflow.launch.supervisor import run_dir_lock
+from ddpflow.launch.supervisor import describe_preempted, read_preempted, run_dir_lock
 from training.core.config import PipelineConfig
 from training.core.fileio import atomic_write_json, atomic_write_text
 from training.core.layout import FINAL_MODEL
@@ -113,6 +116,9 @@ def run_training_on_slurm(request: TrainRequest) -> TrainResult:
                 info = follower.follow(config, started, request.should_cancel, request.cancel_check_s)
             finally:
                 follower.stop_unless_ended()  # every way out before the job ended
+        preempted = read_preempted(run_path)  # ranks that saved and stopped, in a job not requeued
+        if follower.stop_reason is None and preempted is not None and not (run_path / FINAL_MODEL).is_file():
+            raise LaunchPreempted(f"Slurm job {job_id}: {describe_preempted(preempted)}", preempted)
         raise_unless_completed(config, paths, job_id, info, follower.stop_reason)
     return _train_result(run_path, paths, job_id)
 
@@ -126,9 +132,10 @@ def _write_job(request: TrainRequest, paths: JobPaths, layout: RankLayout) -> li
     dataset_dir = str(Path(request.dataset_dir).resolve())
     write_job(request, paths.run_dir, dataset_dir)
     # Only the variables ddpflow sets (base={}): the job inherits the rest from sbatch's environment.
-    env = launch_env(
-        config, paths.run_dir, tracking_uri=request.tracking_uri, gpus=layout.gpus, grace_s=request.grace_s, base={}
-    )
+    # torchrun passes a stop signal on to the ranks and waits this long for them to save (loop/preemption.py).
+    grace_s = max(request.grace_s, config.train.preempt_grace_s)
+    uri = request.tracking_uri
+    env = launch_env(config, paths.run_dir, tracking_uri=uri, gpus=layout.gpus, grace_s=grace_s, base={})
     paths.folder.mkdir(parents=True, exist_ok=True)
     atomic_write_text(paths.script, batch_script(config, paths, dataset_dir, layout, env), durable=False)
     return sbatch_command(config, paths, layout)

@@ -16,6 +16,13 @@ What the script does, on the job's first node (where Slurm runs a batch script):
   4. Writes its own end (exit code, time) to RUN_DIR/slurm/<job id>/end.json, also
      when scancel or the time limit TERMs it: ``scontrol`` forgets a finished job
      after MinJobAge, and a launcher that reattaches later must still learn how it ended.
+  5. Preemption (docs/reliability.md): sbatch ``--signal=B:<train.preempt_signal>@<slurm.signal_before_s>``
+     signals this script ahead of the time limit; it passes the signal on to every node's torchrun
+     (``scancel --signal``), which passes it to the ranks (``PET_SIGNALS_TO_HANDLE``); they save a
+     step checkpoint at their next step and exit (training/loop/preemption.py). A job whose ranks stopped so
+     (RUN_DIR/preempted.json, no model.pt; also after ``scontrol requeue`` or a scheduler's preemption, which
+     TERM every process of the job) requeues itself with ``slurm.requeue`` (sbatch ``--requeue``), and the
+     requeued job, the same id, runs this script again and resumes from that checkpoint.
 
 Files (``JobPaths``)::
 
@@ -36,7 +43,7 @@ from pathlib import Path
 from ddpflow.launch import command
 from ddpflow.launch.command import ERROR_FILE, LOG_DIR, PROJECT_ROOT
 from training.core.config import PipelineConfig
-from training.core.layout import MANIFEST, TRAIN_JOB
+from training.core.layout import FINAL_MODEL, MANIFEST, PREEMPTED, TRAIN_JOB
 from training.core.topology import RankLayout
 
 SLURM_DIR = "slurm"
@@ -92,6 +99,8 @@ def sbatch_command(config: PipelineConfig, paths: JobPaths, layout: RankLayout) 
         # The agent's one task runs every rank of its node: at least a core per rank.
         f"--cpus-per-task={slurm.cpus_per_task or layout.nproc_per_node}",
         f"--output={paths.folder}/%j.out",
+        "--open-mode=append",  # a requeued job (preempted: it resumes) adds to its output file
+        "--requeue" if slurm.requeue else "--no-requeue",
         f"--chdir={PROJECT_ROOT}",  # where the local launcher runs torchrun too
     ]  # fmt: skip
     if slurm.partition:
@@ -102,6 +111,8 @@ def sbatch_command(config: PipelineConfig, paths: JobPaths, layout: RankLayout) 
         argv.append(f"--time={slurm.time_limit}")
     if slurm.gpus_per_node:
         argv.append(f"--gpus-per-node={slurm.gpus_per_node}")
+    if slurm.signal_before_s and config.train.preempt_signal:  # to the batch script (B:), which passes it on
+        argv.append(f"--signal=B:{config.train.preempt_signal.removeprefix('SIG')}@{slurm.signal_before_s}")
     return [*argv, *slurm.sbatch_args, str(paths.script)]
 
 
@@ -144,6 +155,7 @@ def batch_script(
         f"run_dir={q(str(run_dir))}",
         f"job_dir={q(str(paths.folder))}/$SLURM_JOB_ID",
         'mkdir -p "$job_dir"',
+        f'rm -f "$job_dir/end.json" "$run_dir/{PREEMPTED}"  # a requeued job runs again: not its last end or stop',
         "",
         "# How the job ended, written by the job itself: scontrol forgets finished jobs after MinJobAge.",
         "record_end() {",
@@ -151,8 +163,10 @@ def batch_script(
         '        "$SLURM_JOB_ID" "$1" "$2" "$(date -u +%Y-%m-%dT%H:%M:%SZ)" > "$job_dir/end.json.tmp"',
         '    mv -f "$job_dir/end.json.tmp" "$job_dir/end.json"',
         "}",
-        "# scancel and the time limit send TERM: record it, and let Slurm stop the steps.",
-        "trap 'record_end 143 terminated; exit 143' TERM",
+        "# scancel and the time limit send TERM: record it, and let Slurm stop the steps (a requeue: not an end).",
+        "requeueing=0",
+        "trap 'if [ \"$requeueing\" = 1 ]; then exit 0; fi; record_end 143 terminated; exit 143' TERM",
+        *_preempt_trap(config),
         "",
         "# What every rank inherits (ddpflow/launch/command.py: launch_env).",
         *(f"export {key}={q(value)}" for key, value in exports.items()),
@@ -192,10 +206,44 @@ def batch_script(
         "    " + " ".join(q(part) for part in agent[:3]) + " \\",
         "    " + " ".join(q(part) for part in agent[3 : agent.index("--tee")]) + " " + " ".join(rendezvous) + " \\",
         "    " + " ".join(q(part) for part in agent[agent.index("--tee") :]) + " &",
-        "wait $!",
+        "step=$!",
+        "wait $step",
         "status=$?",
+        'while kill -0 "$step" 2>/dev/null; do wait "$step"; status=$?; done  # a trapped signal ends a wait early',
+        *_requeue_if_preempted(config),
         'record_end "$status" finished',
         'exit "$status"',
         "",
     ]
     return "\n".join(lines)
+
+
+def _preempt_trap(config: PipelineConfig) -> list[str]:
+    """train.preempt_signal, sent to this script alone (sbatch --signal=B:...): on to every torchrun of the job."""
+    name = config.train.preempt_signal
+    if not name:
+        return []
+    short = name.removeprefix("SIG")
+    return [
+        f"# {name} (sbatch --signal=B:{short}@N, before the time limit): on to every node's torchrun and its ranks,",
+        "# which save a step checkpoint at their next step and stop.",
+        f'trap \'echo "ddpflow: {name}: the ranks save a checkpoint and stop"; '
+        f'scancel --signal={short} "$SLURM_JOB_ID"\' {short}',
+    ]
+
+
+def _requeue_if_preempted(config: PipelineConfig) -> list[str]:
+    """After the torchrun step: ranks that stopped preempted (RUN_DIR/preempted.json, no model.pt) requeue the job,
+    which then resumes from their checkpoint (slurm.requeue); without it the job ends and the launcher says so."""
+    lines = [
+        f'if [ -f "$run_dir/{PREEMPTED}" ] && [ ! -f "$run_dir/{FINAL_MODEL}" ]; then',
+        f'    echo "ddpflow: the ranks were preempted and saved: $(tr -d \'\\n\' < "$run_dir/{PREEMPTED}")"',
+    ]
+    if config.slurm.requeue:
+        lines += [
+            "    requeueing=1",
+            '    echo "ddpflow: requeueing job $SLURM_JOB_ID: it resumes from that checkpoint"',
+            '    if scontrol requeue "$SLURM_JOB_ID"; then sleep 600 & wait $!; exit 0; fi',  # Slurm TERMs us now
+            "    requeueing=0",
+        ]
+    return [*lines, '    record_end "$status" preempted', '    exit "$status"', "fi"]

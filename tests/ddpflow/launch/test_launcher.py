@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -307,10 +308,11 @@ def leftovers():
 
 
 def start_launcher(
-    run_dir: Path, *rank_args: str, thread: str | None = None, leftovers: list[int]
+    run_dir: Path, *rank_args: str, thread: str | None = None, leftovers: list[int], option: str | None = None
 ) -> tuple[subprocess.Popen, list[int]]:
-    """A python process running launch(); returns it once torchrun, both ranks and their children are up."""
-    options = [str(run_dir)] + ([thread] if thread else [])
+    """A python process running launch(); returns it once torchrun, both ranks and their children are up.
+    ``thread``, ``option``: run_launcher.py's options."""
+    options = [str(run_dir)] + [extra for extra in (thread, option) if extra]
     proc = subprocess.Popen(
         [sys.executable, str(RUN_LAUNCHER), *options, "--", *rank_args],
         stdout=subprocess.PIPE,
@@ -343,6 +345,36 @@ def test_signal_to_the_launcher_kills_every_process_of_the_run(tmp_path, sig, le
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode != 0
     assert still_alive(pids) == [], output
+
+
+GRACE_S = 6.0
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("second_signal", [True, False], ids=["second-signal", "grace-passes"])
+def test_a_stop_signal_goes_to_the_ranks_and_a_second_one_or_the_grace_kills_them(tmp_path, second_signal, leftovers):
+    """With a Preemption (the local launcher's), a first SIGTERM is passed on to ranks that catch it, which then
+    save and exit (training/loop/preemption.py); these never end: a second signal kills them at once, or they are
+    killed once train.preempt_grace_s has passed. Either way nothing is left."""
+    proc, pids = start_launcher(
+        tmp_path, "--mode", "preemptible", "--lines", "1", option=f"--preempt-grace={GRACE_S:g}", leftovers=leftovers
+    )
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    told = set()
+    for line in proc.stdout:
+        told |= {rank for rank in (0, 1) if f"rank {rank} got SIGTERM" in line}
+        if len(told) == 2:
+            break
+    assert told == {0, 1}, "the signal was not passed on to both ranks"
+    assert still_alive(pids, within_s=0) == pids, "the first signal killed the ranks"
+    if second_signal:
+        proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    took_s = time.monotonic() - sent
+    assert still_alive(pids) == []
+    assert proc.returncode == -signal.SIGTERM  # the held signal's default action, once the tree was gone
+    assert (took_s < GRACE_S) if second_signal else (took_s >= GRACE_S), took_s
 
 
 @pytest.mark.torchrun

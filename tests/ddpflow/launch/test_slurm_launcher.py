@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -281,3 +283,67 @@ def test_a_killed_launcher_is_reattached_to_its_running_job_not_resubmitted(slur
     assert any(line.text == "rank 1 done" for line in lines), "the reattached launcher streams the job's lines"
     assert Path(result.model_path).is_file() and slurm_cluster.job(job_id)["JobState"] == "COMPLETED"
     assert f"JOB {job_id}" in launcher_output(tmp_path).splitlines(), "the killed launcher had submitted it"
+
+
+# ----------------------------------------------------------------------------- preemption: requeued mid-epoch
+
+
+# Rank 0 pauses 1 s before step 5 of the epoch, once per run directory (training/loop/hooks.py): the requeue's
+# SIGTERM reaches the ranks there, and they save after that step, within the cluster's KillWait of 2 s.
+PAUSE = "pause:rank=0:epoch=0:step=5:seconds=1"
+
+
+# How the job is told: `scontrol requeue` (an admin, or a scheduler preempting with PreemptMode=REQUEUE: TERM to
+# every process of the job, KILL after KillWait); the time limit's signal, sbatch --signal=B:USR1@N, which goes
+# to the batch script alone (sent here by `scancel --batch --signal=USR1`, as slurmctld sends it).
+REQUEUE = ["scontrol", "requeue"]
+TIME_LIMIT_SIGNAL = ["scancel", "--batch", "--signal=USR1"]
+
+
+@pytest.mark.parametrize(("told_by", "signal_name"), [(REQUEUE, "SIGTERM"), (TIME_LIMIT_SIGNAL, "SIGUSR1")])
+def test_a_job_requeued_mid_epoch_saves_its_step_and_the_requeued_job_resumes_and_completes(
+    slurm_cluster, tmp_path, monkeypatch, told_by, signal_name
+):
+    """Told mid-epoch, the real ranks on both nodes save a step checkpoint at the step they are in (the batch
+    script passes the time limit's signal on to them); the job is requeued (by Slurm, or by itself once its ranks
+    saved: sbatch --requeue), the same job runs again, resumes at that step and completes; the launcher follows
+    the one job to its end."""
+    from training.core.config import load_config
+    from training.prepare.dataset import prepare_dataset
+
+    source = "synthetic://classification?rows=4000&features=8&classes=3&seed=0"
+    data = load_config(None, [f"data.source={source}", f"data.root={tmp_path / 'shards'}"]).data
+    dataset = prepare_dataset(data).dataset_dir
+    run_dir = tmp_path / "run"
+    train = {"batch_size": 64, "epochs": 1, "model_kwargs": {"hidden": [16]}, "num_threads": 1}
+    config = slurm_config({**train, "progress_interval_s": 0.2, "collective_timeout_s": 60})
+    monkeypatch.setenv("DDPFLOW_FAULT", PAUSE)  # sbatch hands the environment to the job
+    lines, jobs, outcome = [], [], {}
+
+    def train_in_thread() -> None:
+        try:
+            outcome["result"] = train_on_slurm(config, dataset, run_dir, on_line=lines.append, on_job=jobs.append)
+        except BaseException as error:
+            outcome["error"] = error
+
+    worker = threading.Thread(target=train_in_thread)
+    worker.start()
+    wait_until(lambda: (run_dir / ".fault-pause-done").exists() or not worker.is_alive(), 180, "the pause")
+    assert jobs, lines
+    subprocess.run([*told_by, jobs[0]], check=True, capture_output=True)
+    # Slurm holds a requeued job back a while (BeginTime, about 2 minutes here); that wait is Slurm's, not ours.
+    wait_until(lambda: slurm_cluster.job(jobs[0]).get("JobState") == "PENDING", 60, "the job to be requeued")
+    subprocess.run(["scontrol", "update", f"JobId={jobs[0]}", "StartTime=now"], check=True, capture_output=True)
+    worker.join(timeout=300)
+    assert "error" not in outcome, (outcome, [str(line) for line in lines][-60:])
+    assert Path(outcome["result"].model_path).is_file()
+    assert jobs_of(slurm_cluster, run_dir) == jobs, "one job, requeued: not a second one"
+    assert slurm_cluster.job(jobs[0])["JobState"] == "COMPLETED"
+    output = (run_dir / "slurm" / f"{jobs[0]}.out").read_text()
+    saved = re.search(rf"preempted by {signal_name}: saved step (\d+) of epoch 1", output)
+    assert saved, output[-4000:]
+    assert f"at step {saved[1]} of epoch 0" in output, output[-4000:]  # the requeued job's "resumed from" line
+    assert (
+        len(json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1]))
+        and not (run_dir / "preempted.json").exists()
+    )
