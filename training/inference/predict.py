@@ -33,6 +33,8 @@ from training.kinds.normalisation import Normaliser
 from training.kinds.registry import encode_columns
 from training.objectives.registry import objective_from_checkpoint
 
+OUTPUTS = ("label", "probabilities")  # params={"output": ...}: the labels, or labels and class probabilities
+
 
 class Predictor:
     def __init__(self, model: nn.Module, meta: dict[str, Any], batch_size: int = 65_536):
@@ -105,6 +107,24 @@ class Predictor:
         if self.task == "multilabel":
             return label_sets(raw, self._labels)
         return self._labels[raw] if self._labels is not None else raw
+
+    def scores(self, frame: pd.DataFrame, output: str = "label") -> pd.DataFrame | np.ndarray:
+        """What the served model returns for ``params={"output": output}`` (``OUTPUTS``), from ONE forward pass:
+        the labels (or values) as an array; ``probabilities``: a frame of ``label`` and one ``probability_<class>``
+        column per class (regression: the values). The pyfunc and batch scoring both answer through this."""
+        if output not in OUTPUTS:
+            raise ValueError(f"params.output must be one of {OUTPUTS}, not {output!r}")
+        if output == "label" or self._labels is None:
+            return self.predict(frame)
+        decoded, probabilities = self._objective.decode(self.outputs(frame))
+        raw = decoded.numpy()
+        result = pd.DataFrame(
+            {"label": label_sets(raw, self._labels) if self.task == "multilabel" else self._labels[raw]},
+            index=frame.index,
+        )
+        for i, label in enumerate(self._labels):
+            result[f"probability_{label}"] = probabilities[:, i].numpy()
+        return result
 
     def predict_proba(self, frame: pd.DataFrame) -> pd.DataFrame:
         """Classification: a column per class (its original label), each row's probabilities (multilabel: each

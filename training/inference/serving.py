@@ -37,7 +37,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from training.inference.model_file import load_model_checkpoint
-from training.inference.predict import Predictor
+from training.inference.predict import OUTPUTS, Predictor  # noqa: F401  (OUTPUTS: the served outputs, here too)
 from training.inference.token_scoring import TokenScorer
 from training.kinds.registry import CODECS
 from training.objectives.next_token import LANGUAGE_MODEL
@@ -46,9 +46,6 @@ MODEL_ARTIFACT = "model_pt"  # key in context.artifacts; stored as artifacts/mod
 MODEL_NAME = "model"  # the logged model's name
 MODEL_CODE = Path(__file__).resolve().with_name("serving_model.py")
 TRAINING_PACKAGE = Path(__file__).resolve().parents[1]  # the whole `training` package ships with the model
-
-
-OUTPUTS = ("label", "probabilities")  # params={"output": ...}: the labels, or labels and class probabilities
 
 
 class TabularTorchModel(mlflow.pyfunc.PythonModel):
@@ -80,15 +77,7 @@ def predictions(predictor: Predictor | TokenScorer, frame: pd.DataFrame, output:
                 f"params.output {output!r}: a next_token model returns tokens, loss and perplexity per row"
             )
         return predictor.score(frame)
-    if output not in OUTPUTS:
-        raise ValueError(f"params.output must be one of {OUTPUTS}, not {output!r}")
-    if output == "label" or predictor.task == "regression":
-        return predictor.predict(frame)
-    probabilities = predictor.predict_proba(frame)
-    result = pd.DataFrame({"label": predictor.predict(frame)}, index=frame.index)
-    for label in probabilities.columns:
-        result[f"probability_{label}"] = probabilities[label].to_numpy()
-    return result
+    return predictor.scores(frame, output)
 
 
 def raw_example(predictor: Predictor | TokenScorer, frame: pd.DataFrame) -> pd.DataFrame:

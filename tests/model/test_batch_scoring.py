@@ -1,0 +1,245 @@
+"""Batch scoring (`ddpflow score`, training/inference/batch_scoring.py) on a mixed table with real torchrun ranks and
+a real SQLite MLflow registry: ONE shared 2-rank scoring of the champion (``NAME@champion``), checked many ways (the
+pyfunc's answer on the same raw rows, every row exactly once, the output layout, the manifest, the MLflow run), and
+the ways a scoring must not end (a stop and a resume, another model's output, bad input).
+
+The model: a mixed table (every numeric source type, nulls, strings, an unseen category, a hashed id, a vector:
+tests/flow/test_mixed_inputs.py's ``churn_table``) prepared for real, and a model.pt trained as the trainer writes
+it (tests/model/test_registry.py's ``train_typed_model``), registered through the gate as @champion.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from flow.test_mixed_inputs import INPUTS, churn_table
+from model.test_registry import DDP, PREFECT, train_typed_model
+
+REPO = Path(__file__).resolve().parents[2]
+ROWS = 2400
+pytestmark = pytest.mark.torchrun
+
+
+def source_files(directory: Path, rows: int = ROWS) -> Path:
+    """The table as 3 Parquet files with small row groups (many row ranges for 2 ranks); one country unseen in
+    training for the last rows."""
+    table = churn_table(rows, seed=7)
+    country = table["country"].to_pylist()
+    country[-5:] = ["atlantis"] * 5
+    table = table.set_column(table.schema.get_field_index("country"), "country", pa.array(country))
+    directory.mkdir(parents=True, exist_ok=True)
+    third = rows // 3
+    for index, start in enumerate(range(0, rows, third)):
+        pq.write_table(table.slice(start, third), directory / f"day-{index}.parquet", row_group_size=150)
+    return directory
+
+
+def cli(*args: str, env: dict | None = None, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", "score", *args], cwd=cwd, env=env or cli_env(), capture_output=True,
+        text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("DDPFLOW_")}
+    return {**env, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **extra}
+
+
+@pytest.fixture(scope="module")
+def champion(tmp_path_factory, _migrated_mlflow_db) -> dict:
+    """A registered @champion trained on the mixed table, and the config that names it."""
+    from ddpflow.tracking.registration import register_candidate
+    from ddpflow.tracking.runs import start_pipeline_run
+    from training.core.config import PipelineConfig
+    from training.core.manifest import read_manifest
+    from training.inference.evaluate import evaluate_split
+    from training.prepare.dataset import prepare_dataset
+
+    root = tmp_path_factory.mktemp("scoring")
+    shutil.copy(_migrated_mlflow_db, root / "mlflow.db")
+    train_source = root / "train.parquet"
+    pq.write_table(churn_table(2000, seed=0), train_source)
+    config = PipelineConfig.model_validate(
+        {
+            "data": {"source": str(train_source), "root": str(root / "shards"), "label": "churned",
+                     "key": "customer_id", "inputs": INPUTS},
+            "registry": {"model_name": "scorer"},
+            "mlflow": {"tracking_uri": f"sqlite:///{root / 'mlflow.db'}", "experiment": "scoring",
+                       "artifact_location": (root / "mlartifacts").as_uri()},
+            "train": {"nproc_per_node": 2, "backend": "gloo", "collective_timeout_s": 60},
+            "score": {"nproc_per_node": 2, "batch_size": 256},
+        }
+    )  # fmt: skip
+    dataset = prepare_dataset(config.data).dataset_dir
+    model_path = train_typed_model(dataset, root / "run" / "model.pt", steps=40)
+    manifest = read_manifest(dataset)
+    run_id = start_pipeline_run(config, "run", PREFECT, manifest.fingerprint, manifest, DDP, dataset_dir=dataset)
+    metrics = evaluate_split(model_path, dataset).metrics
+    decision = register_candidate(config, run_id, str(model_path), str(dataset), metrics, config.mlflow.tracking_uri)
+    assert decision.version is not None, decision
+    config_file = root / "score.yaml"
+    config_file.write_text(json.dumps(config.model_dump(mode="json")))  # JSON is YAML
+    return {"root": root, "config": config, "config_file": config_file, "model_path": model_path}
+
+
+def with_bad_row(directory: Path) -> tuple[Path, int]:
+    """The source with an infinite ``tenure`` in one row of its second file (inf stops the model: a refused row)."""
+    bad = directory / "day-1.parquet"
+    table = pq.read_table(bad)
+    tenure = table["tenure"].to_numpy().copy()
+    tenure[17] = np.inf
+    pq.write_table(table.set_column(table.schema.get_field_index("tenure"), "tenure", pa.array(tenure)), bad,
+                   row_group_size=150)  # fmt: skip
+    return bad, 17
+
+
+@pytest.fixture(scope="module")
+def scored(champion) -> dict:
+    """THE shared launch: `ddpflow score` of NAME@champion on 2 ranks, with one refused row (on_invalid: skip)."""
+    root = champion["root"]
+    source = source_files(root / "today")
+    bad_file, bad_row = with_bad_row(source)
+    output = root / "scores"
+    done = cli("--config", str(champion["config_file"]), "--source", str(source), "--output", str(output), "--json",
+               "--set", "score.on_invalid=skip", cwd=root)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    return {"source": source, "output": output, "summary": json.loads(done.stdout), "stderr": done.stderr,
+            "bad_file": bad_file, "bad_row": bad_row}  # fmt: skip
+
+
+def read_scores(output: Path) -> pd.DataFrame:
+    return pd.concat([pd.read_parquet(part) for part in sorted(output.glob("part-*.parquet"))], ignore_index=True)
+
+
+def test_scores_equal_the_pyfunc_on_the_same_raw_rows(champion, scored):
+    import mlflow
+
+    from ddpflow.tracking.runs import use_tracking_uri
+
+    raw = pd.read_parquet(scored["source"])  # the source's own dtypes: int64, bool, Int64 with nulls, strings, lists
+    assert raw["children"].isna().any() and (raw["country"] == "atlantis").sum() == 5
+    scores = read_scores(scored["output"])
+    good = raw[np.isfinite(raw["tenure"])]
+    with use_tracking_uri(champion["config"].mlflow.tracking_uri):
+        served = mlflow.pyfunc.load_model("models:/scorer@champion")
+    expected = served.predict(good[list(INPUTS)], params={"output": "probabilities"})
+    assert list(scores.columns) == ["customer_id", "prediction", "probability_0", "probability_1"]
+    np.testing.assert_array_equal(scores["customer_id"], good["customer_id"])  # in the source's order
+    np.testing.assert_array_equal(scores["prediction"], expected["label"])
+    for column in ("probability_0", "probability_1"):
+        np.testing.assert_allclose(scores[column], expected[column], atol=1e-5)
+    unseen = scores[good["country"].to_numpy() == "atlantis"]
+    assert len(unseen) == 5 and unseen["probability_0"].notna().all()  # scored as unknown, never an error
+
+
+def test_every_row_is_scored_or_rejected_exactly_once_on_two_ranks(scored):
+    summary, output = scored["summary"], scored["output"]
+    source_ids = pd.read_parquet(scored["source"], columns=["customer_id"])["customer_id"]
+    scored_ids = read_scores(output)["customer_id"]
+    rejects = pd.read_parquet(output / "rejects")
+    assert scored_ids.is_unique and len(scored_ids) + len(rejects) == ROWS
+    assert sorted([*scored_ids, *rejects["customer_id"]]) == sorted(source_ids)
+    assert summary["rows"] == ROWS and summary["scored"] == ROWS - 1 and summary["rejected"] == 1
+    assert summary["world_size"] == 2 and summary["parts"] == 9  # 3 files x 3 ranges of whole row groups
+    # Both ranks scored: each one's log holds its ranges (torchrun's per-rank logs under OUTPUT/.score/logs).
+    assert "[rank 0] scored 2400 rows into 9 files" in scored["stderr"]
+    # The refused row, named with its file, row and reason; the rest of its file scored.
+    (reject,) = rejects.to_dict("records")
+    assert reject["source_file"] == str(scored["bad_file"]) and reject["source_row"] == scored["bad_row"]
+    assert "tenure" in reject["reason"] and "infinite" in reject["reason"]
+
+
+def test_the_manifest_and_every_part_name_the_model_and_the_source(champion, scored):
+    output = scored["output"]
+    manifest = json.loads((output / "manifest.json").read_text())
+    assert manifest["model"] == {"name": "scorer", "version": "1", "uri": "models:/scorer@champion"}
+    assert manifest["files"] == sorted(path.name for path in output.glob("part-*.parquet"))
+    assert manifest["coverage"]["rows"] == ROWS and len(manifest["source"]["fingerprint"]) == 16
+    assert [name for name, _ in manifest["source"]["files"]] == sorted(str(p) for p in scored["source"].iterdir())
+    for part in output.glob("part-*.parquet"):
+        metadata = pq.read_schema(part).metadata
+        assert metadata[b"ddpflow.model"] == b"scorer" and metadata[b"ddpflow.model_version"] == b"1"
+    assert not list(output.glob(".*.tmp"))
+    # The same command again: the output is complete, nothing is scored twice or rewritten.
+    before = {path: path.stat().st_mtime_ns for path in output.glob("part-*.parquet")}
+    again = cli("--config", str(champion["config_file"]), "--source", str(scored["source"]), "--output",
+                str(output), "--json", "--set", "score.on_invalid=skip", cwd=champion["root"])  # fmt: skip
+    assert again.returncode == 0 and json.loads(again.stdout)["already_complete"] is True, again.stderr[-3000:]
+    assert {path: path.stat().st_mtime_ns for path in output.glob("part-*.parquet")} == before
+
+
+def test_an_output_of_another_model_or_source_is_refused_and_left_as_it_was(champion, scored):
+    output = scored["output"]
+    before = sorted(output.rglob("*"))
+    other_model = cli("--config", str(champion["config_file"]), "--model", str(champion["model_path"]), "--source",
+                      str(scored["source"]), "--output", str(output), cwd=champion["root"])  # fmt: skip
+    assert other_model.returncode == 2 and "Traceback" not in other_model.stderr, other_model.stderr[-3000:]
+    last = other_model.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: score.output {output} holds the scores of scorer v1"), last
+    other_source = champion["root"] / "yesterday"
+    source_files(other_source, rows=300)
+    refused = cli("--config", str(champion["config_file"]), "--source", str(other_source), "--output", str(output),
+                  cwd=champion["root"])  # fmt: skip
+    assert refused.returncode == 2 and "never mixed" in refused.stderr, refused.stderr[-3000:]
+    assert sorted(output.rglob("*")) == before
+
+
+def test_a_missing_input_column_is_named_before_any_rank_starts_and_no_manifest_is_written(champion, tmp_path):
+    source = source_files(tmp_path / "src", rows=300)
+    for path in source.iterdir():
+        pq.write_table(pq.read_table(path).drop_columns(["plan"]), path)
+    done = cli("--config", str(champion["config_file"]), "--source", str(source), "--output", str(tmp_path / "out"),
+               cwd=champion["root"])  # fmt: skip
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "lacks the model's input columns ['plan']" in done.stderr and "day-0.parquet" in done.stderr
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_a_bad_row_stops_the_scoring_naming_file_row_and_column_with_no_manifest(champion, scored, tmp_path):
+    """on_invalid: error (the default): the rank's DataError, said once by the command; parts stay, no manifest."""
+    output = tmp_path / "out"
+    done = cli("--config", str(champion["config_file"]), "--source", str(scored["source"]), "--output", str(output),
+               cwd=champion["root"])  # fmt: skip
+    assert done.returncode == 2 and "Traceback" not in done.stderr.split("error: ")[-1], done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: {scored['bad_file']}: row {scored['bad_row']} (counting from 0): "), last
+    assert "tenure" in last and "on_invalid: skip" in last
+    assert not (output / "manifest.json").exists()
+
+
+def test_a_stopped_scoring_resumes_from_its_parts_and_ends_with_every_row_once(champion, tmp_path):
+    source = source_files(tmp_path / "src")
+    output = tmp_path / "out"
+    args = ["--config", str(champion["config_file"]), "--source", str(source), "--output", str(output), "--json"]
+    env = cli_env(DDPFLOW_SCORE_PAUSE_S="1.5")  # each rank rests after each part: the stop lands part-way
+    process = subprocess.Popen([sys.executable, "-m", "flows.cli", "score", *args], cwd=champion["root"], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 180
+    while len(list(output.glob("part-*.parquet"))) < 2 and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.1)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 143, stderr[-3000:]
+    kept = {path.name: path.stat().st_mtime_ns for path in output.glob("part-*.parquet")}
+    assert 2 <= len(kept) < 9 and not (output / "manifest.json").exists()
+    resumed = cli(*args, cwd=champion["root"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads(resumed.stdout)
+    assert summary["resumed_parts"] == len(kept) and summary["rows"] == ROWS
+    ids = read_scores(output)["customer_id"]
+    assert ids.is_unique and sorted(ids) == sorted(pd.read_parquet(source)["customer_id"])
+    # The parts finished before the stop were kept as they were, not scored again.
+    assert {name: (output / name).stat().st_mtime_ns for name in kept} == kept
