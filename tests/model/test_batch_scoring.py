@@ -27,6 +27,8 @@ import pytest
 from flow.test_mixed_inputs import INPUTS, churn_table
 from model.test_registry import DDP, PREFECT, train_typed_model
 
+from training.core.errors import DataError
+
 REPO = Path(__file__).resolve().parents[2]
 ROWS = 2400
 pytestmark = pytest.mark.torchrun
@@ -51,6 +53,14 @@ def cli(*args: str, env: dict | None = None, cwd: Path, timeout: float = 240) ->
         [sys.executable, "-m", "flows.cli", "score", *args], cwd=cwd, env=env or cli_env(), capture_output=True,
         text=True, timeout=timeout,
     )  # fmt: skip
+
+
+def score_here(champion: dict, **settings):
+    """``score_table`` in this process (what `ddpflow score` calls), with ``score.*`` settings over the config's."""
+    from ddpflow.scoring import score_table
+
+    config = champion["config"]
+    return score_table(config.model_copy(update={"score": config.score.model_copy(update=settings)}), on_line=print)
 
 
 def cli_env(**extra: str) -> dict[str, str]:
@@ -173,11 +183,10 @@ def test_the_manifest_and_every_part_name_the_model_and_the_source(champion, sco
         metadata = pq.read_schema(part).metadata
         assert metadata[b"ddpflow.model"] == b"scorer" and metadata[b"ddpflow.model_version"] == b"1"
     assert not list(output.glob(".*.tmp"))
-    # The same command again: the output is complete, nothing is scored twice or rewritten.
+    # The same scoring again: the output is complete, nothing is scored twice or rewritten.
     before = {path: path.stat().st_mtime_ns for path in output.glob("part-*.parquet")}
-    again = cli("--config", str(champion["config_file"]), "--source", str(scored["source"]), "--output",
-                str(output), "--json", "--set", "score.on_invalid=skip", cwd=champion["root"])  # fmt: skip
-    assert again.returncode == 0 and json.loads(again.stdout)["already_complete"] is True, again.stderr[-3000:]
+    again = score_here(champion, source=str(scored["source"]), output=str(output), on_invalid="skip")
+    assert again["already_complete"] is True and again["rows"] == ROWS
     assert {path: path.stat().st_mtime_ns for path in output.glob("part-*.parquet")} == before
 
 
@@ -191,9 +200,8 @@ def test_an_output_of_another_model_or_source_is_refused_and_left_as_it_was(cham
     assert last.startswith(f"error: score.output {output} holds the scores of scorer v1"), last
     other_source = champion["root"] / "yesterday"
     source_files(other_source, rows=300)
-    refused = cli("--config", str(champion["config_file"]), "--source", str(other_source), "--output", str(output),
-                  cwd=champion["root"])  # fmt: skip
-    assert refused.returncode == 2 and "never mixed" in refused.stderr, refused.stderr[-3000:]
+    with pytest.raises(DataError, match="holds the scores of scorer v1 .* never mixed"):
+        score_here(champion, source=str(other_source), output=str(output), on_invalid="skip")
     assert sorted(output.rglob("*")) == before
 
 
@@ -201,22 +209,20 @@ def test_a_missing_input_column_is_named_before_any_rank_starts_and_no_manifest_
     source = source_files(tmp_path / "src", rows=300)
     for path in source.iterdir():
         pq.write_table(pq.read_table(path).drop_columns(["plan"]), path)
-    done = cli("--config", str(champion["config_file"]), "--source", str(source), "--output", str(tmp_path / "out"),
-               cwd=champion["root"])  # fmt: skip
-    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
-    assert "lacks the model's input columns ['plan']" in done.stderr and "day-0.parquet" in done.stderr
+    with pytest.raises(DataError, match=r"day-0.parquet: lacks the model's input columns \['plan'\]"):
+        score_here(champion, source=str(source), output=str(tmp_path / "out"))
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 
 def test_a_bad_row_stops_the_scoring_naming_file_row_and_column_with_no_manifest(champion, scored, tmp_path):
-    """on_invalid: error (the default): the rank's DataError, said once by the command; parts stay, no manifest."""
+    """on_invalid: error (the default): the rank's DataError, raised as the user's error (the command says it once,
+    exit 2: flows/cli.py); finished parts stay, no manifest."""
     output = tmp_path / "out"
-    done = cli("--config", str(champion["config_file"]), "--source", str(scored["source"]), "--output", str(output),
-               cwd=champion["root"])  # fmt: skip
-    assert done.returncode == 2 and "Traceback" not in done.stderr.split("error: ")[-1], done.stderr[-3000:]
-    last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"error: {scored['bad_file']}: row {scored['bad_row']} (counting from 0): "), last
-    assert "tenure" in last and "on_invalid: skip" in last
+    with pytest.raises(DataError) as refused:
+        score_here(champion, source=str(scored["source"]), output=str(output))
+    message = str(refused.value)
+    assert message.startswith(f"{scored['bad_file']}: row {scored['bad_row']} (counting from 0): "), message
+    assert "tenure" in message and "on_invalid: skip" in message
     assert not (output / "manifest.json").exists()
 
 
@@ -224,7 +230,7 @@ def test_a_stopped_scoring_resumes_from_its_parts_and_ends_with_every_row_once(c
     source = source_files(tmp_path / "src")
     output = tmp_path / "out"
     args = ["--config", str(champion["config_file"]), "--source", str(source), "--output", str(output), "--json"]
-    env = cli_env(DDPFLOW_SCORE_PAUSE_S="1.5")  # each rank rests after each part: the stop lands part-way
+    env = cli_env(DDPFLOW_SCORE_PAUSE_S="0.5")  # each rank rests after each part: the stop lands part-way
     process = subprocess.Popen([sys.executable, "-m", "flows.cli", "score", *args], cwd=champion["root"], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     deadline = time.monotonic() + 180
@@ -235,9 +241,7 @@ def test_a_stopped_scoring_resumes_from_its_parts_and_ends_with_every_row_once(c
     assert process.returncode == 143, stderr[-3000:]
     kept = {path.name: path.stat().st_mtime_ns for path in output.glob("part-*.parquet")}
     assert 2 <= len(kept) < 9 and not (output / "manifest.json").exists()
-    resumed = cli(*args, cwd=champion["root"])
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    summary = json.loads(resumed.stdout)
+    summary = score_here(champion, source=str(source), output=str(output))  # the same scoring, run again
     assert summary["resumed_parts"] == len(kept) and summary["rows"] == ROWS
     ids = read_scores(output)["customer_id"]
     assert ids.is_unique and sorted(ids) == sorted(pd.read_parquet(source)["customer_id"])
