@@ -39,15 +39,32 @@ def score_table(
     """Score ``config.score.source`` into ``config.score.output``; returns the manifest plus ``elapsed_s`` and
     ``rows_per_s`` (the whole command, start-up included)."""
     from ddpflow.tracking.runs import resolve_tracking_uri
-    from ddpflow.tracking.scoring import is_model_file, scoring_model
+    from ddpflow.tracking.scoring import is_model_file, log_scoring, scoring_model
 
     started = time.monotonic()
     spec = model_spec(config)
-    tracking_uri = None if is_model_file(spec) else resolve_tracking_uri(config)
+    tracking_uri = resolve_tracking_uri(config)
     with tempfile.TemporaryDirectory(prefix="ddpflow-score-") as scratch:
-        model = scoring_model(spec, tracking_uri, scratch)
+        model = scoring_model(spec, None if is_model_file(spec) else tracking_uri, scratch)
         request = ScoreRequest(config, str(model.path), model.identity(), on_line=on_line, should_cancel=should_cancel)
         manifest = run_scoring(request)
-    seconds = time.monotonic() - started
-    return {**manifest, "output": config.score.output, "elapsed_s": round(seconds, 3),
-            "rows_per_s": round(manifest["rows"] / seconds, 1) if seconds > 0 else None}  # fmt: skip
+        seconds = time.monotonic() - started
+        summary = {**manifest, "output": config.score.output, "elapsed_s": round(seconds, 3),
+                   "rows_per_s": round(manifest["rows"] / seconds, 1) if seconds > 0 else None}  # fmt: skip
+        if manifest.get("already_complete"):
+            return summary  # recorded when it was scored
+        distribution, profile = table_statistics(config, str(model.path), manifest)
+    run_id, drift = log_scoring(config, tracking_uri, model, summary, distribution, profile)
+    return {**summary, "mlflow_run_id": run_id, "score_distribution": distribution, "data_drift": drift.message}
+
+
+def table_statistics(config: PipelineConfig, model_path: str, manifest: dict[str, Any]):
+    """The scores' distribution and the source's numeric profile (what drift compares), read back after scoring."""
+    from training.inference.model_file import checkpoint_inputs, load_model_checkpoint
+    from training.inference.scored_table import numeric_profile, score_distribution
+
+    meta = load_model_checkpoint(model_path)[1]
+    numeric = [name for name, info in checkpoint_inputs(meta).items() if info.kind == "numeric"]
+    distribution = score_distribution(config.score.output, meta["task"])
+    profile = numeric_profile(config.score.source, config.score.format, numeric, config.score.batch_size)
+    return distribution, profile

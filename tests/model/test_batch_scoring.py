@@ -190,6 +190,29 @@ def test_the_manifest_and_every_part_name_the_model_and_the_source(champion, sco
     assert {path: path.stat().st_mtime_ns for path in output.glob("part-*.parquet")} == before
 
 
+def test_one_mlflow_run_records_the_scoring_its_scores_and_the_drift_from_the_training_data(champion, scored):
+    from mlflow import MlflowClient
+
+    summary = scored["summary"]
+    client = MlflowClient(champion["config"].mlflow.tracking_uri)
+    run = client.get_run(summary["mlflow_run_id"])
+    assert run.info.status == "FINISHED" and run.data.tags["ddpflow.scoring"] == "true"
+    assert run.data.params["score.model"] == "models:/scorer@champion" and run.data.params["score.model_version"] == "1"
+    assert run.data.params["score.source"] == str(scored["source"])
+    metrics = run.data.metrics
+    assert metrics["rows"] == ROWS and metrics["rejected_rows"] == 1 and metrics["rows_per_s"] > 0
+    scores = read_scores(scored["output"])
+    shares = {label: float(np.mean(scores["prediction"] == label)) for label in (0, 1)}
+    assert metrics["score_share_0"] == pytest.approx(shares[0]) and metrics["score_share_1"] == pytest.approx(shares[1])
+    assert metrics["score_mean_probability_1"] == pytest.approx(scores["probability_1"].mean(), abs=1e-6)
+    # Drift: the scored table's numeric inputs against v1's training data, by the retraining flow's PSI. Today's
+    # table is drawn like the training one, so nothing moved much; a PSI over 0.25 would say it had.
+    assert run.data.tags["drift.champion_version"] == "1" and metrics["data_drift_max_psi"] < 0.25
+    assert "largest drift of the scored table from v1's training data" in summary["data_drift"]
+    artifacts = {entry.path for entry in client.list_artifacts(run.info.run_id, "drift")}
+    assert artifacts == {"drift/data_drift.png", "drift/data_drift.json"}
+
+
 def test_an_output_of_another_model_or_source_is_refused_and_left_as_it_was(champion, scored):
     output = scored["output"]
     before = sorted(output.rglob("*"))
