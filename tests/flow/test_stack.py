@@ -21,7 +21,9 @@ def test_prefect_yaml_deploys_the_pipeline_with_real_configs(repo_root: Path) ->
     assert spec["build"] is None and spec["push"] is None
     assert spec["pull"] == [{"prefect.deployments.steps.set_working_directory": {"directory": "{{ $PWD }}"}}]
     deployments = {d["name"]: d for d in spec["deployments"]}
-    assert set(deployments) == {"nightly", "manual", "slurm", "every-10-minutes", "on-new-data"}
+    assert set(deployments) == {
+        "nightly", "manual", "slurm", "every-10-minutes", "on-new-data", "score-nightly", "score-on-new-champion"
+    }  # fmt: skip
     for deployment in deployments.values():
         path, _, function = deployment["entrypoint"].partition(":")
         assert f"def {function}(" in (repo_root / path).read_text()
@@ -36,6 +38,10 @@ def test_prefect_yaml_deploys_the_pipeline_with_real_configs(repo_root: Path) ->
     assert deployments["manual"]["schedules"] == []
     assert deployments["slurm"]["schedules"] == [] and "slurm" in deployments["slurm"]["tags"]
     assert load_config(repo_root / deployments["slurm"]["parameters"]["config_file"]).train.launcher == "slurm"
+    (trigger,) = deployments["score-on-new-champion"]["triggers"]  # tasks/register.py emits it when @champion moves
+    assert trigger["expect"] == ["ddpflow.champion.moved"] and trigger["match"] == {
+        "prefect.resource.id": "ddpflow.model.*"
+    }
 
 
 def test_up_refuses_a_busy_port_before_starting_anything(tmp_path: Path, repo_root: Path) -> None:

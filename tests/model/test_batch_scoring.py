@@ -270,3 +270,40 @@ def test_a_stopped_scoring_resumes_from_its_parts_and_ends_with_every_row_once(c
     assert ids.is_unique and sorted(ids) == sorted(pd.read_parquet(source)["customer_id"])
     # The parts finished before the stop were kept as they were, not scored again.
     assert {name: (output / name).stat().st_mtime_ns for name in kept} == kept
+
+
+def test_the_score_pipeline_flow_scores_and_the_register_task_announces_a_new_champion(
+    champion, prefect_harness, tmp_path
+):
+    """The flow under the session's Prefect server (a real torchrun launch through the task), and the event
+    ``ddpflow.champion.moved`` that score-pipeline/score-on-new-champion's trigger waits for (prefect.yaml)."""
+    import httpx
+    from prefect import flow
+
+    from ddpflow.tracking.gate import GateDecision
+    from flows.score_pipeline import score_pipeline
+    from tasks.register import CHAMPION_MOVED, announce_new_champion
+
+    source = source_files(tmp_path / "src", rows=300)
+    output = tmp_path / "out"
+    summary = score_pipeline(config_file=str(champion["config_file"]), model="scorer/1", source=str(source),
+                             output=str(output), overrides=["score.output_kind=label"])  # fmt: skip
+    assert summary["rows"] == 300 and summary["model"]["uri"] == "models:/scorer/1"
+    assert list(read_scores(output).columns) == ["customer_id", "prediction"]  # output_kind: label
+    assert json.loads((output / "manifest.json").read_text())["output_kind"] == "label"
+
+    decision = GateDecision("promoted", "first", "scorer", "run-1", "test_accuracy", True, 0.9, version="2")
+
+    @flow
+    def register_stand_in() -> None:
+        announce_new_champion(decision)
+
+    register_stand_in()
+    body = {"filter": {"event": {"name": [CHAMPION_MOVED]}}}
+    deadline, events = time.monotonic() + 60, []
+    while not events and time.monotonic() < deadline:
+        events = httpx.post(f"{prefect_harness}/events/filter", json=body, timeout=30).json()["events"]
+        time.sleep(0.5)
+    (event,) = events
+    assert event["resource"]["prefect.resource.id"] == "ddpflow.model.scorer"
+    assert event["payload"] == {"model": "scorer", "version": "2", "previous": None, "run_id": "run-1"}
