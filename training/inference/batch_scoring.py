@@ -353,7 +353,7 @@ def score_rank(job: ScoreJob, ctx) -> dict[str, Any] | None:
     from training.inference.predict import Predictor
 
     plan = Plan.read(Path(job.output) / SCORE_DIR / PLAN_FILE)
-    predictor = Predictor.from_checkpoint(job.model_path, batch_size=job.batch_size)
+    predictor = Predictor.from_checkpoint(job.model_path, batch_size=job.batch_size).to(ctx.device)  # NCCL: its GPU
     scorer = UnitScorer(job, plan, predictor)
     started = time.monotonic()
     totals = [0, 0, 0, 0]

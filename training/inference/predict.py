@@ -49,6 +49,13 @@ class Predictor:
         self._classes = self.task in CLASS_TASKS  # outputs are per class (softmax, binary, multilabel)
         self._labels = np.asarray(meta["label_mapping"]) if self._classes else None
         self._objective = objective_from_checkpoint(meta)  # reads the outputs (a binary model has one logit)
+        self.device = torch.device("cpu")
+
+    def to(self, device: torch.device | str) -> Predictor:
+        """Run the model on ``device`` (a scoring rank's GPU): each batch is moved there, its outputs back."""
+        self.device = torch.device(device)
+        self.model.to(self.device)
+        return self
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, batch_size: int = 65_536) -> Predictor:
@@ -81,8 +88,8 @@ class Predictor:
         outputs = []
         with torch.inference_mode():
             for start in range(0, len(frame), self.batch_size):
-                rows = {name: tensor[start : start + self.batch_size] for name, tensor in batch.items()}
-                output = self.model(rows)
+                rows = {name: tensor[start : start + self.batch_size].to(self.device) for name, tensor in batch.items()}
+                output = self.model(rows).cpu()
                 outputs.append(output if self._classes else self._normaliser.target_inverse(output))
         if not outputs:
             return torch.empty(0, len(self._labels) if self._labels is not None else 1)
