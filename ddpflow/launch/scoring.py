@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,7 @@ def run_scoring(request: ScoreRequest) -> dict[str, Any]:
         from training.core.fileio import atomic_write_json
 
         atomic_write_json(state / PLAN_FILE, plan.to_dict())
+    job = replace(job, pending=Plan.read(state / PLAN_FILE).pending(output))  # the saved plan: a resume's own
     job.write(state / JOB_FILE)
     for stale in output.glob(".part-*.tmp"):  # a stopped rank's unfinished part: its range is scored again
         stale.unlink()
@@ -120,7 +121,8 @@ def scoring_job(request: ScoreRequest) -> ScoreJob:
         batch_size=score.batch_size,
         on_invalid=score.on_invalid,
         backend=resolve_ranks(_rank_config(config).train, visible_gpus()).backend,
-        collective_timeout_s=config.train.collective_timeout_s,
+        # The ranks' one collective, at the end, waits for the slowest share: score.timeout_s bounds the scoring.
+        collective_timeout_s=max(config.train.collective_timeout_s, score.timeout_s or 86_400.0),
     )
 
 

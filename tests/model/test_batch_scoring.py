@@ -268,6 +268,9 @@ def test_a_stopped_scoring_resumes_from_its_parts_and_ends_with_every_row_once(c
     assert summary["resumed_parts"] == len(kept) and summary["rows"] == ROWS
     ids = read_scores(output)["customer_id"]
     assert ids.is_unique and sorted(ids) == sorted(pd.read_parquet(source)["customer_id"])
+    # The ranges still to score were shared out among the ranks (balanced), the finished ones left alone.
+    pending = json.loads((output / ".score" / "job.json").read_text())["pending"]
+    assert [summary["files"][i] for i in pending] == [name for name in summary["files"] if name not in kept]
     # The parts finished before the stop were kept as they were, not scored again.
     assert {name: (output / name).stat().st_mtime_ns for name in kept} == kept
 

@@ -9,8 +9,9 @@ the same raw-row encoding, the same outputs.
 
 - **The plan** (``make_plan``, written once by the launcher to ``OUTPUT/.score/plan.json`` and read back on every
   resume): the source's files, each cut into row ranges of whole Parquet row groups (a CSV file is one range),
-  about ``batch_size`` rows or more each. Rank r scores the ranges ``shard_range(len(units), r, world)``: every
-  range belongs to one rank, no padding, no duplicates, whatever the world size.
+  about ``batch_size`` rows or more each. Of the ranges not scored yet when the launch began (``ScoreJob.pending``),
+  rank r scores ``shard_range(len(pending), r, world)``: every range belongs to one rank, no padding, no
+  duplicates, whatever the world size, and a resumed scoring stays balanced.
 - **Memory flat**: a range is read in record batches (pyarrow.dataset, no readahead:
   ``training/prepare/sources.py: FileSource.scan``) and each batch is scored and appended to the range's part
   file as it comes; a rank holds one batch.
@@ -73,7 +74,10 @@ class ScoreJob:
     batch_size: int
     on_invalid: str  # error | skip
     backend: str = "gloo"
-    collective_timeout_s: float = 600.0
+    collective_timeout_s: float = 86_400.0  # the one collective waits for the slowest rank's share
+    # The ranges not yet scored when the launch began (indexes into the plan), shared out among the ranks, so that
+    # a resumed scoring is balanced; None (a rank run by hand): the ranges whose part file is missing.
+    pending: list[int] | None = None
 
     def write(self, path: str | os.PathLike) -> Path:
         return atomic_write_json(path, asdict(self))
@@ -120,11 +124,24 @@ class Plan:
             rows, high, low = rows + n, high + h, low + lo
         return Certificate.from_lanes(rows, high, low)
 
-    def mine(self, rank: int, world_size: int) -> list[Unit]:
+    def pending(self, output: str | os.PathLike) -> list[int]:
+        """The ranges whose part file is not written yet."""
+        return [i for i, unit in enumerate(self.units) if not (Path(output) / unit.name).is_file()]
+
+    def mine(self, rank: int, world_size: int, pending: list[int]) -> tuple[list[Unit], list[Unit]]:
+        """(the pending ranges this rank scores, the finished ranges whose tallies it reads): each a contiguous
+        share (``shard_range``) of its list, so every range is one rank's, whatever the world size."""
         from training.distributed.context import shard_range
 
-        first, stop = shard_range(len(self.units), rank, world_size)
-        return self.units[first:stop]
+        todo = set(pending)
+        shares = []
+        for units in (
+            [u for i, u in enumerate(self.units) if i in todo],
+            [u for i, u in enumerate(self.units) if i not in todo],
+        ):
+            first, stop = shard_range(len(units), rank, world_size)
+            shares.append(units[first:stop])
+        return shares[0], shares[1]
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "units": [asdict(unit) for unit in self.units]}
@@ -357,7 +374,10 @@ def score_rank(job: ScoreJob, ctx) -> dict[str, Any] | None:
     scorer = UnitScorer(job, plan, predictor)
     started = time.monotonic()
     totals = [0, 0, 0, 0]
-    for unit in plan.mine(ctx.rank, ctx.world_size):
+    to_score, finished = plan.mine(
+        ctx.rank, ctx.world_size, plan.pending(job.output) if job.pending is None else job.pending
+    )
+    for unit in [*to_score, *finished]:
         totals = [a + b for a, b in zip(totals, scorer.tally(unit), strict=True)]
     rows, high, low, rejected = ctx.all_reduce_int_sum(totals)
     certificate = Certificate.from_lanes(rows, high, low)
