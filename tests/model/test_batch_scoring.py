@@ -310,3 +310,86 @@ def test_the_score_pipeline_flow_scores_and_the_register_task_announces_a_new_ch
     (event,) = events
     assert event["resource"]["prefect.resource.id"] == "ddpflow.model.scorer"
     assert event["payload"] == {"model": "scorer", "version": "2", "previous": None, "run_id": "run-1"}
+
+
+def untrained_model(dataset: Path, path: Path) -> Path:
+    """A model.pt as training writes it for the built-in model its inputs pick (image_cnn, transformer), with the
+    dataset's fitted encoders; untrained weights encode and score like trained ones."""
+    import torch
+
+    from training.core.manifest import read_manifest
+    from training.inference.model_file import inference_checkpoint
+    from training.kinds.inputs import inputs_from_manifest
+    from training.kinds.registry import read_encoders
+    from training.models.registry import ModelSpec, build_model, pick_model
+
+    manifest = read_manifest(dataset)
+    inputs = inputs_from_manifest(manifest)
+    spec = ModelSpec.for_inputs(pick_model("auto", inputs), inputs, manifest.n_outputs, {})
+    torch.manual_seed(0)
+    encoders = read_encoders(dataset, manifest)
+    torch.save(inference_checkpoint(build_model(spec).state_dict(), spec, manifest, 0, {}, encoders), path)
+    return path
+
+
+def score_in_one_rank(model_path: Path, source: Path, output: Path, keep: list[str]) -> dict:
+    """The scoring rank's own program (plan, part files, coverage, manifest) in this process, as a group of one."""
+    from training.core.config import TrainConfig
+    from training.core.fileio import atomic_write_json
+    from training.distributed.context import distributed
+    from training.inference.batch_scoring import PLAN_FILE, SCORE_DIR, ScoreJob, make_plan, score_rank
+    from training.inference.model_file import checkpoint_inputs, load_model_checkpoint
+
+    job = ScoreJob(str(model_path), {"name": "m", "version": "1", "uri": str(model_path)}, str(source), "auto",
+                   str(output), keep, "probabilities", 16, "skip")  # fmt: skip
+    plan = make_plan(job, checkpoint_inputs(load_model_checkpoint(model_path)[1]))
+    atomic_write_json(output / SCORE_DIR / PLAN_FILE, plan.to_dict())
+    with distributed(TrainConfig(backend="gloo", collective_timeout_s=60)) as ctx:
+        return score_rank(job, ctx)
+
+
+@pytest.mark.parametrize("kind", ["image", "text"])
+def test_images_and_text_score_as_the_pyfunc_scores_them_and_an_undecodable_image_is_rejected(kind, tmp_path):
+    """Images as bytes (one that does not decode: rejected with the reason) and text through the shipped
+    tokenizer: the rank's scores beside the pyfunc's own ``predict`` body (``serving.predictions``) on the same
+    raw rows, within 1e-5. In this process (a group of one): the encoding is what is checked, not the launch."""
+    from image_data import image_table
+
+    from training.core.config import load_config
+    from training.inference.serving import load_predictor, predictions
+    from training.prepare.dataset import prepare_dataset
+
+    if kind == "image":
+        table, inputs = image_table(40, size=12), {"photo": {"kind": "image", "size": 12}, "colour": "categorical"}
+        label = "shape"
+    else:
+        rng = np.random.default_rng(0)
+        words = np.array(["late", "parcel", "great", "broken", "fast", "refund", "thanks", "never", "again"])
+        reviews = [" ".join(rng.choice(words, size=rng.integers(2, 9))) for _ in range(40)]
+        table = pa.table({"id": np.arange(40), "review": reviews, "colour": ["red", "blue"] * 20,
+                          "stars": rng.integers(1, 6, size=40)})  # fmt: skip
+        inputs, label = {"review": {"kind": "text", "tokenizer": {"vocab_size": 40}}, "colour": "categorical"}, "stars"
+    pq.write_table(table, tmp_path / "train.parquet")
+    settings = [f"data.source={tmp_path / 'train.parquet'}", f"data.root={tmp_path / 'shards'}",
+                f"data.label={label}", "data.key=id", f"data.inputs={json.dumps(inputs)}"]  # fmt: skip
+    data = load_config(None, settings).data
+    model_path = untrained_model(prepare_dataset(data).dataset_dir, tmp_path / "model.pt")
+    if kind == "image":  # one photo that does not decode
+        photos = table["photo"].to_pylist()
+        photos[7] = b"not an image"
+        table = table.set_column(table.schema.get_field_index("photo"), "photo", pa.array(photos, pa.binary()))
+    (tmp_path / "today").mkdir()
+    pq.write_table(table, tmp_path / "today" / "day.parquet", row_group_size=16)
+    manifest = score_in_one_rank(model_path, tmp_path / "today", tmp_path / "out", ["id"])
+    scores = read_scores(tmp_path / "out")
+    raw = table.to_pandas()
+    good = raw.drop(index=[7]) if kind == "image" else raw
+    expected = predictions(load_predictor(model_path), good[list(inputs)], "probabilities")
+    np.testing.assert_array_equal(scores["id"], good["id"])
+    np.testing.assert_array_equal(scores["prediction"], expected["label"])
+    columns = [name for name in expected.columns if name.startswith("probability_")]
+    np.testing.assert_allclose(scores[columns].to_numpy(), expected[columns].to_numpy(), atol=1e-5)
+    assert manifest["rows"] == 40 and manifest["rejected"] == (1 if kind == "image" else 0)
+    if kind == "image":
+        (reject,) = pd.read_parquet(tmp_path / "out" / "rejects").to_dict("records")
+        assert reject["id"] == 7 and reject["source_row"] == 7 and "photo" in reject["reason"], reject
