@@ -133,6 +133,8 @@ def check_output(output: Path, plan: Plan, job: ScoreJob) -> dict[str, Any] | No
         return None
     state = output / SCORE_DIR
     if not (state / PLAN_FILE).is_file() or not (state / JOB_FILE).is_file():
+        if not any(path.name != SCORE_DIR for path in output.iterdir()):
+            return None  # a launch stopped before its plan was whole: nothing scored, start over
         raise DataError(f"score.output {output} is not empty and is not a ddpflow scoring output: choose another")
     earlier_plan, earlier = Plan.read(state / PLAN_FILE), ScoreJob.read(state / JOB_FILE)
     mine = (job.model["name"], job.model["version"], plan.fingerprint, job.output_kind, job.keep)
