@@ -65,7 +65,7 @@ def run_scoring(request: ScoreRequest) -> dict[str, Any]:
     state = output / SCORE_DIR
     state.mkdir(parents=True, exist_ok=True)
     resumed = sorted(path.name for path in output.glob("part-*.parquet"))
-    if not (state / PLAN_FILE).is_file():
+    if not resumed or not (state / PLAN_FILE).is_file():  # a new scoring: this plan; a resumed one: its own
         from training.core.fileio import atomic_write_json
 
         atomic_write_json(state / PLAN_FILE, plan.to_dict())
