@@ -53,18 +53,22 @@ def score_table(
                    "rows_per_s": round(manifest["rows"] / seconds, 1) if seconds > 0 else None}  # fmt: skip
         if manifest.get("already_complete"):
             return summary  # recorded when it was scored
-        distribution, profile = table_statistics(config, str(model.path), manifest)
+        # Drift needs the training data of a registered version: a model.pt's scoring skips the profile's pass.
+        registered = model.uri.startswith("models:/")
+        distribution, profile = table_statistics(config, str(model.path), manifest, profile=registered)
     run_id, drift = log_scoring(config, tracking_uri, model, summary, distribution, profile)
     return {**summary, "mlflow_run_id": run_id, "score_distribution": distribution, "data_drift": drift.message}
 
 
-def table_statistics(config: PipelineConfig, model_path: str, manifest: dict[str, Any]):
-    """The scores' distribution and the source's numeric profile (what drift compares), read back after scoring."""
+def table_statistics(config: PipelineConfig, model_path: str, manifest: dict[str, Any], profile: bool = True):
+    """The scores' distribution and the source's numeric profile (what drift compares; None unless ``profile``),
+    read back after scoring."""
     from training.inference.model_file import checkpoint_inputs, load_model_checkpoint
     from training.inference.scored_table import numeric_profile, score_distribution
 
     meta = load_model_checkpoint(model_path)[1]
     numeric = [name for name, info in checkpoint_inputs(meta).items() if info.kind == "numeric"]
     distribution = score_distribution(config.score.output, meta["task"])
-    profile = numeric_profile(config.score.source, config.score.format, numeric, config.score.batch_size)
-    return distribution, profile
+    if not profile:
+        return distribution, None
+    return distribution, numeric_profile(config.score.source, config.score.format, numeric, config.score.batch_size)
