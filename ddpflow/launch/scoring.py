@@ -58,7 +58,9 @@ def run_scoring(request: ScoreRequest) -> dict[str, Any]:
     """Score as ``request`` says; returns the output's manifest (``resumed``: part files an earlier run left)."""
     job = scoring_job(request)
     output = Path(job.output)
-    plan = make_plan(job, _model_inputs(request.model_path))  # DataError naming file and column; nothing written
+    layout = resolve_ranks(_rank_config(request.config).train, visible_gpus())
+    # DataError naming file and column; nothing written. Large row groups are cut into one piece per rank.
+    plan = make_plan(job, _model_inputs(request.model_path), layout.nproc_per_node)
     done = check_output(output, plan, job)
     if done is not None:
         return {**done, "already_complete": True}
@@ -74,7 +76,6 @@ def run_scoring(request: ScoreRequest) -> dict[str, Any]:
     for stale in output.glob(".part-*.tmp"):  # a stopped rank's unfinished part: its range is scored again
         stale.unlink()
     rank_config = _rank_config(request.config)
-    layout = resolve_ranks(rank_config.train, visible_gpus())
     argv = torchrun_command(rank_config, state / JOB_FILE, gpus=layout.gpus, entrypoint=SCORING_ENTRYPOINT)
     env = launch_env(rank_config, state, gpus=layout.gpus, grace_s=request.grace_s)
     try:

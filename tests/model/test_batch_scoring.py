@@ -35,8 +35,8 @@ pytestmark = pytest.mark.torchrun
 
 
 def source_files(directory: Path, rows: int = ROWS) -> Path:
-    """The table as 3 Parquet files with small row groups (many row ranges for 2 ranks); one country unseen in
-    training for the last rows."""
+    """The table as 3 Parquet files, two with small row groups (gathered into ranges), the last one row group (as
+    pyarrow writes a file by default: cut into one piece per rank); one country unseen in training, last rows."""
     table = churn_table(rows, seed=7)
     country = table["country"].to_pylist()
     country[-5:] = ["atlantis"] * 5
@@ -44,7 +44,8 @@ def source_files(directory: Path, rows: int = ROWS) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     third = rows // 3
     for index, start in enumerate(range(0, rows, third)):
-        pq.write_table(table.slice(start, third), directory / f"day-{index}.parquet", row_group_size=150)
+        groups = third if index == 2 else 150
+        pq.write_table(table.slice(start, third), directory / f"day-{index}.parquet", row_group_size=groups)
     return directory
 
 
@@ -163,9 +164,14 @@ def test_every_row_is_scored_or_rejected_exactly_once_on_two_ranks(scored):
     assert scored_ids.is_unique and len(scored_ids) + len(rejects) == ROWS
     assert sorted([*scored_ids, *rejects["customer_id"]]) == sorted(source_ids)
     assert summary["rows"] == ROWS and summary["scored"] == ROWS - 1 and summary["rejected"] == 1
-    assert summary["world_size"] == 2 and summary["parts"] == 9  # 3 files x 3 ranges of whole row groups
+    # 2 files x 3 ranges of whole row groups, and the last file's one 800-row group cut in 2 pieces, one per rank.
+    assert summary["world_size"] == 2 and summary["parts"] == 8
+    files = json.loads((output / "manifest.json").read_text())["files"]
+    assert [name for name in files if name.startswith("part-00002")] == [
+        "part-00002-000000000000-000000000400.parquet", "part-00002-000000000400-000000000800.parquet"
+    ]  # fmt: skip
     # Both ranks scored: each one's log holds its ranges (torchrun's per-rank logs under OUTPUT/.score/logs).
-    assert "[rank 0] scored 2400 rows into 9 files" in scored["stderr"]
+    assert "[rank 0] scored 2400 rows into 8 files" in scored["stderr"]
     # The refused row, named with its file, row and reason; the rest of its file scored.
     (reject,) = rejects.to_dict("records")
     assert reject["source_file"] == str(scored["bad_file"]) and reject["source_row"] == scored["bad_row"]
@@ -263,7 +269,7 @@ def test_a_stopped_scoring_resumes_from_its_parts_and_ends_with_every_row_once(c
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 143, stderr[-3000:]
     kept = {path.name: path.stat().st_mtime_ns for path in output.glob("part-*.parquet")}
-    assert 2 <= len(kept) < 9 and not (output / "manifest.json").exists()
+    assert 2 <= len(kept) < 8 and not (output / "manifest.json").exists()
     summary = score_here(champion, source=str(source), output=str(output))  # the same scoring, run again
     assert summary["resumed_parts"] == len(kept) and summary["rows"] == ROWS
     ids = read_scores(output)["customer_id"]

@@ -89,12 +89,26 @@ class ScoreJob:
 
 @dataclass(frozen=True)
 class Unit:
-    """One rank's piece of work: rows [start, stop) of file ``file``; ``row_groups`` of a Parquet file (None: all)."""
+    """One rank's piece of work: rows [start, stop) of file ``file``; ``row_groups`` of a Parquet file (None: all),
+    which begin at file row ``first`` (None: at ``start``; a piece of one large row group begins inside it)."""
 
     file: int
     start: int
     stop: int
     row_groups: list[int] | None = None
+    first: int | None = None
+
+    def batches(self, scanned: Iterator[pa.RecordBatch]) -> Iterator[tuple[int, pa.RecordBatch]]:
+        """(file row of its first row, batch) for the range's rows, from the batches of its row groups."""
+        position = self.start if self.first is None else self.first
+        for batch in scanned:
+            begin, position = position, position + batch.num_rows
+            if position <= self.start:
+                continue  # before a piece of a large row group: read, not scored (the price of splitting it)
+            if begin >= self.stop:
+                return
+            low, high = max(self.start, begin), min(self.stop, position)
+            yield low, batch.slice(low - begin, high - low)
 
     @property
     def name(self) -> str:
@@ -166,16 +180,18 @@ def open_scoring_source(source: str, file_format: str = "auto"):
     return opened
 
 
-def make_plan(job: ScoreJob, inputs: dict[str, Any]) -> Plan:
+def make_plan(job: ScoreJob, inputs: dict[str, Any], ranks: int = 1) -> Plan:
     """The source's files cut into row ranges; a DataError naming the file and column when the source lacks an
-    input or keep column, or holds one of a type the model cannot read (``inputs``: the model's InputInfos)."""
+    input or keep column, or holds one of a type the model cannot read (``inputs``: the model's InputInfos).
+    ``ranks``: a row group of at least 2 x batch_size rows is cut into up to that many pieces (a 1M-row file
+    written with pyarrow's defaults is ONE row group: otherwise one rank would score it all)."""
     source = open_scoring_source(job.source, job.file_format)
     check_columns(source, inputs, job.keep)
     files, units = [], []
     for index, (file, fragment) in enumerate(source.fragments()):
-        rows, pieces = _cut(fragment, job.batch_size)
+        rows, pieces = _cut(fragment, job.batch_size, ranks)
         files.append([file.display, rows])
-        units += [Unit(index, start, stop, groups) for start, stop, groups in pieces]
+        units += [Unit(index, *piece) for piece in pieces]
     return Plan(job.source, source_fingerprint(source.identity()), files, units, job.model)
 
 
@@ -185,24 +201,34 @@ def source_fingerprint(identity: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _cut(fragment, batch_size: int) -> tuple[int, list[tuple[int, int, list[int] | None]]]:
-    """(the file's rows, its ranges): whole row groups of a Parquet file gathered to at least ``batch_size`` rows;
-    a CSV file is one range (its rows counted by a scan)."""
+def _cut(fragment, batch_size: int, ranks: int = 1) -> tuple[int, list[tuple]]:
+    """(the file's rows, its ranges as (start, stop, row groups, first)): whole row groups of a Parquet file
+    gathered to at least ``batch_size`` rows, a row group of ``2 * batch_size`` rows or more cut into up to
+    ``ranks`` pieces; a CSV file is one range (its rows counted by a scan)."""
     import pyarrow.dataset as ds
 
     if not isinstance(fragment, ds.ParquetFileFragment):
         rows = fragment.count_rows()
-        return rows, [(0, rows, None)] if rows else []
+        return rows, [(0, rows, None, None)] if rows else []
     fragment.ensure_complete_metadata()
     pieces, start, stop, taken = [], 0, 0, []
     for group in fragment.row_groups:
+        count = min(ranks, group.num_rows // batch_size)
+        if count >= 2:  # a large row group: its own pieces, each read from the group's first row
+            if stop > start:
+                pieces.append((start, stop, taken, None))
+            bounds = [stop + group.num_rows * i // count for i in range(count + 1)]
+            pieces += [(low, high, [group.id], stop) for low, high in zip(bounds, bounds[1:])]
+            start = stop = stop + group.num_rows
+            taken = []
+            continue
         taken.append(group.id)
         stop += group.num_rows
         if stop - start >= batch_size:
-            pieces.append((start, stop, taken))
+            pieces.append((start, stop, taken, None))
             start, taken = stop, []
     if stop > start:
-        pieces.append((start, stop, taken))
+        pieces.append((start, stop, taken, None))
     return stop, pieces
 
 
@@ -269,9 +295,9 @@ class UnitScorer:
         temp = self.output / f".{unit.name}.{os.getpid()}.tmp"
         rejects: list[pa.Table] = []
         with pq.ParquetWriter(temp, self.schema) as writer:
-            for batch in self.source.scan(file, fragment, self.columns, self.job.batch_size):
-                ids = unit.row_ids(unit.start + rows, batch.num_rows)
-                scored, refused = self.score_batch(batch, file.display, unit.start + rows)
+            for first, batch in unit.batches(self.source.scan(file, fragment, self.columns, self.job.batch_size)):
+                ids = unit.row_ids(first, batch.num_rows)
+                scored, refused = self.score_batch(batch, file.display, first)
                 writer.write_table(scored)
                 if refused is not None:
                     rejects.append(refused)
