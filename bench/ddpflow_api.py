@@ -444,3 +444,50 @@ def split_frame(dataset_dir: str | Path, split: str):
 
     files = manifest(dataset_dir).split_files(dataset_dir, split)
     return pa.concat_tables([pq.read_table(path) for path in files]).to_pandas()
+
+
+# ----------------------------------------------------------------------------- batch scoring
+
+
+def write_input_model_file(dataset_dir: str | Path, path: Path, hidden: Iterable[int]) -> Path:
+    """A model.pt as training writes it for the built-in mlp on the dataset's inputs (embeddings for its
+    categoricals, with the dataset's fitted encoders); untrained weights score as fast as trained ones."""
+    from training.inference.model_file import inference_checkpoint
+    from training.kinds.inputs import inputs_from_manifest
+    from training.kinds.registry import read_encoders
+    from training.models.registry import ModelSpec, build_model
+
+    read = manifest(dataset_dir)
+    spec = ModelSpec.for_inputs("mlp", inputs_from_manifest(read), read.n_outputs, {"hidden": list(hidden)})
+    model = build_model(spec)
+    checkpoint = inference_checkpoint(model.state_dict(), spec, read, 0, {}, read_encoders(dataset_dir, read))
+    torch.save(checkpoint, path)
+    return path
+
+
+def pyfunc_scorer(model_path: str | Path):
+    """What the served pyfunc runs for ``predict(frame, params={"output": "probabilities"})``
+    (``training.inference.serving``: ``load_context`` then ``predict``), minus MLflow's schema check."""
+    from training.inference.serving import load_predictor, predictions
+
+    predictor = load_predictor(model_path)
+    return lambda frame: predictions(predictor, frame, "probabilities")
+
+
+def encoded_forward(model_path: str | Path, frame):
+    """(the model, its batch dict for ``frame``, encoded once): the model's own forward rate, no encoding."""
+    from training.inference.predict import Predictor
+
+    predictor = Predictor.from_checkpoint(model_path)
+    return predictor.model, predictor.batch_inputs(frame)
+
+
+def score_command(model_path: Path, source: Path, output: Path, nproc: int, tracking_uri: str) -> list[str]:
+    """``ddpflow score`` of a model.pt, as a user runs it (the command line: start-up included)."""
+    import sys
+
+    return [
+        sys.executable, "-m", CLI_MODULE, "score", "--model", str(model_path), "--source", str(source),
+        "--output", str(output), "--set", f"score.nproc_per_node={nproc}", "--set",
+        f"mlflow.tracking_uri={tracking_uri}", "--json",
+    ]  # fmt: skip

@@ -6,6 +6,7 @@
     ddpflow sweep    --config sweep.yaml [--set sweep.trials=40] [--json] [--verbose]   (tune; docs/sweeps.md)
     ddpflow stack    up|down|status [--project .] [--prefect-port 4200] [--mlflow-port 5000] ...
     ddpflow serve    NAME[@alias|/version] [--port 5001] [--tracking-uri URI]   (MLflow's scoring server)
+    ddpflow score    --config CFG [--model NAME@alias] [--source GLOB] [--output DIR]   (batch scoring on DDP ranks)
 
 Each subcommand calls plain functions (``training.prepare.dataset``, the flows,
 ``ddpflow.services.stack``) and prints a short summary for people, or with ``--json``
@@ -146,6 +147,17 @@ def cmd_serve(args: argparse.Namespace) -> None:
             server.wait()
     except ScoringServerError as error:
         raise CommandFailed(str(error)) from None
+
+
+def cmd_score(args: argparse.Namespace) -> None:
+    """A model scores a whole table on torchrun ranks, each row once, resumable (ddpflow/scoring.py)."""
+    from ddpflow.scoring import score_table, with_score_settings
+
+    config = with_score_settings(_load(args), args.model, args.source, args.output)
+    summary = score_table(config, on_line=lambda line: print(line, file=sys.stderr, flush=True))
+    shown = {key: value for key, value in summary.items() if key not in ("files", "source", "coverage", "rejects")}
+    shown |= {"source": summary["source"]["url"], "parts": len(summary["files"])}
+    print_summary(shown, args.json)
 
 
 def _serving_note(model: Any, url: str) -> str:
@@ -368,6 +380,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", "-c", help="YAML config file (its mlflow.tracking_uri)")
     serve.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     serve.set_defaults(handler=cmd_serve)
+
+    score = sub.add_parser("score", help="score a whole table with a model on torchrun ranks, each row once")
+    _config_args(score)
+    score.add_argument("--model", help="NAME@alias, NAME/version or a model.pt (default: score.model)")
+    score.add_argument("--source", help="Parquet/CSV file, directory, glob or fsspec URL (default: score.source)")
+    score.add_argument("--output", help="directory of Parquet parts + manifest.json (default: score.output)")
+    score.set_defaults(handler=cmd_score)
     return parser
 
 

@@ -25,8 +25,10 @@ from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, GlobalConcurrencyLimitUpdate
 from prefect.concurrency.sync import concurrency
+from prefect.events import emit_event
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
+from ddpflow.tracking.gate import PROMOTED
 from ddpflow.tracking.registration import register_candidate
 from ddpflow.tracking.registry import is_transient
 from training.core.config import PipelineConfig
@@ -110,4 +112,26 @@ def register_model(
         logger=get_run_logger(),
         gate_lock=gate_lock,
     )
+    if decision.decision == PROMOTED:  # a retry that finds it done emits again: re-scoring a complete output is a no-op
+        announce_new_champion(decision)
     return decision.to_dict()
+
+
+CHAMPION_MOVED = "ddpflow.champion.moved"  # score-pipeline/score-on-new-champion has a trigger on it (prefect.yaml)
+
+
+def announce_new_champion(decision) -> None:
+    """Emit ``ddpflow.champion.moved`` (resource ``ddpflow.model.<name>``): @champion now names this version."""
+    event = emit_event(
+        event=CHAMPION_MOVED,
+        resource={"prefect.resource.id": f"ddpflow.model.{decision.model_name}", "ddpflow.model": decision.model_name},
+        payload={"model": decision.model_name, "version": decision.version, "previous": decision.champion_version,
+                 "run_id": decision.run_id},
+    )  # fmt: skip
+    log = get_run_logger()
+    if event is None:
+        log.warning(
+            "%s was not emitted (Prefect events are off here): no scoring follows the new champion", CHAMPION_MOVED
+        )
+    else:
+        log.info("emitted %s: %s v%s", CHAMPION_MOVED, decision.model_name, decision.version)

@@ -22,8 +22,11 @@ RANK_ENTRYPOINT = "training.train"  # what every rank runs; tests point it at a 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]  # where `training` imports from, whatever the caller's cwd
 
 
-def torchrun_command(config: PipelineConfig, job_path: str | os.PathLike, *, gpus: int | None = None) -> list[str]:
-    """The torchrun argv, as a list (never a shell string). Logs go to ``<job dir>/logs``."""
+def torchrun_command(
+    config: PipelineConfig, job_path: str | os.PathLike, *, gpus: int | None = None, entrypoint: str | None = None
+) -> list[str]:
+    """The torchrun argv, as a list (never a shell string). Logs go to ``<job dir>/logs``. ``entrypoint``: the
+    module every rank runs (default ``RANK_ENTRYPOINT``, training; batch scoring passes its own)."""
     train = config.train
     layout = resolve_ranks(train, gpus)
     job_path = Path(job_path)
@@ -47,7 +50,8 @@ def torchrun_command(config: PipelineConfig, job_path: str | os.PathLike, *, gpu
         "--tee", "3",
     ]  # fmt: skip
     # A module runs as "-m module"; a path (tests' stand-in ranks) runs as a script.
-    entry = [RANK_ENTRYPOINT] if RANK_ENTRYPOINT.endswith(".py") else ["-m", RANK_ENTRYPOINT]
+    module = entrypoint or RANK_ENTRYPOINT
+    entry = [module] if module.endswith(".py") else ["-m", module]
     return [*argv, *entry, "--config", str(job_path)]
 
 

@@ -767,6 +767,31 @@ class SlurmConfig(_Section):
         return args
 
 
+class ScoreConfig(_Section):
+    """``ddpflow score`` and the score-pipeline flow: a registered model scores a whole table on DDP ranks, each row
+    exactly once, resumable (docs/scoring.md)."""
+
+    model: str | None = Field(
+        None,
+        description="NAME@alias, NAME/version, or a path to a run's model.pt; default: registry.model_name@champion.",
+    )
+    source: str | None = Field(None, description="What data.source takes (file, directory, glob, fsspec URL).")
+    format: Literal["auto", "parquet", "csv"] = Field("auto", description="The source's format; auto: from names.")
+    output: str | None = Field(None, description="Directory of Parquet part files, a manifest.json written last.")
+    keep: list[str] | None = Field(
+        None, description="Columns carried beside the scores; default: data.key when set, else none."
+    )
+    output_kind: Literal["auto", "label", "probabilities", "value"] = Field(
+        "auto", description="label or probabilities (classification), value (regression); auto: the richest."
+    )
+    nproc_per_node: int | Literal["auto"] = Field(2, description="Scoring ranks on this machine (auto: per GPU/core).")
+    batch_size: int = Field(65_536, ge=1, description="Rows per record batch read and scored.")
+    on_invalid: Literal["error", "skip"] = Field(
+        "error", description="A row the model cannot take: stop naming it, or write it to rejects/ with the reason."
+    )
+    timeout_s: float | None = Field(None, gt=0, description="Stop the ranks after this long.")
+
+
 class PipelineConfig(_Section):
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
@@ -776,6 +801,7 @@ class PipelineConfig(_Section):
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
     # `ddpflow sweep` reads and validates it (ddpflow/sweep/space.py); a run ignores it, and no record holds it.
     sweep: dict[str, Any] | None = Field(None, exclude=True, description="A sweep's section: see docs/sweeps.md.")
+    score: ScoreConfig = Field(default_factory=ScoreConfig)
 
     def flat(self) -> dict[str, Any]:
         """Dotted keys to scalar values, for MLflow params."""

@@ -33,6 +33,8 @@ from training.kinds.normalisation import Normaliser
 from training.kinds.registry import encode_columns
 from training.objectives.registry import objective_from_checkpoint
 
+OUTPUTS = ("label", "probabilities")  # params={"output": ...}: the labels, or labels and class probabilities
+
 
 class Predictor:
     def __init__(self, model: nn.Module, meta: dict[str, Any], batch_size: int = 65_536):
@@ -47,6 +49,13 @@ class Predictor:
         self._classes = self.task in CLASS_TASKS  # outputs are per class (softmax, binary, multilabel)
         self._labels = np.asarray(meta["label_mapping"]) if self._classes else None
         self._objective = objective_from_checkpoint(meta)  # reads the outputs (a binary model has one logit)
+        self.device = torch.device("cpu")
+
+    def to(self, device: torch.device | str) -> Predictor:
+        """Run the model on ``device`` (a scoring rank's GPU): each batch is moved there, its outputs back."""
+        self.device = torch.device(device)
+        self.model.to(self.device)
+        return self
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, batch_size: int = 65_536) -> Predictor:
@@ -79,8 +88,8 @@ class Predictor:
         outputs = []
         with torch.inference_mode():
             for start in range(0, len(frame), self.batch_size):
-                rows = {name: tensor[start : start + self.batch_size] for name, tensor in batch.items()}
-                output = self.model(rows)
+                rows = {name: tensor[start : start + self.batch_size].to(self.device) for name, tensor in batch.items()}
+                output = self.model(rows).cpu()
                 outputs.append(output if self._classes else self._normaliser.target_inverse(output))
         if not outputs:
             return torch.empty(0, len(self._labels) if self._labels is not None else 1)
@@ -105,6 +114,24 @@ class Predictor:
         if self.task == "multilabel":
             return label_sets(raw, self._labels)
         return self._labels[raw] if self._labels is not None else raw
+
+    def scores(self, frame: pd.DataFrame, output: str = "label") -> pd.DataFrame | np.ndarray:
+        """What the served model returns for ``params={"output": output}`` (``OUTPUTS``), from ONE forward pass:
+        the labels (or values) as an array; ``probabilities``: a frame of ``label`` and one ``probability_<class>``
+        column per class (regression: the values). The pyfunc and batch scoring both answer through this."""
+        if output not in OUTPUTS:
+            raise ValueError(f"params.output must be one of {OUTPUTS}, not {output!r}")
+        if output == "label" or self._labels is None:
+            return self.predict(frame)
+        decoded, probabilities = self._objective.decode(self.outputs(frame))
+        raw = decoded.numpy()
+        result = pd.DataFrame(
+            {"label": label_sets(raw, self._labels) if self.task == "multilabel" else self._labels[raw]},
+            index=frame.index,
+        )
+        for i, label in enumerate(self._labels):
+            result[f"probability_{label}"] = probabilities[:, i].numpy()
+        return result
 
     def predict_proba(self, frame: pd.DataFrame) -> pd.DataFrame:
         """Classification: a column per class (its original label), each row's probabilities (multilabel: each

@@ -36,7 +36,7 @@ import pandas as pd
 import pyarrow as pa
 
 from training.inference.model_file import load_model_checkpoint
-from training.inference.predict import Predictor
+from training.inference.predict import OUTPUTS, Predictor  # noqa: F401  (OUTPUTS: the served outputs, here too)
 from training.inference.token_scoring import TokenScorer
 from training.kinds.registry import CODECS, kind_record
 from training.kinds.tabular import source_dtype
@@ -47,9 +47,6 @@ MODEL_ARTIFACT = "model_pt"  # key in context.artifacts; stored as artifacts/mod
 MODEL_NAME = "model"  # the logged model's name
 MODEL_CODE = Path(__file__).resolve().with_name("serving_model.py")
 TRAINING_PACKAGE = Path(__file__).resolve().parents[1]  # the whole `training` package ships with the model
-
-
-OUTPUTS = ("label", "probabilities")  # params={"output": ...}: the labels, or labels and class probabilities
 
 
 class TabularTorchModel(mlflow.pyfunc.PythonModel):
@@ -84,15 +81,7 @@ def predictions(predictor: Predictor | TokenScorer, frame: pd.DataFrame, output:
                 f"params.output {output!r}: a next_token model returns tokens, loss and perplexity per row"
             )
         return predictor.score(frame)
-    if output not in OUTPUTS:
-        raise ValueError(f"params.output must be one of {OUTPUTS}, not {output!r}")
-    if output == "label" or predictor.task == "regression":
-        return predictor.predict(frame)
-    probabilities = predictor.predict_proba(frame)
-    result = pd.DataFrame({"label": predictor.predict(frame)}, index=frame.index)
-    for label in probabilities.columns:
-        result[f"probability_{label}"] = probabilities[label].to_numpy()
-    return result
+    return predictor.scores(frame, output)
 
 
 def raw_example(predictor: Predictor | TokenScorer, frame: pd.DataFrame) -> pd.DataFrame:

@@ -84,24 +84,34 @@ class FileSource:
 
     def iter_batches(self, columns: list[str], batch_rows: int) -> Iterator[tuple[str, pa.RecordBatch]]:
         """(file, batch) pairs in file order; a read error names the file."""
-        for file, fragment in zip(self.files, self._dataset.get_fragments(), strict=True):
-            # No readahead and no scan threads: otherwise the scanner decodes ahead of a slower
-            # consumer without bound (measured: 156 MB held on a 3M-row file, growing with it;
-            # this way 30 MB). The per-batch numpy work, not decoding, is the bottleneck anyway.
-            scanner = ds.Scanner.from_fragment(
-                fragment,
-                schema=self.schema,
-                columns=columns,
-                batch_size=batch_rows,
-                batch_readahead=0,
-                fragment_readahead=0,
-                use_threads=False,
-            )
-            try:
-                for batch in scanner.to_batches():
-                    yield file.display, batch
-            except (pa.ArrowException, OSError) as error:
-                raise DataError(f"{file.display}: cannot be read as {self.file_format}: {error}") from None
+        for file, fragment in self.fragments():
+            for batch in self.scan(file, fragment, columns, batch_rows):
+                yield file.display, batch
+
+    def fragments(self) -> list[tuple[SourceFile, ds.Fragment]]:
+        """Each file with its pyarrow.dataset fragment, in file order (batch scoring splits them into row ranges)."""
+        return list(zip(self.files, self._dataset.get_fragments(), strict=True))
+
+    def scan(
+        self, file: SourceFile, fragment: ds.Fragment, columns: list[str], batch_rows: int
+    ) -> Iterator[pa.RecordBatch]:
+        """A fragment's (or a subset of its row groups') record batches, memory flat; a read error names the file."""
+        # No readahead and no scan threads: otherwise the scanner decodes ahead of a slower
+        # consumer without bound (measured: 156 MB held on a 3M-row file, growing with it;
+        # this way 30 MB). The per-batch numpy work, not decoding, is the bottleneck anyway.
+        scanner = ds.Scanner.from_fragment(
+            fragment,
+            schema=self.schema,
+            columns=columns,
+            batch_size=batch_rows,
+            batch_readahead=0,
+            fragment_readahead=0,
+            use_threads=False,
+        )
+        try:
+            yield from scanner.to_batches()
+        except (pa.ArrowException, OSError) as error:
+            raise DataError(f"{file.display}: cannot be read as {self.file_format}: {error}") from None
 
     def _file_schema(self, file: SourceFile) -> pa.Schema:
         try:

@@ -22,7 +22,10 @@ def test_prefect_yaml_deploys_the_pipeline_with_real_configs(repo_root: Path) ->
     assert spec["build"] is None and spec["push"] is None
     assert spec["pull"] == [{"prefect.deployments.steps.set_working_directory": {"directory": "{{ $PWD }}"}}]
     deployments = {d["name"]: d for d in spec["deployments"]}
-    assert set(deployments) == {"nightly", "manual", "slurm", "tune", "every-10-minutes", "on-new-data"}
+    assert set(deployments) == {
+        "nightly", "manual", "slurm", "tune", "every-10-minutes", "on-new-data", "score-nightly",
+        "score-on-new-champion",
+    }  # fmt: skip
     for deployment in deployments.values():
         path, _, function = deployment["entrypoint"].partition(":")
         assert f"def {function}(" in (repo_root / path).read_text()
@@ -40,6 +43,10 @@ def test_prefect_yaml_deploys_the_pipeline_with_real_configs(repo_root: Path) ->
     # The sweep deployment's section validates as `ddpflow sweep` reads it (docs/sweeps.md).
     assert deployments["tune"]["entrypoint"] == "flows/sweep.py:sweep_pipeline"
     assert load_sweep(repo_root / deployments["tune"]["parameters"]["config_file"]).sweep.trials >= 1
+    (trigger,) = deployments["score-on-new-champion"]["triggers"]  # tasks/register.py emits it when @champion moves
+    assert trigger["expect"] == ["ddpflow.champion.moved"] and trigger["match"] == {
+        "prefect.resource.id": "ddpflow.model.*"
+    }
 
 
 def test_up_refuses_a_busy_port_before_starting_anything(tmp_path: Path, repo_root: Path) -> None:

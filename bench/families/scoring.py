@@ -1,0 +1,102 @@
+"""Batch scoring: `ddpflow score` on 2 CPU ranks against the served pyfunc in one process, on the same rows.
+
+The source is the workload's mixed table (32 numeric columns and 4 string categoricals, one Parquet file); the
+model is the built-in mlp for those inputs, with the encoders of a prepared slice of the same table (untrained
+weights: they do not change the speed). Three figures per repeat:
+- end to end: ``ddpflow score`` as a user runs it (start-up, plan, ranks, coverage check, manifest, the MLflow run
+  and the drift read-back) against the pyfunc's ``predict(chunk, params={"output": "probabilities"})`` over the
+  same rows in 100k-row chunks read with pyarrow (loading the model included), torch on every core;
+- steady: the ranks' rows/s (the manifest's ``seconds``: from the plan to the coverage check) against twice the
+  model's own forward rate on a pre-encoded 65,536-row batch with one torch thread (what each rank has).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+from bench import ddpflow_api
+from bench.harness.context import Context
+from bench.harness.results import Result, Row, Stats, Timer, log
+from bench.workloads.tabular import HIDDEN, mixed_prepared_dir, mixed_source_file, set_threads
+
+RANKS = 2
+CHUNK = 100_000
+FORWARD_BATCH = 65_536
+
+
+def run(ctx: Context) -> list[Result]:
+    import pyarrow.parquet as pq
+
+    rows = ctx.sizes.rows
+    source = mixed_source_file(ctx, rows)
+    dataset = mixed_prepared_dir(ctx, min(rows, 100_000))  # the encoders' fit; the categories are the same
+    model = ddpflow_api.write_input_model_file(dataset, ctx.workdir / "score-model.pt", HIDDEN)
+    tracking = f"sqlite:///{ctx.workdir / 'score-mlflow.db'}"
+    ours, pyfunc, steady = [], [], []
+    for repeat in range(ctx.sizes.repeats):
+        output = ctx.workdir / f"scores-{repeat}"
+        argv = ddpflow_api.score_command(model, source, output, RANKS, tracking)
+        with Timer() as command:
+            done = subprocess.run(argv, capture_output=True, text=True, cwd=ctx.workdir, env=dict(os.environ))
+        if done.returncode != 0:
+            raise RuntimeError(f"ddpflow score failed: {done.stderr[-2000:]}")
+        ours.append(rows / command.seconds)
+        steady.append(rows / json.loads((output / "manifest.json").read_text())["seconds"])
+        set_threads(os.cpu_count() or 1)
+        with Timer() as served:
+            score = ddpflow_api.pyfunc_scorer(model)
+            for batch in pq.ParquetFile(source).iter_batches(batch_size=CHUNK):
+                score(batch.to_pandas())
+        pyfunc.append(rows / served.seconds)
+        log(f"scoring repeat {repeat + 1}: ddpflow score {ours[-1]:,.0f} rows/s end to end ({steady[-1]:,.0f} "
+            f"steady), pyfunc {pyfunc[-1]:,.0f} rows/s")  # fmt: skip
+    forward = forward_rate(model, source)
+    end_to_end = Stats.of(a / b for a, b in zip(ours, pyfunc, strict=True))
+    steady_ratio = Stats.of(rate / (RANKS * forward) for rate in steady)
+    return [
+        Result(
+            name="scoring",
+            title="Batch scoring",
+            ratio=end_to_end,
+            target=1.0,
+            ratio_label=f"ddpflow score (2 CPU ranks, end to end) rows/s ÷ pyfunc.predict in {CHUNK:,}-row chunks",
+            rows=[
+                Row(
+                    "ddpflow score, end to end (start-up, MLflow run and drift included)",
+                    Stats.of(ours),
+                    "rows/s",
+                    end_to_end,
+                ),
+                Row("pyfunc predict, one process, 100k-row chunks (model load included)", Stats.of(pyfunc), "rows/s"),
+            ],  # fmt: skip
+            notes=[f"{rows:,} rows of the mixed table (32 numeric, 4 categorical string columns), one Parquet file"],
+        ),
+        Result(
+            name="scoring_steady",
+            title="Batch scoring, steady",
+            ratio=steady_ratio,
+            target=0.8,
+            ratio_label="the ranks' rows/s ÷ 2 x the model's forward rate on pre-encoded batches (1 thread)",
+            rows=[
+                Row("2 ranks, from the plan to the coverage check", Stats.of(steady), "rows/s", steady_ratio),
+                Row("the model's forward on a pre-encoded 65,536-row batch, 1 thread", Stats.of([forward]), "rows/s"),
+            ],
+        ),
+    ]
+
+
+def forward_rate(model_path, source, repeats: int = 5) -> float:
+    import pyarrow.parquet as pq
+    import torch
+
+    set_threads(1)
+    frame = next(pq.ParquetFile(source).iter_batches(batch_size=FORWARD_BATCH)).to_pandas()
+    model, batch = ddpflow_api.encoded_forward(model_path, frame)
+    with torch.inference_mode():
+        model(batch)  # warm-up
+        with Timer() as timed:
+            for _ in range(repeats):
+                model(batch)
+    return repeats * len(frame) / timed.seconds

@@ -1,0 +1,74 @@
+"""Batch scoring, end to end (plain Python, no Prefect): the model resolved (MLflow, or a model.pt), the table scored
+on torchrun ranks (``ddpflow/launch/scoring.py``), the scoring recorded in MLflow (``ddpflow/tracking/scoring.py``).
+
+    summary = score_table(config)   # config.score: model, source, output, keep, output_kind, nproc_per_node, ...
+
+What `ddpflow score` and the score-pipeline flow call. See docs/scoring.md.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ddpflow.launch.scoring import ScoreRequest, run_scoring
+from ddpflow.launch.supervisor import OutputLine
+from training.core.config import PipelineConfig
+
+
+def with_score_settings(
+    config: PipelineConfig, model: str | None = None, source: str | None = None, output: str | None = None
+) -> PipelineConfig:
+    """The config with the command line's --model / --source / --output over its score section."""
+    updates = {key: value for key, value in {"model": model, "source": source, "output": output}.items() if value}
+    return config.model_copy(update={"score": config.score.model_copy(update=updates)}) if updates else config
+
+
+def model_spec(config: PipelineConfig) -> str:
+    """score.model, else registry.model_name@champion."""
+    return config.score.model or f"{config.registry.model_name}@champion"
+
+
+def score_table(
+    config: PipelineConfig,
+    on_line: Callable[[OutputLine], None] = print,
+    should_cancel: Callable[[], str | None] | None = None,
+) -> dict[str, Any]:
+    """Score ``config.score.source`` into ``config.score.output``; returns the manifest plus ``elapsed_s`` and
+    ``rows_per_s`` (the whole command, start-up included)."""
+    from ddpflow.tracking.runs import resolve_tracking_uri
+    from ddpflow.tracking.scoring import is_model_file, log_scoring, scoring_model
+
+    started = time.monotonic()
+    spec = model_spec(config)
+    tracking_uri = resolve_tracking_uri(config)
+    with tempfile.TemporaryDirectory(prefix="ddpflow-score-") as scratch:
+        model = scoring_model(spec, None if is_model_file(spec) else tracking_uri, scratch)
+        request = ScoreRequest(config, str(model.path), model.identity(), on_line=on_line, should_cancel=should_cancel)
+        manifest = run_scoring(request)
+        seconds = time.monotonic() - started
+        summary = {**manifest, "output": config.score.output, "elapsed_s": round(seconds, 3),
+                   "rows_per_s": round(manifest["rows"] / seconds, 1) if seconds > 0 else None}  # fmt: skip
+        if manifest.get("already_complete"):
+            return summary  # recorded when it was scored
+        # Drift needs the training data of a registered version: a model.pt's scoring skips the profile's pass.
+        registered = model.uri.startswith("models:/")
+        distribution, profile = table_statistics(config, str(model.path), manifest, profile=registered)
+    run_id, drift = log_scoring(config, tracking_uri, model, summary, distribution, profile)
+    return {**summary, "mlflow_run_id": run_id, "score_distribution": distribution, "data_drift": drift.message}
+
+
+def table_statistics(config: PipelineConfig, model_path: str, manifest: dict[str, Any], profile: bool = True):
+    """The scores' distribution and the source's numeric profile (what drift compares; None unless ``profile``),
+    read back after scoring."""
+    from training.inference.model_file import checkpoint_inputs, load_model_checkpoint
+    from training.inference.scored_table import numeric_profile, score_distribution
+
+    meta = load_model_checkpoint(model_path)[1]
+    numeric = [name for name, info in checkpoint_inputs(meta).items() if info.kind == "numeric"]
+    distribution = score_distribution(config.score.output, meta["task"])
+    if not profile:
+        return distribution, None
+    return distribution, numeric_profile(config.score.source, config.score.format, numeric, config.score.batch_size)

@@ -1,0 +1,37 @@
+"""Prefect task: a model scores a whole table on torchrun ranks (``ddpflow/scoring.py: score_table``).
+
+The work, its exactness, resume and refusals are plain Python (``ddpflow/launch/scoring.py``,
+``training/inference/batch_scoring.py``). This wrapper adds the Prefect view: every rank's line in the run's log,
+a table artifact ``scored-table`` (rows, rejected, parts, model version, rows/s, the MLflow run), and cancellation
+(a cancelled flow run stops the ranks; the part files already written are kept, and the next run resumes). No
+retries: bad input fails the same way every time, and a re-run resumes from the parts anyway.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_table_artifact
+from prefect.cache_policies import NO_CACHE
+
+from ddpflow.scoring import score_table
+from training.core.config import PipelineConfig
+
+
+@task(name="score-table", retries=0, cache_policy=NO_CACHE)
+def score_table_task(config: PipelineConfig) -> dict[str, Any]:
+    logger = get_run_logger()
+    summary = score_table(config, on_line=lambda line: logger.info("%s", line))
+    logger.info(
+        "%s v%s scored %s rows of %s into %s (%s rejected, %s rows/s)%s",
+        summary["model"]["name"], summary["model"]["version"], summary["rows"], summary["source"]["url"],
+        summary["output"], summary["rejected"], summary["rows_per_s"],
+        " (already complete)" if summary.get("already_complete") else "",
+    )  # fmt: skip
+    if summary.get("data_drift"):
+        logger.info("Data drift: %s", summary["data_drift"])
+    row = {key: summary.get(key) for key in ("rows", "scored", "rejected", "rows_per_s", "output", "mlflow_run_id")}
+    row |= {"model": f"{summary['model']['name']} v{summary['model']['version']}", "parts": len(summary["files"])}
+    create_table_artifact(key="scored-table", table=[row], description=f"Batch scoring of {summary['source']['url']}")
+    return summary

@@ -1,0 +1,401 @@
+"""Batch scoring (`ddpflow score`, training/inference/batch_scoring.py) on a mixed table with real torchrun ranks and
+a real SQLite MLflow registry: ONE shared 2-rank scoring of the champion (``NAME@champion``), checked many ways (the
+pyfunc's answer on the same raw rows, every row exactly once, the output layout, the manifest, the MLflow run), and
+the ways a scoring must not end (a stop and a resume, another model's output, bad input).
+
+The model: a mixed table (every numeric source type, nulls, strings, an unseen category, a hashed id, a vector:
+tests/flows/test_mixed_inputs.py's ``churn_table``) prepared for real, and a model.pt trained as the trainer writes
+it (tests/ddpflow/tracking/test_registry.py's ``train_typed_model``), registered through the gate as @champion.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from tests.flows.test_mixed_inputs import INPUTS, churn_table
+from tests.ddpflow.tracking.test_registry import DDP, PREFECT, train_typed_model
+
+from training.core.errors import DataError
+
+REPO = Path(__file__).resolve().parents[2]
+ROWS = 2400
+pytestmark = pytest.mark.torchrun
+
+
+def source_files(directory: Path, rows: int = ROWS) -> Path:
+    """The table as 3 Parquet files, two with small row groups (gathered into ranges), the last one row group (as
+    pyarrow writes a file by default: cut into one piece per rank); one country unseen in training, last rows."""
+    table = churn_table(rows, seed=7)
+    country = table["country"].to_pylist()
+    country[-5:] = ["atlantis"] * 5
+    table = table.set_column(table.schema.get_field_index("country"), "country", pa.array(country))
+    directory.mkdir(parents=True, exist_ok=True)
+    third = rows // 3
+    for index, start in enumerate(range(0, rows, third)):
+        groups = third if index == 2 else 150
+        pq.write_table(table.slice(start, third), directory / f"day-{index}.parquet", row_group_size=groups)
+    return directory
+
+
+def cli(*args: str, env: dict | None = None, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", "score", *args], cwd=cwd, env=env or cli_env(), capture_output=True,
+        text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def score_here(champion: dict, **settings):
+    """``score_table`` in this process (what `ddpflow score` calls), with ``score.*`` settings over the config's."""
+    from ddpflow.scoring import score_table
+
+    config = champion["config"]
+    return score_table(config.model_copy(update={"score": config.score.model_copy(update=settings)}), on_line=print)
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("DDPFLOW_")}
+    return {**env, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **extra}
+
+
+@pytest.fixture(scope="module")
+def champion(tmp_path_factory, _migrated_mlflow_db) -> dict:
+    """A registered @champion trained on the mixed table, and the config that names it."""
+    from ddpflow.tracking.registration import register_candidate
+    from ddpflow.tracking.runs import start_pipeline_run
+    from training.core.config import PipelineConfig
+    from training.core.manifest import read_manifest
+    from training.inference.evaluate import evaluate_split
+    from training.prepare.dataset import prepare_dataset
+
+    root = tmp_path_factory.mktemp("scoring")
+    shutil.copy(_migrated_mlflow_db, root / "mlflow.db")
+    train_source = root / "train.parquet"
+    pq.write_table(churn_table(2000, seed=0), train_source)
+    config = PipelineConfig.model_validate(
+        {
+            "data": {"source": str(train_source), "root": str(root / "shards"), "label": "churned",
+                     "key": "customer_id", "inputs": INPUTS},
+            "registry": {"model_name": "scorer"},
+            "mlflow": {"tracking_uri": f"sqlite:///{root / 'mlflow.db'}", "experiment": "scoring",
+                       "artifact_location": (root / "mlartifacts").as_uri()},
+            "train": {"nproc_per_node": 2, "backend": "gloo", "collective_timeout_s": 60},
+            "score": {"nproc_per_node": 2, "batch_size": 256},
+        }
+    )  # fmt: skip
+    dataset = prepare_dataset(config.data).dataset_dir
+    model_path = train_typed_model(dataset, root / "run" / "model.pt", steps=40)
+    manifest = read_manifest(dataset)
+    run_id = start_pipeline_run(config, "run", PREFECT, manifest.fingerprint, manifest, DDP, dataset_dir=dataset)
+    metrics = evaluate_split(model_path, dataset).metrics
+    decision = register_candidate(config, run_id, str(model_path), str(dataset), metrics, config.mlflow.tracking_uri)
+    assert decision.version is not None, decision
+    config_file = root / "score.yaml"
+    config_file.write_text(json.dumps(config.model_dump(mode="json")))  # JSON is YAML
+    return {"root": root, "config": config, "config_file": config_file, "model_path": model_path}
+
+
+def with_bad_row(directory: Path) -> tuple[Path, int]:
+    """The source with an infinite ``tenure`` in one row of its second file (inf stops the model: a refused row)."""
+    bad = directory / "day-1.parquet"
+    table = pq.read_table(bad)
+    tenure = table["tenure"].to_numpy().copy()
+    tenure[17] = np.inf
+    pq.write_table(table.set_column(table.schema.get_field_index("tenure"), "tenure", pa.array(tenure)), bad,
+                   row_group_size=150)  # fmt: skip
+    return bad, 17
+
+
+@pytest.fixture(scope="module")
+def scored(champion) -> dict:
+    """THE shared launch: `ddpflow score` of NAME@champion on 2 ranks, with one refused row (on_invalid: skip)."""
+    root = champion["root"]
+    source = source_files(root / "today")
+    bad_file, bad_row = with_bad_row(source)
+    output = root / "scores"
+    done = cli("--config", str(champion["config_file"]), "--source", str(source), "--output", str(output), "--json",
+               "--set", "score.on_invalid=skip", cwd=root)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    return {"source": source, "output": output, "summary": json.loads(done.stdout), "stderr": done.stderr,
+            "bad_file": bad_file, "bad_row": bad_row}  # fmt: skip
+
+
+def read_scores(output: Path) -> pd.DataFrame:
+    return pd.concat([pd.read_parquet(part) for part in sorted(output.glob("part-*.parquet"))], ignore_index=True)
+
+
+def test_scores_equal_the_pyfunc_on_the_same_raw_rows(champion, scored):
+    import mlflow
+
+    from ddpflow.tracking.runs import use_tracking_uri
+
+    raw = pd.read_parquet(scored["source"])  # the source's own dtypes: int64, bool, Int64 with nulls, strings, lists
+    assert raw["children"].isna().any() and (raw["country"] == "atlantis").sum() == 5
+    scores = read_scores(scored["output"])
+    good = raw[np.isfinite(raw["tenure"])]
+    with use_tracking_uri(champion["config"].mlflow.tracking_uri):
+        served = mlflow.pyfunc.load_model("models:/scorer@champion")
+    expected = served.predict(good[list(INPUTS)], params={"output": "probabilities"})
+    assert list(scores.columns) == ["customer_id", "prediction", "probability_0", "probability_1"]
+    np.testing.assert_array_equal(scores["customer_id"], good["customer_id"])  # in the source's order
+    np.testing.assert_array_equal(scores["prediction"], expected["label"])
+    for column in ("probability_0", "probability_1"):
+        np.testing.assert_allclose(scores[column], expected[column], atol=1e-5)
+    unseen = scores[good["country"].to_numpy() == "atlantis"]
+    assert len(unseen) == 5 and unseen["probability_0"].notna().all()  # scored as unknown, never an error
+
+
+def test_every_row_is_scored_or_rejected_exactly_once_on_two_ranks(scored):
+    summary, output = scored["summary"], scored["output"]
+    source_ids = pd.read_parquet(scored["source"], columns=["customer_id"])["customer_id"]
+    scored_ids = read_scores(output)["customer_id"]
+    rejects = pd.read_parquet(output / "rejects")
+    assert scored_ids.is_unique and len(scored_ids) + len(rejects) == ROWS
+    assert sorted([*scored_ids, *rejects["customer_id"]]) == sorted(source_ids)
+    assert summary["rows"] == ROWS and summary["scored"] == ROWS - 1 and summary["rejected"] == 1
+    # 2 files x 3 ranges of whole row groups, and the last file's one 800-row group cut in 2 pieces, one per rank.
+    assert summary["world_size"] == 2 and summary["parts"] == 8
+    files = json.loads((output / "manifest.json").read_text())["files"]
+    assert [name for name in files if name.startswith("part-00002")] == [
+        "part-00002-000000000000-000000000400.parquet", "part-00002-000000000400-000000000800.parquet"
+    ]  # fmt: skip
+    # Both ranks scored: each one's log holds its ranges (torchrun's per-rank logs under OUTPUT/.score/logs).
+    assert "[rank 0] scored 2400 rows into 8 files" in scored["stderr"]
+    # The refused row, named with its file, row and reason; the rest of its file scored.
+    (reject,) = rejects.to_dict("records")
+    assert reject["source_file"] == str(scored["bad_file"]) and reject["source_row"] == scored["bad_row"]
+    assert "tenure" in reject["reason"] and "infinite" in reject["reason"]
+
+
+def test_the_manifest_and_every_part_name_the_model_and_the_source(champion, scored):
+    output = scored["output"]
+    manifest = json.loads((output / "manifest.json").read_text())
+    assert manifest["model"] == {"name": "scorer", "version": "1", "uri": "models:/scorer@champion"}
+    assert manifest["files"] == sorted(path.name for path in output.glob("part-*.parquet"))
+    assert manifest["coverage"]["rows"] == ROWS and len(manifest["source"]["fingerprint"]) == 16
+    assert [name for name, _ in manifest["source"]["files"]] == sorted(str(p) for p in scored["source"].iterdir())
+    for part in output.glob("part-*.parquet"):
+        metadata = pq.read_schema(part).metadata
+        assert metadata[b"ddpflow.model"] == b"scorer" and metadata[b"ddpflow.model_version"] == b"1"
+    assert not list(output.glob(".*.tmp"))
+    # The same scoring again: the output is complete, nothing is scored twice or rewritten.
+    before = {path: path.stat().st_mtime_ns for path in output.glob("part-*.parquet")}
+    again = score_here(champion, source=str(scored["source"]), output=str(output), on_invalid="skip")
+    assert again["already_complete"] is True and again["rows"] == ROWS
+    assert {path: path.stat().st_mtime_ns for path in output.glob("part-*.parquet")} == before
+
+
+def test_one_mlflow_run_records_the_scoring_its_scores_and_the_drift_from_the_training_data(champion, scored):
+    from mlflow import MlflowClient
+
+    summary = scored["summary"]
+    client = MlflowClient(champion["config"].mlflow.tracking_uri)
+    run = client.get_run(summary["mlflow_run_id"])
+    assert run.info.status == "FINISHED" and run.data.tags["ddpflow.scoring"] == "true"
+    assert run.data.params["score.model"] == "models:/scorer@champion" and run.data.params["score.model_version"] == "1"
+    assert run.data.params["score.source"] == str(scored["source"])
+    metrics = run.data.metrics
+    assert metrics["rows"] == ROWS and metrics["rejected_rows"] == 1 and metrics["rows_per_s"] > 0
+    scores = read_scores(scored["output"])
+    shares = {label: float(np.mean(scores["prediction"] == label)) for label in (0, 1)}
+    assert metrics["score_share_0"] == pytest.approx(shares[0]) and metrics["score_share_1"] == pytest.approx(shares[1])
+    assert metrics["score_mean_probability_1"] == pytest.approx(scores["probability_1"].mean(), abs=1e-6)
+    # Drift: the scored table's numeric inputs against v1's training data, by the retraining flow's PSI. Today's
+    # table is drawn like the training one, so nothing moved much; a PSI over 0.25 would say it had.
+    assert run.data.tags["drift.champion_version"] == "1" and metrics["data_drift_max_psi"] < 0.25
+    assert "largest drift of the scored table from v1's training data" in summary["data_drift"]
+    artifacts = {entry.path for entry in client.list_artifacts(run.info.run_id, "drift")}
+    assert artifacts == {"drift/data_drift.png", "drift/data_drift.json"}
+
+
+def test_an_output_of_another_model_or_source_is_refused_and_left_as_it_was(champion, scored):
+    output = scored["output"]
+    before = sorted(output.rglob("*"))
+    with pytest.raises(DataError) as other_model:  # the command says it once, exit 2 (a ValueError: flows/cli.py)
+        score_here(champion, model=str(champion["model_path"]), source=str(scored["source"]), output=str(output),
+                   on_invalid="skip")  # fmt: skip
+    assert str(other_model.value).startswith(f"score.output {output} holds the scores of scorer v1 "), other_model
+    assert f"this scoring is {champion['model_path']} vsha256:" in str(other_model.value)
+    other_source = champion["root"] / "yesterday"
+    source_files(other_source, rows=300)
+    with pytest.raises(DataError, match="holds the scores of scorer v1 .* never mixed"):
+        score_here(champion, source=str(other_source), output=str(output), on_invalid="skip")
+    assert sorted(output.rglob("*")) == before
+
+
+def test_a_missing_input_column_is_named_before_any_rank_starts_and_no_manifest_is_written(champion, tmp_path):
+    source = source_files(tmp_path / "src", rows=300)
+    for path in source.iterdir():
+        pq.write_table(pq.read_table(path).drop_columns(["plan"]), path)
+    with pytest.raises(DataError, match=r"day-0.parquet: lacks the model's input columns \['plan'\]"):
+        score_here(champion, source=str(source), output=str(tmp_path / "out"))
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_a_bad_row_stops_the_scoring_naming_file_row_and_column_with_no_manifest(champion, scored, tmp_path):
+    """on_invalid: error (the default): the rank's DataError, raised as the user's error (the command says it once,
+    exit 2: flows/cli.py); finished parts stay, no manifest."""
+    output = tmp_path / "out"
+    with pytest.raises(DataError) as refused:
+        score_here(champion, source=str(scored["source"]), output=str(output))
+    message = str(refused.value)
+    assert message.startswith(f"{scored['bad_file']}: row {scored['bad_row']} (counting from 0): "), message
+    assert "tenure" in message and "on_invalid: skip" in message
+    assert not (output / "manifest.json").exists()
+
+
+def test_a_stopped_scoring_resumes_from_its_parts_and_ends_with_every_row_once(champion, tmp_path):
+    source = source_files(tmp_path / "src")
+    output = tmp_path / "out"
+    args = ["--config", str(champion["config_file"]), "--source", str(source), "--output", str(output), "--json"]
+    env = cli_env(DDPFLOW_SCORE_PAUSE_S="0.5")  # each rank rests after each part: the stop lands part-way
+    process = subprocess.Popen([sys.executable, "-m", "flows.cli", "score", *args], cwd=champion["root"], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 180
+    while len(list(output.glob("part-*.parquet"))) < 2 and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.1)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 143, stderr[-3000:]
+    kept = {path.name: path.stat().st_mtime_ns for path in output.glob("part-*.parquet")}
+    assert 2 <= len(kept) < 8 and not (output / "manifest.json").exists()
+    summary = score_here(champion, source=str(source), output=str(output))  # the same scoring, run again
+    assert summary["resumed_parts"] == len(kept) and summary["rows"] == ROWS
+    ids = read_scores(output)["customer_id"]
+    assert ids.is_unique and sorted(ids) == sorted(pd.read_parquet(source)["customer_id"])
+    # The ranges still to score were shared out among the ranks (balanced), the finished ones left alone.
+    pending = json.loads((output / ".score" / "job.json").read_text())["pending"]
+    assert [summary["files"][i] for i in pending] == [name for name in summary["files"] if name not in kept]
+    # The parts finished before the stop were kept as they were, not scored again.
+    assert {name: (output / name).stat().st_mtime_ns for name in kept} == kept
+
+
+def test_the_score_pipeline_flow_scores_and_the_register_task_announces_a_new_champion(
+    champion, prefect_harness, tmp_path
+):
+    """The flow under the session's Prefect server (a real torchrun launch through the task), and the event
+    ``ddpflow.champion.moved`` that score-pipeline/score-on-new-champion's trigger waits for (prefect.yaml)."""
+    import httpx
+    from prefect import flow
+
+    from ddpflow.tracking.gate import GateDecision
+    from flows.score_pipeline import score_pipeline
+    from tasks.register import CHAMPION_MOVED, announce_new_champion
+
+    source = source_files(tmp_path / "src", rows=300)
+    output = tmp_path / "out"
+    summary = score_pipeline(config_file=str(champion["config_file"]), model="scorer/1", source=str(source),
+                             output=str(output), overrides=["score.output_kind=label"])  # fmt: skip
+    assert summary["rows"] == 300 and summary["model"]["uri"] == "models:/scorer/1"
+    assert list(read_scores(output).columns) == ["customer_id", "prediction"]  # output_kind: label
+    assert json.loads((output / "manifest.json").read_text())["output_kind"] == "label"
+
+    decision = GateDecision("promoted", "first", "scorer", "run-1", "test_accuracy", True, 0.9, version="2")
+
+    @flow
+    def register_stand_in() -> None:
+        announce_new_champion(decision)
+
+    register_stand_in()
+    body = {"filter": {"event": {"name": [CHAMPION_MOVED]}}}
+    deadline, events = time.monotonic() + 60, []
+    while not events and time.monotonic() < deadline:
+        events = httpx.post(f"{prefect_harness}/events/filter", json=body, timeout=30).json()["events"]
+        time.sleep(0.5)
+    (event,) = events
+    assert event["resource"]["prefect.resource.id"] == "ddpflow.model.scorer"
+    assert event["payload"] == {"model": "scorer", "version": "2", "previous": None, "run_id": "run-1"}
+
+
+def untrained_model(dataset: Path, path: Path) -> Path:
+    """A model.pt as training writes it for the built-in model its inputs pick (image_cnn, transformer), with the
+    dataset's fitted encoders; untrained weights encode and score like trained ones."""
+    import torch
+
+    from training.core.manifest import read_manifest
+    from training.inference.model_file import inference_checkpoint
+    from training.kinds.inputs import inputs_from_manifest
+    from training.kinds.registry import read_encoders
+    from training.models.registry import ModelSpec, build_model, pick_model
+
+    manifest = read_manifest(dataset)
+    inputs = inputs_from_manifest(manifest)
+    spec = ModelSpec.for_inputs(pick_model("auto", inputs), inputs, manifest.n_outputs, {})
+    torch.manual_seed(0)
+    encoders = read_encoders(dataset, manifest)
+    torch.save(inference_checkpoint(build_model(spec).state_dict(), spec, manifest, 0, {}, encoders), path)
+    return path
+
+
+def score_in_one_rank(model_path: Path, source: Path, output: Path, keep: list[str]) -> dict:
+    """The scoring rank's own program (plan, part files, coverage, manifest) in this process, as a group of one."""
+    from training.core.config import TrainConfig
+    from training.core.fileio import atomic_write_json
+    from training.distributed.context import distributed
+    from training.inference.batch_scoring import PLAN_FILE, SCORE_DIR, ScoreJob, make_plan, score_rank
+    from training.inference.model_file import checkpoint_inputs, load_model_checkpoint
+
+    job = ScoreJob(str(model_path), {"name": "m", "version": "1", "uri": str(model_path)}, str(source), "auto",
+                   str(output), keep, "probabilities", 16, "skip")  # fmt: skip
+    plan = make_plan(job, checkpoint_inputs(load_model_checkpoint(model_path)[1]))
+    atomic_write_json(output / SCORE_DIR / PLAN_FILE, plan.to_dict())
+    with distributed(TrainConfig(backend="gloo", collective_timeout_s=60)) as ctx:
+        return score_rank(job, ctx)
+
+
+@pytest.mark.parametrize("kind", ["image", "text"])
+def test_images_and_text_score_as_the_pyfunc_scores_them_and_an_undecodable_image_is_rejected(kind, tmp_path):
+    """Images as bytes (one that does not decode: rejected with the reason) and text through the shipped
+    tokenizer: the rank's scores beside the pyfunc's own ``predict`` body (``serving.predictions``) on the same
+    raw rows, within 1e-5. In this process (a group of one): the encoding is what is checked, not the launch."""
+    from image_data import image_table
+
+    from training.core.config import load_config
+    from training.inference.serving import load_predictor, predictions
+    from training.prepare.dataset import prepare_dataset
+
+    if kind == "image":
+        table, inputs = image_table(40, size=12), {"photo": {"kind": "image", "size": 12}, "colour": "categorical"}
+        label = "shape"
+    else:
+        rng = np.random.default_rng(0)
+        words = np.array(["late", "parcel", "great", "broken", "fast", "refund", "thanks", "never", "again"])
+        reviews = [" ".join(rng.choice(words, size=rng.integers(2, 9))) for _ in range(40)]
+        table = pa.table({"id": np.arange(40), "review": reviews, "colour": ["red", "blue"] * 20,
+                          "stars": rng.integers(1, 6, size=40)})  # fmt: skip
+        inputs, label = {"review": {"kind": "text", "tokenizer": {"vocab_size": 40}}, "colour": "categorical"}, "stars"
+    pq.write_table(table, tmp_path / "train.parquet")
+    settings = [f"data.source={tmp_path / 'train.parquet'}", f"data.root={tmp_path / 'shards'}",
+                f"data.label={label}", "data.key=id", f"data.inputs={json.dumps(inputs)}"]  # fmt: skip
+    data = load_config(None, settings).data
+    model_path = untrained_model(prepare_dataset(data).dataset_dir, tmp_path / "model.pt")
+    if kind == "image":  # one photo that does not decode
+        photos = table["photo"].to_pylist()
+        photos[7] = b"not an image"
+        table = table.set_column(table.schema.get_field_index("photo"), "photo", pa.array(photos, pa.binary()))
+    (tmp_path / "today").mkdir()
+    pq.write_table(table, tmp_path / "today" / "day.parquet", row_group_size=16)
+    manifest = score_in_one_rank(model_path, tmp_path / "today", tmp_path / "out", ["id"])
+    scores = read_scores(tmp_path / "out")
+    raw = table.to_pandas()
+    good = raw.drop(index=[7]) if kind == "image" else raw
+    expected = predictions(load_predictor(model_path), good[list(inputs)], "probabilities")
+    np.testing.assert_array_equal(scores["id"], good["id"])
+    np.testing.assert_array_equal(scores["prediction"], expected["label"])
+    columns = [name for name in expected.columns if name.startswith("probability_")]
+    np.testing.assert_allclose(scores[columns].to_numpy(), expected[columns].to_numpy(), atol=1e-5)
+    assert manifest["rows"] == 40 and manifest["rejected"] == (1 if kind == "image" else 0)
+    if kind == "image":
+        (reject,) = pd.read_parquet(tmp_path / "out" / "rejects").to_dict("records")
+        assert reject["id"] == 7 and reject["source_row"] == 7 and "photo" in reject["reason"], reject
