@@ -24,9 +24,9 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from tests.flows.test_mixed_inputs import INPUTS, churn_table
-from tests.ddpflow.tracking.test_registry import DDP, PREFECT, train_typed_model
 
+from tests.ddpflow.tracking.test_registry import DDP, PREFECT, train_typed_model
+from tests.flows.test_mixed_inputs import INPUTS, churn_table
 from training.core.errors import DataError
 
 REPO = Path(__file__).resolve().parents[2]
