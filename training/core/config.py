@@ -805,7 +805,7 @@ class PipelineConfig(_Section):
 
     def flat(self) -> dict[str, Any]:
         """Dotted keys to scalar values, for MLflow params."""
-        return _flatten(self.model_dump(mode="json"))
+        return _flatten(self.model_dump(mode="json", exclude={"score"}))  # a scoring's settings are not a run's
 
     def write_json(self, path: str | os.PathLike) -> Path:
         path = Path(path)
