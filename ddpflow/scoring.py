@@ -65,9 +65,10 @@ def table_statistics(config: PipelineConfig, model_path: str, manifest: dict[str
     read back after scoring."""
     from training.inference.model_file import checkpoint_inputs, load_model_checkpoint
     from training.inference.scored_table import numeric_profile, score_distribution
+    from training.kinds.inputs import numeric_names
 
     meta = load_model_checkpoint(model_path)[1]
-    numeric = [name for name, info in checkpoint_inputs(meta).items() if info.kind == "numeric"]
+    numeric = numeric_names(checkpoint_inputs(meta))  # the inputs of the numeric block: what drift compares
     distribution = score_distribution(config.score.output, meta["task"])
     if not profile:
         return distribution, None

@@ -46,6 +46,7 @@ import pyarrow.parquet as pq
 
 from training.core.errors import DataError
 from training.core.fileio import atomic_write_json
+from training.kinds.registry import kind_record
 from training.loop.coverage import Certificate, lanes
 
 SCORE_DIR = ".score"  # OUTPUT/.score: job.json, plan.json, the launch's lock and torchrun's logs
@@ -57,7 +58,6 @@ PREDICTION = "prediction"
 FILE_SHIFT = 40  # a row id is file << 40 | row: files of up to 2^40 rows, 2^23 files
 META_PREFIX = b"ddpflow."  # the coverage tally in each part's footer
 PAUSE_ENV = "DDPFLOW_SCORE_PAUSE_S"  # test hook: seconds each rank sleeps after a part file (stop-and-resume test)
-NUMERIC_KINDS = ("numeric",)
 
 
 @dataclass(frozen=True)
@@ -242,18 +242,15 @@ def check_columns(source, inputs: dict[str, Any], keep: list[str]) -> None:
     absent = [name for name in keep if name not in schema.names]
     if absent:
         raise DataError(f"{first}: lacks the score.keep columns {absent} (the source has {schema.names})")
-    for name, info in inputs.items():
-        kind = schema.field(name).type
-        if info.kind in NUMERIC_KINDS and not _is_number(kind):
-            raise DataError(f"{first}: column {name!r} is {kind}; the model takes it as a number (numeric input)")
+    for name, info in inputs.items():  # each input's column as its kind's record takes it (prepare's check)
+        column_type, record = schema.field(name).type, kind_record(info.kind)
+        if not (pa.types.is_null(column_type) or record.takes(column_type)):  # all null: each row's own check
+            raise DataError(
+                f"{first}: column {name!r} is {column_type}; the model's {info.kind} input takes {record.takes_what}"
+            )
     clash = [name for name in keep if name == PREDICTION or name.startswith("probability_")]
     if clash:
         raise DataError(f"score.keep: {clash} would clash with the score columns; keep other columns")
-
-
-def _is_number(kind: pa.DataType) -> bool:
-    return any(test(kind) for test in (pa.types.is_integer, pa.types.is_floating, pa.types.is_boolean,
-                                       pa.types.is_decimal, pa.types.is_null))  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- scoring (every rank)

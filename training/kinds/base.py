@@ -46,10 +46,6 @@ MODEL_BLOCKS = (SCALAR, EMBEDDING, DENSE, PIXELS, TOKENS)
 NUMBER = "number"  # its raw values (``raw``: a null is NaN, boosting takes missing values natively)
 CATEGORY = "category"  # ``encode``'s index, a category
 
-# How scikit-learn's reference model takes an input (``Codec.reference_column``).
-NUMBER = "number"  # its raw values (``raw``: a null is NaN, boosting takes missing values natively)
-CATEGORY = "category"  # ``encode``'s index, a category
-
 # How evaluation shows a classifier's wrong rows of an input (``Codec.shown_as``, ``Codec.shown_values``).
 PICTURES = "pictures"  # the first misclassified rows' bytes, drawn as a grid (ddpflow/tracking/plots.py)
 TABLE = "table"  # a column of the most confidently wrong rows' table (training/inference/wrong_rows.py)
