@@ -1,11 +1,11 @@
-"""`ddpflow sweep` (issue 38) end to end, on the CPU with real torchrun, Prefect and MLflow: ONE sweep of three
-trials (1 rank, 2 epochs, a tiny table), stopped by SIGTERM in its second trial and resumed with the same
-config through the flow, checked many ways:
+"""`ddpflow sweep` (issue 38) end to end, on the CPU with real torchrun, Prefect and MLflow: ONE sweep of four
+trials (2 ranks a trial, 2 epochs, a tiny table), stopped by SIGTERM in its second trial and resumed with the
+same config through the flow, checked many ways:
 
 - trial 0 (lr 0.01) completes; trial 1 (lr 1e-7: barely learns) is interrupted, then re-run and pruned after
   its first epoch by the median pruner; trial 2 (lr 1e30) diverges (NaN) and is recorded failed with its
-  reason while the sweep goes on;
-- the sweep ends at 3 trials in all; prepare ran once; one parent MLflow run holds the children, the table,
+  reason while the sweep goes on; trial 3 (lr 0.03) completes;
+- the sweep ends at 4 trials in all; prepare ran once; one parent MLflow run holds the children, the table,
   the plot and the best trial;
 - only the best trial is scored on the test split and registered: one model version, tagged with the sweep
   and ``ddpflow.trial_run_id``.
@@ -31,22 +31,27 @@ from tests.flows.cli_runs import cli_env
 
 pytestmark = pytest.mark.torchrun
 
-GOOD, SLOW, DIVERGES = 0.01, 1e-7, 1e30
+GOOD, SLOW, DIVERGES, FAST = 0.01, 1e-7, 1e30, 0.03
 
 
 @pytest.fixture(scope="module")
 def sweep_config(make_config, tmp_path_factory) -> Path:
-    raw = make_config(**{"train.nproc_per_node": 1, "train.epochs": 2, "train.model_kwargs": {"hidden": [16]}})
+    raw = make_config(**{"train.nproc_per_node": 2, "train.epochs": 2, "train.model_kwargs": {"hidden": [16]}})
     raw["eval"]["reference"] = False  # the reference model is not what this test is about
     raw["sweep"] = {
-        "trials": 3,
+        "trials": 4,
         "objective": "val_loss",
         "sampler": "random",
         "pruner": "median",
         "startup_trials": 1,
         "name": "tiny-sweep",
-        "space": {"train.lr": {"choices": [GOOD, SLOW, DIVERGES]}},
-        "enqueue": [{"train.lr": GOOD}, {"train.lr": SLOW}, {"train.lr": DIVERGES}],  # a known order
+        "space": {"train.lr": {"choices": [GOOD, SLOW, DIVERGES, FAST]}},
+        "enqueue": [
+            {"train.lr": GOOD},
+            {"train.lr": SLOW},
+            {"train.lr": DIVERGES},
+            {"train.lr": FAST},
+        ],  # a known order
     }
     path = tmp_path_factory.mktemp("sweep") / "sweep.yaml"
     path.write_text(yaml.safe_dump(raw))
@@ -94,6 +99,14 @@ def _children(resumed: dict) -> list:
     )
 
 
+def _best_lr(resumed: dict) -> float:
+    """The lr of the complete trial with the lowest objective (val_loss): GOOD or FAST, whichever learnt more."""
+    complete = [t for t in resumed["study"].get_trials() if t.state == optuna.trial.TrialState.COMPLETE]
+    best = min(complete, key=lambda trial: trial.value).params["train.lr"]
+    assert best in (GOOD, FAST)
+    return best
+
+
 def test_sigterm_stops_the_sweep_and_the_same_config_ends_it_at_trials_in_all(resumed):
     assert resumed["returncode"] == 143, resumed["output"][-3000:]
     assert "re-run the same command to continue the sweep" in resumed["output"]
@@ -101,10 +114,10 @@ def test_sigterm_stops_the_sweep_and_the_same_config_ends_it_at_trials_in_all(re
     interrupted = [t for t in trials if t.user_attrs.get(INTERRUPTED)]
     counted = [t for t in trials if not t.user_attrs.get(INTERRUPTED)]
     assert [t.params["train.lr"] for t in interrupted] == [SLOW]
-    assert len(counted) == 3 == resumed["summary"]["trials"]["complete"] + 2
+    assert len(counted) == 4 == resumed["summary"]["trials"]["complete"] + 2
     rerun = next(t for t in counted if t.user_attrs.get(RERUN_OF) is not None)
     assert rerun.user_attrs[RERUN_OF] == interrupted[0].number and rerun.params["train.lr"] == SLOW
-    assert resumed["summary"]["trials"] == {"complete": 1, "pruned": 1, "failed": 1}
+    assert resumed["summary"]["trials"] == {"complete": 2, "pruned": 1, "failed": 1}
 
 
 def test_a_trial_in_a_bad_region_is_pruned_and_every_rank_stopped_after_its_first_epoch(resumed):
@@ -143,21 +156,21 @@ def test_one_prepare_one_parent_and_a_child_run_per_trial(resumed):
     assert {run.data.tags["data.fingerprint"] for run in children} == {Path(summary["dataset_dir"]).name}
     assert len(list(shards.iterdir())) >= 1 and Path(summary["dataset_dir"]).is_dir()
     statuses = sorted(run.info.status for run in children)
-    assert statuses == ["FAILED", "FINISHED", "FINISHED", "KILLED"]  # the interrupted attempt: KILLED
+    assert statuses == ["FAILED", "FINISHED", "FINISHED", "FINISHED", "KILLED"]  # the interrupted attempt: KILLED
     for run in children:
         assert run.data.tags["ddpflow.sweep"] == "tiny-sweep"
-        assert float(run.data.params["train.lr"]) in (GOOD, SLOW, DIVERGES)
+        assert float(run.data.params["train.lr"]) in (GOOD, SLOW, DIVERGES, FAST)
         if run.info.status == "FINISHED":  # its per-epoch curve (the diverged one failed in its first epoch)
             history = _client(summary).get_metric_history(run.info.run_id, "val_loss")
             assert [point.step for point in history] in ([0], [0, 1])
     parent = _client(summary).get_run(summary["mlflow_run_id"])
     assert parent.info.status == "FINISHED"
     assert parent.data.tags["sweep.best_run_id"] == summary["best_run_id"]
-    assert json.loads(parent.data.tags["sweep.best.train.lr"]) == GOOD
+    assert json.loads(parent.data.tags["sweep.best.train.lr"]) == _best_lr(resumed)
     artifacts = {a.path for a in _client(summary).list_artifacts(parent.info.run_id, "sweep")}
     assert {"sweep/trials.json", "sweep/trials.csv", "sweep/objective_vs_params.png", "sweep/best.json"} <= artifacts
     table = _client(summary).download_artifacts(parent.info.run_id, "sweep/trials.csv")
-    assert len(Path(table).read_text().strip().splitlines()) == 1 + 3
+    assert len(Path(table).read_text().strip().splitlines()) == 1 + 4
 
 
 def test_only_the_best_trial_meets_the_test_split_and_the_gate(resumed):
@@ -167,7 +180,7 @@ def test_only_the_best_trial_meets_the_test_split_and_the_gate(resumed):
     assert [run.info.run_id for run in tested] == [summary["best_run_id"]]
     evaluated = sorted(p.parent.parent.name for p in resumed["directory"].glob(f"{TRIALS_DIR}/*/eval/metrics.json"))
     assert len(evaluated) == 1
-    assert summary["decision"] == "promoted" and summary["best_params"] == {"train.lr": GOOD}
+    assert summary["decision"] == "promoted" and summary["best_params"] == {"train.lr": _best_lr(resumed)}
     versions = client.search_model_versions(f"name = '{summary['model_name']}'")
     assert len(versions) == 1
     assert versions[0].run_id == summary["best_run_id"]

@@ -19,6 +19,8 @@ from prefect import flow
 from ddpflow.launch.failure import RankFailed
 from tasks.train import TrainRequest, TrainResult, train_model
 from training.core.config import PipelineConfig
+from training.core.manifest import read_manifest
+from training.resolve import resolve_for_data
 
 TRAIN_FLOW = Path(__file__).resolve().parents[1] / "ranks" / "train_flow.py"
 
@@ -58,7 +60,10 @@ def test_train_model_writes_the_job_streams_rank_lines_and_returns_the_result(pr
     assert result.metrics == {"epoch": 2, "val_loss": 1 / 3, "world_size": 2} and result.restarts == 0
     job = json.loads((run_dir / "train_config.json").read_text())
     assert job["dataset_dir"] == str(dataset) and job["run_dir"] == str(run_dir)
-    assert PipelineConfig.model_validate_json((run_dir / "config.json").read_text()) == two_ranks(epochs=3)
+    # config.json holds what the run trained with: the config's `auto` settings resolved for the data.
+    resolved = resolve_for_data(two_ranks(epochs=3), read_manifest(dataset), 2)
+    assert PipelineConfig.model_validate_json((run_dir / "config.json").read_text()) == resolved
+    assert resolved.train.batch_size != "auto" and resolved.train.early_stopping_patience != "auto"
     deadline = time.monotonic() + 20  # logs reach the API in batches
     while (
         not any("[rank 1] rank 1 done" in m for m in flow_logs(state.state_details.flow_run_id))

@@ -29,6 +29,7 @@ import torch
 from training.core.config import ConfigError, load_config
 from training.core.errors import DataError
 from training.core.job import TrainJob
+from training.models.numeric_embeddings import DEFAULT_DIM
 from training.prepare.dataset import prepare_dataset
 
 REPO = Path(__file__).resolve().parents[2]
@@ -173,8 +174,8 @@ def test_the_real_trainer_learns_it_and_evaluation_and_prediction_read_it(traine
 
     model = torch.load(trained, weights_only=True)
     assert model["model_spec"]["model"] == "mlp"  # auto: the record's DENSE block feeds the MLP
-    first = next(value for key, value in model["model"].items() if key.endswith("weight"))
-    assert first.shape[1] == 1 + 10  # x, then the digits' [10] (``shape``)
+    first = next(value for key, value in model["model"].items() if key.startswith("net.") and key.endswith("weight"))
+    assert first.shape[1] == DEFAULT_DIM + 10  # x's numeric embedding, then the digits' [10] (``shape``)
     result = evaluate_split(trained, prepared.dataset_dir, split="test")
     assert result.metrics["test_accuracy"] > 0.85, result.metrics  # only the encoded digits carry the label
     assert "code" in result.confidently_wrong["columns"]  # ``shown_as``: the table shows its rows

@@ -24,20 +24,24 @@ _PR_SET_PDEATHSIG = 1
 
 
 def die_with_parent() -> None:
-    """Ask Linux to SIGTERM this rank when its parent (the torchrun agent) dies.
+    """Ask Linux to SIGKILL this rank when its parent (the torchrun agent) dies.
 
     If the agent is SIGKILLed (a cancelled task, an OOM kill) it cannot stop its
-    workers, and orphaned ranks would hold cores, GPUs and ports. No-op off Linux.
+    workers, and orphaned ranks would hold cores, GPUs and ports. SIGKILL, not
+    SIGTERM: a rank answers SIGTERM as a preemption (training/loop/preemption.py:
+    save at the next step, then a barrier through the agent's store, which is gone
+    with the agent). A stop meant to save reaches the ranks through torchrun, which
+    forwards it. No-op off Linux.
     """
     if not sys.platform.startswith("linux"):
         return
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         parent = os.getppid()
-        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
             return
         if os.getppid() != parent:  # the parent died before the call took effect
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGKILL)
     except (OSError, AttributeError):
         return
 

@@ -24,7 +24,7 @@ from ddpflow.launch.failure import LaunchInterrupted, LaunchTimeout, RankFailed
 from ddpflow.launch.slurm.commands import SlurmSetupError
 from ddpflow.launch.slurm.launcher import SlurmLine
 from ddpflow.launch.stage import TrainRequest, TrainResult, run_train_stage
-from training.core.config import PipelineConfig
+from training.core.config import DEFAULT_EPOCHS, PipelineConfig
 
 pytestmark = pytest.mark.torchrun
 RUN_SLURM_LAUNCHER = Path(__file__).resolve().parents[2] / "ranks" / "run_slurm_launcher.py"
@@ -83,8 +83,9 @@ def completed(slurm_cluster, tmp_path_factory):
 def test_a_two_node_job_completes_and_streams_every_rank_labelled_with_its_node(completed, slurm_cluster):
     run_dir, result, lines, jobs = completed
     assert result.model_path == str(run_dir / "model.pt") and Path(result.model_path).is_file()
-    # The stand-in's last epoch line (train.epochs=5), from rank 0 of a world of two nodes x one rank.
-    assert result.metrics == {"epoch": 4, "val_loss": 0.2, "world_size": 2} and result.restarts == 0
+    # The stand-in's last epoch line (train.epochs, the default), from rank 0 of a world of two nodes x one rank.
+    last = DEFAULT_EPOCHS - 1
+    assert result.metrics == {"epoch": last, "val_loss": 1 / (last + 1), "world_size": 2} and result.restarts == 0
     [job_id] = jobs
     job = slurm_cluster.job(job_id)
     assert job["JobState"] == "COMPLETED" and job["NumNodes"] == "2" and job["NodeList"] == "n[1-2]", job

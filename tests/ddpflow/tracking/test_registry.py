@@ -260,7 +260,7 @@ def nulls_table(rows: int = 1200, seed: int = 3) -> pa.Table:
     )
 
 
-def train_typed_model(dataset: Path, path: Path, steps: int = 150) -> Path:
+def train_typed_model(dataset: Path, path: Path, steps: int = 150, lr: float = 0.05) -> Path:
     """A model.pt as the trainer writes it (the built-in model on every input, through the loader's encoding
     and with the dataset's encoders), after full-batch Adam steps on the train split."""
     import torch
@@ -276,7 +276,7 @@ def train_typed_model(dataset: Path, path: Path, steps: int = 150) -> Path:
     spec = ModelSpec.for_inputs("mlp", inputs_from_manifest(manifest), manifest.n_outputs, {"hidden": [16]})
     torch.manual_seed(0)
     model = build_model(spec)
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     batch = split.rows(0, len(split))
     for _ in range(steps):
         optimizer.zero_grad()
