@@ -70,13 +70,9 @@ def cli_env(**extra: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def champion(tmp_path_factory, _migrated_mlflow_db) -> dict:
-    """A registered @champion trained on the mixed table, and the config that names it."""
-    from ddpflow.tracking.registration import register_candidate
-    from ddpflow.tracking.runs import start_pipeline_run
+def trained(tmp_path_factory, _migrated_mlflow_db) -> dict:
+    """A model.pt trained on the mixed table, its prepared dataset, and the config (not registered yet)."""
     from training.core.config import PipelineConfig
-    from training.core.manifest import read_manifest
-    from training.inference.evaluate import evaluate_split
     from training.prepare.dataset import prepare_dataset
 
     root = tmp_path_factory.mktemp("scoring")
@@ -97,6 +93,18 @@ def champion(tmp_path_factory, _migrated_mlflow_db) -> dict:
     dataset = prepare_dataset(config.data).dataset_dir
     # lr 0.01: at 0.05 the mlp with its numeric embeddings (the default) settles on the majority class here
     model_path = train_typed_model(dataset, root / "run" / "model.pt", steps=100, lr=0.01)
+    return {"root": root, "config": config, "dataset": dataset, "model_path": model_path}
+
+
+@pytest.fixture(scope="module")
+def champion(trained) -> dict:
+    """The trained model registered as @champion, and the config that names it."""
+    from ddpflow.tracking.registration import register_candidate
+    from ddpflow.tracking.runs import start_pipeline_run
+    from training.core.manifest import read_manifest
+    from training.inference.evaluate import evaluate_split
+
+    root, config, dataset, model_path = (trained[key] for key in ("root", "config", "dataset", "model_path"))
     manifest = read_manifest(dataset)
     run_id = start_pipeline_run(config, "run", PREFECT, manifest.fingerprint, manifest, DDP, dataset_dir=dataset)
     metrics = evaluate_split(model_path, dataset).metrics
@@ -400,3 +408,84 @@ def test_images_and_text_score_as_the_pyfunc_scores_them_and_an_undecodable_imag
     if kind == "image":
         (reject,) = pd.read_parquet(tmp_path / "out" / "rejects").to_dict("records")
         assert reject["id"] == 7 and reject["source_row"] == 7 and "photo" in reject["reason"], reject
+
+
+HEAP_BOUND = 120 * 2**20  # what a rank may hold in this test: anonymous memory above its loaded model
+NOTE_CHARS = 3000  # a support ticket's text, kept beside the scores: most of the table's bytes
+NOTE_WORDS = np.array([
+    "late", "parcel", "refund", "broken", "screen", "charger", "never", "arrived", "again", "thanks", "support",
+    "agent", "called", "twice", "store", "credit", "invoice", "wrong", "address", "moved", "courier", "missed",
+])  # fmt: skip
+
+
+def larger_than_a_rank(directory: Path, rows_per_file: int, files: int = 4) -> tuple[Path, int]:
+    """(the source, its raw size): the mixed table plus free text kept beside the scores (an ``address`` and a
+    support ticket's ``note``), as ``files`` Parquet files alternating one row group each (pyarrow's default for a
+    file under 1M rows, scored in pieces that start inside the group) and row groups of 4096 rows. Raw size: the
+    Arrow bytes of the columns a rank reads (the kept ones and the model's inputs): what reading it at once holds."""
+    directory.mkdir(parents=True, exist_ok=True)
+    raw = 0
+    rng = np.random.default_rng(3)
+    text = " ".join(rng.choice(NOTE_WORDS, size=200_000)).encode()  # ~1.3 MB of words, notes cut from it in turn
+    for index in range(files):
+        table = churn_table(rows_per_file, seed=10 + index).drop_columns(["churned"])
+        ids = pa.array(np.arange(rows_per_file, dtype=np.int64) + index * rows_per_file)
+        table = table.set_column(0, "customer_id", ids)
+        streets = rng.choice(
+            ["Storgata", "Kungsgatan", "Vesterbrogade", "Mannerheimintie", "Laugavegur"], rows_per_file
+        )
+        numbers = rng.integers(1, 400, size=rows_per_file)
+        address = [f"{street} {number}, apt {number % 37}" for street, number in zip(streets, numbers, strict=True)]
+        data = np.resize(np.frombuffer(text, np.uint8), rows_per_file * NOTE_CHARS)
+        offsets = pa.array(np.arange(rows_per_file + 1, dtype=np.int32) * NOTE_CHARS).buffers()[1]
+        notes = pa.StringArray.from_buffers(rows_per_file, offsets, pa.py_buffer(data))
+        table = table.append_column("address", pa.array(address, pa.string())).append_column("note", notes)
+        raw += table.nbytes
+        groups = rows_per_file if index % 2 == 0 else 4096
+        pq.write_table(table, directory / f"day-{index}.parquet", row_group_size=groups)
+    return directory, raw
+
+
+def test_a_table_four_times_what_a_rank_may_hold_scores_every_row_once_with_the_heap_flat(
+    trained, tmp_path, monkeypatch
+):
+    """Larger than memory: the ranks read record batches (a buffered Parquet reader, no readahead) and append each
+    batch's scores to its part file, so a rank's heap does not grow with the table. Each rank logs its anonymous
+    resident memory (RssAnon: heap, Arrow's pool, tensors; not its libraries' pages) after every batch
+    (``DDPFLOW_SCORE_MEMORY_LOG``), from the moment its model is loaded, before any row is read. The columns a
+    rank reads are 4 x HEAP_BOUND; the rank stays under HEAP_BOUND above its loaded model, and adds nothing from
+    the first half of its rows to the second. A rank that read the table, its share or a whole row group at once,
+    or kept the scores it wrote, breaks one or both."""
+    from ddpflow.launch.scoring import ScoreRequest, run_scoring
+
+    rows_per_file = 40_000
+    source, raw = larger_than_a_rank(tmp_path / "big", rows_per_file)
+    assert raw >= 4 * HEAP_BOUND, raw
+    output, memory = tmp_path / "out", tmp_path / "memory"
+    memory.mkdir()
+    monkeypatch.setenv("DDPFLOW_SCORE_MEMORY_LOG", str(memory))
+    config = trained["config"]
+    settings = {"source": str(source), "output": str(output), "keep": ["customer_id", "address", "note"],
+                "batch_size": 1024, "nproc_per_node": 2, "output_kind": "probabilities"}  # fmt: skip
+    config = config.model_copy(update={"score": config.score.model_copy(update=settings)})
+    model = {"name": "scorer", "version": "1", "uri": "models:/scorer/1"}
+    manifest = run_scoring(ScoreRequest(config, str(trained["model_path"]), model, on_line=lambda line: None))
+    # (1) Every row once: the manifest's count, and the parts' ids cover the source's ids once.
+    rows = 4 * rows_per_file
+    assert manifest["rows"] == rows and manifest["scored"] == rows
+    parts = [pq.read_table(output / name, columns=["customer_id"]) for name in manifest["files"]]
+    ids = pa.concat_tables(parts)["customer_id"].to_numpy()
+    assert len(ids) == rows and np.array_equal(np.sort(ids), np.arange(rows))
+    # (2) The heap flat, on each rank (each scores half the table: a piece of a one-group file, then a file of
+    # small groups).
+    for rank in (0, 1):
+        marks = [json.loads(line) for line in (memory / f"rank-{rank}.jsonl").read_text().splitlines()]
+        base, last = marks[0], marks[-1]
+        half, end = (max(m["anon"] for m in marks if m["rows"] <= last["rows"] * part) for part in (1 / 2, 1))
+        mb = {"raw": raw, "base_anon": base["anon"], "half": half - base["anon"], "end": end - base["anon"],
+              "base_rss": base["rss"], "peak_rss": last["peak"] - base["rss"]}  # fmt: skip
+        figures = {"rank": rank, "rows": last["rows"], **{key: round(value / 2**20, 1) for key, value in mb.items()}}
+        print(figures)
+        assert last["rows"] == rows / 2, figures  # both ranks scored their share
+        assert end - base["anon"] < HEAP_BOUND, figures  # a quarter of the table
+        assert end - half < 8 * 2**20, figures  # flat: the second half of its rows adds nothing

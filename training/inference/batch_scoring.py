@@ -58,6 +58,7 @@ PREDICTION = "prediction"
 FILE_SHIFT = 40  # a row id is file << 40 | row: files of up to 2^40 rows, 2^23 files
 META_PREFIX = b"ddpflow."  # the coverage tally in each part's footer
 PAUSE_ENV = "DDPFLOW_SCORE_PAUSE_S"  # test hook: seconds each rank sleeps after a part file (stop-and-resume test)
+MEMORY_ENV = "DDPFLOW_SCORE_MEMORY_LOG"  # test hook: a directory; each rank logs its RSS after each batch (heap test)
 
 
 @dataclass(frozen=True)
@@ -256,11 +257,39 @@ def check_columns(source, inputs: dict[str, Any], keep: list[str]) -> None:
 # ----------------------------------------------------------------------------- scoring (every rank)
 
 
+class MemoryLog:
+    """With ``DDPFLOW_SCORE_MEMORY_LOG=DIR`` (the heap test), a rank's memory as it scores: a first line once the
+    model is loaded (the kernel's peak-RSS mark reset there, ``/proc/self/clear_refs``), then one after each batch,
+    ``{"rows", "anon", "rss", "peak"}`` in ``DIR/rank-<r>.jsonl``: rows scored by this rank so far; its anonymous
+    resident memory (RssAnon: the heap, Arrow's pool, tensors; not the pages of its files and libraries), its RSS
+    and its peak RSS since the reset, in bytes. Unset (every real scoring): nothing. Linux only."""
+
+    def __init__(self, rank: int):
+        directory = os.environ.get(MEMORY_ENV)
+        self.path = Path(directory) / f"rank-{rank}.jsonl" if directory else None
+        self.rows = 0
+        if self.path is not None:
+            Path("/proc/self/clear_refs").write_text("5")  # 5: the peak (VmHWM) starts again from now
+            self._write()
+
+    def mark(self, rows: int) -> None:
+        self.rows += rows
+        if self.path is not None:
+            self._write()
+
+    def _write(self) -> None:
+        status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+        anon, rss, peak = (int(status[key].split()[0]) * 1024 for key in ("RssAnon", "VmRSS", "VmHWM"))
+        with self.path.open("a") as log:
+            log.write(json.dumps({"rows": self.rows, "anon": anon, "rss": rss, "peak": peak}) + "\n")
+
+
 class UnitScorer:
     """Scores this rank's ranges into part files: one record batch at a time."""
 
-    def __init__(self, job: ScoreJob, plan: Plan, predictor):
+    def __init__(self, job: ScoreJob, plan: Plan, predictor, memory: MemoryLog | None = None):
         self.job, self.plan, self.predictor = job, plan, predictor
+        self.memory = memory
         self.output = Path(job.output)
         self.source = open_scoring_source(job.source, job.file_format)
         self.fragments = self.source.fragments()
@@ -296,6 +325,8 @@ class UnitScorer:
                 ids = unit.row_ids(first, batch.num_rows)
                 scored, refused = self.score_batch(batch, file.display, first)
                 writer.write_table(scored)
+                if self.memory is not None:
+                    self.memory.mark(batch.num_rows)
                 if refused is not None:
                     rejects.append(refused)
                     rejected += refused.num_rows
@@ -394,7 +425,7 @@ def score_rank(job: ScoreJob, ctx) -> dict[str, Any] | None:
 
     plan = Plan.read(Path(job.output) / SCORE_DIR / PLAN_FILE)
     predictor = Predictor.from_checkpoint(job.model_path, batch_size=job.batch_size).to(ctx.device)  # NCCL: its GPU
-    scorer = UnitScorer(job, plan, predictor)
+    scorer = UnitScorer(job, plan, predictor, MemoryLog(ctx.rank))  # the heap test's baseline: the model loaded
     started = time.monotonic()
     totals = [0, 0, 0, 0]
     to_score, finished = plan.mine(

@@ -40,7 +40,11 @@ def test_peak_memory_stays_flat_as_rows_grow(repo_root, tmp_path):
     small_peak = _peak_arrow_bytes(repo_root, small, tmp_path / "shards")
     large_peak = _peak_arrow_bytes(repo_root, large, tmp_path / "shards")
     # 4x the rows (the large file holds ~33 MB of column data): a reader that held the
-    # table, or read ahead without bound, would grow about 4x; streaming stays nearly flat
-    # (measured: 14 -> 17 MB from 400k to 800k rows, 17 MB again at 1.6M).
-    assert large_peak < 1.5 * small_peak, (small_peak, large_peak)
+    # table, or read ahead without bound, would grow about 4x; streaming stays nearly flat.
+    # Measured with the dataset scanner: 14 -> 17 MB from 400k to 800k rows (its row-group
+    # decode, ~14 MB, dominated). With the buffered ParquetFile reader (sources.py, 2 MB
+    # flat on these files): 3.8 -> 8.9 MB from 300k to 1.2M rows; that +5 MB (~5.6 bytes
+    # per added row) is prepare's own, not the reader's, and is held to the same absolute
+    # allowance the old 1.5x bound gave (7 MB over 14).
+    assert large_peak < small_peak + 7 * 2**20, (small_peak, large_peak)
     assert large_peak < os.path.getsize(large) / 2
