@@ -15,13 +15,12 @@ from pathlib import Path
 
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
-from mlflow.exceptions import MlflowException
 
 from ddpflow.drift.psi import DriftUnavailable
 from ddpflow.drift.report import compare
 from ddpflow.tracking.drift import MEASURED, UNAVAILABLE, DriftOutcome, champion_training_data, log_drift
-from ddpflow.tracking.registry import download_version_checkpoint, find_alias
-from ddpflow.tracking.served_model import _what_there_is, model_uri
+from ddpflow.tracking.registry import download_version_checkpoint
+from ddpflow.tracking.served_model import registered_version
 
 
 @dataclass(frozen=True)
@@ -48,26 +47,9 @@ def scoring_model(spec: str, tracking_uri: str | None, destination: str | Path) 
             raise FileNotFoundError(f"score.model {spec!r}: no such model.pt")
         digest = hashlib.sha256(path.read_bytes()).hexdigest()[:12]
         return ScoringModel(path, str(path), f"sha256:{digest}", str(path))
-    name, alias, version = model_uri(spec)
-    database = tracking_uri.removeprefix("sqlite:///") if tracking_uri.startswith("sqlite:///") else None
-    if database is not None and not Path(database).is_file():
-        raise ValueError(f"no MLflow store at {database} (tracking URI {tracking_uri}) for score.model {spec!r}")
-    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
-    if alias is not None:
-        found = find_alias(client, name, alias)
-        if found is None:
-            raise ValueError(f"{name!r} has no @{alias} in {tracking_uri}{_what_there_is(client, name)}")
-        uri = f"models:/{name}@{alias}"
-    else:
-        try:
-            found = client.get_model_version(name, version)
-        except MlflowException:
-            raise ValueError(
-                f"{name!r} has no version {version} in {tracking_uri}{_what_there_is(client, name)}"
-            ) from None
-        uri = f"models:/{name}/{version}"
-    path = download_version_checkpoint(client, found, Path(destination) / f"{name}-v{found.version}")
-    return ScoringModel(path, name, str(found.version), uri)
+    client, found, uri = registered_version(spec, tracking_uri, f" for score.model {spec!r}")
+    path = download_version_checkpoint(client, found, Path(destination) / f"{found.name}-v{found.version}")
+    return ScoringModel(path, found.name, str(found.version), uri)
 
 
 SCORING_TAG = "ddpflow.scoring"  # "true" on a scoring's MLflow run (not a training run)

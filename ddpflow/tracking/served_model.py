@@ -49,25 +49,8 @@ def model_uri(spec: str) -> tuple[str, str | None, str | None]:
 def served_model(spec: str, tracking_uri: str) -> ServedModel:
     """The registered version ``spec`` names, checked to exist in ``tracking_uri``; ValueError naming what is not
     there (the model, its alias or version), with the versions and aliases that are."""
-    name, alias, version = model_uri(spec)
-    database = tracking_uri.removeprefix("sqlite:///") if tracking_uri.startswith("sqlite:///") else None
-    if database is not None and not Path(database).is_file():  # MLflow would create an empty store there
-        raise ValueError(f"no MLflow store at {database} (tracking URI {tracking_uri}); give --tracking-uri")
-    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
-    if alias is not None:
-        found = find_alias(client, name, alias)
-        if found is None:
-            raise ValueError(f"{name!r} has no @{alias} in {tracking_uri}{_what_there_is(client, name)}")
-        uri = f"models:/{name}@{alias}"
-    else:
-        try:
-            found = client.get_model_version(name, version)
-        except MlflowException:
-            raise ValueError(
-                f"{name!r} has no version {version} in {tracking_uri}{_what_there_is(client, name)}"
-            ) from None
-        uri = f"models:/{name}/{version}"
-    return ServedModel(name, str(found.version), uri, _example_row(client, found))
+    client, found, uri = registered_version(spec, tracking_uri, "; give --tracking-uri")
+    return ServedModel(found.name, str(found.version), uri, _example_row(client, found))
 
 
 def _what_there_is(client: MlflowClient, name: str) -> str:
@@ -97,3 +80,24 @@ def _example_row(client: MlflowClient, version) -> dict[str, Any] | None:
         return {**body, "dataframe_split": {**split, "data": split["data"][:1]}}
     records = body.get("dataframe_records")
     return {**body, "dataframe_records": records[:1]} if isinstance(records, list) and records else body
+
+
+def registered_version(spec: str, tracking_uri: str, store_hint: str = ""):
+    """(client, the ModelVersion ``spec`` names, its ``models:/`` URI) in ``tracking_uri``; ValueError naming what
+    is not there (the store, the model, its alias or version), with the versions and aliases that are.
+    ``store_hint`` ends the message of a missing SQLite store (what to give instead)."""
+    name, alias, version = model_uri(spec)
+    database = tracking_uri.removeprefix("sqlite:///") if tracking_uri.startswith("sqlite:///") else None
+    if database is not None and not Path(database).is_file():  # MLflow would create an empty store there
+        raise ValueError(f"no MLflow store at {database} (tracking URI {tracking_uri}){store_hint}")
+    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    if alias is not None:
+        found = find_alias(client, name, alias)
+        if found is None:
+            raise ValueError(f"{name!r} has no @{alias} in {tracking_uri}{_what_there_is(client, name)}")
+        return client, found, f"models:/{name}@{alias}"
+    try:
+        found = client.get_model_version(name, version)
+    except MlflowException:
+        raise ValueError(f"{name!r} has no version {version} in {tracking_uri}{_what_there_is(client, name)}") from None
+    return client, found, f"models:/{name}/{version}"
