@@ -269,7 +269,10 @@ class ClassCounts:
 
 
 def top_counts(counts: dict[str, int], keep: int) -> tuple[dict[str, int], int]:
-    """The ``keep`` largest counts (most frequent first, ties by value) and the sum of the others."""
+    """The ``keep`` largest counts (most frequent first, ties by value) and the sum of the others; ``counts`` as
+    it is when it holds no more (a scoring's batches: no sort)."""
+    if len(counts) <= keep:
+        return counts, 0
     ordered = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
     return dict(ordered[:keep]), int(sum(count for _, count in ordered[keep:]))
 
