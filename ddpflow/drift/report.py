@@ -1,7 +1,7 @@
 """Data drift of a dataset from another, per feature: the population stability index and the mean shift.
 
     report = compare(reference_manifest, current_manifest)   # the champion's training data, a new run's
-    report = compare(reference_manifest, Profile.of_scored_table(profile))   # ... a batch scoring's table
+    report = compare(reference_manifest, Profile.of_scored_table(profile, source_fingerprint))   # a scored table
     report.max_psi, report.worst, report.top(5)
 
 Plain numbers from the two datasets' statistics alone (no shard is read, no MLflow, no Prefect): prepare keeps

@@ -291,6 +291,8 @@ class UnitScorer:
     """Scores this rank's ranges into part files: one record batch at a time."""
 
     def __init__(self, job: ScoreJob, plan: Plan, predictor, memory: MemoryLog | None = None):
+        from training.inference.model_file import checkpoint_codecs
+
         self.job, self.plan, self.predictor = job, plan, predictor
         self.memory = memory
         self.output = Path(job.output)
@@ -298,8 +300,6 @@ class UnitScorer:
         self.fragments = self.source.fragments()
         self.output_name = "probabilities" if job.output_kind == "probabilities" else "label"  # Predictor.scores
         self.columns = list(dict.fromkeys([*job.keep, *predictor.features]))
-        from training.inference.model_file import checkpoint_codecs
-
         self.codecs = checkpoint_codecs(predictor.meta)  # the model's fitted codecs, for the drift statistics
         self.drift = DriftTally(self.codecs)
         # The model's name and version in every part's schema metadata: pandas and pyarrow readers see them.
