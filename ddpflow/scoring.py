@@ -53,23 +53,26 @@ def score_table(
                    "rows_per_s": round(manifest["rows"] / seconds, 1) if seconds > 0 else None}  # fmt: skip
         if manifest.get("already_complete"):
             return summary  # recorded when it was scored
-        # Drift needs the training data of a registered version: a model.pt's scoring skips the profile's pass.
-        registered = model.uri.startswith("models:/")
-        distribution, profile = table_statistics(config, str(model.path), manifest, profile=registered)
+        distribution, profile = table_statistics(config, str(model.path), manifest, model.uri.startswith("models:/"))
     run_id, drift = log_scoring(config, tracking_uri, model, summary, distribution, profile)
-    return {**summary, "mlflow_run_id": run_id, "score_distribution": distribution, "data_drift": drift.message}
+    return {**summary, "mlflow_run_id": run_id, "score_distribution": distribution, "data_drift": drift.summary()}
 
 
-def table_statistics(config: PipelineConfig, model_path: str, manifest: dict[str, Any], profile: bool = True):
-    """The scores' distribution and the source's numeric profile (what drift compares; None unless ``profile``),
-    read back after scoring."""
+def table_statistics(
+    config: PipelineConfig, model_path: str, manifest: dict[str, Any], registered: bool = True
+) -> tuple[dict[str, float], dict[str, Any] | str]:
+    """The scores' distribution (read back from the parts) and the scored table's drift profile (the parts'
+    footers merged: ``training/inference/scored_drift.py``), or why there is none: drift compares it with the
+    training data of a registered version, which a model.pt does not name."""
     from training.inference.model_file import checkpoint_inputs, load_model_checkpoint
-    from training.inference.scored_table import numeric_profile, score_distribution
-    from training.kinds.inputs import numeric_names
+    from training.inference.scored_drift import NoDriftStatistics, scored_profile
+    from training.inference.scored_table import score_distribution
 
     meta = load_model_checkpoint(model_path)[1]
-    numeric = numeric_names(checkpoint_inputs(meta))  # the inputs of the numeric block: what drift compares
     distribution = score_distribution(config.score.output, meta["task"])
-    if not profile:
-        return distribution, None
-    return distribution, numeric_profile(config.score.source, config.score.format, numeric, config.score.batch_size)
+    if not registered:
+        return distribution, "drift needs a registered model (its training data): a model.pt has none"
+    try:
+        return distribution, scored_profile(config.score.output, manifest["files"], checkpoint_inputs(meta))
+    except NoDriftStatistics as why:
+        return distribution, str(why)

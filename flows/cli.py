@@ -157,6 +157,8 @@ def cmd_score(args: argparse.Namespace) -> None:
     summary = score_table(config, on_line=lambda line: print(line, file=sys.stderr, flush=True))
     shown = {key: value for key, value in summary.items() if key not in ("files", "source", "coverage", "rejects")}
     shown |= {"source": summary["source"]["url"], "parts": len(summary["files"])}
+    if summary.get("data_drift") and not args.json:  # its line; the per-feature numbers in --json and MLflow
+        shown["data_drift"] = summary["data_drift"]["message"]
     print_summary(shown, args.json)
 
 

@@ -30,7 +30,9 @@ def score_table_task(config: PipelineConfig) -> dict[str, Any]:
         " (already complete)" if summary.get("already_complete") else "",
     )  # fmt: skip
     if summary.get("data_drift"):
-        logger.info("Data drift: %s", summary["data_drift"])
+        drift = summary["data_drift"]
+        top = ", ".join(f"{entry['feature']} {entry['psi']:.3g}" for entry in drift.get("top", []))
+        logger.info("Data drift: %s%s", drift["message"], f"; PSI of the most drifted: {top}" if top else "")
     row = {key: summary.get(key) for key in ("rows", "scored", "rejected", "rows_per_s", "output", "mlflow_run_id")}
     row |= {"model": f"{summary['model']['name']} v{summary['model']['version']}", "parts": len(summary["files"])}
     create_table_artifact(key="scored-table", table=[row], description=f"Batch scoring of {summary['source']['url']}")

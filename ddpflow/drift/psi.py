@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from training.kinds.stats import absolute_bins
+
 DRIFT_GROUPS = 10
 PSI_EPSILON = 1e-4
 # Two histograms far apart on a fine grid would need many common bins: coarsen until this many suffice.
@@ -103,12 +105,10 @@ def common_grid(first: dict[str, Any], second: dict[str, Any]) -> tuple[np.ndarr
 
 def _absolute_bins(histogram: dict[str, Any], exponent: int) -> tuple[np.ndarray, np.ndarray]:
     """(absolute bin at width 2**exponent, count) for each non-empty bin of ``histogram``."""
-    counts = np.asarray(histogram["counts"], dtype=np.float64)
-    kept = np.flatnonzero(counts)
-    if len(kept) == 0:
+    if not any(histogram["counts"]):
         raise DriftUnavailable("a feature histogram holds no values")
-    absolute = (int(histogram["offset"]) + kept) >> (exponent - int(histogram["exponent"]))
-    return absolute, counts[kept]
+    absolute, counts = absolute_bins(histogram, exponent)
+    return absolute, counts.astype(np.float64)
 
 
 def equal_share_groups(reference: np.ndarray, groups: int) -> np.ndarray:

@@ -1,11 +1,14 @@
-"""Data drift between two prepared datasets, per feature: the population stability index and the mean shift.
+"""Data drift of a dataset from another, per feature: the population stability index and the mean shift.
 
     report = compare(reference_manifest, current_manifest)   # the champion's training data, a new run's
+    report = compare(reference_manifest, Profile.of_scored_table(profile, source_fingerprint))   # a scored table
     report.max_psi, report.worst, report.top(5)
 
-Plain numbers from the two manifests alone (no shard is read, no MLflow, no Prefect):
-prepare keeps each numeric feature's train-split histogram on a dyadic grid
-(``training/kinds/stats.py: RunningHistogram``) beside its mean and std; the PSI is psi.py's.
+Plain numbers from the two datasets' statistics alone (no shard is read, no MLflow, no Prefect): prepare keeps
+each numeric feature's train-split histogram on a dyadic grid (``training/kinds/stats.py: RunningHistogram``)
+beside its mean and std, in the manifest; a batch scoring keeps the same of the rows it scored, and the same
+per-kind statistics (``training/inference/scored_drift.py: scored_profile``). ``Profile`` is what is compared,
+from either; the PSI is psi.py's.
 
 Mean shift, per feature: (current mean - reference mean) / reference std, the
 shift in units of the reference's spread (the mean over the present values). A numeric
@@ -78,8 +81,38 @@ class DriftReport:
         return {**asdict(self), "max_psi": self.max_psi, "worst_feature": self.worst.feature}
 
 
-def compare(reference: Manifest, current: Manifest) -> DriftReport:
-    """Drift of ``current``'s train split from ``reference``'s, for every feature both have."""
+@dataclass(frozen=True)
+class Profile:
+    """What drift compares of a dataset: the numeric features' means, stds and histograms (``features`` order),
+    the other inputs' and the label's statistics (``drift_stats``: ``{"inputs": {name: stats}, "label": ...}``)."""
+
+    fingerprint: str
+    features: list[str]
+    feature_mean: list[float]
+    feature_std: list[float]
+    feature_histograms: list[dict[str, Any]] | None
+    drift_stats: dict[str, Any] | None = None
+    label: str | None = None  # a scored table has none
+    label_mapping: list[Any] | None = None
+
+    @classmethod
+    def of_manifest(cls, manifest: Manifest) -> Profile:
+        """A prepared dataset's train split."""
+        return cls(manifest.fingerprint, manifest.features, manifest.feature_mean, manifest.feature_std,
+                   manifest.feature_histograms, manifest.extra.get("drift_stats"), manifest.label,
+                   manifest.label_mapping)  # fmt: skip
+
+    @classmethod
+    def of_scored_table(cls, profile: dict[str, Any], fingerprint: str) -> Profile:
+        """A batch scoring's table (``scored_profile``'s dict; ``fingerprint``: its source's)."""
+        return cls(fingerprint, profile["features"], profile["feature_mean"], profile["feature_std"],
+                   profile["feature_histograms"], profile["drift_stats"])  # fmt: skip
+
+
+def compare(reference: Manifest | Profile, current: Manifest | Profile) -> DriftReport:
+    """Drift of ``current`` (a manifest's train split, or a ``Profile``) from ``reference``'s, for every feature
+    both have."""
+    reference, current = _profile(reference), _profile(current)
     for manifest, which in ((reference, "reference"), (current, "current")):
         if manifest.feature_histograms is None:
             raise DriftUnavailable(
@@ -106,7 +139,11 @@ def compare(reference: Manifest, current: Manifest) -> DriftReport:
     )
 
 
-def _feature_drift(name: str, reference: Manifest, i: int, current: Manifest, j: int) -> FeatureDrift:
+def _profile(data: Manifest | Profile) -> Profile:
+    return data if isinstance(data, Profile) else Profile.of_manifest(data)
+
+
+def _feature_drift(name: str, reference: Profile, i: int, current: Profile, j: int) -> FeatureDrift:
     reference_mean, current_mean = float(reference.feature_mean[i]), float(current.feature_mean[j])
     spread = float(reference.feature_std[i]) or 1.0  # prepare stores 1 for a constant feature already
     return FeatureDrift(
@@ -120,9 +157,9 @@ def _feature_drift(name: str, reference: Manifest, i: int, current: Manifest, j:
     )
 
 
-def other_kinds_drift(reference: Manifest, current: Manifest) -> list[FeatureDrift]:
+def other_kinds_drift(reference: Profile, current: Profile) -> list[FeatureDrift]:
     """Drift of the non-numeric inputs both datasets have, with the same kind on both sides (``drift_of``)."""
-    ref, cur = reference.extra.get("drift_stats"), current.extra.get("drift_stats")
+    ref, cur = reference.drift_stats, current.drift_stats
     if not ref or not cur:
         return []
     drifts = []
@@ -135,9 +172,9 @@ def other_kinds_drift(reference: Manifest, current: Manifest) -> list[FeatureDri
     return drifts
 
 
-def label_drift(reference: Manifest, current: Manifest) -> FeatureDrift | None:
+def label_drift(reference: Profile, current: Profile) -> FeatureDrift | None:
     """The label's distribution (``feature`` is ``label:<name>``); None without the statistics or the same label."""
-    ref, cur = reference.extra.get("drift_stats"), current.extra.get("drift_stats")
+    ref, cur = reference.drift_stats, current.drift_stats
     if not ref or not cur or reference.label != current.label or ref["label"]["kind"] != cur["label"]["kind"]:
         return None
     name, before, after = f"label:{current.label}", ref["label"], cur["label"]

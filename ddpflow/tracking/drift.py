@@ -1,7 +1,7 @@
 """Data drift in MLflow: the champion's training data, the comparison with a run's, the figure and the metric.
 
     outcome = measure_drift(client, model_name, manifest)   # against the current @champion's training data
-    log_drift(client, run_id, outcome, max_psi)             # drift/data_drift.png, data_drift_max_psi, ...
+    log_drift(client, run_id, outcome, max_psi)             # drift/data_drift.png, data_drift_max_psi, drift_psi/...
     outcome = measure_and_log_drift(tracking_uri, model_name, manifest, run_id, max_psi)   # both, for the task
 
 The champion's training data is the ``data/manifest.json`` its MLflow run logged at
@@ -16,6 +16,7 @@ nothing is logged. The numbers are ``ddpflow/drift/``'s (``report.compare``).
 from __future__ import annotations
 
 import json
+import re
 import tempfile
 import time
 from dataclasses import dataclass, replace
@@ -27,7 +28,7 @@ from mlflow.entities import Metric
 from mlflow.entities.model_registry import ModelVersion
 
 from ddpflow.drift.psi import DriftUnavailable
-from ddpflow.drift.report import DriftReport, compare
+from ddpflow.drift.report import DriftReport, Profile, compare
 from ddpflow.tracking.plots import drift_figure
 from ddpflow.tracking.registry import CHAMPION, find_alias, first_line, is_transient
 from ddpflow.tracking.runs import DATASET_DIR_TAG, TRAINING_DATA_ARTIFACT
@@ -37,6 +38,15 @@ DRIFT_FIGURE = "drift/data_drift.png"
 DRIFT_REPORT = "drift/data_drift.json"
 MAX_PSI_METRIC = "data_drift_max_psi"
 MEASURED, NO_CHAMPION, UNAVAILABLE = "measured", "no champion", "not available"
+PSI_METRIC_PREFIX = "drift_psi/"  # + a feature's name: its PSI
+METRICS_PER_BATCH = 1000  # MLflow's limit on one log_batch
+
+
+def psi_metric(feature: str) -> str:
+    """``drift_psi/<feature>``, the feature's name kept to what MLflow takes in a metric's name (letters, digits,
+    ``_ - . : space``; a vector's ``name[3]`` is ``name_3_``)."""
+    name = re.sub(r"[^\w.\- :]", "_", feature)
+    return PSI_METRIC_PREFIX + (name if name.strip(".") else name.replace(".", "_") or "_")  # not a path: ".", ""
 
 
 @dataclass(frozen=True)
@@ -107,16 +117,20 @@ def measure_drift(client: MlflowClient, model_name: str, manifest: Manifest) -> 
     return drift_from_version(client, champion, manifest)
 
 
-def drift_from_version(client: MlflowClient, version: ModelVersion, manifest: Manifest) -> DriftOutcome:
-    """Drift of ``manifest``'s train split from the training data of a registered ``version``."""
+def drift_from_version(
+    client: MlflowClient, version: ModelVersion, current: Manifest | Profile, subject: str | None = None
+) -> DriftOutcome:
+    """Drift of ``current`` (a manifest's train split; a batch scoring's table, ``subject`` "the scored table")
+    from the training data of a registered ``version`` (``report.compare``)."""
     number = str(version.version)
+    reference = f"v{number}'s training data" if subject else f"champion v{number}'s training data"
     try:
-        report = compare(champion_training_data(client, version), manifest)
+        report = compare(champion_training_data(client, version), current)
     except DriftUnavailable as why:
-        return DriftOutcome(UNAVAILABLE, f"drift from champion v{number}'s training data is not available: {why}")
+        return DriftOutcome(UNAVAILABLE, f"drift from {reference} is not available: {why}")
     worst = report.worst
     message = (
-        f"largest drift from champion v{number}'s training data: {worst.feature} "
+        f"largest drift{f' of {subject}' if subject else ''} from {reference}: {worst.feature} "
         f"(PSI {worst.psi:.3g}, mean shift {worst.mean_shift:+.2f} std)"
     )
     return DriftOutcome(MEASURED, message, number, report)
@@ -143,12 +157,17 @@ def champion_training_data(client: MlflowClient, version: ModelVersion) -> Manif
 
 
 def log_drift(client: MlflowClient, run_id: str, outcome: DriftOutcome, max_psi: float | None = None) -> None:
-    """The figure, the metric ``data_drift_max_psi``, the whole report and two tags; nothing unless measured."""
+    """The figure, the metrics ``data_drift_max_psi`` and ``drift_psi/<feature>`` (each feature's PSI), the whole
+    report and two tags; nothing unless measured."""
     report = outcome.report
     if report is None:
         return
     client.log_figure(run_id, drift_figure(report, outcome.reference, max_psi), DRIFT_FIGURE)
     client.log_dict(run_id, {"reference": outcome.reference, **report.to_dict()}, DRIFT_REPORT)
-    client.log_batch(run_id, metrics=[Metric(MAX_PSI_METRIC, report.max_psi, int(time.time() * 1000), 0)])
+    stamp = int(time.time() * 1000)
+    metrics = [Metric(MAX_PSI_METRIC, report.max_psi, stamp, 0)]
+    metrics += [Metric(psi_metric(drift.feature), drift.psi, stamp, 0) for drift in report.features]
+    for first in range(0, len(metrics), METRICS_PER_BATCH):
+        client.log_batch(run_id, metrics=metrics[first : first + METRICS_PER_BATCH])
     client.set_tag(run_id, "drift.champion_version", str(outcome.champion_version))
     client.set_tag(run_id, "drift.worst_feature", report.worst.feature)

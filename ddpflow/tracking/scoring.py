@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
 
-from ddpflow.drift.psi import DriftUnavailable
-from ddpflow.drift.report import compare
-from ddpflow.tracking.drift import MEASURED, UNAVAILABLE, DriftOutcome, champion_training_data, log_drift
+from ddpflow.drift.report import Profile
+from ddpflow.tracking.drift import UNAVAILABLE, DriftOutcome, drift_from_version, log_drift
 from ddpflow.tracking.registry import download_version_checkpoint
 from ddpflow.tracking.served_model import registered_version
 
@@ -56,11 +55,12 @@ SCORING_TAG = "ddpflow.scoring"  # "true" on a scoring's MLflow run (not a train
 
 
 def log_scoring(
-    config, tracking_uri: str, model: ScoringModel, summary: dict, distribution: dict, profile: dict | None
+    config, tracking_uri: str, model: ScoringModel, summary: dict, distribution: dict, profile: dict | str
 ) -> tuple[str, DriftOutcome]:
     """One MLflow run for a finished scoring: the model version, the source and output, rows, rows/s, the
-    scores' distribution; and drift of the scored table's numeric inputs from the training data of the version
-    that scored (``profile``: ``training/inference/scored_table.py: numeric_profile``). (run id, drift outcome)."""
+    scores' distribution; and drift of the scored table's inputs from the training data of the version that
+    scored (``profile``: ``training/inference/scored_drift.py: scored_profile``, or why there is none). (run id,
+    drift outcome)."""
     from ddpflow.tracking.runs import configure_mlflow
 
     client, experiment_id = configure_mlflow(config, tracking_uri)
@@ -86,26 +86,11 @@ def log_scoring(
     return run_id, outcome
 
 
-def scoring_drift(client: MlflowClient, model: ScoringModel, profile: dict | None, fingerprint: str) -> DriftOutcome:
-    """The scored table's numeric inputs against the training data of the registered version that scored."""
-    if profile is None or not model.uri.startswith("models:/"):
-        return DriftOutcome(UNAVAILABLE, "drift needs a registered model (its training data): a model.pt has none")
+def scoring_drift(client: MlflowClient, model: ScoringModel, profile: dict | str, fingerprint: str) -> DriftOutcome:
+    """The scored table (``profile``: ``training/inference/scored_drift.py: scored_profile``, or why there is none)
+    against the training data of the registered version that scored, as the retraining flow compares a new train
+    split with the champion's (``drift_from_version``)."""
+    if isinstance(profile, str):
+        return DriftOutcome(UNAVAILABLE, f"drift of the scored table is not available: {profile}")
     version = client.get_model_version(model.name, model.version)
-    try:
-        reference = champion_training_data(client, version)
-    except DriftUnavailable as why:
-        return DriftOutcome(UNAVAILABLE, f"drift from v{model.version}'s training data is not available: {why}")
-    scored = replace(reference, fingerprint=fingerprint, extra={}, **{k: profile[k] for k in PROFILE_FIELDS})
-    try:
-        report = compare(reference, scored)
-    except DriftUnavailable as why:
-        return DriftOutcome(UNAVAILABLE, f"drift from v{model.version}'s training data is not available: {why}")
-    worst = report.worst
-    message = (
-        f"largest drift of the scored table from v{model.version}'s training data: {worst.feature} "
-        f"(PSI {worst.psi:.3g}, mean shift {worst.mean_shift:+.2f} std)"
-    )
-    return DriftOutcome(MEASURED, message, model.version, report)
-
-
-PROFILE_FIELDS = ("features", "feature_mean", "feature_std", "feature_histograms")
+    return drift_from_version(client, version, Profile.of_scored_table(profile, fingerprint), "the scored table")

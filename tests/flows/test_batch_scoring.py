@@ -34,13 +34,23 @@ ROWS = 2400
 pytestmark = pytest.mark.torchrun
 
 
-def source_files(directory: Path, rows: int = ROWS) -> Path:
+MOVED = ("plan", "spend")  # what moved in the shared launch's table (``source_files(moved=True)``)
+
+
+def source_files(directory: Path, rows: int = ROWS, moved: bool = False) -> Path:
     """The table as 3 Parquet files, two with small row groups (gathered into ranges), the last one row group (as
-    pyarrow writes a file by default: cut into one piece per rank); one country unseen in training, last rows."""
+    pyarrow writes a file by default: cut into one piece per rank); one country unseen in training, last rows.
+    ``moved``: today's input has moved from the training data's: half the plans are a new "enterprise" plan and
+    spend is 3 times what it was (the other columns are drawn as the training table's)."""
     table = churn_table(rows, seed=7)
     country = table["country"].to_pylist()
     country[-5:] = ["atlantis"] * 5
     table = table.set_column(table.schema.get_field_index("country"), "country", pa.array(country))
+    if moved:
+        plan = np.where(np.arange(rows) % 2 == 0, "enterprise", table["plan"].to_numpy(zero_copy_only=False))
+        table = table.set_column(table.schema.get_field_index("plan"), "plan", pa.array(plan))
+        spend = pa.array(table["spend"].to_numpy() * 3)
+        table = table.set_column(table.schema.get_field_index("spend"), "spend", spend)
     directory.mkdir(parents=True, exist_ok=True)
     third = rows // 3
     for index, start in enumerate(range(0, rows, third)):
@@ -128,9 +138,10 @@ def with_bad_row(directory: Path) -> tuple[Path, int]:
 
 @pytest.fixture(scope="module")
 def scored(champion) -> dict:
-    """THE shared launch: `ddpflow score` of NAME@champion on 2 ranks, with one refused row (on_invalid: skip)."""
+    """THE shared launch: `ddpflow score` of NAME@champion on 2 ranks, with one refused row (on_invalid: skip), of
+    a table whose plan and spend moved from the training data's (``MOVED``)."""
     root = champion["root"]
-    source = source_files(root / "today")
+    source = source_files(root / "today", moved=True)
     bad_file, bad_row = with_bad_row(source)
     output = root / "scores"
     done = cli("--config", str(champion["config_file"]), "--source", str(source), "--output", str(output), "--json",
@@ -220,12 +231,54 @@ def test_one_mlflow_run_records_the_scoring_its_scores_and_the_drift_from_the_tr
     shares = {label: float(np.mean(scores["prediction"] == label)) for label in (0, 1)}
     assert metrics["score_share_0"] == pytest.approx(shares[0]) and metrics["score_share_1"] == pytest.approx(shares[1])
     assert metrics["score_mean_probability_1"] == pytest.approx(scores["probability_1"].mean(), abs=1e-6)
-    # Drift: the scored table's numeric inputs against v1's training data, by the retraining flow's PSI. Today's
-    # table is drawn like the training one, so nothing moved much; a PSI over 0.25 would say it had.
-    assert run.data.tags["drift.champion_version"] == "1" and metrics["data_drift_max_psi"] < 0.25
-    assert "largest drift of the scored table from v1's training data" in summary["data_drift"]
+    # Drift: the scored table's inputs against v1's training data, by the retraining flow's PSI. Today's plan (a
+    # categorical) and spend (a numeric) moved: PSI over 0.25, a large change; the others are drawn as before.
+    assert run.data.tags["drift.champion_version"] == "1"
+    psi = {key.removeprefix("drift_psi/"): value for key, value in metrics.items() if key.startswith("drift_psi/")}
+    assert psi["plan"] > 0.25 and psi["spend"] > 0.25, psi
+    unchanged = {name: psi[name] for name in ("country", "device", "tenure", "hour", "children", "mobile")}
+    assert max(unchanged.values()) < 0.1, unchanged
+    assert len([name for name in psi if name.startswith("embedding_")]) == 1  # a vector's worst dimension: its shift
+    assert "merchant_id" not in psi  # a hashed id has no measure
+    assert metrics["data_drift_max_psi"] == pytest.approx(max(psi.values()))
+    drift = summary["data_drift"]
+    assert drift["status"] == "measured" and drift["worst_feature"] in MOVED
+    assert drift["message"].startswith(
+        f"largest drift of the scored table from v1's training data: {drift['worst_feature']}"
+    )
+    assert {entry["feature"] for entry in drift["top"][:2]} == set(MOVED)
     artifacts = {entry.path for entry in client.list_artifacts(run.info.run_id, "drift")}
     assert artifacts == {"drift/data_drift.png", "drift/data_drift.json"}
+
+
+def test_the_scored_tables_drift_is_the_retraining_flows_on_the_same_rows(champion, trained, scored, tmp_path):
+    """The same PSI as retraining: the scoring run's report (the parts' footers merged) equals ``compare`` of v1's
+    training manifest with the scored rows prepared as a dataset (all of them in the train split, the refused row
+    dropped as invalid), feature by feature."""
+    from mlflow import MlflowClient
+
+    from ddpflow.drift.report import compare
+    from training.core.manifest import read_manifest
+    from training.prepare.dataset import prepare_dataset
+
+    client = MlflowClient(champion["config"].mlflow.tracking_uri)
+    path = client.download_artifacts(scored["summary"]["mlflow_run_id"], "drift/data_drift.json", str(tmp_path))
+    logged = json.loads(Path(path).read_text())
+    data = champion["config"].data.model_copy(
+        update={"source": str(scored["source"]), "root": str(tmp_path), "val_fraction": 0.0, "test_fraction": 0.0,
+                "on_invalid": "drop"}
+    )  # fmt: skip
+    prepared = prepare_dataset(data).manifest
+    assert prepared.splits["train"].rows == ROWS - 1  # the rows the model scored
+    expected = {drift.feature: drift for drift in compare(read_manifest(trained["dataset"]), prepared).features}
+    found = {entry["feature"]: entry for entry in logged["features"]}
+    assert found.keys() == expected.keys() and {"plan", "spend", "country", "embedding"} < {
+        name.split("[")[0] for name in found
+    }  # fmt: skip
+    for name, drift in expected.items():
+        assert found[name]["psi"] == pytest.approx(drift.psi, rel=1e-9, abs=1e-12), name
+        assert found[name]["mean_shift"] == pytest.approx(drift.mean_shift, rel=1e-6, abs=1e-9), name
+        assert found[name]["current_null_rate"] == pytest.approx(drift.current_null_rate), name
 
 
 def test_an_output_of_another_model_or_source_is_refused_and_left_as_it_was(champion, scored):
@@ -367,7 +420,8 @@ def score_in_one_rank(model_path: Path, source: Path, output: Path, keep: list[s
 def test_images_and_text_score_as_the_pyfunc_scores_them_and_an_undecodable_image_is_rejected(kind, tmp_path):
     """Images as bytes (one that does not decode: rejected with the reason) and text through the shipped
     tokenizer: the rank's scores beside the pyfunc's own ``predict`` body (``serving.predictions``) on the same
-    raw rows, within 1e-5. In this process (a group of one): the encoding is what is checked, not the launch."""
+    raw rows, within 1e-5. In this process (a group of one): the encoding is what is checked, not the launch.
+    Today's images are larger and today's reviews longer, in words never seen: the scoring's drift shows it."""
     from image_data import image_table
 
     from training.core.config import load_config
@@ -388,11 +442,17 @@ def test_images_and_text_score_as_the_pyfunc_scores_them_and_an_undecodable_imag
     settings = [f"data.source={tmp_path / 'train.parquet'}", f"data.root={tmp_path / 'shards'}",
                 f"data.label={label}", "data.key=id", f"data.inputs={json.dumps(inputs)}"]  # fmt: skip
     data = load_config(None, settings).data
-    model_path = untrained_model(prepare_dataset(data).dataset_dir, tmp_path / "model.pt")
-    if kind == "image":  # one photo that does not decode
+    dataset = prepare_dataset(data).dataset_dir
+    model_path = untrained_model(dataset, tmp_path / "model.pt")
+    if kind == "image":  # today's photos are 20 x 20, not 12 x 12 (the model resizes them); one does not decode
+        table = image_table(40, size=20)
         photos = table["photo"].to_pylist()
         photos[7] = b"not an image"
         table = table.set_column(table.schema.get_field_index("photo"), "photo", pa.array(photos, pa.binary()))
+    else:  # today's reviews: longer, half their words never seen in training
+        news = np.array(["awful", "delayed", "cancelled", "lost", "damaged", "late", "parcel", "again"])
+        reviews = [" ".join(rng.choice(news, size=rng.integers(8, 15))) for _ in range(40)]
+        table = table.set_column(table.schema.get_field_index("review"), "review", pa.array(reviews))
     (tmp_path / "today").mkdir()
     pq.write_table(table, tmp_path / "today" / "day.parquet", row_group_size=16)
     manifest = score_in_one_rank(model_path, tmp_path / "today", tmp_path / "out", ["id"])
@@ -408,6 +468,35 @@ def test_images_and_text_score_as_the_pyfunc_scores_them_and_an_undecodable_imag
     if kind == "image":
         (reject,) = pd.read_parquet(tmp_path / "out" / "rejects").to_dict("records")
         assert reject["id"] == 7 and reject["source_row"] == 7 and "photo" in reject["reason"], reject
+    scored_inputs_drift(model_path, dataset, tmp_path / "out", manifest["files"], good, kind)
+
+
+def scored_inputs_drift(model_path: Path, dataset: Path, output: Path, files: list[str], good, kind: str) -> None:
+    """The parts' drift statistics (3 parts, merged) are what prepare keeps of the scored rows, and compared with
+    the training data's by the retraining flow's ``compare``: today's images or reviews moved, the colour not."""
+    from ddpflow.drift.report import Profile, compare
+    from training.core.manifest import read_manifest
+    from training.inference.model_file import checkpoint_codecs, checkpoint_inputs, load_model_checkpoint
+    from training.inference.scored_drift import scored_profile
+    from training.kinds.text import text_drift_stats
+
+    meta = load_model_checkpoint(model_path)[1]
+    profile = scored_profile(output, files, checkpoint_inputs(meta))
+    name = "photo" if kind == "image" else "review"
+    codec = checkpoint_codecs(meta)[name]
+    column = pa.array(good[name].tolist(), pa.binary() if kind == "image" else pa.string())
+    if kind == "image":
+        codec.observe(column)  # what prepare keeps of a train split's images
+        assert profile["drift_stats"]["inputs"][name] == codec.drift_stats()
+    else:
+        assert profile["drift_stats"]["inputs"][name] == text_drift_stats(codec, [column])
+    report = compare(read_manifest(dataset), Profile.of_scored_table(profile, "today"))
+    psi = {drift.feature: drift.psi for drift in report.features}
+    moved = ("photo:width", "photo:height") if kind == "image" else ("review:length", "review:words")
+    assert min(psi[feature] for feature in moved) > 0.25 and report.worst.feature in moved, psi
+    assert psi["colour"] < 0.1, psi
+    if kind == "text":  # scored under the model's own tokenizer: its unknown-token rate is compared too
+        assert "review:unknown_tokens" in psi
 
 
 HEAP_BOUND = 120 * 2**20  # what a rank may hold in this test: anonymous memory above its loaded model

@@ -23,6 +23,8 @@ the same raw-row encoding, the same outputs.
   plan's, or nothing is published.
 - **The manifest** (``manifest.json``: rows, files, model, source fingerprint) is written last, atomically, by
   rank 0, after the check: a reader that finds it finds a whole output.
+- **Drift**: each part's footer holds the drift statistics of the rows it scored, per input
+  (``training/inference/scored_drift.py``): what the command compares with the model's training data.
 - **Bad rows**: a batch the model refuses is cut in halves until the refused rows are found; ``on_invalid:
   error`` stops with the file, the row and the model's reason (naming the column); ``skip`` writes them to
   ``rejects/`` with the reason, and they count as covered.
@@ -46,6 +48,7 @@ import pyarrow.parquet as pq
 
 from training.core.errors import DataError
 from training.core.fileio import atomic_write_json
+from training.inference.scored_drift import DriftTally
 from training.kinds.registry import kind_record
 from training.loop.coverage import Certificate, lanes
 
@@ -288,6 +291,8 @@ class UnitScorer:
     """Scores this rank's ranges into part files: one record batch at a time."""
 
     def __init__(self, job: ScoreJob, plan: Plan, predictor, memory: MemoryLog | None = None):
+        from training.inference.model_file import checkpoint_codecs
+
         self.job, self.plan, self.predictor = job, plan, predictor
         self.memory = memory
         self.output = Path(job.output)
@@ -295,6 +300,8 @@ class UnitScorer:
         self.fragments = self.source.fragments()
         self.output_name = "probabilities" if job.output_kind == "probabilities" else "label"  # Predictor.scores
         self.columns = list(dict.fromkeys([*job.keep, *predictor.features]))
+        self.codecs = checkpoint_codecs(predictor.meta)  # the model's fitted codecs, for the drift statistics
+        self.drift = DriftTally(self.codecs)
         # The model's name and version in every part's schema metadata: pandas and pyarrow readers see them.
         self.schema = output_schema(self.source.schema, job.keep, predictor, job.output_kind).with_metadata(
             {"ddpflow.model": job.model["name"], "ddpflow.model_version": str(job.model["version"]),
@@ -320,6 +327,7 @@ class UnitScorer:
         rows = high = low = rejected = 0
         temp = self.output / f".{unit.name}.{os.getpid()}.tmp"
         rejects: list[pa.Table] = []
+        self.drift = DriftTally(self.codecs)
         with pq.ParquetWriter(temp, self.schema) as writer:
             for first, batch in unit.batches(self.source.scan(file, fragment, self.columns, self.job.batch_size)):
                 ids = unit.row_ids(first, batch.num_rows)
@@ -337,6 +345,7 @@ class UnitScorer:
             # The range's coverage tally, in the footer: what a resumed run counts for this range.
             tally = {"rows": rows, "hash_high": high, "hash_low": low, "rejected": rejected}
             writer.add_key_value_metadata({f"ddpflow.{key}": str(value) for key, value in tally.items()})
+            writer.add_key_value_metadata(self.drift.metadata())  # the drift statistics of its scored rows
         if rejects:
             _write_rejects(self.output / REJECTS / unit.name, pa.concat_tables(rejects))
         os.replace(temp, self.output / unit.name)  # whole, or not there: the range is done
@@ -359,6 +368,7 @@ class UnitScorer:
         positions = np.concatenate([p for p, _ in good]) if good else np.empty(0, dtype=np.int64)
         scores = [s for _, s in good]
         table = _output_table(keep.take(pa.array(positions, pa.int64())), scores, self.schema)
+        self.drift.update(batch.take(pa.array(positions, pa.int64())) if bad else batch)
         if not bad:
             return table, None
         where = np.array([p for p, _ in bad], dtype=np.int64)

@@ -1,23 +1,17 @@
-"""What a finished batch scoring tells about its table (read back, memory flat; no rank, no MLflow):
-
-- ``score_distribution``: the scores' distribution, from the output's part files (score columns only): per class the
-  share of rows predicted and the mean probability, or a regression's mean, std and quantiles;
-- ``numeric_profile``: each numeric input's mean, std and histogram over the source, the same running statistics
-  prepare keeps for the train split (``training/kinds/stats.py``), so drift compares the scored table with the
-  champion's training data by the same PSI (``ddpflow/tracking/scoring.py``).
+"""The scores' distribution of a finished batch scoring, read back from the output's part files (score columns
+only; no rank, no MLflow): ``score_distribution``, per class the share of rows predicted and the mean probability,
+or a regression's mean, std and quantiles. (Its inputs' drift statistics: ``scored_drift.py``, from the footers.)
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from training.inference.batch_scoring import PREDICTION, iter_parts, open_scoring_source
-from training.kinds.stats import RunningHistogram, RunningMoments
+from training.inference.batch_scoring import PREDICTION, iter_parts
 
 QUANTILES = (0.05, 0.5, 0.95)
 
@@ -50,27 +44,3 @@ def score_distribution(output: str | Path, task: str) -> dict[str, float]:
     metrics = {f"score_share_{label}": count / rows for label, count in counts.items()} if rows else {}
     metrics |= {f"score_mean_{name}": total / rows for name, total in sums.items()} if rows else {}
     return metrics
-
-
-def numeric_profile(source: str, file_format: str, names: list[str], batch_rows: int = 131_072) -> dict[str, Any]:
-    """{"features", "feature_mean", "feature_std", "feature_histograms", "rows"} of the source's numeric ``names``
-    (bools as 0/1, nulls and NaN missing), read in record batches."""
-    opened = open_scoring_source(source, file_format)
-    moments, histograms, rows = RunningMoments(len(names)), RunningHistogram(len(names)), 0
-    for _, batch in opened.iter_batches(names, batch_rows):
-        columns = np.stack([_as_float(batch.column(name)) for name in names]) if names else np.empty((0, 0))
-        columns[~np.isfinite(columns)] = np.nan  # inf is refused by the model: not a value of the table
-        moments.update(columns)
-        histograms.update(columns)
-        rows += batch.num_rows
-    return {"features": names, "feature_mean": [float(v) for v in moments.mean],
-            "feature_std": [float(v) or 1.0 for v in moments.std()],
-            "feature_histograms": histograms.to_list(), "rows": rows}  # fmt: skip
-
-
-def _as_float(column) -> np.ndarray:
-    import pyarrow as pa
-
-    if pa.types.is_boolean(column.type):
-        column = pc.cast(column, pa.int8())
-    return pc.cast(column, pa.float64()).to_numpy(zero_copy_only=False).astype(np.float64)

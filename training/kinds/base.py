@@ -154,6 +154,26 @@ class Codec:
         the numeric histograms. Written to the manifest's ``extra["drift_stats"]["inputs"]`` at prepare."""
         return None
 
+    # ------------------------------------------------------------------ drift of a scored table
+
+    def scored_drift_stats(self, array: pa.Array) -> dict[str, Any] | None:
+        """The drift statistics of rows a batch scoring scored (on the model's fitted codec), in a form that
+        ``merge_drift_stats`` merges over a rank's batches and parts and ``reported_drift_stats`` turns into what
+        prepare writes for a train split (``drift_stats``; a numeric input: its mean, std and histogram), so a
+        scored table is compared with the model's training data by the same measure. None: nothing to compare
+        (a hashed id; a kind without a measure)."""
+        return None
+
+    @classmethod
+    def merge_drift_stats(cls, first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+        """Two ``scored_drift_stats`` over parts of the rows as one over all of them."""
+        raise NotImplementedError(f"kind {cls.kind!r} keeps no drift statistics of scored rows")
+
+    @classmethod
+    def reported_drift_stats(cls, stats: dict[str, Any]) -> dict[str, Any]:
+        """Merged ``scored_drift_stats`` as the drift report reads them (most kinds: as they are)."""
+        return stats
+
     def info(self) -> InputInfo:
         return InputInfo(
             self.name, self.kind, self.dtype, self.shape(), self.cardinality(), self.options, self.ragged_dtype

@@ -33,7 +33,7 @@ import pyarrow.compute as pc
 from training.core.config import IMAGE_OPTIONS
 from training.core.errors import DataError
 from training.kinds.base import PICTURES, PIXELS, Codec
-from training.kinds.stats import RunningHistogram
+from training.kinds.stats import RunningHistogram, merge_histograms
 
 # Pillow modes an image may have: each converts to RGB and L without losing its meaning. 16/32-bit integer
 # and float modes (I, I;16, F) do not: their range is not 0-255, so a conversion would clip them.
@@ -41,6 +41,7 @@ SUPPORTED_MODES = frozenset({"1", "L", "LA", "P", "PA", "RGB", "RGBA", "RGBX", "
 CROP_SCALE = (0.08, 1.0)  # torchvision's RandomResizedCrop defaults
 CROP_RATIO = (3 / 4, 4 / 3)
 CROP_ATTEMPTS = 10
+DRIFT_MEASURES = ("width", "height", "brightness")  # an image's histograms in its drift statistics
 
 
 class ImageCodec(Codec):
@@ -121,22 +122,24 @@ class ImageCodec(Codec):
         )
 
     def observe(self, array: pa.Array) -> None:
-        from PIL import ImageStat
-
-        widths, heights, brightness = [], [], []
-        for data in image_bytes(array, self.name).to_pylist():
-            with _open(data) as image:
-                image = image.convert(self.mode)
-                stat = ImageStat.Stat(image)
+        measures = []
+        for image, stat in self._stats(array):
             self._sums += np.asarray(stat.sum, dtype=np.float64) / 255
             self._squares += np.asarray(stat.sum2, dtype=np.float64) / 255**2
             self._pixels += image.width * image.height
             self._sizes.add((image.height, image.width))
-            widths.append(image.width)
-            heights.append(image.height)
-            brightness.append(float(np.mean(stat.mean)) / 255)
-        if widths:
-            self.drift.update(np.array([widths, heights, brightness], dtype=np.float32))
+            measures.append(_drift_measures(image, stat))
+        if measures:
+            self.drift.update(np.array(measures, dtype=np.float32).T)
+
+    def _stats(self, array: pa.Array):
+        """(image converted to the input's mode, its ImageStat) per row."""
+        from PIL import ImageStat
+
+        for data in image_bytes(array, self.name).to_pylist():
+            with _open(data) as image:
+                image = image.convert(self.mode)
+                yield image, ImageStat.Stat(image)
 
     def fit(self) -> dict[str, Any]:
         if self.state:
@@ -183,6 +186,20 @@ class ImageCodec(Codec):
         """What drift compares (ddpflow/drift.py): train histograms of width, height and mean brightness."""
         width, height, brightness = self.drift.to_list()
         return {"kind": "image", "width": width, "height": height, "brightness": brightness}
+
+    def scored_drift_stats(self, array: pa.Array) -> dict[str, Any]:
+        """The rows' width, height and mean brightness histograms, as ``drift_stats`` holds the train split's
+        (each image decoded once more: the scoring's own decode is inside the model's batch)."""
+        histograms = RunningHistogram(3)
+        measures = [_drift_measures(image, stat) for image, stat in self._stats(array)]
+        if measures:
+            histograms.update(np.array(measures, dtype=np.float32).T)
+        width, height, brightness = histograms.to_list()
+        return {"kind": self.kind, "width": width, "height": height, "brightness": brightness}
+
+    @classmethod
+    def merge_drift_stats(cls, first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+        return {"kind": cls.kind, **{name: merge_histograms(first[name], second[name]) for name in DRIFT_MEASURES}}
 
     # ------------------------------------------------------------------ ranks, evaluation, serving
 
@@ -233,6 +250,11 @@ class ImageCodec(Codec):
         except Exception as error:  # Pillow raises OSError, SyntaxError, ValueError... for a bad file
             row = int(context.rows[i])
             raise ValueError(f"image input {self.name!r}: row {row} does not decode ({type(error).__name__})") from None
+
+
+def _drift_measures(image, stat) -> tuple[int, int, float]:
+    """An image's drift measures (``DRIFT_MEASURES``): width, height, mean brightness in [0, 1]."""
+    return image.width, image.height, float(np.mean(stat.mean)) / 255
 
 
 def random_view(width: int, height: int, generator) -> tuple[tuple[float, float, float, float], bool]:

@@ -6,7 +6,11 @@ for the train split's features and, for regression, one for its target
 
 ``RunningHistogram``: each feature's counts on a dyadic grid
 (``Manifest.feature_histograms``), what ``ddpflow/drift.py`` compares between the
-champion's training data and a new run's.
+champion's training data and a new run's (or a scored table's).
+
+Both merge: two parts of a column's rows (a scoring's part files) give the
+statistics of all of them (``RunningMoments.merged``, ``merge_histograms``); so do
+two parts' value counts, kept to their most frequent (``merge_frequencies``).
 
 Each batch's own mean and squared deviations are computed in float64 with
 numpy, then merged into the running totals; this is as accurate as one
@@ -63,6 +67,24 @@ class RunningMoments:
         """Population std (numpy's default ddof=0); 0 -> 1 so normalising never divides by zero."""
         std = np.sqrt(self.m2 / np.maximum(self.count, 1))
         return np.where(std > 0, std, 1.0)
+
+    def merged(self, other: RunningMoments) -> RunningMoments:
+        """These rows' statistics and ``other``'s as one (Chan et al.), as if one had seen them all."""
+        result = RunningMoments.from_dict(self.to_dict())
+        result._merge(other.count, other.mean, other.m2)
+        return result
+
+    def to_dict(self) -> dict[str, list]:
+        """``{"count", "mean", "m2"}`` per column: what ``from_dict`` reads back (JSON)."""
+        return {"count": self.count.tolist(), "mean": self.mean.tolist(), "m2": self.m2.tolist()}
+
+    @classmethod
+    def from_dict(cls, state: dict[str, list]) -> RunningMoments:
+        moments = cls(len(state["count"]))
+        moments.count = np.asarray(state["count"], dtype=np.int64)
+        moments.mean = np.asarray(state["mean"], dtype=np.float64)
+        moments.m2 = np.asarray(state["m2"], dtype=np.float64)
+        return moments
 
 
 # ---------------------------------------------------------------- histograms (what drift needs)
@@ -183,6 +205,43 @@ class RunningHistogram:
         ]
 
 
+def merge_histograms(first: dict[str, object], second: dict[str, object]) -> dict[str, object]:
+    """Two ``to_list`` entries of one column, each over part of its rows, as the entry one ``RunningHistogram``
+    over all of them holds: the coarser width, doubled until both spans fit in the bins together (the finest
+    width that holds the rows, as the running histogram ends with), the counts moved onto it exactly (dyadic)."""
+    nulls = int(first.get("nulls", 0)) + int(second.get("nulls", 0))
+    filled = [entry for entry in (first, second) if sum(entry["counts"])]
+    if len(filled) < 2:  # a side of nothing but missing values (or none at all)
+        return {**(filled[0] if filled else first), "nulls": nulls}
+    bins = len(first["counts"])
+    exponent = max(int(entry["exponent"]) for entry in filled)
+    while True:
+        placed = [absolute_bins(entry, exponent) for entry in filled]
+        low = min(int(index.min()) for index, _ in placed)
+        if max(int(index.max()) for index, _ in placed) - low < bins:
+            break
+        exponent += 1
+    counts = np.zeros(bins, dtype=np.int64)
+    for index, count in placed:
+        np.add.at(counts, index - low, count)
+    return {
+        "exponent": exponent,
+        "offset": low,
+        "counts": counts.tolist(),
+        "min": min(float(entry["min"]) for entry in filled),
+        "max": max(float(entry["max"]) for entry in filled),
+        "nulls": nulls,
+    }
+
+
+def absolute_bins(entry: dict[str, object], exponent: int) -> tuple[np.ndarray, np.ndarray]:
+    """(absolute bin at width ``2**exponent``, count) of each non-empty bin of a ``to_list`` entry whose own
+    width is no coarser (the grids are dyadic: a bin lies in exactly one coarser bin)."""
+    counts = np.asarray(entry["counts"], dtype=np.int64)
+    kept = np.flatnonzero(counts)
+    return (int(entry["offset"]) + kept) >> (exponent - int(entry["exponent"])), counts[kept]
+
+
 def _smallest_exponent(low: float, high: float, bins: int) -> int:
     """A first guess of the finest dyadic width that holds ``[low, high]`` in ``bins`` bins (the caller checks)."""
     span = high - low
@@ -204,3 +263,26 @@ class ClassCounts:
 
     def to_list(self) -> list[int]:
         return self.counts.tolist()
+
+
+# ---------------------------------------------------------------- value counts (categories, words)
+
+
+def top_counts(counts: dict[str, int], keep: int) -> tuple[dict[str, int], int]:
+    """The ``keep`` largest counts (most frequent first, ties by value) and the sum of the others; ``counts`` as
+    it is when it holds no more (a scoring's batches: no sort)."""
+    if len(counts) <= keep:
+        return counts, 0
+    ordered = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+    return dict(ordered[:keep]), int(sum(count for _, count in ordered[keep:]))
+
+
+def merge_frequencies(first: dict, second: dict, keep: int) -> dict:
+    """Two ``{"counts": {value: n}, "other": n, ...}`` over parts of the rows as one: the counts summed, the
+    ``keep`` most frequent kept and the rest added to ``other`` (exact while no part held more than ``keep``
+    values; beyond, a value outside a part's ``keep`` counts as other there). The other keys: ``first``'s."""
+    counts = dict(first["counts"])
+    for value, count in second["counts"].items():
+        counts[value] = counts.get(value, 0) + count
+    kept, rest = top_counts(counts, keep)
+    return {**first, "counts": kept, "other": int(first["other"]) + int(second["other"]) + rest}

@@ -15,7 +15,7 @@ from training.kinds.arrow_types import is_category, is_hashable, is_number, is_v
 from training.kinds.base import CATEGORY, DENSE, EMBEDDING, NUMBER, SCALAR, Codec, plain
 from training.kinds.hashing import hash_values
 from training.kinds.inputs import InputInfo
-from training.kinds.stats import RunningMoments
+from training.kinds.stats import RunningHistogram, RunningMoments, merge_frequencies, merge_histograms, top_counts
 
 NULL_INDEX, UNKNOWN_INDEX = 0, 1  # categorical; hashed uses 0 for null only
 
@@ -180,6 +180,29 @@ class NumericCodec(Codec):
     def info(self) -> InputInfo:
         return replace(super().info(), missing_indicator=self.indicator, bins=self.scaled_edges())
 
+    def scored_drift_stats(self, array: pa.Array) -> dict[str, Any]:
+        """The rows' running moments and dyadic histogram (nulls and NaN as missing), as prepare keeps a numeric
+        feature's: float32, as the shards store it."""
+        values = self.raw(array)[None, :]
+        moments, histogram = RunningMoments(1), RunningHistogram(1)
+        moments.update(values)
+        histogram.update(values)
+        return {"kind": self.kind, "moments": moments.to_dict(), "histogram": histogram.to_list()[0]}
+
+    @classmethod
+    def merge_drift_stats(cls, first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+        moments = RunningMoments.from_dict(first["moments"]).merged(RunningMoments.from_dict(second["moments"]))
+        histogram = merge_histograms(first["histogram"], second["histogram"])
+        return {"kind": cls.kind, "moments": moments.to_dict(), "histogram": histogram}
+
+    @classmethod
+    def reported_drift_stats(cls, stats: dict[str, Any]) -> dict[str, Any]:
+        """``{"kind", "mean", "std", "histogram"}``: a manifest's ``feature_mean``, ``feature_std`` and
+        ``feature_histograms`` entries of the input."""
+        moments = RunningMoments.from_dict(stats["moments"])
+        return {"kind": cls.kind, "mean": float(moments.mean[0]), "std": float(moments.std()[0]),
+                "histogram": stats["histogram"]}  # fmt: skip
+
     @classmethod
     def serving_example(cls, values, source_type: str | None):
         """Numbers of the source's own type (``source_dtype``): the signature MLflow infers from them takes
@@ -204,6 +227,8 @@ def source_dtype(arrow_type: str | None) -> pa.DataType:
 
 
 DRIFT_TOP_CATEGORIES = 1000  # per categorical input: the most frequent values' train counts, the rest together
+# A scoring's part keeps more of its values' counts, so that the merged parts' most frequent are exact.
+SCORED_CATEGORIES = 4 * DRIFT_TOP_CATEGORIES
 
 
 class CategoricalCodec(Codec):
@@ -283,6 +308,23 @@ class CategoricalCodec(Codec):
             "counts": dict(zip(map(str, state["values"][:top]), state["counts"][:top])),
             "other": int(sum(state["counts"][top:])) + int(self.observed_rows - sum(state["counts"])),
         }
+
+    def scored_drift_stats(self, array: pa.Array) -> dict[str, Any]:
+        """Each value's count (nulls left out, as prepare leaves them out of the train counts), by its text."""
+        counts = pc.value_counts(plain(array).drop_null()).flatten()
+        values = dict(zip(map(str, counts[0].to_pylist()), counts[1].to_pylist(), strict=True))
+        kept, rest = top_counts(values, SCORED_CATEGORIES)
+        return {"kind": self.kind, "counts": kept, "other": rest}
+
+    @classmethod
+    def merge_drift_stats(cls, first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+        return merge_frequencies(first, second, SCORED_CATEGORIES)
+
+    @classmethod
+    def reported_drift_stats(cls, stats: dict[str, Any]) -> dict[str, Any]:
+        """The ``DRIFT_TOP_CATEGORIES`` most frequent values and the rest as ``other``, as ``drift_stats`` (which
+        also counts a train value rarer than ``min_count`` as other)."""
+        return merge_frequencies(stats, {"counts": {}, "other": 0}, DRIFT_TOP_CATEGORIES)
 
     def encode(self, array: pa.Array) -> np.ndarray:
         array = plain(array)
@@ -423,6 +465,22 @@ class VectorCodec(Codec):
         if self._moments is None:
             return None
         return {"kind": "vector", "mean": self._moments.mean.tolist(), "std": self._moments.std().tolist()}
+
+    def scored_drift_stats(self, array: pa.Array) -> dict[str, Any]:
+        """Each dimension's running moments (as ``drift_update`` keeps them for the train rows)."""
+        moments = RunningMoments(self.dim)
+        moments.update(self.encode(array).T)
+        return {"kind": self.kind, "moments": moments.to_dict()}
+
+    @classmethod
+    def merge_drift_stats(cls, first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+        merged = RunningMoments.from_dict(first["moments"]).merged(RunningMoments.from_dict(second["moments"]))
+        return {"kind": cls.kind, "moments": merged.to_dict()}
+
+    @classmethod
+    def reported_drift_stats(cls, stats: dict[str, Any]) -> dict[str, Any]:
+        moments = RunningMoments.from_dict(stats["moments"])
+        return {"kind": cls.kind, "mean": moments.mean.tolist(), "std": moments.std().tolist()}
 
 
 def _as_list(array: pa.Array) -> pa.Array:

@@ -42,6 +42,7 @@ from training.core.config import TEXT_OPTIONS, text_options
 from training.core.errors import DataError
 from training.kinds.arrow_types import is_text
 from training.kinds.base import TABLE, TOKENS, Codec, plain
+from training.kinds.stats import merge_frequencies
 
 PAD, UNK = "[PAD]", "[UNK]"
 SPECIAL_TOKENS = (PAD, UNK)  # ids 0 and 1 of a fitted tokenizer
@@ -122,6 +123,22 @@ class TextCodec(Codec):
     def drift_stats(self) -> dict[str, Any] | None:
         """What drift compares (ddpflow/drift.py), over the train split: ``text_drift_stats``; None unfitted."""
         return getattr(self, "_drift", None)
+
+    def scored_drift_stats(self, array: pa.Array) -> dict[str, Any]:
+        """``text_drift_stats`` of the rows, under the model's tokenizer, keeping more words (``SCORED_WORDS``)."""
+        return text_drift_stats(self, [self._strings(array)], SCORED_WORDS)
+
+    @classmethod
+    def merge_drift_stats(cls, first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+        merged = merge_frequencies(first, second, SCORED_WORDS)
+        lengths = np.asarray(first["lengths"], dtype=np.int64) + np.asarray(second["lengths"], dtype=np.int64)
+        sums = {key: int(first[key]) + int(second[key]) for key in ("tokens", "unknown")}
+        return {**merged, **sums, "lengths": lengths.tolist()}
+
+    @classmethod
+    def reported_drift_stats(cls, stats: dict[str, Any]) -> dict[str, Any]:
+        """The ``DRIFT_TOP_WORDS`` most frequent words, the rest as ``other``: what ``text_drift_stats`` keeps."""
+        return merge_frequencies(stats, {"counts": {}, "other": 0}, DRIFT_TOP_WORDS)
 
     def files(self) -> dict[str, str]:
         """The files prepare writes beside the manifest: the tokenizer, loadable with ``Tokenizer.from_file``."""
@@ -212,9 +229,10 @@ def unknown_id(text: str, tokenizer) -> int | None:
 # ---------------------------------------------------------------------- drift statistics
 
 DRIFT_TOP_WORDS = 2000  # per text input: the train split's most frequent words, with counts
+SCORED_WORDS = 4 * DRIFT_TOP_WORDS  # a scoring's part keeps more, so that the merged parts' most frequent are exact
 
 
-def text_drift_stats(codec: TextCodec, chunks: list[pa.Array]) -> dict[str, Any]:
+def text_drift_stats(codec: TextCodec, chunks: list[pa.Array], top: int = DRIFT_TOP_WORDS) -> dict[str, Any]:
     """A text input's train-split statistics for drift: tokens per row (``lengths[n]``: rows of n tokens after
     the cut to max_len), tokens and unknown tokens under its tokenizer (with its sha256: the rates compare only
     under one tokenizer), and the most frequent whitespace-separated words (the rest counted as ``other``),
@@ -234,7 +252,7 @@ def text_drift_stats(codec: TextCodec, chunks: list[pa.Array]) -> dict[str, Any]
         merged = merged.rename_columns(["word", "count"]).sort_by([("count", "descending"), ("word", "ascending")])
     else:
         merged = pa.table({"word": pa.array([], pa.string()), "count": pa.array([], pa.int64())})
-    kept = merged.slice(0, DRIFT_TOP_WORDS)
+    kept = merged.slice(0, top)
     return {
         "kind": "text",
         "lengths": lengths.tolist(),

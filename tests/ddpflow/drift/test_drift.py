@@ -36,18 +36,18 @@ def grid_edges(entry: dict) -> np.ndarray:
 # ---------------------------------------------------------------- the histogram prepare keeps
 
 
-@pytest.mark.parametrize(
-    "values",
-    [
-        np.random.default_rng(0).normal(0, 1, 20_000),
-        # grows to the left and to the right batch after batch: a widening random walk
-        np.cumsum(np.random.default_rng(1).normal(0, 1, 20_000)),
-        np.random.default_rng(2).integers(0, 2, 20_000),  # a 0/1 flag
-        1.7e9 + np.random.default_rng(3).normal(0, 1000, 20_000),  # far from zero, narrow
-        np.r_[np.full(5_000, 3.5), np.random.default_rng(4).exponential(50, 15_000)],  # constant, then spread
-    ],
-    ids=["normal", "random-walk", "flag", "offset", "constant-first"],
-)
+STREAMS = [
+    np.random.default_rng(0).normal(0, 1, 20_000),
+    # grows to the left and to the right batch after batch: a widening random walk
+    np.cumsum(np.random.default_rng(1).normal(0, 1, 20_000)),
+    np.random.default_rng(2).integers(0, 2, 20_000),  # a 0/1 flag
+    1.7e9 + np.random.default_rng(3).normal(0, 1000, 20_000),  # far from zero, narrow
+    np.r_[np.full(5_000, 3.5), np.random.default_rng(4).exponential(50, 15_000)],  # constant, then spread
+]
+STREAM_IDS = ["normal", "random-walk", "flag", "offset", "constant-first"]
+
+
+@pytest.mark.parametrize("values", STREAMS, ids=STREAM_IDS)
 def test_the_streamed_histogram_equals_one_histogram_of_all_values_on_its_final_grid(values):
     values = values.astype(np.float32)
     entry = streamed(values, batch=777)
@@ -60,6 +60,54 @@ def test_the_streamed_histogram_equals_one_histogram_of_all_values_on_its_final_
     finer = 2.0 ** (entry["exponent"] - 1)
     spans_more_than_half = math.floor(values.max() / finer) - math.floor(values.min() / finer) >= HISTOGRAM_BINS
     assert spans_more_than_half or values.min() == values.max()
+
+
+@pytest.mark.parametrize("values", STREAMS, ids=STREAM_IDS)
+def test_a_scorings_parts_merged_hold_the_statistics_prepare_streams(values):
+    """A batch scoring's parts (``NumericCodec.scored_drift_stats`` of each, merged in any order) give the
+    histogram one RunningHistogram over all the rows holds (exactly: its final grid) and their mean and std."""
+    from training.kinds.stats import RunningMoments
+    from training.kinds.tabular import NumericCodec
+
+    values = values.astype(np.float32)
+    codec = NumericCodec("x")
+    cuts = np.sort(np.random.default_rng(5).integers(0, len(values), size=6))
+    parts = [codec.scored_drift_stats(pa.array(part)) for part in np.split(values, cuts)]
+    left = parts[0]
+    for part in parts[1:]:
+        left = codec.merge_drift_stats(left, part)
+    halves = codec.merge_drift_stats(  # another order: each half's parts, then the halves
+        *(codec.merge_drift_stats(codec.merge_drift_stats(a, b), c) for a, b, c in (parts[:3], parts[3:6]))
+    )
+    halves = codec.merge_drift_stats(halves, parts[6])
+    moments = RunningMoments(1)
+    moments.update(values[None, :])
+    for merged in (left, halves):
+        reported = codec.reported_drift_stats(merged)
+        assert reported["histogram"] == streamed(values, batch=777)
+        assert reported["mean"] == pytest.approx(moments.mean[0], rel=1e-9, abs=1e-9)
+        assert reported["std"] == pytest.approx(moments.std()[0], rel=1e-9)
+
+
+def test_a_scorings_categorical_parts_merged_count_as_prepare_does():
+    """Value counts of parts, merged, then cut to the 1000 most frequent with the rest as other: what prepare's
+    ``drift_stats`` holds of the same rows (1500 distinct values here; nulls left out)."""
+    from training.kinds.tabular import DRIFT_TOP_CATEGORIES, CategoricalCodec
+
+    rng = np.random.default_rng(6)
+    values = rng.zipf(1.3, size=30_000) % 1500
+    column = pa.array([f"v{v}" if v % 97 else None for v in values])
+    prepared = CategoricalCodec("c")
+    prepared.observe(column)
+    prepared.fit()
+    scoring = CategoricalCodec("c")
+    merged = None
+    for start in range(0, len(column), 7000):
+        part = scoring.scored_drift_stats(column.slice(start, 7000))
+        merged = part if merged is None else scoring.merge_drift_stats(merged, part)
+    reported = scoring.reported_drift_stats(merged)
+    assert reported == prepared.drift_stats() and len(reported["counts"]) == DRIFT_TOP_CATEGORIES
+    assert reported["other"] > 0
 
 
 def test_a_constant_column_keeps_its_value_in_one_bin():

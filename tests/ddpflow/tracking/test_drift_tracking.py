@@ -75,8 +75,17 @@ def test_the_champions_logged_manifest_is_the_reference_and_drift_is_logged(stor
     log_drift(client, run_id, outcome, max_psi=0.25)
     run = client.get_run(run_id)
     assert run.data.metrics["data_drift_max_psi"] == pytest.approx(outcome.report.max_psi)
+    per_feature = {key: value for key, value in run.data.metrics.items() if key.startswith("drift_psi/")}
+    assert per_feature == {f"drift_psi/{d.feature}": pytest.approx(d.psi) for d in outcome.report.features}
     assert run.data.tags["drift.worst_feature"] == "x" and run.data.tags["drift.champion_version"] == "1"
     assert {a.path for a in client.list_artifacts(run_id, "drift")} == {"drift/data_drift.png", "drift/data_drift.json"}
+
+
+def test_a_features_psi_metric_is_named_as_mlflow_takes_it():
+    from ddpflow.tracking.drift import psi_metric
+
+    assert psi_metric("emb[3]") == "drift_psi/emb_3_" and psi_metric("photo:width") == "drift_psi/photo:width"
+    assert psi_metric("a/b") == "drift_psi/a_b" and psi_metric("..") == "drift_psi/__"
 
 
 def test_without_the_artifact_the_champions_dataset_directory_is_read(store, datasets):
