@@ -32,6 +32,7 @@ from typing import Any
 
 from ddpflow.launch.command import launch_env, torchrun_command
 from ddpflow.launch.failure import RankFailed
+from ddpflow.launch.slurm.commands import check_cluster
 from ddpflow.launch.slurm.launcher import SlurmStage, run_slurm_job
 from ddpflow.launch.slurm.script import JobPaths, RankJob
 from ddpflow.launch.supervisor import DEFAULT_GRACE_S, OutputLine, launch
@@ -65,12 +66,15 @@ class ScoreRequest:
     model: dict[str, str]  # {"name", "version", "uri"}: recorded in the manifest and the part files
     on_line: Callable[[OutputLine], None] = print
     should_cancel: Callable[[], str | None] | None = None  # a non-empty reason stops the ranks (scancels the job)
+    cancel_check_s: float = 2.0  # how often should_cancel is asked
     grace_s: float = DEFAULT_GRACE_S
 
 
 def run_scoring(request: ScoreRequest) -> dict[str, Any]:
     """Score as ``request`` says; returns the output's manifest (``resumed``: part files an earlier run left)."""
     layout = scoring_layout(request.config)
+    if request.config.score_launcher == "slurm":
+        check_cluster(request.config, "score")  # SlurmSetupError naming score.nnodes or slurm.*; nothing written
     job = scoring_job(request, layout)
     output = Path(job.output)
     # DataError naming file and column; nothing written. Large row groups are cut into one piece per rank.
@@ -125,6 +129,7 @@ def _on_this_machine(request: ScoreRequest, layout: RankLayout, prepare: Callabl
         timeout_s=request.config.score.timeout_s,
         grace_s=request.grace_s,
         should_cancel=request.should_cancel,
+        cancel_check_s=request.cancel_check_s,
     )
 
 
@@ -155,6 +160,7 @@ def _on_slurm(request: ScoreRequest, layout: RankLayout, prepare: Callable[[], P
         env=env,
         on_line=request.on_line,
         should_cancel=request.should_cancel,
+        cancel_check_s=request.cancel_check_s,
         timeout_s=config.score.timeout_s,
     )
     run_slurm_job(stage)
