@@ -1,21 +1,22 @@
 """Batch scoring with ``score.launcher: slurm`` on the session's two-node cluster (tests/slurm_cluster.py): the
 scoring ranks (1 per node, 2 nodes) run as one Slurm job through the Slurm code training uses.
 
-One scoring of the mixed table (tests/flows/test_batch_scoring.py's model and source), cancelled part-way the way
-a cancelled flow run stops it (the launcher's ``should_cancel``: scancel), then run again: it resumes from the
-parts the first job wrote, ends with every row once, and scores as the pyfunc does.
+One scoring of the mixed table (tests/flows/test_batch_scoring.py's model and source) by the score-pipeline flow,
+whose flow run is cancelled through the API part-way (the score task's check: scancel, the runs Cancelled), then run
+again as `ddpflow score` runs it: it resumes from the parts the first job wrote, ends with every row once, and
+scores as the pyfunc does.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 
 import numpy as np
 import pandas as pd
 import pytest
 from slurm_cluster import processes_mentioning, wait_until
 
-from ddpflow.launch.failure import LaunchInterrupted
 from ddpflow.launch.slurm.commands import SlurmSetupError
 from tests.flows.test_batch_scoring import ROWS, read_scores, source_files, train_scorer
 from tests.flows.test_mixed_inputs import INPUTS
@@ -43,35 +44,59 @@ def jobs_of(cluster, output) -> list[str]:
     return [job_id for job_id in cluster.job_ids() if cluster.job(job_id).get("Command") == script]
 
 
-def test_a_slurm_scoring_cancelled_part_way_resumes_and_ends_with_every_row_once(scorer, slurm_cluster, tmp_path):
-    from ddpflow.launch.scoring import ScoreRequest, run_scoring
+def cancel_the_flow_run_after_two_parts(output, cancelled: list) -> threading.Thread:
+    """A thread that cancels the running score-pipeline flow run through the API (as the UI does) once the job
+    wrote two parts; the run's id goes to ``cancelled``."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+    from prefect.states import Cancelling
+
+    def cancel() -> None:
+        wait_until(lambda: len(list(output.glob("part-*.parquet"))) >= 2, 180, "two parts")
+        with get_client(sync_client=True) as client:
+            runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["score-pipeline"])))
+            (running,) = [run for run in runs if run.state and run.state.is_running()]
+            client.set_flow_run_state(running.id, Cancelling(), force=True)
+        cancelled.append(running.id)
+
+    thread = threading.Thread(target=cancel, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_slurm_scoring_cancelled_part_way_resumes_and_ends_with_every_row_once(
+    scorer, slurm_cluster, prefect_harness, tmp_path
+):
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import Abort
+
     from ddpflow.scoring import score_table
-    from ddpflow.tracking.scoring import scoring_model
+    from flows.score_pipeline import score_pipeline
     from training.inference.serving import load_predictor, predictions
 
     source, output = source_files(tmp_path / "src"), tmp_path / "out"
-    config = on_slurm(scorer, source=str(source), output=str(output))
+    config = on_slurm(scorer, model=str(scorer["model_path"]), source=str(source), output=str(output))
 
-    def after_two_parts() -> str | None:  # what a cancelled flow run's check answers (tasks/cancellation.py)
-        return "flow run X was cancelled (Cancelling)" if len(list(output.glob("part-*.parquet"))) >= 2 else None
-
-    lines = []
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("DDPFLOW_SCORE_PAUSE_S", "0.5")  # each rank rests after each part; sbatch passes it on
-        model = scoring_model(str(scorer["model_path"]), None, tmp_path).identity()  # as `ddpflow score` names it
-        request = ScoreRequest(config, str(scorer["model_path"]), model, on_line=lines.append,
-                               should_cancel=after_two_parts, cancel_check_s=0.2)  # fmt: skip
-        with pytest.raises(LaunchInterrupted, match=r"flow run X was cancelled \(Cancelling\); cancelled Slurm job"):
-            run_scoring(request)
+        patch.setenv("DDPFLOW_SCORE_PAUSE_S", "2")  # each rank rests after each part (sbatch passes it on): the
+        # cancellation (the task asks every 2 s) lands part-way
+        cancelled = []
+        canceller = cancel_the_flow_run_after_two_parts(output, cancelled)
+        # The score task's flow-run check (tasks/cancellation.py) stops the launch: scancel, then Abort.
+        with pytest.raises(Abort, match=r"was cancelled \(Cancelling\); cancelled Slurm job \d+"):
+            score_pipeline(config=config)
+        canceller.join(timeout=30)
     [first] = jobs_of(slurm_cluster, output)
-    assert slurm_cluster.job(first)["JobState"] == "CANCELLED", "confirmed before the launch returned"
+    assert slurm_cluster.job(first)["JobState"] == "CANCELLED", "scancelled before the task returned"
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(cancelled[0]).state.is_cancelled()
     wait_until(lambda: not processes_mentioning(str(output)), 30, "the job's processes to end")
     kept = {path.name: path.stat().st_mtime_ns for path in output.glob("part-*.parquet")}
     assert 2 <= len(kept) < 8 and not (output / "manifest.json").exists()
 
     # Run again (what `ddpflow score` runs): a new job, which scores only the ranges left.
-    summary = score_table(config.model_copy(update={"score": config.score.model_copy(
-        update={"model": str(scorer["model_path"])})}), on_line=lines.append)  # fmt: skip
+    lines = []
+    summary = score_table(config, on_line=lines.append)
     second = [job_id for job_id in jobs_of(slurm_cluster, output) if job_id != first]
     assert len(second) == 1, second
     job = slurm_cluster.job(second[0])
