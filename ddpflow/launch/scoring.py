@@ -150,6 +150,7 @@ def _on_slurm(request: ScoreRequest, layout: RankLayout, prepare: Callable[[], P
         name=f"score-{output.name}",
         stage="scoring",
         section="score",
+        run_dir_key="score.output",
     )
     # Only the variables ddpflow sets (base={}): the job inherits the rest from sbatch's environment.
     env = launch_env(rank_config, state, gpus=layout.gpus, grace_s=request.grace_s, base={})

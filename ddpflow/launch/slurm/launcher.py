@@ -147,8 +147,9 @@ def _write_script(stage: SlurmStage) -> list[str]:
     """The files the ranks read, then the batch script; the sbatch argv."""
     paths = stage.job.paths
     if "%" in str(paths.folder):
-        where = "train.run_root" if stage.job.section == "train" else f"{stage.job.section}.output"
-        raise SlurmSetupError(f"{where}: Slurm reads % in output file names as a pattern: {paths.folder}")
+        raise SlurmSetupError(
+            f"{stage.job.run_dir_key}: Slurm reads % in output file names as a pattern: {paths.folder}"
+        )
     stage.prepare()
     paths.folder.mkdir(parents=True, exist_ok=True)
     atomic_write_text(paths.script, batch_script(stage.job, stage.env), durable=False)

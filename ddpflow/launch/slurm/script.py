@@ -108,6 +108,7 @@ class RankJob:
     name: str = ""  # the job's name after "ddpflow-" (default: the run directory's name)
     stage: str = "training"  # what the job does, in its script and in messages
     section: str = "train"  # the config section of its nnodes and timeout_s, named in errors (train, score)
+    run_dir_key: str = "train.run_root"  # the setting that placed paths.run_dir, named in errors
     max_restarts: int = 0  # torchrun's restarts of the worker group
     # Training: ranks stopped by a preemption save a step checkpoint (RUN_DIR/preempted.json) and the job requeues
     # itself (``requeue``: slurm.requeue) to resume from it; ``preempt_signal`` (train.preempt_signal) is asked for
