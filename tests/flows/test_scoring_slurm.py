@@ -109,6 +109,11 @@ def test_a_slurm_scoring_cancelled_part_way_resumes_and_ends_with_every_row_once
     assert {name: (output / name).stat().st_mtime_ns for name in kept} == kept, "finished parts left alone"
     assert all((output / ".score" / "slurm" / second[0] / node / "logs").is_dir() for node in ("n1", "n2"))
     assert (output / ".score" / "model.pt").is_file(), "every node loads the model from the output"
+    sbatch = json.loads((output / ".score" / "slurm" / "job.json").read_text())["sbatch"]
+    assert "--nodes=2" in sbatch and "--no-requeue" in sbatch and not any(a.startswith("--signal") for a in sbatch)
+    script = (output / ".score" / "slurm" / "job.sh").read_text()
+    assert str(output / ".score" / "model.pt") in script, "the job checks every node sees the model first"
+    assert "-m training.inference.batch_scoring --config" in script
 
     raw = pd.read_parquet(source)
     expected = predictions(load_predictor(scorer["model_path"]), raw[list(INPUTS)], "probabilities")
