@@ -3,8 +3,9 @@
 The work, its exactness, resume and refusals are plain Python (``ddpflow/launch/scoring.py``,
 ``training/inference/batch_scoring.py``). This wrapper adds the Prefect view: every rank's line in the run's log,
 a table artifact ``scored-table`` (rows, rejected, parts, model version, rows/s, the MLflow run), and cancellation
-(a cancelled flow run stops the ranks; the part files already written are kept, and the next run resumes). No
-retries: bad input fails the same way every time, and a re-run resumes from the parts anyway.
+(tasks/cancellation.py: a cancelled flow run stops the ranks, local torchrun or a Slurm job by scancel; the part
+files already written are kept, the task and flow runs end Cancelled, and the next run resumes). No retries: bad
+input fails the same way every time, and a re-run resumes from the parts anyway.
 """
 
 from __future__ import annotations
@@ -15,14 +16,22 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
+from ddpflow.launch.failure import LaunchInterrupted
 from ddpflow.scoring import score_table
+from tasks.cancellation import flow_run_cancelled_check
 from training.core.config import PipelineConfig
 
 
 @task(name="score-table", retries=0, cache_policy=NO_CACHE)
 def score_table_task(config: PipelineConfig) -> dict[str, Any]:
     logger = get_run_logger()
-    summary = score_table(config, on_line=lambda line: logger.info("%s", line))
+    cancel_check = flow_run_cancelled_check()
+    try:
+        summary = score_table(config, on_line=lambda line: logger.info("%s", line), should_cancel=cancel_check)
+    except LaunchInterrupted as error:
+        if cancel_check is not None:
+            cancel_check.abort_if_fired(error)  # Abort: the runs stay Cancelled
+        raise
     logger.info(
         "%s v%s scored %s rows of %s into %s (%s rejected, %s rows/s)%s",
         summary["model"]["name"], summary["model"]["version"], summary["rows"], summary["source"]["url"],

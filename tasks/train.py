@@ -14,8 +14,8 @@ raised by the preflight before any process starts), the wall-clock timeout,
 an interruption (signal, cancellation), and a NaN or inf in training
 (training/loop/nonfinite.py: the resumed run would diverge at the same step).
 
-Cancellation: the task polls its flow run's state; when someone cancels the
-flow run (UI, API, ``prefect flow-run cancel``) it kills torchrun's tree within a
+Cancellation (tasks/cancellation.py): the task polls its flow run's state; when someone cancels the
+flow run (UI, API, ``prefect flow-run cancel``) it kills torchrun's tree (or scancels the Slurm job) within a
 few seconds, even for a flow run in a plain Python process that no worker watches.
 
 ``train.launcher: slurm``: the same task runs the stage as one Slurm job instead
@@ -26,12 +26,9 @@ tags the MLflow run with the job's id as soon as it is submitted or found.
 from __future__ import annotations
 
 from dataclasses import replace
-from uuid import UUID
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
-from prefect.context import TaskRunContext
-from prefect.exceptions import Abort
 from prefect.logging import get_run_logger
 
 from ddpflow.console import LOG_ONLY
@@ -40,6 +37,7 @@ from ddpflow.launch.stage import TrainRequest, TrainResult, run_train_stage
 from ddpflow.launch.supervisor import OutputLine
 from ddpflow.tracking.metrics import EpochMetricsFollower
 from ddpflow.tracking.runs import SLURM_JOB_TAG, tag_run
+from tasks.cancellation import CANCEL_POLL_S, flow_run_cancelled_check
 from training.core.layout import METRICS, run_file
 from training.core.topology import RankLayout
 from training.loop.nonfinite import is_non_finite_failure
@@ -48,7 +46,6 @@ __all__ = ["KILL_GRACE_S", "TrainRequest", "TrainResult", "train_model"]
 
 # SIGTERM -> SIGKILL for TrainRequest.grace_s under Prefect: below the 30 s a worker waits before its own SIGKILL.
 KILL_GRACE_S = 10.0
-CANCEL_POLL_S = 2.0
 
 
 def _worth_retrying(task, task_run, state) -> bool:
@@ -94,70 +91,17 @@ def train_model(request: TrainRequest, mlflow_run_id: str | None = None) -> Trai
         except Exception as error:  # a tracking hiccup must not cancel the job
             logger.warning("could not tag MLflow run %s with %s=%s: %s", mlflow_run_id, SLURM_JOB_TAG, job_id, error)
 
-    cancel_check = _flow_run_cancelled_check()
+    cancel_check = flow_run_cancelled_check()
     events = {"on_line": on_line, "on_start": on_start, "on_job": on_job}
     request = replace(request, **events, should_cancel=cancel_check, cancel_check_s=CANCEL_POLL_S)
     try:
         result = run_train_stage(request)
     except LaunchInterrupted as error:
-        if cancel_check is not None and cancel_check.fired:
-            cancel_check.finish_cancellation(str(error))
-            # Abort, not an ordinary exception: the engines then propose no Failed state
-            # that would overwrite Cancelled; the flow process just stops.
-            raise Abort(str(error)) from error
+        if cancel_check is not None:
+            cancel_check.abort_if_fired(error)  # Abort: the runs stay Cancelled
         raise
     finally:
         if follower is not None:
             follower.close()  # the epochs of a failed attempt are in MLflow too
     logger.info("Training finished after %d restart(s): %s -> %s", result.restarts, result.metrics, result.model_path)
     return result
-
-
-class _FlowRunCancelled:
-    """For the launcher: a reason string once this task's flow run is being cancelled.
-
-    Polled every CANCEL_POLL_S. A flow run in a plain process has no worker to
-    act on "Cancelling", so this is what stops torchrun there; under a worker
-    it merely gets there first (the worker's SIGTERM then finds no tree).
-    """
-
-    def __init__(self, flow_run_id: UUID, task_run_id: UUID):
-        self.flow_run_id = flow_run_id
-        self.task_run_id = task_run_id
-        self.fired = False
-
-    def __call__(self) -> str | None:
-        from prefect.client.orchestration import get_client
-
-        try:
-            with get_client(sync_client=True) as client:
-                state = client.read_flow_run(self.flow_run_id).state
-        except Exception:  # the API being briefly unreachable must not stop training
-            return None
-        if state is not None and (state.is_cancelling() or state.is_cancelled()):
-            self.fired = True
-            return f"flow run {self.flow_run_id} was cancelled ({state.name})"
-        return None
-
-    def finish_cancellation(self, message: str) -> None:
-        """Mark this task run and its flow run Cancelled, as a worker would after killing the run.
-
-        In a plain process nobody else would: the flow run would stay "Cancelling" forever.
-        """
-        from prefect.client.orchestration import get_client
-        from prefect.states import Cancelled
-
-        with get_client(sync_client=True) as client:
-            client.set_task_run_state(self.task_run_id, Cancelled(message=message), force=True)
-            state = client.read_flow_run(self.flow_run_id).state
-            if state is not None and state.is_cancelling():
-                client.set_flow_run_state(
-                    self.flow_run_id, Cancelled(message=f"Flow run was cancelled: {message}"), force=True
-                )
-
-
-def _flow_run_cancelled_check() -> _FlowRunCancelled | None:
-    context = TaskRunContext.get()
-    if context is None or context.task_run.flow_run_id is None:
-        return None
-    return _FlowRunCancelled(context.task_run.flow_run_id, context.task_run.id)

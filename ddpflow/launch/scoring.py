@@ -8,13 +8,23 @@ for a regression), the plan is made (the source's files cut into row ranges; a m
 ``DataError`` naming the file and column), and the output directory is checked: one that holds another model's or
 another source's scores (or anything that is not a ddpflow scoring output) is refused; one of the same model and
 source is continued, from its part files (``training/inference/batch_scoring.py``), and one already complete
-(its manifest written) is returned as it is. Then ``supervisor.launch`` runs torchrun with the scoring ranks, owning
-their tree (timeouts, signals, cancellation, the OUTPUT/.score lock: two scorings never share an output).
+(its manifest written) is returned as it is. Then OUTPUT/.score gets what the ranks read (the plan, the model
+copied to OUTPUT/.score/model.pt, the job with the ranges still to score), and the ranks run where
+``score.launcher`` says (default: ``train.launcher``'s value, where training runs):
+
+  * local: ``supervisor.launch`` runs torchrun here, owning its tree (timeouts, signals, cancellation, the
+    OUTPUT/.score lock: two scorings never share an output);
+  * slurm: one batch job of ``score.nnodes`` nodes, through the Slurm code training uses
+    (``run_slurm_job``, ddpflow/launch/slurm/launcher.py): preflight naming score.*, the job followed to its end,
+    scancel on cancellation, signals and ``score.timeout_s``; its files in OUTPUT/.score/slurm/. A launch that
+    finds its output's job still running follows it instead of submitting a second one.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -22,10 +32,14 @@ from typing import Any
 
 from ddpflow.launch.command import launch_env, torchrun_command
 from ddpflow.launch.failure import RankFailed
+from ddpflow.launch.slurm.commands import check_cluster
+from ddpflow.launch.slurm.launcher import SlurmStage, run_slurm_job
+from ddpflow.launch.slurm.script import JobPaths, RankJob
 from ddpflow.launch.supervisor import DEFAULT_GRACE_S, OutputLine, launch
 from training.core.config import ConfigError, PipelineConfig
 from training.core.errors import DataError
-from training.core.topology import resolve_ranks, visible_gpus
+from training.core.fileio import atomic_write_json
+from training.core.topology import RankLayout, resolve_ranks, visible_gpus
 from training.inference.batch_scoring import (
     JOB_FILE,
     MANIFEST,
@@ -37,6 +51,7 @@ from training.inference.batch_scoring import (
 )
 
 SCORING_ENTRYPOINT = "training.inference.batch_scoring"
+MODEL_FILE = "model.pt"  # OUTPUT/.score/model.pt: the model every rank (on every node) loads
 KINDS = {
     "classification": ("label", "probabilities"),
     "multilabel": ("label", "probabilities"),
@@ -46,48 +61,32 @@ KINDS = {
 
 @dataclass(frozen=True)
 class ScoreRequest:
-    config: PipelineConfig  # its score section (source and output resolved) and train.backend / timeouts
+    config: PipelineConfig  # its score section (source and output resolved), train.backend / timeouts, slurm
     model_path: str  # a local model.pt
     model: dict[str, str]  # {"name", "version", "uri"}: recorded in the manifest and the part files
     on_line: Callable[[OutputLine], None] = print
-    should_cancel: Callable[[], str | None] | None = None
+    should_cancel: Callable[[], str | None] | None = None  # a non-empty reason stops the ranks (scancels the job)
+    cancel_check_s: float = 2.0  # how often should_cancel is asked
     grace_s: float = DEFAULT_GRACE_S
 
 
 def run_scoring(request: ScoreRequest) -> dict[str, Any]:
     """Score as ``request`` says; returns the output's manifest (``resumed``: part files an earlier run left)."""
-    job = scoring_job(request)
+    layout = scoring_layout(request.config)
+    if request.config.score_launcher == "slurm":
+        check_cluster(request.config, "score")  # SlurmSetupError naming score.nnodes or slurm.*; nothing written
+    job = scoring_job(request, layout)
     output = Path(job.output)
-    layout = resolve_ranks(_rank_config(request.config).train, visible_gpus())
     # DataError naming file and column; nothing written. Large row groups are cut into one piece per rank.
-    plan = make_plan(job, _model_inputs(request.model_path), layout.nproc_per_node)
+    plan = make_plan(job, _model_inputs(request.model_path), layout.world_size)
     done = check_output(output, plan, job)
     if done is not None:
         return {**done, "already_complete": True}
-    state = output / SCORE_DIR
-    state.mkdir(parents=True, exist_ok=True)
+    (output / SCORE_DIR).mkdir(parents=True, exist_ok=True)
     resumed = sorted(path.name for path in output.glob("part-*.parquet"))
-    if not resumed or not (state / PLAN_FILE).is_file():  # a new scoring: this plan; a resumed one: its own
-        from training.core.fileio import atomic_write_json
-
-        atomic_write_json(state / PLAN_FILE, plan.to_dict())
-    job = replace(job, pending=Plan.read(state / PLAN_FILE).pending(output))  # the saved plan: a resume's own
-    job.write(state / JOB_FILE)
-    for stale in output.glob(".part-*.tmp"):  # a stopped rank's unfinished part: its range is scored again
-        stale.unlink()
-    rank_config = _rank_config(request.config)
-    argv = torchrun_command(rank_config, state / JOB_FILE, gpus=layout.gpus, entrypoint=SCORING_ENTRYPOINT)
-    env = launch_env(rank_config, state, gpus=layout.gpus, grace_s=request.grace_s)
+    run_ranks = _on_slurm if request.config.score_launcher == "slurm" else _on_this_machine
     try:
-        launch(
-            argv,
-            state,
-            env=env,
-            on_line=request.on_line,
-            timeout_s=request.config.score.timeout_s,
-            grace_s=request.grace_s,
-            should_cancel=request.should_cancel,
-        )
+        run_ranks(request, layout, lambda: prepare_output(job, plan, request.model_path))
     except RankFailed as failure:
         cause = failure.root_cause or ""
         if cause.startswith("DataError: "):  # the user's data, named by the rank: said once, no traceback
@@ -97,7 +96,93 @@ def run_scoring(request: ScoreRequest) -> dict[str, Any]:
     return {**manifest, "resumed_parts": len(resumed)}
 
 
-def scoring_job(request: ScoreRequest) -> ScoreJob:
+def prepare_output(job: ScoreJob, plan: Plan, model_path: str) -> Path:
+    """What the ranks read, in OUTPUT/.score: the plan (a resumed scoring keeps its own), the model (a copy: a node
+    may not see the launching machine's temporary files), the job with the ranges still to score; a stopped rank's
+    unfinished part is removed (its range is scored again). Returns the job's path."""
+    output = Path(job.output)
+    state = output / SCORE_DIR
+    if not any(output.glob("part-*.parquet")) or not (state / PLAN_FILE).is_file():  # a new scoring: this plan
+        atomic_write_json(state / PLAN_FILE, plan.to_dict())
+    copied = state / MODEL_FILE
+    if Path(model_path).resolve() != copied.resolve():
+        shutil.copyfile(model_path, copied.with_suffix(".tmp"))
+        os.replace(copied.with_suffix(".tmp"), copied)
+    job = replace(job, model_path=str(copied), pending=Plan.read(state / PLAN_FILE).pending(output))
+    for stale in output.glob(".part-*.tmp"):
+        stale.unlink()
+    return job.write(state / JOB_FILE)
+
+
+def _on_this_machine(request: ScoreRequest, layout: RankLayout, prepare: Callable[[], Path]) -> None:
+    """The ranks as torchrun here, its tree owned by supervisor.launch."""
+    state = Path(request.config.score.output).resolve() / SCORE_DIR
+    job_file = prepare()
+    rank_config = _rank_config(request.config)
+    argv = torchrun_command(rank_config, job_file, gpus=layout.gpus, entrypoint=SCORING_ENTRYPOINT)
+    env = launch_env(rank_config, state, gpus=layout.gpus, grace_s=request.grace_s)
+    launch(
+        argv,
+        state,
+        env=env,
+        on_line=request.on_line,
+        timeout_s=request.config.score.timeout_s,
+        grace_s=request.grace_s,
+        should_cancel=request.should_cancel,
+        cancel_check_s=request.cancel_check_s,
+    )
+
+
+def _on_slurm(request: ScoreRequest, layout: RankLayout, prepare: Callable[[], Path]) -> None:
+    """The ranks as one Slurm job of score.nnodes nodes (ddpflow/launch/slurm/launcher.py: ``run_slurm_job``)."""
+    config = request.config
+    output = Path(config.score.output).resolve()
+    state = output / SCORE_DIR
+    rank_config = _rank_config(config)
+    job = RankJob(
+        rank_config,
+        JobPaths(state),
+        job_file=state / JOB_FILE,
+        entrypoint=SCORING_ENTRYPOINT,
+        nnodes=config.score.nnodes,
+        layout=layout,
+        visible=(state / MODEL_FILE, state / PLAN_FILE),
+        name=f"score-{output.name}",
+        stage="scoring",
+        section="score",
+        run_dir_key="score.output",
+    )
+    # Only the variables ddpflow sets (base={}): the job inherits the rest from sbatch's environment.
+    env = launch_env(rank_config, state, gpus=layout.gpus, grace_s=request.grace_s, base={})
+    stage = SlurmStage(
+        job,
+        prepare=prepare,
+        finished=(output / MANIFEST).is_file,
+        env=env,
+        on_line=request.on_line,
+        should_cancel=request.should_cancel,
+        cancel_check_s=request.cancel_check_s,
+        timeout_s=config.score.timeout_s,
+    )
+    run_slurm_job(stage)
+
+
+def scoring_layout(config: PipelineConfig) -> RankLayout:
+    """Each node's scoring ranks: this machine's GPUs with score.launcher local; slurm.gpus_per_node on a Slurm
+    job's nodes (the login node that submits it may have none). ConfigError naming score.nproc_per_node."""
+    train = _rank_config(config).train
+    if config.score_launcher != "slurm":
+        return resolve_ranks(train, visible_gpus())
+    gpus = config.slurm.gpus_per_node
+    layout = resolve_ranks(train, gpus)
+    if gpus and layout.nproc_per_node > gpus:
+        raise ConfigError(
+            f"score.nproc_per_node: {layout.nproc_per_node} ranks asked for, but slurm.gpus_per_node is {gpus}"
+        )
+    return layout
+
+
+def scoring_job(request: ScoreRequest, layout: RankLayout) -> ScoreJob:
     """The job every rank reads, with score.output_kind and score.keep resolved for this model."""
     from training.inference.model_file import load_model_checkpoint
 
@@ -121,7 +206,7 @@ def scoring_job(request: ScoreRequest) -> ScoreJob:
         output_kind=kind,
         batch_size=score.batch_size,
         on_invalid=score.on_invalid,
-        backend=resolve_ranks(_rank_config(config).train, visible_gpus()).backend,
+        backend=layout.backend,
         # The ranks' one collective, at the end, waits for the slowest share: score.timeout_s bounds the scoring.
         collective_timeout_s=max(config.train.collective_timeout_s, score.timeout_s or 86_400.0),
     )
@@ -159,8 +244,11 @@ def check_output(output: Path, plan: Plan, job: ScoreJob) -> dict[str, Any] | No
 
 
 def _rank_config(config: PipelineConfig) -> PipelineConfig:
-    """The config the launch helpers read: score.nproc_per_node ranks, no torchrun restarts (a re-run resumes)."""
-    train = config.train.model_copy(update={"nproc_per_node": config.score.nproc_per_node, "max_restarts": 0})
+    """The config the launch helpers read: score.nproc_per_node ranks on score.nnodes nodes, no torchrun restarts
+    (a re-run resumes)."""
+    score = config.score
+    update = {"nproc_per_node": score.nproc_per_node, "nnodes": score.nnodes, "max_restarts": 0}
+    train = config.train.model_copy(update={**update, "launcher": config.score_launcher})
     return config.model_copy(update={"train": train})
 
 

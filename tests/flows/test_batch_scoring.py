@@ -82,11 +82,15 @@ def cli_env(**extra: str) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, _migrated_mlflow_db) -> dict:
     """A model.pt trained on the mixed table, its prepared dataset, and the config (not registered yet)."""
+    return train_scorer(tmp_path_factory.mktemp("scoring"), _migrated_mlflow_db)
+
+
+def train_scorer(root: Path, migrated_mlflow_db: Path) -> dict:
+    """``trained``'s body, for other modules' fixtures (tests/flows/test_scoring_slurm.py)."""
     from training.core.config import PipelineConfig
     from training.prepare.dataset import prepare_dataset
 
-    root = tmp_path_factory.mktemp("scoring")
-    shutil.copy(_migrated_mlflow_db, root / "mlflow.db")
+    shutil.copy(migrated_mlflow_db, root / "mlflow.db")
     train_source = root / "train.parquet"
     pq.write_table(churn_table(2000, seed=0), train_source)
     config = PipelineConfig.model_validate(

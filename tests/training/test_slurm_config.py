@@ -125,3 +125,12 @@ def test_the_preflight_counts_the_job_nodes_gpus_not_this_machines():
         )
     with pytest.raises(ConfigError, match="train.backend: 'nccl' needs GPUs on the job's nodes"):
         check_machine(validate_config({"train": {"launcher": "slurm", "backend": "nccl"}}))
+
+
+def test_scoring_runs_where_training_runs_and_more_than_one_scoring_node_needs_slurm():
+    assert load_config(None, ["train.launcher=slurm"]).score_launcher == "slurm", "score.launcher's default"
+    assert load_config(None, ["train.launcher=slurm", "score.launcher=local"]).score_launcher == "local"
+    assert load_config(None, ["score.launcher=slurm", "score.nnodes=2"]).score.nnodes == 2
+    with pytest.raises(ConfigError, match=r"score\.nnodes is 2: more than one node needs score\.launcher 'slurm' "
+                                          r"\(it is 'local', from train\.launcher\)"):  # fmt: skip
+        load_config(None, ["score.nnodes=2"])

@@ -784,7 +784,13 @@ class ScoreConfig(_Section):
     output_kind: Literal["auto", "label", "probabilities", "value"] = Field(
         "auto", description="label or probabilities (classification), value (regression); auto: the richest."
     )
-    nproc_per_node: int | Literal["auto"] = Field(2, description="Scoring ranks on this machine (auto: per GPU/core).")
+    nproc_per_node: int | Literal["auto"] = Field(2, description="Scoring ranks per node (auto: per GPU/core).")
+    launcher: Literal["local", "slurm"] | None = Field(
+        None,
+        description="local: torchrun on this machine; slurm: one batch job of score.nnodes nodes through sbatch "
+        "(the slurm section; docs/scoring.md). Default: train.launcher's value, so scoring runs where training does.",
+    )
+    nnodes: int = Field(1, ge=1, description="Nodes of the scoring's Slurm job (above 1: score.launcher slurm only).")
     batch_size: int = Field(65_536, ge=1, description="Rows per record batch read and scored.")
     on_invalid: Literal["error", "skip"] = Field(
         "error", description="A row the model cannot take: stop naming it, or write it to rejects/ with the reason."
@@ -802,6 +808,21 @@ class PipelineConfig(_Section):
     # `ddpflow sweep` reads and validates it (ddpflow/sweep/space.py); a run ignores it, and no record holds it.
     sweep: dict[str, Any] | None = Field(None, exclude=True, description="A sweep's section: see docs/sweeps.md.")
     score: ScoreConfig = Field(default_factory=ScoreConfig)
+
+    @property
+    def score_launcher(self) -> Literal["local", "slurm"]:
+        """score.launcher, else train.launcher: a scoring runs where training runs unless told otherwise."""
+        return self.score.launcher or self.train.launcher
+
+    @model_validator(mode="after")
+    def _score_nodes_need_slurm(self) -> PipelineConfig:
+        if self.score.nnodes > 1 and self.score_launcher != "slurm":
+            raise ValueError(
+                f"score.nnodes is {self.score.nnodes}: more than one node needs score.launcher 'slurm' (it is "
+                f"{self.score_launcher!r}{'' if self.score.launcher else ', from train.launcher'}): "
+                "a local scoring runs on this machine only"
+            )
+        return self
 
     def flat(self) -> dict[str, Any]:
         """Dotted keys to scalar values, for MLflow params."""

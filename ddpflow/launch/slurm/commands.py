@@ -1,6 +1,7 @@
 """Talking to Slurm: the preflight, ``sbatch``, ``scontrol show job`` and ``scancel`` (plain Python).
 
     check_cluster(config)                    # before submitting: commands answer, partition exists, nodes fit
+    check_cluster(config, "score")           # the same for a scoring: its node count and errors are score.*
     job_id = submit(argv)                    # sbatch --parsable; SlurmSetupError with sbatch's own words
     job = show_job(job_id)                   # JobInfo, or None once Slurm has forgotten the job
     cancel(job_id, confirm_s=30)             # scancel, then wait until no step of the job is left
@@ -35,7 +36,8 @@ ENDED_STATES = frozenset(
 # PENDING reasons that explain themselves badly, in the user's words.
 PENDING_REASONS = {
     "PartitionTimeLimit": "slurm.time_limit is above the partition's MaxTime: the job will wait forever",
-    "PartitionNodeLimit": "train.nnodes is outside the partition's node limits: the job will wait forever",
+    "PartitionNodeLimit": "the job's nodes (train.nnodes, score.nnodes) are outside the partition's node limits: "
+    "the job will wait forever",
     "PartitionDown": "the partition is down",
     "ReqNodeNotAvail": "a node the job needs is unavailable (down, drained or reserved)",
     "Resources": "waiting for free nodes",
@@ -84,9 +86,9 @@ def run_command(argv: list[str], *, timeout_s: float = COMMAND_TIMEOUT_S) -> sub
         raise SlurmSetupError(f"`{' '.join(argv)}` did not answer within {timeout_s:g} s") from None
 
 
-def _missing_message(missing: list[str]) -> str:
+def _missing_message(missing: list[str], section: str = "train") -> str:
     return (
-        f"train.launcher 'slurm' needs the Slurm commands where the flow runs (a login node, or a Prefect "
+        f"{section}.launcher 'slurm' needs the Slurm commands where the flow runs (a login node, or a Prefect "
         f"worker on one); not found on PATH: {', '.join(missing)}"
     )
 
@@ -96,14 +98,15 @@ def parse_fields(text: str) -> dict[str, str]:
     return dict(part.split("=", 1) for part in text.split() if "=" in part)
 
 
-def check_cluster(config: PipelineConfig) -> dict[str, str]:
+def check_cluster(config: PipelineConfig, section: str = "train") -> dict[str, str]:
     """The preflight: the commands exist and answer, the partition exists and has the nodes. Returns it.
 
-    Raises SlurmSetupError naming the missing command or the field (slurm.partition, train.nnodes).
+    ``section``: the stage's settings, ``train`` (train.nnodes) or ``score`` (score.nnodes). Raises
+    SlurmSetupError naming the missing command or the field (slurm.partition, train.nnodes, score.nnodes).
     """
     missing = [name for name in REQUIRED if shutil.which(name) is None]
     if missing:
-        raise SlurmSetupError(_missing_message(missing))
+        raise SlurmSetupError(_missing_message(missing, section))
     done = run_command(["scontrol", "show", "partition", "-o"])
     if done.returncode != 0:
         raise SlurmSetupError(f"scontrol does not answer (exit {done.returncode}): {_last_line(done)}")
@@ -118,10 +121,10 @@ def check_cluster(config: PipelineConfig) -> dict[str, str]:
         partition = next((p for p in partitions if p.get("PartitionName") == wanted), None)
         if partition is None:
             raise SlurmSetupError(f"slurm.partition: {wanted!r} does not exist on this cluster; it has {names}")
-    nodes = partition.get("TotalNodes", "")
-    if nodes.isdigit() and config.train.nnodes > int(nodes):
+    nodes, wanted_nodes = partition.get("TotalNodes", ""), getattr(config, section).nnodes
+    if nodes.isdigit() and wanted_nodes > int(nodes):
         raise SlurmSetupError(
-            f"train.nnodes: {config.train.nnodes} nodes asked for, but partition "
+            f"{section}.nnodes: {wanted_nodes} nodes asked for, but partition "
             f"{partition['PartitionName']!r} has {nodes}"
         )
     return partition

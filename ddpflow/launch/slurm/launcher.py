@@ -1,6 +1,12 @@
-"""Train on a Slurm cluster: the train stage's contract, through ``sbatch`` (plain Python, no Prefect).
+"""Run a stage's ranks as one Slurm job, and train that way: the train stage's contract, through ``sbatch``
+(plain Python, no Prefect).
 
     result = run_training_on_slurm(TrainRequest(config, dataset_dir, run_dir, on_line=print, on_job=record_job_id))
+    job_id = run_slurm_job(SlurmStage(RankJob(...), prepare, finished, env, on_line=print))   # any stage's ranks
+
+``run_slurm_job`` is the part every stage shares (training here, batch scoring in ddpflow/launch/scoring.py):
+what follows is what it does; ``run_training_on_slurm`` fills in the training's ``RankJob`` (script.py) and
+reads the result.
 
 The train stage's contract (stage.py), as the local launcher (local.py) keeps it: run the ranks
 to completion, stream every line to ``request.on_line`` in the calling thread, stop on
@@ -38,10 +44,12 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from ddpflow.launch import command
 from ddpflow.launch.command import launch_env
 from ddpflow.launch.failure import LaunchError, LaunchInterrupted, LaunchPreempted, LaunchStalled, LaunchTimeout
 from ddpflow.launch.process_tree import forward_signals
@@ -63,17 +71,89 @@ from ddpflow.launch.slurm.output import (
     raise_unless_completed,
     read_end_record,
 )
-from ddpflow.launch.slurm.script import JobPaths, batch_script, sbatch_command
+from ddpflow.launch.slurm.script import JobPaths, RankJob, batch_script, sbatch_command
 from ddpflow.launch.stage import TrainRequest, TrainResult, check_request, finished_result, write_job
-from ddpflow.launch.supervisor import describe_preempted, read_preempted, run_dir_lock
-from training.core.config import PipelineConfig
+from ddpflow.launch.supervisor import OutputLine, describe_preempted, read_preempted, run_dir_lock
 from training.core.fileio import atomic_write_json, atomic_write_text
-from training.core.layout import FINAL_MODEL
+from training.core.layout import FINAL_MODEL, MANIFEST, TRAIN_JOB
 from training.core.topology import RankLayout
 
-__all__ = ["SlurmLine", "has_unfinished_job", "run_training_on_slurm"]
+__all__ = ["RankJob", "SlurmLine", "SlurmStage", "has_unfinished_job", "run_slurm_job", "run_training_on_slurm"]
 
 _TICK_S = 0.2  # how often new output lines and the end record are looked for
+
+
+# ----------------------------------------------------------------------------- any stage's job
+
+
+@dataclass(frozen=True)
+class SlurmStage:
+    """A stage's ranks as one Slurm job: the job, what it needs written first, and the launcher contract's events
+    and limits (stage.py: ``TrainRequest``)."""
+
+    job: RankJob
+    prepare: Callable[[], None]  # writes the files the ranks read; called only before a new job is submitted
+    finished: Callable[[], bool]  # the stage's result is on disk (model.pt, manifest.json): no job to run again
+    env: dict[str, str]  # the variables ddpflow sets for the ranks (command.py: launch_env, base={})
+    on_line: Callable[[OutputLine], None] = print
+    on_start: Callable[[RankLayout, list[str]], None] | None = None  # just before a job is submitted
+    on_job: Callable[[str], None] | None = None  # the job it submitted or found
+    should_cancel: Callable[[], str | None] | None = None
+    cancel_check_s: float = 2.0
+    timeout_s: float | None = None  # <section>.timeout_s: submit to end, pending included
+    stall_timeout_s: float | None = None  # <section>.stall_timeout_s: no line while RUNNING
+
+
+def run_slurm_job(stage: SlurmStage) -> str:
+    """Submit ``stage.job`` (or reattach to the one its run directory recorded), follow it to its end, and return
+    its id when it COMPLETED; every way out before the end scancels it. Errors as the train stage's contract."""
+    job = stage.job
+    check_cluster(job.config, job.section)  # SlurmSetupError: commands, partition, node count
+    paths = job.paths
+    paths.run_dir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    on_line = stage.on_line
+    with run_dir_lock(paths.run_dir):
+        previous = _RecordedJob.read(paths)
+        if previous is not None and previous.completed and stage.finished():
+            on_line(SlurmLine(None, f"job {previous.job_id} of this run directory already COMPLETED: nothing to run"))
+            return previous.job_id
+        job_id = previous.job_id if previous is not None and previous.still_running else None
+        if previous is not None and job_id is None:
+            on_line(SlurmLine(None, f"{previous.how_it_ended()}: submitting a new job", warning=True))
+        follower = _JobFollower(paths, job.config.slurm.poll_interval_s, on_line)
+        with follower.scancel_on_signals():
+            try:
+                if job_id is None:
+                    argv = _write_script(stage)
+                    if stage.on_start is not None:
+                        stage.on_start(job.layout, argv)
+                    job_id = follower.submit(argv)
+                else:
+                    follower.reattach(job_id)
+                if stage.on_job is not None:
+                    stage.on_job(job_id)
+                info = follower.follow(stage, started)
+            finally:
+                follower.stop_unless_ended()  # every way out before the job ended
+        preempted = read_preempted(paths.run_dir) if job.saves_on_preemption else None
+        if follower.stop_reason is None and preempted is not None and not stage.finished():
+            raise LaunchPreempted(f"Slurm job {job_id}: {describe_preempted(preempted)}", preempted)
+        raise_unless_completed(job.config, paths, job_id, info, follower.stop_reason)
+    return job_id
+
+
+def _write_script(stage: SlurmStage) -> list[str]:
+    """The files the ranks read, then the batch script; the sbatch argv."""
+    paths = stage.job.paths
+    if "%" in str(paths.folder):
+        raise SlurmSetupError(
+            f"{stage.job.run_dir_key}: Slurm reads % in output file names as a pattern: {paths.folder}"
+        )
+    stage.prepare()
+    paths.folder.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(paths.script, batch_script(stage.job, stage.env), durable=False)
+    return sbatch_command(stage.job)
 
 
 # ----------------------------------------------------------------------------- the train stage
@@ -87,58 +167,40 @@ def run_training_on_slurm(request: TrainRequest) -> TrainResult:
     """
     config = request.config
     layout = check_request(request)  # each node's ranks (slurm.gpus_per_node); ConfigError: nothing submitted
-    check_cluster(config)  # SlurmSetupError: commands, partition, node count
     run_path = Path(request.run_dir).resolve()
-    run_path.mkdir(parents=True, exist_ok=True)
-    paths = JobPaths(run_path)
-    started = time.monotonic()
-    on_line = request.on_line
-    with run_dir_lock(run_path):
-        previous = _RecordedJob.read(paths)
-        if previous is not None and previous.completed_training:
-            on_line(SlurmLine(None, f"job {previous.job_id} of this run directory already COMPLETED: nothing to run"))
-            return _train_result(run_path, paths, previous.job_id)
-        job_id = previous.job_id if previous is not None and previous.still_running else None
-        if previous is not None and job_id is None:
-            on_line(SlurmLine(None, f"{previous.how_it_ended()}: submitting a new job", warning=True))
-        follower = _JobFollower(paths, config.slurm.poll_interval_s, on_line)
-        with follower.scancel_on_signals():
-            try:
-                if job_id is None:
-                    argv = _write_job(request, paths, layout)
-                    if request.on_start is not None:
-                        request.on_start(layout, argv)
-                    job_id = follower.submit(argv)
-                else:
-                    follower.reattach(job_id)
-                if request.on_job is not None:
-                    request.on_job(job_id)
-                info = follower.follow(config, started, request.should_cancel, request.cancel_check_s)
-            finally:
-                follower.stop_unless_ended()  # every way out before the job ended
-        preempted = read_preempted(run_path)  # ranks that saved and stopped, in a job not requeued
-        if follower.stop_reason is None and preempted is not None and not (run_path / FINAL_MODEL).is_file():
-            raise LaunchPreempted(f"Slurm job {job_id}: {describe_preempted(preempted)}", preempted)
-        raise_unless_completed(config, paths, job_id, info, follower.stop_reason)
-    return _train_result(run_path, paths, job_id)
-
-
-def _write_job(request: TrainRequest, paths: JobPaths, layout: RankLayout) -> list[str]:
-    """RUN_DIR/config.json, the TrainJob every rank reads, and the batch script; the sbatch argv."""
-    config = request.config
-    if "%" in str(paths.folder):
-        raise SlurmSetupError(f"train.run_root: Slurm reads % in output file names as a pattern: {paths.folder}")
     # Absolute: the nodes' ranks start in the project root (--chdir), not where the flow runs.
     dataset_dir = str(Path(request.dataset_dir).resolve())
-    write_job(request, paths.run_dir, dataset_dir)
+    job = RankJob(
+        config,
+        JobPaths(run_path),
+        job_file=run_path / TRAIN_JOB,
+        entrypoint=command.RANK_ENTRYPOINT,  # read at call time: tests point it at a stand-in rank
+        nnodes=config.train.nnodes,
+        layout=layout,
+        visible=(Path(dataset_dir) / MANIFEST,),
+        max_restarts=config.train.max_restarts,
+        saves_on_preemption=True,
+        preempt_signal=config.train.preempt_signal,
+        requeue=config.slurm.requeue,
+    )
     # Only the variables ddpflow sets (base={}): the job inherits the rest from sbatch's environment.
     # torchrun passes a stop signal on to the ranks and waits this long for them to save (loop/preemption.py).
     grace_s = max(request.grace_s, config.train.preempt_grace_s)
-    uri = request.tracking_uri
-    env = launch_env(config, paths.run_dir, tracking_uri=uri, gpus=layout.gpus, grace_s=grace_s, base={})
-    paths.folder.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(paths.script, batch_script(config, paths, dataset_dir, layout, env), durable=False)
-    return sbatch_command(config, paths, layout)
+    env = launch_env(config, run_path, tracking_uri=request.tracking_uri, gpus=layout.gpus, grace_s=grace_s, base={})
+    stage = SlurmStage(
+        job,
+        prepare=lambda: write_job(request, run_path, dataset_dir),  # RUN_DIR/config.json and the TrainJob
+        finished=(run_path / FINAL_MODEL).is_file,
+        env=env,
+        on_line=request.on_line,
+        on_start=request.on_start,
+        on_job=request.on_job,
+        should_cancel=request.should_cancel,
+        cancel_check_s=request.cancel_check_s,
+        timeout_s=config.train.timeout_s,
+        stall_timeout_s=config.train.stall_timeout_s,
+    )
+    return _train_result(run_path, job.paths, run_slurm_job(stage))
 
 
 def _recorded_job_id(paths: JobPaths) -> str | None:
@@ -166,7 +228,6 @@ class _RecordedJob:
     job_id: str
     info: JobInfo | None  # None: scontrol has forgotten it (it ended more than MinJobAge ago)
     end: dict | None  # what the job wrote as it ended (None: it did not, or not yet)
-    model_written: bool
 
     @classmethod
     def read(cls, paths: JobPaths) -> _RecordedJob | None:
@@ -179,7 +240,7 @@ class _RecordedJob:
             raise LaunchError(
                 f"cannot tell whether Slurm job {job_id} of {paths.run_dir} still runs: {error}"
             ) from None
-        return cls(job_id, info, read_end_record(paths, job_id), (paths.run_dir / FINAL_MODEL).is_file())
+        return cls(job_id, info, read_end_record(paths, job_id))
 
     @property
     def still_running(self) -> bool:
@@ -187,8 +248,9 @@ class _RecordedJob:
         return self.info is not None and not self.info.ended
 
     @property
-    def completed_training(self) -> bool:
-        return not self.still_running and self.end is not None and self.end.get("exit_code") == 0 and self.model_written
+    def completed(self) -> bool:
+        """It ended, and wrote that it ended well."""
+        return not self.still_running and self.end is not None and self.end.get("exit_code") == 0
 
     def how_it_ended(self) -> str:
         state = self.info.state if self.info is not None else "forgotten by scontrol"
@@ -238,9 +300,10 @@ class _JobFollower:
 
     # --- following
 
-    def follow(self, config: PipelineConfig, started: float, should_cancel, cancel_check_s: float) -> JobInfo | None:
+    def follow(self, stage: SlurmStage, started: float) -> JobInfo | None:
         """Stream lines and poll the job until it ends or a reason to stop it comes; the last JobInfo seen."""
-        train = config.train
+        what, section = stage.job.stage, stage.job.section
+        timeout_s, stall_timeout_s, should_cancel = stage.timeout_s, stage.stall_timeout_s, stage.should_cancel
         next_poll = next_cancel_check = 0.0
         in_main_thread = threading.current_thread() is threading.main_thread()
         while self.stop_reason is None:
@@ -253,14 +316,14 @@ class _JobFollower:
                     self._deliver_new_lines()  # what the nodes wrote last
                     break
             running = self.info is not None and self.info.state == "RUNNING"
-            if now - started > train.timeout_s:
+            if timeout_s is not None and now - started > timeout_s:
                 self.stop_reason = LaunchTimeout(
-                    f"training exceeded train.timeout_s={train.timeout_s:g}s{self._pending_note()}; "
+                    f"{what} exceeded {section}.timeout_s={timeout_s:g}s{self._pending_note()}; "
                     f"cancelled Slurm job {self.job_id}"
                 )
-            elif running and train.stall_timeout_s is not None and now - self.last_output > train.stall_timeout_s:
+            elif running and stall_timeout_s is not None and now - self.last_output > stall_timeout_s:
                 self.stop_reason = LaunchStalled(
-                    f"training stalled: no output for train.stall_timeout_s={train.stall_timeout_s:g}s; "
+                    f"{what} stalled: no output for {section}.stall_timeout_s={stall_timeout_s:g}s; "
                     f"cancelled Slurm job {self.job_id}"
                 )
             elif not in_main_thread and not threading.main_thread().is_alive():
@@ -268,7 +331,7 @@ class _JobFollower:
                     f"the launching process is shutting down; cancelled Slurm job {self.job_id}"
                 )
             elif should_cancel is not None and now >= next_cancel_check:
-                next_cancel_check = now + cancel_check_s
+                next_cancel_check = now + stage.cancel_check_s
                 why = should_cancel()
                 if why:
                     self.stop_reason = LaunchInterrupted(f"{why}; cancelled Slurm job {self.job_id}")

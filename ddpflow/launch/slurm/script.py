@@ -1,12 +1,17 @@
-"""The Slurm batch script of a training run and the sbatch command that submits it (plain Python).
+"""The Slurm batch script of a ``RankJob`` (a training run, or a batch scoring) and the sbatch command (plain Python).
 
-    paths = JobPaths(run_dir)
-    text = batch_script(config, paths, dataset_dir, layout, env)   # RUN_DIR/slurm/job.sh, kept for people
-    argv = sbatch_command(config, paths, layout)                      # a list, never a shell string
+    job = RankJob(config, JobPaths(run_dir), job_file, entrypoint, nnodes, layout, visible=(...))
+    text = batch_script(job, env)        # RUN_DIR/slurm/job.sh, kept for people
+    argv = sbatch_command(job)           # a list, never a shell string
+
+A ``RankJob`` is what differs between the stages that run ranks on Slurm: the file every rank reads, the program
+it runs, the node count and the setting that asked for it (``train.nnodes``, ``score.nnodes``), what every node
+must see, and whether a preempted job saves and requeues itself (training) or simply stops (scoring: run again,
+it resumes from its part files). Training's RUN_DIR is the job's run directory; a scoring's is OUTPUT/.score.
 
 What the script does, on the job's first node (where Slurm runs a batch script):
-  1. ``srun`` one short step on every node: do the dataset, RUN_DIR and the Python
-     interpreter exist there? A node that cannot see one prints
+  1. ``srun`` one short step on every node: do the job's files (the dataset, the job file, the model) and the
+     Python interpreter exist there? A node that cannot see one prints
      ``ddpflow: node NODE cannot see PATH`` and the job stops before torchrun starts.
   2. The rendezvous: the first node's ``NodeAddr`` and a free port on it.
   3. ``srun --ntasks-per-node=1``: one torchrun agent per node, c10d rendezvous,
@@ -16,8 +21,9 @@ What the script does, on the job's first node (where Slurm runs a batch script):
   4. Writes its own end (exit code, time) to RUN_DIR/slurm/<job id>/end.json, also
      when scancel or the time limit TERMs it: ``scontrol`` forgets a finished job
      after MinJobAge, and a launcher that reattaches later must still learn how it ended.
-  5. Preemption (docs/reliability.md): sbatch ``--signal=B:<train.preempt_signal>@<slurm.signal_before_s>``
-     signals this script ahead of the time limit; it passes the signal on to every node's torchrun
+  5. Preemption (training only; docs/reliability.md): sbatch
+     ``--signal=B:<train.preempt_signal>@<slurm.signal_before_s>`` signals this script ahead of
+     the time limit; it passes the signal on to every node's torchrun
      (``scancel --signal``), which passes it to the ranks (``PET_SIGNALS_TO_HANDLE``); they save a
      step checkpoint at their next step and exit (training/loop/preemption.py). A job whose ranks stopped so
      (RUN_DIR/preempted.json, no model.pt; also after ``scontrol requeue`` or a scheduler's preemption, which
@@ -40,10 +46,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddpflow.launch import command
 from ddpflow.launch.command import ERROR_FILE, LOG_DIR, PROJECT_ROOT
 from training.core.config import PipelineConfig
-from training.core.layout import FINAL_MODEL, MANIFEST, PREEMPTED, TRAIN_JOB
+from training.core.layout import FINAL_MODEL, PREEMPTED
 from training.core.topology import RankLayout
 
 SLURM_DIR = "slurm"
@@ -88,19 +93,44 @@ class JobPaths:
         return self.node_folder(job_id, node) / LOG_DIR
 
 
-def sbatch_command(config: PipelineConfig, paths: JobPaths, layout: RankLayout) -> list[str]:
-    """``sbatch --parsable ...`` for this run: the job's shape from the config, then the user's extra options."""
-    slurm = config.slurm
+@dataclass(frozen=True)
+class RankJob:
+    """One Slurm job of torchrun agents, one per node, each starting ``layout.nproc_per_node`` ranks of
+    ``entrypoint`` that read ``job_file`` (what training and scoring each fill in; see the module doc)."""
+
+    config: PipelineConfig  # its slurm section (partition, time limit, sbatch_args...) and train.num_threads
+    paths: JobPaths  # where the job's files go
+    job_file: Path  # what every rank reads (--config)
+    entrypoint: str  # the module every rank runs (-m), or a script's path (tests' stand-in ranks)
+    nnodes: int
+    layout: RankLayout  # each node's ranks
+    visible: tuple[Path, ...] = ()  # besides job_file and the interpreter: what every node must see
+    name: str = ""  # the job's name after "ddpflow-" (default: the run directory's name)
+    stage: str = "training"  # what the job does, in its script and in messages
+    section: str = "train"  # the config section of its nnodes and timeout_s, named in errors (train, score)
+    run_dir_key: str = "train.run_root"  # the setting that placed paths.run_dir, named in errors
+    max_restarts: int = 0  # torchrun's restarts of the worker group
+    # Training: ranks stopped by a preemption save a step checkpoint (RUN_DIR/preempted.json) and the job requeues
+    # itself (``requeue``: slurm.requeue) to resume from it; ``preempt_signal`` (train.preempt_signal) is asked for
+    # ahead of the time limit. A scoring does neither: stopped, it is run again and resumes from its part files.
+    saves_on_preemption: bool = False
+    preempt_signal: str | None = None
+    requeue: bool = False
+
+
+def sbatch_command(job: RankJob) -> list[str]:
+    """``sbatch --parsable ...`` for this job: its shape, then the user's extra options."""
+    slurm, paths = job.config.slurm, job.paths
     argv = [
         "sbatch", "--parsable",
-        f"--job-name=ddpflow-{paths.run_dir.name}"[:128],
-        f"--nodes={config.train.nnodes}",
+        f"--job-name=ddpflow-{job.name or paths.run_dir.name}"[:128],
+        f"--nodes={job.nnodes}",
         "--ntasks-per-node=1",  # one torchrun agent per node; it starts that node's ranks
         # The agent's one task runs every rank of its node: at least a core per rank.
-        f"--cpus-per-task={slurm.cpus_per_task or layout.nproc_per_node}",
+        f"--cpus-per-task={slurm.cpus_per_task or job.layout.nproc_per_node}",
         f"--output={paths.folder}/%j.out",
         "--open-mode=append",  # a requeued job (preempted: it resumes) adds to its output file
-        "--requeue" if slurm.requeue else "--no-requeue",
+        "--requeue" if job.requeue else "--no-requeue",
         f"--chdir={PROJECT_ROOT}",  # where the local launcher runs torchrun too
     ]  # fmt: skip
     if slurm.partition:
@@ -111,45 +141,41 @@ def sbatch_command(config: PipelineConfig, paths: JobPaths, layout: RankLayout) 
         argv.append(f"--time={slurm.time_limit}")
     if slurm.gpus_per_node:
         argv.append(f"--gpus-per-node={slurm.gpus_per_node}")
-    if slurm.signal_before_s and config.train.preempt_signal:  # to the batch script (B:), which passes it on
-        argv.append(f"--signal=B:{config.train.preempt_signal.removeprefix('SIG')}@{slurm.signal_before_s}")
+    if slurm.signal_before_s and job.preempt_signal:  # to the batch script (B:), which passes it on
+        argv.append(f"--signal=B:{job.preempt_signal.removeprefix('SIG')}@{slurm.signal_before_s}")
     return [*argv, *slurm.sbatch_args, str(paths.script)]
 
 
-def torchrun_argv(config: PipelineConfig, job_path: Path, layout: RankLayout) -> list[str]:
+def torchrun_argv(job: RankJob) -> list[str]:
     """One node's torchrun agent; ``$head_addr``, ``$port`` and ``$SLURM_JOB_ID`` are filled in by the script."""
-    train = config.train
-    rank_program = command.RANK_ENTRYPOINT  # read at call time: tests point it at a stand-in rank
-    entry = [rank_program] if rank_program.endswith(".py") else ["-m", rank_program]
+    entry = [job.entrypoint] if job.entrypoint.endswith(".py") else ["-m", job.entrypoint]
     return [
         sys.executable, "-m", "torch.distributed.run",
-        "--nnodes", str(train.nnodes),
-        "--nproc-per-node", str(layout.nproc_per_node),
+        "--nnodes", str(job.nnodes),
+        "--nproc-per-node", str(job.layout.nproc_per_node),
         "--rdzv-backend", "c10d",
-        "--max-restarts", str(train.max_restarts),
+        "--max-restarts", str(job.max_restarts),
         "--tee", "3",  # every rank's lines on torchrun's stdout (and in its log files)
-        *entry, "--config", str(job_path),
+        *entry, "--config", str(job.job_file),
     ]  # fmt: skip
 
 
-def batch_script(
-    config: PipelineConfig, paths: JobPaths, dataset_dir: str | Path, layout: RankLayout, env: dict[str, str]
-) -> str:
+def batch_script(job: RankJob, env: dict[str, str]) -> str:
     """The batch script's text. ``env``: the variables ddpflow sets for ranks (command.py: launch_env)."""
+    paths, layout = job.paths, job.layout
     run_dir = paths.run_dir
-    job_path = run_dir / TRAIN_JOB
-    visible = [Path(dataset_dir).resolve() / MANIFEST, job_path, Path(sys.executable)]
+    visible = [*job.visible, job.job_file, Path(sys.executable)]
     exports = {key: value for key, value in sorted(env.items()) if key not in PER_NODE_ENV}
     exports["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = RANK_PREFIX_TEMPLATE
-    threads = str(config.train.num_threads) if config.train.num_threads else None
+    threads = str(job.config.train.num_threads) if job.config.train.num_threads else None
     q = shlex.quote
-    agent = torchrun_argv(config, job_path, layout)
+    agent = torchrun_argv(job)
     rendezvous = ["--rdzv-endpoint", '"$head_addr:$port"', "--rdzv-id", '"job-$SLURM_JOB_ID"']
     lines = [
         "#!/bin/bash",
-        f"# ddpflow training job for {run_dir}",
+        f"# ddpflow {job.stage} job for {run_dir}",
         "# Written by ddpflow/launch/slurm/script.py and kept for people to read. Submitted as:",
-        "#   " + " ".join(q(part) for part in sbatch_command(config, paths, layout)),
+        "#   " + " ".join(q(part) for part in sbatch_command(job)),
         "# Its output: RUN_DIR/slurm/<job id>.out (every node's lines, labelled 'K: ' with the node's index).",
         "set -u",
         f"run_dir={q(str(run_dir))}",
@@ -166,12 +192,12 @@ def batch_script(
         "# scancel and the time limit send TERM: record it, and let Slurm stop the steps (a requeue: not an end).",
         "requeueing=0",
         "trap 'if [ \"$requeueing\" = 1 ]; then exit 0; fi; record_end 143 terminated; exit 143' TERM",
-        *_preempt_trap(config),
+        *_preempt_trap(job.preempt_signal),
         "",
         "# What every rank inherits (ddpflow/launch/command.py: launch_env).",
         *(f"export {key}={q(value)}" for key, value in exports.items()),
         "",
-        "# 1. Every node must see the dataset, the run directory and the Python interpreter.",
+        f"# 1. Every node must see the {job.stage} job's files and the Python interpreter.",
         "srun --ntasks-per-node=1 --kill-on-bad-exit=0 /bin/sh -c \\",
         f'    \'for path; do [ -e "$path" ] || {{ echo "ddpflow: node $SLURMD_NODENAME {CANNOT_SEE} $path"; '
         "bad=1; }; done; exit ${bad:-0}' \\",
@@ -210,7 +236,7 @@ def batch_script(
         "wait $step",
         "status=$?",
         'while kill -0 "$step" 2>/dev/null; do wait "$step"; status=$?; done  # a trapped signal ends a wait early',
-        *_requeue_if_preempted(config),
+        *(_requeue_if_preempted(job.requeue) if job.saves_on_preemption else []),
         'record_end "$status" finished',
         'exit "$status"',
         "",
@@ -218,9 +244,8 @@ def batch_script(
     return "\n".join(lines)
 
 
-def _preempt_trap(config: PipelineConfig) -> list[str]:
+def _preempt_trap(name: str | None) -> list[str]:
     """train.preempt_signal, sent to this script alone (sbatch --signal=B:...): on to every torchrun of the job."""
-    name = config.train.preempt_signal
     if not name:
         return []
     short = name.removeprefix("SIG")
@@ -232,14 +257,14 @@ def _preempt_trap(config: PipelineConfig) -> list[str]:
     ]
 
 
-def _requeue_if_preempted(config: PipelineConfig) -> list[str]:
+def _requeue_if_preempted(requeue: bool) -> list[str]:
     """After the torchrun step: ranks that stopped preempted (RUN_DIR/preempted.json, no model.pt) requeue the job,
     which then resumes from their checkpoint (slurm.requeue); without it the job ends and the launcher says so."""
     lines = [
         f'if [ -f "$run_dir/{PREEMPTED}" ] && [ ! -f "$run_dir/{FINAL_MODEL}" ]; then',
         f'    echo "ddpflow: the ranks were preempted and saved: $(tr -d \'\\n\' < "$run_dir/{PREEMPTED}")"',
     ]
-    if config.slurm.requeue:
+    if requeue:
         lines += [
             "    requeueing=1",
             '    echo "ddpflow: requeueing job $SLURM_JOB_ID: it resumes from that checkpoint"',
