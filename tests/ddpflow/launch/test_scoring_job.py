@@ -34,8 +34,9 @@ def keyed_model(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("keyed")
     pq.write_table(day_table(200, seed=0), root / "train.parquet")
+    inputs = json.dumps({"tenure": "numeric", "active": "numeric"})
     settings = [f"data.source={root / 'train.parquet'}", f"data.root={root / 'shards'}", "data.label=churned",
-                "data.key=customer_id", f"data.inputs={json.dumps({'tenure': 'numeric', 'active': 'numeric'})}"]  # fmt: skip
+                "data.key=customer_id", f"data.inputs={inputs}"]  # fmt: skip
     return untrained_model(prepare_dataset(load_config(None, settings).data).dataset_dir, root / "model.pt")
 
 
