@@ -249,7 +249,10 @@ def check_columns(source, inputs: dict[str, Any], keep: list[str]) -> None:
         raise DataError(f"{first}: lacks the model's input columns {missing} (the source has {schema.names})")
     absent = [name for name in keep if name not in schema.names]
     if absent:
-        raise DataError(f"{first}: lacks the score.keep columns {absent} (the source has {schema.names})")
+        raise DataError(
+            f"{first}: lacks the score.keep columns {absent} (the source has {schema.names}; score.keep unset keeps "
+            "data.key, else the model's own: set score.keep, [] for none)"
+        )
     for name, info in inputs.items():  # each input's column as its kind's record takes it (prepare's check)
         column_type, record = schema.field(name).type, kind_record(info.kind)
         if not (pa.types.is_null(column_type) or record.takes(column_type)):  # all null: each row's own check

@@ -78,3 +78,12 @@ def test_keep_defaults_to_the_models_data_key_unless_the_config_says(keyed_model
     assert job_for(keyed_model, data={"key": "tenure"}).keep == ["tenure"]  # the config's data.key first
     assert job_for(keyed_model, score={"source": "data/today/", "output": "o", "keep": []}).keep == []
     assert job_for(keyed_model, score={"source": "data/today/", "output": "o", "keep": ["active"]}).keep == ["active"]
+
+
+def test_a_source_without_the_models_key_is_named_with_how_to_keep_none(keyed_model, project):
+    from training.core.errors import DataError
+
+    pq.write_table(day_table(50, seed=1).drop(["customer_id"]), project / "data" / "today" / "day.parquet")
+    job = job_for(keyed_model)
+    with pytest.raises(DataError, match=r"lacks the score.keep columns \['customer_id'\].*score.keep, \[\] for none"):
+        make_plan(job, checkpoint_inputs(load_model_checkpoint(keyed_model)[1]))
