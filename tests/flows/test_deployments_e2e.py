@@ -1,7 +1,8 @@
 """End to end through the real stack: `ddpflow stack up` (Prefect server with its event and trigger services,
 work pool, `prefect deploy --all` from the real prefect.yaml, process worker, MLflow server); deployment runs
-through the worker, cancellation, new data starting a training through the deployment trigger, `ddpflow run`
-in the stack's project, the UIs, then `ddpflow stack down`.
+through the worker, cancellation, new data starting a training through the deployment trigger, batch scoring
+through score-nightly and a new champion's trigger, `ddpflow run` in the stack's project, the UIs, then
+`ddpflow stack down`.
 
 One stack for the module: it costs 30-60 s to start on 2 cores, so every test that needs a running stack is
 here. Every store is in a temp dir, which is also the stack's project directory (its state in
