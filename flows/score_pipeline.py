@@ -3,7 +3,8 @@ scores ``score.source`` into ``score.output`` on torchrun ranks, each row once, 
 
 Deployed (prefect.yaml) as ``score-pipeline/score-nightly`` (03:00 UTC, after the nightly retraining) and
 ``score-pipeline/score-on-new-champion``, triggered by ``ddpflow.champion.moved``, the event the register task emits
-when ``@champion`` moves (tasks/register.py): a new champion re-scores the table. Its parameters are
+when ``@champion`` moves (tasks/register.py), for configs/score.yaml's model only: its new champion re-scores the
+table (``model`` and ``output`` from the event, the rest from the deployment's config). Its parameters are
 ``train-pipeline``'s (``config``, ``config_file``, ``overrides``) plus ``model``, ``source`` and ``output``, which
 win over the config's ``score`` section like `ddpflow score --model/--source/--output`.
 """

@@ -183,26 +183,29 @@ def scoring_layout(config: PipelineConfig) -> RankLayout:
 
 
 def scoring_job(request: ScoreRequest, layout: RankLayout) -> ScoreJob:
-    """The job every rank reads, with score.output_kind and score.keep resolved for this model."""
+    """The job every rank reads, with score.output_kind and score.keep resolved for this model, and a relative
+    score.source made absolute in the caller's directory (the project root, where `ddpflow score`
+    and a deployment's flow run both start): the ranks run elsewhere (the package's root), and the manifest names
+    the source a reader can find."""
     from training.inference.model_file import load_model_checkpoint
 
     config, score = request.config, request.config.score
     if not score.source or not score.output:
         raise ConfigError("score.source and score.output are required (or --source and --output)")
-    task = load_model_checkpoint(request.model_path)[1]["task"]
+    meta = load_model_checkpoint(request.model_path)[1]
+    task = meta["task"]
     kind = score.output_kind
     if kind == "auto":
         kind = "value" if task == "regression" else "probabilities"
     if kind not in KINDS.get(task, ()):
         raise ConfigError(f"score.output_kind {kind!r}: a {task} model gives {' or '.join(KINDS.get(task, ()))}")
-    keep = score.keep if score.keep is not None else ([config.data.key] if config.data.key else [])
     return ScoreJob(
         model_path=str(Path(request.model_path).resolve()),
         model={key: str(value) for key, value in request.model.items()},
-        source=score.source,
+        source=in_caller_directory(score.source),
         file_format=score.format,
         output=str(Path(score.output).resolve()),
-        keep=list(keep),
+        keep=default_keep(config, meta),
         output_kind=kind,
         batch_size=score.batch_size,
         on_invalid=score.on_invalid,
@@ -210,6 +213,22 @@ def scoring_job(request: ScoreRequest, layout: RankLayout) -> ScoreJob:
         # The ranks' one collective, at the end, waits for the slowest share: score.timeout_s bounds the scoring.
         collective_timeout_s=max(config.train.collective_timeout_s, score.timeout_s or 86_400.0),
     )
+
+
+def default_keep(config: PipelineConfig, meta: dict[str, Any]) -> list[str]:
+    """score.keep; unset: data.key when the config sets it, else the key the model was trained with (model.pt's
+    ``key``), else none."""
+    if config.score.keep is not None:
+        return list(config.score.keep)
+    key = config.data.key or meta.get("key")
+    return [key] if key else []
+
+
+def in_caller_directory(path: str) -> str:
+    """A local path made absolute in the current directory; a URL (s3://, gs://, ...) as it is."""
+    if "://" in path.removeprefix("file://"):
+        return path
+    return os.path.abspath(os.path.expanduser(path.removeprefix("file://")))
 
 
 def check_output(output: Path, plan: Plan, job: ScoreJob) -> dict[str, Any] | None:

@@ -503,6 +503,36 @@ def scored_inputs_drift(model_path: Path, dataset: Path, output: Path, files: li
         assert "review:unknown_tokens" in psi
 
 
+def test_an_image_folder_scores_as_the_pyfunc_scores_it_each_image_once_keyed_by_its_path(tmp_path, monkeypatch):
+    """An image folder (``root/<class>/<file>``, what data.source takes) as a scoring source: each class folder a
+    file of the plan, its images read in groups; the output keeps each image's ``path`` (the model's data.key, the
+    image folder's default) beside the pyfunc's own scores of the same images."""
+    from image_data import write_image_folder
+
+    from training.core.config import load_config
+    from training.inference.serving import load_predictor, predictions
+    from training.prepare import image_folder
+    from training.prepare.dataset import prepare_dataset
+    from training.prepare.image_folder import ImageFolderSource
+
+    monkeypatch.setattr(image_folder, "GROUP_ROWS", 4)  # 20 images a class: groups of 4 gathered into ranges of 16
+    folder = write_image_folder(tmp_path / "shapes", per_class=6, size=12)
+    data = load_config(None, [f"data.source={folder}", f"data.root={tmp_path / 'shards'}"]).data
+    model_path = untrained_model(prepare_dataset(data).dataset_dir, tmp_path / "model.pt")
+    today = write_image_folder(tmp_path / "today", per_class=20, size=12)
+    manifest = score_in_one_rank(model_path, today, tmp_path / "out", ["path"])
+    scores = read_scores(tmp_path / "out")
+    batches = ImageFolderSource(str(today)).iter_batches(["image", "path"], 8)
+    raw = pd.concat([batch.to_pandas() for _, batch in batches])
+    assert manifest["rows"] == 60 and [rows for _, rows in manifest["source"]["files"]] == [20, 20, 20]
+    assert [name[11:] for name in manifest["files"][:2]] == ["000000000000-000000000016.parquet",
+                                                              "000000000016-000000000020.parquet"]  # fmt: skip
+    assert scores["path"].tolist() == raw["path"].tolist() == sorted(raw["path"])  # each image once, in order
+    expected = predictions(load_predictor(model_path), raw[["image"]].reset_index(drop=True), "probabilities")
+    columns = [name for name in expected.columns if name.startswith("probability_")]
+    np.testing.assert_allclose(scores[columns].to_numpy(), expected[columns].to_numpy(), atol=1e-5)
+
+
 HEAP_BOUND = 120 * 2**20  # what a rank may hold in this test: anonymous memory above its loaded model
 NOTE_CHARS = 3000  # a support ticket's text, kept beside the scores: most of the table's bytes
 NOTE_WORDS = np.array([

@@ -1,7 +1,8 @@
 """End to end through the real stack: `ddpflow stack up` (Prefect server with its event and trigger services,
 work pool, `prefect deploy --all` from the real prefect.yaml, process worker, MLflow server); deployment runs
-through the worker, cancellation, new data starting a training through the deployment trigger, `ddpflow run`
-in the stack's project, the UIs, then `ddpflow stack down`.
+through the worker, cancellation, new data starting a training through the deployment trigger, batch scoring
+through score-nightly and a new champion's trigger, `ddpflow run` in the stack's project, the UIs, then
+`ddpflow stack down`.
 
 One stack for the module: it costs 30-60 s to start on 2 cores, so every test that needs a running stack is
 here. Every store is in a temp dir, which is also the stack's project directory (its state in
@@ -24,6 +25,7 @@ import httpx
 import numpy as np
 import pandas as pd
 import psutil
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
@@ -148,6 +150,9 @@ class Stack:
             return str(client.get_model_version_by_alias(MODEL_NAME, "champion").version)
         except Exception:
             return None
+
+    def api_update(self, path: str, body: dict[str, Any]) -> None:
+        httpx.patch(f"{self.prefect_url}/api{path}", json=body, timeout=30).raise_for_status()
 
     def recorded_pids(self) -> dict[str, int]:
         return {
@@ -539,3 +544,226 @@ def test_the_stack_listens_on_loopback_only(stack: Stack) -> None:
                 pass
     assert listening, "no listening socket found: the scan is broken"
     assert [entry for entry in listening if entry[1] not in ("127.0.0.1", "::1")] == []
+
+
+# --- batch scoring through the deployments (issue 37): score-nightly and the new-champion trigger ---------------
+# A scoring project (what a user's checkout holds for it: configs/score.yaml as shipped, flows/, and data/) that the
+# two score-pipeline deployments run in, as if deployed from it (their working directory, the only change): the
+# shipped config's relative source and output, and the trigger's relative output, land in it. ONE launch of every
+# run (`scoring_runs`), checked by two tests: the project's model (configs/score.yaml's registry.model_name)
+# promoted by the register task in a process of its own, whose event starts score-on-new-champion; and
+# score-nightly on the project's table, an image folder and a text table, each with its own model's @champion.
+# They run beside one another on the worker (score-nightly's runs one after another: its concurrency limit).
+
+SCORE_DEPLOYMENTS = ("score-nightly", "score-on-new-champion")
+TODAY_FILES, TODAY_ROWS = 3, 200  # data/today/: 3 files, so both ranks of the shipped config score
+REGISTER_CHAMPION = Path(__file__).resolve().parent / "register_champion.py"
+NIGHTLY_KINDS = {  # scored by score-nightly with overrides: (model, source in the project, the model's data.key)
+    "images": ("ddpflow-e2e-images", "data/images/", "path"),
+    "reviews": ("ddpflow-e2e-reviews", "data/reviews.parquet", "id"),
+}
+
+
+def scoring_model_config(running: Stack, model_name: str, **data: Any):
+    from training.core.config import PipelineConfig
+
+    return PipelineConfig.model_validate({
+        "data": data, "registry": {"model_name": model_name, "metric": "test_accuracy"},
+        "mlflow": {"tracking_uri": running.mlflow_uri, "experiment": "ddpflow-e2e-scoring",
+                   "artifact_location": str(running.tmp / "mlflow" / "mlartifacts")},
+    })  # fmt: skip
+
+
+def prepared(settings: list[str]) -> Path:
+    from training.core.config import load_config
+    from training.prepare.dataset import prepare_dataset
+
+    return prepare_dataset(load_config(None, settings).data).dataset_dir
+
+
+def pipeline_run(running: Stack, model_name: str, dataset: Path, **data: Any) -> tuple[Any, str]:
+    """(the config, the MLflow run) of a pipeline run that trained on ``dataset``: what the register task gates."""
+    from ddpflow.tracking.runs import start_pipeline_run
+    from tests.ddpflow.tracking.test_registry import DDP, PREFECT
+    from training.core.manifest import read_manifest
+
+    config = scoring_model_config(running, model_name, **data)
+    manifest = read_manifest(dataset)
+    return config, start_pipeline_run(config, model_name, PREFECT, manifest.fingerprint, manifest, DDP, dataset)
+
+
+def register_here(running: Stack, model_name: str, dataset: Path, model_path: Path) -> str:
+    """An untrained model of the dataset's inputs (image_cnn, transformer) registered as NAME@champion in the
+    stack's MLflow, through the gate (no event): its version."""
+    from ddpflow.tracking.registration import register_candidate
+    from tests.flows.test_batch_scoring import untrained_model
+
+    model_path.parent.mkdir(parents=True)
+    untrained_model(dataset, model_path)
+    config, run_id = pipeline_run(running, model_name, dataset)
+    decision = register_candidate(config, run_id, str(model_path), str(dataset), {"test_accuracy": 0.9},
+                                  running.mlflow_uri)  # fmt: skip
+    assert decision.decision == "promoted", decision
+    return str(decision.version)
+
+
+def register_in_a_flow(running: Stack, work: Path) -> dict[str, Any]:
+    """The project's model (ddpflow-demo: a quick model of the churn table, data.key customer_id) through the
+    register task in a process of its own, which emits ddpflow.champion.moved, after the event of another model's
+    promotion, which the project's trigger must not follow: the register task's decision."""
+    from tests.ddpflow.tracking.test_registry import train_typed_model
+    from training.inference.evaluate import evaluate_split
+
+    pq.write_table(churn_table(rows=600, seed=0), work / "churn.parquet")
+    data = {"source": str(work / "churn.parquet"), "root": str(work / "churn-shards"), "label": "churned",
+            "key": "customer_id", "inputs": MIXED_INPUTS}  # fmt: skip
+    dataset = prepared([f"data.{key}={json.dumps(value) if key == 'inputs' else value}" for key, value in data.items()])
+    model_path = train_typed_model(dataset, work / "churn" / "model.pt", steps=100, lr=0.01)
+    config, run_id = pipeline_run(running, "ddpflow-demo", dataset, **data)
+    request = {"config": config.model_dump(mode="json"), "run_id": run_id, "model_path": str(model_path),
+               "dataset": str(dataset), "metrics": evaluate_split(model_path, dataset).metrics,
+               "tracking_uri": running.mlflow_uri, "other_model": "ddpflow-e2e-other"}  # fmt: skip
+    registered = subprocess.run([sys.executable, str(REGISTER_CHAMPION), json.dumps(request)], cwd=running.repo,
+                                env=running.cli_env, capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert registered.returncode == 0, registered.stderr[-4000:]
+    return json.loads(registered.stdout.strip().splitlines()[-1])
+
+
+def scoring_project_dir(running: Stack) -> tuple[Path, pa.Table]:
+    """The project: configs/score.yaml as shipped, flows/, data/today/ (the churn table in 3 files), data/images/
+    (an image folder), data/reviews.parquet (a text table); (its directory, today's table)."""
+    from image_data import write_image_folder
+
+    project = running.tmp / "scoring-project"
+    (project / "configs").mkdir(parents=True)
+    (project / "configs" / "score.yaml").write_text((running.repo / "configs" / "score.yaml").read_text())
+    (project / "flows").symlink_to(running.repo / "flows")
+    (project / "data" / "today").mkdir(parents=True)
+    table = churn_table(rows=TODAY_FILES * TODAY_ROWS, seed=5)
+    for index in range(TODAY_FILES):
+        pq.write_table(table.slice(index * TODAY_ROWS, TODAY_ROWS), project / "data" / "today" / f"day-{index}.parquet")
+    write_image_folder(project / "data" / "images", per_class=5, size=12)
+    pq.write_table(review_table(60).slice(0, 45), project / "data" / "reviews.parquet")
+    return project, table
+
+
+def review_table(rows: int) -> pa.Table:
+    rng = np.random.default_rng(0)
+    words = np.array(["late", "parcel", "great", "broken", "fast", "refund", "thanks", "never", "again"])
+    return pa.table({"id": np.arange(rows, dtype=np.int64) + 500,
+                     "review": [" ".join(rng.choice(words, size=rng.integers(2, 9))) for _ in range(rows)],
+                     "colour": ["red", "blue"] * (rows // 2), "stars": rng.integers(1, 6, size=rows)})  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def scoring_runs(stack: Stack):
+    """Every scoring run of the project, launched once: the image and text models registered and their nightly
+    runs submitted first (they score while the project's model trains), then the project's model registered
+    through the register task (its event: the trigger's run), then `prefect deployment run
+    score-pipeline/score-nightly` as a user types it (the shipped config: ddpflow-demo@champion on data/today/)."""
+    from image_data import write_image_folder
+
+    project, table = scoring_project_dir(stack)
+    deployed = {name: stack.api("GET", f"/deployments/name/score-pipeline/{name}") for name in SCORE_DEPLOYMENTS}
+    for deployment in deployed.values():  # as if deployed from the project: `prefect deploy` renders {{ $PWD }}
+        steps = [{"prefect.deployments.steps.set_working_directory": {"directory": str(project)}}]
+        stack.api_update(f"/deployments/{deployment['id']}", {"pull_steps": steps})
+    try:
+        work = stack.tmp / "scoring-models"
+        work.mkdir()
+        pq.write_table(review_table(60), work / "reviews.parquet")
+        inputs = json.dumps({"review": {"kind": "text", "tokenizer": {"vocab_size": 40}}, "colour": "categorical"})
+        datasets = {
+            "images": prepared([f"data.source={write_image_folder(work / 'shapes', per_class=6, size=12)}",
+                                f"data.root={work / 'shards'}"]),
+            "reviews": prepared([f"data.source={work / 'reviews.parquet'}", f"data.root={work / 'shards'}",
+                                 "data.label=stars", "data.key=id", f"data.inputs={inputs}"]),
+        }  # fmt: skip
+        versions, nightly = {}, {}
+        for kind, (model_name, source, _key) in NIGHTLY_KINDS.items():
+            versions[kind] = register_here(stack, model_name, datasets[kind], work / kind / "model.pt")
+            overrides = [f"registry.model_name={model_name}", f"score.source={source}",
+                         f"score.output=data/scores/{kind}", "score.nproc_per_node=1"]  # fmt: skip
+            nightly[kind] = stack.create_flow_run("score-pipeline/score-nightly", {"overrides": overrides})
+        decision = register_in_a_flow(stack, work)
+        result = stack.prefect("deployment", "run", "score-pipeline/score-nightly")
+        assert result.returncode == 0, result.stdout + result.stderr
+        nightly["today"] = re.search(r"UUID:\s*([0-9a-f-]{36})", result.stdout).group(1)
+        yield {"dir": project, "table": table, "versions": versions, "decision": decision, "nightly": nightly,
+               "deployments": deployed}  # fmt: skip
+    finally:
+        for deployment in deployed.values():
+            stack.api_update(f"/deployments/{deployment['id']}", {"pull_steps": deployment["pull_steps"]})
+
+
+def scores_in(output: Path) -> pd.DataFrame:
+    return pd.concat([pd.read_parquet(part) for part in sorted(output.glob("part-*.parquet"))], ignore_index=True)
+
+
+def assert_completed(running: Stack, runs: dict[str, dict[str, Any]]) -> None:
+    failed = {run["name"]: (run["state_name"], (run["state"] or {}).get("message")) for run in runs.values()
+              if run["state_type"] != "COMPLETED"}  # fmt: skip
+    assert not failed, f"{failed}\n{running.log_tail('worker', 80)}"
+
+
+def test_a_new_champion_of_the_projects_model_scores_the_table_once_through_the_trigger(
+    stack: Stack, scoring_runs: dict
+) -> None:
+    """The register task promoted the project's first model (ddpflow-demo v1) and emitted ddpflow.champion.moved;
+    score-on-new-champion's trigger starts ONE run, with that version, into data/scores/ddpflow-demo-v1 of the
+    project, on the shipped config's 2 ranks: every row once, the model's key kept (no score.keep anywhere). A
+    promotion of another model (emitted first) starts none: the project's source is not its input."""
+    project, table, decision = scoring_runs["dir"], scoring_runs["table"], scoring_runs["decision"]
+    assert (decision["decision"], decision["version"]) == ("promoted", "1"), decision
+    on_new_champion = scoring_runs["deployments"]["score-on-new-champion"]
+    try:
+        triggered = wait_until(lambda: flow_runs_of(stack, on_new_champion["id"]), TRIGGER_WAIT_S, "the trigger's run")
+    except TimeoutError as error:
+        pytest.fail(f"{error}: no scoring started by the trigger: {stack.log_tail('prefect-server')}")
+    runs = stack.wait_for_terminal([run["id"] for run in triggered])
+    assert_completed(stack, runs)
+    (run,) = runs.values()
+    # The event's version and output over the deployment's config_file.
+    assert run["parameters"] == {"config_file": "configs/score.yaml", "model": "ddpflow-demo/1",
+                                 "output": "data/scores/ddpflow-demo-v1"}  # fmt: skip
+    output = project / "data" / "scores" / "ddpflow-demo-v1"
+    manifest = json.loads((output / "manifest.json").read_text())
+    assert manifest["model"] == {"name": "ddpflow-demo", "version": "1", "uri": "models:/ddpflow-demo/1"}
+    assert manifest["rows"] == manifest["scored"] == TODAY_FILES * TODAY_ROWS and manifest["world_size"] == 2
+    assert manifest["keep"] == ["customer_id"]  # the model's data.key: configs/score.yaml keeps nothing else
+    assert manifest["source"]["url"] == str(project / "data" / "today")  # the project's, not the checkout's
+    assert scores_in(output)["customer_id"].tolist() == table["customer_id"].to_pylist()  # every row once
+    # The other model's event, emitted first, started nothing (nor did the module's earlier promotions).
+    assert [run["id"] for run in flow_runs_of(stack, on_new_champion["id"])] == [run["id"]]
+
+
+def test_score_nightly_scores_a_table_an_image_folder_and_a_text_table_through_the_worker(
+    stack: Stack, scoring_runs: dict
+) -> None:
+    """score-pipeline/score-nightly through the worker: with no parameters (`prefect deployment run`), the shipped
+    configs/score.yaml on the project's table with ddpflow-demo@champion; with overrides (relative paths: the
+    project's), an image folder and a text table, each scored by its own model's @champion, keeping its key."""
+    project, versions = scoring_runs["dir"], scoring_runs["versions"]
+    runs = stack.wait_for_terminal(list(scoring_runs["nightly"].values()))
+    assert_completed(stack, runs)
+    scores = project / "data" / "scores"
+    today = json.loads((scores / "today" / "manifest.json").read_text())
+    assert today["model"] == {"name": "ddpflow-demo", "version": "1", "uri": "models:/ddpflow-demo@champion"}
+    assert today["rows"] == TODAY_FILES * TODAY_ROWS and today["output_kind"] == "probabilities"
+    nightly = scores_in(scores / "today")
+    assert nightly["customer_id"].tolist() == scoring_runs["table"]["customer_id"].to_pylist()
+    if (scores / "ddpflow-demo-v1" / "manifest.json").is_file():  # the trigger's run: the same version's scores
+        pd.testing.assert_frame_equal(nightly, scores_in(scores / "ddpflow-demo-v1"))
+    images = project / "data" / "images"
+    expected_keys = {
+        "images": sorted(path.relative_to(images).as_posix() for path in images.rglob("*.png")),
+        "reviews": list(range(500, 545)),
+    }
+    for kind, (model_name, _source, key) in NIGHTLY_KINDS.items():
+        manifest = json.loads((scores / kind / "manifest.json").read_text())
+        assert manifest["model"]["name"] == model_name and manifest["model"]["version"] == versions[kind]
+        assert manifest["keep"] == [key] and manifest["rows"] == len(expected_keys[kind])
+        scored = scores_in(scores / kind)
+        assert scored[key].tolist() == expected_keys[kind], kind  # every image / review once, in order
+        probabilities = scored[[name for name in scored.columns if name.startswith("probability_")]]
+        assert probabilities.shape[1] >= 2 and np.allclose(probabilities.sum(axis=1), 1.0, atol=1e-5)

@@ -175,12 +175,16 @@ class Plan:
 
 
 def open_scoring_source(source: str, file_format: str = "auto"):
-    """The source as data.source reads it (file, directory, glob, fsspec URL), files only."""
+    """The source as data.source reads it (file, directory, glob, fsspec URL, image folder), no synthetic data."""
+    from training.prepare.image_folder import ImageFolderSource
     from training.prepare.sources import FileSource, open_source
 
     opened = open_source(source, file_format)
-    if not isinstance(opened, FileSource):
-        raise DataError(f"score.source {source!r}: scoring reads Parquet or CSV files, not {type(opened).__name__}")
+    if not isinstance(opened, FileSource | ImageFolderSource):
+        raise DataError(
+            f"score.source {source!r}: scoring reads Parquet or CSV files or an image folder, not "
+            f"{type(opened).__name__}"
+        )
     return opened
 
 
@@ -208,10 +212,13 @@ def source_fingerprint(identity: dict[str, Any]) -> str:
 def _cut(fragment, batch_size: int, ranks: int = 1) -> tuple[int, list[tuple]]:
     """(the file's rows, its ranges as (start, stop, row groups, first)): whole row groups of a Parquet file
     gathered to at least ``batch_size`` rows, a row group of ``2 * batch_size`` rows or more cut into up to
-    ``ranks`` pieces; a CSV file is one range (its rows counted by a scan)."""
+    ``ranks`` pieces (an image folder's class folder likewise: its row groups are runs of images); a CSV file is one
+    range (its rows counted by a scan)."""
     import pyarrow.dataset as ds
 
-    if not isinstance(fragment, ds.ParquetFileFragment):
+    from training.prepare.image_folder import ImageFragment
+
+    if not isinstance(fragment, ds.ParquetFileFragment | ImageFragment):
         rows = fragment.count_rows()
         return rows, [(0, rows, None, None)] if rows else []
     fragment.ensure_complete_metadata()
@@ -238,14 +245,17 @@ def _cut(fragment, batch_size: int, ranks: int = 1) -> tuple[int, list[tuple]]:
 
 def check_columns(source, inputs: dict[str, Any], keep: list[str]) -> None:
     """Every input and keep column is in the source, and numeric inputs hold numbers; a DataError names them."""
-    first = source.files[0].display if source.files else source.description
+    first = next((file.display for file, _ in source.fragments()), source.description)
     schema = source.schema
     missing = [name for name in inputs if name not in schema.names]
     if missing:
         raise DataError(f"{first}: lacks the model's input columns {missing} (the source has {schema.names})")
     absent = [name for name in keep if name not in schema.names]
     if absent:
-        raise DataError(f"{first}: lacks the score.keep columns {absent} (the source has {schema.names})")
+        raise DataError(
+            f"{first}: lacks the score.keep columns {absent} (the source has {schema.names}; score.keep unset keeps "
+            "data.key, else the model's own: set score.keep, [] for none)"
+        )
     for name, info in inputs.items():  # each input's column as its kind's record takes it (prepare's check)
         column_type, record = schema.field(name).type, kind_record(info.kind)
         if not (pa.types.is_null(column_type) or record.takes(column_type)):  # all null: each row's own check

@@ -143,6 +143,8 @@ def inference_checkpoint(
         "task": manifest.task,
         "label": manifest.label,
         "label_mapping": manifest.label_mapping,
+        # data.key, the rows' stable id: what batch scoring keeps beside the scores by default (score.keep).
+        "key": manifest.key,
         "fingerprint": manifest.fingerprint,
         "epochs": epochs,
         "metrics": metrics,

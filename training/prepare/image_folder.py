@@ -6,13 +6,15 @@ Rows, in sorted path order: ``image`` (a {bytes, path} struct: the file's bytes 
 prepare's errors name the file), ``label`` (the subfolder's name) and ``path`` (relative to the root: lineage,
 error messages, and the default ``data.key``, so an image keeps its split when files are added). The shards
 keep the bytes only (training/kinds/image.py). The identity is the listing (names, sizes, modification times),
-as for table files: nothing is opened to know whether the folder changed.
+as for table files: nothing is opened to know whether the folder changed. Batch scoring reads it as it reads
+Parquet files (``fragments``, ``scan``): each class folder a file, its images in row groups of GROUP_ROWS.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ FORMAT = "images"
 IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif"})
 TABLE_SUFFIXES = frozenset({".parquet", ".pq", ".parq", ".csv"})
 BATCH_BYTES = 64 << 20  # a read batch holds at most about this many bytes of images (or data.read_batch_rows)
+GROUP_ROWS = 256  # batch scoring reads a class folder in groups of this many images (its ranges gather them)
 IMAGE, LABEL, PATH = "image", "label", "path"
 SCHEMA = pa.schema(
     [
@@ -82,16 +85,32 @@ class ImageFolderSource:
 
     def iter_batches(self, columns: list[str], batch_rows: int) -> Iterator[tuple[str, pa.RecordBatch]]:
         """Batches of at most ``batch_rows`` images and about BATCH_BYTES; the file named is the root."""
+        for batch in self._batches([(relative, size) for relative, size, _ in self.files], columns, batch_rows):
+            yield self.description, batch
+
+    def fragments(self) -> list[tuple[ClassFolder, ImageFragment]]:
+        """Each class folder as batch scoring's "file", its images in row groups of GROUP_ROWS (the ranges a
+        scoring cuts, as a Parquet file's: training/inference/batch_scoring.py), in path order."""
+        folders: dict[str, list[tuple[str, int]]] = {}
+        for relative, size, _version in self.files:
+            folders.setdefault(relative.split("/", 1)[0], []).append((relative, size))
+        return [(ClassFolder(str(self.root / name)), ImageFragment(rows)) for name, rows in folders.items()]
+
+    def scan(self, file, fragment: ImageFragment, columns: list[str], batch_rows: int) -> Iterator[pa.RecordBatch]:
+        """A fragment's images, ``batch_rows`` (and about BATCH_BYTES) at a time."""
+        return self._batches(fragment.selected(), columns, batch_rows)
+
+    def _batches(self, files: list[tuple[str, int]], columns: list[str], batch_rows: int) -> Iterator[pa.RecordBatch]:
         rows: list[tuple[str, int]] = []
         held = 0
-        for relative, size, _version in self.files:
+        for relative, size in files:
             rows.append((relative, size))
             held += size
             if len(rows) >= batch_rows or held >= BATCH_BYTES:
-                yield self.description, self._batch(rows, columns)
+                yield self._batch(rows, columns)
                 rows, held = [], 0
         if rows:
-            yield self.description, self._batch(rows, columns)
+            yield self._batch(rows, columns)
 
     def _batch(self, rows: list[tuple[str, int]], columns: list[str]) -> pa.RecordBatch:
         arrays = {
@@ -110,6 +129,39 @@ class ImageFolderSource:
             return (self.root / relative).read_bytes()
         except OSError as error:
             raise DataError(f"{self.root / relative}: cannot be read: {error}") from None
+
+
+@dataclass(frozen=True)
+class ClassFolder:
+    display: str  # what the plan and error messages name
+
+
+@dataclass(frozen=True)
+class ImageGroup:
+    id: int
+    num_rows: int
+
+
+class ImageFragment:
+    """A class folder's images, (relative path, size) in order, seen as row groups of GROUP_ROWS images: what
+    batch scoring's plan cuts into ranges and reads back (``row_groups``, ``subset``), as for a Parquet file."""
+
+    def __init__(self, rows: list[tuple[str, int]], group_ids: list[int] | None = None):
+        self.rows = rows
+        self.group_ids = list(range(-(-len(rows) // GROUP_ROWS))) if group_ids is None else group_ids
+
+    @property
+    def row_groups(self) -> list[ImageGroup]:
+        return [ImageGroup(i, len(self.rows[i * GROUP_ROWS : (i + 1) * GROUP_ROWS])) for i in self.group_ids]
+
+    def ensure_complete_metadata(self) -> None:
+        """Nothing to read: the listing is the metadata."""
+
+    def subset(self, row_group_ids: list[int]) -> ImageFragment:
+        return ImageFragment(self.rows, row_group_ids)
+
+    def selected(self) -> list[tuple[str, int]]:
+        return [row for i in self.group_ids for row in self.rows[i * GROUP_ROWS : (i + 1) * GROUP_ROWS]]
 
 
 def _schema_of(columns: list[str]) -> pa.Schema:

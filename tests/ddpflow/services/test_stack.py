@@ -43,10 +43,14 @@ def test_prefect_yaml_deploys_the_pipeline_with_real_configs(repo_root: Path) ->
     # The sweep deployment's section validates as `ddpflow sweep` reads it (docs/sweeps.md).
     assert deployments["tune"]["entrypoint"] == "flows/sweep.py:sweep_pipeline"
     assert load_sweep(repo_root / deployments["tune"]["parameters"]["config_file"]).sweep.trials >= 1
-    (trigger,) = deployments["score-on-new-champion"]["triggers"]  # tasks/register.py emits it when @champion moves
-    assert trigger["expect"] == ["ddpflow.champion.moved"] and trigger["match"] == {
-        "prefect.resource.id": "ddpflow.model.*"
-    }
+    on_new_champion = deployments["score-on-new-champion"]
+    (trigger,) = on_new_champion["triggers"]  # tasks/register.py emits it when @champion moves
+    # Only the model configs/score.yaml scores (its registry.model_name): another model's champion scores nothing.
+    model_name = load_config(repo_root / on_new_champion["parameters"]["config_file"]).registry.model_name
+    assert trigger["expect"] == ["ddpflow.champion.moved"]
+    assert trigger["match"] == {"prefect.resource.id": f"ddpflow.model.{model_name}"}
+    # The event's version and its own output, over the deployment's config_file (Prefect merges them).
+    assert sorted(trigger["parameters"]) == ["model", "output"]
 
 
 def test_up_refuses_a_busy_port_before_starting_anything(tmp_path: Path, repo_root: Path) -> None:
