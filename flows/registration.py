@@ -7,7 +7,8 @@ config it logged, ``model.pt`` and the dataset (tags the evaluate stage set)
 and its test metrics. Nothing is retrained or re-evaluated; a run already
 registered keeps its recorded decision (ddpflow/tracking/registration.py is
 idempotent per run). The gate holds the same per-model lock as the pipeline's
-register task, so it never races a scheduled run.
+register task, so it never races a scheduled run, and a promotion emits the same
+``ddpflow.champion.moved`` event, so the new champion re-scores as after a pipeline run.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
+from ddpflow.tracking.gate import PROMOTED
 from ddpflow.tracking.registration import register_run
 from ddpflow.tracking.runs import check_tracking_reachable, resolve_tracking_uri
-from tasks.register import gate_lock
+from tasks.register import announce_new_champion, gate_lock
 from training.core.config import PipelineConfig
 
 
@@ -33,9 +35,10 @@ def register_finished_run(
     """
     tracking_uri = resolve_tracking_uri(config or PipelineConfig())
     check_tracking_reachable(tracking_uri)
-    decision = register_run(
-        run_id, config, overrides, tracking_uri, logger=get_run_logger(), gate_lock=gate_lock
-    ).to_dict()
+    outcome = register_run(run_id, config, overrides, tracking_uri, logger=get_run_logger(), gate_lock=gate_lock)
+    if outcome.decision == PROMOTED and not outcome.already_registered:
+        announce_new_champion(outcome)
+    decision = outcome.to_dict()
     return {
         "model_name": decision["model_name"],
         "model_version": decision["version"],

@@ -203,3 +203,18 @@ def test_mlflow_down_at_registration_keeps_the_model_and_registration_finishes_l
     versions = client.search_model_versions("name = 'outage-model'")
     assert [(str(v.version), v.run_id) for v in versions] == [("1", run_id)]  # exactly one, from this run
     assert str(client.get_model_version_by_alias("outage-model", "champion").version) == "1"
+    # The late registration moved @champion: the event score-on-new-champion waits for, once (not for `again`).
+    assert [event["payload"]["version"] for event in champion_moved_events(prefect_harness, "outage-model")] == ["1"]
+
+
+def champion_moved_events(api_url: str, model_name: str, wait_s: float = 30.0) -> list[dict]:
+    """The ``ddpflow.champion.moved`` events of ``model_name`` the Prefect server holds (waiting for the first)."""
+    from tasks.register import CHAMPION_MOVED
+
+    body = {"filter": {"event": {"name": [CHAMPION_MOVED]}, "resource": {"id": [f"ddpflow.model.{model_name}"]}}}
+    deadline, events = time.monotonic() + wait_s, []
+    while not events and time.monotonic() < deadline:
+        events = httpx.post(f"{api_url}/events/filter", json=body, timeout=30).json()["events"]
+        time.sleep(0.5)
+    time.sleep(1.0)  # a second event, had there been one, arrives with the first
+    return httpx.post(f"{api_url}/events/filter", json=body, timeout=30).json()["events"]
