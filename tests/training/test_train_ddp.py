@@ -515,6 +515,9 @@ EXACT_RUNS: dict[str, tuple[int, str, dict]] = {
     **{f"{case}_w2": (2, case, {"batch_size": 8}) for case in PREPARED_CASES},
     **{f"{case}_w1x2": (1, case, {"batch_size": 16}) for case in PREPARED_CASES},
     "regression": (2, "regression", {"epochs": 3, "batch_size": 32}),
+    # TabM-mini (model_kwargs ensemble: k) over the default stem (bins, nulls): an option, exact like the mlp.
+    "ensemble_w2": (2, "numeric_nulls", {"batch_size": 8, "model_kwargs": {"hidden": HIDDEN, "ensemble": 8}}),
+    "ensemble_w1x2": (1, "numeric_nulls", {"batch_size": 16, "model_kwargs": {"hidden": HIDDEN, "ensemble": 8}}),
     # Last of its launch: the resume test's reference, bit for bit (a case trains what its own launch would).
     "dropout_uninterrupted": (2, "uneven", DROPOUT_RESUME),
 }
@@ -605,6 +608,23 @@ def test_weighted_rows_multilabel_and_nulls_on_two_ranks_train_the_weights_of_on
 
 
 @pytest.mark.server  # `mlflow models serve`
+def test_an_ensemble_on_two_ranks_trains_the_weights_of_one_rank_with_twice_the_batch(exact_runs):
+    """``ensemble: 8`` (TabM-mini: a random-sign scale per member, shared layers, 8 heads averaged) on numeric
+    inputs with nulls and their embeddings: 2 ranks x 8 against 1 rank x 16, the last global step short. The
+    members' scales start from the seed, the same on every rank, so the world size does not change the weights."""
+    two, one = exact_runs["ensemble_w2"], exact_runs["ensemble_w1x2"]
+    weights_two, weights_one = two.model()["model"], one.model()["model"]
+    assert weights_two["adapter.scale"].shape[0] == 8
+    assert weights_two["net.2.weight"].shape[:2] == (8, HIDDEN[-1])  # 8 heads after the shared hidden layer
+    # The members still differ after training: 8 copies of one model would make the option a no-op.
+    heads = weights_two["net.2.weight"]
+    assert (heads - heads.mean(dim=0)).abs().max() > 1e-3
+    report("ensemble 8: 2 ranks x 8 vs 1 rank x 16", assert_same_weights(weights_two, weights_one, EXACT))
+    for a, b in zip(two.metrics(), one.metrics(), strict=True):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
+        assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-5)
+
+
 def test_a_multilabel_model_served_over_http_answers_label_lists_and_probabilities_as_evaluated(
     exact_runs, mlflow_store, tmp_path
 ):
