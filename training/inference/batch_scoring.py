@@ -346,9 +346,8 @@ class UnitScorer:
 
     def score_batch(self, batch: pa.RecordBatch, display: str, first_row: int) -> tuple[pa.Table, pa.Table | None]:
         """The batch's output rows, and its refused rows (``on_invalid: skip``) with the reason."""
-        frame = batch.to_pandas()
-        stop_at_first = self.job.on_invalid == "error"
-        good, bad = _bisect(self.predictor, frame, np.arange(len(frame)), self.output_name, stop_at_first)
+        stop_at_first = self.job.on_invalid == "error"  # the batch as Arrow: Predictor.scores reads it as it is
+        good, bad = _bisect(self.predictor, batch, np.arange(batch.num_rows), self.output_name, stop_at_first)
         if bad and stop_at_first:
             position, reason = bad[0]
             raise DataError(
@@ -367,19 +366,19 @@ class UnitScorer:
         return table, refused.append_column("reason", pa.array([r for _, r in bad], pa.string()))
 
 
-def _bisect(predictor, frame, positions: np.ndarray, output: str, stop_at_first: bool):
+def _bisect(predictor, batch: pa.RecordBatch, positions: np.ndarray, output: str, stop_at_first: bool):
     """([(positions, scores)], [(position, reason)]): the rows the model scores, in order, and those it refuses,
     found by halving a refused batch (a clean batch is one call); ``stop_at_first``: only the first refused row."""
     try:
-        return [(positions, predictor.scores(frame, output))], []
+        return [(positions, predictor.scores(batch, output))], []
     except (ValueError, TypeError, OSError) as error:
-        if len(frame) == 1:
+        if batch.num_rows == 1:
             return [], [(int(positions[0]), str(error))]
-    half = len(frame) // 2
-    good, bad = _bisect(predictor, frame.iloc[:half], positions[:half], output, stop_at_first)
+    half = batch.num_rows // 2
+    good, bad = _bisect(predictor, batch.slice(0, half), positions[:half], output, stop_at_first)
     if bad and stop_at_first:
         return good, bad
-    good_b, bad_b = _bisect(predictor, frame.iloc[half:], positions[half:], output, stop_at_first)
+    good_b, bad_b = _bisect(predictor, batch.slice(half), positions[half:], output, stop_at_first)
     return good + good_b, bad + bad_b
 
 
