@@ -7,7 +7,9 @@ weights: they do not change the speed). Three figures per repeat:
   and the drift read-back) against the pyfunc's ``predict(chunk, params={"output": "probabilities"})`` over the
   same rows in 100k-row chunks read with pyarrow (loading the model included), torch on every core;
 - steady: the ranks' rows/s (the manifest's ``seconds``: from the plan to the coverage check) against twice the
-  model's own forward rate on a pre-encoded 65,536-row batch with one torch thread (what each rank has).
+  model's own forward rate on a pre-encoded 65,536-row batch with one torch thread (what each rank has): the
+  faster of one call on the whole batch and calls of ``CPU_FORWARD_ROWS`` rows (what ``Predictor`` makes on a
+  CPU; about 3x faster here, so the reference is the harder one).
 """
 
 from __future__ import annotations
@@ -52,7 +54,9 @@ def run(ctx: Context) -> list[Result]:
         pyfunc.append(rows / served.seconds)
         log(f"scoring repeat {repeat + 1}: ddpflow score {ours[-1]:,.0f} rows/s end to end ({steady[-1]:,.0f} "
             f"steady), pyfunc {pyfunc[-1]:,.0f} rows/s")  # fmt: skip
-    forward = forward_rate(model, source)
+    whole, chunked = forward_rate(model, source)
+    cpu_rows = ddpflow_api.cpu_forward_rows()
+    forward = max(whole, chunked)
     end_to_end = Stats.of(a / b for a, b in zip(ours, pyfunc, strict=True))
     steady_ratio = Stats.of(rate / (RANKS * forward) for rate in steady)
     return [
@@ -78,25 +82,42 @@ def run(ctx: Context) -> list[Result]:
             title="Batch scoring, steady",
             ratio=steady_ratio,
             target=0.8,
-            ratio_label="the ranks' rows/s ÷ 2 x the model's forward rate on pre-encoded batches (1 thread)",
+            ratio_label="the ranks' rows/s ÷ 2 x the model's best forward rate on pre-encoded batches (1 thread)",
             rows=[
                 Row("2 ranks, from the plan to the coverage check", Stats.of(steady), "rows/s", steady_ratio),
-                Row("the model's forward on a pre-encoded 65,536-row batch, 1 thread", Stats.of([forward]), "rows/s"),
+                Row(
+                    f"the model's forward on a pre-encoded {FORWARD_BATCH:,}-row batch in {cpu_rows:,}-row "
+                    "calls, 1 thread",
+                    Stats.of([chunked]),
+                    "rows/s",
+                ),  # fmt: skip
+                Row("the same batch in one call, 1 thread", Stats.of([whole]), "rows/s"),
             ],
+            notes=["the reference is the faster of the two forward rates"],
         ),
     ]
 
 
-def forward_rate(model_path, source, repeats: int = 5) -> float:
+def forward_rate(model_path, source, repeats: int = 5) -> tuple[float, float]:
+    """(rows/s of one forward call on a pre-encoded FORWARD_BATCH-row batch, rows/s of the same batch in
+    CPU_FORWARD_ROWS-row calls), one torch thread, no encoding."""
     import pyarrow.parquet as pq
     import torch
 
     set_threads(1)
     frame = next(pq.ParquetFile(source).iter_batches(batch_size=FORWARD_BATCH)).to_pandas()
     model, batch = ddpflow_api.encoded_forward(model_path, frame)
+    step = ddpflow_api.cpu_forward_rows()
+    starts = range(0, len(frame), step)
+    chunks = [{name: tensor[start : start + step] for name, tensor in batch.items()} for start in starts]
+    rates = []  # the chunks are views of the batch: the same rows, the same memory, only the calls differ
     with torch.inference_mode():
-        model(batch)  # warm-up
-        with Timer() as timed:
-            for _ in range(repeats):
-                model(batch)
-    return repeats * len(frame) / timed.seconds
+        for calls in ([batch], chunks):
+            for rows in calls:  # warm-up
+                model(rows)
+            with Timer() as timed:
+                for _ in range(repeats):
+                    for rows in calls:
+                        model(rows)
+            rates.append(repeats * len(frame) / timed.seconds)
+    return rates[0], rates[1]

@@ -370,7 +370,7 @@ def _bisect(predictor, batch: pa.RecordBatch, positions: np.ndarray, output: str
     """([(positions, scores)], [(position, reason)]): the rows the model scores, in order, and those it refuses,
     found by halving a refused batch (a clean batch is one call); ``stop_at_first``: only the first refused row."""
     try:
-        return [(positions, predictor.scores(batch, output))], []
+        return [(positions, predictor.score_columns(batch, output))], []
     except (ValueError, TypeError, OSError) as error:
         if batch.num_rows == 1:
             return [], [(int(positions[0]), str(error))]
@@ -396,13 +396,13 @@ def output_schema(source: pa.Schema, keep: list[str], predictor, output_kind: st
 
 
 def _output_table(keep: pa.Table, scores: list, schema: pa.Schema) -> pa.Table:
-    """The kept columns beside the scores (``Predictor.scores``' arrays or frames of label + probabilities)."""
+    """The kept columns beside the scores (``Predictor.score_columns``: label, and probabilities)."""
     columns = {name: keep[name] for name in keep.column_names}
     for column in schema:
         if column.name in columns:
             continue
         name = "label" if column.name == PREDICTION else column.name
-        parts = [np.asarray(score[name] if hasattr(score, "columns") else score) for score in scores]
+        parts = [np.asarray(score[name]) for score in scores]
         values = np.concatenate(parts) if parts else np.empty(0, dtype=object)
         columns[column.name] = pa.array(values.tolist() if values.dtype == object else values, column.type)
     return pa.table(columns, schema=schema)
@@ -473,7 +473,7 @@ def iter_parts(output: str | os.PathLike) -> Iterator[Path]:
 def main(argv: list[str] | None = None) -> None:
     from training.core.config import TrainConfig
     from training.distributed.context import distributed
-    from training.distributed.process import die_with_parent, record_root_cause
+    from training.distributed.process import die_with_parent, exit_without_teardown, record_root_cause
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="OUTPUT/.score/job.json")
@@ -489,6 +489,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"scored {manifest['rows']} rows into {len(manifest['files'])} files", flush=True)
 
     run()
+    exit_without_teardown()  # done: the group is destroyed and every file closed; torchrun waits for the slowest
 
 
 if __name__ == "__main__":

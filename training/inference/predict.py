@@ -70,7 +70,7 @@ class Predictor:
         """The raw input columns (a DataFrame's, or an Arrow batch's as they are: no pandas round trip) -> the
         model's batch dict, through the codecs evaluation uses; names what is missing or invalid. An unseen
         category is the unknown index (never an error)."""
-        present = frame.columns if isinstance(frame, pd.DataFrame) else frame.column_names
+        present = frame.column_names if _is_arrow(frame) else frame.columns
         missing = [name for name in self.features if name not in present]
         if missing:
             raise ValueError(f"input is missing feature columns {missing}; the model needs {self.features}")
@@ -130,20 +130,26 @@ class Predictor:
     def scores(self, frame: Rows, output: str = "label") -> pd.DataFrame | np.ndarray:
         """What the served model returns for ``params={"output": output}`` (``OUTPUTS``), from ONE forward pass:
         the labels (or values) as an array; ``probabilities``: a frame of ``label`` and one ``probability_<class>``
-        column per class (regression: the values). The pyfunc and batch scoring both answer through this."""
+        column per class (regression: the values). The pyfunc answers through this, batch scoring through
+        ``score_columns``: the same arrays."""
+        columns = self.score_columns(frame, output)
+        if len(columns) == 1:
+            return columns["label"]
+        return pd.DataFrame(columns, index=_index(frame))
+
+    def score_columns(self, frame: Rows, output: str = "label") -> dict[str, np.ndarray]:
+        """``scores`` as arrays, no pandas: ``{"label": ...}``, and for ``probabilities`` of a classifier one
+        ``probability_<class>`` array per class."""
         if output not in OUTPUTS:
             raise ValueError(f"params.output must be one of {OUTPUTS}, not {output!r}")
         if output == "label" or self._labels is None:
-            return self.predict(frame)
+            return {"label": self.predict(frame)}
         decoded, probabilities = self._objective.decode(self.outputs(frame))
         raw = decoded.numpy()
-        result = pd.DataFrame(
-            {"label": label_sets(raw, self._labels) if self.task == "multilabel" else self._labels[raw]},
-            index=_index(frame),
-        )
+        columns = {"label": label_sets(raw, self._labels) if self.task == "multilabel" else self._labels[raw]}
         for i, label in enumerate(self._labels):
-            result[f"probability_{label}"] = probabilities[:, i].numpy()
-        return result
+            columns[f"probability_{label}"] = probabilities[:, i].numpy()
+        return columns
 
     def predict_proba(self, frame: Rows) -> pd.DataFrame:
         """Classification: a column per class (its original label), each row's probabilities (multilabel: each
@@ -161,14 +167,18 @@ def label_sets(multi_hot: np.ndarray, labels: np.ndarray) -> np.ndarray:
     return sets
 
 
+def _is_arrow(frame: Rows) -> bool:
+    return isinstance(frame, (pa.RecordBatch, pa.Table))
+
+
 def _index(frame: Rows) -> pd.Index | None:
     """A DataFrame's index for the answer's rows (an Arrow batch's rows: 0..n-1)."""
-    return frame.index if isinstance(frame, pd.DataFrame) else None
+    return None if _is_arrow(frame) else frame.index
 
 
 def _column(frame: Rows, name: str) -> pa.Array:
     """One input column as Arrow: a DataFrame's converted, an Arrow batch's as it is (a table's in one chunk)."""
-    if isinstance(frame, pd.DataFrame):
+    if not _is_arrow(frame):
         return _arrow(frame[name], name)
     column = frame.column(name)
     return column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
