@@ -90,7 +90,7 @@ def run(ctx: Context) -> list[Result]:
                     "calls, 1 thread",
                     Stats.of([chunked]),
                     "rows/s",
-                ),  # fmt: skip
+                ),
                 Row("the same batch in one call, 1 thread", Stats.of([whole]), "rows/s"),
             ],
             notes=["the reference is the faster of the two forward rates"],
