@@ -40,6 +40,7 @@ def score_table(
     ``rows_per_s`` (the whole command, start-up included)."""
     from ddpflow.tracking.runs import resolve_tracking_uri
     from ddpflow.tracking.scoring import is_model_file, log_scoring, scoring_model
+    from training.distributed.process import preload_in_background
 
     started = time.monotonic()
     spec = model_spec(config)
@@ -47,6 +48,7 @@ def score_table(
     with tempfile.TemporaryDirectory(prefix="ddpflow-score-") as scratch:
         model = scoring_model(spec, None if is_model_file(spec) else tracking_uri, scratch)
         request = ScoreRequest(config, str(model.path), model.identity(), on_line=on_line, should_cancel=should_cancel)
+        preload_in_background(store_modules(tracking_uri))  # the MLflow run's store, imported while the ranks score
         manifest = run_scoring(request)
         seconds = time.monotonic() - started
         summary = {**manifest, "output": config.score.output, "elapsed_s": round(seconds, 3),
@@ -58,6 +60,18 @@ def score_table(
         distribution, profile = table_statistics(config, str(model.path), manifest, profile=registered)
     run_id, drift = log_scoring(config, tracking_uri, model, summary, distribution, profile)
     return {**summary, "mlflow_run_id": run_id, "score_distribution": distribution, "data_drift": drift.message}
+
+
+def store_modules(tracking_uri: str) -> tuple[str, ...]:
+    """What MLflow imports when ``log_scoring`` first opens the tracking store of ``tracking_uri``: for a database
+    (SQLite, PostgreSQL, ...), its SQLAlchemy store (SQLAlchemy, alembic: most of the command's time after the ranks
+    have finished); nothing for a server's REST store."""
+    from urllib.parse import urlparse
+
+    from mlflow.store.db.db_types import DATABASE_ENGINES
+
+    engine = urlparse(tracking_uri).scheme.split("+")[0]
+    return ("mlflow.store.tracking.sqlalchemy_store",) if engine in DATABASE_ENGINES else ()
 
 
 def table_statistics(config: PipelineConfig, model_path: str, manifest: dict[str, Any], profile: bool = True):
