@@ -4,8 +4,8 @@
         -m training.inference.batch_scoring --config OUTPUT/.score/job.json
 
 A model.pt (resolved by the launcher: ``ddpflow/launch/scoring.py``; no rank talks to MLflow) scores a source
-table through ``Predictor.scores``, the call the MLflow pyfunc answers with (``training/inference/serving.py``):
-the same raw-row encoding, the same outputs.
+table through ``Predictor.score_columns``: the arrays of ``Predictor.scores``, the call the MLflow pyfunc answers
+with (``training/inference/serving.py``): the same raw-row encoding, the same outputs.
 
 - **The plan** (``make_plan``, written once by the launcher to ``OUTPUT/.score/plan.json`` and read back on every
   resume): the source's files, each cut into row ranges of whole Parquet row groups (a CSV file is one range),
@@ -346,7 +346,7 @@ class UnitScorer:
 
     def score_batch(self, batch: pa.RecordBatch, display: str, first_row: int) -> tuple[pa.Table, pa.Table | None]:
         """The batch's output rows, and its refused rows (``on_invalid: skip``) with the reason."""
-        stop_at_first = self.job.on_invalid == "error"  # the batch as Arrow: Predictor.scores reads it as it is
+        stop_at_first = self.job.on_invalid == "error"  # the batch as Arrow: score_columns reads it as it is
         good, bad = _bisect(self.predictor, batch, np.arange(batch.num_rows), self.output_name, stop_at_first)
         if bad and stop_at_first:
             position, reason = bad[0]
