@@ -38,7 +38,7 @@ def score_table(
 ) -> dict[str, Any]:
     """Score ``config.score.source`` into ``config.score.output``; returns the manifest plus ``elapsed_s`` and
     ``rows_per_s`` (the whole command, start-up included)."""
-    from ddpflow.tracking.runs import resolve_tracking_uri
+    from ddpflow.tracking.runs import resolve_tracking_uri, store_modules
     from ddpflow.tracking.scoring import is_model_file, log_scoring, scoring_model
     from training.distributed.process import preload_in_background
 
@@ -60,18 +60,6 @@ def score_table(
         distribution, profile = table_statistics(config, str(model.path), manifest, profile=registered)
     run_id, drift = log_scoring(config, tracking_uri, model, summary, distribution, profile)
     return {**summary, "mlflow_run_id": run_id, "score_distribution": distribution, "data_drift": drift.message}
-
-
-def store_modules(tracking_uri: str) -> tuple[str, ...]:
-    """What MLflow imports when ``log_scoring`` first opens the tracking store of ``tracking_uri``: for a database
-    (SQLite, PostgreSQL, ...), its SQLAlchemy store (SQLAlchemy, alembic: most of the command's time after the ranks
-    have finished); nothing for a server's REST store."""
-    from urllib.parse import urlparse
-
-    from mlflow.store.db.db_types import DATABASE_ENGINES
-
-    engine = urlparse(tracking_uri).scheme.split("+")[0]
-    return ("mlflow.store.tracking.sqlalchemy_store",) if engine in DATABASE_ENGINES else ()
 
 
 def table_statistics(config: PipelineConfig, model_path: str, manifest: dict[str, Any], profile: bool = True):
