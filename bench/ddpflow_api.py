@@ -482,6 +482,13 @@ def encoded_forward(model_path: str | Path, frame):
     return predictor.model, predictor.batch_inputs(frame)
 
 
+def cpu_forward_rows() -> int:
+    """The most rows ``Predictor`` forwards in one call on a CPU (``training.inference.predict.CPU_FORWARD_ROWS``)."""
+    from training.inference.predict import CPU_FORWARD_ROWS
+
+    return CPU_FORWARD_ROWS
+
+
 def score_command(model_path: Path, source: Path, output: Path, nproc: int, tracking_uri: str) -> list[str]:
     """``ddpflow score`` of a model.pt, as a user runs it (the command line: start-up included)."""
     import sys

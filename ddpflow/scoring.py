@@ -38,8 +38,9 @@ def score_table(
 ) -> dict[str, Any]:
     """Score ``config.score.source`` into ``config.score.output``; returns the manifest plus ``elapsed_s`` and
     ``rows_per_s`` (the whole command, start-up included)."""
-    from ddpflow.tracking.runs import resolve_tracking_uri
+    from ddpflow.tracking.runs import resolve_tracking_uri, store_modules
     from ddpflow.tracking.scoring import is_model_file, log_scoring, scoring_model
+    from training.distributed.process import preload_in_background
 
     started = time.monotonic()
     spec = model_spec(config)
@@ -47,6 +48,7 @@ def score_table(
     with tempfile.TemporaryDirectory(prefix="ddpflow-score-") as scratch:
         model = scoring_model(spec, None if is_model_file(spec) else tracking_uri, scratch)
         request = ScoreRequest(config, str(model.path), model.identity(), on_line=on_line, should_cancel=should_cancel)
+        preload_in_background(store_modules(tracking_uri))  # the MLflow run's store, imported while the ranks score
         manifest = run_scoring(request)
         seconds = time.monotonic() - started
         summary = {**manifest, "output": config.score.output, "elapsed_s": round(seconds, 3),

@@ -4,8 +4,8 @@
         -m training.inference.batch_scoring --config OUTPUT/.score/job.json
 
 A model.pt (resolved by the launcher: ``ddpflow/launch/scoring.py``; no rank talks to MLflow) scores a source
-table through ``Predictor.scores``, the call the MLflow pyfunc answers with (``training/inference/serving.py``):
-the same raw-row encoding, the same outputs.
+table through ``Predictor.score_columns``: the arrays of ``Predictor.scores``, the call the MLflow pyfunc answers
+with (``training/inference/serving.py``): the same raw-row encoding, the same outputs.
 
 - **The plan** (``make_plan``, written once by the launcher to ``OUTPUT/.score/plan.json`` and read back on every
   resume): the source's files, each cut into row ranges of whole Parquet row groups (a CSV file is one range),
@@ -365,9 +365,8 @@ class UnitScorer:
 
     def score_batch(self, batch: pa.RecordBatch, display: str, first_row: int) -> tuple[pa.Table, pa.Table | None]:
         """The batch's output rows, and its refused rows (``on_invalid: skip``) with the reason."""
-        frame = batch.to_pandas()
-        stop_at_first = self.job.on_invalid == "error"
-        good, bad = _bisect(self.predictor, frame, np.arange(len(frame)), self.output_name, stop_at_first)
+        stop_at_first = self.job.on_invalid == "error"  # the batch as Arrow: score_columns reads it as it is
+        good, bad = _bisect(self.predictor, batch, np.arange(batch.num_rows), self.output_name, stop_at_first)
         if bad and stop_at_first:
             position, reason = bad[0]
             raise DataError(
@@ -387,19 +386,19 @@ class UnitScorer:
         return table, refused.append_column("reason", pa.array([r for _, r in bad], pa.string()))
 
 
-def _bisect(predictor, frame, positions: np.ndarray, output: str, stop_at_first: bool):
+def _bisect(predictor, batch: pa.RecordBatch, positions: np.ndarray, output: str, stop_at_first: bool):
     """([(positions, scores)], [(position, reason)]): the rows the model scores, in order, and those it refuses,
     found by halving a refused batch (a clean batch is one call); ``stop_at_first``: only the first refused row."""
     try:
-        return [(positions, predictor.scores(frame, output))], []
+        return [(positions, predictor.score_columns(batch, output))], []
     except (ValueError, TypeError, OSError) as error:
-        if len(frame) == 1:
+        if batch.num_rows == 1:
             return [], [(int(positions[0]), str(error))]
-    half = len(frame) // 2
-    good, bad = _bisect(predictor, frame.iloc[:half], positions[:half], output, stop_at_first)
+    half = batch.num_rows // 2
+    good, bad = _bisect(predictor, batch.slice(0, half), positions[:half], output, stop_at_first)
     if bad and stop_at_first:
         return good, bad
-    good_b, bad_b = _bisect(predictor, frame.iloc[half:], positions[half:], output, stop_at_first)
+    good_b, bad_b = _bisect(predictor, batch.slice(half), positions[half:], output, stop_at_first)
     return good + good_b, bad + bad_b
 
 
@@ -417,13 +416,13 @@ def output_schema(source: pa.Schema, keep: list[str], predictor, output_kind: st
 
 
 def _output_table(keep: pa.Table, scores: list, schema: pa.Schema) -> pa.Table:
-    """The kept columns beside the scores (``Predictor.scores``' arrays or frames of label + probabilities)."""
+    """The kept columns beside the scores (``Predictor.score_columns``: label, and probabilities)."""
     columns = {name: keep[name] for name in keep.column_names}
     for column in schema:
         if column.name in columns:
             continue
         name = "label" if column.name == PREDICTION else column.name
-        parts = [np.asarray(score[name] if hasattr(score, "columns") else score) for score in scores]
+        parts = [np.asarray(score[name]) for score in scores]
         values = np.concatenate(parts) if parts else np.empty(0, dtype=object)
         columns[column.name] = pa.array(values.tolist() if values.dtype == object else values, column.type)
     return pa.table(columns, schema=schema)
@@ -494,7 +493,7 @@ def iter_parts(output: str | os.PathLike) -> Iterator[Path]:
 def main(argv: list[str] | None = None) -> None:
     from training.core.config import TrainConfig
     from training.distributed.context import distributed
-    from training.distributed.process import die_with_parent, record_root_cause
+    from training.distributed.process import die_with_parent, exit_without_teardown, record_root_cause
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="OUTPUT/.score/job.json")
@@ -510,6 +509,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"scored {manifest['rows']} rows into {len(manifest['files'])} files", flush=True)
 
     run()
+    exit_without_teardown()  # done: the group is destroyed and every file closed; torchrun waits for the slowest
 
 
 if __name__ == "__main__":

@@ -33,7 +33,11 @@ from training.kinds.normalisation import Normaliser
 from training.kinds.registry import encode_columns
 from training.objectives.registry import objective_from_checkpoint
 
+Rows = pd.DataFrame | pa.RecordBatch | pa.Table  # raw input rows: a served frame, or a scoring rank's record batch
 OUTPUTS = ("label", "probabilities")  # params={"output": ...}: the labels, or labels and class probabilities
+# Rows per forward call on a CPU: a call on a whole 65k-row batch runs ~3x slower per row than 1024-row calls (its
+# activations leave the core's cache; docs/benchmarks.md, "Batch scoring"). A GPU takes ``batch_size`` at once.
+CPU_FORWARD_ROWS = 1024
 
 
 class Predictor:
@@ -62,13 +66,15 @@ class Predictor:
         model, meta = load_model_checkpoint(path)
         return cls(model, meta, batch_size)
 
-    def batch_inputs(self, frame: pd.DataFrame) -> dict[str, torch.Tensor]:
-        """The raw input columns -> the model's batch dict, through the codecs evaluation uses; names what is
-        missing or invalid. An unseen category is the unknown index (never an error)."""
-        missing = [name for name in self.features if name not in frame.columns]
+    def batch_inputs(self, frame: Rows) -> dict[str, torch.Tensor]:
+        """The raw input columns (a DataFrame's, or an Arrow batch's as they are: no pandas round trip) -> the
+        model's batch dict, through the codecs evaluation uses; names what is missing or invalid. An unseen
+        category is the unknown index (never an error)."""
+        present = frame.column_names if _is_arrow(frame) else frame.columns
+        missing = [name for name in self.features if name not in present]
         if missing:
             raise ValueError(f"input is missing feature columns {missing}; the model needs {self.features}")
-        columns = {name: _arrow(frame[name], name) for name in self.features}
+        columns = {name: _column(frame, name) for name in self.features}
         numeric = numeric_names(self.inputs)
         # A null or NaN is imputed (the train mean, and the missing indicator where the model has one); one the
         # codec cannot impute (missing: error, or a model from before) is refused, and inf always is.
@@ -82,20 +88,26 @@ class Predictor:
         except ValueError as error:
             raise ValueError(f"input rows cannot be encoded: {error}") from None
 
-    def outputs(self, frame: pd.DataFrame) -> torch.Tensor:
+    @property
+    def forward_rows(self) -> int:
+        """Rows per forward call: ``batch_size``, at most ``CPU_FORWARD_ROWS`` on a CPU. Rows are scored
+        independently (the model is in eval mode), so the chunks change no answer, only the speed."""
+        return min(self.batch_size, CPU_FORWARD_ROWS) if self.device.type == "cpu" else self.batch_size
+
+    def outputs(self, frame: Rows) -> torch.Tensor:
         """The model's outputs for every row (regression: on the original scale)."""
         batch = self.batch_inputs(frame)
-        outputs = []
+        outputs, step = [], self.forward_rows
         with torch.inference_mode():
-            for start in range(0, len(frame), self.batch_size):
-                rows = {name: tensor[start : start + self.batch_size].to(self.device) for name, tensor in batch.items()}
+            for start in range(0, len(frame), step):
+                rows = {name: tensor[start : start + step].to(self.device) for name, tensor in batch.items()}
                 output = self.model(rows).cpu()
                 outputs.append(output if self._classes else self._normaliser.target_inverse(output))
         if not outputs:
             return torch.empty(0, len(self._labels) if self._labels is not None else 1)
         return torch.cat(outputs)
 
-    def predict_raw(self, frame: pd.DataFrame) -> np.ndarray:
+    def predict_raw(self, frame: Rows) -> np.ndarray:
         """Class indices (classification), multi-hot bool rows [N, C] (multilabel) or float predictions on the
         original scale (regression)."""
         if len(frame) == 0:
@@ -107,7 +119,7 @@ class Predictor:
             return self._objective.decode(outputs)[0].numpy()
         return outputs.reshape(-1).float().numpy()
 
-    def predict(self, frame: pd.DataFrame) -> np.ndarray:
+    def predict(self, frame: Rows) -> np.ndarray:
         """Original labels (classification), each row's list of original labels (multilabel; an object array)
         or float predictions (regression)."""
         raw = self.predict_raw(frame)
@@ -115,31 +127,37 @@ class Predictor:
             return label_sets(raw, self._labels)
         return self._labels[raw] if self._labels is not None else raw
 
-    def scores(self, frame: pd.DataFrame, output: str = "label") -> pd.DataFrame | np.ndarray:
+    def scores(self, frame: Rows, output: str = "label") -> pd.DataFrame | np.ndarray:
         """What the served model returns for ``params={"output": output}`` (``OUTPUTS``), from ONE forward pass:
         the labels (or values) as an array; ``probabilities``: a frame of ``label`` and one ``probability_<class>``
-        column per class (regression: the values). The pyfunc and batch scoring both answer through this."""
+        column per class (regression: the values). The pyfunc answers through this, batch scoring through
+        ``score_columns``: the same arrays."""
+        columns = self.score_columns(frame, output)
+        if len(columns) == 1:
+            return columns["label"]
+        return pd.DataFrame(columns, index=_index(frame))
+
+    def score_columns(self, frame: Rows, output: str = "label") -> dict[str, np.ndarray]:
+        """``scores`` as arrays, no pandas: ``{"label": ...}``, and for ``probabilities`` of a classifier one
+        ``probability_<class>`` array per class."""
         if output not in OUTPUTS:
             raise ValueError(f"params.output must be one of {OUTPUTS}, not {output!r}")
         if output == "label" or self._labels is None:
-            return self.predict(frame)
+            return {"label": self.predict(frame)}
         decoded, probabilities = self._objective.decode(self.outputs(frame))
         raw = decoded.numpy()
-        result = pd.DataFrame(
-            {"label": label_sets(raw, self._labels) if self.task == "multilabel" else self._labels[raw]},
-            index=frame.index,
-        )
+        columns = {"label": label_sets(raw, self._labels) if self.task == "multilabel" else self._labels[raw]}
         for i, label in enumerate(self._labels):
-            result[f"probability_{label}"] = probabilities[:, i].numpy()
-        return result
+            columns[f"probability_{label}"] = probabilities[:, i].numpy()
+        return columns
 
-    def predict_proba(self, frame: pd.DataFrame) -> pd.DataFrame:
+    def predict_proba(self, frame: Rows) -> pd.DataFrame:
         """Classification: a column per class (its original label), each row's probabilities (multilabel: each
         label's own sigmoid probability; the row's do not sum to 1)."""
         if self._labels is None:
             raise ValueError("predict_proba: a regression model has no class probabilities")
         probabilities = self._objective.decode(self.outputs(frame))[1].numpy()
-        return pd.DataFrame(probabilities, columns=[str(label) for label in self._labels], index=frame.index)
+        return pd.DataFrame(probabilities, columns=[str(label) for label in self._labels], index=_index(frame))
 
 
 def label_sets(multi_hot: np.ndarray, labels: np.ndarray) -> np.ndarray:
@@ -147,6 +165,23 @@ def label_sets(multi_hot: np.ndarray, labels: np.ndarray) -> np.ndarray:
     sets = np.empty(len(multi_hot), dtype=object)
     sets[:] = [labels[row].tolist() for row in np.asarray(multi_hot, dtype=bool)]
     return sets
+
+
+def _is_arrow(frame: Rows) -> bool:
+    return isinstance(frame, (pa.RecordBatch, pa.Table))
+
+
+def _index(frame: Rows) -> pd.Index | None:
+    """A DataFrame's index for the answer's rows (an Arrow batch's rows: 0..n-1)."""
+    return None if _is_arrow(frame) else frame.index
+
+
+def _column(frame: Rows, name: str) -> pa.Array:
+    """One input column as Arrow: a DataFrame's converted, an Arrow batch's as it is (a table's in one chunk)."""
+    if not _is_arrow(frame):
+        return _arrow(frame[name], name)
+    column = frame.column(name)
+    return column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
 
 
 def _arrow(series: pd.Series, name: str) -> pa.Array:
