@@ -83,9 +83,18 @@ class Stack:
         )
 
     def api(self, method: str, path: str, **kwargs: Any) -> Any:
-        response = httpx.request(method, f"{self.prefect_url}/api{path}", timeout=30, **kwargs)
-        response.raise_for_status()
-        return response.json()
+        response = self.request(method, path, **kwargs)
+        return response.json() if response.content else None
+
+    def request(self, method: str, path: str, attempts: int = 6, **kwargs: Any) -> httpx.Response:
+        """One call of the server's API, retried on 503 as Prefect's own client retries it: the server answers 503
+        while its SQLite database is busy (a loaded machine: the whole suite beside it)."""
+        for attempt in range(attempts):
+            response = httpx.request(method, f"{self.prefect_url}/api{path}", timeout=30, **kwargs)
+            if response.status_code != 503 or attempt == attempts - 1:
+                return response.raise_for_status()
+            time.sleep(float(response.headers.get("Retry-After", 2**attempt)))
+        raise AssertionError("unreachable")
 
     def deployment(self, name: str) -> dict[str, Any]:
         return self.api("GET", f"/deployments/name/train-pipeline/{name}")
@@ -152,7 +161,7 @@ class Stack:
             return None
 
     def api_update(self, path: str, body: dict[str, Any]) -> None:
-        httpx.patch(f"{self.prefect_url}/api{path}", json=body, timeout=30).raise_for_status()
+        self.request("PATCH", path, json=body)
 
     def recorded_pids(self) -> dict[str, int]:
         return {
