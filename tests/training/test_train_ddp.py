@@ -607,11 +607,11 @@ def test_weighted_rows_multilabel_and_nulls_on_two_ranks_train_the_weights_of_on
         assert_serving_with_nulls_equals_evaluation(two.run_dir / "model.pt", dataset, manifest)
 
 
-@pytest.mark.server  # `mlflow models serve`
 def test_an_ensemble_on_two_ranks_trains_the_weights_of_one_rank_with_twice_the_batch(exact_runs):
-    """``ensemble: 8`` (TabM-mini: a random-sign scale per member, shared layers, 8 heads averaged) on numeric
-    inputs with nulls and their embeddings: 2 ranks x 8 against 1 rank x 16, the last global step short. The
-    members' scales start from the seed, the same on every rank, so the world size does not change the weights."""
+    """``ensemble: 8`` (TabM-mini: a random-sign scale per member, shared layers, 8 heads, each member trained on
+    its own loss) on numeric inputs with nulls and their embeddings: 2 ranks x 8 against 1 rank x 16, the last
+    global step short. The members' scales start from the seed, the same on every rank, so the world size does
+    not change the weights. Served, its probabilities are the mean of its members', as the evaluation scored."""
     two, one = exact_runs["ensemble_w2"], exact_runs["ensemble_w1x2"]
     weights_two, weights_one = two.model()["model"], one.model()["model"]
     assert weights_two["adapter.scale"].shape[0] == 8
@@ -623,8 +623,21 @@ def test_an_ensemble_on_two_ranks_trains_the_weights_of_one_rank_with_twice_the_
     for a, b in zip(two.metrics(), one.metrics(), strict=True):
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
         assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-5)
+    dataset = two.dataset_dir()
+    manifest = json.loads((dataset / "manifest.json").read_text())
+    assert_serving_with_nulls_equals_evaluation(two.run_dir / "model.pt", dataset, manifest)
+    from training.inference.predict import Predictor
+
+    predictor = Predictor.from_checkpoint(two.run_dir / "model.pt")
+    frame = pq.read_table(dataset / manifest["splits"]["test"]["shards"][0]["file"]).to_pandas()
+    with torch.inference_mode():
+        members = predictor.model(predictor.batch_inputs(frame))
+    assert members.shape == (len(frame), 8, 2)  # the model returns every member; the prediction is their mean
+    served = predictor.predict_proba(frame).to_numpy()
+    np.testing.assert_allclose(served, members.softmax(dim=-1).mean(dim=1).numpy(), atol=1e-6)
 
 
+@pytest.mark.server  # `mlflow models serve`
 def test_a_multilabel_model_served_over_http_answers_label_lists_and_probabilities_as_evaluated(
     exact_runs, mlflow_store, tmp_path
 ):

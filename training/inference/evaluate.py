@@ -41,7 +41,7 @@ from training.kinds.inputs import InputInfo, inputs_from_manifest
 from training.kinds.normalisation import Normaliser
 from training.kinds.registry import encode_columns, kind_record
 from training.loading.batches import fill_labels
-from training.objectives.base import TOKEN_SCORER, Objective
+from training.objectives.base import TOKEN_SCORER, Objective, output_members
 from training.objectives.metrics import precision_recall
 from training.objectives.registry import objective_from_checkpoint
 
@@ -313,6 +313,7 @@ def evaluate_split(
     normaliser = Normaliser.from_checkpoint(meta)  # the model's own statistics, also when re-scoring a champion
     classification = manifest.task == "classification"
     scorer = OutputScorer(objective, manifest, normaliser)
+    members = output_members(model)  # an ensemble's k: scored by its one prediction, the mean of its members'
     kept_predictions, kept_targets = [], []
     records = {name: kind_record(info.kind) for name, info in checkpoint_inputs(meta).items()}
     image = next(((name, record) for name, record in records.items() if record.shown_as == PICTURES), None)
@@ -321,7 +322,7 @@ def evaluate_split(
     wrong = ConfidentlyWrong(texts, manifest.label_mapping) if classification and texts else None
     with torch.inference_mode():
         for x, y, raw in _iter_batches(manifest, dataset_dir, split, meta, batch_size):
-            output = model(x)  # x: the batch dict, through the model's own codecs and normalisation
+            output = objective.prediction(model(x), members)  # x: the batch dict, through the model's own codecs
             predicted = scorer.add(output, y, remap)
             if classification and image is not None and len(misclassified) < MISCLASSIFIED_SHOWN:
                 is_wrong = predicted != y.long()

@@ -31,6 +31,7 @@ from training.inference.model_file import checkpoint_codecs, checkpoint_inputs, 
 from training.kinds.inputs import InputInfo, numeric_names
 from training.kinds.normalisation import Normaliser
 from training.kinds.registry import encode_columns
+from training.objectives.base import output_members
 from training.objectives.registry import objective_from_checkpoint
 
 Rows = pd.DataFrame | pa.RecordBatch | pa.Table  # raw input rows: a served frame, or a scoring rank's record batch
@@ -53,6 +54,7 @@ class Predictor:
         self._classes = self.task in CLASS_TASKS  # outputs are per class (softmax, binary, multilabel)
         self._labels = np.asarray(meta["label_mapping"]) if self._classes else None
         self._objective = objective_from_checkpoint(meta)  # reads the outputs (a binary model has one logit)
+        self._members = output_members(model)  # an ensemble's k: its one prediction is the mean of its members'
         self.device = torch.device("cpu")
 
     def to(self, device: torch.device | str) -> Predictor:
@@ -101,7 +103,7 @@ class Predictor:
         with torch.inference_mode():
             for start in range(0, len(frame), step):
                 rows = {name: tensor[start : start + step].to(self.device) for name, tensor in batch.items()}
-                output = self.model(rows).cpu()
+                output = self._objective.prediction(self.model(rows), self._members).cpu()
                 outputs.append(output if self._classes else self._normaliser.target_inverse(output))
         if not outputs:
             return torch.empty(0, len(self._labels) if self._labels is not None else 1)

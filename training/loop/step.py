@@ -39,7 +39,7 @@ from torch import nn
 from training.loading.batches import Batch, SplitTensors, TrainBatches, combined_row_weights
 from training.loop.accumulation import OptimizerSteps
 from training.loop.nonfinite import NonFiniteStep
-from training.objectives.base import Objective
+from training.objectives.base import Objective, output_members
 from training.objectives.registry import auto_objective, make_objective
 
 
@@ -88,6 +88,7 @@ class TrainStep:
         # This rank's loss sum Σ w·ℓ, weight Σ w (device tensors) and real rows of the optimizer step so far.
         self._step_loss, self._step_weight, self._step_rows = None, None, 0
         self.objective = settings.loss()
+        self.members = output_members(model)  # an ensemble's k: each member trains on its own loss
 
     def __call__(self, index: int, batch: Batch) -> torch.Tensor:
         """Train micro-batch ``index``; returns its weighted loss sum Σ w_i ℓ_i (float64, detached, on the device)."""
@@ -101,7 +102,7 @@ class TrainStep:
             with self.settings.autocast():
                 outputs = self.model(batch.inputs)
             labels = self.objective.targets(batch.inputs, batch.labels)  # next_token: the rows' own tokens
-            weighted = weighted_losses(self.objective.per_row_loss(outputs, labels), batch.weights)
+            weighted = weighted_losses(self.objective.loss_of(outputs, labels, self.members), batch.weights)
             (weighted.sum() * scale).backward()
         summed = weighted.detach().sum(dtype=torch.float64)
         first = index == group.start
@@ -183,6 +184,7 @@ def evaluate(
     """
     objective = settings.loss()
     tally = objective.tally(objective.n_classes)
+    members = output_members(model)  # an ensemble is scored by its one prediction, the mean of its members'
     was_training = model.training
     model.eval()
     for first in range(start, stop, batch_size):
@@ -192,7 +194,7 @@ def evaluate(
         }
         labels = objective.targets(inputs, split.labels[first:last].to(settings.device, non_blocking=True))
         with settings.autocast():
-            outputs = model(inputs)
+            outputs = objective.prediction(model(inputs), members)
         tally.add(outputs.float(), labels, validation_weights(split, first, last, labels, objective))
     model.train(was_training)
     return ValidationPass(tally.sums().to(settings.device), tally.scored_rows())

@@ -86,6 +86,7 @@ class MLP(nn.Module):
             width = int(size)
         layers.append(nn.Linear(width, n_outputs) if ensemble == 1 else EnsembleHead(width, n_outputs, ensemble))
         self.net = nn.Sequential(*layers)  # first: numeric-only models draw their weights as before
+        self.output_members = int(ensemble)  # k > 1: outputs [B, k, n_outputs] (training/objectives/base.py)
         self.adapter = EnsembleAdapter(row_width, ensemble) if ensemble > 1 else None
         if embedded:
             self.embeddings = nn.ModuleDict(
@@ -104,7 +105,9 @@ class MLP(nn.Module):
         return self.body(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
 
     def body(self, row: torch.Tensor) -> torch.Tensor:
-        """The input row ``[B, D]`` -> ``[B, n_outputs]``; an ensemble runs its members on ``[B, k, D]``."""
+        """The input row ``[B, D]`` -> ``[B, n_outputs]``; an ensemble runs its members on ``[B, k, D]`` and
+        returns every member's output, ``[B, k, n_outputs]``: the objective trains each member on its own loss and
+        makes one prediction of them (``Objective.member_loss``, ``combine_members``)."""
         return self.net(row if self.adapter is None else self.adapter(row))
 
     def _stem(self, block: torch.Tensor) -> torch.Tensor:
@@ -131,9 +134,9 @@ class EnsembleAdapter(nn.Module):
 
 
 class EnsembleHead(nn.Module):
-    """k linear heads, one per member (``[B, k, H]`` -> ``[B, k, O]``), averaged into the one output per row the
-    objective contract takes (``[B, O]``): logits for classes, the value for regression. Each head is initialised as
-    ``nn.Linear`` is (uniform in +-1/sqrt(H))."""
+    """k linear heads, one per member (``[B, k, H]`` -> ``[B, k, O]``): each member's own output, which the
+    objective trains on its own loss and averages as predictions, never as logits (TabM; training/objectives/base.py:
+    ``member_loss``, ``combine_members``). Each head is initialised as ``nn.Linear`` is (uniform in +-1/sqrt(H))."""
 
     def __init__(self, width: int, n_outputs: int, members: int):
         super().__init__()
@@ -141,12 +144,8 @@ class EnsembleHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(members, width, n_outputs).uniform_(-bound, bound))
         self.bias = nn.Parameter(torch.empty(members, n_outputs).uniform_(-bound, bound))
 
-    def members(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Every member's output, ``[B, k, O]``."""
-        return torch.einsum("bkh,kho->bko", hidden, self.weight) + self.bias
-
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.members(hidden).mean(dim=1)
+        return torch.einsum("bkh,kho->bko", hidden, self.weight) + self.bias
 
 
 def numeric_stem(inputs: dict[str, InputInfo], choice: str, dim: int) -> NumericEmbeddings | None:

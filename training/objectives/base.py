@@ -11,6 +11,11 @@ w_i the row's weight (its data.weight times its class weight under ``train.class
   or a value (float32 ``[B]``, the standardised regression target);
 - ``per_row_loss(outputs, labels) -> [B]``: float32, computed in fp32 also under bf16 autocast;
 - ``tally(n_classes)``: the sums its exact metrics come from (training/objectives/metrics.py);
+- a model of k members (an ensemble: ``output_members(model) = k``, its outputs ``[B, k, n]``) trains on
+  ``member_loss`` (each member its OWN per-row loss, averaged over the k members: TabM) and is read through
+  ``combine_members``, the one place where k members' outputs become one prediction per row ``[B, n]``: in the
+  objective's own output space, so that ``decode`` gives the MEAN of the members' probabilities (classes) or
+  values (regression). ``loss_of`` and ``prediction`` take either kind of model;
 - ``decode(outputs) -> (label index or value, probabilities or None)``: what evaluation and serving report;
 - ``uses_label``, ``has_baselines`` and ``evaluation(task) -> Evaluation``: how a model trained with it is
   evaluated, shown and judged (which evaluator scores it, what its result is called, the gate's default metric,
@@ -24,6 +29,7 @@ The built-in objectives implement it beside this module (``builtin.py``, ``next_
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +69,18 @@ TASK_EVALUATIONS = {  # an objective of the dataset's task, per row (every built
 }
 
 
+def mean_in_log_space(log_values: torch.Tensor) -> torch.Tensor:
+    """``log(mean over dim 1 of exp(log_values))``, computed stably: the log of the members' mean probability."""
+    return torch.logsumexp(log_values, dim=1) - math.log(log_values.shape[1])
+
+
+def output_members(model: torch.nn.Module) -> int:
+    """How many members a model's outputs hold: k for an ensemble that says so (``output_members = k``, its
+    outputs ``[B, k, n]``: training/models/tabular.py), 1 for every other model (``[B, n]``); a DDP wrapper
+    answers for the module it wraps."""
+    return int(getattr(getattr(model, "module", model), "output_members", 1))
+
+
 class Objective:
     """The contract (module docstring). A user objective subclasses it and defines ``per_row_loss``."""
 
@@ -89,6 +107,32 @@ class Objective:
 
     def per_row_loss(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} must define per_row_loss(outputs, labels) -> [B]")
+
+    def loss_of(self, outputs: torch.Tensor, labels: torch.Tensor, members: int = 1) -> torch.Tensor:
+        """The per-row loss training minimises: ``per_row_loss``, or with k > 1 members ``member_loss``."""
+        return self.per_row_loss(outputs, labels) if members == 1 else self.member_loss(outputs, labels)
+
+    def member_loss(self, members: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """k members' outputs ``[B, k, n]`` -> ``[B]``: the mean over the members of each member's own
+        ``per_row_loss`` (TabM, Gorishniy et al., ICLR 2025): every member learns to predict on its own, so a
+        member's gradient does not depend on the others' outputs."""
+        rows, k = members.shape[:2]
+        flat = members.reshape(rows * k, *members.shape[2:])
+        return self.per_row_loss(flat, labels.repeat_interleave(k, dim=0)).reshape(rows, k).mean(dim=1)
+
+    def prediction(self, outputs: torch.Tensor, members: int = 1) -> torch.Tensor:
+        """The model's outputs as one output per row ``[B, n]``: as they are, or ``combine_members``."""
+        return outputs if members == 1 else self.combine_members(outputs)
+
+    def combine_members(self, members: torch.Tensor) -> torch.Tensor:
+        """k members' outputs ``[B, k, n]`` -> ``[B, n]`` that ``decode`` reads as the mean of the members'
+        predictions: a value -> the members' mean value; class logits (softmax) -> the log of the members' mean
+        probabilities (their softmax is that mean, their cross entropy the mean prediction's log loss). An
+        objective whose ``decode`` reads its outputs otherwise (sigmoid: ``builtin.py``) says so here."""
+        members = members.float()
+        if self.label_kind == VALUE:
+            return members.mean(dim=1)
+        return mean_in_log_space(members.log_softmax(dim=-1))
 
     def metric_names(self) -> tuple[str, ...]:
         return ()

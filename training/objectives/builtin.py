@@ -16,6 +16,10 @@ Built-ins (``train.objective``):
   the target's standard deviation (it trains on the standardised target); its loss is reported on
   that standardised scale.
 
+An ensemble (a model of k members) trains on the mean of its members' own losses and predicts with the mean of
+their probabilities (``softmax``: the log of the mean as its outputs; ``binary``, ``multilabel``: the logit of the
+mean sigmoid) or values (``base.py: Objective.member_loss, combine_members``).
+
 Each is evaluated as its task's (``base.py: Objective.evaluation``) and has baselines (a constant or the
 reference model can stand for its outputs: ``has_baselines``). ``next_token`` (a language model) has its own
 module, ``next_token.py``.
@@ -27,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from training.core.config import ConfigError
-from training.objectives.base import CLASS_INDEX, MULTI_HOT, VALUE, Objective
+from training.objectives.base import CLASS_INDEX, MULTI_HOT, VALUE, Objective, mean_in_log_space
 from training.objectives.metrics import ClassTally, MultilabelTally, RegressionTally
 
 DEFAULT_HUBER_DELTA = 1.0
@@ -80,6 +84,9 @@ class Binary(Objective):
         """The row's logit for class 1: it ranks rows as its probability does (ROC AUC)."""
         return outputs.float().reshape(len(outputs))
 
+    def combine_members(self, members):
+        return mean_sigmoid_logit(members)
+
     def remap_outputs(self, outputs, remap):
         # One logit for class index 1: a model whose classes are the other way round scores the other class.
         return outputs if remap.tolist() == [0, 1] else -outputs
@@ -98,6 +105,16 @@ class Multilabel(Objective):
 
     def tally(self, n_classes):
         return MultilabelTally(n_classes, self.per_row_loss)
+
+    def combine_members(self, members):
+        return mean_sigmoid_logit(members)
+
+
+def mean_sigmoid_logit(members: torch.Tensor) -> torch.Tensor:
+    """Sigmoid outputs of k members ``[B, k, n]`` -> the logit of their mean probability ``[B, n]`` (stable:
+    log p̄ - log(1 - p̄), each a log of a mean of sigmoids)."""
+    members = members.float()
+    return mean_in_log_space(F.logsigmoid(members)) - mean_in_log_space(F.logsigmoid(-members))
 
 
 class MeanSquaredError(Objective):

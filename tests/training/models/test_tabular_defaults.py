@@ -1,5 +1,6 @@
 """The built-in tabular model's defaults (issue 36 item 4): the batch a small table can take, early stopping,
-the mlp's defaults recorded in the resolved config, and the ensemble head (TabM-mini's k members, averaged).
+the mlp's defaults recorded in the resolved config, and the ensemble (TabM-mini's k members: each trained on its
+own loss, predicting with the mean of their probabilities or values).
 
 No ranks here: tests/training/test_selection.py (``by_default``) trains a tiny table with these defaults under
 torchrun."""
@@ -21,6 +22,7 @@ from training.core.manifest import read_manifest
 from training.core.topology import RankLayout
 from training.kinds.inputs import numeric_input
 from training.models.tabular import MLP, MLP_DEFAULTS, defaults_to_record
+from training.objectives.base import output_members
 from training.preflight import check_data
 from training.resolve import resolve_for_data
 
@@ -79,22 +81,19 @@ def test_the_users_model_kwargs_win_over_the_mlp_defaults(tiny):
     assert resolve_for_data(custom, tiny, 2).train.model_kwargs == {"width": 4}  # a factory's own: untouched
 
 
-def test_the_ensemble_head_averages_k_members_that_start_apart():
+def test_an_ensemble_returns_its_k_members_that_start_apart():
     torch.manual_seed(0)
     inputs = {name: numeric_input(name) for name in ("a", "b", "c")}
     model = MLP(inputs, 3, hidden=[16, 16], ensemble=4)
     row = torch.randn(5, 3)
     assert model.adapter(row).shape == (5, 4, 3)  # member i sees the row scaled by its own signs
     assert set(model.adapter.scale.unique().tolist()) <= {-1.0, 1.0}
-    hidden = model.net[:-1](model.adapter(row))
-    members = model.net[-1].members(hidden)
-    assert members.shape == (5, 4, 3)
-    out = model({"a": row[:, 0], "b": row[:, 1], "c": row[:, 2]})
-    assert out.shape == (5, 3)
-    torch.testing.assert_close(out, members.mean(dim=1))
+    members = model({"a": row[:, 0], "b": row[:, 1], "c": row[:, 2]})
+    assert members.shape == (5, 4, 3) and output_members(model) == 4
+    torch.testing.assert_close(members, model.net[-1](model.net[:-1](model.adapter(row))))
     assert (members[:, 0] - members[:, 1]).abs().max() > 1e-3, "the members differ"
     # One member is the earlier MLP: the same parameters (keys and shapes), no adapter.
     single = MLP(inputs, 3, hidden=[16, 16])
-    assert single.adapter is None
+    assert single.adapter is None and output_members(single) == 1
     names = [f"net.{i}.{p}" for i in (0, 2, 4) for p in ("weight", "bias")]
     assert [name for name, _ in single.named_parameters()] == names
