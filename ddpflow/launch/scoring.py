@@ -73,7 +73,8 @@ class ScoreRequest:
 def run_scoring(request: ScoreRequest) -> dict[str, Any]:
     """Score as ``request`` says; returns the output's manifest (``resumed``: part files an earlier run left)."""
     layout = scoring_layout(request.config)
-    if request.config.score_launcher == "slurm":
+    on_slurm = request.config.score_launcher == "slurm"
+    if on_slurm:
         check_cluster(request.config, "score")  # SlurmSetupError naming score.nnodes or slurm.*; nothing written
     job = scoring_job(request, layout)
     output = Path(job.output)
@@ -84,7 +85,7 @@ def run_scoring(request: ScoreRequest) -> dict[str, Any]:
         return {**done, "already_complete": True}
     (output / SCORE_DIR).mkdir(parents=True, exist_ok=True)
     resumed = sorted(path.name for path in output.glob("part-*.parquet"))
-    run_ranks = _on_slurm if request.config.score_launcher == "slurm" else _on_this_machine
+    run_ranks = _on_slurm if on_slurm else _on_this_machine
     try:
         run_ranks(request, layout, lambda: prepare_output(job, plan, request.model_path))
     except RankFailed as failure:
