@@ -39,17 +39,24 @@ def _load(values: Sequence[float]) -> str:
     return " ".join(f"{value:.1f}" for value in values) or "?"
 
 
-def render_summary(benchmarks: Sequence[dict[str, Any]], kept_rows: dict[str, str] | None = None) -> str:
-    """One row per benchmark; ``kept_rows`` (title -> row) replaces the rendered row of a benchmark not re-run."""
-    lines = ["| benchmark | measured ratio: median (min–max) | target | met | measured at |", "|---|---|---|---|---|"]
+def render_summary(
+    benchmarks: Sequence[dict[str, Any]], kept_rows: dict[str, str] | None = None, earlier: dict[str, str] | None = None
+) -> str:
+    """One row per benchmark; ``kept_rows`` (title -> row) replaces the rendered row of a benchmark not re-run.
+    ``earlier`` (title -> row, in the docs' order; a ``--only`` run): the rows the docs already show, kept in
+    place also for a benchmark ``benchmarks`` lacks (measured by a run whose results.json is gone); the new ones
+    follow them."""
+    rendered = {}
     for bench in benchmarks:
         when = bench.get("measured_at", "")
-        rendered = (
+        rendered[bench["title"]] = (kept_rows or {}).get(
+            bench["title"],
             f"| [{bench['title']}](#{_anchor(bench['title'])}) | {_ratio_cell(bench)} | {bench['target_text']} "
-            f"| {_met_cell(bench)} | {when} |"
+            f"| {_met_cell(bench)} | {when} |",
         )
-        lines.append((kept_rows or {}).get(bench["title"], rendered))
-    return "\n".join(lines)
+    rows = {title: rendered.get(title, row) for title, row in (earlier or {}).items()} | rendered
+    lines = ["| benchmark | measured ratio: median (min–max) | target | met | measured at |", "|---|---|---|---|---|"]
+    return "\n".join(lines + list(rows.values()))
 
 
 def summary_rows(text: str) -> dict[str, str]:
@@ -141,7 +148,8 @@ def render_docs(payload: dict[str, Any], docs_path: Path, families: Collection[s
         if not rerun(bench) and bench["title"] in existing
     }
     text = replace_block(text, "machine", render_machine(payload))
-    text = replace_block(text, "summary", render_summary(payload["benchmarks"], kept_rows))
+    earlier = existing if families is not None else None  # a full run's summary is its own
+    text = replace_block(text, "summary", render_summary(payload["benchmarks"], kept_rows, earlier))
     for bench in payload["benchmarks"]:
         present = f"<!-- bench:{bench['name']}:begin -->" in text
         if present and not rerun(bench):

@@ -71,12 +71,20 @@ def test_an_only_run_rerenders_its_own_families_and_keeps_the_others_as_the_docs
         result = Result(name, name.title(), ratio=Stats.of([ratio - 0.05, ratio + 0.05]), target=1.0, rows=[])
         return {**result.to_dict(), "family": name}
 
-    docs = render_docs({**measured, "benchmarks": [bench("ddp", 0.9), bench("launch", 7.0)]}, tmp_path / "b.md")
+    first = [bench("ddp", 0.9), bench("launch", 7.0), bench("scoring", 0.4)]
+    docs = render_docs({**measured, "benchmarks": first}, tmp_path / "b.md")
     hand_measured = docs.read_text().replace("7 (6.95–7.05)", "11.6 (11.5–11.7)")
     docs.write_text(hand_measured)
+    # results.json holds no scoring figures any more (a run whose results were not kept): the docs' row stays
     text = render_docs({**measured, "benchmarks": [bench("ddp", 1.2), bench("launch", 7.0)]}, docs, ["ddp"]).read_text()
     assert "1.2 (1.15–1.25)" in text and "0.9 (0.85–0.95)" not in text  # the family run now
     assert text.count("11.6 (11.5–11.7)") == 2 and "7 (6.95–7.05)" not in text  # its block and summary row kept
+    summary = text.partition("<!-- bench:summary:begin -->")[2].partition("<!-- bench:summary:end -->")[0]
+    assert [line.partition("](")[0] for line in summary.splitlines() if line.startswith("| [")] == [
+        "| [Ddp",
+        "| [Launch",
+        "| [Scoring",
+    ]  # in the docs' order, the scoring row kept though this payload lacks it
 
 
 def test_quick_run_measures_each_path_and_writes_results_and_docs(tmp_path, repo_root):
