@@ -3,8 +3,9 @@
     config = resolve_for_data(config, manifest, world_size)
 
 - ``train.model: auto`` -> the built-in model for the inputs (``training/models/registry.py: with_resolved_model``);
-- the built-in ``mlp``'s defaults (``training/models/tabular.py: MLP_DEFAULTS``) that differ from the class's own
-  filled into ``train.model_kwargs`` where the user left them out (``defaults_to_record``), so the run records the
+- the built-in ``mlp``'s defaults (``training/models/tabular.py: MLP_DEFAULTS``, and ``default_ensemble`` of the
+  train rows) that differ from the class's own filled into ``train.model_kwargs`` where the user left them out
+  (``defaults_to_record``), so the run records the
   architecture it trains (an older model.pt, whose model_kwargs do not hold them, rebuilds with the class's own
   defaults, as it was trained); none while they agree;
 - ``train.batch_size: auto`` -> ``auto_batch_size(train rows, world size)`` (``training/core/config.py``);
@@ -32,7 +33,7 @@ def resolve_for_data(config: PipelineConfig, manifest: Manifest, world_size: int
     train = config.train
     update = {}
     if train.model == "mlp":
-        kwargs = {**defaults_to_record(), **train.model_kwargs}
+        kwargs = {**defaults_to_record(manifest.rows("train")), **train.model_kwargs}
         if kwargs != train.model_kwargs:
             update["model_kwargs"] = kwargs
     if train.batch_size == "auto":

@@ -22,14 +22,28 @@ NUMERIC_EMBEDDINGS = ("ple", "none")  # model_kwargs numeric_embeddings: the inp
 # The built-in mlp's defaults for a run (training/resolve.py fills them into train.model_kwargs; docs/models.md says
 # where each comes from). The class's own defaults stay those of the model.pt files written before, which rebuild
 # from their recorded model_kwargs.
-MLP_DEFAULTS: dict = {"hidden": [256, 256], "ensemble": 1}
+MLP_DEFAULTS: dict = {"hidden": [256, 256], "scale_embeddings": True}
+# ensemble: TabM's k members on a small train split, where their time is the launch's, one member above it.
+SMALL_TABLE_ROWS = 10_000
+SMALL_TABLE_ENSEMBLE = 8
 
 
-def defaults_to_record() -> dict:
-    """The MLP_DEFAULTS the class's own defaults do not already give: what a run must record in its
-    ``train.model_kwargs`` to rebuild its model (none while they agree, so a config's identity stays the same)."""
+def default_ensemble(train_rows: int) -> int:
+    """A run's ``ensemble`` when ``model_kwargs`` leave it out: SMALL_TABLE_ENSEMBLE members for a train split of
+    at most SMALL_TABLE_ROWS rows (one seed's model varies most there, and k members cost seconds), else 1."""
+    return SMALL_TABLE_ENSEMBLE if train_rows <= SMALL_TABLE_ROWS else 1
+
+
+def run_defaults(train_rows: int) -> dict:
+    """The mlp's defaults for a run on a train split of ``train_rows`` rows: MLP_DEFAULTS and its ensemble."""
+    return {**MLP_DEFAULTS, "ensemble": default_ensemble(train_rows)}
+
+
+def defaults_to_record(train_rows: int) -> dict:
+    """The ``run_defaults`` the class's own defaults do not already give: what a run must record in its
+    ``train.model_kwargs`` to rebuild its model."""
     own = {name: param.default for name, param in inspect.signature(MLP.__init__).parameters.items()}
-    return {name: value for name, value in MLP_DEFAULTS.items() if _plain(own.get(name)) != _plain(value)}
+    return {name: value for name, value in run_defaults(train_rows).items() if _plain(own.get(name)) != _plain(value)}
 
 
 def _plain(value):
@@ -48,7 +62,11 @@ class MLP(nn.Module):
     ``numeric_embeddings.py``, unless ``numeric_embeddings: none`` or its dataset has no bins) and the missing
     indicators of those whose train split held nulls (``block_names``), then each vector input, then an
     embedding per categorical and hashed input (``embedding_dim(cardinality)`` wide, or
-    ``embedding_dims[name]``). With numeric inputs only it is exactly the earlier MLP: the same layers,
+    ``embedding_dims[name]``), multiplied by 1/sqrt(its width) with ``scale_embeddings`` (a run's default,
+    ``MLP_DEFAULTS``): an embedding then enters the first layer with unit variance at initialisation, as one
+    scaled numeric input does, whatever its width; unscaled, an id's 64 N(0, 1) numbers outweigh every other input
+    and the first layer can memorise the ids by their random codes (docs/models.md). With numeric inputs only it
+    is exactly the earlier MLP: the same layers,
     created in the same order (so the same seed gives the same weights) and the same state dict keys.
     ``forward`` also takes the numeric block ``[B, F]`` as one tensor (benchmarks, older callers)."""
 
@@ -62,6 +80,7 @@ class MLP(nn.Module):
         numeric_embeddings: str = "ple",
         numeric_embedding_dim: int = DEFAULT_DIM,
         ensemble: int = 1,
+        scale_embeddings: bool = False,
     ):
         super().__init__()
         self.numeric = block_names(inputs)  # the numeric inputs, then their missing indicators
@@ -93,6 +112,8 @@ class MLP(nn.Module):
                 {name: nn.Embedding(info.cardinality, widths[name]) for name, info in embedded.items()}
             )
         self.embedded = list(embedded)
+        # 1/sqrt(width) per embedded input, or 1.0 each (the earlier mlp's, so its model.pt files load as trained).
+        self.embedding_scales = {name: width**-0.5 if scale_embeddings else 1.0 for name, width in widths.items()}
         if stem is not None:
             self.numeric_embeddings = stem
 
@@ -101,8 +122,13 @@ class MLP(nn.Module):
             return self.body(self._stem(batch))
         parts = [self._stem(numeric_block(batch, self.numeric))] if self.numeric else []
         parts += [batch[name] for name in self.vectors]
-        parts += [self.embeddings[name](batch[name]) for name in self.embedded]
+        parts += [self._embedded(name, batch[name]) for name in self.embedded]
         return self.body(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
+
+    def _embedded(self, name: str, index: torch.Tensor) -> torch.Tensor:
+        scale = self.embedding_scales[name]
+        vectors = self.embeddings[name](index)
+        return vectors if scale == 1.0 else vectors * scale
 
     def body(self, row: torch.Tensor) -> torch.Tensor:
         """The input row ``[B, D]`` -> ``[B, n_outputs]``; an ensemble runs its members on ``[B, k, D]`` and

@@ -20,8 +20,17 @@ from training.core.config import (
 )
 from training.core.manifest import read_manifest
 from training.core.topology import RankLayout
-from training.kinds.inputs import numeric_input
-from training.models.tabular import MLP, MLP_DEFAULTS, defaults_to_record
+from training.kinds.inputs import InputInfo, numeric_input
+from training.models.tabular import (
+    MLP,
+    MLP_DEFAULTS,
+    SMALL_TABLE_ENSEMBLE,
+    SMALL_TABLE_ROWS,
+    default_ensemble,
+    defaults_to_record,
+    embedding_dim,
+    run_defaults,
+)
 from training.objectives.base import output_members
 from training.preflight import check_data
 from training.resolve import resolve_for_data
@@ -45,7 +54,8 @@ def test_the_default_batch_fits_a_tiny_table_and_the_run_records_it(tiny):
     resolved = resolve_for_data(config(), tiny, TWO_RANKS.world_size)
     assert resolved.train.batch_size == 4  # 137 rows / (2 ranks x 16 steps) = 4.3 -> 4
     assert resolved.train.early_stopping_patience == DEFAULT_PATIENCE
-    assert resolved.train.model == "mlp" and resolved.train.model_kwargs == defaults_to_record()
+    assert resolved.train.model == "mlp" and resolved.train.model_kwargs == defaults_to_record(137)
+    assert resolved.train.model_kwargs["ensemble"] == SMALL_TABLE_ENSEMBLE  # a small table: TabM's members
     assert '"batch_size":4' in resolved.model_dump_json()  # config.json holds the number, not auto
     assert resolve_for_data(resolved, tiny, TWO_RANKS.world_size) == resolved  # the stage's second pass: a no-op
     # A batch the user sets is theirs: kept, and still refused when it cannot fit.
@@ -70,15 +80,36 @@ def test_without_a_val_split_the_default_does_not_stop_early_and_is_not_refused(
 
 def test_the_users_model_kwargs_win_over_the_mlp_defaults(tiny):
     resolved = resolve_for_data(config(model_kwargs={"hidden": [8], "ensemble": 3}), tiny, 2)
-    assert resolved.train.model_kwargs == {**defaults_to_record(), "hidden": [8], "ensemble": 3}
+    assert resolved.train.model_kwargs == {**defaults_to_record(137), "hidden": [8], "ensemble": 3}
     # What is recorded rebuilds MLP_DEFAULTS' architecture; nothing is recorded where the class gives it already.
     built = MLP({"a": numeric_input("a")}, 2, **resolve_for_data(config(), tiny, 2).train.model_kwargs)
     layers = list(built.net)
     default_hidden = [a.out_features for a, b in zip(layers, layers[1:]) if isinstance(b, torch.nn.ReLU)]
     assert default_hidden == MLP_DEFAULTS["hidden"]
-    assert (built.adapter is None) == (MLP_DEFAULTS["ensemble"] == 1)
+    assert built.output_members == run_defaults(137)["ensemble"] == SMALL_TABLE_ENSEMBLE
     custom = config(model="tests.stand_in_models:whatever", model_kwargs={"width": 4})
     assert resolve_for_data(custom, tiny, 2).train.model_kwargs == {"width": 4}  # a factory's own: untouched
+
+
+def test_a_small_table_gets_tabms_ensemble_and_a_larger_one_a_single_model(tmp_path):
+    """One seed's model moves most on a small table (diabetes' R² 0.227 and 0.246 at two seeds, 345 train rows), and
+    there k members cost seconds: up to SMALL_TABLE_ROWS train rows a run's mlp has SMALL_TABLE_ENSEMBLE members."""
+    assert [default_ensemble(rows) for rows in (1, 345, SMALL_TABLE_ROWS, SMALL_TABLE_ROWS + 1, 10**8)] == [
+        SMALL_TABLE_ENSEMBLE,
+        SMALL_TABLE_ENSEMBLE,
+        SMALL_TABLE_ENSEMBLE,
+        1,
+        1,
+    ]
+    larger = read_manifest(make_dataset(tmp_path, rows={"train": SMALL_TABLE_ROWS + 1, "val": 20, "test": 20}))
+    kwargs = resolve_for_data(config(), larger, 2).train.model_kwargs
+    assert "ensemble" not in kwargs and kwargs == defaults_to_record(SMALL_TABLE_ROWS + 1)  # 1: the class's own
+    assert MLP({"a": numeric_input("a")}, 2, **kwargs).adapter is None
+    # A user's ensemble wins either way; the world size does not move it (resume on another world size).
+    assert resolve_for_data(config(model_kwargs={"ensemble": 1}), larger, 2).train.model_kwargs["ensemble"] == 1
+    small = read_manifest(make_dataset(tmp_path / "small", rows={"train": 300, "val": 20, "test": 20}))
+    assert {resolve_for_data(config(), small, world).train.model_kwargs["ensemble"] for world in (1, 2, 3)} == {8}
+    assert resolve_for_data(config(model_kwargs={"ensemble": 1}), small, 2).train.model_kwargs["ensemble"] == 1
 
 
 def test_an_ensemble_returns_its_k_members_that_start_apart():
@@ -97,3 +128,36 @@ def test_an_ensemble_returns_its_k_members_that_start_apart():
     assert single.adapter is None and output_members(single) == 1
     names = [f"net.{i}.{p}" for i in (0, 2, 4) for p in ("weight", "bias")]
     assert [name for name, _ in single.named_parameters()] == names
+
+
+def test_a_runs_mlp_scales_each_embedding_to_unit_variance_and_an_earlier_model_stays_unscaled(tiny):
+    """An id's 64 N(0, 1) numbers would outweigh every other input of the first layer (card_fraud: the first layer
+    memorised 5,000 customers by their random codes, docs/models.md); a run's mlp scales each embedding by
+    1/sqrt(width), so each enters with unit variance at initialisation, as a scaled numeric input does."""
+    assert resolve_for_data(config(), tiny, 2).train.model_kwargs["scale_embeddings"] is True
+    inputs = {
+        "a": numeric_input("a"),
+        "customer": InputInfo("customer", "categorical", "int64", (), 5002),
+        "kind": InputInfo("kind", "categorical", "int64", (), 8),
+    }
+    torch.manual_seed(0)
+    scaled = MLP(inputs, 2, hidden=[8], numeric_embeddings="none", scale_embeddings=True)
+    torch.manual_seed(0)
+    earlier = MLP(inputs, 2, hidden=[8], numeric_embeddings="none")  # a model.pt of before: no such kwarg
+    assert list(scaled.state_dict()) == list(earlier.state_dict())  # the same parameters: only the forward differs
+    every_value = torch.arange(5002)
+    for name, width in (("customer", 64), ("kind", embedding_dim(8))):
+        vectors = scaled._embedded(name, every_value[: inputs[name].cardinality])
+        torch.testing.assert_close(
+            vectors, earlier._embedded(name, every_value[: inputs[name].cardinality]) / width**0.5
+        )
+        assert 0.8 < vectors.pow(2).sum(dim=1).mean() < 1.2  # unit variance in all, whatever the width
+    unscaled_norm = earlier._embedded("customer", every_value).pow(2).sum(dim=1).mean()
+    assert 55 < unscaled_norm < 73  # 64: what an unscaled id brought to the first layer
+    batch = {"a": torch.randn(6), "customer": torch.randint(0, 5002, (6,)), "kind": torch.randint(0, 8, (6,))}
+    moved = {key: value.clone() for key, value in scaled.state_dict().items()}
+    moved["embeddings.customer.weight"] /= 8.0  # 1/sqrt(64) moved into the table...
+    moved["embeddings.kind.weight"] /= embedding_dim(8) ** 0.5
+    earlier.load_state_dict(moved)
+    with torch.no_grad():
+        torch.testing.assert_close(earlier(batch), scaled(batch))  # ...is the unscaled model: the same outputs
