@@ -130,6 +130,9 @@ def rejection_reason(metrics: dict[str, float], rules: GateRules) -> str | None:
     return None
 
 
+TRAILING_HELP = "docs/models.md, 'When the mlp trails the reference'"
+
+
 def reference_warning(metrics: dict[str, float], rules: GateRules, consequence: str = "") -> str | None:
     """The candidate trails the reference model (baseline_reference) on the gate metric by more than
     ``registry.reference_margin``: what to say, or None (also when no reference was scored)."""
@@ -142,7 +145,7 @@ def reference_warning(metrics: dict[str, float], rules: GateRules, consequence: 
         return None
     text = (
         f"{rules.metric}={value:.6g} trails the reference model (HistGradientBoosting on the same split) at "
-        f"{reference:.6g} by more than registry.reference_margin={margin:g}"
+        f"{reference:.6g} by more than registry.reference_margin={margin:g} (what to try: {TRAILING_HELP})"
     )
     return f"{text}; {consequence}" if consequence else text
 

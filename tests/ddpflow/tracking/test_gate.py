@@ -57,7 +57,7 @@ def test_decide_for_every_kind_of_champion():
     assert decision == "promoted" and "was unreadable" in reason and "replace_unreadable_champion" in reason
 
 
-def test_a_candidate_must_beat_guessing_and_may_be_held_to_the_reference():
+def test_a_candidate_must_beat_guessing_and_may_be_held_to_the_reference(repo_root):
     rules = GateRules("test_accuracy", True)
     guessing = {"baseline_trivial/test_accuracy": 0.763, "baseline_reference/test_accuracy": 0.804}
     tie = rejection_reason({"test_accuracy": 0.763, **guessing}, rules)
@@ -74,6 +74,9 @@ def test_a_candidate_must_beat_guessing_and_may_be_held_to_the_reference():
     trailing = {"test_accuracy": 0.78, **guessing}
     assert rejection_reason(trailing, rules) is None
     assert "trails the reference model" in reference_warning(trailing, rules)
+    # ...and says where to look: the section it names exists in the docs.
+    assert "When the mlp trails the reference" in reference_warning(trailing, rules)
+    assert "## When the mlp trails the reference" in (repo_root / "docs" / "models.md").read_text()
     assert reference_warning({"test_accuracy": 0.785, **guessing}, rules) is None  # within the 0.02 margin
     strict = GateRules("test_accuracy", True, require_reference=True)
     assert "registry.require_reference is true" in rejection_reason(trailing, strict)
