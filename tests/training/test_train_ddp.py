@@ -417,6 +417,7 @@ def test_a_categorical_model_on_two_ranks_trains_the_weights_of_one_rank_with_tw
     assert train_rows % 16, "pick rows whose last global step is short"
     weights_two, weights_one = two.model()["model"], one.model()["model"]
     assert any(name.startswith("embeddings.colour") for name in weights_two)
+    assert two.model()["model_spec"]["model_kwargs"]["scale_embeddings"] is True  # the default a run records
     report("categorical 2 ranks x 8 vs 1 rank x 16", assert_same_weights(weights_two, weights_one, atol=EXACT))
     evaluation = evaluate_split(two.run_dir / "model.pt", dataset, "test", return_predictions=True)
     manifest = json.loads((dataset / "manifest.json").read_text())
@@ -492,6 +493,7 @@ def write_prepared_dataset(root: Path, case: str, rows: int = 300) -> Path:
 # costs three launches (W = 1, 2, 3) however many cases it holds; each test compares its own runs' files, so a
 # failure names the case. A new exact-update case adds its pair of runs here (and its dataset to
 # exact_datasets). All record their row indices (DDPFLOW_RECORD_INDICES).
+SCALED = {"hidden": HIDDEN, "scale_embeddings": True}
 EXACT_RUNS: dict[str, tuple[int, str, dict]] = {
     "two_ranks": (2, "dataset", {}),
     "uneven_w2": (2, "uneven", {"batch_size": 8}),
@@ -510,8 +512,9 @@ EXACT_RUNS: dict[str, tuple[int, str, dict]] = {
     },
     # lr 0.002: Adam divides by the gradient's own size, so a unit with a near-zero gradient turns the
     # summation order's rounding into a step of up to lr; at 0.01 one bias of 32 moved 3.6e-5 apart.
-    "categorical_w2": (2, "categorical", {"batch_size": 8, "lr": 0.002}),
-    "categorical_w1x2": (1, "categorical", {"batch_size": 16, "lr": 0.002}),
+    # scale_embeddings: a run's default (training/models/tabular.py: MLP_DEFAULTS); these launches skip the resolve.
+    "categorical_w2": (2, "categorical", {"batch_size": 8, "lr": 0.002, "model_kwargs": SCALED}),
+    "categorical_w1x2": (1, "categorical", {"batch_size": 16, "lr": 0.002, "model_kwargs": SCALED}),
     **{f"{case}_w2": (2, case, {"batch_size": 8}) for case in PREPARED_CASES},
     **{f"{case}_w1x2": (1, case, {"batch_size": 16}) for case in PREPARED_CASES},
     "regression": (2, "regression", {"epochs": 3, "batch_size": 32}),
