@@ -63,6 +63,14 @@ class ServeCommand:
         return alive
 
 
+def as_from_a_terminal() -> None:
+    """The signal dispositions a command typed at a terminal starts with. A suite started in the background
+    (``nohup``, ``cmd &`` in a script) ignores SIGINT and SIGHUP, its children inherit that, and a command
+    that ignores them rightly keeps running."""
+    for signum in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 def start_serve(model: str, tracking_uri: str, workdir: Path) -> ServeCommand:
     """``ddpflow serve MODEL --port P --tracking-uri URI`` until it prints its note (the server answers)."""
     stdout, stderr = workdir / "serve.out", workdir / "serve.err"
@@ -71,6 +79,7 @@ def start_serve(model: str, tracking_uri: str, workdir: Path) -> ServeCommand:
         process = subprocess.Popen(
             [*command, "--tracking-uri", tracking_uri], cwd=workdir, env=cli_env(), stdout=out, stderr=err,
             start_new_session=True,  # the test's signals reach the command only, as a terminal's would
+            preexec_fn=as_from_a_terminal,  # Ctrl-C stops it also when the suite runs in the background
         )  # fmt: skip
     served = ServeCommand(process, stdout, stderr)
 

@@ -29,6 +29,7 @@ from ddpflow.services import stack as local_stack
 from ddpflow.tracking.runs import RESUMED_BY_TAG, RESUMED_FROM_TAG
 from devtools.ports import free_port
 from tests.flows.cli_runs import cli_env
+from tests.flows.serve_cli import as_from_a_terminal
 from training.core.layout import FINAL_MODEL, PREEMPTED
 from training.core.log import TRAIN
 
@@ -87,14 +88,6 @@ def is_temporary_server(proc: psutil.Process) -> bool:
         return "prefect.server.api.server:create_app" in proc.cmdline()
     except psutil.Error:
         return False
-
-
-def as_from_a_terminal() -> None:
-    """The signal dispositions a command typed at a terminal starts with. A suite started in the background
-    (``nohup``, ``cmd &`` in a script) ignores SIGINT and SIGHUP, its children inherit that, and a command
-    that ignores them rightly keeps running."""
-    for signum in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
-        signal.signal(signum, signal.SIG_DFL)
 
 
 class LiveRun:
