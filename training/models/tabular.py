@@ -112,8 +112,7 @@ class MLP(nn.Module):
                 {name: nn.Embedding(info.cardinality, widths[name]) for name, info in embedded.items()}
             )
         self.embedded = list(embedded)
-        # 1/sqrt(width) per embedded input, or 1.0 each (the earlier mlp's, so its model.pt files load as trained).
-        self.embedding_scales = {name: width**-0.5 if scale_embeddings else 1.0 for name, width in widths.items()}
+        self.scale_embeddings = scale_embeddings  # off: the earlier mlp's, so its model.pt files load as trained
         if stem is not None:
             self.numeric_embeddings = stem
 
@@ -126,9 +125,8 @@ class MLP(nn.Module):
         return self.body(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
 
     def _embedded(self, name: str, index: torch.Tensor) -> torch.Tensor:
-        scale = self.embedding_scales[name]
         vectors = self.embeddings[name](index)
-        return vectors if scale == 1.0 else vectors * scale
+        return vectors * vectors.shape[-1] ** -0.5 if self.scale_embeddings else vectors
 
     def body(self, row: torch.Tensor) -> torch.Tensor:
         """The input row ``[B, D]`` -> ``[B, n_outputs]``; an ensemble runs its members on ``[B, k, D]`` and
