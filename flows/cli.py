@@ -268,7 +268,8 @@ def _for_people(summary: dict[str, Any]) -> dict[str, Any]:
     """The headline test metrics on one line, the accuracy with the majority class's share beside it (what always
     guessing that class scores) and counts as integers; the baselines' comparison on another line; per-class
     precision/recall stay in --json and MLflow.
-    Data drift as its one-line message (the per-feature numbers are in --json and the MLflow run)."""
+    Data drift as its one-line message (the per-feature numbers are in --json and the MLflow run). What a run does
+    not have (a training script's data, a rejected model's version) is left out."""
     metrics = summary.get("test_metrics") or {}
     headline = {
         name: value
@@ -282,7 +283,8 @@ def _for_people(summary: dict[str, Any]) -> dict[str, Any]:
     # guessing 0.500" (their full metrics are in --json and the MLflow run).
     baselines = {"baselines": (summary.get("baselines") or {}).get("comparison") or "none scored"}
     baselines = baselines if "baselines" in summary else {}
-    return {**summary, "test_metrics": shown, **baselines, **drift, **selection}
+    shown_summary = {**summary, "test_metrics": shown, **baselines, **drift, **selection}
+    return {key: value for key, value in shown_summary.items() if value is not None}  # e.g. a script's data
 
 
 MAJORITY_SHARE = "_majority_share"  # <split>_majority_share: training/inference/evaluate.py

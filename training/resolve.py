@@ -1,6 +1,8 @@
-"""What a config's ``auto`` settings become for a prepared dataset and a world size, decided once.
+"""What a config's ``auto`` settings become for a prepared dataset and a world size, decided once; and what a
+training script's run records of its script.
 
     config = resolve_for_data(config, manifest, world_size)
+    config = resolve_script(config)          # train.script: an absolute path, and the file's sha256
 
 - ``train.model: auto`` -> the built-in model for the inputs (``training/models/registry.py: with_resolved_model``);
 - the built-in ``mlp``'s defaults (``training/models/tabular.py: MLP_DEFAULTS``, and ``default_ensemble`` of the
@@ -20,6 +22,9 @@ defaults (the architecture of model.pt files from before these defaults).
 """
 
 from __future__ import annotations
+
+import hashlib
+from pathlib import Path
 
 from training.core.config import PipelineConfig
 from training.core.manifest import Manifest
@@ -43,3 +48,19 @@ def resolve_for_data(config: PipelineConfig, manifest: Manifest, world_size: int
     if not update:
         return config
     return config.model_copy(update={"train": train.model_copy(update=update)})
+
+
+def resolve_script(config: PipelineConfig) -> PipelineConfig:
+    """``train.script`` made absolute (a relative path is the working directory's: where the run starts) and
+    ``train.script_sha256`` the file's hash: an edited script is another training (resume, skip_if_unchanged)."""
+    path = Path(str(config.train.script)).resolve()
+    update = {"script": str(path), "script_sha256": file_sha256(path)}
+    return config.model_copy(update={"train": config.train.model_copy(update=update)})
+
+
+def file_sha256(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

@@ -88,8 +88,15 @@ class LaunchPreempted(LaunchError):
         self.record = record or {}
 
 
-def failure_from_output(run_dir: Path, job_dir: Path | None, tail: list[str], returncode: int) -> RankFailed:
-    """An error naming the failing rank, its exit code and the root-cause text (see the module doc)."""
+TRACEBACK_LINES = 15  # of a training script's traceback, in its failure (the whole log stays on disk)
+
+
+def failure_from_output(
+    run_dir: Path, job_dir: Path | None, tail: list[str], returncode: int, show_traceback: bool = False
+) -> RankFailed:
+    """An error naming the failing rank, its exit code and the root-cause text (see the module doc);
+    ``show_traceback``: and the last ``TRACEBACK_LINES`` lines of the rank's traceback (a user's training script,
+    whose own code is what the user reads)."""
     summary = root_cause_summary(tail)
     rank_match = re.match(r"(\d+)(?:\s*\(local_rank:\s*(\d+)\))?", summary.get("rank", ""))
     rank = int(rank_match[1]) if rank_match else None
@@ -119,6 +126,9 @@ def failure_from_output(run_dir: Path, job_dir: Path | None, tail: list[str], re
         )
         if log_file is not None:
             message += f" (its log: {log_file})"
+        shown = traceback_tail(_read_text(log_file) or "") if show_traceback and log_file is not None else None
+        if shown:
+            message += "\n" + shown
     return RankFailed(
         message, rank=rank, exitcode=exitcode, root_cause=cause, log_file=str(log_file) if log_file else None
     )
@@ -214,6 +224,21 @@ def _read_text(path: Path) -> str | None:
         return path.read_text(errors="replace")
     except OSError:
         return None
+
+
+def traceback_tail(log_text: str, limit: int = TRACEBACK_LINES) -> str | None:
+    """The last ``limit`` lines of the last Python traceback in a rank's log (through its exception line), or None;
+    torchrun's own record of the error (its ``@record`` block) is not part of it."""
+    lines = log_text.splitlines()
+    starts = [i for i, text in enumerate(lines) if text.startswith("Traceback (most recent call last):")]
+    if not starts:
+        return None
+    block = lines[starts[-1] :]
+    end = next(
+        (i for i, text in enumerate(block) if i and _EXCEPTION_LINE.match(text) and not text.startswith(" ")), None
+    )
+    block = block[: end + 1] if end is not None else block
+    return "\n".join(block[-limit:])
 
 
 def _last_exception_line(log_text: str) -> str | None:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ddpflow.launch.command import launch_env, torchrun_command
+from ddpflow.launch.command import launch_env, rank_program, torchrun_command
 from ddpflow.launch.failure import RankFailed
 from ddpflow.launch.slurm.commands import check_cluster
 from ddpflow.launch.slurm.launcher import SlurmStage, run_slurm_job
@@ -144,7 +144,7 @@ def _on_slurm(request: ScoreRequest, layout: RankLayout, prepare: Callable[[], P
         rank_config,
         JobPaths(state),
         job_file=state / JOB_FILE,
-        entrypoint=SCORING_ENTRYPOINT,
+        program=tuple(rank_program(rank_config, state / JOB_FILE, SCORING_ENTRYPOINT)),
         nnodes=config.score.nnodes,
         layout=layout,
         visible=(state / MODEL_FILE, state / PLAN_FILE),

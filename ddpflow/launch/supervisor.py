@@ -197,7 +197,10 @@ def read_preempted(run_dir: str | os.PathLike) -> dict | None:
 
 
 def describe_preempted(record: dict) -> str:
-    """ "preempted by SIGTERM: saved step 7 of epoch 1 (PATH)" from RUN_DIR/preempted.json."""
+    """ "preempted by SIGTERM: saved step 7 of epoch 1 (PATH)" from RUN_DIR/preempted.json (a training script's:
+    "preempted by SIGTERM: the script saved in PATH")."""
+    if record.get("script"):
+        return f"preempted by {record.get('signal')}: the script saved in {record.get('checkpoint')}"
     step, epoch = int(record.get("step") or 0), int(record.get("epoch") or 0)
     where = f"step {step} of epoch {epoch + 1}" if step else f"the end of epoch {epoch}"
     return f"preempted by {record.get('signal')}: saved {where} ({record.get('checkpoint')})"
@@ -223,12 +226,15 @@ def launch(
     should_cancel: Callable[[], str | None] | None = None,
     cancel_check_s: float = 2.0,
     preemption: Preemption | None = None,
+    cwd: str | os.PathLike = PROJECT_ROOT,
+    show_traceback: bool = False,
 ) -> LaunchResult:
-    """Run ``argv`` (torchrun) to completion, streaming its lines to ``on_line`` in THIS thread.
+    """Run ``argv`` (torchrun) to completion in ``cwd``, streaming its lines to ``on_line`` in THIS thread.
 
     Raises RankFailed / LaunchTimeout / LaunchStalled / LaunchInterrupted, each after the
     whole tree is gone. ``should_cancel()`` is polled every ``cancel_check_s``; a non-empty
-    string it returns is the reason to stop. ``preemption``: a first stop signal is passed on to the ranks
+    string it returns is the reason to stop. ``show_traceback``: a failed rank's error ends with the last lines of its
+    traceback (a user's training script). ``preemption``: a first stop signal is passed on to the ranks
     (module doc); without it every signal kills the tree. Ranks that stopped preempted: ``LaunchPreempted``,
     or what the handler of the signal the launcher held back raises.
     """
@@ -239,7 +245,7 @@ def launch(
         jobs_before = set(log_root.iterdir()) if log_root.is_dir() else set()
         for stale in (ERROR_FILE, PREEMPTED):  # an old attempt's error or stop must not be read as this one's
             (run_dir / stale).unlink(missing_ok=True)
-        launcher = _Launcher(argv, run_dir, env, on_line, grace_s, preemption)
+        launcher = _Launcher(argv, run_dir, env, on_line, grace_s, preemption, cwd)
         try:
             with launcher.signals_forwarded():  # before start: no window where a signal skips the kill
                 launcher.start()
@@ -261,15 +267,18 @@ def launch(
         if preempted is not None:  # whoever signalled the ranks (torchrun, one rank): saved, resumable
             raise LaunchPreempted(describe_preempted(preempted), preempted)
         if launcher.proc.returncode != 0:
-            raise failure_from_output(run_dir, job_dir, launcher.tail, launcher.proc.returncode)
+            raise failure_from_output(run_dir, job_dir, launcher.tail, launcher.proc.returncode, show_traceback)
         # Finished: the PIDs matter no more. A failed or stopped launch keeps them, to show what was stopped.
         (run_dir / PID_FILE).unlink(missing_ok=True)
         return result
 
 
 class _Launcher:
-    def __init__(self, argv, run_dir: Path, env, on_line, grace_s: float, preemption: Preemption | None = None):
+    def __init__(
+        self, argv, run_dir: Path, env, on_line, grace_s: float, preemption: Preemption | None = None, cwd=PROJECT_ROOT
+    ):
         self.argv = argv
+        self.cwd = cwd
         self.run_dir = run_dir
         self.env = env
         self.on_line = on_line
@@ -297,7 +306,7 @@ class _Launcher:
             bufsize=1,
             errors="replace",
             env=self.env,
-            cwd=str(PROJECT_ROOT),
+            cwd=str(self.cwd),
             start_new_session=True,  # torchrun's own session and group: signals to ours don't hit it first
         )
         self.tree = ProcessTree(self.proc)

@@ -22,6 +22,9 @@ What the step guarantees (docs/registry.md says the same to users):
 - With ``registry.max_drift_psi`` set, the candidate's drift from the champion's
   training data is measured under the lock, against the champion just read, and
   a drifted candidate waits as @challenger (``gate.drift_hold_reason``).
+- A training script's model without a data section (``dataset_dir`` None) goes through the same steps,
+  judged on the metric the script reported (``script_models.gate_metric``) against the value the champion's
+  own run reported; with no trivial baseline, the rule against guessing cannot apply, and the decision says so.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ from ddpflow.tracking.registry import (
     is_transient,
     mark_challenger,
     promote,
+    register_program_version,
     register_version,
     set_version_tags,
     version_download_uri,
@@ -81,6 +85,7 @@ from ddpflow.tracking.runs import (
     resolve_tracking_uri,
     use_tracking_uri,
 )
+from ddpflow.tracking.script_models import gate_metric
 from training.core.config import PipelineConfig, apply_overrides, validate_config
 from training.core.manifest import Manifest, read_manifest
 from training.inference.baselines import (
@@ -159,7 +164,7 @@ def register_candidate(
     config: PipelineConfig,
     run_id: str,
     model_path: str,
-    dataset_dir: str,
+    dataset_dir: str | None,
     metrics: dict[str, float],
     tracking_uri: str,
     *,
@@ -167,7 +172,8 @@ def register_candidate(
     gate_lock: GateLock | None = None,
     hooks: GateHooks | None = None,
 ) -> GateDecision:
-    """Register the run's model and apply the champion gate (see the module docstring).
+    """Register the run's model and apply the champion gate (see the module docstring). ``dataset_dir`` None: a
+    training script's exported model without a data section, judged on the metric it reported (``metrics``).
 
     Raises ``RegistrationError`` (will not succeed as asked), ``RegistryUnavailable``
     (the store is away: worth retrying) or ``ChampionUnreadableError``.
@@ -176,7 +182,8 @@ def register_candidate(
     # process-wide tracking URI, so point it at this store for the whole step.
     with use_tracking_uri(tracking_uri):
         try:
-            step = _Registration(config, run_id, tracking_uri, logger or _logger, gate_lock, hooks or GateHooks())
+            kind = _Registration if dataset_dir is not None else _ReportedRegistration
+            step = kind(config, run_id, tracking_uri, logger or _logger, gate_lock, hooks or GateHooks())
             decision = step.run(model_path, dataset_dir, metrics)
         except Exception as error:
             if isinstance(error, (RegistryUnavailable, ChampionUnreadableError)) or not is_transient(error):
@@ -283,10 +290,7 @@ class _Registration:
         if champion is not None and str(champion.version) == str(version.version):
             decision = self._promoted_earlier(version)
         else:
-            scored_as = evaluation_of(self.config.train, manifest.task).scored_as
-            reading = read_champion(
-                self.client, champion, dataset_dir, rules.metric, self.config.eval.batch_size, scored_as
-            )
+            reading = self._champion_reading(champion, rules, dataset_dir, manifest)
             drift = self._worst_drift(champion, rules, manifest)
             decision = GateDecision.judge(
                 rules, self.name, self.run_id, str(version.version), candidate, reading, drift, warning
@@ -299,6 +303,13 @@ class _Registration:
             mark_challenger(self.client, self.name, decision.version)
         self._mark_applied(decision)
         return decision
+
+    def _champion_reading(
+        self, champion: ModelVersion | None, rules: GateRules, dataset_dir: str, manifest: Manifest
+    ) -> ChampionReading:
+        """The champion re-scored on the candidate's test shards."""
+        scored_as = evaluation_of(self.config.train, manifest.task).scored_as
+        return read_champion(self.client, champion, dataset_dir, rules.metric, self.config.eval.batch_size, scored_as)
 
     def _worst_drift(self, champion: ModelVersion | None, rules: GateRules, manifest: Manifest) -> FeatureDrift | None:
         """With ``registry.max_drift_psi`` set: the candidate's most drifted feature against THIS champion's data.
@@ -348,6 +359,61 @@ class _Registration:
                 first_line(error),
                 self.run_id,
             )
+
+
+class _ReportedRegistration(_Registration):
+    """A training script's model without a data section: judged on the metric the script reported (``gate_metric``),
+    its champion on the value its own run reported. No trivial baseline stands for it (nothing to score one on), so
+    the guessing rule (``registry.min_lift``) cannot apply, and the decision says so."""
+
+    def run(self, model_path: str, dataset_dir: str | None, metrics: dict[str, float]) -> GateDecision:
+        metric, why_not = gate_metric(self.config, metrics)
+        if metric is None:
+            raise RegistrationError(why_not)
+        registry = self.config.registry
+        rules = GateRules(
+            metric=metric,
+            greater_is_better=registry.higher_is_better(metric),
+            min_delta=registry.min_delta,
+            min_metric=registry.min_metric,
+            replace_unreadable_champion=registry.replace_unreadable_champion,
+        )
+        version = find_version_for_run(self.client, self.name, self.run_id)
+        if version is not None and recorded_complete(version.tags):
+            return GateDecision.from_version_tags(version.tags, self.name, str(version.version), self.run_id)
+        candidate = float(metrics[metric])
+        rejection = rejection_reason({metric: candidate}, rules)
+        if rejection:
+            decision = GateDecision.rejected(rules, self.name, self.run_id, candidate, rejection)
+            self._record_on_run(decision)
+            self.logger.warning("Not registering run %s: %s", self.run_id, rejection)
+            return decision
+        if version is None:
+            version = register_program_version(self.client, self.config, self.experiment_id, self.run_id, model_path)
+        with self.gate_lock(self.name):
+            decision = self._gate(version, rules, candidate, None, None, NO_GUESSING_RULE)
+        log = self.logger.info if decision.decision == PROMOTED else self.logger.warning
+        log("%s v%s: %s (%s)", self.name, decision.version, decision.decision, decision.reason)
+        return decision
+
+    def _champion_reading(self, champion: ModelVersion | None, rules: GateRules, *_: Any) -> ChampionReading:
+        """The champion's own run's last value of the metric (nothing here could score it again)."""
+        if champion is None:
+            return ChampionReading.none()
+        version = str(champion.version)
+        value = self.client.get_run(champion.run_id).data.metrics.get(rules.metric) if champion.run_id else None
+        if value is None:
+            return ChampionReading.incompatible(version, f"its run reported no {rules.metric}")
+        return ChampionReading.scored(version, value)
+
+    def _worst_drift(self, *_: Any) -> None:
+        return None
+
+
+# A script's model judged on what it reported: why registry.min_lift did not apply, on the decision.
+NO_GUESSING_RULE = (
+    "no data section, so no trivial baseline: the rule against guessing (registry.min_lift) could not apply"
+)
 
 
 def _now_ms() -> int:

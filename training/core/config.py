@@ -424,6 +424,26 @@ class TrainConfig(_Section):
         description="Skip training (no torchrun, no new model version; the MLflow run is tagged ddpflow.skipped) "
         "when @champion was trained on the same dataset fingerprint with the same weight-changing settings.",
     )
+    # A user's own training script (docs/scripts.md): torchrun runs it on every rank instead of ddpflow's trainer.
+    script: KeepsWeights[str | None] = Field(
+        None,
+        description="A Python file of your own DDP training, run as it is on every rank by the same launcher "
+        "(train.launcher); relative to the directory the run starts in. ddpflow's own training settings (epochs, "
+        "lr, model, batch_size...) do not apply to it; the data section is optional (docs/scripts.md).",
+    )
+    script_args: ChangesWeightsWhenSet[list[str]] = Field(
+        default_factory=list, description="train.script's command-line arguments, as given."
+    )
+    script_params: ChangesWeightsWhenSet[dict[str, Any]] = Field(
+        default_factory=dict,
+        description="Passed to train.script after script_args as --key value arguments, and readable in the "
+        "script with ddpflow.params(); a sweep may search them (sweep.space: train.script_params.KEY).",
+    )
+    script_sha256: ChangesWeightsWhenSet[str | None] = Field(
+        None,
+        description="Filled in by ddpflow as the run starts: the sha256 of train.script's file, so an edited "
+        "script is another training (resume, train.skip_if_unchanged). A value given is replaced.",
+    )
 
     @classmethod
     def weight_fields(cls) -> tuple[str, ...]:
@@ -799,7 +819,8 @@ class ScoreConfig(_Section):
 
 
 class PipelineConfig(_Section):
-    data: DataConfig = Field(default_factory=DataConfig)
+    # None only for a training script run without a data section (train.script): it has no prepared dataset.
+    data: DataConfig | None = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
@@ -813,6 +834,21 @@ class PipelineConfig(_Section):
     def score_launcher(self) -> Literal["local", "slurm"]:
         """score.launcher, else train.launcher: a scoring runs where training runs unless told otherwise."""
         return self.score.launcher or self.train.launcher
+
+    @model_validator(mode="before")
+    @classmethod
+    def _script_without_data(cls, raw: Any) -> Any:
+        """A training script's run that names no data section has no dataset (``data`` is None); every other
+        run has one: the section's defaults when it is left out."""
+        if isinstance(raw, dict) and "data" not in raw and _names_script(raw.get("train")):
+            return {**raw, "data": None}
+        return raw
+
+    @model_validator(mode="after")
+    def _data_unless_script(self) -> PipelineConfig:
+        if self.data is None and self.train.script is None:
+            raise ValueError("data: only a run of train.script may go without its data section")
+        return self
 
     @model_validator(mode="after")
     def _score_nodes_need_slurm(self) -> PipelineConfig:
@@ -833,6 +869,12 @@ class PipelineConfig(_Section):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(self.model_dump_json(indent=2))
         return path
+
+
+def _names_script(train: Any) -> bool:
+    """Whether a raw ``train`` section (a dict or a TrainConfig) names a training script."""
+    script = train.get("script") if isinstance(train, dict) else getattr(train, "script", None)
+    return bool(script)
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -17,7 +17,7 @@ from torch import nn
 
 from training.core.manifest import Manifest
 from training.kinds.base import Codec
-from training.kinds.inputs import InputInfo
+from training.kinds.inputs import InputInfo, block_names, inputs_from_manifest
 from training.kinds.registry import codecs_for
 from training.models.registry import ModelSpec, build_model
 
@@ -32,6 +32,12 @@ REQUIRED_CHECKPOINT_KEYS = (
     "label",
     "label_mapping",
 )
+
+
+# A training script's model (ddpflow.log_model): its torch.export program's bytes stand for the architecture and the
+# weights, and ``model_spec`` names it EXPORTED (its inputs are the dataset's, its weights not in "model").
+PROGRAM = "program"
+EXPORTED = "exported"
 
 
 class IncompatibleModelError(ValueError):
@@ -77,10 +83,11 @@ class EvalResult:
 
 
 def load_model_checkpoint(path: str | Path) -> tuple[nn.Module, dict[str, Any]]:
-    """Rebuild the model from ``model_spec`` and load its weights, in eval mode.
+    """Rebuild the model from ``model_spec`` and load its weights, in eval mode (a training script's model: its
+    exported program, loaded).
 
     Returns the model and the checkpoint's other entries (everything except the
-    state dict). ``weights_only=True``: a checkpoint cannot run code on load.
+    state dict). ``weights_only=True``: a checkpoint cannot run code on load (nor does a torch.export program).
     """
     path = Path(path)
     if not path.is_file():
@@ -92,10 +99,13 @@ def load_model_checkpoint(path: str | Path) -> tuple[nn.Module, dict[str, Any]]:
             f"model checkpoint {path} lacks keys {missing}; is it a final model.pt (not checkpoints/last.pt)?"
         )
     spec = ModelSpec.from_dict(checkpoint["model_spec"], checkpoint["features"])
-    model = build_model(spec, checkpoint["features"])
-    model.load_state_dict(checkpoint["model"])
-    model.eval()
-    meta = {key: value for key, value in checkpoint.items() if key != "model"}
+    if PROGRAM in checkpoint:
+        model = exported_module(checkpoint[PROGRAM])
+    else:
+        model = build_model(spec, checkpoint["features"])
+        model.load_state_dict(checkpoint["model"])
+        model.eval()
+    meta = {key: value for key, value in checkpoint.items() if key not in ("model", PROGRAM)}
     meta["model_spec"] = spec.to_dict()  # with its inputs, also for a model.pt from before typed inputs
     return model, meta
 
@@ -157,6 +167,23 @@ def inference_checkpoint(
         "selected_epoch": selection["selected_epoch"] if selection else metrics.get("epoch", epochs - 1),
         "selection": selection,
     }
+
+
+def exported_module(program: bytes) -> nn.Module:
+    """The module of a torch.export program's bytes (``torch.export.save``): no pickled code runs."""
+    import io
+
+    return torch.export.load(io.BytesIO(program)).module()
+
+
+def exported_checkpoint(program: bytes, manifest: Manifest, encoders: dict[str, Any] | None) -> dict[str, Any]:
+    """model.pt of a training script's model trained on a prepared dataset (``ddpflow.dataset``, the model
+    contract's batch in, ``[B, n_outputs]`` out): its program, and what evaluation and serving need of the dataset,
+    as ``inference_checkpoint`` records it for ddpflow's own models (the objective ``auto`` picks for the task)."""
+    inputs = inputs_from_manifest(manifest)
+    spec = ModelSpec(EXPORTED, len(block_names(inputs)), manifest.n_outputs, {}, [i.to_dict() for i in inputs.values()])
+    checkpoint = inference_checkpoint({}, spec, manifest, 0, {}, encoders)
+    return {**checkpoint, PROGRAM: program, "objective": {"name": "auto", "kwargs": {}}, "selected_epoch": None}
 
 
 def source_types(manifest: Manifest) -> dict[str, str]:
