@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpflow.console import CommandLog
+from ddpflow.launch.failure import ScriptFailed
 from ddpflow.lifetime import Terminated, ended_by_signals, shielded
 from ddpflow.services import stack
 from ddpflow.services.prefect_server import PrefectServer, PrefectServerError, prefect_server
@@ -52,12 +53,14 @@ from training.loop.selection import describe_selection
 
 # Errors that are the user's to fix: print the message, not a traceback.
 # ConnectionError: an unreachable tracking server names its URI.
+# ScriptFailed: a user's training script raised, in its own code (the last lines of its traceback are shown).
 USER_ERRORS: tuple[type[BaseException], ...] = (
     ConfigError,
     ValueError,
     FileNotFoundError,
     PermissionError,
     ConnectionError,
+    ScriptFailed,
 )
 
 
@@ -432,6 +435,9 @@ def _fail(message: str, status: int, log: CommandLog | None = None, error: BaseE
         log.record_error(error)
         if status in (1, 2) and log.quiet:
             print(f"ddpflow: the full trace is in {log.path} (or run with --verbose)", file=sys.stderr)
+    if isinstance(error, ScriptFailed):  # the script's own traceback, then the one line that says what failed
+        print(error.traceback, file=sys.stderr)
+        message = error.headline
     print(f"error: {message}", file=sys.stderr)
     return status
 

@@ -87,6 +87,7 @@ DEFAULT_GRACE_S = 5.0  # SIGTERM -> SIGKILL
 # torchrun --tee prefixes each rank's lines with "[<role><local_rank>]:".
 _RANK_PREFIX = re.compile(r"^\[(?P<role>[A-Za-z_]*?)(?P<rank>\d+)\]:(?P<line>.*)$")
 _POLL_S = 0.2  # how often the wait loop checks exit, deadlines and cancellation
+_TRACEBACK = "Traceback (most recent call last):"
 _SCAN_S = 1.0  # how often the descendants are recorded
 
 
@@ -97,7 +98,8 @@ _SCAN_S = 1.0  # how often the descendants are recorded
 class OutputLine:
     """One line of torchrun's output. ``rank`` is the local rank, None for torchrun's own lines.
     ``after_stop``: printed after the launcher began stopping the tree (torchrun's shutdown: its
-    ``SignalException`` traceback), for the log rather than a person's console."""
+    ``SignalException`` traceback) or in torchrun's own report of a failed rank (its ``ChildFailedError``
+    traceback), for the log rather than a person's console."""
 
     rank: int | None
     text: str
@@ -295,6 +297,7 @@ class _Launcher:
         self.held: tuple[int, float] | None = None  # a stop signal passed on to the ranks, and its deadline
         self.replaced: dict[int, object] = {}  # the handlers forward_signals replaced (to chain a held signal)
         self._said_held = False
+        self._torchrun_failing = False  # torchrun began printing its failure report
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
@@ -330,7 +333,12 @@ class _Launcher:
 
     def _deliver(self, raw: str) -> None:
         self.last_output = time.monotonic()
-        line = parse_line(raw, after_stop=self.stopping)
+        line = parse_line(raw, after_stop=self.stopping or self._torchrun_failing)
+        if line.rank is None and line.text.startswith(_TRACEBACK):
+            # torchrun's own report of a failed rank (ChildFailedError): for the log and the failure analysis (the
+            # launch's error says the root cause); the console has the rank's own lines already.
+            self._torchrun_failing = True
+            line = OutputLine(line.rank, line.text, after_stop=True)
         if not line.text.strip():
             return  # torchrun's tail emits empty "[defaultN]:" lines; they say nothing
         if line.rank is None:
