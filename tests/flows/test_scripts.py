@@ -277,3 +277,65 @@ def test_sigterm_stops_a_script_that_does_not_catch_it_and_leaves_nothing(tmp_pa
     assert time.monotonic() - sent < PREEMPT_GRACE_S
     assert not [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert mlflow_run(config)[1].info.status == "KILLED"
+
+
+def test_a_loop_over_ddpflow_dataset_sees_each_row_once_and_its_model_is_evaluated_gated_and_served(
+    tmp_path, tracking_uri, prefect_harness
+):
+    """With a data section: prepare as for ddpflow's own models, the script's loop over ddpflow.dataset("train")
+    with a plain DistributedSampler, its model (the model contract) exported, evaluated by ddpflow on the test split
+    with its baselines, gated, and served on the source's raw rows through the dataset's encoders."""
+    import mlflow
+    import pandas as pd
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from ddpflow.script.data import PreparedSplit
+    from ddpflow.tracking.runs import use_tracking_uri
+    from tests.flows.test_mixed_inputs import INPUTS, churn_table, read_back
+    from training.core.manifest import read_manifest
+    from training.inference.model_file import load_model_checkpoint
+
+    source = tmp_path / "churn.parquet"
+    pq.write_table(churn_table(rows=3000), source)
+    (tmp_path / "table_loop.py").write_text(TUTORIAL.with_name("table_loop.py").read_text())
+    config = script_config(tmp_path, tracking_uri, "table_loop.py", ["--epochs", "3"])
+    config["data"] = {
+        "source": "churn.parquet",  # relative, as train.script: where `ddpflow run` starts
+        "label": "churned",
+        "key": "customer_id",
+        "inputs": INPUTS,
+        "root": str(tmp_path / "shards"),
+    }
+    done = run_cli(tmp_path, config, prefect_harness, "--json")
+    assert done.returncode == 0, done.stderr[-4000:]
+    summary = json.loads(done.stdout)
+    assert summary["decision"] == "promoted", summary
+    dataset = Path(summary["dataset_dir"])
+    manifest = read_manifest(dataset)
+    assert summary["test_metrics"]["test_samples"] == manifest.rows("test")  # ddpflow's exact evaluation
+    assert summary["test_metrics"]["test_accuracy"] > 0.8  # the label is two of five countries
+    assert "guessing" in summary["baselines"]["comparison"]  # its baselines (a vector input: no reference model)
+    assert summary["baselines"]["trivial"]["test_accuracy"] < 0.7
+
+    # Each row of the train split once per epoch across the ranks (a DistributedSampler pads to a multiple of 2).
+    run_dir = Path(summary["run_dir"])
+    seen = [json.loads((run_dir / "checkpoints" / f"seen-rank{r}.json").read_text()) for r in (0, 1)]
+    rows = manifest.rows("train")
+    for epoch in range(3):
+        together = seen[0][epoch] + seen[1][epoch]
+        assert set(together) == set(range(rows)) and len(together) == rows + rows % 2
+
+    # Served: the source's own rows of the test split, read back every way a user reads them, answer as the
+    # exported model does on the prepared test rows.
+    test = pa.concat_tables([pq.read_table(path) for path in manifest.split_files(dataset, "test")]).to_pandas()
+    model, _ = load_model_checkpoint(run_dir / "model.pt")
+    prepared = PreparedSplit(dataset, "test")
+    with torch.no_grad():
+        expected = np.asarray(manifest.label_mapping)[model(prepared.batch(0, len(prepared))).argmax(dim=1).numpy()]
+    with use_tracking_uri(config["mlflow"]["tracking_uri"]):
+        served = mlflow.pyfunc.load_model(f"models:/{config['registry']['model_name']}@champion")
+    for how, frame in read_back(source).items():
+        rows_of_test = frame.set_index("customer_id").loc[test["customer_id"]][list(INPUTS)]
+        np.testing.assert_array_equal(np.asarray(served.predict(rows_of_test)), expected, err_msg=how)
+    assert isinstance(served.predict(rows_of_test.head(3), params={"output": "probabilities"}), pd.DataFrame)

@@ -169,11 +169,27 @@ def inference_checkpoint(
     }
 
 
-def exported_module(program: bytes) -> nn.Module:
+class ExportedModel(nn.Module):
+    """A torch.export program's module, for the callers of any model: it was exported in eval mode, and
+    ``train()``/``eval()`` (which an exported module refuses) change nothing in it."""
+
+    def __init__(self, program: nn.Module):
+        super().__init__()
+        self.program = program
+
+    def forward(self, *args: Any) -> Any:
+        return self.program(*args)
+
+    def train(self, mode: bool = True) -> ExportedModel:
+        self.training = mode  # this wrapper's flag only: the program runs as it was exported
+        return self
+
+
+def exported_module(program: bytes) -> ExportedModel:
     """The module of a torch.export program's bytes (``torch.export.save``): no pickled code runs."""
     import io
 
-    return torch.export.load(io.BytesIO(program)).module()
+    return ExportedModel(torch.export.load(io.BytesIO(program)).module())
 
 
 def exported_checkpoint(program: bytes, manifest: Manifest, encoders: dict[str, Any] | None) -> dict[str, Any]:
