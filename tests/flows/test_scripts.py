@@ -339,3 +339,45 @@ def test_a_loop_over_ddpflow_dataset_sees_each_row_once_and_its_model_is_evaluat
         rows_of_test = frame.set_index("customer_id").loc[test["customer_id"]][list(INPUTS)]
         np.testing.assert_array_equal(np.asarray(served.predict(rows_of_test)), expected, err_msg=how)
     assert isinstance(served.predict(rows_of_test.head(3), params={"output": "probabilities"}), pd.DataFrame)
+
+
+def test_a_sweep_over_a_script_parameter_prunes_a_trial_from_its_reports_and_registers_the_best(
+    tmp_path, tracking_uri, prefect_harness
+):
+    """`ddpflow sweep` over train.script_params.lr: four trials of the script (1 rank each), judged by the val_loss
+    it reports; the median pruner stops the fourth (lr 1e-6 barely learns) through its should_stop(), and only the
+    best trial's model goes through the gate."""
+    (tmp_path / "stoppable.py").write_text(STOPPABLE.read_text())
+    args = ["--steps", "24", "--report_every", "4", "--sleep", "0.1"]
+    config = script_config(tmp_path, tracking_uri, "stoppable.py", args, nproc_per_node=1)
+    lrs = [0.05, 0.02, 0.1, 1e-6]  # each learns faster than the median of those before it, but the last
+    config["sweep"] = {
+        "trials": 4,
+        "objective": "val_loss",
+        "sampler": "random",
+        "pruner": "median",
+        "startup_trials": 2,
+        "name": f"script-sweep-{uuid.uuid4().hex[:6]}",
+        "space": {"train.script_params.lr": {"choices": lrs}},
+        "enqueue": [{"train.script_params.lr": lr} for lr in lrs],  # a known order
+    }
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(config))
+    done = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "sweep", "--config", "sweep.yaml", "--json"],
+        cwd=tmp_path, env=cli_env(prefect_harness), capture_output=True, text=True, timeout=540,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    summary = json.loads(done.stdout)
+    assert summary["trials"] == {"complete": 3, "pruned": 1, "failed": 0}, done.stderr[-3000:]
+    assert "trial 3 {'script_params.lr': 1e-06}: pruned at step 3 " in done.stderr
+    # Its should_stop() turned True: it saved and returned early, and logged no model.
+    trial_3 = Path(config["train"]["run_root"]).glob("sweeps/*/trials/*-trial-003")
+    (trial_3,) = list(trial_3)
+    assert (trial_3 / "checkpoints" / "state.pt").is_file() and not (trial_3 / "script" / "model.pt2").exists()
+    assert summary["best_params"]["train.script_params.lr"] in (0.05, 0.1, 0.02)
+    assert (summary["decision"], summary["model_version"]) == ("promoted", "1")
+    client = MlflowClient(tracking_uri)
+    version = client.get_model_version(config["registry"]["model_name"], "1")
+    assert version.run_id == summary["best_run_id"]
+    best_lr = summary["best_params"]["train.script_params.lr"]
+    assert client.get_run(summary["best_run_id"]).data.params["train.script_params.lr"] == str(best_lr)
