@@ -613,8 +613,9 @@ class RegistryConfig(_Section):
     model_name: str = Field("ddpflow-model", min_length=1)
     metric: str | None = Field(
         None,
-        description="Gate metric; default the objective's: test_accuracy (classification), test_micro_f1 "
-        "(multilabel), test_rmse (regression), test_loss (train.objective next_token, lower is better).",
+        description="Gate metric; default the objective's: test_roc_auc (a label of two classes), test_accuracy "
+        "(more classes), test_micro_f1 (multilabel), test_rmse (regression), test_loss (train.objective next_token, "
+        "lower is better).",
     )
     greater_is_better: bool | None = Field(None, description="Default: inferred from the metric name.")
     min_delta: float = Field(0.0, ge=0, description="The candidate must beat the champion by more than this.")
