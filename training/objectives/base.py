@@ -87,7 +87,8 @@ TASK_EVALUATIONS = {  # an objective of the dataset's task, per row (every built
         "multilabel", "test_micro_f1", ("test_micro_f1", "test_macro_f1", "test_exact_match"), signal_metric="test_loss"
     ),
     "regression": Evaluation(
-        "regression", "test_rmse", ("test_rmse", "test_mae", "test_r2"), keeps_predictions=True, signal_metric="test_rmse"
+        "regression", "test_rmse", ("test_rmse", "test_mae", "test_r2"),
+        keeps_predictions=True, signal_metric="test_rmse",
     ),
 }  # fmt: skip
 
