@@ -6,7 +6,8 @@ A value is read as its wall-clock time in one zone, ``wall_clock(array, zone)``:
   to ``zone`` (the train column's own zone), else to UTC, and read on that clock;
 - a timestamp without a zone, a date (date32/date64) and an ISO-8601 string without an offset are the wall-clock
   time they show;
-- an ISO-8601 string with an offset (``Z``, ``+02:00``) is converted like a zoned timestamp.
+- an ISO-8601 string with an offset (``Z``, ``+02:00``) is converted like a zoned timestamp; an empty string (a
+  blank CSV cell) is a null.
 
 So a model trained on a column in Europe/Oslo reads hour 9 as 09:00 in Oslo, also when a served row brings the
 same instant as ``07:00Z``. Features (``DatetimeCodec``, float32 ``[rows, D]``, the built-in model's DENSE block):
@@ -86,7 +87,7 @@ def _parsed(array: pa.Array, zone: str | None) -> tuple[np.ndarray, np.ndarray, 
     import pandas as pd
 
     text = pd.Series(array.to_numpy(zero_copy_only=False), dtype=object)
-    given = text.notna().to_numpy()
+    given = (text.notna() & (text.str.strip() != "")).to_numpy()  # a blank CSV cell is a missing time
     offset = text.str.contains(_OFFSET, na=False).to_numpy()
     times = np.zeros(len(text), dtype="datetime64[us]")
     for rows, aware in ((given & ~offset, False), (offset, True)):
