@@ -16,22 +16,19 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
-import torch
 
 from ddpflow.drift.report import compare
+from tests.manifest_datasets import train_typed_model
 from training.core.config import load_config
 from training.core.errors import DataError
 from training.core.manifest import read_manifest
 from training.inference.baselines import evaluate_baselines
 from training.inference.evaluate import evaluate_split
-from training.inference.model_file import inference_checkpoint
 from training.inference.predict import Predictor
 from training.inference.scored_drift import DriftTally
 from training.kinds.inputs import inputs_from_manifest
 from training.kinds.registry import codecs_for, read_encoders
 from training.kinds.times import DatetimeCodec
-from training.loading.batches import load_split
-from training.models.registry import ModelSpec, build_model
 from training.prepare.dataset import prepare_dataset
 
 OSLO = "Europe/Oslo"
@@ -169,31 +166,11 @@ def test_drift_compares_the_time_of_day_weekday_and_month(tmp_path):
     assert tally.stats["when"] == before.extra["drift_stats"]["inputs"]["when"]
 
 
-def fit_in_process(dataset: Path, path: Path, steps: int = 300) -> Path:
-    """A model.pt of the default mlp over the prepared inputs, trained in this process (full-batch Adam)."""
-    manifest = read_manifest(dataset)
-    inputs = inputs_from_manifest(manifest)
-    split = load_split(dataset, manifest, "train")
-    torch.manual_seed(0)
-    spec = ModelSpec.for_inputs("mlp", inputs, manifest.n_outputs, {"hidden": [32]})
-    model = build_model(spec)
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.02)
-    batch = split.rows(0, len(split))
-    for _ in range(steps):
-        optimizer.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(batch), split.labels)
-        loss.backward()
-        optimizer.step()
-    encoders = read_encoders(dataset, manifest)
-    torch.save(inference_checkpoint(model.state_dict(), spec, manifest, 1, {}, encoders=encoders), path)
-    return path
-
-
 def test_a_model_learns_the_time_of_day_and_scores_raw_rows_as_its_evaluation(tmp_path):
     frame = timetable(rows=1500)
     prepared = prepare(tmp_path, frame, "data.inputs={when: datetime, text: datetime, basket: numeric}")
     dataset = prepared.dataset_dir
-    model_path = fit_in_process(dataset, tmp_path / "model.pt")
+    model_path = train_typed_model(dataset, tmp_path / "model.pt", steps=300, lr=0.02, hidden=32)
     evaluated = evaluate_split(model_path, dataset, return_predictions=True)
     assert evaluated.metrics["test_roc_auc"] > 0.9, evaluated.metrics  # only the time of day says "late"
     baselines = evaluate_baselines(model_path, dataset, "test")
