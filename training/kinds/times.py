@@ -102,20 +102,22 @@ def _parsed(array: pa.Array, zone: str | None) -> tuple[np.ndarray, np.ndarray, 
 
 
 def cycle_phases(micros: np.ndarray, cycles: tuple[str, ...]) -> np.ndarray:
-    """Where each wall-clock time (int64 microseconds) is on each cycle, in [0, 1): ``[len(cycles), rows]``."""
+    """Where each wall-clock time (int64 microseconds) is on each cycle, in [0, 1): ``[len(cycles), rows]``; the
+    calendar (day of year, month, leap years) is Arrow's."""
     days = np.floor_divide(micros, US_PER_DAY)
     of_day = (micros - days * US_PER_DAY) / US_PER_DAY
-    dates = days.astype("datetime64[D]")
-    years = dates.astype("datetime64[Y]")
-    year_start = years.astype("datetime64[D]").astype(np.int64)
-    year_days = (years + 1).astype("datetime64[D]").astype(np.int64) - year_start
+    clock = pa.array(micros, pa.timestamp("us"))
+
+    def calendar(function) -> np.ndarray:
+        return function(clock).to_numpy(zero_copy_only=False).astype(np.float64)
+
     phase = {
-        "hour": of_day,
-        "day_of_week": ((days + 3) % 7 + of_day) / 7,  # 1970-01-01 was a Thursday; Monday starts the week
-        "day_of_year": (days - year_start + of_day) / year_days,
-        "month": (dates.astype("datetime64[M]").astype(np.int64) % 12) / 12,  # January 0, December 11/12
+        "hour": lambda: of_day,
+        "day_of_week": lambda: ((days + 3) % 7 + of_day) / 7,  # 1970-01-01 was a Thursday; Monday starts the week
+        "day_of_year": lambda: (calendar(pc.day_of_year) - 1 + of_day) / (365 + calendar(pc.is_leap_year)),
+        "month": lambda: (calendar(pc.month) - 1) / 12,  # January 0, December 11/12
     }
-    return np.stack([phase[cycle] for cycle in cycles]) if cycles else np.empty((0, len(micros)))
+    return np.stack([phase[cycle]() for cycle in cycles]) if cycles else np.empty((0, len(micros)))
 
 
 class DatetimeCodec(Codec):
