@@ -44,7 +44,6 @@ from ddpflow.launch.failure import LaunchInterrupted, LaunchPreempted
 from ddpflow.launch.slurm.commands import check_cluster
 from ddpflow.launch.supervisor import read_preempted
 from ddpflow.rundirs import find_resumable_run, new_run_dir, record_mlflow_run, resume_epoch
-from ddpflow.tracking.registration import gate_rules
 from ddpflow.tracking.registry import champion_checkpoint
 from ddpflow.tracking.runs import (
     RESTARTS_TAG,
@@ -175,10 +174,11 @@ def train_pipeline(
         "model_name": config.registry.model_name,
         "model_version": decision.get("version"),
         "decision": decision.get("decision"),
+        "gate_metric": decision.get("metric"),  # the metric that decided (registry.metric, else the objective's)
         "reason": decision.get("reason"),
         **({"warning": decision["warning"]} if decision.get("warning") else {}),
         "test_metrics": model_metrics(candidate.metrics),
-        **({"baselines": _baselines(config, prepared.manifest.task, candidate.metrics)} if evaluated else {}),
+        **({"baselines": _baselines(decision.get("metric"), candidate.metrics)} if evaluated else {}),
         **({"selection": selection_summary(trained.metrics, config.train)} if not config.train.script else {}),
         "data_drift": drift,
         "mlflow_run_id": run_id,
@@ -308,10 +308,10 @@ def _dataset_note(prepared: PreparedDataset | None) -> str:
     return "" if prepared is None else f" Dataset `{prepared.dataset_dir}` (cache hit: {prepared.cache_hit})."
 
 
-def _baselines(config: PipelineConfig, task: str, metrics: dict[str, float]) -> dict[str, Any]:
+def _baselines(gate_metric: str | None, metrics: dict[str, float]) -> dict[str, Any]:
     """The baselines' test metrics and the line that compares them with the model's (``comparison``): on the gate
-    metric, and on ROC AUC where there is one."""
-    names = [gate_rules(config, task).metric, "test_roc_auc"]
+    metric that decided, and on ROC AUC where there is one."""
+    names = [name for name in (gate_metric, "test_roc_auc") if name]
     return {
         "comparison": comparison(metrics, list(dict.fromkeys(names))),
         "trivial": baseline_values(metrics, TRIVIAL),

@@ -143,10 +143,13 @@ class GateHooks:
 # ---------------------------------------------------------------- the whole step
 
 
-def gate_rules(config: PipelineConfig, task: str) -> GateRules:
-    """``task``: the dataset's; the metric is ``registry.metric``, else the objective's (a language model is judged
-    on its own: test_loss, lower is better; training/objectives/base.py ``Evaluation.gate_metric``)."""
-    registry, judged = config.registry, evaluation_of(config.train, task).gate_metric
+def gate_rules(config: PipelineConfig, task: str, n_classes: int | None = None) -> GateRules:
+    """``task`` and ``n_classes``: the dataset's (``Manifest.n_classes``); the metric is ``registry.metric``, else
+    the objective's (test_roc_auc for a label of two classes; a language model is judged on its own: test_loss,
+    lower is better; training/objectives/base.py ``Evaluation.gate_metric``, ``for_classes``)."""
+    evaluation = evaluation_of(config.train, task, n_classes)
+    registry, judged = config.registry, evaluation.gate_metric
+    alternatives = (evaluation.two_class_gate_metric if n_classes == 2 else None, evaluation.signal_metric)
     return GateRules(
         metric=registry.gate_metric(judged),
         greater_is_better=registry.higher_is_better(judged),
@@ -157,6 +160,8 @@ def gate_rules(config: PipelineConfig, task: str) -> GateRules:
         min_lift=registry.min_lift,
         require_reference=registry.require_reference,
         reference_margin=registry.reference_margin,
+        signal_metric=evaluation.signal_metric,
+        alternatives=tuple(name for name in alternatives if name is not None),
     )
 
 
@@ -219,7 +224,7 @@ class _Registration:
 
     def run(self, model_path: str, dataset_dir: str, metrics: dict[str, float]) -> GateDecision:
         manifest = read_manifest(dataset_dir)
-        rules = gate_rules(self.config, manifest.task)
+        rules = gate_rules(self.config, manifest.task, manifest.n_classes)
         if rules.metric not in metrics:
             raise RegistrationError(
                 f"registry.metric {rules.metric!r} is not among the evaluated metrics {sorted(metrics)}"
@@ -260,20 +265,18 @@ class _Registration:
     def _with_trivial_baseline(
         self, metrics: dict[str, float], rules: GateRules, model_path: str, dataset_dir: str
     ) -> dict[str, float]:
-        """``metrics`` with the trivial baseline's gate metric: the evaluation's, else scored now (a run evaluated
-        before baselines existed); unchanged when the model's objective has none (a language model, a user
-        objective) or its model.pt cannot be read here."""
-        name = baseline_metric(TRIVIAL, rules.metric)
-        if name in metrics or not Path(model_path).is_file():
+        """``metrics`` with the trivial baseline's gate metric, signal metric and alternatives (``GateRules``): the
+        evaluation's, else scored now (a run evaluated before baselines existed); unchanged when the model's
+        objective has none (a language model, a user objective) or its model.pt cannot be read here."""
+        judged = [name for name in dict.fromkeys((rules.metric, rules.signal_metric, *rules.alternatives)) if name]
+        if all(baseline_metric(TRIVIAL, name) in metrics for name in judged) or not Path(model_path).is_file():
             return metrics
         objective, normaliser = checkpoint_reading(model_path)
         if not objective.has_baselines:
             return metrics
         manifest = read_manifest(dataset_dir)
         trivial = trivial_baseline(objective, normaliser, manifest, dataset_dir, "test")
-        if rules.metric not in trivial:
-            return metrics
-        return {**metrics, name: trivial[rules.metric]}
+        return {**{baseline_metric(TRIVIAL, name): trivial[name] for name in judged if name in trivial}, **metrics}
 
     def _gate(
         self,

@@ -25,8 +25,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.ddpflow.tracking.test_registry import DDP, PREFECT, train_typed_model
+from tests.ddpflow.tracking.test_registry import DDP, PREFECT
 from tests.flows.test_mixed_inputs import INPUTS, churn_table
+from tests.manifest_datasets import train_typed_model
 from training.core.errors import DataError
 
 REPO = Path(__file__).resolve().parents[2]

@@ -620,7 +620,7 @@ def register_in_a_flow(running: Stack, work: Path) -> dict[str, Any]:
     """The project's model (ddpflow-demo: a quick model of the churn table, data.key customer_id) through the
     register task in a process of its own, which emits ddpflow.champion.moved, after the event of another model's
     promotion, which the project's trigger must not follow: the register task's decision."""
-    from tests.ddpflow.tracking.test_registry import train_typed_model
+    from tests.manifest_datasets import train_typed_model
     from training.inference.evaluate import evaluate_split
 
     pq.write_table(churn_table(rows=600, seed=0), work / "churn.parquet")

@@ -14,6 +14,7 @@ its dotted path (``train.epochs: Input should be greater than or equal to 1``).
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import re
@@ -84,7 +85,7 @@ class _Section(BaseModel):
 
 
 # The built-in data.inputs kinds, in the order logs list them; each one's record: training/kinds/registry.py.
-INPUT_KINDS = ("numeric", "categorical", "hashed", "vector", "image", "text")
+INPUT_KINDS = ("numeric", "categorical", "hashed", "vector", "datetime", "image", "text")
 IMAGE_OPTIONS = ("size", "channels", "mean", "std", "augment")  # kind image (training/kinds/image.py, docs/data.md)
 TEXT_OPTIONS = ("max_len", "tokenizer")  # kind text (training/kinds/text.py, docs/data.md)
 TEXT_DEFAULT_MAX_LEN = 256
@@ -158,6 +159,60 @@ class InputSpec(_Section):
         return {**given, **(self.model_extra or {})}
 
 
+class SplitSpec(_Section):
+    """``data.split``: how rows go to train, val and test.
+
+    ``{by: hash}`` (the default, also when ``data.split`` is unset): a stable hash of each row (``data.key``, else
+    its content) against ``data.val_fraction`` and ``data.test_fraction``; a row keeps its split when rows are added.
+    ``{by: time, column: <col>, val: ..., test: ...}``: the newest rows go to test and the ones before them to val,
+    so a model is judged on the rows after those it learnt from; ``val`` and ``test`` are each a fraction of the
+    rows (the newest ``test`` share of the rows by ``column``, the ``val`` share before them; unset:
+    ``data.val_fraction``, ``data.test_fraction``) or a cut-off date or time (ISO 8601: the rows at or after it;
+    in the column's own time zone unless it names one). training/prepare/time_split.py; docs/data.md.
+    """
+
+    by: Literal["hash", "time"] = "hash"
+    column: str | None = Field(None, description="time: the column of each row's time (a timestamp, date or ISO text).")
+    val: float | str | None = Field(None, description="time: a fraction of the rows, or a cut-off date or time.")
+    test: float | str | None = Field(None, description="time: a fraction of the rows, or a cut-off date or time.")
+
+    @field_validator("val", "test", mode="before")
+    @classmethod
+    def _dates_as_text(cls, value: Any) -> Any:
+        """A YAML date (``val: 2024-06-01``) or time as its ISO text; a number stays a fraction."""
+        return value.isoformat() if isinstance(value, (dt.date, dt.datetime)) else value
+
+    @field_validator("val", "test")
+    @classmethod
+    def _fraction_or_date(cls, value: float | str | None) -> float | str | None:
+        if isinstance(value, float) and not 0.0 <= value < 1.0:
+            raise ValueError(f"a fraction of the rows is at least 0 and below 1, not {value}")
+        if isinstance(value, str):
+            try:
+                dt.datetime.fromisoformat(value.strip())
+            except ValueError:
+                raise ValueError(
+                    f"{value!r} is neither a fraction of the rows nor an ISO-8601 date or time (2024-06-01, "
+                    "2024-06-01T00:00:00+02:00)"
+                ) from None
+        return value
+
+    @model_validator(mode="after")
+    def _one_rule(self) -> SplitSpec:
+        if self.by == "hash" and (self.column, self.val, self.test) != (None, None, None):
+            raise ValueError(
+                "by: hash takes no column, val or test (its fractions are data.val_fraction and data.test_fraction)"
+            )
+        if self.by == "time" and not self.column:
+            raise ValueError("by: time needs column: the column that holds each row's time")
+        fractions = [value for value in (self.val, self.test) if isinstance(value, float)]
+        if len(fractions) == 2 and sum(fractions) >= 1.0:
+            raise ValueError(
+                f"val ({self.val}) + test ({self.test}) must sum to less than 1, so that train is not empty"
+            )
+        return self
+
+
 class DataConfig(_Section):
     source: str = Field(
         "synthetic://classification?rows=20000&features=16&classes=4&seed=0",
@@ -173,7 +228,8 @@ class DataConfig(_Section):
     )
     inputs: ChangesWeights[dict[str, InputSpec] | None] = Field(
         None,
-        description="The model's inputs, name -> kind (numeric | categorical | hashed | vector | image | text) or "
+        description="The model's inputs, name -> kind (numeric | categorical | hashed | vector | datetime | image | "
+        "text) or "
         "{kind: ..., options}; default: every numeric column except label, key and weight (data.features).",
     )
     weight: ChangesWeights[str | None] = Field(
@@ -195,6 +251,12 @@ class DataConfig(_Section):
     )
     val_fraction: float = Field(0.1, ge=0.0, lt=1.0)
     test_fraction: float = Field(0.1, ge=0.0, lt=1.0)
+    split: ChangesWeights[SplitSpec | None] = Field(
+        None,
+        description="How rows go to train/val/test: unset or {by: hash} (a stable hash of each row, "
+        "data.val_fraction/test_fraction), or {by: time, column: <col>, val: <fraction or date>, test: <fraction "
+        "or date>} (the newest rows to test, those before them to val).",
+    )
     rows_per_shard: int = Field(262_144, ge=1)
     row_group_size: int = Field(65_536, ge=1)
     read_batch_rows: int = Field(131_072, ge=1, description="Rows per record batch while streaming the source.")
@@ -633,8 +695,9 @@ class RegistryConfig(_Section):
     model_name: str = Field("ddpflow-model", min_length=1)
     metric: str | None = Field(
         None,
-        description="Gate metric; default the objective's: test_accuracy (classification), test_micro_f1 "
-        "(multilabel), test_rmse (regression), test_loss (train.objective next_token, lower is better).",
+        description="Gate metric; default the objective's: test_roc_auc (a label of two classes), test_accuracy "
+        "(more classes), test_micro_f1 (multilabel), test_rmse (regression), test_loss (train.objective next_token, "
+        "lower is better).",
     )
     greater_is_better: bool | None = Field(None, description="Default: inferred from the metric name.")
     min_delta: float = Field(0.0, ge=0, description="The candidate must beat the champion by more than this.")

@@ -33,13 +33,11 @@ from typing import Any
 
 import mlflow.pyfunc
 import pandas as pd
-import pyarrow as pa
 
 from training.inference.model_file import load_model_checkpoint
 from training.inference.predict import OUTPUTS, Predictor  # noqa: F401  (OUTPUTS: the served outputs, here too)
 from training.inference.token_scoring import TokenScorer
 from training.kinds.registry import CODECS, kind_record
-from training.kinds.tabular import source_dtype
 from training.objectives.base import ROW_SCORER, TOKEN_SCORER
 from training.objectives.registry import objective_from_checkpoint
 
@@ -99,11 +97,10 @@ def raw_example(predictor: Predictor | TokenScorer, frame: pd.DataFrame) -> pd.D
 
 def accepting_nulls(signature, predictor: Predictor | TokenScorer):
     """The signature with every input column required (MLflow marks a column whose example holds a null
-    optional, i.e. one that may be left out) and each numeric input that imputes nulls declared so that MLflow
-    lets them through: a float column is ``double`` (NaN, None and pandas' Float64 pass), an integer one
-    ``any``, since MLflow's ``long`` refuses every null (a float64 NaN, pandas' nullable Int64) and its ``double``
-    a plain int64 column: ``any`` takes the source's int64, float64 with NaN and Int64 frames, and the model's
-    own encoding (``NumericCodec``) reads them, refusing what is not a number."""
+    optional, i.e. one that may be left out) and each input whose kind's record says so declared ``any``
+    (``Codec.declared_any``: an integer input that imputes nulls, whose nulls MLflow's ``long`` refuses; a zoned
+    or string time, which MLflow's ``datetime`` refuses), so MLflow lets through what the model's own encoding
+    reads; a float column stays ``double`` (NaN, None and pandas' Float64 pass)."""
     from mlflow.models import ModelSignature
     from mlflow.types.schema import AnyType, ColSpec, Schema
 
@@ -114,9 +111,8 @@ def accepting_nulls(signature, predictor: Predictor | TokenScorer):
     columns = []
     for spec in signature.inputs.inputs:
         info = inputs.get(spec.name)
-        integer = pa.types.is_integer(source_dtype(source_types.get(spec.name)))
-        kind = AnyType() if info is not None and info.missing_indicator and integer else spec.type
-        columns.append(ColSpec(kind, spec.name, required=True))
+        loose = info is not None and kind_record(info.kind).declared_any(source_types.get(spec.name), info)
+        columns.append(ColSpec(AnyType() if loose else spec.type, spec.name, required=True))
     return ModelSignature(Schema(columns), signature.outputs, signature.params)
 
 

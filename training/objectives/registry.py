@@ -93,9 +93,10 @@ def objective_record(name: str, task: str, multi_hot_label: bool = False) -> typ
     return factory if isinstance(factory, type) and issubclass(factory, Objective) else Objective
 
 
-def evaluation_of(train, task: str) -> Evaluation:
-    """How a model trained by ``train`` (a TrainConfig) on a ``task`` dataset is evaluated and judged."""
-    return objective_record(train.objective, task).evaluation(task)
+def evaluation_of(train, task: str, n_classes: int | None = None) -> Evaluation:
+    """How a model trained by ``train`` (a TrainConfig) on a ``task`` dataset whose label has ``n_classes`` classes
+    (``Manifest.n_classes``; None: not known) is evaluated and judged (``Evaluation.for_classes``)."""
+    return objective_record(train.objective, task).evaluation(task).for_classes(n_classes)
 
 
 def _check_fits(name: str, task: str, n_classes: int | None, multi_hot_label: bool) -> None:

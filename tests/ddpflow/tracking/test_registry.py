@@ -27,6 +27,7 @@ from ddpflow.tracking.runs import (
     use_tracking_uri,
 )
 from devtools.ports import free_port
+from tests.manifest_datasets import train_typed_model
 from training.core.config import PipelineConfig
 from training.core.fileio import atomic_write_json
 from training.core.manifest import read_manifest
@@ -258,37 +259,6 @@ def nulls_table(rows: int = 1200, seed: int = 3) -> pa.Table:
             "label": label,
         }
     )
-
-
-def train_typed_model(dataset: Path, path: Path, steps: int = 150, lr: float = 0.05) -> Path:
-    """A model.pt as the trainer writes it (the built-in model on every input, through the loader's encoding
-    and with the dataset's encoders), after full-batch Adam steps on the train split."""
-    import torch
-
-    from training.inference.model_file import inference_checkpoint
-    from training.kinds.inputs import inputs_from_manifest
-    from training.kinds.registry import read_encoders
-    from training.loading.batches import load_split
-    from training.models.registry import ModelSpec, build_model
-
-    manifest = read_manifest(dataset)
-    split = load_split(dataset, manifest, "train")
-    spec = ModelSpec.for_inputs("mlp", inputs_from_manifest(manifest), manifest.n_outputs, {"hidden": [16]})
-    torch.manual_seed(0)
-    model = build_model(spec)
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    batch = split.rows(0, len(split))
-    for _ in range(steps):
-        optimizer.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(batch), split.labels)
-        loss.backward()
-        optimizer.step()
-    encoders = read_encoders(dataset, manifest)
-    metrics = {"train_loss": float(loss.detach())}
-    checkpoint = inference_checkpoint(model.state_dict(), spec, manifest, 1, metrics, encoders)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(checkpoint, path)
-    return path
 
 
 def test_a_table_with_nulls_trains_and_its_served_model_scores_rows_with_nulls(make_config, tmp_path):
