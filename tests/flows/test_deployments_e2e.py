@@ -34,6 +34,7 @@ from mlflow import MlflowClient
 from ddpflow.watch import EVENT, variable_name
 from devtools.ports import free_port
 from devtools.waiting import wait_until
+from tests.flows.script_variants import tutorial_text, with_three_lines
 from tests.flows.test_mixed_inputs import INPUTS as MIXED_INPUTS
 from tests.flows.test_mixed_inputs import churn_table
 from tests.flows.test_run_cli import LiveRun, cli_env, write_config
@@ -42,6 +43,7 @@ pytestmark = [pytest.mark.server, pytest.mark.torchrun]  # the stack; its runs t
 
 MODEL_NAME = "ddpflow-e2e"
 MIXED_MODEL_NAME = "ddpflow-e2e-mixed"  # its own model: the gate never compares it with the numeric champion
+SCRIPT_MODEL_NAME = "ddpflow-e2e-script"  # a training script's model
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 RUN_TIMEOUT_S = 420
 
@@ -344,6 +346,41 @@ def wait_for_training(run_root: Path, within_s: float = 180) -> tuple[Path, list
 
 def still_alive(pids: list[int]) -> list[int]:
     return [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+
+
+def test_a_training_script_runs_through_the_manual_deployment_like_any_config(stack: Stack) -> None:
+    """`prefect deployment run train-pipeline/manual --params '{"config_file": ...}'` with a config whose
+    train.script is a user's own DDP script (with ddpflow's three lines): the worker runs it on 2 ranks, its MLflow
+    run names the script, and its model becomes the champion."""
+    project = stack.tmp / "script-project"
+    project.mkdir()
+    (project / "tracked.py").write_text(with_three_lines(tutorial_text()))
+    config = {
+        "train": {
+            "script": str(project / "tracked.py"),
+            "script_args": ["2", "1", "--snapshot_path", str(project / "snapshot.pt")],
+            "nproc_per_node": 2,
+            "run_root": str(stack.run_root / "scripts"),
+        },
+        "registry": {"model_name": SCRIPT_MODEL_NAME},
+        "mlflow": {"artifact_location": str(stack.tmp / "mlflow" / "mlartifacts")},
+    }
+    (project / "script.yaml").write_text(yaml.safe_dump(config))
+    params = json.dumps({"config_file": str(project / "script.yaml")})
+    result = stack.prefect("deployment", "run", "train-pipeline/manual", "--params", params)
+    assert result.returncode == 0, result.stdout + result.stderr
+    flow_run_id = re.search(r"UUID:\s*([0-9a-f-]{36})", result.stdout).group(1)
+    (run,) = stack.wait_for_terminal([flow_run_id]).values()
+    assert run["state_type"] == "COMPLETED", f"{run['state']}\n{stack.log_tail('worker')}"
+    mlflow_run = stack.mlflow_runs_by_flow_run()[flow_run_id]
+    assert mlflow_run.info.status == "FINISHED"
+    assert mlflow_run.data.params["train.script"] == str(project / "tracked.py")
+    assert [m.step for m in MlflowClient(stack.mlflow_uri).get_metric_history(mlflow_run.info.run_id, "test_mse")] == [
+        0,
+        1,
+    ]
+    champion = MlflowClient(tracking_uri=stack.mlflow_uri).get_model_version_by_alias(SCRIPT_MODEL_NAME, "champion")
+    assert champion.run_id == mlflow_run.info.run_id
 
 
 def test_cancelling_a_worker_run_kills_every_process_and_keeps_the_champion(stack: Stack) -> None:
