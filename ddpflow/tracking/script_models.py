@@ -81,7 +81,7 @@ def gate_metric(config: PipelineConfig, reported: dict[str, float]) -> tuple[str
         )
     return (
         None,
-        f"the script reported several {TEST_PREFIX}* metrics {tests}: name the one to judge with registry.metric",
+        f"the script reported several {TEST_PREFIX}* metrics {tests}: name the one to judge by in registry.metric",
     )
 
 
