@@ -33,6 +33,7 @@ from tests.flows.serve_cli import as_from_a_terminal
 pytestmark = pytest.mark.torchrun
 
 STOPPABLE = TUTORIAL.with_name("stoppable.py")
+REPO = Path(__file__).resolve().parents[2]
 PREEMPT_GRACE_S = 20.0
 
 
@@ -381,3 +382,41 @@ def test_a_sweep_over_a_script_parameter_prunes_a_trial_from_its_reports_and_reg
     assert version.run_id == summary["best_run_id"]
     best_lr = summary["best_params"]["train.script_params.lr"]
     assert client.get_run(summary["best_run_id"]).data.params["train.script_params.lr"] == str(best_lr)
+
+
+def test_the_shipped_example_runs_as_documented_and_its_model_answers_the_printed_curl(
+    tmp_path, tracking_uri, prefect_harness
+):
+    """examples/train_ddp.yaml from a project root (docs/scripts.md): the example script is registered at
+    @champion, and `ddpflow serve` of it answers its printed curl over HTTP with what the pyfunc answers."""
+    import shutil
+
+    import mlflow
+
+    from ddpflow.tracking.runs import use_tracking_uri
+    from tests.flows.serve_cli import start_serve
+
+    shutil.copytree(REPO / "examples", tmp_path / "examples")
+    config = yaml.safe_load((tmp_path / "examples" / "train_ddp.yaml").read_text())
+    config["train"].update(script_args=["--epochs", "2"], run_root=str(tmp_path / "runs"))
+    config["mlflow"].update(tracking_uri=tracking_uri, experiment=f"example-{uuid.uuid4().hex[:6]}")
+    config["registry"]["model_name"] = name = f"example-{uuid.uuid4().hex[:6]}"
+    done = run_cli(tmp_path, config, prefect_harness, "--json")
+    assert done.returncode == 0, done.stderr[-4000:]
+    summary = json.loads(done.stdout)
+    assert (summary["decision"], summary["gate_metric"]) == ("promoted", "test_accuracy")
+    assert summary["test_metrics"]["test_accuracy"] > 0.8
+    server = start_serve(name, tracking_uri, tmp_path)
+    try:
+        curl = subprocess.run(["bash", "-c", server.curl_line()], capture_output=True, text=True, timeout=60)
+        answered = json.loads(curl.stdout)["predictions"]
+        body = json.loads(server.curl_line().split(" -d ", 1)[1].strip("'"))
+        assert len(body["inputs"]) == 1  # one row of the model's own example
+        with use_tracking_uri(tracking_uri):
+            in_process = mlflow.pyfunc.load_model(f"models:/{name}@champion").predict(
+                np.asarray(body["inputs"], dtype=np.float32)
+            )
+        np.testing.assert_allclose(answered, in_process, rtol=1e-5)
+    finally:
+        assert server.stop(signal.SIGINT) == 130
+    assert server.left_running() == []
