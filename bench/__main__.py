@@ -33,6 +33,7 @@ FAMILIES = {
     "checkpoint": "Step checkpoints",
     "evaluate": "Evaluate",
     "launch": "Launch and orchestration",
+    "scripts": "Your own script",  # a training script under ddpflow run against a bare torchrun
     "slurm": "Launch through Slurm",  # skipped (recorded as such) without Slurm
     "scale": "Scale",
     "images": "Images",
