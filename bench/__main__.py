@@ -38,6 +38,7 @@ FAMILIES = {
     "images": "Images",
     "text": "Text",
     "tables": "Tables beside boosting",  # ddpflow's default model against HistGradientBoosting
+    "real_tables": "Real tables beside boosting",  # public tables shipped in packages (the bench extra)
     "scoring": "Batch scoring",  # ddpflow score on 2 ranks against the pyfunc in one process
     "gpu": "GPU",  # skipped (recorded as such) without CUDA
 }
