@@ -69,7 +69,7 @@ def row_for(table: RealTable, runs: list[dict]) -> Row:
         + f", boosting fit {first['boosting_fit_s']:.1f} s"
         + (f", {anchors.NAME} {anchor_s} s" if anchor else "")
         + f"; load {min(run['load_1min'] for run in runs):.1f}-{max(run['load_1min'] for run in runs):.1f}"
-        + (f"; date left out: {', '.join(table.dates)}" if table.dates else "")
+        + (f"; date left out: {', '.join(left)}" if (left := set(table.dates) - set(table.inputs)) else "")
         + (f"; target-encoded for boosting: {', '.join(encoded)}" if (encoded := first["target_encoded"]) else "")
     )
     return Row(
@@ -135,6 +135,13 @@ def run(ctx: Context) -> list[Result]:
         except Exception as error:  # one table's failure is recorded; the others still run
             log(f"real_tables {table.name}: {type(error).__name__}: {error}")
             failed.append(f"{table.name}: {type(error).__name__}: {str(error)[:300]}")
+    return summarise(measured, seeds, with_anchor, failed)
+
+
+def summarise(
+    measured: list[tuple[RealTable, list[dict]]], seeds: tuple[int, ...], with_anchor: bool, failed: list[str]
+) -> list[Result]:
+    """The two results (mean gap, worst gap) of the tables ``measured`` at ``seeds``, with every table's row."""
     summary = per_seed(measured, seeds)
     worst_mean = max(figures["mean"] for figures in summary.values())
     worst_seed = max(summary, key=lambda seed: summary[seed]["worst"])

@@ -8,8 +8,9 @@ Each ``RealTable`` says where its rows come from, its label and task, and what a
 its natural kind (codes of a category as ``categorical``, counts and amounts as ``numeric``); a column a user
 would leave out (the label's own parts, an id, the package's own train/test flag) is named in ``left_out`` with
 the reason. ``data`` holds the data settings the table itself needs (``on_invalid: drop`` for null labels).
-A date column is in ``dates``: today it is left out of the inputs (no input kind takes a date); declaring it is
-one entry of ``inputs``. tests/bench/test_bench_real_tables.py checks the claims of ``structure``.
+A date column is in ``dates``; it is an input where ``inputs`` declares it (``kinds(..., datetime="date")``: one
+argument in the table's spec), and left out otherwise, as every date is now: no input kind takes a date yet.
+tests/bench/test_bench_real_tables.py checks the claims of ``structure``.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class RealTable:
     package: str  # one of PACKAGES
     load: Callable[[], pd.DataFrame]
     left_out: dict[str, str] = field(default_factory=dict)  # column -> why a user leaves it out
-    dates: tuple[str, ...] = ()  # date columns the source holds
+    dates: tuple[str, ...] = ()  # date columns the source holds (inputs where ``inputs`` declares them)
     data: dict[str, Any] = field(default_factory=dict)  # data settings the table needs (on_invalid, key)
 
 
@@ -74,9 +75,13 @@ def vega(name: str) -> Callable[[], pd.DataFrame]:
     return load
 
 
-def kinds(numeric: str = "", categorical: str = "") -> dict[str, str]:
-    """``data.inputs`` in short form: the space-separated numeric columns, then the categorical ones."""
-    return {**dict.fromkeys(numeric.split(), "numeric"), **dict.fromkeys(categorical.split(), "categorical")}
+def kinds(numeric: str = "", categorical: str = "", datetime: str = "") -> dict[str, str]:
+    """``data.inputs`` in short form: the space-separated numeric columns, then the categorical and date ones."""
+    return {
+        **dict.fromkeys(numeric.split(), "numeric"),
+        **dict.fromkeys(categorical.split(), "categorical"),
+        **dict.fromkeys(datetime.split(), "datetime"),
+    }
 
 
 def had_affair(frame: pd.DataFrame) -> pd.DataFrame:
