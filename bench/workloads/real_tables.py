@@ -221,9 +221,11 @@ TABLES = (  # smallest first: a run's first figures come soonest
         "fair",
         BINARY,
         "had_affair",
-        kinds("rate_marriage age yrs_married children religious educ", categorical="occupation occupation_husb"),
+        # the occupation codes are floats (1.0 to 6.0): a categorical takes strings, integers or bools, and
+        # prepare's error says a double column fits numeric
+        kinds("rate_marriage age yrs_married children religious educ occupation occupation_husb"),
         "statsmodels fair: 6,366 women, did they report an affair (32% yes: affairs > 0, statsmodels' own "
-        "example), 6 numeric, 2 occupation codes",
+        "example), 8 numeric (two of them occupation codes)",
         "statsmodels",
         statsmodels_data("fair", had_affair),
     ),
