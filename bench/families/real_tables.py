@@ -166,27 +166,13 @@ def summarise(
         "quality figures do not depend on the load.",
         *[f"Not measured (error): {line}" for line in failed],
     ]
-    rows = [row_for(table, runs) for table, runs in measured]
-    return [
-        Result(
-            name="real-tables-mean-gap",
-            title=TITLE,
-            ratio=Stats.of([worst_mean]),
-            target=MEAN_GAP_TARGET,
-            direction="le",
-            ratio_label="mean over the tables of (HistGradientBoosting − ddpflow's default model), ROC AUC / "
-            "accuracy / R², at the worst of the seeds",
-            rows=rows,
-            notes=notes,
-        ),
-        Result(
-            name="real-tables-worst-gap",
-            title="Real tables: worst gap to boosting",
-            ratio=Stats.of([summary[worst_seed]["worst"]]),
-            target=WORST_GAP_TARGET,
-            direction="le",
-            ratio_label=f"the largest gap (boosting − ddpflow) at any seed: {summary[worst_seed]['worst_table']}, "
-            f"seed {worst_seed}",
-            notes=[f"Every table's gaps are in the table above ({len(measured)} tables, {len(seeds)} seeds)."],
-        ),
-    ]
+    worst = summary[worst_seed]
+    return beside_boosting.gap_results(
+        "real-tables",
+        TITLE,
+        (worst_mean, worst["worst"]),
+        (MEAN_GAP_TARGET, WORST_GAP_TARGET),
+        (", at the worst of the seeds", f" at any seed: {worst['worst_table']}, seed {worst_seed}"),
+        [row_for(table, runs) for table, runs in measured],
+        (notes, [f"Every table's gaps are in the table above ({len(measured)} tables, {len(seeds)} seeds)."]),
+    )

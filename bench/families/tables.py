@@ -96,26 +96,12 @@ def run(ctx: Context) -> list[Result]:
         "The bundled tables are small (178 to 1,797 rows: 26 to 180 test rows): their figures move by a few "
         "hundredths from one split to another.",
     ]
-    rows_out = [row_for(spec, figures) for spec, figures in measured]
-    return [
-        Result(
-            name="tables-mean-gap",
-            title="Tables: gap to boosting",
-            ratio=Stats.of([statistics.mean(gaps)]),
-            target=MEAN_GAP_TARGET,
-            direction="le",
-            ratio_label="mean over the tables of (HistGradientBoosting − ddpflow's default model), ROC AUC / "
-            "accuracy / R²",
-            rows=rows_out,
-            notes=notes,
-        ),
-        Result(
-            name="tables-worst-gap",
-            title="Tables: worst gap to boosting",
-            ratio=Stats.of([worst["gap"]]),
-            target=WORST_GAP_TARGET,
-            direction="le",
-            ratio_label=f"the largest gap (boosting − ddpflow), on {worst_spec.name}",
-            notes=[f"Every table's gap is in the table above ({len(gaps)} tables)."],
-        ),
-    ]
+    return beside_boosting.gap_results(
+        "tables",
+        "Tables: gap to boosting",
+        (statistics.mean(gaps), worst["gap"]),
+        (MEAN_GAP_TARGET, WORST_GAP_TARGET),
+        ("", f", on {worst_spec.name}"),
+        [row_for(spec, figures) for spec, figures in measured],
+        (notes, [f"Every table's gap is in the table above ({len(gaps)} tables)."]),
+    )

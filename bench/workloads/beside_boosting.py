@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from bench import ddpflow_api
-from bench.harness.results import Timer
+from bench.harness.results import Result, Row, Stats, Timer
 
 BINARY, MULTICLASS, REGRESSION = "binary", "multiclass", "regression"
 METRIC = {BINARY: "roc_auc", MULTICLASS: "accuracy", REGRESSION: "r2"}  # what each task is judged by
@@ -217,3 +217,29 @@ def measure(
         "refused": refused,
         "dataset": ours["dataset"],
     }
+
+
+def gap_results(
+    name: str,
+    title: str,
+    gaps: tuple[float, float],
+    targets: tuple[float, float],
+    labels: tuple[str, str],
+    rows: list[Row],
+    notes: tuple[list[str], list[str]],
+) -> list[Result]:
+    """A tables family's two results: ``NAME-mean-gap`` (the mean gap over the tables, with every table's row)
+    and ``NAME-worst-gap`` (the largest), each a gap (boosting − ddpflow) checked against its target (≤)."""
+    what = "mean over the tables of (HistGradientBoosting − ddpflow's default model), ROC AUC / accuracy / R²"
+    return [
+        Result(f"{name}-mean-gap", title, Stats.of([gaps[0]]), targets[0], "le", f"{what}{labels[0]}", rows, notes[0]),
+        Result(
+            f"{name}-worst-gap",
+            title.replace(": gap", ": worst gap"),
+            Stats.of([gaps[1]]),
+            targets[1],
+            "le",
+            f"the largest gap (boosting − ddpflow){labels[1]}",
+            notes=notes[1],
+        ),
+    ]
