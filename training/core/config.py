@@ -63,7 +63,7 @@ KeepsWeights = Annotated[_T, WeightsEffect(False)]  # may change between attempt
 DEFAULT_EPOCHS = 100
 DEFAULT_PATIENCE = 10
 # Softmax's label smoothing when train.label_smoothing is auto: RealMLP's 0.1 for a label of more than two classes;
-# none for two classes, whose gate ranks rows, nor for any other objective (docs/models.md says what was measured).
+# none for two classes, whose ROC AUC it did not lift, nor for any other objective (docs/models.md: what was measured).
 DEFAULT_LABEL_SMOOTHING = 0.1
 AUTO_BATCH_MAX = 512
 AUTO_BATCH_STEPS = 16  # train.batch_size auto: at least this many steps an epoch
