@@ -24,11 +24,15 @@ def frames():
     return {table.name: table.load() for table in TABLES}
 
 
-def test_the_family_is_registered_and_its_packages_install_with_the_dev_extra():
+def test_the_family_is_registered_runs_only_when_named_and_its_packages_install_with_the_dev_extra():
     import importlib
+
+    from bench.__main__ import parse_args
 
     assert "real_tables" in FAMILIES
     assert callable(importlib.import_module(family_module("real_tables")).run)
+    assert "real_tables" not in parse_args([]).families and "tables" in parse_args([]).families
+    assert parse_args(["--only", "real_tables"]).families == ["real_tables"]
     assert available() == list(PACKAGES)
 
 
