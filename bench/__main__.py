@@ -3,6 +3,7 @@
     python -m bench                  # full run (~10 min on 2 cores): bench/results.json + docs/benchmarks.md
     python -m bench --quick          # smoke run on tiny sizes: bench/results-quick.json, docs untouched
     python -m bench --only datapath,ddp --repeats 5
+    python -m bench --only real_tables  # public tables beside boosting (the bench extra); only when named
     python -m bench --quick --gpu    # smoke run plus the CUDA figures (bf16, nccl) on a GPU machine
 
 A benchmark that breaks is recorded as an error and the others still run; the
@@ -39,9 +40,15 @@ FAMILIES = {
     "images": "Images",
     "text": "Text",
     "tables": "Tables beside boosting",  # ddpflow's default model against HistGradientBoosting
+    "real_tables": "Real tables beside boosting",  # public tables shipped in packages (the bench extra); --only
     "scoring": "Batch scoring",  # ddpflow score on 2 ranks against the pyfunc in one process
     "gpu": "GPU",  # skipped (recorded as such) without CUDA
 }
+
+
+# Run only when named (--only): real_tables fits 15 tables at 3 seeds and RealMLP beside them (over an hour on 2
+# shared cores).
+ONLY_WHEN_NAMED = ("real_tables",)
 
 
 def family_module(name: str) -> str:
@@ -77,9 +84,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workdir", help="where to put generated data (default: a temp dir, removed afterwards)")
     parser.add_argument("--keep", action="store_true", help="keep the working directory")
     args = parser.parse_args(argv)
-    # The GPU family runs by default where CUDA is, and wherever --gpu asks for it.
+    # The GPU family runs by default where CUDA is, and wherever --gpu asks for it; ONLY_WHEN_NAMED when named.
     args.families = [name.strip() for name in args.only.split(",") if name.strip()] or [
-        name for name in FAMILIES if name != "gpu" or _has_cuda()
+        name for name in FAMILIES if (name != "gpu" or _has_cuda()) and name not in ONLY_WHEN_NAMED
     ]
     if args.gpu and "gpu" not in args.families:
         args.families.append("gpu")

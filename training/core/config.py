@@ -63,6 +63,9 @@ KeepsWeights = Annotated[_T, WeightsEffect(False)]  # may change between attempt
 # each comes from): the epoch budget, early stopping's patience, the per-rank batch cap and the rows per step.
 DEFAULT_EPOCHS = 100
 DEFAULT_PATIENCE = 10
+# Softmax's label smoothing when train.label_smoothing is auto: RealMLP's 0.1 for a label of more than two classes;
+# none for two classes, whose ROC AUC it did not lift, nor for any other objective (docs/models.md: what was measured).
+DEFAULT_LABEL_SMOOTHING = 0.1
 AUTO_BATCH_MAX = 512
 AUTO_BATCH_STEPS = 16  # train.batch_size auto: at least this many steps an epoch
 
@@ -352,8 +355,15 @@ class TrainConfig(_Section):
         "train split's class counts); or {label: weight}, 1 for classes not named. They weigh each row's loss "
         "and the step's denominator alike, so the update stays exact.",
     )
-    label_smoothing: ChangesWeightsWhenSet[float] = Field(
-        0.0, ge=0.0, lt=1.0, description="Cross-entropy label smoothing (softmax only)."
+    # Omitted from the identity at 0 (its default before auto), so the records of runs without it keep theirs.
+    label_smoothing: Annotated[
+        Annotated[float, Field(ge=0.0, lt=1.0)] | Literal["auto"],
+        WeightsEffect(True, omitted_at_default=True, omitted_value=0.0, omits_earlier_default=True),
+    ] = Field(
+        "auto",
+        description="Cross-entropy label smoothing (softmax only). auto (the default): "
+        f"{DEFAULT_LABEL_SMOOTHING} for the softmax objective over more than two classes, 0 otherwise; the run "
+        "records the number.",
     )
     nproc_per_node: ChangesWeights[int | Literal["auto"]] = Field(
         "auto", description="Ranks per node; auto: one per GPU, or 1 on CPU (see docs)."
@@ -552,6 +562,13 @@ class TrainConfig(_Section):
     def rank_val_batch_size(self, world_size: int, train_rows: int | None = None) -> int:
         """Rows per forward pass of a rank's validation: ``val_batch_size``, or the per-rank train batch."""
         return self.val_batch_size or self.rank_batch_size(world_size, train_rows)
+
+    def smoothing(self, objective: str, n_classes: int | None) -> float:
+        """The label smoothing of ``objective`` (resolved: ``softmax``, ``mse``...) on ``n_classes`` classes:
+        ``label_smoothing``, or (``auto``) DEFAULT_LABEL_SMOOTHING for a softmax over more than two, else 0."""
+        if self.label_smoothing == "auto":
+            return DEFAULT_LABEL_SMOOTHING if objective == "softmax" and (n_classes or 0) > 2 else 0.0
+        return self.label_smoothing
 
     def patience(self, val_rows: int) -> int | None:
         """Early stopping's patience: ``early_stopping_patience``, or (``auto``) DEFAULT_PATIENCE when there is
