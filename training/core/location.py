@@ -74,3 +74,14 @@ def exists(location: str | os.PathLike) -> bool:
     fs, path = filesystem(location)
     fs.invalidate_cache(path)
     return fs.exists(path)
+
+
+def open_parquet(location: str | os.PathLike):
+    """A Parquet file where it lives, for reading record batch by record batch (``pyarrow.parquet.ParquetFile``):
+    a local file by its path, an object through fsspec."""
+    import pyarrow.parquet as pq
+
+    if not is_url(location):
+        return pq.ParquetFile(local_path(location))
+    fs, path = filesystem(location)
+    return pq.ParquetFile(fs.open(path, "rb"))
