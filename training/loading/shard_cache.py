@@ -32,6 +32,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
+from training.core.config import ConfigError
 from training.core.location import filesystem, join
 from training.core.manifest import ShardInfo
 
@@ -48,10 +49,10 @@ class StreamCacheError(RuntimeError):
 
 
 def check_limit(limit: int, largest_shard: int, window: int) -> None:
-    """The cache must hold two windows of the largest shards; a ``StreamCacheError`` naming the numbers."""
+    """The cache must hold two windows of the largest shards; a ``ConfigError`` naming the numbers."""
     needed = 2 * window * largest_shard
     if limit < needed:
-        raise StreamCacheError(
+        raise ConfigError(
             f"data.stream_cache_limit {limit} bytes is below two windows of the largest shards (2 x "
             f"data.shuffle_window {window} x {largest_shard} bytes = {needed}): raise it to at least {needed}, "
             "or lower data.shuffle_window"

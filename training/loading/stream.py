@@ -267,15 +267,17 @@ class StreamBatches:
         seed: int,
         window: int,
         device: torch.device,
-        row_weights_of: Callable[[SplitArrays], torch.Tensor | None] = lambda split: None,
+        row_weights_of: Callable[[SplitArrays], torch.Tensor | None] | None = None,
         reorder=None,
     ):
         self.source, self.rank, self.world_size, self.batch_size = source, rank, world_size, batch_size
-        self.seed, self.window, self.device, self.row_weights_of = seed, window, device, row_weights_of
+        self.seed, self.window, self.device = seed, window, device
+        # Each row's class weight (train.class_weights: the objective's split_row_weights), times data.weight.
+        self.row_weights_of = row_weights_of or (lambda split: None)
         self.reorder = reorder or (lambda epoch, positions: positions)
         self.rows = source.rows
         self.per_rank = math.ceil(self.rows / world_size)  # DistributedSampler's num_samples: the same padding
-        self.weighted = source.manifest.weight is not None or row_weights_of(_empty(source)) is not None
+        self.weighted = source.manifest.weight is not None or self.row_weights_of(source.load([])) is not None
         self._windows: EpochWindows | None = None
         self._weights: dict[tuple[int, int], float] = {}
         self.shard_rows = [shard.rows for shard in source.manifest.splits[source.split].shards]
@@ -369,10 +371,6 @@ def _collated(parts: list[tuple[LoadedWindow, torch.Tensor]], context: BatchCont
     return entries
 
 
-def _empty(source: StreamSource) -> SplitArrays:
-    return source.load([])
-
-
 # --------------------------------------------------------------------------- a rank's stream
 
 
@@ -425,7 +423,8 @@ class StreamedSplit:
 
     def pieces(self, start: int, stop: int) -> Iterator[tuple[SplitArrays, int, int]]:
         """(a shard's rows, first, end) for each shard overlapping rows ``[start, stop)``; one empty piece for none."""
-        wanted = [i for i in range(len(self.first) - 1) if self.first[i] < stop and self.first[i + 1] > start]
+        overlaps = range(len(self.first) - 1) if start < stop else ()
+        wanted = [i for i in overlaps if self.first[i] < stop and self.first[i + 1] > start]
         if not wanted:
             yield self.source.load([]), 0, 0
             return
