@@ -76,7 +76,7 @@ class ShardCache:
 
     def used_bytes(self) -> int:
         """What the directory's shard files take now: complete files and the downloads' reserved sizes."""
-        return sum(path.stat().st_size for path in self._files(complete=False))
+        return sum(_size(path) for path in self._files(complete=False))
 
     @contextmanager
     def pinned(self, shards: Sequence[ShardInfo]) -> Iterator[Path]:
@@ -222,6 +222,17 @@ class ShardCache:
                 yield
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _size(path: Path) -> int:
+    """A file's size; a download renamed to its final name since it was listed (which the listing may lack) by
+    that name."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        if PART not in path.name:
+            raise  # complete files go only under the cache's lock, which the caller holds
+        return path.with_name(path.name.rpartition(PART)[0]).stat().st_size
 
 
 def _alive(pid: int) -> bool:

@@ -92,9 +92,10 @@ def stream_directory(dataset_dir: str | Path, manifest: Manifest, cache_dir: str
 
 
 def check_stream_cache(data: DataConfig, manifest: Manifest) -> None:
-    """The cache holds two windows of the split's largest shards (``shard_cache.py: check_limit``)."""
+    """The cache holds two windows of the split's largest shards (``shard_cache.py: check_limit``); a window is at
+    most the train split's shards."""
     largest = max((shard.bytes for split in ("train", "val") for shard in manifest.splits[split].shards), default=0)
-    check_limit(data.stream_cache_limit, largest, data.shuffle_window)
+    check_limit(data.stream_cache_limit, largest, min(data.shuffle_window, len(manifest.splits["train"].shards)))
 
 
 # --------------------------------------------------------------------------- reading shards
@@ -208,8 +209,11 @@ class LoadedWindow:
 class EpochWindows:
     """One epoch's windows from ``first`` on, read in order by a ``Prefetcher``; kept until released."""
 
-    def __init__(self, source: StreamSource, order: StreamOrder, first: int, row_weights_of):
+    def __init__(
+        self, source: StreamSource, order: StreamOrder, first: int, row_weights_of, shard_weights: dict[int, float]
+    ):
         self.order, self.loaded, self.row_weights_of = order, {}, row_weights_of
+        self.shard_weights = shard_weights  # Σ w of each shard read, kept across epochs (the epoch's total)
         loads = (lambda j=j: self._load(source, j) for j in range(first, len(order)))
         self._next, self._windows = first, Prefetcher(loads)
         self._iterator = iter(self._windows)
@@ -222,6 +226,9 @@ class EpochWindows:
         if weights is not None:
             in_order = weights.index_select(0, shuffle).double()
             before = torch.cat([torch.zeros(1, dtype=torch.float64), in_order.cumsum(0)])
+            ends = np.cumsum([self.order.shard_rows[shard] for shard in self.order.windows[j]])
+            for shard, lo, hi in zip(self.order.windows[j], [0, *ends[:-1]], ends):
+                self.shard_weights[shard] = float(weights[lo:hi].double().sum())
         row_ids = torch.from_numpy(self.order.row_ids(j))
         return LoadedWindow(arrays, int(self.order.starts[j]), shuffle, row_ids, weights, before)
 
@@ -280,6 +287,7 @@ class StreamBatches:
         self.weighted = source.manifest.weight is not None or self.row_weights_of(source.load([])) is not None
         self._windows: EpochWindows | None = None
         self._weights: dict[tuple[int, int], float] = {}
+        self._shard_weights: dict[int, float] = {}
         self.shard_rows = [shard.rows for shard in source.manifest.splits[source.split].shards]
 
     def __len__(self) -> int:
@@ -295,8 +303,20 @@ class StreamBatches:
             return float(self.global_rows(start, stop))
         if (start, stop) not in self._weights:  # asked by each micro-batch of an optimizer step: computed once
             first, last = global_positions_of_steps(self.rows, self.world_size, self.batch_size, start, stop)
-            self._weights = {(start, stop): self._windows.weight_between(first, last)}
+            whole = (first, last) == (0, self.rows)  # the epoch's (train_loss): every row, in any order
+            weight = self._split_weight() if whole else self._windows.weight_between(first, last)
+            self._weights = {(start, stop): weight}
         return self._weights[(start, stop)]
+
+    def _split_weight(self) -> float:
+        """Σ w of the whole split: each shard's sum, kept as its window was read (a pass resumed mid-epoch reads the
+        shards it skipped once more, for their weights)."""
+        missing = [i for i in range(len(self.shard_rows)) if i not in self._shard_weights]
+        for i in missing:
+            arrays = self.source.load([i])
+            weights = combined_row_weights(arrays.weights, self.row_weights_of(arrays))
+            self._shard_weights[i] = float(weights.double().sum())
+        return sum(self._shard_weights[i] for i in range(len(self.shard_rows)))
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[Batch]:
         """The batches of steps ``start, start + 1, ...`` of ``epoch``: a resumed pass reads from the window of
@@ -306,7 +326,8 @@ class StreamBatches:
         order = StreamOrder(self.shard_rows, self.window, self.seed, epoch)
         b, w = self.batch_size, self.world_size
         first = int(order.window_of(min(start * b * w, self.rows - 1)))
-        self._windows, self._weights = EpochWindows(self.source, order, first, self.row_weights_of), {}
+        windows = EpochWindows(self.source, order, first, self.row_weights_of, self._shard_weights)
+        self._windows, self._weights = windows, {}
         try:
             for step in range(start, len(self)):
                 self._windows.release_before(int(order.window_of(min(step * b * w, self.rows - 1))))

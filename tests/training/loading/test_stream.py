@@ -158,6 +158,13 @@ def test_the_divisor_is_the_weight_of_the_steps_global_rows_at_any_world_size(pr
                 assert batches.global_rows(step, step + 1) == global_rows_in_steps(
                     source.rows, world, batch, step, step + 1
                 )
+            # The epoch's Σw (train_loss's divisor), once the pass is over: every row's weight.
+            total = float(whole.weights.double().sum())
+            assert batches.global_weight(0, len(batches)) == pytest.approx(total, rel=1e-12)
+    # A pass resumed mid-epoch reads the shards it skipped for their weights.
+    resumed = StreamBatches(source, 0, 2, 15, seed=7, window=WINDOW, device=CPU)
+    list(resumed.epoch(0, start=len(resumed) - 2))
+    assert resumed.global_weight(0, len(resumed)) == pytest.approx(total, rel=1e-12)
 
 
 def test_a_pass_resumed_at_a_step_trains_the_rest_of_the_uninterrupted_pass(prepared):
