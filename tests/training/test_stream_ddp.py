@@ -31,6 +31,7 @@ import torch
 from devtools.ports import free_port
 from tests.multi_case import launch_cases
 from tests.training.loading.test_stream import Poller, user_table
+from tests.training.test_step_checkpoints import resumed_step
 from tests.training.test_train_ddp import Launch, assert_same_weights, job_config, production_env, report, succeeded
 from training.checkpoint.files import Checkpointer, ResumeMismatchError
 from training.core.config import load_config
@@ -54,7 +55,6 @@ SETTINGS = {
     "model_kwargs": {"hidden": [16]},
 }  # fmt: skip
 STOP_AT, EVERY = 17, 5  # the stopped run fails before step 17 of epoch 1; a step checkpoint every 5 steps
-RESUMED = re.compile(r"resumed from \S+ after (\d+) epoch\(s\), at step (\d+) of epoch (\d+)")
 
 
 def stream_config(nproc: int, data: list[str], **train):
@@ -272,14 +272,6 @@ def test_a_train_split_four_times_the_cache_streams_from_s3_on_two_ranks_within_
     copied = [float(m) for m in re.findall(r"rank \d: epoch 1: .* copied in ([\d.]+) kB", result.output)]
     assert len(copied) == 2 and sum(copied) * 1e3 >= 2 * train_bytes  # both epochs read every shard again
     assert "streamed from s3://ddpflow-stream/shards/" in result.output
-
-
-def resumed_step(result: Launch) -> int:
-    found = RESUMED.search(result.output)
-    assert found, result.output[-3000:]
-    epochs_done, step, epoch = map(int, found.groups())
-    assert epochs_done == epoch == 1
-    return step
 
 
 @pytest.mark.parametrize("nproc", [1, 3])

@@ -32,6 +32,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
+import psutil
+
 from training.core.config import ConfigError
 from training.core.location import filesystem, join
 from training.core.manifest import ShardInfo
@@ -211,7 +213,7 @@ class ShardCache:
         for path in self._files(complete=False):
             owner = path.name.rpartition(PART)[2] if PART in path.name else ""
             owner_host, _, pid = owner.rpartition("-")
-            if owner_host == host and pid.isdigit() and not _alive(int(pid)):
+            if owner_host == host and pid.isdigit() and not psutil.pid_exists(int(pid)):
                 path.unlink(missing_ok=True)
 
     @contextmanager
@@ -233,13 +235,3 @@ def _size(path: Path) -> int:
         if PART not in path.name:
             raise  # complete files go only under the cache's lock, which the caller holds
         return path.with_name(path.name.rpartition(PART)[0]).stat().st_size
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -167,6 +167,24 @@ def test_the_divisor_is_the_weight_of_the_steps_global_rows_at_any_world_size(pr
     assert resumed.global_weight(0, len(resumed)) == pytest.approx(total, rel=1e-12)
 
 
+def test_a_stream_that_trains_a_row_twice_and_skips_another_fails_the_certificate(prepared, tmp_path):
+    """The fault hook ``skip_row`` reaches the stream's positions; the ranks' tallies then miss the split's."""
+    from training.loop.coverage import Certificate, CoverageTally
+    from training.loop.hooks import Fault, FaultInjector
+
+    source = source_of(prepared)
+    faults = FaultInjector(Fault("skip_row", rank=1, epoch=0), rank=1, run_dir=tmp_path)
+    lanes = []
+    for rank, reorder in [(0, None), (1, faults.epoch_rows)]:
+        tally = CoverageTally()
+        batches = StreamBatches(source, rank, 2, 15, seed=7, window=WINDOW, device=CPU, reorder=reorder)
+        for item in batches.epoch(0):
+            tally.add(item.indices)
+        lanes.append(tally.totals())
+    got = Certificate.from_lanes(*np.sum(lanes, axis=0).tolist())
+    assert got.rows == source.rows and got != Certificate.expected(source.rows)
+
+
 def test_a_pass_resumed_at_a_step_trains_the_rest_of_the_uninterrupted_pass(prepared):
     source = source_of(prepared)
     _, whole = rank_pass(source, 1, 2, 15, epoch=3)
