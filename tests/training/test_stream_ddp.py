@@ -154,6 +154,7 @@ def s3(s3_server, tmp_path_factory) -> dict:
         "data": base + stream,
         "limit": limit,
         "train_bytes": train_bytes,
+        "test_rows": manifest.rows("test"),
         "cache": root / "cache" / manifest.fingerprint / "stream",
     }
 
@@ -255,9 +256,10 @@ def test_two_ranks_and_one_rank_with_twice_the_batch_train_the_same_weights_from
     assert "data.stream=true: train and val streamed from" in two.output
 
 
-def test_a_train_split_four_times_the_cache_streams_from_s3_on_two_ranks_within_the_limit(two_ranks, s3):
+def test_a_train_split_four_times_the_cache_streams_from_s3_on_two_ranks_within_the_limit(two_ranks, s3, s3_server):
     """From moto's S3 on loopback, 2 ranks, a cache of a quarter of the train shards: the run completes, each row
-    once per epoch, and a look at the cache every millisecond never found more than its limit."""
+    once per epoch, and a look at the cache every millisecond never found more than its limit. The model is then
+    evaluated on the test split where it lives."""
     result = succeeded(two_ranks["s3_w2"])
     limit, train_bytes = s3["limit"], s3["train_bytes"]
     assert train_bytes >= 4 * limit
@@ -272,6 +274,12 @@ def test_a_train_split_four_times_the_cache_streams_from_s3_on_two_ranks_within_
     copied = [float(m) for m in re.findall(r"rank \d: epoch 1: .* copied in ([\d.]+) kB", result.output)]
     assert len(copied) == 2 and sum(copied) * 1e3 >= 2 * train_bytes  # both epochs read every shard again
     assert "streamed from s3://ddpflow-stream/shards/" in result.output
+    # Evaluation reads the test split there too, shard by shard, record batch by record batch.
+    from training.inference.evaluate import evaluate_split
+
+    with mock.patch.dict(os.environ, s3_server):
+        evaluation = evaluate_split(result.run_dir / "model.pt", s3["dataset"], "test")
+    assert evaluation.metrics["test_samples"] == s3["test_rows"] > 0
 
 
 @pytest.mark.parametrize("nproc", [1, 3])
