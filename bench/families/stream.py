@@ -11,10 +11,10 @@ ranks, ``EPOCHS`` epochs; samples/s is each run's ``train_samples_per_s`` after 
 up: the node cache's build is before it, the stream's first window is read in it). The node cache's and the
 stream's runs take turns in each repeat.
 
-Memory: while each stream run trains, every rank's Pss_Anon is sampled (``/proc/PID/smaps_rollup``, bench/families/
-memory.py: ``rank_memory``); its peak at 1x and 4x. A rank holds the window it trains and the next, so it should
-not grow (the node cache's rank grows by its sampler's permutation, 8 bytes a row: "Rank anonymous memory as data
-grows").
+Memory: while each stream run trains, every rank's Pss_Anon is sampled (``/proc/PID/smaps_rollup``:
+bench/harness/processes.py, ``rank_memory``); its peak at 1x and 4x. A rank holds the window it trains and the next,
+so it should not grow (the node cache's rank grows by its sampler's permutation, 8 bytes a row: "Rank anonymous
+memory as data grows").
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from bench import ddpflow_api
-from bench.families.memory import rank_memory, rank_pids
 from bench.harness.context import Context
+from bench.harness.processes import rank_memory, rank_pids
 from bench.harness.results import Result, Row, Stats, log, turns
 from bench.workloads.tabular import BATCH, source_file
 from devtools.ports import free_port
