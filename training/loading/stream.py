@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import queue
 import shutil
+import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
@@ -87,8 +88,11 @@ def _existing(directory: Path) -> Path:
 
 
 def stream_directory(dataset_dir: str | Path, manifest: Manifest, cache_dir: str | None) -> Path:
-    """The node's shard cache: ``stream/`` in the node cache's directory (``node_cache.py: cache_directory``)."""
-    return cache_directory(dataset_dir, manifest, cache_dir) / STREAM_DIR
+    """The node's shard cache: ``<data.cache_dir>/<fingerprint>/stream``; without ``data.cache_dir``, on the node's
+    own disk, ``<the temp dir>/ddpflow-cache/<fingerprint>/stream`` (never beside shards on a shared filesystem)."""
+    if cache_dir:
+        return cache_directory(dataset_dir, manifest, cache_dir) / STREAM_DIR
+    return Path(tempfile.gettempdir()) / "ddpflow-cache" / manifest.fingerprint / STREAM_DIR
 
 
 def check_stream_cache(data: DataConfig, manifest: Manifest) -> None:
