@@ -364,7 +364,8 @@ def _record_batches(path: str, columns: list[str], read_rows: int):
             parquet = pq.ParquetFile(path, memory_map=True)
     except FileNotFoundError:
         raise ShardError(f"{path}: shard listed in the manifest does not exist") from None
-    missing = [name for name in columns if name not in parquet.schema_arrow.names]
+    present = set(parquet.schema_arrow.names)
+    missing = [name for name in columns if name not in present]
     if missing:
         raise ShardError(f"{path}: lacks columns {missing}")
     return parquet.iter_batches(batch_size=read_rows, columns=columns)

@@ -29,6 +29,7 @@ import os
 import socket
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -83,11 +84,21 @@ class ShardCache:
     @contextmanager
     def pinned(self, shards: Sequence[ShardInfo]) -> Iterator[Path]:
         """The shards present in the cache and held there (none evicted) until the block ends; yields the cache's
-        directory, where each is ``directory / shard.file``."""
+        directory, where each is ``directory / shard.file``. Missing ones are copied in together, a thread each:
+        a window's reads wait for the slowest request, not for the sum of them."""
+        missing = [shard for shard in shards if not (self.directory / shard.file).exists()]
+        if len(missing) > 1:
+            with ThreadPoolExecutor(len(missing), thread_name_prefix="ddpflow-shard") as pool:
+                for done in [pool.submit(self._fetch, shard) for shard in missing]:
+                    done.result()
         with ExitStack() as held:
             for shard in shards:
                 held.enter_context(self._pin(shard))
             yield self.directory
+
+    def _fetch(self, shard: ShardInfo) -> None:
+        with self._pin(shard):
+            pass
 
     # --- one shard -------------------------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ free space); training/resolve.py records the decision before the run's identity 
 from __future__ import annotations
 
 import math
+import os
 import queue
 import shutil
 import tempfile
@@ -59,6 +60,7 @@ from training.loading.shard_cache import ShardCache, check_limit
 from training.loading.stream_order import StreamOrder
 
 STREAM_DIR = "stream"  # <node cache dir>/stream: the shard cache
+PREFETCH_NICE = 10  # how much lower the reading thread's priority is than the training thread's
 AUTO_SHARE = 0.5  # data.stream auto: on when the node cache would take more than this share of its disk's free space
 
 
@@ -162,6 +164,7 @@ class Prefetcher:
         self._thread.start()
 
     def _run(self, loads: Iterator[Callable[[], Any]]) -> None:
+        _yield_to_training()
         try:
             for load in loads:
                 if not self._put(("item", load())):
@@ -192,6 +195,17 @@ class Prefetcher:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=30)
+
+
+def _yield_to_training() -> None:
+    """Lower this thread's priority (and that of the threads it starts, such as the copies): on a rank's
+    own cores the reading then takes the time the training thread leaves, waiting in its all-reduce, rather than
+    delaying a step that every rank waits for. It is one window ahead, so it still keeps up when there is none."""
+    try:
+        thread = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + PREFETCH_NICE))
+    except (AttributeError, OSError):  # not Linux, or not allowed: the same priority as the rank
+        pass
 
 
 # --------------------------------------------------------------------------- training batches
