@@ -11,9 +11,9 @@ fsspec URL, ``data.root``), through the node's bounded cache (``shard_cache.py``
   global batch) is a position in the order that any world size continues from.
 - **Windows**: a rank reads a window's shards together (pinned in the cache while read), encodes them with the
   one loading rule (``batches.py: load_split``, the node cache's), and trains its positions of it from memory; a
-  background thread reads the next window meanwhile (``Prefetcher``: one window ahead). A rank holds at most the
-  window it trains, the next, and the one a step reaching across a window's end needs: its memory does not grow
-  with the split.
+  background thread reads the next windows meanwhile (``Prefetcher``: one read and waiting, one being read). A rank
+  holds at most four windows (the one it trains, or two for a step across a window's end, and those two): its
+  memory does not grow with the split.
 - **Validation** reads each rank's contiguous share of the val split shard by shard (``StreamedSplit.pieces``), the
   next shard read while the current one is scored.
 
@@ -155,7 +155,8 @@ _END = object()
 
 
 class Prefetcher:
-    """``loads`` called in order in a background thread, each result handed over in order; one waits ahead."""
+    """``loads`` called in order in a background thread, each result handed over in order: one result waits while
+    the next is loaded."""
 
     def __init__(self, loads: Iterable[Callable[[], Any]], ahead: int = 1):
         self._queue: queue.Queue = queue.Queue(maxsize=ahead)
