@@ -68,8 +68,8 @@ DEFAULT_PATIENCE = 10
 # none for two classes, whose ROC AUC it did not lift, nor for any other objective (docs/models.md: what was measured).
 DEFAULT_LABEL_SMOOTHING = 0.1
 AUTO_BATCH_MAX = 512
-DEFAULT_SHUFFLE_WINDOW = 8  # data.shuffle_window: shards whose rows the stream shuffles together
 AUTO_BATCH_STEPS = 16  # train.batch_size auto: at least this many steps an epoch
+DEFAULT_SHUFFLE_WINDOW = 8  # data.shuffle_window: shards whose rows the stream shuffles together
 
 MODELS = ("auto", "mlp", "image_cnn", "transformer")  # train.model's built-in names (training/models/registry.py)
 
@@ -256,8 +256,8 @@ class DataConfig(_Section):
     )
     # The stream (training/loading/stream.py, docs/data.md "Streaming from object storage"): its order is not the
     # node cache's, so it changes the weights, and so does its window; the cache's size changes only what is kept
-    # on disk. Neither is part of the fingerprint (the shards are the same) nor, while data.stream is false, of the
-    # training identity (DataConfig.order_identity).
+    # on disk. None of the three is part of the fingerprint (the shards are the same) nor, while data.stream is
+    # false, of the training identity (DataConfig.order_identity).
     stream: ChangesWeightsWhenSet[bool | Literal["auto"]] = Field(
         False,
         description="Ranks read the train and val shards from data.root (a path or an fsspec URL) through a bounded "
