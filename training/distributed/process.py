@@ -175,9 +175,9 @@ def keep_freed_heap() -> bool:
     glibc hands memory back to the kernel eagerly: a block above its mmap threshold (128 KiB at first) is
     mapped for the allocation and unmapped when freed, and a free top of the heap above the trim threshold
     is returned. A forward pass's intermediate tensors (megabytes each, freed within the call) then come back
-    as fresh pages on every call, and each page costs a fault: a scoring rank spent ~25% of its CPU time in the
-    kernel, and its first 100k rows cost ~1.5 x the next (docs/benchmarks.md, "Batch scoring"). With the
-    threshold fixed at ``HEAP_MMAP_THRESHOLD`` and up to ``HEAP_TRIM_THRESHOLD`` of free heap kept, the blocks
+    as fresh pages on every call, each page a fault in the kernel: 27-44% of a scoring rank's CPU time, and its
+    first 100k rows cost 1.5 x the next (docs/benchmarks.md, "Batch scoring"). With the threshold fixed at
+    ``HEAP_MMAP_THRESHOLD`` and up to ``HEAP_TRIM_THRESHOLD`` of free heap kept, the blocks
     are reused. Cost: up to that much freed memory stays in the process (its peak is unchanged).
     """
     if not sys.platform.startswith("linux"):
