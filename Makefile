@@ -46,6 +46,10 @@ bench: venv
 bench-quick: venv
 	$(PY) -m bench --quick
 
+# One repeat of a family under py-spy, every process it starts: bench/profiles/FAMILY.txt and FAMILY.md.
+profile-%: venv
+	$(PY) -m bench --profile $*
+
 stack-up: venv
 	$(VENV)/bin/ddpflow stack up
 

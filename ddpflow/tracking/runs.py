@@ -91,16 +91,6 @@ class TrackingUnreachableError(ConnectionError):
 # ---------------------------------------------------------------- where things go
 
 
-def store_modules(tracking_uri: str) -> tuple[str, ...]:
-    """What MLflow imports when a client first opens the tracking store of ``tracking_uri``: for a database
-    (SQLite, PostgreSQL, ...), its SQLAlchemy store (SQLAlchemy, alembic: most of ``ddpflow score``'s time after
-    the ranks, which preloads it on a thread while they score); nothing for a server's REST store."""
-    from mlflow.store.db.db_types import DATABASE_ENGINES
-
-    engine = urlparse(tracking_uri).scheme.split("+")[0]
-    return ("mlflow.store.tracking.sqlalchemy_store",) if engine in DATABASE_ENGINES else ()
-
-
 def resolve_tracking_uri(config: PipelineConfig) -> str:
     """``$MLFLOW_TRACKING_URI``, else ``mlflow.tracking_uri``, else ``sqlite:///<cwd>/mlflow.db``.
 
