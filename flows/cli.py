@@ -13,8 +13,9 @@ Each subcommand calls plain functions (``training.prepare.dataset``, the flows,
 one JSON object on stdout (everything else goes to stderr).
 
 Exit status: 0 done; 1 a flow or the stack failed (the last line says which and
-why); 2 a user error (``error: ...`` on the last line, said once, no traceback); 130 Ctrl-C
-(the line before says how to resume: the first Ctrl-C lets the ranks save where they are, a second stops at once);
+why); 2 a user error (``error: ...`` on the last line, said once, no traceback); 130 Ctrl-C, a cancellation:
+the flow run ends Cancelled and the last line says how to resume (the first Ctrl-C lets the ranks save where they
+are, a second stops at once);
 128 + N when signal N ended it (SIGTERM 143, SIGHUP 129, also sent when the
 parent process dies). Whatever ends it, `run` and `register` stop everything
 they started first (ddpflow/lifetime.py, ddpflow/services/prefect_server.py).
@@ -244,13 +245,40 @@ def _prefect_run_url(server: PrefectServer, summary: dict[str, Any]) -> dict[str
 
 
 def _run_flow(flow: Any, **parameters: Any) -> dict[str, Any]:
-    """Call the flow; a failure ends with one clear line (Prefect has logged the traceback)."""
+    """Call the flow; a failure ends with one clear line (Prefect has logged the traceback). Ctrl-C cancels its
+    flow run (``_cancel_flow_run``)."""
+    started: list[Any] = []  # the flow run, once it runs
+
+    def remember(flow: Any, flow_run: Any, state: Any) -> None:
+        started.append(flow_run)
+
     try:
-        return flow(**parameters)
+        return flow.with_options(on_running=[*flow.on_running_hooks, remember])(**parameters)
     except USER_ERRORS:
         raise  # printed as "error: ...", exit 2
+    except KeyboardInterrupt as interrupt:
+        if started:
+            _cancel_flow_run(started[-1], interrupt)
+        raise
     except Exception as error:
         raise CommandFailed(f"{flow.name} failed: {type(error).__name__}: {error}") from None
+
+
+CTRL_C = "Ctrl-C in the terminal that ran it"
+
+
+def _cancel_flow_run(flow_run: Any, interrupt: KeyboardInterrupt) -> None:
+    """Ctrl-C is a cancellation: the flow run and its unfinished task runs end Cancelled, not Crashed (the state
+    Prefect's engines give a run that a KeyboardInterrupt went through), while its server still runs."""
+    from tasks.cancellation import cancel_interrupted_run
+
+    with shielded():  # a second Ctrl-C must not leave the run half-recorded
+        try:
+            cancel_interrupted_run(flow_run.id, CTRL_C)
+        except Exception as error:  # the server gone or busy: the run stays as Prefect left it
+            print(f"ddpflow: could not mark flow run {flow_run.name!r} Cancelled: {error}", file=sys.stderr)
+            return
+    interrupt.cancelled_flow_run = flow_run.name  # type: ignore[attr-defined]  # said by _interrupted
 
 
 # --------------------------------------------------------------------------- printing
@@ -413,7 +441,7 @@ def _run_command(args: argparse.Namespace) -> int:
         except (CommandFailed, PrefectServerError) as error:
             return _fail(str(error), 1, log, error)
         except KeyboardInterrupt as error:
-            return _fail("interrupted", 130, log, error)
+            return _interrupted(error, log)
         except Terminated as stop:
             return _fail(str(stop), stop.code, log, stop)
         finally:
@@ -432,6 +460,17 @@ def _fail(message: str, status: int, log: CommandLog | None = None, error: BaseE
             print(f"ddpflow: the full trace is in {log.path} (or run with --verbose)", file=sys.stderr)
     print(f"error: {message}", file=sys.stderr)
     return status
+
+
+def _interrupted(error: KeyboardInterrupt, log: CommandLog | None) -> int:
+    """Ctrl-C: a cancellation, not an error. What stopped, then how to go on (an interrupted run's note), last."""
+    if log is not None and log.attached:
+        log.record_error(error, "stopped by Ctrl-C")  # where it was, in the file only
+    cancelled = getattr(error, "cancelled_flow_run", None)
+    print("ddpflow: stopped by Ctrl-C" + (f"; flow run {cancelled!r} cancelled" if cancelled else ""), file=sys.stderr)
+    for note in getattr(error, "__notes__", None) or []:
+        print(f"ddpflow: {note}", file=sys.stderr)
+    return 130
 
 
 def _end_process(status: int) -> None:
