@@ -4,7 +4,7 @@
     ddpflow run      --config configs/demo.yaml [--set train.epochs=1] [--json] [--verbose]
     ddpflow register --run-id <mlflow run id> [--config ...] [--verbose]   (re-run the registration gate)
     ddpflow sweep    --config sweep.yaml [--set sweep.trials=40] [--json] [--verbose]   (tune; docs/sweeps.md)
-    ddpflow stack    up|down|status [--project .] [--prefect-port 4200] [--mlflow-port 5000] ...
+    ddpflow stack    up|down|status|env [--project .] [--prefect-port 4200] [--mlflow-port 5000] ...
     ddpflow serve    NAME[@alias|/version] [--port 5001] [--tracking-uri URI]   (MLflow's scoring server)
     ddpflow score    --config CFG [--model NAME@alias] [--source GLOB] [--output DIR]   (batch scoring on DDP ranks)
 
@@ -175,6 +175,9 @@ def _serving_note(model: Any, url: str) -> str:
 
 def cmd_stack(args: argparse.Namespace) -> None:
     try:
+        if args.action == "env":
+            print(_export_line(stack.shell_env(args.project, state_dir=args.state_dir)))
+            return
         if args.action == "up":
             state = stack.up(
                 args.project,
@@ -183,11 +186,17 @@ def cmd_stack(args: argparse.Namespace) -> None:
                 state_dir=args.state_dir,
                 mlflow_dir=args.mlflow_dir,
             )
+            shell = stack.shell_env(args.project, state_dir=args.state_dir)
             summary = {
                 "prefect_ui": state.prefect_url,
                 "mlflow_ui": state.mlflow_url,
                 **{name: info["pid"] for name, info in state.processes.items()},
+                **({"env": shell} if args.json else {}),
             }
+            print_summary(summary, args.json)
+            if not args.json:
+                print(f'\nFor `prefect` in your shell (or: eval "$(ddpflow stack env)"):\n{_export_line(shell)}')
+            return
         elif args.action == "down":
             summary = {"stopped": stack.down(args.project, state_dir=args.state_dir)}
         else:
@@ -195,6 +204,10 @@ def cmd_stack(args: argparse.Namespace) -> None:
     except stack.StackError as error:
         raise CommandFailed(str(error)) from None  # names the part that failed and its log
     print_summary(summary, args.json)
+
+
+def _export_line(env: dict[str, str]) -> str:
+    return "export " + " ".join(f"{name}={shlex.quote(value)}" for name, value in env.items())
 
 
 def _log_to_file(args: argparse.Namespace) -> None:
@@ -392,8 +405,11 @@ def build_parser() -> argparse.ArgumentParser:
     _verbose_arg(register)
     register.set_defaults(handler=cmd_register)
 
-    stack_parser = sub.add_parser("stack", help="local Prefect server + worker + MLflow server on 127.0.0.1")
-    stack_parser.add_argument("action", choices=("up", "down", "status"))
+    stack_parser = sub.add_parser(
+        "stack",
+        help="local Prefect server + worker + MLflow server on 127.0.0.1; `env`: the export line for `prefect`",
+    )
+    stack_parser.add_argument("action", choices=("up", "down", "status", "env"))
     stack_parser.add_argument("--project", default=".", help="project root holding prefect.yaml (default: .)")
     stack_parser.add_argument("--prefect-port", type=int, default=stack.DEFAULT_PREFECT_PORT)
     stack_parser.add_argument("--mlflow-port", type=int, default=stack.DEFAULT_MLFLOW_PORT)
