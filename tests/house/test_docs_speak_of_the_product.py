@@ -48,7 +48,7 @@ NARRATION = (
 )
 
 DATE = r"\b20\d\d-\d\d-\d\d\b"  # a measurement's date in prose
-CLOCK = r"\b\d\d:\d\d(?::\d\d)? UTC\b"
+CLOCK = r"\b(?:run|runs|reading|measured|taken|started|made)\b[^.]{0,30}?\b\d\d:\d\d(?::\d\d)? UTC\b"  # a measurement's hour
 GENERATED = re.compile(r"<!-- bench:([\w-]+):begin -->.*?<!-- bench:\1:end -->", re.DOTALL)
 
 
@@ -112,7 +112,8 @@ def test_the_checks_catch_what_they_are_for():
     )
     for text in narrated:
         assert passages(text, NARRATION), text
-    assert passages("the run of 2026-12-01 at 22:33 UTC", (DATE,)) and passages("at 22:33 UTC", (CLOCK,))
+    assert passages("the run of 2026-12-01", (DATE,)) and passages("the full run of 22:33 UTC", (CLOCK,))
+    assert not passages("nightly at 02:00 UTC", (CLOCK,))
     for text in ("the experiments that found it (issue 36)", "see #36", "PR 12 fixed it"):
         assert passages(text, ISSUE_REFERENCES), text
     product = (

@@ -53,6 +53,32 @@ def test_prefect_yaml_deploys_the_pipeline_with_real_configs(repo_root: Path) ->
     assert sorted(trigger["parameters"]) == ["model", "output"]
 
 
+def test_every_deployment_the_stack_activates_runs_on_a_fresh_checkout_and_any_machine(repo_root: Path) -> None:
+    """What `ddpflow stack up` activates (a schedule that is active, a trigger that is enabled) must not fail on a
+    fresh checkout: its config reads only what the checkout holds or builds (a score.source names files that are
+    there: configs/score.yaml scores the checkout's data/today/), and its ranks fit any machine (auto: one per GPU,
+    else 1), so a 1-GPU workstation runs the nights a laptop runs."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=repo_root, capture_output=True, text=True, check=True).stdout
+    checkout = set(tracked.splitlines())
+    spec = yaml.safe_load((repo_root / "prefect.yaml").read_text())
+    active = [
+        deployment
+        for deployment in spec["deployments"]
+        if any(schedule.get("active", True) for schedule in deployment.get("schedules") or [])
+        or any(trigger.get("enabled", True) for trigger in deployment.get("triggers") or [])
+    ]
+    assert {d["name"] for d in active} == {"nightly", "every-10-minutes", "on-new-data", "score-nightly",
+                                          "score-on-new-champion"}  # fmt: skip
+    for deployment in active:
+        config_file = deployment.get("parameters", {}).get("config_file", "configs/nightly.yaml")  # on-new-data's
+        config = load_config(repo_root / config_file)
+        assert config.train.nproc_per_node == "auto", (deployment["name"], config_file)
+        if deployment["entrypoint"].startswith("flows/score_pipeline.py"):
+            assert config.score.nproc_per_node == "auto", (deployment["name"], config_file)
+            source = config.score.source.rstrip("/") + "/"
+            assert any(path.startswith(source) for path in checkout), f"{config_file}: {config.score.source}"
+
+
 def test_up_refuses_a_busy_port_before_starting_anything(tmp_path: Path, repo_root: Path) -> None:
     with socket.socket() as busy:
         busy.bind((stack.HOST, 0))
