@@ -85,6 +85,7 @@ def cmd_run(args: argparse.Namespace) -> None:
     def run(server: PrefectServer) -> dict[str, Any]:
         from flows.pipeline import train_pipeline  # while a temporary server starts
 
+        _say_which_store(config)
         _log_to_file(args)
         server.wait_until_ready()
         return _run_flow(train_pipeline, config=config)
@@ -155,12 +156,22 @@ def cmd_score(args: argparse.Namespace) -> None:
     from ddpflow.scoring import score_table, with_score_settings
 
     config = with_score_settings(_load(args), args.model, args.source, args.output)
+    _say_which_store(config)
     summary = score_table(config, on_line=lambda line: print(line, file=sys.stderr, flush=True))
     shown = {key: value for key, value in summary.items() if key not in ("files", "source", "coverage", "rejects")}
     shown |= {"source": summary["source"]["url"], "parts": len(summary["files"])}
     if summary.get("data_drift") and not args.json:  # its line; the per-feature numbers in --json and MLflow
         shown["data_drift"] = summary["data_drift"]["message"]
     print_summary(shown, args.json)
+
+
+def _say_which_store(config: PipelineConfig) -> None:
+    """One line when $MLFLOW_TRACKING_URI and the config's mlflow.tracking_uri differ: the variable wins."""
+    from ddpflow.tracking.runs import tracking_uri_note
+
+    note = tracking_uri_note(config)
+    if note:
+        print(f"ddpflow: {note}", file=sys.stderr)
 
 
 def _serving_note(model: Any, url: str) -> str:

@@ -48,7 +48,8 @@ NARRATION = (
 )
 
 DATE = r"\b20\d\d-\d\d-\d\d\b"  # a measurement's date in prose
-CLOCK = r"\b(?:run|runs|reading|measured|taken|started|made)\b[^.]{0,30}?\b\d\d:\d\d(?::\d\d)? UTC\b"  # a measurement's hour
+# A measurement's hour in prose ("the run of 22:33 UTC"); a schedule's ("at 02:00 UTC") stays.
+CLOCK = r"\b(?:run|runs|reading|measured|taken|started|made)\b[^.]{0,30}?\b\d\d:\d\d(?::\d\d)? UTC\b"
 GENERATED = re.compile(r"<!-- bench:([\w-]+):begin -->.*?<!-- bench:\1:end -->", re.DOTALL)
 
 
