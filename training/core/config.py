@@ -323,7 +323,10 @@ class TrainConfig(_Section):
         description="How long the other ranks wait for rank 0 to write a checkpoint (apart from collective_timeout_s).",
     )
     stall_timeout_s: KeepsWeights[float | None] = Field(
-        None, gt=0, description="Kill the run when no rank-0 output arrives for this long."
+        None,
+        gt=0,
+        description="Kill the run when torchrun and its ranks print no line for this long (every rank hung); "
+        "unset: no such watchdog.",
     )
     preempt_signal: KeepsWeights[str | None] = Field(
         "SIGUSR1",
