@@ -357,7 +357,8 @@ def _where_to_look(summary: dict[str, Any]) -> str:
     uri = str(summary.get("tracking_uri") or "")
     if uri.startswith("sqlite:"):
         lines.append(
-            f"MLflow UI on this store:  mlflow ui --backend-store-uri {uri}   then open {summary.get('mlflow_run_url')}"
+            f"MLflow UI on this store:  mlflow ui --backend-store-uri {uri} --workers 1   then open "
+            f"{summary.get('mlflow_run_url')}"
         )
     elif summary.get("mlflow_run_url"):
         lines.append(f"MLflow run: {summary['mlflow_run_url']}")
