@@ -6,8 +6,8 @@
 
 What a person's shell would carry (``. .venv/bin/activate``, ``eval "$(ddpflow stack env)"``, a ``cd``) is carried:
 each command runs in ``bash -c`` and its environment and directory are read back after it. A command a person
-leaves running in one terminal (``ddpflow serve``, ``mlflow ui``) runs in the background until its block ends,
-then gets Ctrl-C, as a person would press it.
+leaves running in one terminal (``ddpflow serve``, ``mlflow ui``) runs in the background until its section of the doc
+ends, then gets Ctrl-C, as a person would press it.
 
 What the test changes, and why (nothing else):
 - the ports: a free one for ``ddpflow serve``, ``mlflow ui`` and the stack's two servers, given as the command's
@@ -32,10 +32,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ddpflow.services.stack import http_ok
 from devtools.ports import free_port
 from tests.flows.cli_runs import cli_env
 from tests.flows.serve_cli import as_from_a_terminal
@@ -47,6 +47,7 @@ FENCE = re.compile(r"^```(\w*)\s*$")
 HEREDOC = re.compile(r"<<-?\s*'?\"?(\w+)'?\"?")
 STAMP = ".venv/.ddpflow-installed"
 COMMAND_TIMEOUT_S = 600
+GROUP_GRACE_S = 30.0  # after Ctrl-C, how long what a command started may take to end
 DEFAULT_PORTS = {"serve": 5001, "prefect": 4200, "mlflow": 5000}  # ddpflow serve, the stack's two servers
 
 
@@ -252,7 +253,7 @@ class DocShell:
     def ready(self, command: str, background: Background) -> bool:
         if command.lstrip().startswith("ddpflow serve"):
             return "Ctrl-C stops it." in background.output()
-        return _answers(f"http://127.0.0.1:{self.ports['ui']}/health")
+        return http_ok(f"http://127.0.0.1:{self.ports['ui']}/health")
 
     def stop(self, background: Background) -> None:
         """Ctrl-C, as in the terminal it runs in: SIGINT to its process group; then what is left, if anything."""
@@ -264,6 +265,9 @@ class DocShell:
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
+        deadline = time.monotonic() + GROUP_GRACE_S
+        while _group_members(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.5)  # its children end after it (a server's workers, MLflow's job runner)
         left = _group_members(process.pid)
         for pid in left:
             os.kill(pid, signal.SIGKILL)
@@ -301,14 +305,6 @@ def _with_options(command: str, options: str) -> str:
     """``options`` after the command's arguments, before a trailing comment."""
     code, hash_, comment = command.partition(" #")
     return f"{code.rstrip()} {options}" + (f"  #{comment}" if hash_ else "")
-
-
-def _answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
 
 
 def _group_members(pgid: int) -> list[int]:

@@ -18,7 +18,7 @@ import pytest
 
 from tests.documented_commands import REPO, DocShell, doc_env, fresh_checkout, shell_blocks
 
-pytestmark = [pytest.mark.torchrun, pytest.mark.server]  # the demo's ranks, the stack, mlflow ui, ddpflow serve
+pytestmark = [pytest.mark.torchrun, pytest.mark.server]  # the demo's ranks, the stack, ddpflow serve
 
 FAILED_STATES = {"FAILED", "CRASHED"}
 
@@ -73,11 +73,6 @@ def test_the_shipped_score_config_scores_the_rows_the_checkout_holds(readme: Doc
     assert manifest["model"]["name"] == "ddpflow-demo" and manifest["model"]["uri"] == "models:/ddpflow-demo@champion"
     assert manifest["rows"] == manifest["scored"] == 1000 and manifest["output_kind"] == "probabilities"
     assert manifest["source"]["url"] == str(readme.checkout / "data" / "today")
-
-
-def test_mlflow_ui_answers_on_the_demos_store(readme: DocShell):
-    status, output = readme.stopped_one("mlflow ui")
-    assert "left:" not in output, output[-2000:]  # Ctrl-C stopped it and its workers
 
 
 def test_the_shell_reaches_the_stack_and_nothing_the_stack_runs_by_itself_fails(readme: DocShell):
