@@ -66,11 +66,8 @@ class Stack:
 
     @property
     def cli_env(self) -> dict[str, str]:
-        return {
-            **self.env,
-            "PREFECT_API_URL": f"{self.prefect_url}/api",
-            "PREFECT_HOME": str(self.state_dir / "prefect"),
-        }
+        """What a user's shell has after `eval "$(ddpflow stack env)"`: `stack up` says it (`--json`: its env)."""
+        return {**self.env, **self.up["env"]}
 
     def prefect(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -198,6 +195,10 @@ def stack(repo_root: Path, tmp_path_factory: pytest.TempPathFactory):
     assert result.returncode == 0, f"stack up failed:\n{result.stdout}\n{result.stderr}"
     running = Stack(repo_root, tmp, env, json.loads(result.stdout))
     try:
+        assert running.up["env"] == {  # `ddpflow stack env`'s: what a user's shell needs for `prefect`
+            "PREFECT_HOME": str(tmp / ".ddpflow" / "prefect"),
+            "PREFECT_API_URL": f"{running.prefect_url}/api",
+        }
         yield running
     finally:
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -141,3 +142,28 @@ def test_status_without_a_stack_says_where_it_looked(tmp_path: Path) -> None:
     summary = stack.status(tmp_path, state_dir=tmp_path)
     assert summary == {"running": False, "state": f"{tmp_path / 'stack.json'} (none)"}
     assert not (tmp_path / "stack.json").exists(), "asking wrote nothing"
+
+
+def test_stack_env_is_the_line_a_shell_evals_to_reach_the_stack(tmp_path: Path) -> None:
+    """`eval "$(ddpflow stack env)"`: the stack's Prefect home and API in the shell, a path with a space quoted;
+    no stack recorded: exit 1 naming the state file."""
+    project = tmp_path / "my project"
+    stack.StackState(prefect_url="http://127.0.0.1:4321", mlflow_url="http://127.0.0.1:5432").write(
+        project / ".ddpflow" / "stack.json"
+    )
+    expected = {"PREFECT_HOME": str(project / ".ddpflow" / "prefect"), "PREFECT_API_URL": "http://127.0.0.1:4321/api"}
+    assert stack.shell_env(project) == expected
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PREFECT_")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[3])
+    shell = 'eval "$("$PYTHON" -m flows.cli stack env)" && echo "$PREFECT_HOME|$PREFECT_API_URL"'
+    evaluated = subprocess.run(
+        ["bash", "-c", shell], cwd=project, env={**env, "PYTHON": sys.executable}, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert evaluated.stdout.strip() == f"{expected['PREFECT_HOME']}|{expected['PREFECT_API_URL']}", evaluated.stderr
+    nothing = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "stack", "env"], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert nothing.returncode == 1 and nothing.stdout == ""
+    assert nothing.stderr.strip().splitlines()[-1].startswith("error: no stack is running for"), nothing.stderr
