@@ -149,3 +149,13 @@ def test_the_checks_catch_what_they_are_for():
     )
     for text in product:
         assert not passages(text, (*NARRATION, *ISSUE_REFERENCES)), text
+
+
+def test_the_settings_that_define_a_training_are_the_codes():
+    """docs/concepts.md's training identity names every field `TrainConfig.weight_fields()` holds."""
+    from training.core.config import TrainConfig
+
+    text = (REPO / "docs" / "concepts.md").read_text()
+    paragraph = text[text.index("**Training identity.**") :].split("\n\n")[0]
+    missing = [name for name in TrainConfig.weight_fields() if f"`{name}`" not in paragraph]
+    assert missing == [], f"docs/concepts.md's training identity lacks {missing}"
