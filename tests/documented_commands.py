@@ -273,6 +273,15 @@ class DocShell:
             os.kill(pid, signal.SIGKILL)
         self.stopped.append((background, process.returncode, background.output() + (f"\nleft: {left}" if left else "")))
 
+    def close(self) -> None:
+        """Whatever the doc's commands left up when the run stopped early (a failure, the suite's timeout): a stack
+        that `ddpflow stack up` recorded in the checkout is brought down."""
+        if (self.checkout / ".ddpflow" / "stack.json").is_file():
+            subprocess.run(
+                [sys.executable, "-m", "flows.cli", "stack", "down", "--project", str(self.checkout)],
+                cwd=self.checkout, env=self.env, capture_output=True, timeout=180,
+            )  # fmt: skip
+
     def output_of(self, prefix: str) -> str:
         """The output of the last command typed as ``prefix...``."""
         found = [ran.output for ran in self.ran if ran.typed.startswith(prefix)]

@@ -12,13 +12,16 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from tests.documented_commands import REPO, DocShell, doc_env, fresh_checkout, shell_blocks
 
-pytestmark = [pytest.mark.torchrun, pytest.mark.server]  # the demo's ranks, the stack, ddpflow serve
+# torchrun and server: the demo's ranks, the stack, ddpflow serve. The whole doc runs in the module's fixture:
+# minutes of launches (a stack, trainings), counted in the first test's timeout, so the suite's 600 s is raised.
+pytestmark = [pytest.mark.torchrun, pytest.mark.server, pytest.mark.timeout(1500)]
 
 FAILED_STATES = {"FAILED", "CRASHED"}
 
@@ -33,13 +36,16 @@ def stack_runs(shell: DocShell) -> None:
 
 
 @pytest.fixture(scope="module")
-def readme(tmp_path_factory, prefect_harness, _migrated_mlflow_db) -> DocShell:
+def readme(tmp_path_factory, prefect_harness, _migrated_mlflow_db) -> Iterator[DocShell]:
     checkout = fresh_checkout(tmp_path_factory.mktemp("readme-checkout"))
     shutil.copy(_migrated_mlflow_db, checkout / "mlflow.db")  # an empty store, its schema made once per session
     shell = DocShell(checkout, doc_env(checkout), harness_url=prefect_harness)
     shell.after["prefect deployment run"] = stack_runs
-    shell.run_all(shell_blocks(REPO / "README.md"))
-    return shell
+    try:
+        shell.run_all(shell_blocks(REPO / "README.md"))
+        yield shell
+    finally:
+        shell.close()
 
 
 def test_every_command_of_the_readme_runs_green_on_a_fresh_checkout(readme: DocShell):

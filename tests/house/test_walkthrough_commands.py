@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+from collections.abc import Iterator
 
 import pandas as pd
 import pytest
@@ -20,7 +21,9 @@ from mlflow import MlflowClient
 
 from tests.documented_commands import REPO, DocShell, doc_env, fresh_checkout, shell_blocks
 
-pytestmark = [pytest.mark.torchrun, pytest.mark.server]  # the run's ranks, the stack, ddpflow serve
+# torchrun and server: the run's ranks, the stack, ddpflow serve. The whole doc runs in the module's fixture: minutes of
+# launches (a stack, trainings), counted in the first test's timeout, so the suite's 600 s per test is raised.
+pytestmark = [pytest.mark.torchrun, pytest.mark.server, pytest.mark.timeout(1500)]
 
 WALKTHROUGH = REPO / "docs" / "walkthrough.md"
 
@@ -35,15 +38,18 @@ def deployment_of_the_user(shell: DocShell) -> None:
 
 
 @pytest.fixture(scope="module")
-def walkthrough(tmp_path_factory, prefect_harness, _migrated_mlflow_db) -> DocShell:
+def walkthrough(tmp_path_factory, prefect_harness, _migrated_mlflow_db) -> Iterator[DocShell]:
     import shutil
 
     checkout = fresh_checkout(tmp_path_factory.mktemp("walkthrough-checkout"))
     shutil.copy(_migrated_mlflow_db, checkout / "mlflow.db")
     shell = DocShell(checkout, doc_env(checkout), harness_url=prefect_harness)
     shell.after["prefect --no-prompt deploy --prefect-file"] = deployment_of_the_user
-    shell.run_all(shell_blocks(WALKTHROUGH))
-    return shell
+    try:
+        shell.run_all(shell_blocks(WALKTHROUGH))
+        yield shell
+    finally:
+        shell.close()
 
 
 def test_every_command_of_the_walkthrough_runs_green_on_a_fresh_checkout(walkthrough: DocShell):
