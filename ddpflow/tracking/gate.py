@@ -6,7 +6,9 @@
 Decisions:
 - ``rejected``: a metric is NaN/inf; the gate metric misses ``registry.min_metric``; it does not beat the
   trivial baseline (``baseline_trivial/<metric>``: the train prior or mean on the same test rows) by more
-  than ``registry.min_lift`` (so guessing is never crowned, not even as the first model); or, with
+  than ``registry.min_lift`` (so guessing is never crowned, not even as the first model); a two-class ROC AUC
+  that beats 0.5 by no more than chance would while the log loss does not beat the prior's either
+  (``ranking_noise_reason``); or, with
   ``registry.require_reference``, it trails the reference model (``baseline_reference/<metric>``) by more
   than ``registry.reference_margin`` (without it: ``reference_warning``, a warning). A candidate that does not
   beat the trivial baseline on the gate metric but does on its signal metric (the test log loss, the RMSE:
@@ -129,6 +131,9 @@ def rejection_reason(metrics: dict[str, float], rules: GateRules) -> str | None:
         and not is_better(value, trivial, rules.greater_is_better, rules.min_lift)
     ):
         return no_lift_reason(metrics, rules)
+    noise = ranking_noise_reason(metrics, rules)
+    if noise is not None:
+        return noise
     if rules.require_reference:
         return reference_warning(metrics, rules, "registry.require_reference is true")
     return None
@@ -161,6 +166,39 @@ def no_lift_reason(metrics: dict[str, float], rules: GateRules) -> str:
     return (
         f"{text}; not a guess: its {better}, so it learnt something, but {fails}; set registry.metric: {instead} "
         f"to gate on {GATES_ON.get(instead.partition('_')[2], instead)}"
+    )
+
+
+RANKING_NOISE_Z = 1.645  # one-sided 95 %: a ROC AUC this many standard errors above 0.5 is not chance
+
+
+def ranking_noise_reason(metrics: dict[str, float], rules: GateRules) -> str | None:
+    """A two-class model whose ROC AUC beats the trivial baseline's 0.5 by no more than chance would on its test
+    rows (``RANKING_NOISE_Z`` standard errors of a model that cannot rank: sqrt((n0 + n1 + 1) / (12 n0 n1)), from
+    the split's class counts) and whose signal metric (the log loss) does not beat the prior's either: no better
+    than guessing, what a model trained on shuffled labels scores. None otherwise (a ranking beyond chance, or a
+    log loss that shows what it learnt)."""
+    if not rules.metric.endswith("_roc_auc"):
+        return None
+    split = rules.metric.removesuffix("_roc_auc")
+    rows, share = metrics.get(f"{split}_samples"), metrics.get(f"{split}_majority_share")
+    if not rows or share is None or not 0 < share < 1:
+        return None
+    major = round(rows * share)
+    minor = round(rows) - major
+    if minor <= 0:
+        return None
+    noise = RANKING_NOISE_Z * math.sqrt((major + minor + 1) / (12 * major * minor))
+    value = float(metrics[rules.metric])
+    if value - 0.5 > noise + rules.min_lift:
+        return None
+    signal = rules.signal_metric
+    if signal is not None and beats_trivial(metrics, signal, rules.min_lift):
+        return None
+    return (
+        f"{rules.metric}={value:.6g} is within chance of guessing's 0.5 on these test rows (a model that cannot rank "
+        f"scores up to {0.5 + noise:.3g} one time in 20 with {minor} and {major} rows of the two classes), and "
+        f"its {signal} does not beat the trivial baseline's: no better than guessing"
     )
 
 

@@ -222,9 +222,9 @@ class _Registration:
         self.gate_lock = gate_lock or process_gate_lock
         self.client, self.experiment_id = configure_mlflow(config, tracking_uri)
 
-    def run(self, model_path: str, dataset_dir: str, metrics: dict[str, float]) -> GateDecision:
-        manifest = read_manifest(dataset_dir)
-        rules = gate_rules(self.config, manifest.task, manifest.n_classes)
+    def run(self, model_path: str, dataset_dir: str | None, metrics: dict[str, float]) -> GateDecision:
+        manifest = read_manifest(dataset_dir) if dataset_dir is not None else None
+        rules = self._rules(manifest, metrics)
         if rules.metric not in metrics:
             raise RegistrationError(
                 f"registry.metric {rules.metric!r} is not among the evaluated metrics {sorted(metrics)}"
@@ -249,18 +249,30 @@ class _Registration:
             self.logger.warning("Not registering run %s: %s", self.run_id, rejection)
             return decision
         if version is None:
-            scored_as = evaluation_of(self.config.train, manifest.task).scored_as
-            version = register_version(
-                self.client, self.config, self.experiment_id, self.run_id, model_path, manifest, dataset_dir, scored_as
-            )
-        warning = reference_warning(metrics, rules)
-        if warning:
-            self.logger.warning("Run %s: %s", self.run_id, warning)
+            version = self._register_version(model_path, manifest, dataset_dir)
+        warning = self._warning(metrics, rules)
         with self.gate_lock(self.name):
             decision = self._gate(version, rules, candidate, dataset_dir, manifest, warning)
         log = self.logger.info if decision.decision == PROMOTED else self.logger.warning
         log("%s v%s: %s (%s)", self.name, decision.version, decision.decision, decision.reason)
         return decision
+
+    def _rules(self, manifest: Manifest, metrics: dict[str, float]) -> GateRules:
+        return gate_rules(self.config, manifest.task, manifest.n_classes)
+
+    def _register_version(self, model_path: str, manifest: Manifest, dataset_dir: str) -> ModelVersion:
+        """The pyfunc model of model.pt (raw rows in) and its registry version."""
+        scored_as = evaluation_of(self.config.train, manifest.task).scored_as
+        return register_version(
+            self.client, self.config, self.experiment_id, self.run_id, model_path, manifest, dataset_dir, scored_as
+        )
+
+    def _warning(self, metrics: dict[str, float], rules: GateRules) -> str | None:
+        """The decision's warning: the candidate trails the reference model."""
+        warning = reference_warning(metrics, rules)
+        if warning:
+            self.logger.warning("Run %s: %s", self.run_id, warning)
+        return warning
 
     def _with_trivial_baseline(
         self, metrics: dict[str, float], rules: GateRules, model_path: str, dataset_dir: str
@@ -367,37 +379,31 @@ class _Registration:
 class _ReportedRegistration(_Registration):
     """A training script's model without a data section: judged on the metric the script reported (``gate_metric``),
     its champion on the value its own run reported. No trivial baseline stands for it (nothing to score one on), so
-    the guessing rule (``registry.min_lift``) cannot apply, and the decision says so."""
+    the guessing rule (``registry.min_lift``) cannot apply, and the decision's warning says so."""
 
-    def run(self, model_path: str, dataset_dir: str | None, metrics: dict[str, float]) -> GateDecision:
+    def _rules(self, manifest: None, metrics: dict[str, float]) -> GateRules:
         metric, why_not = gate_metric(self.config, metrics)
         if metric is None:
             raise RegistrationError(why_not)
         registry = self.config.registry
-        rules = GateRules(
+        return GateRules(
             metric=metric,
             greater_is_better=registry.higher_is_better(metric),
             min_delta=registry.min_delta,
             min_metric=registry.min_metric,
             replace_unreadable_champion=registry.replace_unreadable_champion,
         )
-        version = find_version_for_run(self.client, self.name, self.run_id)
-        if version is not None and recorded_complete(version.tags):
-            return GateDecision.from_version_tags(version.tags, self.name, str(version.version), self.run_id)
-        candidate = float(metrics[metric])
-        rejection = rejection_reason({metric: candidate}, rules)
-        if rejection:
-            decision = GateDecision.rejected(rules, self.name, self.run_id, candidate, rejection)
-            self._record_on_run(decision)
-            self.logger.warning("Not registering run %s: %s", self.run_id, rejection)
-            return decision
-        if version is None:
-            version = register_program_version(self.client, self.config, self.experiment_id, self.run_id, model_path)
-        with self.gate_lock(self.name):
-            decision = self._gate(version, rules, candidate, None, None, NO_GUESSING_RULE)
-        log = self.logger.info if decision.decision == PROMOTED else self.logger.warning
-        log("%s v%s: %s (%s)", self.name, decision.version, decision.decision, decision.reason)
-        return decision
+
+    def _with_trivial_baseline(self, metrics: dict[str, float], rules: GateRules, *_: Any) -> dict[str, float]:
+        """The metric it is judged on alone: the script's other reports are its own business (a NaN train loss)."""
+        return {rules.metric: metrics[rules.metric]}
+
+    def _register_version(self, model_path: str, *_: Any) -> ModelVersion:
+        """The exported program's pyfunc model (the script's example in) and its registry version."""
+        return register_program_version(self.client, self.config, self.experiment_id, self.run_id, model_path)
+
+    def _warning(self, *_: Any) -> str:
+        return NO_GUESSING_RULE
 
     def _champion_reading(self, champion: ModelVersion | None, rules: GateRules, *_: Any) -> ChampionReading:
         """The champion's own run's last value of the metric (nothing here could score it again)."""

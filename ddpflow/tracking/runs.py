@@ -91,16 +91,6 @@ class TrackingUnreachableError(ConnectionError):
 # ---------------------------------------------------------------- where things go
 
 
-def store_modules(tracking_uri: str) -> tuple[str, ...]:
-    """What MLflow imports when a client first opens the tracking store of ``tracking_uri``: for a database
-    (SQLite, PostgreSQL, ...), its SQLAlchemy store (SQLAlchemy, alembic: most of ``ddpflow score``'s time after
-    the ranks, which preloads it on a thread while they score); nothing for a server's REST store."""
-    from mlflow.store.db.db_types import DATABASE_ENGINES
-
-    engine = urlparse(tracking_uri).scheme.split("+")[0]
-    return ("mlflow.store.tracking.sqlalchemy_store",) if engine in DATABASE_ENGINES else ()
-
-
 def resolve_tracking_uri(config: PipelineConfig) -> str:
     """``$MLFLOW_TRACKING_URI``, else ``mlflow.tracking_uri``, else ``sqlite:///<cwd>/mlflow.db``.
 
@@ -108,17 +98,33 @@ def resolve_tracking_uri(config: PipelineConfig) -> str:
     other working directories) writes to the same database.
     """
     default = f"sqlite:///{Path.cwd() / 'mlflow.db'}"
-    uri = os.environ.get("MLFLOW_TRACKING_URI") or config.mlflow.tracking_uri or default
-    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
-        relative = uri.removeprefix("sqlite:///")
-        if relative and relative != ":memory:":
-            uri = f"sqlite:///{Path(relative).resolve()}"
+    uri = _absolute_sqlite(os.environ.get("MLFLOW_TRACKING_URI") or config.mlflow.tracking_uri or default)
     if "://" not in uri and not uri.startswith("databricks"):  # a bare path: MLflow 3's file store is deprecated
         raise ValueError(
             f"mlflow.tracking_uri {uri!r} is a plain path; use sqlite:///{Path(uri).resolve()}.db "
             "or an http(s):// server"
         )
     return uri
+
+
+def _absolute_sqlite(uri: str) -> str:
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        relative = uri.removeprefix("sqlite:///")
+        if relative and relative != ":memory:":
+            return f"sqlite:///{Path(relative).resolve()}"
+    return uri
+
+
+def tracking_uri_note(config: PipelineConfig) -> str | None:
+    """Which store a command uses, when ``$MLFLOW_TRACKING_URI`` and ``mlflow.tracking_uri`` name two different
+    ones (the variable wins: ``resolve_tracking_uri``); None when they agree or one is unset."""
+    configured, environment = config.mlflow.tracking_uri, os.environ.get("MLFLOW_TRACKING_URI")
+    if not configured or not environment or _absolute_sqlite(configured) == _absolute_sqlite(environment):
+        return None
+    return (
+        f"MLflow store {resolve_tracking_uri(config)} from $MLFLOW_TRACKING_URI, which wins over the config's "
+        f"mlflow.tracking_uri {configured}"
+    )
 
 
 def is_http(uri: str) -> bool:

@@ -68,11 +68,8 @@ class Stack:
 
     @property
     def cli_env(self) -> dict[str, str]:
-        return {
-            **self.env,
-            "PREFECT_API_URL": f"{self.prefect_url}/api",
-            "PREFECT_HOME": str(self.state_dir / "prefect"),
-        }
+        """What a user's shell has after `eval "$(ddpflow stack env)"`: `stack up` says it (`--json`: its env)."""
+        return {**self.env, **self.up["env"]}
 
     def prefect(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -200,6 +197,10 @@ def stack(repo_root: Path, tmp_path_factory: pytest.TempPathFactory):
     assert result.returncode == 0, f"stack up failed:\n{result.stdout}\n{result.stderr}"
     running = Stack(repo_root, tmp, env, json.loads(result.stdout))
     try:
+        assert running.up["env"] == {  # `ddpflow stack env`'s: what a user's shell needs for `prefect`
+            "PREFECT_HOME": str(tmp / ".ddpflow" / "prefect"),
+            "PREFECT_API_URL": f"{running.prefect_url}/api",
+        }
         yield running
     finally:
         try:
@@ -757,8 +758,9 @@ def test_a_new_champion_of_the_projects_model_scores_the_table_once_through_the_
 ) -> None:
     """The register task promoted the project's first model (ddpflow-demo v1) and emitted ddpflow.champion.moved;
     score-on-new-champion's trigger starts ONE run, with that version, into data/scores/ddpflow-demo-v1 of the
-    project, on the shipped config's 2 ranks: every row once, the model's key kept (no score.keep anywhere). A
-    promotion of another model (emitted first) starts none: the project's source is not its input."""
+    project, on the shipped config's ranks (auto: 1 on a machine without GPUs): every row once, the model's key
+    kept (no score.keep anywhere). A promotion of another model (emitted first) starts none: the project's source
+    is not its input."""
     project, table, decision = scoring_runs["dir"], scoring_runs["table"], scoring_runs["decision"]
     assert (decision["decision"], decision["version"]) == ("promoted", "1"), decision
     on_new_champion = scoring_runs["deployments"]["score-on-new-champion"]
@@ -775,7 +777,7 @@ def test_a_new_champion_of_the_projects_model_scores_the_table_once_through_the_
     output = project / "data" / "scores" / "ddpflow-demo-v1"
     manifest = json.loads((output / "manifest.json").read_text())
     assert manifest["model"] == {"name": "ddpflow-demo", "version": "1", "uri": "models:/ddpflow-demo/1"}
-    assert manifest["rows"] == manifest["scored"] == TODAY_FILES * TODAY_ROWS and manifest["world_size"] == 2
+    assert manifest["rows"] == manifest["scored"] == TODAY_FILES * TODAY_ROWS and manifest["world_size"] == 1
     assert manifest["keep"] == ["customer_id"]  # the model's data.key: configs/score.yaml keeps nothing else
     assert manifest["source"]["url"] == str(project / "data" / "today")  # the project's, not the checkout's
     assert scores_in(output)["customer_id"].tolist() == table["customer_id"].to_pylist()  # every row once

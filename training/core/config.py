@@ -430,7 +430,10 @@ class TrainConfig(_Section):
         description="How long the other ranks wait for rank 0 to write a checkpoint (apart from collective_timeout_s).",
     )
     stall_timeout_s: KeepsWeights[float | None] = Field(
-        None, gt=0, description="Kill the run when no rank-0 output arrives for this long."
+        None,
+        gt=0,
+        description="Kill the run when torchrun and its ranks print no line for this long (every rank hung); "
+        "unset: no such watchdog.",
     )
     preempt_signal: KeepsWeights[str | None] = Field(
         "SIGUSR1",
@@ -795,7 +798,11 @@ class RegistryConfig(_Section):
 
 
 class MlflowConfig(_Section):
-    tracking_uri: str | None = Field(None, description="Default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db.")
+    tracking_uri: str | None = Field(
+        None,
+        description="The MLflow store. $MLFLOW_TRACKING_URI, when set, wins over it (ddpflow run and ddpflow score "
+        "say so when the two differ); neither set: sqlite:///<working directory>/mlflow.db.",
+    )
     experiment: str = Field("ddpflow", min_length=1)
     artifact_location: str | None = Field(
         None, description="Artifact root for a new experiment; default ./mlartifacts."
@@ -914,12 +921,16 @@ class ScoreConfig(_Section):
     format: Literal["auto", "parquet", "csv"] = Field("auto", description="The source's format; auto: from names.")
     output: str | None = Field(None, description="Directory of Parquet part files, a manifest.json written last.")
     keep: list[str] | None = Field(
-        None, description="Columns carried beside the scores; default: data.key when set, else none."
+        None,
+        description="Columns carried beside the scores; default: data.key when set, else the key the model was "
+        "trained with (model.pt's), else none.",
     )
     output_kind: Literal["auto", "label", "probabilities", "value"] = Field(
         "auto", description="label or probabilities (classification), value (regression); auto: the richest."
     )
-    nproc_per_node: int | Literal["auto"] = Field(2, description="Scoring ranks per node (auto: per GPU/core).")
+    nproc_per_node: int | Literal["auto"] = Field(
+        2, description="Scoring ranks per node; auto: one per GPU, or 1 on CPU (the train section's rule)."
+    )
     launcher: Literal["local", "slurm"] | None = Field(
         None,
         description="local: torchrun on this machine; slurm: one batch job of score.nnodes nodes through sbatch "

@@ -93,21 +93,48 @@ def load_model_checkpoint(path: str | Path) -> tuple[nn.Module, dict[str, Any]]:
     if not path.is_file():
         raise FileNotFoundError(f"model checkpoint {path} does not exist")
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    meta = checkpoint_meta(checkpoint, path)
+    if PROGRAM in checkpoint:
+        return exported_module(checkpoint[PROGRAM]), meta
+    model = build_model(ModelSpec.from_dict(checkpoint["model_spec"], checkpoint["features"]), checkpoint["features"])
+    model.load_state_dict(checkpoint["model"])
+    return model.eval(), meta
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    """A model.pt read once, for a process that only describes the model (batch scoring's command: it hashes,
+    checks and copies the same bytes): its bytes, and ``load_model_checkpoint``'s entries (``meta``: task,
+    inputs, key, labels); no model is built."""
+
+    path: str
+    data: bytes = field(repr=False)
+    meta: dict[str, Any] = field(repr=False)
+
+    @classmethod
+    def read(cls, path: str | Path) -> ModelFile:
+        import io
+
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"model checkpoint {path} does not exist")
+        data = path.read_bytes()
+        checkpoint = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        return cls(str(path), data, checkpoint_meta(checkpoint, path))
+
+
+def checkpoint_meta(checkpoint: dict[str, Any], path: str | Path) -> dict[str, Any]:
+    """A loaded model.pt's entries but its weights (a ValueError naming what a final model file lacks), with its
+    ``model_spec`` complete (its inputs also for a model.pt from before typed inputs)."""
     missing = [key for key in REQUIRED_CHECKPOINT_KEYS if key not in checkpoint]
     if missing:
         raise ValueError(
             f"model checkpoint {path} lacks keys {missing}; is it a final model.pt (not checkpoints/last.pt)?"
         )
     spec = ModelSpec.from_dict(checkpoint["model_spec"], checkpoint["features"])
-    if PROGRAM in checkpoint:
-        model = exported_module(checkpoint[PROGRAM])
-    else:
-        model = build_model(spec, checkpoint["features"])
-        model.load_state_dict(checkpoint["model"])
-        model.eval()
     meta = {key: value for key, value in checkpoint.items() if key not in ("model", PROGRAM)}
-    meta["model_spec"] = spec.to_dict()  # with its inputs, also for a model.pt from before typed inputs
-    return model, meta
+    meta["model_spec"] = spec.to_dict()
+    return meta
 
 
 def checkpoint_inputs(meta: dict[str, Any]) -> dict[str, InputInfo]:

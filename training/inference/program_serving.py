@@ -19,7 +19,6 @@ This module imports mlflow at the top (it exists only to be logged and loaded), 
 from __future__ import annotations
 
 import json
-import platform
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -29,11 +28,10 @@ import numpy as np
 import torch
 
 from training.inference.model_file import exported_module
+from training.inference.serving import TRAINING_PACKAGE, log_code_model
 
 PROGRAM_CODE = Path(__file__).resolve().with_name("program_serving_model.py")
-TRAINING_PACKAGE = Path(__file__).resolve().parents[1]  # shipped with the model: this module loads it
 PROGRAM_ARTIFACT, LAYOUT_ARTIFACT = "program", "layout"  # context.artifacts keys
-MODEL_NAME = "model"
 
 
 class ExportedProgramModel(mlflow.pyfunc.PythonModel):
@@ -106,32 +104,26 @@ def log_program_model(
 ):
     """Log the program as a pyfunc model, an output of MLflow run ``run_id``; returns ``ModelInfo``. Uses the
     process-wide tracking URI (``ddpflow/tracking/runs.py: use_tracking_uri``), as ``serving.log_pyfunc_model``."""
-    from mlflow.models import Model, infer_signature
+    from mlflow.models import infer_signature
 
     example = torch.load(example_path, weights_only=True)
     layout, served_input = program_layout(tuple(example["args"]))
     module = exported_module(Path(program_path).read_bytes())
     with torch.no_grad():
         served_output = outputs_as_arrays(module(*example["args"]))
-    client = mlflow.MlflowClient()
-    experiment_id = client.get_run(run_id).info.experiment_id
-    logged = client.create_logged_model(experiment_id, name=MODEL_NAME, source_run_id=run_id, tags=tags)
     with tempfile.TemporaryDirectory(prefix="ddpflow-program-") as scratch:
         layout_path = Path(scratch) / "layout.json"
         layout_path.write_text(json.dumps(layout))
-        return Model.log(
-            artifact_path=None,
-            name=MODEL_NAME,
-            flavor=mlflow.pyfunc,
-            run_id=run_id,
-            model_id=logged.model_id,
-            python_model=str(PROGRAM_CODE),
+        return log_code_model(
+            run_id,
+            PROGRAM_CODE,
             artifacts={PROGRAM_ARTIFACT: str(program_path), LAYOUT_ARTIFACT: str(layout_path)},
             code_paths=[str(TRAINING_PACKAGE)],
             signature=infer_signature(served_input, served_output),
             input_example=served_input,
             pip_requirements=_requirements(),
-            metadata={"python_version": platform.python_version(), "exported_by": "ddpflow.log_model"},
+            metadata={"exported_by": "ddpflow.log_model"},
+            tags=tags,
         )
 
 

@@ -158,23 +158,14 @@ def log_pyfunc_model(
     MLflow's checks unchanged; strings for categoricals and ids; lists for
     vectors); the signature has the ``output`` param (``OUTPUTS``).
     """
-    from mlflow.models import Model, infer_signature
+    from mlflow.models import infer_signature
 
     model_path = Path(model_path)
     predictor = load_predictor(model_path)
     example = raw_example(predictor, input_example)  # a next_token model: its text column alone
-    # Created here, in the run's experiment: given only run_id, Model.log would
-    # put the model in the fluent "current" experiment (the Default one).
-    client = mlflow.MlflowClient()
-    experiment_id = client.get_run(run_id).info.experiment_id
-    logged = client.create_logged_model(experiment_id, name=MODEL_NAME, source_run_id=run_id, tags=tags)
-    return Model.log(
-        artifact_path=None,
-        name=MODEL_NAME,
-        flavor=mlflow.pyfunc,
-        run_id=run_id,
-        model_id=logged.model_id,
-        python_model=str(MODEL_CODE),
+    return log_code_model(
+        run_id,
+        MODEL_CODE,
         artifacts={MODEL_ARTIFACT: str(model_path)},
         code_paths=[str(TRAINING_PACKAGE), *user_code_paths(predictor.meta["model_spec"]["model"])],
         signature=accepting_nulls(
@@ -182,5 +173,30 @@ def log_pyfunc_model(
         ),
         input_example=example,
         pip_requirements=pip_requirements({info.kind for info in predictor.inputs.values()}),
-        metadata={"python_version": platform.python_version(), "task": predictor.task, "features": predictor.features},
+        metadata={"task": predictor.task, "features": predictor.features},
+        tags=tags,
+    )
+
+
+def log_code_model(
+    run_id: str, code: Path, *, metadata: dict[str, Any], tags: dict[str, str] | None = None, **logged: Any
+):
+    """A pyfunc model defined by the file ``code`` ("models from code"), logged as an output of MLflow run
+    ``run_id`` in the run's own experiment: given only run_id, ``Model.log`` would put the model in the fluent
+    "current" experiment (the Default one). ``logged``: ``Model.log``'s artifacts, code_paths, signature,
+    input_example and pip_requirements."""
+    from mlflow.models import Model
+
+    client = mlflow.MlflowClient()
+    experiment_id = client.get_run(run_id).info.experiment_id
+    model = client.create_logged_model(experiment_id, name=MODEL_NAME, source_run_id=run_id, tags=tags)
+    return Model.log(
+        artifact_path=None,
+        name=MODEL_NAME,
+        flavor=mlflow.pyfunc,
+        run_id=run_id,
+        model_id=model.model_id,
+        python_model=str(code),
+        metadata={"python_version": platform.python_version(), **metadata},
+        **logged,
     )

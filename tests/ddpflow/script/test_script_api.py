@@ -201,3 +201,47 @@ def test_dataset_in_a_run_without_a_data_section_names_the_section(in_a_run):
 
     with pytest.raises(NoDatasetError, match="has no data section"):
         ddpflow.dataset("train")
+
+
+def test_dataset_outside_a_run_prepares_the_configs_data_once_and_reads_it(tmp_path, monkeypatch):
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import yaml
+
+    from training.core.manifest import read_manifest
+
+    monkeypatch.delenv(JOB_ENV, raising=False)
+    script_run.current_run.cache_clear()
+    rng = np.random.default_rng(0)
+    pq.write_table(
+        pa.table({
+            "id": np.arange(400, dtype=np.int64),
+            "amount": np.where(rng.random(400) < 0.1, np.nan, rng.lognormal(3, 1, 400)),
+            "mobile": rng.random(400) < 0.3,
+            "country": rng.choice(["no", "se", "dk"], 400),
+            "churned": rng.integers(0, 2, 400),
+        }),
+        tmp_path / "churn.parquet",
+    )  # fmt: skip
+    config = {
+        "data": {
+            "source": str(tmp_path / "churn.parquet"),
+            "label": "churned",
+            "key": "id",
+            "inputs": {"amount": "numeric", "mobile": "numeric", "country": "categorical"},
+            "root": str(tmp_path / "shards"),
+        },
+        "train": {"script": "train.py"},
+    }
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(config))
+    train = ddpflow.dataset("train", config=tmp_path / "cfg.yaml")
+    (dataset_dir,) = (tmp_path / "shards").iterdir()
+    assert len(train) == read_manifest(dataset_dir).rows("train") > 300
+    item = train[0]
+    assert set(item) >= {"amount", "mobile", "country", "label"} and item["country"].dtype == torch.int64
+    assert train.n_outputs == 2 and train.inputs["country"].kind == "categorical"
+    assert len(ddpflow.dataset("test", config=tmp_path / "cfg.yaml")) == read_manifest(dataset_dir).rows("test")
+    assert len(list((tmp_path / "shards").iterdir())) == 1  # the prepared dataset, reused
+    with pytest.raises(IndexError):
+        train[len(train)]

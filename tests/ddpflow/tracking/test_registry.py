@@ -24,6 +24,7 @@ from ddpflow.tracking.runs import (
     log_evaluation,
     resolve_tracking_uri,
     start_pipeline_run,
+    tracking_uri_note,
     use_tracking_uri,
 )
 from devtools.ports import free_port
@@ -401,8 +402,15 @@ def test_tracking_uri_resolution(monkeypatch, tmp_path):
     assert resolve_tracking_uri(PipelineConfig()) == f"sqlite:///{tmp_path / 'mlflow.db'}"
     relative = PipelineConfig.model_validate({"mlflow": {"tracking_uri": "sqlite:///state/m.db"}})
     assert resolve_tracking_uri(relative) == f"sqlite:///{tmp_path / 'state' / 'm.db'}"
+    assert tracking_uri_note(relative) is None  # one of the two unset: nothing to say
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
-    assert resolve_tracking_uri(relative) == "http://127.0.0.1:5000"
+    assert resolve_tracking_uri(relative) == "http://127.0.0.1:5000"  # the variable wins, and says so
+    assert tracking_uri_note(relative) == (
+        "MLflow store http://127.0.0.1:5000 from $MLFLOW_TRACKING_URI, which wins over the config's "
+        "mlflow.tracking_uri sqlite:///state/m.db"
+    )
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'state' / 'm.db'}")
+    assert tracking_uri_note(relative) is None  # the same store, written two ways
     check_tracking_reachable(f"sqlite:///{tmp_path / 'new' / 'dir' / 'mlflow.db'}")  # creates the folder
     assert (tmp_path / "new" / "dir").is_dir()
 

@@ -162,3 +162,27 @@ def test_a_champion_gated_on_accuracy_is_compared_on_roc_auc(mlflow_store, datas
     assert tags["gate.metric"] == "test_roc_auc" and float(tags["gate.champion_value"]) == pytest.approx(
         second.champion_value
     )
+
+
+def test_a_ranking_within_chance_of_guessing_is_rejected_unless_the_log_loss_shows_what_it_learnt():
+    """What a model trained on shuffled labels scores: a ROC AUC a little above 0.5 by chance, a log loss no better
+    than the prior's. Rejected as guessing, naming the metric and the chance it is within; the same ROC AUC with a
+    log loss that beats the prior, or a ranking beyond chance, is registered."""
+    from ddpflow.tracking.gate import GateRules, rejection_reason
+
+    rules = GateRules("test_roc_auc", True, signal_metric="test_log_loss", alternatives=("test_log_loss",))
+    shuffled = {
+        "test_roc_auc": 0.52,
+        "test_log_loss": 0.6961,
+        "test_samples": 1000.0,
+        "test_majority_share": 0.5,
+        "baseline_trivial/test_roc_auc": 0.5,
+        "baseline_trivial/test_log_loss": 0.6931,
+    }
+    reason = rejection_reason(shuffled, rules)
+    assert reason.startswith("test_roc_auc=0.52 is within chance of guessing's 0.5 on these test rows")
+    assert "up to 0.53 one time in 20 with 500 and 500 rows" in reason and reason.endswith("no better than guessing")
+    assert rejection_reason({**shuffled, "test_log_loss": 0.69}, rules) is None  # the probabilities show signal
+    assert rejection_reason({**shuffled, "test_roc_auc": 0.56}, rules) is None  # beyond chance on 1000 rows
+    few = {**shuffled, "test_roc_auc": 0.56, "test_samples": 100.0}
+    assert "within chance" in rejection_reason(few, rules)  # on 100 rows it is not
