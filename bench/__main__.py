@@ -43,6 +43,7 @@ FAMILIES = {
     "tables": "Tables beside boosting",  # ddpflow's default model against HistGradientBoosting
     "real_tables": "Real tables beside boosting",  # public tables shipped in packages (the bench extra); --only
     "scoring": "Batch scoring",  # ddpflow score on 2 ranks against the pyfunc in one process
+    "stream": "Streaming from object storage",  # data.stream from moto's S3 server against the node cache
     "gpu": "GPU",  # skipped (recorded as such) without CUDA
 }
 

@@ -47,6 +47,14 @@ def manifest(dataset_dir: str | Path):
     return read_manifest(dataset_dir)
 
 
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """A run's epochs, from RUN_DIR/metrics.jsonl (``training.loop.metrics_sink.read_metrics_lines``)."""
+    from training.core.layout import METRICS
+    from training.loop.metrics_sink import read_metrics_lines
+
+    return read_metrics_lines(Path(run_dir) / METRICS)
+
+
 def train_line_prefix() -> str:
     """``training.core.log.TRAIN``: the prefix of the training program's own lines."""
     from training.core.log import TRAIN
@@ -100,10 +108,11 @@ def write_train_job(config, dataset_dir: str | Path, run_dir: Path) -> Path:
 
 
 def prepare(data_config):
-    """``training.prepare.dataset.prepare_dataset`` -> the dataset directory."""
+    """``training.prepare.dataset.prepare_dataset`` -> the dataset directory (a URL stays a string)."""
     from training.prepare.dataset import prepare_dataset
 
-    return Path(prepare_dataset(data_config).dataset_dir)
+    dataset_dir = prepare_dataset(data_config).dataset_dir
+    return dataset_dir if isinstance(dataset_dir, str) else Path(dataset_dir)
 
 
 def import_prepare_and_load() -> None:

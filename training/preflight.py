@@ -29,6 +29,7 @@ from training.core.manifest import Manifest
 from training.core.topology import RankLayout, resolve_ranks
 from training.kinds.inputs import inputs_from_manifest
 from training.kinds.registry import check_inputs
+from training.loading.stream import check_stream_cache
 from training.models.registry import ModelSpec, build_model, resolve_factory
 from training.objectives.registry import BUILT_IN, build_objective, check_objective, resolve_user_objective
 
@@ -126,6 +127,8 @@ def check_data(config: PipelineConfig, manifest: Manifest, layout: RankLayout) -
             "train.early_stopping_patience: the val split is empty, so no epoch can be judged; "
             "set data.val_fraction above 0 or remove it"
         )
+    if config.data is not None and config.data.stream is True:
+        check_stream_cache(config.data, manifest)  # ConfigError: two windows of the largest shards must fit
     objective = build_objective(config.train, manifest)  # ConfigError naming the field that does not fit
     check_objective(objective, objective.n_classes)
     n_outputs = objective.n_outputs(objective.n_classes)

@@ -13,7 +13,9 @@ training script's run records of its script.
 - ``train.batch_size: auto`` -> ``auto_batch_size(train rows, world size)`` (``training/core/config.py``);
 - ``train.early_stopping_patience: auto`` -> ``DEFAULT_PATIENCE`` with a val split, none without one;
 - ``train.label_smoothing: auto`` -> ``DEFAULT_LABEL_SMOOTHING`` for a softmax over more than two classes, else 0
-  (``training/objectives/registry.py: label_smoothing``).
+  (``training/objectives/registry.py: label_smoothing``);
+- ``data.stream: auto`` -> true when the node cache would take more than half of its disk's free space, else false
+  (``training/loading/stream.py: stream_wanted``; the stream's order is another training).
 
 The pipeline resolves before anything records the config or computes its training identity (resume,
 ``train.skip_if_unchanged``, the MLflow run); the train stage (``ddpflow/launch/stage.py: run_train_stage``)
@@ -30,7 +32,10 @@ import hashlib
 from pathlib import Path
 
 from training.core.config import PipelineConfig
+from training.core.location import join
+from training.core.log import DATA, log_rank
 from training.core.manifest import Manifest
+from training.loading.stream import stream_wanted
 from training.models.registry import with_resolved_model
 from training.models.tabular import defaults_to_record
 from training.objectives.registry import label_smoothing
@@ -51,9 +56,21 @@ def resolve_for_data(config: PipelineConfig, manifest: Manifest, world_size: int
         update["early_stopping_patience"] = train.patience(manifest.rows("val"))
     if train.label_smoothing == "auto":
         update["label_smoothing"] = label_smoothing(train, manifest)
+    config = _with_stream_decided(config, manifest)
     if not update:
         return config
     return config.model_copy(update={"train": train.model_copy(update=update)})
+
+
+def _with_stream_decided(config: PipelineConfig, manifest: Manifest) -> PipelineConfig:
+    """``data.stream: auto`` -> true or false for this dataset on this machine's cache disk, said in the log
+    (``training/loading/stream.py: stream_wanted``): the stream's order changes the weights, so a run records it."""
+    data = config.data
+    if data is None or data.stream is True or data.stream is False:
+        return config
+    on, why = stream_wanted(data, join(data.root, manifest.fingerprint), manifest)
+    log_rank(why, DATA)
+    return config.model_copy(update={"data": data.model_copy(update={"stream": on})})
 
 
 def resolve_script(config: PipelineConfig) -> PipelineConfig:

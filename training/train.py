@@ -57,6 +57,7 @@ from training.kinds.registry import CODECS, read_encoders
 from training.loading.batches import TrainBatches
 from training.loading.node_cache import open_splits
 from training.loading.placement import place_splits
+from training.loading.stream import open_stream
 from training.loop.accumulation import OptimizerSteps
 from training.loop.coverage import Certificate
 from training.loop.epoch_sums import EpochSums
@@ -66,7 +67,7 @@ from training.loop.nonfinite import NonFiniteStep, non_finite_error
 from training.loop.optim import build_optimizer, build_schedule, optimizer_states_per_parameter
 from training.loop.preemption import Preempted, PreemptionWatch
 from training.loop.progress import Progress
-from training.loop.step import StepSettings, TrainStep, evaluate, validation_metrics
+from training.loop.step import StepSettings, TrainStep, evaluate_pieces, validation_metrics
 from training.loop.stop_request import stop_requested
 from training.models.registry import ModelSpec, build_model
 from training.objectives.registry import build_objective
@@ -126,9 +127,14 @@ class Trainer:
         )
 
     def _load_data(self) -> Any:
-        """The manifest, then train and val from the node cache: built once per node, mapped by every local rank."""
+        """The manifest, then train and val from the node cache (built once per node, mapped by every local rank),
+        or, with ``data.stream``, their shards streamed through the node's bounded cache (loading/stream.py)."""
         self.manifest = read_manifest(self.job.dataset_dir)
         self.normaliser = Normaliser.from_manifest(self.manifest)  # reports losses on the target's own scale
+        self.stream = open_stream(self.job.dataset_dir, self.manifest, self.job.config.data, self.ctx)
+        if self.stream is not None:
+            self.val = self.stream.val
+            return None
         loaded_at = time.monotonic()
         cached = open_splits(self.job.dataset_dir, self.manifest, ("train", "val"), self.job.config.data.cache_dir)
         for split in cached.values():
@@ -167,6 +173,15 @@ class Trainer:
 
         After the model: ``auto`` places a split on a GPU by the memory free once the model is there."""
         train, ctx = self.config, self.ctx
+        rows = self.manifest.rows("train")
+        self.batch_size = train.rank_batch_size(ctx.world_size, rows)  # train.batch_size, or the global one / W
+        self.val_batch_size = train.rank_val_batch_size(ctx.world_size, rows)  # bounds validation's memory
+        if self.stream is not None:  # windows on the host, each batch copied over; decoded in the rank
+            self.batches = self.stream.batches(
+                ctx, self.batch_size, train.seed, self.objective.split_row_weights, self.hooks.epoch_rows
+            )
+            self.expected_coverage = Certificate.expected(rows)
+            return
         placed, where = place_splits(
             {"train": train_split, "val": self.val},
             train.data_on_device,
@@ -175,9 +190,6 @@ class Trainer:
             optimizer_states_per_parameter(train),
         )
         train_split, self.val = placed["train"], placed["val"]  # a host copy placed elsewhere is let go
-        rows = self.manifest.rows("train")
-        self.batch_size = train.rank_batch_size(ctx.world_size, rows)  # train.batch_size, or the global one / W
-        self.val_batch_size = train.rank_val_batch_size(ctx.world_size, rows)  # bounds validation's memory
         log_main(ctx.is_main, "data: " + "; ".join(where) + f"; validation in batches of {self.val_batch_size} rows")
         self.batches = TrainBatches(
             train_split, ctx.rank, ctx.world_size, self.batch_size, train.seed, ctx.device, train.pin_memory,
@@ -345,7 +357,7 @@ class Trainer:
         """One exact validation pass: each rank its shard of the val split, the sums all-reduced once."""
         ctx, rows, settings = self.ctx, self.manifest.rows("val"), self.train_step.settings
         start, stop = shard_range(rows, ctx.rank, ctx.world_size)
-        val_pass = evaluate(self.model, self.val, start, stop, self.val_batch_size, settings)
+        val_pass = evaluate_pieces(self.model, self.val.pieces(start, stop), self.val_batch_size, settings)
         scored = ctx.gather_objects(val_pass.scored) if val_pass.scored is not None else None  # 2 classes: AUCs
         sums = ctx.all_reduce_sum(val_pass.sums.unbind())
         val = validation_metrics(sums, settings, self.normaliser.target_std, scored)

@@ -28,17 +28,15 @@ for the node figures.
 
 from __future__ import annotations
 
-import re
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-import psutil
-
 from bench import ddpflow_api
 from bench.harness import processes
 from bench.harness.context import Context
+from bench.harness.processes import rank_memory, rank_pids
 from bench.harness.results import Result, Row, Stats, log, turns
 from bench.workloads import images
 from bench.workloads.pipeline import small_config
@@ -372,37 +370,6 @@ def anon_growth(
 RUN_RANKS = 2
 RUN_TARGET = 1.3  # peak summed data PSS growth ÷ raw train growth
 SAMPLE_S = 0.05
-_MAPPING = re.compile(r"^[0-9a-f]+-[0-9a-f]+ ")
-
-
-def rank_memory(pid: int) -> tuple[int, int] | None:
-    """(Pss_Anon, PSS of the node-cache files it maps) in bytes; None once the process is gone."""
-    try:
-        rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
-        smaps = Path(f"/proc/{pid}/smaps").read_text()
-    except OSError:
-        return None
-    anon = next((int(line.split()[1]) * 1024 for line in rollup.splitlines() if line.startswith("Pss_Anon:")), 0)
-    cache, in_cache_file = 0, False
-    for line in smaps.splitlines():
-        if _MAPPING.match(line):
-            in_cache_file = line.rstrip().endswith(".bin")
-        elif in_cache_file and line.startswith("Pss:"):
-            cache += int(line.split()[1]) * 1024
-    return anon, cache
-
-
-def rank_pids() -> list[int]:
-    """This process's descendants that run the rank program (not torchrun's agent)."""
-    pids = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            argv = " ".join(child.cmdline())
-        except psutil.Error:
-            continue
-        if ddpflow_api.RANK_MODULE in argv and "torch.distributed.run" not in argv:
-            pids.append(child.pid)
-    return pids
 
 
 def sampled_run(ctx: Context, rows: int, root: Path) -> dict[str, float]:

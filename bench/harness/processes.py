@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ from typing import Any
 
 import psutil
 
+from bench import ddpflow_api
 from bench.ddpflow_api import session_members, stop_processes
 from bench.harness.results import REPO_ROOT
 
@@ -152,3 +154,38 @@ def _first_error(output: str) -> str:
         if "Traceback" in line or "Error" in line or "terminate called" in line:
             return "\n".join(lines[index : index + 25])
     return ""
+
+
+# ----------------------------------------------------------------------------- a rank's memory, sampled
+
+_MAPPING = re.compile(r"^[0-9a-f]+-[0-9a-f]+ ")
+
+
+def rank_memory(pid: int) -> tuple[int, int] | None:
+    """(Pss_Anon, PSS of the node-cache files it maps) in bytes; None once the process is gone."""
+    try:
+        rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+        smaps = Path(f"/proc/{pid}/smaps").read_text()
+    except OSError:
+        return None
+    anon = next((int(line.split()[1]) * 1024 for line in rollup.splitlines() if line.startswith("Pss_Anon:")), 0)
+    cache, in_cache_file = 0, False
+    for line in smaps.splitlines():
+        if _MAPPING.match(line):
+            in_cache_file = line.rstrip().endswith(".bin")
+        elif in_cache_file and line.startswith("Pss:"):
+            cache += int(line.split()[1]) * 1024
+    return anon, cache
+
+
+def rank_pids() -> list[int]:
+    """This process's descendants that run the rank program (not torchrun's agent)."""
+    pids = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            argv = " ".join(child.cmdline())
+        except psutil.Error:
+            continue
+        if ddpflow_api.RANK_MODULE in argv and "torch.distributed.run" not in argv:
+            pids.append(child.pid)
+    return pids

@@ -58,7 +58,7 @@ from training.checkpoint.steps import (
     step_checkpoints,
     step_position,
 )
-from training.core.config import PipelineConfig, TrainConfig
+from training.core.config import DataConfig, PipelineConfig, TrainConfig
 from training.core.fileio import atomic_write
 from training.core.layout import FINAL_MODEL, LAST_CHECKPOINT
 from training.core.log import log_rank
@@ -116,16 +116,20 @@ def training_identity(config: PipelineConfig | Mapping[str, Any], fingerprint: s
     """
     if isinstance(config, PipelineConfig):
         train = config.train.model_dump(mode="json")
+        data = config.data.model_dump(mode="json") if config.data is not None else {}
     else:
         train = dict(config.get("train") or {})
+        data = dict(config.get("data") or {})
     omitted = TrainConfig.identity_defaults()  # at its default (or absent: recorded before it existed): left out
     fields = {name: train.get(name, omitted.get(name)) for name in TrainConfig.weight_fields()}
     if fields.get("global_batch_size") is not None:  # the global batch, not how it splits over ranks
         fields = {name: value for name, value in fields.items() if name not in TrainConfig.world_fields()}
-    return {
+    identity = {
         "fingerprint": fingerprint,
         "train": {name: value for name, value in fields.items() if name not in omitted or value != omitted[name]},
     }
+    order = DataConfig.order_identity(data)  # the stream's order; {} on the node cache: no entry at all
+    return {**identity, "data": order} if order else identity
 
 
 def identity_differences(saved: Mapping[str, Any], wanted: Mapping[str, Any]) -> list[str]:
@@ -136,6 +140,12 @@ def identity_differences(saved: Mapping[str, Any], wanted: Mapping[str, Any]) ->
     for name in TrainConfig.weight_fields():
         if saved["train"].get(name) != wanted["train"].get(name):
             problems.append(f"train.{name} {saved['train'].get(name)!r} != {wanted['train'].get(name)!r}")
+    saved_data, wanted_data = saved.get("data") or {}, wanted.get("data") or {}
+    for name in sorted(saved_data.keys() | wanted_data.keys()):
+        absent = False if name == "stream" else None  # the node cache: stream false, no window
+        before, now = saved_data.get(name, absent), wanted_data.get(name, absent)
+        if before != now:
+            problems.append(f"data.{name} {before!r} != {now!r}")
     return problems
 
 

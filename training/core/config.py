@@ -19,6 +19,7 @@ import json
 import os
 import re
 import signal
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -68,6 +69,7 @@ DEFAULT_PATIENCE = 10
 DEFAULT_LABEL_SMOOTHING = 0.1
 AUTO_BATCH_MAX = 512
 AUTO_BATCH_STEPS = 16  # train.batch_size auto: at least this many steps an epoch
+DEFAULT_SHUFFLE_WINDOW = 8  # data.shuffle_window: shards whose rows the stream shuffles together
 
 MODELS = ("auto", "mlp", "image_cnn", "transformer")  # train.model's built-in names (training/models/registry.py)
 
@@ -252,6 +254,28 @@ class DataConfig(_Section):
         "<cache_dir>/<fingerprint>/; default <root>/<fingerprint>/cache/. Set a node-local path (local scratch) "
         "on multi-node runs, so each node builds its own from the shared shards.",
     )
+    # The stream (training/loading/stream.py, docs/data.md "Streaming from object storage"): its order is not the
+    # node cache's, so it changes the weights, and so does its window; the cache's size changes only what is kept
+    # on disk. None of the three is part of the fingerprint (the shards are the same) nor, while data.stream is
+    # false, of the training identity (DataConfig.order_identity).
+    stream: ChangesWeightsWhenSet[bool | Literal["auto"]] = Field(
+        False,
+        description="Ranks read the train and val shards from data.root (a path or an fsspec URL) through a bounded "
+        "local cache instead of the node cache: for splits larger than a node's disk. auto: on when the node cache "
+        "would take more than half of its disk's free space (decided once, as the run starts, and recorded).",
+    )
+    stream_cache_limit: KeepsWeights[int] = Field(
+        4 * 2**30,
+        ge=1,
+        description="The stream's local cache, in bytes: the most its shard files on a node's disk may take "
+        "(<data.cache_dir>/<fingerprint>/stream/); at least two windows of the largest shards.",
+    )
+    shuffle_window: ChangesWeightsWhenSet[int] = Field(
+        DEFAULT_SHUFFLE_WINDOW,
+        ge=1,
+        description="The stream's shuffle: each epoch the shards are shuffled and cut into windows of this many, "
+        "and rows are shuffled within a window. Larger mixes more and needs a larger data.stream_cache_limit.",
+    )
     val_fraction: float = Field(0.1, ge=0.0, lt=1.0)
     test_fraction: float = Field(0.1, ge=0.0, lt=1.0)
     split: ChangesWeights[SplitSpec | None] = Field(
@@ -291,6 +315,17 @@ class DataConfig(_Section):
         if isinstance(value, dict):
             return {name: {"kind": spec} if isinstance(spec, str) else spec for name, spec in value.items()}
         return value
+
+    @staticmethod
+    def order_identity(data: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The data settings that change the weights beyond the fingerprint, from a data section's JSON form:
+        the stream's order (``stream`` and its ``shuffle_window``) while ``stream`` is on; {} otherwise, so an
+        identity recorded before the stream existed, or of a run on the node cache, stays what it was."""
+        data = data or {}
+        stream = data.get("stream", False)
+        if stream is False:
+            return {}
+        return {"stream": stream, "shuffle_window": data.get("shuffle_window", DEFAULT_SHUFFLE_WINDOW)}
 
     def input_specs(self) -> dict[str, InputSpec] | None:
         """``data.inputs``, or ``data.features`` as numeric inputs, or None (the default columns)."""

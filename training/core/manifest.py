@@ -24,6 +24,7 @@ from typing import Any
 
 from training.core.fileio import atomic_write_json
 from training.core.layout import MANIFEST, SPLITS
+from training.core.location import is_url, join, read_text
 
 FORMAT_VERSION = 1
 CLASS_TASKS = ("classification", "multilabel")  # tasks whose label_mapping lists the classes
@@ -108,6 +109,10 @@ class Manifest:
     def split_files(self, dataset_dir: str | Path, split: str) -> list[Path]:
         return [Path(dataset_dir) / shard.file for shard in self.splits[split].shards]
 
+    def shard_locations(self, dataset_dir: str | Path, split: str) -> list[str]:
+        """The split's shards where the dataset lives: local paths, or URLs (training/core/location.py)."""
+        return [join(dataset_dir, shard.file) for shard in self.splits[split].shards]
+
     def rows(self, split: str) -> int:
         return self.splits[split].rows
 
@@ -130,12 +135,15 @@ def write_manifest(dataset_dir: str | Path, manifest: Manifest) -> Path:
 
 
 def read_manifest(path: str | Path) -> Manifest:
-    """Accepts the manifest file or its dataset directory."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / MANIFEST
+    """Accepts the manifest file or its dataset directory, local or a URL (``s3://bucket/shards/<fingerprint>``)."""
+    if is_url(path):
+        path = path if str(path).endswith(MANIFEST) else join(path, MANIFEST)
+    else:
+        path = Path(path)
+        if path.is_dir():
+            path = path / MANIFEST
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(read_text(path))
     except FileNotFoundError:
         raise FileNotFoundError(
             f"no manifest at {path}: the dataset was never prepared, or preparing it did not finish"

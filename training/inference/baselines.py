@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 
+from training.core.location import open_parquet
 from training.core.manifest import Manifest, read_manifest
 from training.inference.evaluate import OutputScorer, _labels, class_outputs, value_outputs
 from training.inference.reference import DEFAULT_MAX_ROWS, reference_baseline, reference_skip_reason
@@ -96,14 +96,14 @@ def log_prior(counts: np.ndarray, rows: float) -> np.ndarray:
 # ---------------------------------------------------------------------------------------- the train split
 
 
-def label_batches(manifest: Manifest, dataset_dir: Path, split: str) -> Iterator[torch.Tensor]:
+def label_batches(manifest: Manifest, dataset_dir: str | Path, split: str) -> Iterator[torch.Tensor]:
     """The split's labels as training and evaluation read them (``_labels``), shard by shard, in order."""
-    for shard in manifest.split_files(dataset_dir, split):
-        for batch in pq.ParquetFile(shard).iter_batches(batch_size=LABEL_BATCH_ROWS, columns=[manifest.label]):
+    for shard in manifest.shard_locations(dataset_dir, split):
+        for batch in open_parquet(shard).iter_batches(batch_size=LABEL_BATCH_ROWS, columns=[manifest.label]):
             yield _labels(batch.column(0), manifest)
 
 
-def train_class_counts(manifest: Manifest, dataset_dir: Path) -> np.ndarray:
+def train_class_counts(manifest: Manifest, dataset_dir: str | Path) -> np.ndarray:
     """Rows per class of the train split: the manifest's (prepare counted them), else counted from its shards
     (older manifests; multilabel: rows holding each label)."""
     if manifest.task == "classification" and manifest.train_class_counts is not None:
@@ -117,7 +117,7 @@ def train_class_counts(manifest: Manifest, dataset_dir: Path) -> np.ndarray:
     return counts
 
 
-def train_mean(manifest: Manifest, dataset_dir: Path) -> float:
+def train_mean(manifest: Manifest, dataset_dir: str | Path) -> float:
     """The train split's mean target: the manifest's (prepare computed it), else from its shards."""
     if manifest.label_mean is not None:
         return float(manifest.label_mean)
@@ -128,7 +128,7 @@ def train_mean(manifest: Manifest, dataset_dir: Path) -> float:
 
 
 def trivial_outputs(
-    objective: Objective, manifest: Manifest, dataset_dir: Path, normaliser: Normaliser
+    objective: Objective, manifest: Manifest, dataset_dir: str | Path, normaliser: Normaliser
 ) -> torch.Tensor:
     """The constant model's one output row ``[1, n_outputs]``."""
     if manifest.task == "regression":
@@ -153,7 +153,6 @@ def trivial_baseline(
     objective: Objective, normaliser: Normaliser, manifest: Manifest, dataset_dir: str | Path, split: str = "test"
 ) -> dict[str, float]:
     """The constant model's metrics on every row of ``split`` (names as the candidate's: ``test_accuracy``)."""
-    dataset_dir = Path(dataset_dir)
     constant = trivial_outputs(objective, manifest, dataset_dir, normaliser)
     scorer = OutputScorer(objective, manifest, normaliser)
     for labels in label_batches(manifest, dataset_dir, split):
@@ -172,7 +171,6 @@ def evaluate_baselines(
     """Both baselines for the candidate ``model_path`` on ``split``; a baseline that does not apply is left out
     with the reason in ``notes`` (and in the log)."""
     log = logger or _logger
-    dataset_dir = Path(dataset_dir)
     manifest = read_manifest(dataset_dir)
     objective, normaliser = checkpoint_reading(model_path)
     baselines = Baselines()

@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 
+from training.core.location import open_parquet
 from training.core.manifest import CLASS_TASKS, Manifest, read_manifest
 from training.inference.model_file import (
     EVAL_BATCH_BYTES,
@@ -98,15 +98,15 @@ def check_compatible(
     return torch.tensor([position[str(label)] for label in meta["label_mapping"]])
 
 
-def _iter_batches(manifest: Manifest, dataset_dir: Path, split: str, meta: dict[str, Any], batch_size: int):
+def _iter_batches(manifest: Manifest, dataset_dir: str | Path, split: str, meta: dict[str, Any], batch_size: int):
     """(the model's batch dict, labels) per record batch, over every shard in order: the raw shard columns
     through the model's own codecs and normalisation (``encode_columns``, what serving calls too)."""
     inputs, codecs = checkpoint_inputs(meta), checkpoint_codecs(meta)
     normaliser = Normaliser.from_checkpoint(meta)  # the model's own statistics, also when re-scoring a champion
     columns = [*inputs, manifest.label]
     batch_size = min(batch_size, max(1, EVAL_BATCH_BYTES // _row_bytes(inputs)))  # images decode to large rows
-    for shard in manifest.split_files(dataset_dir, split):
-        parquet = pq.ParquetFile(shard)
+    for shard in manifest.shard_locations(dataset_dir, split):
+        parquet = open_parquet(shard)
         for batch in parquet.iter_batches(batch_size=batch_size, columns=columns):
             encoded = encode_columns({name: batch.column(name) for name in inputs}, inputs, codecs, normaliser)
             yield encoded, _labels(batch.column(manifest.label), manifest), batch
@@ -292,7 +292,6 @@ def evaluate_split(
     a huge split stays bounded in memory.
     """
     started = time.perf_counter()
-    dataset_dir = Path(dataset_dir)
     manifest = read_manifest(dataset_dir)
     if split not in manifest.splits:
         raise ValueError(f"{dataset_dir}: no split {split!r} (has {sorted(manifest.splits)})")

@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 
+from training.core.location import open_parquet
 from training.core.manifest import Manifest
 from training.inference.evaluate import OutputScorer, _labels, class_outputs, value_outputs
 from training.kinds.base import CATEGORY, NUMBERS
@@ -74,7 +74,7 @@ class _Columns:
     """Shard columns -> the reference's float64 matrix: numeric as stored (null: NaN), categorical and hashed
     as ranked categories, a NUMBERS input (datetime) as its several numbers (module docstring)."""
 
-    def __init__(self, manifest: Manifest, dataset_dir: Path):
+    def __init__(self, manifest: Manifest, dataset_dir: str | Path):
         self.inputs: dict[str, InputInfo] = inputs_from_manifest(manifest)
         self.codecs: dict[str, Codec] = codecs_for(self.inputs, read_encoders(dataset_dir, manifest))
         widths = [codec.reference_width() if codec.reference_column == NUMBERS else 1 for codec in self.codecs.values()]
@@ -117,15 +117,15 @@ class _Columns:
         return codes
 
 
-def _train_rows(manifest: Manifest, dataset_dir: Path, columns: _Columns, max_rows: int):
+def _train_rows(manifest: Manifest, dataset_dir: str | Path, columns: _Columns, max_rows: int):
     """(codes, labels) of the train split, or of a uniform sample of ``max_rows`` of its rows (fixed seed)."""
     total = manifest.rows("train")
     chosen = None
     if total > max_rows:
         chosen = np.sort(np.random.default_rng(SEED).choice(total, size=max_rows, replace=False))
     names, blocks, labels, offset = [*columns.inputs, manifest.label], [], [], 0
-    for shard in manifest.split_files(dataset_dir, "train"):
-        for batch in pq.ParquetFile(shard).iter_batches(batch_size=BATCH_ROWS, columns=names):
+    for shard in manifest.shard_locations(dataset_dir, "train"):
+        for batch in open_parquet(shard).iter_batches(batch_size=BATCH_ROWS, columns=names):
             if chosen is not None:
                 picked = chosen[(chosen >= offset) & (chosen < offset + batch.num_rows)] - offset
                 offset += batch.num_rows
@@ -144,7 +144,7 @@ def fit_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) // 2) if hasattr(os, "sched_getaffinity") else 1
 
 
-def fit_reference(manifest: Manifest, dataset_dir: Path, max_rows: int):
+def fit_reference(manifest: Manifest, dataset_dir: str | Path, max_rows: int):
     """The fitted HistGradientBoosting model, the column encoding and what the fit took."""
     from sklearn.ensemble import HistGradientBoostingClassifier, HistGradientBoostingRegressor
     from threadpoolctl import threadpool_limits
@@ -195,17 +195,17 @@ def reference_baseline(
     from threadpoolctl import threadpool_limits
 
     with threadpool_limits(limits=fit_threads()):  # predicting runs OpenMP threads too
-        return _fit_and_score(objective, normaliser, manifest, Path(dataset_dir), split, max_rows)
+        return _fit_and_score(objective, normaliser, manifest, dataset_dir, split, max_rows)
 
 
 def _fit_and_score(
-    objective: Objective, normaliser: Normaliser, manifest: Manifest, dataset_dir: Path, split: str, max_rows: int
+    objective: Objective, normaliser: Normaliser, manifest: Manifest, dataset_dir: str | Path, split: str, max_rows: int
 ) -> ReferenceScore:
     model, columns, fit = fit_reference(manifest, dataset_dir, max_rows)
     scorer = OutputScorer(objective, manifest, normaliser)
     names = [*columns.inputs, manifest.label]
-    for shard in manifest.split_files(dataset_dir, split):
-        for batch in pq.ParquetFile(shard).iter_batches(batch_size=BATCH_ROWS, columns=names):
+    for shard in manifest.shard_locations(dataset_dir, split):
+        for batch in open_parquet(shard).iter_batches(batch_size=BATCH_ROWS, columns=names):
             matrix = columns.matrix(columns.codes(batch))
             if manifest.task == "classification":
                 outputs = class_outputs(objective, _log_probabilities(model, matrix, manifest.n_outputs, fit["rows"]))

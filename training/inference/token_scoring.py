@@ -28,10 +28,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 from torch import nn
 
+from training.core.location import open_parquet
 from training.core.manifest import Manifest
 from training.inference.model_file import (
     EVAL_BATCH_BYTES,
@@ -89,7 +89,7 @@ def evaluate_tokens(
     meta: dict[str, Any],
     objective: NextToken,
     manifest: Manifest,
-    dataset_dir: Path,
+    dataset_dir: str | Path,
     split: str,
     batch_size: int,
     *,
@@ -107,8 +107,8 @@ def evaluate_tokens(
     samples = scored_rows = 0
     kept_losses, kept_tokens = [], []
     with torch.inference_mode():
-        for shard in manifest.split_files(dataset_dir, split):
-            for batch in pq.ParquetFile(shard).iter_batches(batch_size=rows_at_once, columns=[info.name]):
+        for shard in manifest.shard_locations(dataset_dir, split):
+            for batch in open_parquet(shard).iter_batches(batch_size=rows_at_once, columns=[info.name]):
                 scores = score_batch(model, objective, encode_texts(codec, batch.column(info.name)))
                 tokens += float(scores.tokens.sum())
                 loss += float(scores.loss_sum.sum())

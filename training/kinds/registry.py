@@ -41,6 +41,7 @@ import numpy as np
 import pyarrow as pa
 
 from training.core.config import ConfigError, DataConfig, InputSpec
+from training.core.location import join, read_text
 from training.kinds.base import Codec
 from training.kinds.image import ImageCodec
 from training.kinds.inputs import KINDS, InputInfo, block_names, numeric_names
@@ -178,9 +179,9 @@ def read_encoders(dataset_dir: str | Path, manifest) -> dict[str, Any]:
     expected = (manifest.encoders or {}).get("sha256")
     if expected is None:
         return {}
-    path = Path(dataset_dir) / ENCODERS_FILE
+    path = join(dataset_dir, ENCODERS_FILE)  # a local directory or a URL (training/core/location.py)
     try:
-        text = path.read_text()
+        text = read_text(path)
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: the encoders the manifest lists are missing") from None
     if encoders_sha256(text) != expected:

@@ -35,6 +35,7 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
+from training.core.location import filesystem, is_url
 from training.core.manifest import Manifest
 from training.kinds.base import Codec
 from training.kinds.inputs import block_names, in_numeric_block, inputs_from_manifest
@@ -126,6 +127,11 @@ class SplitArrays:
         names = self.numeric or tuple(f"x{j}" for j in range(features.shape[1]))
         return {**{name: features[:, j] for j, name in enumerate(names)}, **others}
 
+    def pieces(self, start: int, stop: int) -> Iterator[tuple[SplitArrays, int, int]]:
+        """Rows ``[start, stop)`` as (split, first, end) pieces: this split whole (a streamed split yields one per
+        shard: training/loading/stream.py)."""
+        yield self, start, stop
+
     def rows(self, start: int, stop: int) -> dict[str, torch.Tensor]:
         """Rows ``[start, stop)`` as the model's batch dict (views; ragged inputs collated for evaluation)."""
         others = {name: t[start:stop] for name, t in self.inputs.items() if not isinstance(t, RaggedArray)}
@@ -209,17 +215,25 @@ def manifest_codecs(dataset_dir: str | Path, manifest: Manifest) -> dict[str, Co
     return codecs_for(inputs_from_manifest(manifest), read_encoders(dataset_dir, manifest))
 
 
-def load_split(dataset_dir: str | Path, manifest: Manifest, split: str, read_rows: int = 16_384) -> SplitArrays:
+def load_split(
+    dataset_dir: str | Path,
+    manifest: Manifest,
+    split: str,
+    read_rows: int = 16_384,
+    codecs: dict[str, Codec] | None = None,
+) -> SplitArrays:
     """The split in tensors allocated here, filled record batch by record batch (``fill_split``); the codecs
-    are attached (``SplitArrays.with_codecs``)."""
+    (``codecs``, or the dataset's) are attached (``SplitArrays.with_codecs``)."""
+    codecs = codecs if codecs is not None else manifest_codecs(dataset_dir, manifest)
     sections = empty_split(manifest, manifest.rows(split))
     values: dict[str, list[np.ndarray]] = {s.name: [] for s in split_layout(manifest) if s.extent == "values"}
-    fill_split(dataset_dir, manifest, split, sections, read_rows, {name: got.append for name, got in values.items()})
+    sinks = {name: got.append for name, got in values.items()}
+    fill_split(dataset_dir, manifest, split, sections, read_rows, sinks, codecs)
     for section in split_layout(manifest):
         if section.extent == "values":
             dtype = np.dtype(str(section.dtype).removeprefix("torch."))
             sections[section.name] = torch.from_numpy(np.concatenate(values[section.name] or [np.empty(0, dtype)]))
-    return split_from_sections(manifest, sections).with_codecs(manifest_codecs(dataset_dir, manifest))
+    return split_from_sections(manifest, sections).with_codecs(codecs)
 
 
 def fill_split(
@@ -229,6 +243,7 @@ def fill_split(
     sections: dict[str, torch.Tensor],
     read_rows: int = 16_384,
     ragged_values: dict[str, Callable[[np.ndarray], object]] | None = None,
+    codecs: dict[str, Codec] | None = None,
 ) -> None:
     """Fill preallocated ``sections`` (tensors, or views of a mapped file) with the split, encoded and
     normalised, one record batch at a time: memory beyond the sections is one record batch.
@@ -237,7 +252,7 @@ def fill_split(
     go to ``ragged_values[<values section>]`` batch by batch, in row order (a list's append, a file's write)."""
     rows = manifest.rows(split)
     normaliser = Normaliser.from_manifest(manifest)
-    codecs = manifest_codecs(dataset_dir, manifest)
+    codecs = codecs if codecs is not None else manifest_codecs(dataset_dir, manifest)
     others = [name for name, codec in codecs.items() if not in_numeric_block(codec.kind) and not codec.ragged_dtype]
     ragged = {
         name: RaggedFill(name, codec.ragged_dtype, sections, ragged_values)
@@ -246,7 +261,7 @@ def fill_split(
     }
     columns = [*manifest.features, *others, *ragged, manifest.label, *([manifest.weight] if manifest.weight else [])]
     offset = 0
-    for shard, path in zip(manifest.splits[split].shards, manifest.split_files(dataset_dir, split)):
+    for shard, path in zip(manifest.splits[split].shards, manifest.shard_locations(dataset_dir, split)):
         start = offset
         for batch in _record_batches(path, columns, read_rows):
             stop = offset + batch.num_rows
@@ -338,14 +353,19 @@ class RaggedFill:
         self.sink(np.ascontiguousarray(values, dtype=self.dtype))
 
 
-def _record_batches(path: Path, columns: list[str], read_rows: int):
+def _record_batches(path: str, columns: list[str], read_rows: int):
     try:
-        # memory_map: the shard's column chunks are read from its pages, not copied into the heap, so the
-        # node-cache builder's anon peak is about one row group, not one shard (docs/benchmarks.md).
-        parquet = pq.ParquetFile(path, memory_map=True)
+        if is_url(path):  # where the dataset lives (training/core/location.py): read through fsspec
+            fs, remote = filesystem(path)
+            parquet = pq.ParquetFile(fs.open(remote, "rb"))
+        else:
+            # memory_map: the shard's column chunks are read from its pages, not copied into the heap, so the
+            # node-cache builder's anon peak is about one row group, not one shard (docs/benchmarks.md).
+            parquet = pq.ParquetFile(path, memory_map=True)
     except FileNotFoundError:
         raise ShardError(f"{path}: shard listed in the manifest does not exist") from None
-    missing = [name for name in columns if name not in parquet.schema_arrow.names]
+    present = set(parquet.schema_arrow.names)
+    missing = [name for name in columns if name not in present]
     if missing:
         raise ShardError(f"{path}: lacks columns {missing}")
     return parquet.iter_batches(batch_size=read_rows, columns=columns)
@@ -481,6 +501,32 @@ class Batch:
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # the model's batch dict, on the device
 
 
+def device_batch(
+    split: SplitArrays,
+    indices: torch.Tensor,
+    sections: dict[str, torch.Tensor],
+    collated: dict[str, torch.Tensor],
+    real: torch.Tensor | None,
+    weights: torch.Tensor | None,
+    device: torch.device,
+) -> Batch:
+    """A micro-batch on the device from its gathered row ``sections`` and collated ragged entries: ``indices``
+    its rows' ids, ``real`` the mask of its unpadded rows (None: all real), ``weights`` already on the device."""
+    ragged = set(split.ragged_names())
+    on_device = {name: tensor.to(device, non_blocking=True) for name, tensor in sections.items()}
+    features = on_device[FEATURES]
+    others = {name: on_device[INPUT_PREFIX + name] for name in split.inputs if name not in ragged}
+    others |= {name: tensor.to(device, non_blocking=True) for name, tensor in collated.items()}
+    return Batch(
+        indices=indices if real is None else indices[real],
+        features=features,
+        labels=on_device[LABELS],
+        weights=weights,
+        samples=len(indices) if real is None else int(real.sum()),
+        inputs=split.batch_inputs(features, others),
+    )
+
+
 def combined_row_weights(data_weights: torch.Tensor | None, class_weights: torch.Tensor | None) -> torch.Tensor | None:
     """w_i = data.weight_i x class weight_i, on the CPU ([rows] float32); None when every row weighs 1.
 
@@ -569,21 +615,9 @@ class TrainBatches:
             # uninterrupted pass drew it before step 0, and a step checkpoint's RNG state is after that draw:
             # a resumed pass must not draw it again, or the model's random draws (dropout) would shift by one.
             torch.set_rng_state(rng_state)
-        ragged = set(split.ragged_names())
         for step, (indices, sections, collated) in enumerate(batches, start):
             real = self._real_rows(step, len(indices))
-            on_device = {name: tensor.to(self.device, non_blocking=True) for name, tensor in sections.items()}
-            features = on_device[FEATURES]
-            others = {name: on_device[INPUT_PREFIX + name] for name in split.inputs if name not in ragged}
-            others |= {name: tensor.to(self.device, non_blocking=True) for name, tensor in collated.items()}
-            yield Batch(
-                indices=indices if real is None else indices[real],
-                features=features,
-                labels=on_device[LABELS],
-                weights=self._weights(indices, real),
-                samples=len(indices) if real is None else int(real.sum()),
-                inputs=split.batch_inputs(features, others),
-            )
+            yield device_batch(split, indices, sections, collated, real, self._weights(indices, real), self.device)
 
     def _weights(self, indices: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor | None:
         """The batch's row weights times its padding mask (None: every row weighs 1)."""

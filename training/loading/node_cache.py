@@ -73,6 +73,7 @@ import numpy as np
 import torch
 
 from training.core.fileio import atomic_write
+from training.core.location import is_url, local_path
 from training.core.manifest import Manifest
 from training.kinds.inputs import inputs_from_manifest
 from training.kinds.normalisation import NORMALISATION_VERSION
@@ -126,8 +127,14 @@ class CachedSplit:
 
 
 def cache_directory(dataset_dir: str | Path, manifest: Manifest, cache_dir: str | None) -> Path:
-    """``<data.cache_dir>/<fingerprint>`` when set, else ``<dataset dir>/cache`` beside the shards."""
-    return Path(cache_dir) / manifest.fingerprint if cache_dir else Path(dataset_dir) / "cache"
+    """``<data.cache_dir>/<fingerprint>`` when set, else ``<dataset dir>/cache`` beside the shards; a dataset at
+    a URL (s3://...) without ``data.cache_dir``: ``<the temp dir>/ddpflow-cache/<fingerprint>``, node-local. The
+    stream's cache is its ``stream/`` folder (training/loading/stream.py)."""
+    if cache_dir:
+        return Path(cache_dir).expanduser() / manifest.fingerprint
+    if is_url(dataset_dir):
+        return Path(tempfile.gettempdir()) / "ddpflow-cache" / manifest.fingerprint
+    return local_path(dataset_dir) / "cache"
 
 
 def manifest_key(manifest: Manifest) -> str:
@@ -139,6 +146,19 @@ def manifest_key(manifest: Manifest) -> str:
 def cache_path(dataset_dir: str | Path, manifest: Manifest, split: str, cache_dir: str | None) -> Path:
     versions = f"f{FORMAT_VERSION}n{NORMALISATION_VERSION}"
     return cache_directory(dataset_dir, manifest, cache_dir) / f"{split}-{versions}-{manifest_key(manifest)}.bin"
+
+
+def bytes_to_build(dataset_dir: str | Path, manifest: Manifest, splits: Sequence[str], cache_dir: str | None) -> int:
+    """What building the splits' files that are not there yet would write (a ragged input's values counted as
+    its shards' bytes: their encoded size is known only once encoded)."""
+    total = 0
+    for split in splits:
+        if cache_path(dataset_dir, manifest, split, cache_dir).exists():
+            continue
+        expected = _expected_header(manifest, split)
+        ragged = sum(shard.bytes for shard in manifest.splits[split].shards) if expected["file_bytes"] is None else 0
+        total += (expected["file_bytes"] or expected["fixed_bytes"]) + ragged
+    return total
 
 
 def open_split(dataset_dir: str | Path, manifest: Manifest, split: str, cache_dir: str | None = None) -> CachedSplit:

@@ -76,7 +76,8 @@ class TrainHooks:
         """The dataset rows of the batch about to be trained (sampler padding excluded)."""
 
     def epoch_rows(self, epoch: int, rows: torch.Tensor) -> torch.Tensor:
-        """The sampler's order of this rank's rows in ``epoch`` (padded positions included), as it is trained."""
+        """The sampler's order of this rank's rows in ``epoch`` (padded positions included), as it is trained. The
+        stream (``data.stream``) never holds an epoch's order: it passes each batch's positions in the order."""
         return rows
 
     def end_epoch(self, epoch: int) -> None:

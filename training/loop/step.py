@@ -200,6 +200,15 @@ def evaluate(
     return ValidationPass(tally.sums().to(settings.device), tally.scored_rows())
 
 
+def evaluate_pieces(model: nn.Module, pieces, batch_size: int, settings: StepSettings) -> ValidationPass:
+    """``evaluate`` over (split, start, stop) pieces of one rank's slice (``SplitArrays.pieces``: the split whole;
+    a streamed split: shard by shard), their sums added and their scored rows joined in order."""
+    passes = [evaluate(model, split, start, stop, batch_size, settings) for split, start, stop in pieces]
+    sums = torch.stack([one.sums for one in passes]).sum(dim=0)
+    scored = [one.scored for one in passes if one.scored is not None]
+    return ValidationPass(sums, tuple(np.concatenate(parts) for parts in zip(*scored)) if scored else None)
+
+
 def validation_weights(
     split: SplitTensors, first: int, last: int, labels: torch.Tensor, objective: Objective
 ) -> torch.Tensor | None:

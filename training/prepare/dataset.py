@@ -12,8 +12,10 @@ Two streaming passes over the source, never holding it whole:
    per-feature histogram), shard writing.
 
 The result is built in a temp dir and published by an atomic rename, with
-``manifest.json`` written last inside it (see ``publish.py``). When the
-fingerprint's directory already has a manifest, it is reused (``cache_hit``).
+``manifest.json`` written last inside it (see ``publish.py``); to a ``data.root``
+that is an fsspec URL (s3://...), it is built in a local temp dir and uploaded,
+``manifest.json`` last. When the fingerprint's directory already has a manifest,
+it is reused (``cache_hit``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import platform
 import shutil
+import tempfile
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -33,7 +36,8 @@ import pyarrow.compute as pc
 from training.core.config import DataConfig
 from training.core.errors import DataError
 from training.core.fileio import atomic_write_text
-from training.core.layout import SPLITS
+from training.core.layout import MANIFEST, SPLITS
+from training.core.location import exists, is_url, join
 from training.core.manifest import CLASS_TASKS, Manifest, SplitInfo, read_manifest, write_manifest
 from training.kinds.arrow_types import value_type
 from training.kinds.base import Codec, plain
@@ -53,7 +57,15 @@ from training.prepare.columns import (
 )
 from training.prepare.fingerprint import dataset_fingerprint
 from training.prepare.image_folder import with_image_folder_defaults
-from training.prepare.publish import discard, is_complete, make_temp_dir, publish, remove_stale_temp_dirs
+from training.prepare.publish import (
+    discard,
+    is_complete,
+    make_temp_dir,
+    object_sizes,
+    publish,
+    remove_stale_temp_dirs,
+    upload,
+)
 from training.prepare.shards import SplitWriter
 from training.prepare.sources import Source, open_source, source_identity
 from training.prepare.time_split import TimeSplit, plan_time_split, splits_by_time
@@ -66,7 +78,7 @@ MAX_CLASSES = 100_000
 
 @dataclass(frozen=True)
 class PreparedDataset:
-    dataset_dir: Path
+    dataset_dir: Path | str  # a local directory, or a URL when data.root is one (s3://bucket/shards/<fingerprint>)
     manifest: Manifest
     cache_hit: bool
 
@@ -95,12 +107,11 @@ class PreparedDataset:
 
 
 def prepare_dataset(data: DataConfig) -> PreparedDataset:
+    if is_url(data.root):
+        return _prepare_to_url(data)
     root = _output_root(data)
     # The output root may sit inside a source directory (data/ and data/shards): never read it back.
-    source = open_source(data.source, data.format, exclude=root)
-    data = with_image_folder_defaults(data, source.identity())
-    data, task_line = _with_inferred_task(source, data)
-    fingerprint = dataset_fingerprint(source.identity(), data)
+    source, data, task_line, fingerprint = _plan(data, exclude=root)
     target = root / fingerprint
     if is_complete(target):
         manifest = _intact_manifest(target)
@@ -122,13 +133,59 @@ def prepare_dataset(data: DataConfig) -> PreparedDataset:
     return PreparedDataset(target, manifest if published else read_manifest(target), cache_hit=False)
 
 
+def _plan(data: DataConfig, exclude: Path | None) -> tuple[Source, DataConfig, str | None, str]:
+    """(the source, the data config with its defaults and task decided, the prepare log's task line, the
+    fingerprint)."""
+    source = open_source(data.source, data.format, exclude=exclude)
+    data = with_image_folder_defaults(data, source.identity())
+    data, task_line = _with_inferred_task(source, data)
+    return source, data, task_line, dataset_fingerprint(source.identity(), data)
+
+
+def _prepare_to_url(data: DataConfig) -> PreparedDataset:
+    """``data.root`` an fsspec URL (s3://bucket/shards): built in a local temp dir (under ``data.cache_dir`` when
+    set: room for the dataset once), then uploaded with manifest.json last (``publish.py: upload``)."""
+    source, data, task_line, fingerprint = _plan(data, exclude=None)
+    target = join(data.root, fingerprint)
+    manifest = _intact_uploaded(target)
+    if manifest is not None:
+        return PreparedDataset(target, manifest, cache_hit=True)
+    if data.cache_dir:
+        Path(data.cache_dir).expanduser().mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f"ddpflow-prepare-{fingerprint}-", dir=data.cache_dir))
+    try:
+        manifest = _build(source, data, fingerprint, staging, task_line)
+        _check_unchanged(source)
+        write_manifest(staging, manifest)
+        try:
+            upload(staging, target)
+        except OSError as error:  # no such bucket, no permission: the user's root
+            raise DataError(f"data.root {data.root!r}: cannot write the prepared dataset there: {error}") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return PreparedDataset(target, manifest, cache_hit=False)
+
+
+def _intact_uploaded(target: str) -> Manifest | None:
+    """The manifest at ``target`` (a URL) when it is there and every shard it lists has its size; else None."""
+    if not exists(join(target, MANIFEST)):
+        return None
+    try:
+        manifest = read_manifest(target)
+    except (ValueError, KeyError, TypeError):
+        return None
+    sizes = object_sizes(target)
+    complete = all(sizes.get(shard.file) == shard.bytes for split in manifest.splits.values() for shard in split.shards)
+    return manifest if complete else None
+
+
 def source_fingerprint(data: DataConfig) -> tuple[dict[str, Any], str]:
     """(the source's identity, the fingerprint ``prepare_dataset(data)`` would give it now), from a listing alone.
 
     No file is opened: cheap enough to poll (flows/watch_data.py). Equal to the prepared
     dataset's fingerprint while the source's files keep their names, sizes and versions.
     """
-    identity = source_identity(data.source, data.format, exclude=_output_root(data))
+    identity = source_identity(data.source, data.format, exclude=None if is_url(data.root) else _output_root(data))
     return identity, dataset_fingerprint(identity, with_image_folder_defaults(data, identity))
 
 

@@ -5,8 +5,9 @@
 The source identity is its files' paths, sizes and modification times (or
 fsspec ETags), or the synthetic spec; so editing, adding or removing a file
 gives a new fingerprint. ``data.root`` (where the output goes),
-``data.read_batch_rows`` (how fast it is read) and ``data.cache_dir`` (where
-ranks keep their node cache) do not change the output and are left out, so the
+``data.read_batch_rows`` (how fast it is read), ``data.cache_dir`` (where
+ranks keep their node cache) and ``data.stream``, ``stream_cache_limit`` and
+``shuffle_window`` (how ranks read the shards) do not change the output and are left out, so the
 same data prepared under another root or batch size hashes alike.
 """
 
@@ -30,7 +31,10 @@ from training.kinds.registry import input_options, kind_record
 # (data.split by time and the datetime kind add fields only to the datasets that use them: no bump.)
 PREPARE_VERSION = 6
 # DataConfig fields that do not change the prepared output.
-_NOT_OUTPUT_FIELDS = frozenset({"root", "read_batch_rows", "source", "cache_dir"})
+# How ranks read the shards (data.stream, its cache and window) is not the dataset either.
+_NOT_OUTPUT_FIELDS = frozenset(
+    {"root", "read_batch_rows", "source", "cache_dir", "stream", "stream_cache_limit", "shuffle_window"}
+)
 
 
 def tokenizer_files(data: DataConfig) -> dict[str, str]:

@@ -6,6 +6,10 @@ temp directory nobody reads; two processes preparing the same fingerprint both
 build, one rename wins, and the loser discards its copy and uses the winner's.
 A ``<fingerprint>`` directory without a manifest (not made by this code, or
 left by hand) is never taken as complete: it is moved aside and replaced.
+
+To an object store (``data.root`` an fsspec URL), which has no rename of a folder, ``upload`` copies every file
+and ``manifest.json`` last: a prefix without a manifest is never taken as complete, and the next prepare uploads
+over it (the same fingerprint, the same bytes).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import time
 from pathlib import Path
 
 from training.core.layout import MANIFEST
+from training.core.location import filesystem
 
 TEMP_PREFIX = ".tmp-"
 _OWNER_FILE = ".owner"
@@ -96,3 +101,19 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def upload(built: Path, target: str) -> None:
+    """Copy the dataset built in ``built`` to ``target`` (a URL): every file, then ``manifest.json``."""
+    fs, prefix = filesystem(target)
+    files = [path for path in sorted(built.rglob("*")) if path.is_file() and not path.name.startswith(".")]
+    for path in [*(p for p in files if p.name != MANIFEST), built / MANIFEST]:
+        fs.put_file(str(path), f"{prefix}/{path.relative_to(built).as_posix()}")
+
+
+def object_sizes(target: str) -> dict[str, int]:
+    """Each object under ``target`` (a URL): its path relative to it -> its size."""
+    fs, prefix = filesystem(target)
+    fs.invalidate_cache(prefix)
+    found = fs.find(prefix, detail=True)
+    return {name[len(prefix) :].lstrip("/"): int(info["size"]) for name, info in found.items()}
