@@ -22,6 +22,7 @@ from training.core.manifest import read_manifest
 from training.core.topology import RankLayout
 from training.kinds.inputs import InputInfo, numeric_input
 from training.models.tabular import (
+    ACTIVATIONS,
     MLP,
     MLP_DEFAULTS,
     SMALL_TABLE_ENSEMBLE,
@@ -84,7 +85,8 @@ def test_the_users_model_kwargs_win_over_the_mlp_defaults(tiny):
     # What is recorded rebuilds MLP_DEFAULTS' architecture; nothing is recorded where the class gives it already.
     built = MLP({"a": numeric_input("a")}, 2, **resolve_for_data(config(), tiny, 2).train.model_kwargs)
     layers = list(built.net)
-    default_hidden = [a.out_features for a, b in zip(layers, layers[1:]) if isinstance(b, torch.nn.ReLU)]
+    activation = ACTIVATIONS[MLP_DEFAULTS["activation"]]
+    default_hidden = [a.out_features for a, b in zip(layers, layers[1:]) if isinstance(b, activation)]
     assert default_hidden == MLP_DEFAULTS["hidden"]
     assert built.output_members == run_defaults(137)["ensemble"] == SMALL_TABLE_ENSEMBLE
     custom = config(model="tests.stand_in_models:whatever", model_kwargs={"width": 4})
@@ -161,3 +163,20 @@ def test_a_runs_mlp_scales_each_embedding_to_unit_variance_and_an_earlier_model_
     earlier.load_state_dict(moved)
     with torch.no_grad():
         torch.testing.assert_close(earlier(batch), scaled(batch))  # ...is the unscaled model: the same outputs
+
+
+def test_a_runs_mlp_is_smooth_and_an_earlier_model_keeps_relu(tiny):
+    """A run's mlp uses SiLU: no kink that float rounding can put a unit on one side of for one world size and on
+    the other for another (docs/training.md); a model.pt recorded without the kwarg rebuilds with ReLU, as trained."""
+    assert resolve_for_data(config(), tiny, 2).train.model_kwargs["activation"] == "silu"
+    inputs = {name: numeric_input(name) for name in ("a", "b")}
+    torch.manual_seed(0)
+    smooth = MLP(inputs, 2, hidden=[8, 8], activation="silu")
+    torch.manual_seed(0)
+    earlier = MLP(inputs, 2, hidden=[8, 8])  # a model.pt of before: no such kwarg
+    assert [type(layer) for layer in earlier.net] == [torch.nn.Linear, torch.nn.ReLU] * 2 + [torch.nn.Linear]
+    assert [type(layer) for layer in smooth.net] == [torch.nn.Linear, torch.nn.SiLU] * 2 + [torch.nn.Linear]
+    assert list(smooth.state_dict()) == list(earlier.state_dict())  # the same parameters, drawn alike
+    assert all(torch.equal(a, b) for a, b in zip(smooth.state_dict().values(), earlier.state_dict().values()))
+    with pytest.raises(ValueError, match="activation must be one of .*'relu'.*not 'tanh'"):
+        MLP(inputs, 2, activation="tanh")
