@@ -13,8 +13,9 @@ export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 90
 
 venv: $(STAMP)
 
-# torch==2.13.0 first: a CPU build from the local wheel. Installing the project
-# first would let pip resolve `torch>=2.4` to a multi-GB CUDA build.
+# `pip install torch==2.13.0` first: the version the suite passed with, the build pip's index offers for this
+# platform (from PyPI on Linux x86_64: the CUDA build, several GB; an index or a local wheel that serves the CPU
+# build gives that). Installing the project first would let pip resolve `torch>=2.4` to the newest release.
 # constraints.txt: the exact versions the suite passed with (pyproject.toml stays loose for users).
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,8 +36,8 @@ lint: venv
 test: lint
 	$(PY) -m pytest -n auto --dist loadfile
 
-# No ranks, no servers, no Slurm (tests/suite_marks.py fails a test that starts one unmarked): under 3 minutes.
-# In pytest-xdist workers, one per core: 2:02 to 3:12 against 3:24 in one process on 2 cores (2026-12-01).
+# No ranks, no servers, no Slurm (tests/suite_marks.py fails a test that starts one unmarked): about 3 minutes
+# on 2 cores, in pytest-xdist workers, one per core (docs/testing.md).
 test-fast: venv
 	$(PY) -m pytest -m "not torchrun and not server and not slurm" -n auto
 
@@ -45,6 +46,10 @@ bench: venv
 
 bench-quick: venv
 	$(PY) -m bench --quick
+
+# One repeat of a family under py-spy, every process it starts: bench/profiles/FAMILY.txt and FAMILY.md.
+profile-%: venv
+	$(PY) -m bench --profile $*
 
 stack-up: venv
 	$(VENV)/bin/ddpflow stack up

@@ -3,7 +3,9 @@
     python -m bench                  # full run (~10 min on 2 cores): bench/results.json + docs/benchmarks.md
     python -m bench --quick          # smoke run on tiny sizes: bench/results-quick.json, docs untouched
     python -m bench --only datapath,ddp --repeats 5
+    python -m bench --only real_tables  # public tables beside boosting (the bench extra); only when named
     python -m bench --quick --gpu    # smoke run plus the CUDA figures (bf16, nccl) on a GPU machine
+    python -m bench --profile scoring --rows 200000   # one repeat under py-spy: bench/profiles/scoring.{txt,md}
 
 A benchmark that breaks is recorded as an error and the others still run; the
 exit status is 0 unless the arguments are wrong.
@@ -33,14 +35,21 @@ FAMILIES = {
     "checkpoint": "Step checkpoints",
     "evaluate": "Evaluate",
     "launch": "Launch and orchestration",
+    "scripts": "Your own script",  # a training script under ddpflow run against a bare torchrun
     "slurm": "Launch through Slurm",  # skipped (recorded as such) without Slurm
     "scale": "Scale",
     "images": "Images",
     "text": "Text",
     "tables": "Tables beside boosting",  # ddpflow's default model against HistGradientBoosting
+    "real_tables": "Real tables beside boosting",  # public tables shipped in packages (the bench extra); --only
     "scoring": "Batch scoring",  # ddpflow score on 2 ranks against the pyfunc in one process
     "gpu": "GPU",  # skipped (recorded as such) without CUDA
 }
+
+
+# Run only when named (--only): real_tables fits 15 tables at 3 seeds and RealMLP beside them (over an hour on 2
+# shared cores).
+ONLY_WHEN_NAMED = ("real_tables",)
 
 
 def family_module(name: str) -> str:
@@ -75,10 +84,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-docs", action="store_true", help="leave the docs alone")
     parser.add_argument("--workdir", help="where to put generated data (default: a temp dir, removed afterwards)")
     parser.add_argument("--keep", action="store_true", help="keep the working directory")
+    parser.add_argument(
+        "--profile",
+        metavar="FAMILY",
+        help="run one repeat of FAMILY under py-spy (every process it starts) into --profile-dir: FAMILY.txt "
+        "(collapsed stacks) and FAMILY.md (where the CPU went, per process); results and docs untouched",
+    )
+    parser.add_argument("--profile-dir", type=Path, default=REPO_ROOT / "bench" / "profiles")
     args = parser.parse_args(argv)
-    # The GPU family runs by default where CUDA is, and wherever --gpu asks for it.
+    if args.profile and args.profile not in FAMILIES:
+        parser.error(f"--profile: unknown family {args.profile!r}; known: {', '.join(FAMILIES)}")
+    # The GPU family runs by default where CUDA is, and wherever --gpu asks for it; ONLY_WHEN_NAMED when named.
     args.families = [name.strip() for name in args.only.split(",") if name.strip()] or [
-        name for name in FAMILIES if name != "gpu" or _has_cuda()
+        name for name in FAMILIES if (name != "gpu" or _has_cuda()) and name not in ONLY_WHEN_NAMED
     ]
     if args.gpu and "gpu" not in args.families:
         args.families.append("gpu")
@@ -100,6 +118,12 @@ def _has_cuda() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.profile:
+        from bench.harness.profile import profile_family
+
+        forwarded = [*(["--quick"] if args.quick else []), *(["--rows", str(args.rows)] if args.rows else [])]
+        profile_family(args.profile, forwarded, args.profile_dir)
+        return 0
     # Ranks and in-process loops each use one thread; set before torch starts.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")

@@ -17,6 +17,10 @@ A record logged with ``extra={LOG_ONLY: True}`` goes to the log file (and the
 Prefect UI), never to the console: torchrun's own output after the launcher
 stopped it (its ``SignalException`` traceback on a Ctrl-C).
 
+Ctrl-C is a cancellation, not a crash: Prefect's engines report a KeyboardInterrupt as one ("Crash detected!
+Execution was aborted by an interrupt signal.", at ERROR), and the command then ends the runs Cancelled
+(flows/cli.py). Those reports (``INTERRUPT_CRASH``) stay in the log file and the Prefect UI, off the console.
+
 Plain ``logging``: no Prefect here (the CLI hands over Prefect's console handlers).
 """
 
@@ -30,12 +34,15 @@ from pathlib import Path
 
 LOG_ONLY = "ddpflow_log_only"  # a record attribute: keep this record off the console
 LOG_DIR = Path(".ddpflow") / "logs"  # under the project, beside the stack's logs (ddpflow/services/stack.py)
+# Prefect's message for a run a KeyboardInterrupt went through (prefect.states.exception_to_crashed_state).
+INTERRUPT_CRASH = "Execution was aborted by an interrupt signal."
 KEEP_LOGS = 30  # per command; older command logs are removed when a new one opens
 _FORMAT = "%(asctime)s | %(levelname)-7s | %(name)s - %(message)s"
 
 
 class ConsoleFilter(logging.Filter):
-    """Drops from the console: LOG_ONLY records, records carrying a user's error, and records repeating it."""
+    """Drops from the console: LOG_ONLY records, Prefect's crash reports of a Ctrl-C, records carrying a user's
+    error, and records repeating it."""
 
     def __init__(self, user_errors: tuple[type[BaseException], ...]):
         super().__init__()
@@ -43,7 +50,7 @@ class ConsoleFilter(logging.Filter):
         self.seen: list[str] = []  # the first line of each user error's message, once seen
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if getattr(record, LOG_ONLY, False):
+        if getattr(record, LOG_ONLY, False) or INTERRUPT_CRASH in record.getMessage():
             return False
         error = record.exc_info[1] if record.exc_info else None
         if error is not None:
@@ -95,9 +102,9 @@ class CommandLog:
             handler.addFilter(console_filter)
             self._filtered.append((handler, console_filter))
 
-    def record_error(self, error: BaseException) -> None:
+    def record_error(self, error: BaseException, what: str = "the command failed") -> None:
         """The command's own error, with its traceback, in the file only."""
-        logging.getLogger("ddpflow").error("the command failed", exc_info=error, extra={LOG_ONLY: True})
+        logging.getLogger("ddpflow").error(what, exc_info=error, extra={LOG_ONLY: True})
 
     def detach(self) -> None:
         logging.getLogger().removeHandler(self.handler)

@@ -9,10 +9,11 @@ becomes ``-``, leading dots and dashes are dropped, so ``../x`` or ``/etc`` cann
 ``find_resumable_run(run_root, fingerprint, config)``: the most recent run directory under run_root
   * that holds the same training: ``training_identity`` (training/checkpoint/files.py, the one
     resume rule, which the checkpointer applies to last.pt too) of its config.json and
-    dataset equals this config's and fingerprint's,
-  * whose training did not finish: ``checkpoints/last.pt`` or a step checkpoint exists, or a Slurm job it recorded may
+    dataset equals this config's and fingerprint's (a training script's: its file's sha256 among them),
+  * whose training did not finish: ``checkpoints/last.pt`` or a step checkpoint exists (a training script's:
+    anything it saved in ``checkpoints/``, ddpflow.checkpoint_dir()), or a Slurm job it recorded may
     still run (ddpflow/launch/slurm/launcher.py: ``has_unfinished_job``; the launch then reattaches to it),
-    and ``model.pt`` does not,
+    and neither ``model.pt`` nor a training script's ``script/done.json`` does,
   * and that no live launch holds (its ``.launch.lock`` flock is free).
 
 ``record_mlflow_run(run_dir, run_id)``: RUN_DIR/mlflow_run.json names the MLflow run that trains there
@@ -35,7 +36,7 @@ from training.checkpoint.files import training_identity
 from training.checkpoint.steps import step_checkpoints, step_position
 from training.core.config import PipelineConfig
 from training.core.fileio import atomic_write_json
-from training.core.layout import CONFIG, FINAL_MODEL, LAST_CHECKPOINT, METRICS, TRAIN_JOB
+from training.core.layout import CONFIG, FINAL_MODEL, LAST_CHECKPOINT, METRICS, SCRIPT_DONE, TRAIN_JOB
 from training.loop.metrics_sink import read_metrics_lines
 
 MLFLOW_RUN_FILE = "mlflow_run.json"  # {"run_id": ...}: the MLflow run training in this directory
@@ -72,14 +73,27 @@ def find_resumable_run(run_root: str | os.PathLike, fingerprint: str, config: Pi
         return None
     wanted = training_identity(config, fingerprint)
     for run_dir in sorted((p for p in root.iterdir() if p.is_dir()), key=lambda p: p.name, reverse=True):
-        checkpoints = (run_dir / LAST_CHECKPOINT).parent
-        started = (run_dir / LAST_CHECKPOINT).is_file() or bool(step_checkpoints(checkpoints))
-        started = started or has_unfinished_job(run_dir)
-        if not started or (run_dir / FINAL_MODEL).exists():
+        if not _started(run_dir, bool(config.train.script)) or _finished(run_dir):
             continue
         if run_identity(run_dir) == wanted and not is_locked(run_dir):
             return run_dir
     return None
+
+
+def _started(run_dir: Path, script: bool) -> bool:
+    """A checkpoint exists (a training script's: anything in checkpoints/, where it saves itself), or a Slurm job
+    that may still run."""
+    checkpoints = (run_dir / LAST_CHECKPOINT).parent
+    if script:
+        saved = checkpoints.is_dir() and any(checkpoints.iterdir())
+    else:
+        saved = (run_dir / LAST_CHECKPOINT).is_file() or bool(step_checkpoints(checkpoints))
+    return saved or has_unfinished_job(run_dir)
+
+
+def _finished(run_dir: Path) -> bool:
+    """model.pt was written, or a training script's launch ended well (RUN_DIR/script/done.json)."""
+    return (run_dir / FINAL_MODEL).exists() or (run_dir / SCRIPT_DONE).exists()
 
 
 def record_mlflow_run(run_dir: str | os.PathLike, run_id: str) -> str | None:
@@ -113,8 +127,9 @@ def run_identity(run_dir: Path) -> dict[str, Any] | None:
     saved = _read_json(run_dir / CONFIG)
     if job is None or saved is None:
         return None
-    # The dataset directory is <data.root>/<fingerprint> (training/core/layout.py).
-    return training_identity(saved, Path(str(job.get("dataset_dir", ""))).name)
+    # The dataset directory is <data.root>/<fingerprint> (training/core/layout.py); none: a script without data.
+    dataset_dir = job.get("dataset_dir")
+    return training_identity(saved, Path(str(dataset_dir)).name if dataset_dir else None)
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

@@ -37,40 +37,52 @@ def score_table(
     should_cancel: Callable[[], str | None] | None = None,
 ) -> dict[str, Any]:
     """Score ``config.score.source`` into ``config.score.output``; returns the manifest plus ``elapsed_s`` and
-    ``rows_per_s`` (the whole command, start-up included)."""
-    from ddpflow.tracking.runs import resolve_tracking_uri, store_modules
-    from ddpflow.tracking.scoring import is_model_file, log_scoring, scoring_model
-    from training.distributed.process import preload_in_background
+    ``rows_per_s`` (the whole command, start-up included).
+
+    Before the ranks start: the model, read once (a registered version through MLflow; a model.pt without
+    importing MLflow). The MLflow run is created on a thread as the ranks start (``ScoringRun``), and completed
+    once they end."""
+    from ddpflow.tracking.scoring import ScoringRun, is_model_file, scoring_model
 
     started = time.monotonic()
     spec = model_spec(config)
-    tracking_uri = resolve_tracking_uri(config)
+    tracking_uri = None if is_model_file(spec) else _tracking_uri(config)
     with tempfile.TemporaryDirectory(prefix="ddpflow-score-") as scratch:
-        model = scoring_model(spec, None if is_model_file(spec) else tracking_uri, scratch)
-        request = ScoreRequest(config, str(model.path), model.identity(), on_line=on_line, should_cancel=should_cancel)
-        preload_in_background(store_modules(tracking_uri))  # the MLflow run's store, imported while the ranks score
-        manifest = run_scoring(request)
+        model = scoring_model(spec, tracking_uri, scratch)
+        run = ScoringRun(config, model, tracking_uri)
+        request = ScoreRequest(config, str(model.path), model.identity(), on_line=on_line,
+                               should_cancel=should_cancel, loaded=model.file, on_ranks_start=run.start)  # fmt: skip
+        try:
+            manifest = run_scoring(request)
+        except BaseException:
+            run.fail()
+            raise
         seconds = time.monotonic() - started
         summary = {**manifest, "output": config.score.output, "elapsed_s": round(seconds, 3),
                    "rows_per_s": round(manifest["rows"] / seconds, 1) if seconds > 0 else None}  # fmt: skip
         if manifest.get("already_complete"):
             return summary  # recorded when it was scored
-        distribution, profile = table_statistics(config, str(model.path), manifest, model.uri.startswith("models:/"))
-    run_id, drift = log_scoring(config, tracking_uri, model, summary, distribution, profile)
+        distribution, profile = table_statistics(config, model.file.meta, manifest, model.registered)
+    run_id, drift = run.finish(summary, distribution, profile)
     return {**summary, "mlflow_run_id": run_id, "score_distribution": distribution, "data_drift": drift.summary()}
 
 
+def _tracking_uri(config: PipelineConfig) -> str:
+    from ddpflow.tracking.runs import resolve_tracking_uri
+
+    return resolve_tracking_uri(config)
+
+
 def table_statistics(
-    config: PipelineConfig, model_path: str, manifest: dict[str, Any], registered: bool = True
+    config: PipelineConfig, meta: dict[str, Any], manifest: dict[str, Any], registered: bool = True
 ) -> tuple[dict[str, float], dict[str, Any] | str]:
     """The scores' distribution (read back from the parts) and the scored table's drift profile (the parts'
     footers merged: ``training/inference/scored_drift.py``), or why there is none: drift compares it with the
-    training data of a registered version, which a model.pt does not name."""
-    from training.inference.model_file import checkpoint_inputs, load_model_checkpoint
+    training data of a registered version, which a model.pt does not name. ``meta``: the model's entries."""
+    from training.inference.model_file import checkpoint_inputs
     from training.inference.scored_drift import NoDriftStatistics, scored_profile
     from training.inference.scored_table import score_distribution
 
-    meta = load_model_checkpoint(model_path)[1]
     distribution = score_distribution(config.score.output, meta["task"])
     if not registered:
         return distribution, "drift needs a registered model (its training data): a model.pt has none"

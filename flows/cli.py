@@ -4,7 +4,7 @@
     ddpflow run      --config configs/demo.yaml [--set train.epochs=1] [--json] [--verbose]
     ddpflow register --run-id <mlflow run id> [--config ...] [--verbose]   (re-run the registration gate)
     ddpflow sweep    --config sweep.yaml [--set sweep.trials=40] [--json] [--verbose]   (tune; docs/sweeps.md)
-    ddpflow stack    up|down|status [--project .] [--prefect-port 4200] [--mlflow-port 5000] ...
+    ddpflow stack    up|down|status|env [--project .] [--prefect-port 4200] [--mlflow-port 5000] ...
     ddpflow serve    NAME[@alias|/version] [--port 5001] [--tracking-uri URI]   (MLflow's scoring server)
     ddpflow score    --config CFG [--model NAME@alias] [--source GLOB] [--output DIR]   (batch scoring on DDP ranks)
 
@@ -13,8 +13,9 @@ Each subcommand calls plain functions (``training.prepare.dataset``, the flows,
 one JSON object on stdout (everything else goes to stderr).
 
 Exit status: 0 done; 1 a flow or the stack failed (the last line says which and
-why); 2 a user error (``error: ...`` on the last line, said once, no traceback); 130 Ctrl-C
-(the line before says how to resume: the first Ctrl-C lets the ranks save where they are, a second stops at once);
+why); 2 a user error (``error: ...`` on the last line, said once, no traceback); 130 Ctrl-C, a cancellation:
+the flow run ends Cancelled and the last line says how to resume (the first Ctrl-C lets the ranks save where they
+are, a second stops at once);
 128 + N when signal N ended it (SIGTERM 143, SIGHUP 129, also sent when the
 parent process dies). Whatever ends it, `run` and `register` stop everything
 they started first (ddpflow/lifetime.py, ddpflow/services/prefect_server.py).
@@ -43,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpflow.console import CommandLog
+from ddpflow.launch.failure import ScriptFailed
 from ddpflow.lifetime import Terminated, ended_by_signals, shielded
 from ddpflow.services import stack
 from ddpflow.services.prefect_server import PrefectServer, PrefectServerError, prefect_server
@@ -52,12 +54,14 @@ from training.loop.selection import describe_selection
 
 # Errors that are the user's to fix: print the message, not a traceback.
 # ConnectionError: an unreachable tracking server names its URI.
+# ScriptFailed: a user's training script raised, in its own code (the last lines of its traceback are shown).
 USER_ERRORS: tuple[type[BaseException], ...] = (
     ConfigError,
     ValueError,
     FileNotFoundError,
     PermissionError,
     ConnectionError,
+    ScriptFailed,
 )
 
 
@@ -84,6 +88,7 @@ def cmd_run(args: argparse.Namespace) -> None:
     def run(server: PrefectServer) -> dict[str, Any]:
         from flows.pipeline import train_pipeline  # while a temporary server starts
 
+        _say_which_store(config)
         _log_to_file(args)
         server.wait_until_ready()
         return _run_flow(train_pipeline, config=config)
@@ -154,12 +159,22 @@ def cmd_score(args: argparse.Namespace) -> None:
     from ddpflow.scoring import score_table, with_score_settings
 
     config = with_score_settings(_load(args), args.model, args.source, args.output)
+    _say_which_store(config)
     summary = score_table(config, on_line=lambda line: print(line, file=sys.stderr, flush=True))
     shown = {key: value for key, value in summary.items() if key not in ("files", "source", "coverage", "rejects")}
     shown |= {"source": summary["source"]["url"], "parts": len(summary["files"])}
     if summary.get("data_drift") and not args.json:  # its line; the per-feature numbers in --json and MLflow
         shown["data_drift"] = summary["data_drift"]["message"]
     print_summary(shown, args.json)
+
+
+def _say_which_store(config: PipelineConfig) -> None:
+    """One line when $MLFLOW_TRACKING_URI and the config's mlflow.tracking_uri differ: the variable wins."""
+    from ddpflow.tracking.runs import tracking_uri_note
+
+    note = tracking_uri_note(config)
+    if note:
+        print(f"ddpflow: {note}", file=sys.stderr)
 
 
 def _serving_note(model: Any, url: str) -> str:
@@ -174,6 +189,9 @@ def _serving_note(model: Any, url: str) -> str:
 
 def cmd_stack(args: argparse.Namespace) -> None:
     try:
+        if args.action == "env":
+            print(_export_line(stack.shell_env(args.project, state_dir=args.state_dir)))
+            return
         if args.action == "up":
             state = stack.up(
                 args.project,
@@ -182,11 +200,17 @@ def cmd_stack(args: argparse.Namespace) -> None:
                 state_dir=args.state_dir,
                 mlflow_dir=args.mlflow_dir,
             )
+            shell = stack.shell_env(args.project, state_dir=args.state_dir)
             summary = {
                 "prefect_ui": state.prefect_url,
                 "mlflow_ui": state.mlflow_url,
                 **{name: info["pid"] for name, info in state.processes.items()},
+                **({"env": shell} if args.json else {}),
             }
+            print_summary(summary, args.json)
+            if not args.json:
+                print(f'\nFor `prefect` in your shell (or: eval "$(ddpflow stack env)"):\n{_export_line(shell)}')
+            return
         elif args.action == "down":
             summary = {"stopped": stack.down(args.project, state_dir=args.state_dir)}
         else:
@@ -194,6 +218,10 @@ def cmd_stack(args: argparse.Namespace) -> None:
     except stack.StackError as error:
         raise CommandFailed(str(error)) from None  # names the part that failed and its log
     print_summary(summary, args.json)
+
+
+def _export_line(env: dict[str, str]) -> str:
+    return "export " + " ".join(f"{name}={shlex.quote(value)}" for name, value in env.items())
 
 
 def _log_to_file(args: argparse.Namespace) -> None:
@@ -244,13 +272,40 @@ def _prefect_run_url(server: PrefectServer, summary: dict[str, Any]) -> dict[str
 
 
 def _run_flow(flow: Any, **parameters: Any) -> dict[str, Any]:
-    """Call the flow; a failure ends with one clear line (Prefect has logged the traceback)."""
+    """Call the flow; a failure ends with one clear line (Prefect has logged the traceback). Ctrl-C cancels its
+    flow run (``_cancel_flow_run``)."""
+    started: list[Any] = []  # the flow run, once it runs
+
+    def remember(flow: Any, flow_run: Any, state: Any) -> None:
+        started.append(flow_run)
+
     try:
-        return flow(**parameters)
+        return flow.with_options(on_running=[*flow.on_running_hooks, remember])(**parameters)
     except USER_ERRORS:
         raise  # printed as "error: ...", exit 2
+    except KeyboardInterrupt as interrupt:
+        if started:
+            _cancel_flow_run(started[-1], interrupt)
+        raise
     except Exception as error:
         raise CommandFailed(f"{flow.name} failed: {type(error).__name__}: {error}") from None
+
+
+CTRL_C = "Ctrl-C in the terminal that ran it"
+
+
+def _cancel_flow_run(flow_run: Any, interrupt: KeyboardInterrupt) -> None:
+    """Ctrl-C is a cancellation: the flow run and its unfinished task runs end Cancelled, not Crashed (the state
+    Prefect's engines give a run that a KeyboardInterrupt went through), while its server still runs."""
+    from tasks.cancellation import cancel_interrupted_run
+
+    with shielded():  # a second Ctrl-C must not leave the run half-recorded
+        try:
+            cancel_interrupted_run(flow_run.id, CTRL_C)
+        except Exception as error:  # the server gone or busy: the run stays as Prefect left it
+            print(f"ddpflow: could not mark flow run {flow_run.name!r} Cancelled: {error}", file=sys.stderr)
+            return
+    interrupt.cancelled_flow_run = flow_run.name  # type: ignore[attr-defined]  # said by _interrupted
 
 
 # --------------------------------------------------------------------------- printing
@@ -268,7 +323,8 @@ def _for_people(summary: dict[str, Any]) -> dict[str, Any]:
     """The headline test metrics on one line, the accuracy with the majority class's share beside it (what always
     guessing that class scores) and counts as integers; the baselines' comparison on another line; per-class
     precision/recall stay in --json and MLflow.
-    Data drift as its one-line message (the per-feature numbers are in --json and the MLflow run)."""
+    Data drift as its one-line message (the per-feature numbers are in --json and the MLflow run). What a run does
+    not have (a training script's data, a rejected model's version) is left out."""
     metrics = summary.get("test_metrics") or {}
     headline = {
         name: value
@@ -282,7 +338,8 @@ def _for_people(summary: dict[str, Any]) -> dict[str, Any]:
     # guessing 0.500" (their full metrics are in --json and the MLflow run).
     baselines = {"baselines": (summary.get("baselines") or {}).get("comparison") or "none scored"}
     baselines = baselines if "baselines" in summary else {}
-    return {**summary, "test_metrics": shown, **baselines, **drift, **selection}
+    shown_summary = {**summary, "test_metrics": shown, **baselines, **drift, **selection}
+    return {key: value for key, value in shown_summary.items() if value is not None}  # e.g. a script's data
 
 
 MAJORITY_SHARE = "_majority_share"  # <split>_majority_share: training/inference/evaluate.py
@@ -305,7 +362,8 @@ def _where_to_look(summary: dict[str, Any]) -> str:
     uri = str(summary.get("tracking_uri") or "")
     if uri.startswith("sqlite:"):
         lines.append(
-            f"MLflow UI on this store:  mlflow ui --backend-store-uri {uri}   then open {summary.get('mlflow_run_url')}"
+            f"MLflow UI on this store:  mlflow ui --backend-store-uri {uri} --workers 1   then open "
+            f"{summary.get('mlflow_run_url')}"
         )
     elif summary.get("mlflow_run_url"):
         lines.append(f"MLflow run: {summary['mlflow_run_url']}")
@@ -364,8 +422,11 @@ def build_parser() -> argparse.ArgumentParser:
     _verbose_arg(register)
     register.set_defaults(handler=cmd_register)
 
-    stack_parser = sub.add_parser("stack", help="local Prefect server + worker + MLflow server on 127.0.0.1")
-    stack_parser.add_argument("action", choices=("up", "down", "status"))
+    stack_parser = sub.add_parser(
+        "stack",
+        help="local Prefect server + worker + MLflow server on 127.0.0.1; `env`: the export line for `prefect`",
+    )
+    stack_parser.add_argument("action", choices=("up", "down", "status", "env"))
     stack_parser.add_argument("--project", default=".", help="project root holding prefect.yaml (default: .)")
     stack_parser.add_argument("--prefect-port", type=int, default=stack.DEFAULT_PREFECT_PORT)
     stack_parser.add_argument("--mlflow-port", type=int, default=stack.DEFAULT_MLFLOW_PORT)
@@ -413,7 +474,7 @@ def _run_command(args: argparse.Namespace) -> int:
         except (CommandFailed, PrefectServerError) as error:
             return _fail(str(error), 1, log, error)
         except KeyboardInterrupt as error:
-            return _fail("interrupted", 130, log, error)
+            return _interrupted(error, log)
         except Terminated as stop:
             return _fail(str(stop), stop.code, log, stop)
         finally:
@@ -430,8 +491,22 @@ def _fail(message: str, status: int, log: CommandLog | None = None, error: BaseE
         log.record_error(error)
         if status in (1, 2) and log.quiet:
             print(f"ddpflow: the full trace is in {log.path} (or run with --verbose)", file=sys.stderr)
+    if isinstance(error, ScriptFailed):  # the script's own traceback, then the one line that says what failed
+        print(error.traceback, file=sys.stderr)
+        message = error.headline
     print(f"error: {message}", file=sys.stderr)
     return status
+
+
+def _interrupted(error: KeyboardInterrupt, log: CommandLog | None) -> int:
+    """Ctrl-C: a cancellation, not an error. What stopped, then how to go on (an interrupted run's note), last."""
+    if log is not None and log.attached:
+        log.record_error(error, "stopped by Ctrl-C")  # where it was, in the file only
+    cancelled = getattr(error, "cancelled_flow_run", None)
+    print("ddpflow: stopped by Ctrl-C" + (f"; flow run {cancelled!r} cancelled" if cancelled else ""), file=sys.stderr)
+    for note in getattr(error, "__notes__", None) or []:
+        print(f"ddpflow: {note}", file=sys.stderr)
+    return 130
 
 
 def _end_process(status: int) -> None:

@@ -16,6 +16,7 @@ adds ``overrides: ["train.epochs=1"]`` without copying the whole config.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
@@ -49,7 +50,11 @@ def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
 
 def run_label(config: PipelineConfig) -> str:
     """``<model>-<data>``, e.g. ``mlp-synthetic-classification`` or ``tabnet-sales``; with ``train.model: auto``
-    (the default, resolved only once the data is prepared) the data alone, e.g. ``synthetic-classification``."""
+    (the default, resolved only once the data is prepared) the data alone, e.g. ``synthetic-classification``; a
+    training script: its name, and its data's (``train_ddp`` or ``train_ddp-sales``)."""
+    if config.train.script:
+        script = Path(config.train.script).stem
+        return _safe(script if config.data is None else f"{script}-{data_label(config.data.source)}")
     if config.train.model == "auto":
         return _safe(data_label(config.data.source))
     return _safe(f"{model_label(config.train.model)}-{data_label(config.data.source)}")

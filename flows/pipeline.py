@@ -29,6 +29,7 @@ that trained there before, and that run ``ddpflow.resumed_by`` with it (RUN_DIR/
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,6 @@ from ddpflow.launch.failure import LaunchInterrupted, LaunchPreempted
 from ddpflow.launch.slurm.commands import check_cluster
 from ddpflow.launch.supervisor import read_preempted
 from ddpflow.rundirs import find_resumable_run, new_run_dir, record_mlflow_run, resume_epoch
-from ddpflow.tracking.registration import gate_rules
 from ddpflow.tracking.registry import champion_checkpoint
 from ddpflow.tracking.runs import (
     RESTARTS_TAG,
@@ -52,26 +52,30 @@ from ddpflow.tracking.runs import (
     end_pipeline_run,
     how_to_open,
     link_resumed_run,
+    log_rank_logs,
     preempted_tags,
     resolve_tracking_uri,
     start_pipeline_run,
     tag_run,
     ui_url,
 )
+from ddpflow.tracking.script_models import dataset_model_file, gate_metric, script_outcome
 from ddpflow.tracking.skip import SKIPPED, SkipCheck, check_unchanged, record_skipped_run
 from flows.params import resolve_config, run_label
 from tasks.drift import measure_data_drift
 from tasks.evaluate import evaluate_model
 from tasks.prepare import prepare_data
 from tasks.register import register_model
-from tasks.train import KILL_GRACE_S, TrainRequest, train_model
+from tasks.train import KILL_GRACE_S, TrainRequest, TrainResult, train_model
 from training.core.config import PipelineConfig
 from training.core.topology import RankLayout
 from training.inference.baselines import REFERENCE, TRIVIAL, baseline_values, comparison, model_metrics
 from training.loop.selection import selection_summary
 from training.preflight import check_data, check_machine
 from training.prepare.dataset import PreparedDataset
-from training.resolve import resolve_for_data
+from training.resolve import resolve_for_data, resolve_script
+
+TRACKED = "tracked"  # a training script's run with nothing to register: the decision beside promoted, rejected...
 
 # Stopped from outside (Ctrl-C, a signal, a cancelled flow run): the MLflow run ends KILLED, not FAILED.
 # Abort: train_model's answer to a cancelled flow run; TerminationSignal: Prefect's SIGTERM (a worker cancelling).
@@ -98,49 +102,48 @@ def train_pipeline(
     logger = get_run_logger()
     config = resolve_config(config, config_file, overrides)
     # Everything that can be checked without data is checked before anything starts.
-    layout = check_machine(config)  # the ranks this machine will run, and the model import
+    layout = check_machine(config)  # the ranks this machine will run, and the model import (or the script's file)
     if config.train.launcher == "slurm":
         check_cluster(config)  # the Slurm commands answer, the partition exists and has the nodes
     tracking_uri = resolve_tracking_uri(config)
     check_tracking_reachable(tracking_uri)
 
-    prepared = prepare_data(config)
-    # train.model auto -> the built-in model for these inputs, the mlp's defaults, the batch and the patience for
-    # this data (training/resolve.py): what the run records and its identity holds.
-    config = resolve_for_data(config, prepared.manifest, layout.world_size)
-    check_data(config, prepared.manifest, layout)
+    prepared = prepare_data(config) if config.data is not None else None  # a training script may have no data
+    config = _resolved(config, prepared, layout)
+    fingerprint = prepared.manifest.fingerprint if prepared is not None else None
     if config.train.skip_if_unchanged:
-        unchanged = check_unchanged(config, prepared.fingerprint, tracking_uri)
+        unchanged = check_unchanged(config, fingerprint, tracking_uri)
         if unchanged.skip:
             return _skipped(config, prepared, unchanged, layout, tracking_uri)
         logger.info("train.skip_if_unchanged: training, because %s", unchanged.reason)
 
     run_name = flow_run.name or run_label(config)
-    run_dir = find_resumable_run(config.train.run_root, prepared.manifest.fingerprint, config)
+    run_dir = find_resumable_run(config.train.run_root, fingerprint, config)
     if run_dir is not None:
         logger.info("Resuming the unfinished run in %s", run_dir)
     else:
         run_dir = new_run_dir(config.train.run_root, run_name)
     init_weights = _warm_start_weights(config, Path(run_dir), logger)
+    dataset_dir = str(prepared.dataset_dir) if prepared is not None else None
 
     run_id = start_pipeline_run(
         config,
         run_name=Path(run_dir).name,
         prefect_context=_prefect_context(),
-        fingerprint=prepared.manifest.fingerprint,
-        manifest=prepared.manifest,
+        fingerprint=fingerprint,
+        manifest=prepared.manifest if prepared is not None else None,
         ddp=_ddp_params(config, layout),
-        dataset_dir=prepared.dataset_dir,
+        dataset_dir=dataset_dir,
     )
     try:
         tag_run(tracking_uri, run_id, {RUN_DIR_TAG: str(run_dir)})
         earlier_run_id = record_mlflow_run(run_dir, run_id)
         if earlier_run_id is not None:
             link_resumed_run(tracking_uri, earlier_run_id, run_id)
-        drift = measure_data_drift(config, prepared.manifest, run_id, tracking_uri)
+        drift = measure_data_drift(config, prepared.manifest, run_id, tracking_uri) if prepared is not None else None
         request = TrainRequest(
             config,
-            str(prepared.dataset_dir),
+            dataset_dir,
             str(run_dir),
             init_weights=init_weights,
             tracking_uri=tracking_uri,
@@ -149,56 +152,118 @@ def train_pipeline(
         )
         trained = train_model(request, mlflow_run_id=run_id)
         tag_run(tracking_uri, run_id, {RESTARTS_TAG: str(trained.restarts)})
-        test_metrics = evaluate_model(trained.model_path, str(prepared.dataset_dir), run_id, tracking_uri, config)
+        candidate = evaluate_trained(config, trained, dataset_dir, run_id, tracking_uri)
         # Everything that can fail runs before the gate: once @champion moves, the flow must not fail.
         mlflow_run_url = ui_url(tracking_uri, run_id)
-        decision = register_model(
-            config, run_id, trained.model_path, str(prepared.dataset_dir), test_metrics, tracking_uri
-        )
+        decision = gate(config, candidate, dataset_dir, run_id, tracking_uri)
     except BaseException as error:
         interrupted = isinstance(error, INTERRUPTIONS)
         if interrupted:
             _tag_preempted(tracking_uri, run_id, Path(run_dir))
+        if config.train.script:
+            log_rank_logs(tracking_uri, run_id, run_dir)
         end_pipeline_run(run_id, tracking_uri, status="KILLED" if interrupted else "FAILED")
         if interrupted:
             _say_how_to_resume(error, Path(run_dir), logger)
         raise
     end_pipeline_run(run_id, tracking_uri, status="FINISHED")
+    evaluated = candidate.evaluated_on_test_split
     return {
         "flow_run": run_name,
         "flow_run_id": str(flow_run.id),
         "model_name": config.registry.model_name,
         "model_version": decision.get("version"),
         "decision": decision.get("decision"),
+        "gate_metric": decision.get("metric"),  # the metric that decided (registry.metric, else the objective's)
         "reason": decision.get("reason"),
         **({"warning": decision["warning"]} if decision.get("warning") else {}),
-        "test_metrics": model_metrics(test_metrics),
-        "baselines": _baselines(config, prepared.manifest.task, test_metrics),
-        "selection": selection_summary(trained.metrics, config.train),  # the epoch model.pt holds
+        "test_metrics": model_metrics(candidate.metrics),
+        **({"baselines": _baselines(decision.get("metric"), candidate.metrics)} if evaluated else {}),
+        **({"selection": selection_summary(trained.metrics, config.train)} if not config.train.script else {}),
         "data_drift": drift,
         "mlflow_run_id": run_id,
         "mlflow_run_url": mlflow_run_url,
         "tracking_uri": tracking_uri,
         "run_dir": str(run_dir),
-        "dataset_dir": str(prepared.dataset_dir),
-        "cache_hit": prepared.cache_hit,
+        "dataset_dir": dataset_dir,
+        "cache_hit": prepared.cache_hit if prepared is not None else None,
         "restarts": trained.restarts,
     }
 
 
+def _resolved(config: PipelineConfig, prepared: PreparedDataset | None, layout: RankLayout) -> PipelineConfig:
+    """The config as the run records it. ddpflow's trainer: ``train.model auto`` -> the built-in model for these
+    inputs, the mlp's defaults, the batch and the patience for this data (training/resolve.py), then the data
+    checks. A training script: its absolute path and its file's sha256 (its data and model are its own)."""
+    if config.train.script:
+        return resolve_script(config)
+    config = resolve_for_data(config, prepared.manifest, layout.world_size)
+    check_data(config, prepared.manifest, layout)
+    return config
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """What the gate judges: the model's file (None: nothing to register, and why) and its metrics: the test
+    split's, evaluated here (ddpflow's models; a script's with a data section), or the script's own reports."""
+
+    model_path: str | None
+    metrics: dict[str, float]
+    evaluated_on_test_split: bool
+    nothing_to_register: str | None = None
+
+
+def evaluate_trained(
+    config: PipelineConfig, trained: TrainResult, dataset_dir: str | None, run_id: str, tracking_uri: str
+) -> Candidate:
+    """The trained model, evaluated exactly on the test split where ddpflow has one (module doc); a training
+    script's rank logs go to its MLflow run first."""
+    if not config.train.script:
+        metrics = evaluate_model(trained.model_path, dataset_dir, run_id, tracking_uri, config)
+        return Candidate(trained.model_path, metrics, True)
+    log_rank_logs(tracking_uri, run_id, trained.run_dir)
+    outcome = script_outcome(trained.run_dir)
+    why_not = outcome.nothing_to_register()
+    if why_not is not None:
+        return Candidate(None, outcome.reported, False, why_not)
+    if dataset_dir is None:
+        _, why_not = gate_metric(config, outcome.reported)  # several test_* metrics: tracked, not registered
+        return Candidate(str(outcome.program), outcome.reported, False, why_not)
+    model_path = str(dataset_model_file(trained.run_dir, outcome.program, dataset_dir))
+    metrics = evaluate_model(model_path, dataset_dir, run_id, tracking_uri, config)
+    return Candidate(model_path, metrics, True)
+
+
+def gate(
+    config: PipelineConfig, candidate: Candidate, dataset_dir: str | None, run_id: str, tracking_uri: str
+) -> dict[str, Any]:
+    """The champion gate's decision, or why nothing was registered (a training script's run that stays tracked)."""
+    if candidate.nothing_to_register is not None:
+        get_run_logger().info("Nothing registered: %s", candidate.nothing_to_register)
+        tag_run(tracking_uri, run_id, {"registry.decision": TRACKED, "registry.reason": candidate.nothing_to_register})
+        return {"decision": TRACKED, "reason": candidate.nothing_to_register}
+    return register_model(config, run_id, candidate.model_path, dataset_dir, candidate.metrics, tracking_uri)
+
+
 def _skipped(
-    config: PipelineConfig, prepared: PreparedDataset, unchanged: SkipCheck, layout: RankLayout, tracking_uri: str
+    config: PipelineConfig,
+    prepared: PreparedDataset | None,
+    unchanged: SkipCheck,
+    layout: RankLayout,
+    tracking_uri: str,
 ) -> State:
-    """End Completed without training: the night's MLflow run (tagged skipped, FINISHED), an artifact, the reason."""
+    """End Completed without training: the night's MLflow run (tagged skipped, FINISHED), an artifact, the reason.
+    ``prepared`` None: a training script without a data section."""
     run_name = flow_run.name or run_label(config)
+    dataset_dir = str(prepared.dataset_dir) if prepared is not None else None
     run_id = start_pipeline_run(
         config,
         run_name=f"skipped-{run_name}",
         prefect_context=_prefect_context(),
-        fingerprint=prepared.fingerprint,
-        manifest=prepared.manifest,
+        fingerprint=unchanged.fingerprint,
+        manifest=prepared.manifest if prepared is not None else None,
         ddp=_ddp_params(config, layout),
-        dataset_dir=prepared.dataset_dir,
+        dataset_dir=dataset_dir,
     )
     try:
         record_skipped_run(tracking_uri, run_id, unchanged)
@@ -212,7 +277,7 @@ def _skipped(
         markdown=(
             f"# Training skipped\n\n{unchanged.reason}.\n\n"
             f"`train.skip_if_unchanged` is true; @champion stays {config.registry.model_name} "
-            f"v{unchanged.champion_version}. Dataset `{prepared.dataset_dir}` (cache hit: {prepared.cache_hit}).\n\n"
+            f"v{unchanged.champion_version}.{_dataset_note(prepared)}\n\n"
             f"MLflow: {how_to_open(tracking_uri, run_id)} (tagged `ddpflow.skipped=true`)\n"
         ),
         key="training-skipped",
@@ -232,17 +297,21 @@ def _skipped(
         "mlflow_run_url": mlflow_run_url,
         "tracking_uri": tracking_uri,
         "run_dir": None,
-        "dataset_dir": str(prepared.dataset_dir),
-        "cache_hit": prepared.cache_hit,
+        "dataset_dir": dataset_dir,
+        "cache_hit": prepared.cache_hit if prepared is not None else None,
         "restarts": 0,
     }
     return Completed(message=f"skipped: {unchanged.reason}", data=summary)
 
 
-def _baselines(config: PipelineConfig, task: str, metrics: dict[str, float]) -> dict[str, Any]:
+def _dataset_note(prepared: PreparedDataset | None) -> str:
+    return "" if prepared is None else f" Dataset `{prepared.dataset_dir}` (cache hit: {prepared.cache_hit})."
+
+
+def _baselines(gate_metric: str | None, metrics: dict[str, float]) -> dict[str, Any]:
     """The baselines' test metrics and the line that compares them with the model's (``comparison``): on the gate
-    metric, and on ROC AUC where there is one."""
-    names = [gate_rules(config, task).metric, "test_roc_auc"]
+    metric that decided, and on ROC AUC where there is one."""
+    names = [name for name in (gate_metric, "test_roc_auc") if name]
     return {
         "comparison": comparison(metrics, list(dict.fromkeys(names))),
         "trivial": baseline_values(metrics, TRIVIAL),
@@ -267,6 +336,11 @@ def _say_how_to_resume(error: BaseException, run_dir: Path, logger: Any) -> None
         epoch = resume_epoch(run_dir)
         preempted = read_preempted(run_dir)
     except Exception:  # reading the run directory must not replace the interruption
+        return
+    if epoch is None and preempted is not None and preempted.get("script"):  # a training script saved its own
+        hint = f"re-run the same command to resume from what the script saved in {preempted.get('checkpoint')}"
+        error.add_note(f"{hint} (run directory {run_dir})")
+        logger.warning("Stopped: %s (run directory %s)", hint, run_dir, extra={LOG_ONLY: True})
         return
     if epoch is None:
         return

@@ -32,12 +32,10 @@ from ddpflow.tracking.runs import (
 )
 from ddpflow.tracking.sweep import tag_best_version
 from flows.params import _deep_merge
-from flows.pipeline import INTERRUPTIONS, _prefect_context
-from tasks.evaluate import evaluate_model
+from flows.pipeline import INTERRUPTIONS, _prefect_context, evaluate_trained, gate
 from tasks.prepare import prepare_data
-from tasks.register import register_model
 from tasks.sweep import SweepProgress, summarise_sweep
-from tasks.train import KILL_GRACE_S, train_model
+from tasks.train import KILL_GRACE_S, TrainResult, train_model
 from training.inference.baselines import model_metrics
 from training.preflight import check_machine
 
@@ -78,14 +76,16 @@ def sweep_pipeline(
         check_cluster(sweep.base)
     tracking_uri = resolve_tracking_uri(sweep.base)
     check_tracking_reachable(tracking_uri)
-    prepared = prepare_data(sweep.base)  # once: every trial trains on this dataset
+    prepared = prepare_data(sweep.base) if sweep.base.data is not None else None  # once: every trial's dataset
+    dataset_dir = str(prepared.dataset_dir) if prepared is not None else None
 
     def train(request, run_id):
         return train_model(replace(request, grace_s=KILL_GRACE_S), mlflow_run_id=run_id)
 
+    manifest = prepared.manifest if prepared is not None else None
     setup, study = open_sweep(
-        sweep, str(prepared.dataset_dir), prepared.manifest, layout, tracking_uri, _prefect_context(), train,
-        report=logger.info, grace_s=KILL_GRACE_S,
+        sweep, dataset_dir, manifest, layout, tracking_uri, _prefect_context(), train, report=logger.info,
+        grace_s=KILL_GRACE_S,
     )  # fmt: skip
     setup.report = SweepProgress(sweep.sweep.trials, study)
     parent = setup.parent_run_id
@@ -99,9 +99,9 @@ def sweep_pipeline(
                 f"each trial's reason is in MLflow run {parent}'s sweep/trials.csv"
             )
         # Only the best trial meets the test split, and goes through the gate as one candidate.
-        dataset_dir = str(prepared.dataset_dir)
-        test_metrics = evaluate_model(best.model_path, dataset_dir, best.run_id, tracking_uri, best.config)
-        decision = register_model(best.config, best.run_id, best.model_path, dataset_dir, test_metrics, tracking_uri)
+        trained = TrainResult(str(best.run_dir), best.model_path)
+        candidate = evaluate_trained(best.config, trained, dataset_dir, best.run_id, tracking_uri)
+        decision = gate(best.config, candidate, dataset_dir, best.run_id, tracking_uri)
         if decision.get("version"):
             tag_best_version(
                 tracking_uri, best.config.registry.model_name, str(decision["version"]), sweep.study_name(), best.run_id
@@ -129,10 +129,10 @@ def sweep_pipeline(
         "model_version": decision.get("version"),
         "decision": decision.get("decision"),
         "reason": decision.get("reason"),
-        "test_metrics": model_metrics(test_metrics),
+        "test_metrics": model_metrics(candidate.metrics),
         "mlflow_run_id": parent,
         "mlflow_run_url": ui_url(tracking_uri, parent),
         "tracking_uri": tracking_uri,
-        "dataset_dir": str(prepared.dataset_dir),
+        "dataset_dir": dataset_dir,
         "flow_run_id": str(flow_run.id),
     }

@@ -11,6 +11,11 @@
 The launchers (local torchrun, a Slurm job: scancel) stop the ranks when the check answers a reason; the train
 and score tasks use it. A flow run in a plain Python process has no worker to act on "Cancelling", so this is what
 stops the ranks there; under a worker it merely gets there first (the worker's SIGTERM then finds no tree).
+
+Ctrl-C in the terminal that runs a flow (``ddpflow run``) is a cancellation too: Prefect's engines end the runs
+Crashed when a KeyboardInterrupt passes through them, and the command then records what the person meant:
+
+    cancel_interrupted_run(flow_run_id, "Ctrl-C in the terminal")   # the flow run and its unfinished task runs
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from uuid import UUID
 from prefect.context import TaskRunContext
 from prefect.exceptions import Abort
 
-__all__ = ["CANCEL_POLL_S", "FlowRunCancelled", "flow_run_cancelled_check"]
+__all__ = ["CANCEL_POLL_S", "FlowRunCancelled", "cancel_interrupted_run", "flow_run_cancelled_check"]
 
 CANCEL_POLL_S = 2.0  # how often a launcher asks
 
@@ -76,3 +81,20 @@ def flow_run_cancelled_check() -> FlowRunCancelled | None:
     if context is None or context.task_run.flow_run_id is None:
         return None
     return FlowRunCancelled(context.task_run.flow_run_id, context.task_run.id)
+
+
+def cancel_interrupted_run(flow_run_id: UUID, message: str) -> None:
+    """Mark a flow run that an interrupt stopped, and each of its task runs that did not complete, Cancelled.
+
+    Prefect reports a KeyboardInterrupt as a crash ("Execution was aborted by an interrupt signal"); whoever
+    pressed Ctrl-C meant a cancellation. Completed task runs keep their state."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.states import Cancelled
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+        for task_run in runs:
+            if task_run.state is None or not task_run.state.is_completed():
+                client.set_task_run_state(task_run.id, Cancelled(message=message), force=True)
+        client.set_flow_run_state(flow_run_id, Cancelled(message=message), force=True)

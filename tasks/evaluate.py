@@ -73,7 +73,8 @@ def evaluate_model(
     model_path = str(model_path)
     # Per-row predictions only for a figure that draws them (residuals, row losses); a confusion matrix is counted
     # on the fly. What the objective's evaluation is: training/objectives/base.py ``Evaluation``.
-    evaluation = evaluation_of(config.train, read_manifest(dataset_dir).task)
+    manifest = read_manifest(dataset_dir)
+    evaluation = evaluation_of(config.train, manifest.task, manifest.n_classes)
     result = evaluate_split(
         model_path,
         dataset_dir,

@@ -11,8 +11,9 @@ Retries: one. A retry resumes from checkpoints/last.pt, so it helps with a
 transient failure (a rank killed by the OOM killer, a stalled collective). It is
 skipped for errors that would happen again: bad configuration (ValueError,
 raised by the preflight before any process starts), the wall-clock timeout,
-an interruption (signal, cancellation), and a NaN or inf in training
-(training/loop/nonfinite.py: the resumed run would diverge at the same step).
+an interruption (signal, cancellation), a NaN or inf in training
+(training/loop/nonfinite.py: the resumed run would diverge at the same step), and a user's training script
+that raised (``ScriptFailed``: its torchrun restarts, ``train.max_restarts``, are its retries).
 
 Cancellation (tasks/cancellation.py): the task polls its flow run's state; when someone cancels the
 flow run (UI, API, ``prefect flow-run cancel``) it kills torchrun's tree (or scancels the Slurm job) within a
@@ -32,7 +33,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
 from ddpflow.console import LOG_ONLY
-from ddpflow.launch.failure import LaunchInterrupted, LaunchTimeout
+from ddpflow.launch.failure import LaunchInterrupted, LaunchTimeout, ScriptFailed
 from ddpflow.launch.stage import TrainRequest, TrainResult, run_train_stage
 from ddpflow.launch.supervisor import OutputLine
 from ddpflow.tracking.metrics import EpochMetricsFollower
@@ -53,7 +54,7 @@ def _worth_retrying(task, task_run, state) -> bool:
     error = state.data if isinstance(state.data, BaseException) else None
     if error is not None and is_non_finite_failure(str(error)):
         return False  # a diverged step diverges again after a resume (training/loop/nonfinite.py)
-    return not isinstance(error, (ValueError, LaunchTimeout, LaunchInterrupted))
+    return not isinstance(error, (ValueError, LaunchTimeout, LaunchInterrupted, ScriptFailed))
 
 
 @task(name="train-model", retries=1, retry_condition_fn=_worth_retrying, cache_policy=NO_CACHE)

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from training.core.manifest import Manifest, ShardInfo, SplitInfo, write_manifest
+from training.core.manifest import Manifest, ShardInfo, SplitInfo, read_manifest, write_manifest
 from training.inference.model_file import inference_checkpoint
 from training.kinds.normalisation import Normaliser
 from training.models.registry import ModelSpec, build_model
@@ -102,8 +102,6 @@ def make_dataset(
 def train_model_file(dataset_dir: Path, path: Path, steps: int = 60, seed: int = 0, lr: float = 0.05) -> Path:
     """A model.pt per the contract, after ``steps`` full-batch Adam steps on the train split (normalised
     features; a regression target standardised when the manifest has its statistics)."""
-    from training.core.manifest import read_manifest
-
     manifest = read_manifest(dataset_dir)
     table = pa.concat_tables([pq.read_table(f) for f in manifest.split_files(dataset_dir, "train")])
     x = torch.from_numpy(np.column_stack([table[name].to_numpy() for name in manifest.features]).astype(np.float32))
@@ -127,6 +125,37 @@ def train_model_file(dataset_dir: Path, path: Path, steps: int = 60, seed: int =
     checkpoint = inference_checkpoint(
         model.state_dict(), spec, manifest, epochs=1, metrics={"train_loss": float(loss.detach())}
     )
+    torch.save(checkpoint, path)
+    return path
+
+
+def train_typed_model(dataset: Path, path: Path, steps: int = 150, lr: float = 0.05, hidden: int = 16) -> Path:
+    """A model.pt as the trainer writes it (the built-in model on every input, through the loader's encoding
+    and with the dataset's encoders), after full-batch Adam steps on the train split."""
+    import torch
+
+    from training.inference.model_file import inference_checkpoint
+    from training.kinds.inputs import inputs_from_manifest
+    from training.kinds.registry import read_encoders
+    from training.loading.batches import load_split
+    from training.models.registry import ModelSpec, build_model
+
+    manifest = read_manifest(dataset)
+    split = load_split(dataset, manifest, "train")
+    spec = ModelSpec.for_inputs("mlp", inputs_from_manifest(manifest), manifest.n_outputs, {"hidden": [hidden]})
+    torch.manual_seed(0)
+    model = build_model(spec)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    batch = split.rows(0, len(split))
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(batch), split.labels)
+        loss.backward()
+        optimizer.step()
+    encoders = read_encoders(dataset, manifest)
+    metrics = {"train_loss": float(loss.detach())}
+    checkpoint = inference_checkpoint(model.state_dict(), spec, manifest, 1, metrics, encoders)
+    path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(checkpoint, path)
     return path
 

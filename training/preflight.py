@@ -7,7 +7,8 @@ These need the machine or the prepared data:
     check_data(config, prepared.manifest, layout)     # after prepare: the data fits the ranks
 
 ``check_machine``: NCCL without GPUs, more ranks than the machine has, a model
-import path that does not import, an objective (``train.objective``) that does not import.
+import path that does not import, an objective (``train.objective``) that does not import; with
+``train.script`` (a user's training script, whose model and data are its own): the script's file, and the ranks.
 ``check_data``: a batch larger than a rank's share of the train split, an objective
 that does not fit the label (binary on 3 classes, label smoothing outside softmax,
 balanced class weights without class counts) or whose per-row loss is not one value
@@ -20,6 +21,8 @@ when the request carries no layout. Every error is a ConfigError (a ValueError) 
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from training.core.config import ConfigError, PipelineConfig
 from training.core.manifest import Manifest
@@ -36,7 +39,10 @@ def check_machine(config: PipelineConfig, gpus: int | None = None) -> RankLayout
     ``gpus=None`` asks torch how many GPUs this machine has. With ``train.launcher: slurm`` the
     ranks run on the job's nodes instead: see ``_check_slurm_nodes``.
     """
-    check_inputs(config.data)  # each input's kind is registered and takes its options (its record says)
+    if config.data is not None:
+        check_inputs(config.data)  # each input's kind is registered and takes its options (its record says)
+    if config.train.script:
+        check_script(config.train.script)
     if config.train.launcher == "slurm":
         return _check_slurm_nodes(config)
     layout = resolve_ranks(config.train, gpus)  # ConfigError for NCCL without GPUs
@@ -45,10 +51,31 @@ def check_machine(config: PipelineConfig, gpus: int | None = None) -> RankLayout
             f"train.nproc_per_node: {layout.nproc_per_node} ranks asked for, "
             f"but this machine has {layout.slots} {layout.slot_kind}"
         )
+    _check_trainer(config)
+    return layout
+
+
+def check_script(script: str) -> None:
+    """``train.script`` names a Python file that can be read (ConfigError naming it otherwise)."""
+    path = Path(script)
+    if not path.is_file():
+        raise ConfigError(f"train.script: no file at {path.resolve()}")
+    if path.suffix != ".py":
+        raise ConfigError(f"train.script: {path} is not a Python file (.py)")
+    try:
+        path.read_bytes()
+    except OSError as error:
+        raise ConfigError(f"train.script: {path} cannot be read ({error.strerror})") from None
+
+
+def _check_trainer(config: PipelineConfig) -> None:
+    """ddpflow's own trainer: its model and objective import, its optimizer takes its keywords (a training script
+    brings its own)."""
+    if config.train.script:
+        return
     resolve_factory(config.train.model)  # ModelImportError (a ValueError) names train.model
     _check_objective_imports(config)
     check_optimizer(config)
-    return layout
 
 
 def check_optimizer(config: PipelineConfig) -> None:
@@ -74,9 +101,7 @@ def _check_slurm_nodes(config: PipelineConfig) -> RankLayout:
         raise ConfigError(
             f"train.nproc_per_node: {layout.nproc_per_node} ranks asked for, but slurm.gpus_per_node is {gpus}"
         )
-    resolve_factory(config.train.model)  # ModelImportError (a ValueError) names train.model
-    _check_objective_imports(config)
-    check_optimizer(config)
+    _check_trainer(config)
     return layout
 
 

@@ -314,6 +314,7 @@ class Trainer:
         for index, batch in enumerate(self.batches.epoch(epoch, start), start):
             self.hooks.at_step(epoch, index)
             self.hooks.on_batch(batch.indices)
+            self.preemption.begin(index)  # the flags' all-reduce runs beside the step; ``due`` waits for it
             try:
                 sums.add(batch, self.train_step(index, batch))
             except NonFiniteStep as bad:

@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-BINARY, MULTICLASS, REGRESSION = "binary", "multiclass", "regression"
-METRIC = {BINARY: "roc_auc", MULTICLASS: "accuracy", REGRESSION: "r2"}  # what each task is judged by
+from bench.workloads.beside_boosting import BINARY, MULTICLASS, REGRESSION
 
 
 @dataclass(frozen=True)

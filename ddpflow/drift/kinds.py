@@ -1,4 +1,4 @@
-"""The drift measures of the categorical, vector and image inputs (each kind's record names its measure:
+"""The drift measures of the categorical, vector, datetime and image inputs (each kind's record names its measure:
 ``Codec.drift_measure``), from prepare's train-split statistics (``Manifest.extra["drift_stats"]["inputs"][name]``);
 each ``(name, reference, current) -> [FeatureDrift]``:
 
@@ -8,8 +8,9 @@ each ``(name, reference, current) -> [FeatureDrift]``:
 - ``dimension_means`` (a vector input): the mean shift of each dimension, the largest in size
   reported (``feature`` is ``name[d]``); PSI 0 (no histogram per dimension); nothing when the two
   datasets' vectors differ in length;
-- ``histograms`` (an image input): PSI over each histogram its statistics hold, an image's width, height and
-  mean brightness (``feature`` is ``name:width``, ``name:height``, ``name:brightness``); mean shift 0.
+- ``histograms`` (an image or datetime input): PSI over each histogram its statistics hold, an image's width,
+  height and mean brightness (``feature`` is ``name:width``, ``name:height``, ``name:brightness``), a time's hour
+  of day, weekday and month (``name:hour``, ``name:day_of_week``, ``name:month``); mean shift 0.
 
 A text input's drift (``words``) is text.py's. report.py picks the function by the measure.
 """

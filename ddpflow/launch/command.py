@@ -9,11 +9,14 @@ rule that the preflight, the ranks and the MLflow tags use too.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from training.core.config import PipelineConfig
+from training.core.layout import JOB_ENV, TRAIN_JOB, run_file
 from training.core.topology import available_cores, resolve_ranks
 
 LOG_DIR = "logs"  # RUN_DIR/logs/<torchrun job>/attempt_<n>/<local rank>/{stdout,stderr}.log
@@ -25,8 +28,8 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]  # where `training` imports f
 def torchrun_command(
     config: PipelineConfig, job_path: str | os.PathLike, *, gpus: int | None = None, entrypoint: str | None = None
 ) -> list[str]:
-    """The torchrun argv, as a list (never a shell string). Logs go to ``<job dir>/logs``. ``entrypoint``: the
-    module every rank runs (default ``RANK_ENTRYPOINT``, training; batch scoring passes its own)."""
+    """The torchrun argv, as a list (never a shell string). Logs go to ``<job dir>/logs``. What every rank runs:
+    ``rank_program`` (``entrypoint``: a module of ddpflow's own, batch scoring's)."""
     train = config.train
     layout = resolve_ranks(train, gpus)
     job_path = Path(job_path)
@@ -49,10 +52,27 @@ def torchrun_command(
         "--log-dir", str(job_path.parent / LOG_DIR),
         "--tee", "3",
     ]  # fmt: skip
-    # A module runs as "-m module"; a path (tests' stand-in ranks) runs as a script.
+    return [*argv, *rank_program(config, job_path, entrypoint)]
+
+
+def rank_program(config: PipelineConfig, job_path: str | os.PathLike, entrypoint: str | None = None) -> list[str]:
+    """What every rank runs, after torchrun's own options: a user's script (``train.script`` with its
+    ``script_args`` and ``script_params``, as a person would type them), else a module of ddpflow's
+    (``entrypoint``, default ``RANK_ENTRYPOINT``: the trainer; a path, a tests' stand-in rank) given
+    ``--config JOB``."""
+    if entrypoint is None and config.train.script:
+        return [str(config.train.script), *script_arguments(config.train.script_args, config.train.script_params)]
     module = entrypoint or RANK_ENTRYPOINT
     entry = [module] if module.endswith(".py") else ["-m", module]
-    return [*argv, *entry, "--config", str(job_path)]
+    return [*entry, "--config", str(job_path)]
+
+
+def script_arguments(args: list[str], params: dict[str, Any]) -> list[str]:
+    """A script's argv: ``train.script_args`` as given, then each of ``train.script_params`` as ``--key value``
+    (a string as it is, any other value as JSON: ``0.01``, ``true``, ``[1, 2]``; ``ddpflow.params()`` reads them
+    back the same way)."""
+    pairs = [[f"--{key}", value if isinstance(value, str) else json.dumps(value)] for key, value in params.items()]
+    return [*args, *(part for pair in pairs for part in pair)]
 
 
 def launch_env(
@@ -82,6 +102,14 @@ def launch_env(
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     if tracking_uri:
         env["MLFLOW_TRACKING_URI"] = tracking_uri
-    # The rank imports training.* : make sure the project is importable whatever the caller's cwd.
+    # The rank imports training.* (a script, ddpflow): make sure the project is importable whatever the cwd.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH", "")) if p)
+    if config.train.script:  # how ddpflow's API in a user's script finds its run (ddpflow/script/run.py)
+        env[JOB_ENV] = str(run_file(run_dir, TRAIN_JOB))
     return env
+
+
+def rank_workdir(config: PipelineConfig) -> Path:
+    """Where the ranks start: a user's script where the run was started (its relative paths mean what they mean
+    under a bare torchrun there), ddpflow's own ranks in the project root."""
+    return Path.cwd() if config.train.script else PROJECT_ROOT

@@ -41,6 +41,8 @@ _NCCL_WATCHDOG = re.compile(
     r"ran for (?P<ran_ms>\d+) milliseconds before timing out\.?)"
 )
 _NCCL_TIMEOUT_MS = re.compile(r"Timeout\(ms\)=(\d+)")
+# torch.distributed's excepthook prefixes each line of a rank's uncaught traceback with "[rankN]: ".
+_RANK_LINE_PREFIX = re.compile(r"^\[rank\d+\]: ?")
 
 
 class LaunchError(RuntimeError):
@@ -66,6 +68,16 @@ class RankFailed(LaunchError):
     """A rank exited non-zero (after torchrun used up its restarts)."""
 
 
+class ScriptFailed(RankFailed):
+    """A user's training script (train.script) raised: its own error, with the last lines of its traceback
+    (``traceback``). Said once, as a user's error; run again, it would fail again (no retry)."""
+
+    def __init__(self, message: str, traceback: str, **fields):
+        super().__init__(f"{message}\n{traceback}", **fields)
+        self.headline = message
+        self.traceback = traceback
+
+
 class LaunchTimeout(LaunchError):
     """train.timeout_s passed; the tree was killed."""
 
@@ -88,8 +100,15 @@ class LaunchPreempted(LaunchError):
         self.record = record or {}
 
 
-def failure_from_output(run_dir: Path, job_dir: Path | None, tail: list[str], returncode: int) -> RankFailed:
-    """An error naming the failing rank, its exit code and the root-cause text (see the module doc)."""
+TRACEBACK_LINES = 15  # of a training script's traceback, in its failure (the whole log stays on disk)
+
+
+def failure_from_output(
+    run_dir: Path, job_dir: Path | None, tail: list[str], returncode: int, show_traceback: bool = False
+) -> RankFailed:
+    """An error naming the failing rank, its exit code and the root-cause text (see the module doc);
+    ``show_traceback``: a user's training script, whose failure with a Python traceback is its own error
+    (``ScriptFailed``, with the traceback's last ``TRACEBACK_LINES`` lines: the user's code is what the user reads)."""
     summary = root_cause_summary(tail)
     rank_match = re.match(r"(\d+)(?:\s*\(local_rank:\s*(\d+)\))?", summary.get("rank", ""))
     rank = int(rank_match[1]) if rank_match else None
@@ -119,9 +138,11 @@ def failure_from_output(run_dir: Path, job_dir: Path | None, tail: list[str], re
         )
         if log_file is not None:
             message += f" (its log: {log_file})"
-    return RankFailed(
-        message, rank=rank, exitcode=exitcode, root_cause=cause, log_file=str(log_file) if log_file else None
-    )
+    fields = {"rank": rank, "exitcode": exitcode, "root_cause": cause, "log_file": str(log_file) if log_file else None}
+    shown = traceback_tail(_read_text(log_file) or "") if show_traceback and log_file is not None else None
+    if shown and rank is not None:
+        return ScriptFailed(message, shown, **fields)
+    return RankFailed(message, **fields)
 
 
 def _root_cause_text(run_dir: Path, summary: dict[str, str], log_file: Path | None, rank: int | None) -> str | None:
@@ -216,8 +237,28 @@ def _read_text(path: Path) -> str | None:
         return None
 
 
+def traceback_tail(log_text: str, limit: int = TRACEBACK_LINES) -> str | None:
+    """The last ``limit`` lines of the last Python traceback in a rank's log (through its exception line), or None;
+    torchrun's own record of the error (its ``@record`` block) is not part of it."""
+    lines = _unprefixed(log_text)
+    starts = [i for i, text in enumerate(lines) if text.startswith("Traceback (most recent call last):")]
+    if not starts:
+        return None
+    block = lines[starts[-1] :]
+    end = next(
+        (i for i, text in enumerate(block) if i and _EXCEPTION_LINE.match(text) and not text.startswith(" ")), None
+    )
+    block = block[: end + 1] if end is not None else block
+    return "\n".join(block[-limit:])
+
+
+def _unprefixed(log_text: str) -> list[str]:
+    """The log's lines as the rank wrote them: without torch.distributed's "[rankN]: " on a traceback's lines."""
+    return [_RANK_LINE_PREFIX.sub("", text, count=1) for text in log_text.splitlines()]
+
+
 def _last_exception_line(log_text: str) -> str | None:
-    for text in reversed(log_text.splitlines()):
+    for text in reversed(_unprefixed(log_text)):
         if _EXCEPTION_LINE.match(text.strip()) and not text.startswith(" "):
             return text.strip()
     return None

@@ -3,7 +3,8 @@
     result = run_training(TrainRequest(config, dataset_dir, run_dir, on_line=print))
 
 The preflight's data checks, RUN_DIR/config.json and the job every rank reads (stage.py),
-the torchrun argv and the ranks' environment (command.py), then supervisor.py's ``launch``
+the torchrun argv, the ranks' environment and working directory (command.py: ddpflow's trainer, or a user's
+``train.script``), then supervisor.py's ``launch``
 (streaming, timeouts, stall watchdog, cancellation, signals passed on to the ranks to save and stop
 within ``train.preempt_grace_s``, the run-dir lock), limited by
 ``train.timeout_s`` and ``train.stall_timeout_s``; then the result.
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ddpflow.launch.command import launch_env, torchrun_command
+from ddpflow.launch.command import launch_env, rank_workdir, torchrun_command
 from ddpflow.launch.stage import TrainRequest, TrainResult, check_request, finished_result, write_job
 from ddpflow.launch.supervisor import Preemption, launch
 
@@ -42,5 +43,7 @@ def run_training(request: TrainRequest) -> TrainResult:
         should_cancel=request.should_cancel,
         cancel_check_s=request.cancel_check_s,
         preemption=Preemption.for_train(config.train, layout.nproc_per_node),  # a stop signal: save, then stop
+        cwd=rank_workdir(config),
+        show_traceback=bool(config.train.script),  # a user's script: the traceback is the user's own code
     )
-    return finished_result(run_dir, launched.restarts, ended="torchrun exited 0")
+    return finished_result(config, run_dir, launched.restarts, ended="torchrun exited 0")

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from ddpflow.launch.command import launch_env, torchrun_command
+from ddpflow.launch.command import launch_env, rank_program, torchrun_command
 from ddpflow.launch.failure import RankFailed
 from ddpflow.launch.slurm.commands import check_cluster
 from ddpflow.launch.slurm.launcher import SlurmStage, run_slurm_job
@@ -49,6 +49,7 @@ from training.inference.batch_scoring import (
     ScoreJob,
     make_plan,
 )
+from training.inference.model_file import ModelFile, checkpoint_inputs
 
 SCORING_ENTRYPOINT = "training.inference.batch_scoring"
 MODEL_FILE = "model.pt"  # OUTPUT/.score/model.pt: the model every rank (on every node) loads
@@ -68,6 +69,14 @@ class ScoreRequest:
     should_cancel: Callable[[], str | None] | None = None  # a non-empty reason stops the ranks (scancels the job)
     cancel_check_s: float = 2.0  # how often should_cancel is asked
     grace_s: float = DEFAULT_GRACE_S
+    loaded: ModelFile | None = None  # model_path already read (None: read here, once)
+    # Called once the output is known to need scoring, just before the ranks start (never for an output already
+    # complete, nor for a refused one): what the caller does while they score (ddpflow/scoring.py: the MLflow run).
+    on_ranks_start: Callable[[ScoreJob, Plan], None] | None = None
+
+    @cached_property
+    def model_file(self) -> ModelFile:
+        return self.loaded or ModelFile.read(self.model_path)
 
 
 def run_scoring(request: ScoreRequest) -> dict[str, Any]:
@@ -79,15 +88,17 @@ def run_scoring(request: ScoreRequest) -> dict[str, Any]:
     job = scoring_job(request, layout)
     output = Path(job.output)
     # DataError naming file and column; nothing written. Large row groups are cut into one piece per rank.
-    plan = make_plan(job, _model_inputs(request.model_path), layout.world_size)
+    plan = make_plan(job, checkpoint_inputs(request.model_file.meta), layout.world_size)
     done = check_output(output, plan, job)
     if done is not None:
         return {**done, "already_complete": True}
     (output / SCORE_DIR).mkdir(parents=True, exist_ok=True)
     resumed = sorted(path.name for path in output.glob("part-*.parquet"))
     run_ranks = _on_slurm if on_slurm else _on_this_machine
+    if request.on_ranks_start is not None:
+        request.on_ranks_start(job, plan)
     try:
-        run_ranks(request, layout, lambda: prepare_output(job, plan, request.model_path))
+        run_ranks(request, layout, lambda: prepare_output(job, plan, request.model_file))
     except RankFailed as failure:
         cause = failure.root_cause or ""
         if cause.startswith("DataError: "):  # the user's data, named by the rank: said once, no traceback
@@ -97,7 +108,7 @@ def run_scoring(request: ScoreRequest) -> dict[str, Any]:
     return {**manifest, "resumed_parts": len(resumed)}
 
 
-def prepare_output(job: ScoreJob, plan: Plan, model_path: str) -> Path:
+def prepare_output(job: ScoreJob, plan: Plan, model: ModelFile) -> Path:
     """What the ranks read, in OUTPUT/.score: the plan (a resumed scoring keeps its own), the model (a copy: a node
     may not see the launching machine's temporary files), the job with the ranges still to score; a stopped rank's
     unfinished part is removed (its range is scored again). Returns the job's path."""
@@ -106,8 +117,8 @@ def prepare_output(job: ScoreJob, plan: Plan, model_path: str) -> Path:
     if not any(output.glob("part-*.parquet")) or not (state / PLAN_FILE).is_file():  # a new scoring: this plan
         atomic_write_json(state / PLAN_FILE, plan.to_dict())
     copied = state / MODEL_FILE
-    if Path(model_path).resolve() != copied.resolve():
-        shutil.copyfile(model_path, copied.with_suffix(".tmp"))
+    if Path(model.path).resolve() != copied.resolve():
+        copied.with_suffix(".tmp").write_bytes(model.data)  # the bytes the command read: the file is read once
         os.replace(copied.with_suffix(".tmp"), copied)
     job = replace(job, model_path=str(copied), pending=Plan.read(state / PLAN_FILE).pending(output))
     for stale in output.glob(".part-*.tmp"):
@@ -144,7 +155,7 @@ def _on_slurm(request: ScoreRequest, layout: RankLayout, prepare: Callable[[], P
         rank_config,
         JobPaths(state),
         job_file=state / JOB_FILE,
-        entrypoint=SCORING_ENTRYPOINT,
+        program=tuple(rank_program(rank_config, state / JOB_FILE, SCORING_ENTRYPOINT)),
         nnodes=config.score.nnodes,
         layout=layout,
         visible=(state / MODEL_FILE, state / PLAN_FILE),
@@ -188,12 +199,10 @@ def scoring_job(request: ScoreRequest, layout: RankLayout) -> ScoreJob:
     score.source made absolute in the caller's directory (the project root, where `ddpflow score`
     and a deployment's flow run both start): the ranks run elsewhere (the package's root), and the manifest names
     the source a reader can find."""
-    from training.inference.model_file import load_model_checkpoint
-
     config, score = request.config, request.config.score
     if not score.source or not score.output:
         raise ConfigError("score.source and score.output are required (or --source and --output)")
-    meta = load_model_checkpoint(request.model_path)[1]
+    meta = request.model_file.meta
     task = meta["task"]
     kind = score.output_kind
     if kind == "auto":
@@ -270,9 +279,3 @@ def _rank_config(config: PipelineConfig) -> PipelineConfig:
     update = {"nproc_per_node": score.nproc_per_node, "nnodes": score.nnodes, "max_restarts": 0}
     train = config.train.model_copy(update={**update, "launcher": config.score_launcher})
     return config.model_copy(update={"train": train})
-
-
-def _model_inputs(model_path: str) -> dict[str, Any]:
-    from training.inference.model_file import checkpoint_inputs, load_model_checkpoint
-
-    return checkpoint_inputs(load_model_checkpoint(model_path)[1])

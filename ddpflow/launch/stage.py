@@ -28,8 +28,9 @@ from typing import Any, Protocol
 
 from ddpflow.launch.supervisor import DEFAULT_GRACE_S, OutputLine
 from training.core.config import PipelineConfig
+from training.core.fileio import atomic_write_json
 from training.core.job import TrainJob
-from training.core.layout import CONFIG, FINAL_MODEL, METRICS, TRAIN_JOB, run_file
+from training.core.layout import CONFIG, FINAL_MODEL, METRICS, SCRIPT_DONE, SCRIPT_PROGRAM, TRAIN_JOB, run_file
 from training.core.manifest import read_manifest
 from training.core.topology import RankLayout
 from training.preflight import check_data, check_machine
@@ -48,7 +49,9 @@ class TrainRequest:
     """Everything a launcher needs to run the train stage once; frozen, so no launcher edits its caller's."""
 
     config: PipelineConfig
-    dataset_dir: str | os.PathLike  # <data.root>/<fingerprint>, holding manifest.json
+    dataset_dir: (
+        str | os.PathLike | None
+    )  # <data.root>/<fingerprint>, holding manifest.json; None: a script without data
     run_dir: str | os.PathLike
     init_weights: str | None = None  # a model.pt to warm-start from (already resolved: a path)
     tracking_uri: str | None = None  # passed to the ranks' environment; no rank talks to MLflow
@@ -65,7 +68,7 @@ class TrainRequest:
 @dataclass
 class TrainResult:
     run_dir: str
-    model_path: str
+    model_path: str | None  # model.pt; a training script's: its exported program, None when it logged no model
     metrics: dict[str, Any] = field(default_factory=dict)  # the last line of RUN_DIR/metrics.jsonl
     restarts: int = 0  # torchrun worker-group restarts used by this launch
 
@@ -84,9 +87,12 @@ def launcher_for(config: PipelineConfig) -> Launcher:
 
 def run_train_stage(request: TrainRequest) -> TrainResult:
     """The train stage with the launcher its config names, on the config resolved for the data
-    (``training/resolve.py``: a no-op where the pipeline resolved it already)."""
+    (``training/resolve.py``: a no-op where the pipeline resolved it already; a training script has nothing to
+    resolve)."""
     layout = check_machine(request.config) if request.layout is None else request.layout
-    resolved = resolve_for_data(request.config, read_manifest(request.dataset_dir), layout.world_size)
+    resolved = request.config
+    if not resolved.train.script:
+        resolved = resolve_for_data(resolved, read_manifest(request.dataset_dir), layout.world_size)
     return launcher_for(resolved)(dataclasses.replace(request, config=resolved, layout=layout))
 
 
@@ -94,23 +100,34 @@ def run_train_stage(request: TrainRequest) -> TrainResult:
 
 
 def check_request(request: TrainRequest) -> RankLayout:
-    """The preflight's machine (unless the caller ran it) and data checks; ConfigError before anything starts."""
+    """The preflight's machine (unless the caller ran it) and data checks; ConfigError before anything starts. A
+    training script's data is its own business: only the machine is checked."""
     layout = check_machine(request.config) if request.layout is None else request.layout
-    check_data(request.config, read_manifest(request.dataset_dir), layout)
+    if not request.config.train.script:
+        check_data(request.config, read_manifest(request.dataset_dir), layout)
     return layout
 
 
-def write_job(request: TrainRequest, run_dir: Path, dataset_dir: str | os.PathLike) -> Path:
+def write_job(request: TrainRequest, run_dir: Path, dataset_dir: str | os.PathLike | None) -> Path:
     """RUN_DIR/config.json and the TrainJob every rank reads (RUN_DIR/train_config.json); its path."""
     request.config.write_json(run_file(run_dir, CONFIG))
     job = TrainJob(
-        config=request.config, dataset_dir=str(dataset_dir), run_dir=str(run_dir), init_weights=request.init_weights
+        config=request.config,
+        dataset_dir=None if dataset_dir is None else str(dataset_dir),
+        run_dir=str(run_dir),
+        init_weights=request.init_weights,
     )
     return job.write(run_file(run_dir, TRAIN_JOB))
 
 
-def finished_result(run_dir: Path, restarts: int, ended: str) -> TrainResult:
-    """The result of a launch that ended well (``ended`` says how, for the error when model.pt is missing)."""
+def finished_result(config: PipelineConfig, run_dir: Path, restarts: int, ended: str) -> TrainResult:
+    """The result of a launch that ended well (``ended`` says how, for the error when model.pt is missing). A
+    training script's run is marked done (RUN_DIR/script/done.json: finished, never resumed) and its model is the
+    program ``ddpflow.log_model`` exported, if it logged one."""
+    if config.train.script:
+        atomic_write_json(run_file(run_dir, SCRIPT_DONE), {"restarts": restarts, "ended": ended})
+        program = run_file(run_dir, SCRIPT_PROGRAM)
+        return TrainResult(str(run_dir), str(program) if program.is_file() else None, {}, restarts)
     model_path = run_file(run_dir, FINAL_MODEL)
     if not model_path.is_file():
         raise RuntimeError(f"{ended} but wrote no {model_path}: training did not finish")

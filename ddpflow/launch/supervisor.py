@@ -87,6 +87,7 @@ DEFAULT_GRACE_S = 5.0  # SIGTERM -> SIGKILL
 # torchrun --tee prefixes each rank's lines with "[<role><local_rank>]:".
 _RANK_PREFIX = re.compile(r"^\[(?P<role>[A-Za-z_]*?)(?P<rank>\d+)\]:(?P<line>.*)$")
 _POLL_S = 0.2  # how often the wait loop checks exit, deadlines and cancellation
+_TRACEBACK = "Traceback (most recent call last):"
 _SCAN_S = 1.0  # how often the descendants are recorded
 
 
@@ -97,7 +98,8 @@ _SCAN_S = 1.0  # how often the descendants are recorded
 class OutputLine:
     """One line of torchrun's output. ``rank`` is the local rank, None for torchrun's own lines.
     ``after_stop``: printed after the launcher began stopping the tree (torchrun's shutdown: its
-    ``SignalException`` traceback), for the log rather than a person's console."""
+    ``SignalException`` traceback) or in torchrun's own report of a failed rank (its ``ChildFailedError``
+    traceback), for the log rather than a person's console."""
 
     rank: int | None
     text: str
@@ -197,7 +199,10 @@ def read_preempted(run_dir: str | os.PathLike) -> dict | None:
 
 
 def describe_preempted(record: dict) -> str:
-    """ "preempted by SIGTERM: saved step 7 of epoch 1 (PATH)" from RUN_DIR/preempted.json."""
+    """ "preempted by SIGTERM: saved step 7 of epoch 1 (PATH)" from RUN_DIR/preempted.json (a training script's:
+    "preempted by SIGTERM: the script saved in PATH")."""
+    if record.get("script"):
+        return f"preempted by {record.get('signal')}: the script saved in {record.get('checkpoint')}"
     step, epoch = int(record.get("step") or 0), int(record.get("epoch") or 0)
     where = f"step {step} of epoch {epoch + 1}" if step else f"the end of epoch {epoch}"
     return f"preempted by {record.get('signal')}: saved {where} ({record.get('checkpoint')})"
@@ -223,12 +228,15 @@ def launch(
     should_cancel: Callable[[], str | None] | None = None,
     cancel_check_s: float = 2.0,
     preemption: Preemption | None = None,
+    cwd: str | os.PathLike = PROJECT_ROOT,
+    show_traceback: bool = False,
 ) -> LaunchResult:
-    """Run ``argv`` (torchrun) to completion, streaming its lines to ``on_line`` in THIS thread.
+    """Run ``argv`` (torchrun) to completion in ``cwd``, streaming its lines to ``on_line`` in THIS thread.
 
     Raises RankFailed / LaunchTimeout / LaunchStalled / LaunchInterrupted, each after the
     whole tree is gone. ``should_cancel()`` is polled every ``cancel_check_s``; a non-empty
-    string it returns is the reason to stop. ``preemption``: a first stop signal is passed on to the ranks
+    string it returns is the reason to stop. ``show_traceback``: a failed rank's error ends with the last lines of its
+    traceback (a user's training script). ``preemption``: a first stop signal is passed on to the ranks
     (module doc); without it every signal kills the tree. Ranks that stopped preempted: ``LaunchPreempted``,
     or what the handler of the signal the launcher held back raises.
     """
@@ -239,7 +247,7 @@ def launch(
         jobs_before = set(log_root.iterdir()) if log_root.is_dir() else set()
         for stale in (ERROR_FILE, PREEMPTED):  # an old attempt's error or stop must not be read as this one's
             (run_dir / stale).unlink(missing_ok=True)
-        launcher = _Launcher(argv, run_dir, env, on_line, grace_s, preemption)
+        launcher = _Launcher(argv, run_dir, env, on_line, grace_s, preemption, cwd)
         try:
             with launcher.signals_forwarded():  # before start: no window where a signal skips the kill
                 launcher.start()
@@ -261,15 +269,18 @@ def launch(
         if preempted is not None:  # whoever signalled the ranks (torchrun, one rank): saved, resumable
             raise LaunchPreempted(describe_preempted(preempted), preempted)
         if launcher.proc.returncode != 0:
-            raise failure_from_output(run_dir, job_dir, launcher.tail, launcher.proc.returncode)
+            raise failure_from_output(run_dir, job_dir, launcher.tail, launcher.proc.returncode, show_traceback)
         # Finished: the PIDs matter no more. A failed or stopped launch keeps them, to show what was stopped.
         (run_dir / PID_FILE).unlink(missing_ok=True)
         return result
 
 
 class _Launcher:
-    def __init__(self, argv, run_dir: Path, env, on_line, grace_s: float, preemption: Preemption | None = None):
+    def __init__(
+        self, argv, run_dir: Path, env, on_line, grace_s: float, preemption: Preemption | None = None, cwd=PROJECT_ROOT
+    ):
         self.argv = argv
+        self.cwd = cwd
         self.run_dir = run_dir
         self.env = env
         self.on_line = on_line
@@ -286,6 +297,7 @@ class _Launcher:
         self.held: tuple[int, float] | None = None  # a stop signal passed on to the ranks, and its deadline
         self.replaced: dict[int, object] = {}  # the handlers forward_signals replaced (to chain a held signal)
         self._said_held = False
+        self._torchrun_failing = False  # torchrun began printing its failure report
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
@@ -297,7 +309,7 @@ class _Launcher:
             bufsize=1,
             errors="replace",
             env=self.env,
-            cwd=str(PROJECT_ROOT),
+            cwd=str(self.cwd),
             start_new_session=True,  # torchrun's own session and group: signals to ours don't hit it first
         )
         self.tree = ProcessTree(self.proc)
@@ -321,7 +333,12 @@ class _Launcher:
 
     def _deliver(self, raw: str) -> None:
         self.last_output = time.monotonic()
-        line = parse_line(raw, after_stop=self.stopping)
+        line = parse_line(raw, after_stop=self.stopping or self._torchrun_failing)
+        if line.rank is None and line.text.startswith(_TRACEBACK):
+            # torchrun's own report of a failed rank (ChildFailedError): for the log and the failure analysis (the
+            # launch's error says the root cause); the console has the rank's own lines already.
+            self._torchrun_failing = True
+            line = OutputLine(line.rank, line.text, after_stop=True)
         if not line.text.strip():
             return  # torchrun's tail emits empty "[defaultN]:" lines; they say nothing
         if line.rank is None:

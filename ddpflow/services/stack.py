@@ -4,6 +4,7 @@
     status(project)         what runs, and where                          (`ddpflow stack status`)
     down(project)           stop exactly what `up` started                (`ddpflow stack down`)
     running_prefect_api()   the stack's Prefect API if it answers: `ddpflow run` uses it
+    shell_env(project)      PREFECT_HOME and PREFECT_API_URL for a shell's `prefect` (`ddpflow stack env`)
 
 The command line (flows/cli.py) parses the arguments and prints; nothing here does either.
 
@@ -397,6 +398,16 @@ def status(project: str | Path = ".", *, state_dir: str | Path | None = None) ->
         "processes": processes,
         "state": str(layout.stack_file),
     }
+
+
+def shell_env(project: str | Path = ".", *, state_dir: str | Path | None = None) -> dict[str, str]:
+    """What a shell needs for its ``prefect`` commands to reach this project's stack: the stack's Prefect home
+    (profiles, settings) and API. A StackError when no stack is recorded."""
+    layout = StackLayout.for_project(project, state_dir)
+    state = StackState.read(layout.stack_file)
+    if state is None:
+        raise StackError(f"no stack is running for {layout.project} ({layout.stack_file} does not exist)")
+    return {"PREFECT_HOME": str(layout.prefect_home), "PREFECT_API_URL": state.prefect_api_url}
 
 
 def running_prefect_api(project: str | Path = ".", *, state_dir: str | Path | None = None) -> tuple[str | None, str]:

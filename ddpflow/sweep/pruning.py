@@ -5,6 +5,10 @@ a thread of the process that holds the Optuna study, reads each new line, report
 trial (``trial.report(value, epoch)``), asks ``trial.should_prune()``, and writes the verdict the ranks wait
 for at the epoch boundary (training/loop/stop_request.py: ``write_verdict``), where the flag is all-reduced
 so every rank stops after the same epoch. A trial's last epoch needs no verdict: it ends there anyway.
+
+A training script's trial has no epochs of ddpflow's: ``ReportJudge`` follows its reports instead
+(RUN_DIR/script/reports.jsonl, ``ddpflow.report``), reports each value of the objective at the report's step, and
+a pruned trial gets the stop file its ranks' ``ddpflow.should_stop()`` reads (``write_stop``): nothing waits.
 """
 
 from __future__ import annotations
@@ -15,9 +19,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from training.core.layout import METRICS, run_file
+from training.core.layout import METRICS, SCRIPT_REPORTS, run_file
 from training.loop.metrics_sink import read_metrics_lines
-from training.loop.stop_request import verdicts_dir, write_verdict
+from training.loop.stop_request import verdicts_dir, write_stop, write_verdict
 
 logger = logging.getLogger(__name__)
 POLL_S = 0.2
@@ -73,3 +77,33 @@ class EpochJudge:
         if stop:
             self.pruned_at = epoch
         write_verdict(self.run_dir, epoch, stop or self.pruned_at is not None)
+
+
+class ReportJudge(EpochJudge):
+    """Follows a training script's reports while its ranks run (module doc); ``pruned_at`` is the report's step."""
+
+    def __init__(self, trial: Any, run_dir: str | Path, objective: str):
+        super().__init__(trial, run_dir, objective, epochs=0)
+        self.path = run_file(self.run_dir, SCRIPT_REPORTS)
+        self.lines_judged = 0
+
+    def catch_up(self) -> None:
+        """Judge every report line not judged yet; never raises."""
+        try:
+            lines = read_metrics_lines(self.path)
+            for line in lines[self.lines_judged :]:
+                value = (line.get("metrics") or {}).get(self.objective)
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self._judge_report(int(line.get("step", 0)), float(value))
+            self.lines_judged = max(self.lines_judged, len(lines))
+        except Exception as error:
+            logger.warning("sweep: could not judge %s: %s", self.path, error)
+
+    def _judge_report(self, step: int, value: float) -> None:
+        self.last_value = value
+        if self.pruned_at is not None:
+            return
+        self.trial.report(value, step)
+        if self.trial.should_prune():
+            self.pruned_at = step
+            write_stop(self.run_dir)

@@ -20,6 +20,7 @@ from ddpflow.sweep.space import Sweep
 from ddpflow.sweep.study import (
     MODEL_PATH,
     PARENT_RUN,
+    RUN_DIR,
     RUN_ID,
     best_trial,
     decode,
@@ -35,6 +36,7 @@ from training.core.manifest import Manifest
 from training.core.topology import RankLayout
 from training.models.registry import with_resolved_model
 from training.preflight import check_data
+from training.resolve import resolve_script
 
 
 @dataclass
@@ -43,14 +45,15 @@ class BestTrial:
     value: float
     params: dict[str, Any]
     run_id: str
-    model_path: str
+    model_path: str | None  # a training script's: its exported program, None when it logged no model
     config: Any  # PipelineConfig of the trial
+    run_dir: str | None = None
 
 
 def open_sweep(
     sweep: Sweep,
-    dataset_dir: str,
-    manifest: Manifest,
+    dataset_dir: str | None,
+    manifest: Manifest | None,
     layout: RankLayout,
     tracking_uri: str,
     prefect_context: dict[str, Any],
@@ -58,9 +61,13 @@ def open_sweep(
     report: Callable[[str], None] = print,
     **options: Any,
 ):
-    """The study (created or resumed, interrupted trials queued again) and the parent MLflow run."""
-    base = with_resolved_model(sweep.base, manifest)
-    check_data(base, manifest, layout)  # the base config fits the data; each trial's values are checked too
+    """The study (created or resumed, interrupted trials queued again) and the parent MLflow run. ``manifest``
+    None: a training script without a data section."""
+    if sweep.base.train.script:
+        base = resolve_script(sweep.base)  # its data and model are its own: nothing to check against data
+    else:
+        base = with_resolved_model(sweep.base, manifest)
+        check_data(base, manifest, layout)  # the base config fits the data; each trial's values are checked too
     directory = sweep_dir(sweep)
     study = open_study(sweep, directory)
     for number in requeue_interrupted(study):
@@ -70,7 +77,7 @@ def open_sweep(
     run_context = {
         "tracking_uri": tracking_uri,
         "prefect_context": prefect_context,
-        "fingerprint": manifest.fingerprint,
+        "fingerprint": manifest.fingerprint if manifest is not None else None,
         "manifest": manifest,
         "ddp": {"nproc_per_node": layout.nproc_per_node, "nnodes": layout.nnodes, "world_size": layout.world_size,
                 "backend": layout.backend},
@@ -82,7 +89,8 @@ def open_sweep(
     )
     study.set_user_attr(PARENT_RUN, parent)
     setup = SweepSetup(
-        sweep, directory, str(dataset_dir), manifest, layout, tracking_uri, parent, run_context, train, report,
+        sweep, directory, dataset_dir and str(dataset_dir), manifest, layout, tracking_uri, parent, run_context, train,
+        report,
         **options,
     )  # fmt: skip
     return setup, study
@@ -101,8 +109,8 @@ def summarise(setup: SweepSetup, study: Any) -> BestTrial | None:
         return None
     params = decode(sweep, best.params)
     return BestTrial(
-        best.number, best.value, params, best.user_attrs[RUN_ID], best.user_attrs[MODEL_PATH],
-        trial_config(setup, params),
+        best.number, best.value, params, best.user_attrs[RUN_ID], best.user_attrs.get(MODEL_PATH),
+        trial_config(setup, params), best.user_attrs.get(RUN_DIR),
     )  # fmt: skip
 
 

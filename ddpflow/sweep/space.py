@@ -17,7 +17,8 @@ the space's keys applied as ``--set`` overrides (``Sweep.trial_config``); only `
 the weights may vary, so every trial shares one prepared dataset. Every error is a ``ConfigError`` naming
 ``sweep.<field>``: an empty space, a key that does not exist, a ``data.*`` key, ``low > high``, ``log`` with
 ``low <= 0``, an end of a range or a choice the field itself refuses, a test metric as the objective, more
-ranks at once than the machine has (``check_sweep_machine``).
+ranks at once than the machine has (``check_sweep_machine``). A training script's sweep tunes its
+``train.script_params.KEY`` (or any weight-changing train key) and is judged by the metric it reports.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ from training.core.directions import higher_is_better
 from training.core.topology import RankLayout
 
 SECTION = "sweep"
-FREE_FORM = ("model_kwargs", "optimizer_kwargs")  # train dicts whose keys belong to the model or optimizer
+# train dicts whose keys belong to the model, the optimizer or a training script (its --key value arguments)
+FREE_FORM = ("model_kwargs", "optimizer_kwargs", "script_params")
 # Weight-changing train fields that are the sweep's shape, not a hyperparameter of one trial.
 NOT_TUNABLE = {
     "nproc_per_node": "every trial runs on the same ranks (parallel x nproc_per_node is checked against the machine)",
@@ -93,7 +95,9 @@ class SweepConfig(_Strict):
     trials: int = Field(..., ge=1, description="Trials in all, a resumed sweep's included.")
     parallel: int = Field(1, ge=1, description="Trials at once; each takes train.nproc_per_node ranks.")
     objective: str | None = Field(
-        None, description="The validation metric a trial is judged by (default train.monitor); never a test metric."
+        None,
+        description="The validation metric a trial is judged by (default train.monitor); never a test metric. A "
+        "training script's trial: the metric it reports (ddpflow.report), required.",
     )
     sampler: Literal["tpe", "random", "grid"] = "tpe"
     pruner: Literal["median", "asha", "none"] = "median"
@@ -106,14 +110,6 @@ class SweepConfig(_Strict):
         default_factory=list, description="Points tried first, each {key: value} over space keys (others sampled)."
     )
     name: str | None = Field(None, description="The study's name; default: from the model name and the config.")
-
-    @field_validator("objective")
-    @classmethod
-    def _validation_metric(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith("val_"):
-            why = " (the test split is only for the best trial, through the gate)" if value.startswith("test_") else ""
-            raise ValueError(f"{value!r} is not a validation metric{why}: name one such as val_loss or val_accuracy")
-        return value
 
     @field_validator("space")
     @classmethod
@@ -186,6 +182,7 @@ def sweep_from_raw(raw: dict[str, Any]) -> Sweep:
     except ValidationError as error:
         raise ConfigError(format_validation_error(error).replace(": ", ": sweep.", 1)) from None
     base = validate_config(raw)
+    _check_objective(sweep.objective, base)
     result = Sweep(base, raw, sweep)
     for key, dimension in sweep.space.items():
         _check_key(key)
@@ -193,6 +190,22 @@ def sweep_from_raw(raw: dict[str, Any]) -> Sweep:
     _check_enqueued(sweep)
     _check_grid(result)
     return result
+
+
+def _check_objective(objective: str | None, base: PipelineConfig) -> None:
+    """ddpflow's trainer: a validation metric (the test split is the best trial's alone, through the gate). A
+    training script: the metric it reports, named, whatever its split (the script's data is its own)."""
+    if base.train.script:
+        if objective is None:
+            raise ConfigError(
+                "sweep.objective: name the metric your script reports (ddpflow.report) that a trial is judged by"
+            )
+        return
+    if objective is not None and not objective.startswith("val_"):
+        why = " (the test split is only for the best trial, through the gate)" if objective.startswith("test_") else ""
+        raise ConfigError(
+            f"sweep.objective: {objective!r} is not a validation metric{why}: name one such as val_loss or val_accuracy"
+        )
 
 
 def _check_key(key: str) -> None:

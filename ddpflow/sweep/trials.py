@@ -9,7 +9,8 @@ One trial (``run_trial``): ``study.ask`` gives its values; its config is the bas
 interrupted attempt left (``find_resumable_run``: the same training identity, resumed from its checkpoint)
 or a new ``trial-NNN``; an MLflow child run nests under the sweep's parent; ``setup.train`` launches it
 through the train stage (``ddpflow/launch/stage.py``: the launcher ``train.launcher`` names, local or
-Slurm) while ``EpochJudge`` reports each epoch to the pruner. How it ended is told to Optuna:
+Slurm) while ``EpochJudge`` reports each epoch to the pruner (a training script's trial: ``ReportJudge``, each
+report of the objective). How it ended is told to Optuna:
 complete (its value: the selected epoch's objective, the weights model.pt holds), pruned (the last value
 reported), or failed with its reason (a crash, NaN, a config the data refuses); the sweep goes on. An
 interruption (Ctrl-C, SIGTERM, a cancelled flow run) leaves the trial RUNNING for the next run of the same
@@ -33,7 +34,7 @@ from ddpflow.launch.failure import LaunchInterrupted
 from ddpflow.launch.stage import TrainRequest, TrainResult
 from ddpflow.launch.supervisor import DEFAULT_GRACE_S
 from ddpflow.rundirs import find_resumable_run, new_run_dir, record_mlflow_run
-from ddpflow.sweep.pruning import EpochJudge
+from ddpflow.sweep.pruning import EpochJudge, ReportJudge
 from ddpflow.sweep.space import Sweep
 from ddpflow.sweep.study import (
     FAIL_REASON,
@@ -56,6 +57,7 @@ from training.core.topology import RankLayout
 from training.loop.selection import SELECTED_PREFIX
 from training.models.registry import with_resolved_model
 from training.preflight import check_data
+from training.resolve import resolve_script
 
 COMPLETE, PRUNED, FAILED = "complete", "pruned", "failed"
 _STATES = {TrialState.COMPLETE: COMPLETE, TrialState.PRUNED: PRUNED, TrialState.FAIL: FAILED}
@@ -65,8 +67,8 @@ _STATES = {TrialState.COMPLETE: COMPLETE, TrialState.PRUNED: PRUNED, TrialState.
 class SweepSetup:
     sweep: Sweep
     directory: Path  # ddpflow/sweep/study.py: sweep_dir
-    dataset_dir: str
-    manifest: Manifest
+    dataset_dir: str | None  # None (and no manifest): a training script without a data section
+    manifest: Manifest | None
     layout: RankLayout
     tracking_uri: str
     parent_run_id: str
@@ -136,9 +138,11 @@ def run_trials(setup: SweepSetup, study: optuna.Study) -> None:
 
 
 def trial_config(setup: SweepSetup, params: dict[str, Any]) -> PipelineConfig:
-    """The base config with the trial's values, its runs under the sweep's directory, the model resolved."""
+    """The base config with the trial's values, its runs under the sweep's directory, the model resolved (a
+    training script: its path and hash, training/resolve.py)."""
     run_root = str(setup.directory / TRIALS_DIR)
-    return with_resolved_model(setup.sweep.trial_config({**params, "train.run_root": run_root}), setup.manifest)
+    config = setup.sweep.trial_config({**params, "train.run_root": run_root})
+    return resolve_script(config) if config.train.script else with_resolved_model(config, setup.manifest)
 
 
 def run_trial(setup: SweepSetup, study: optuna.Study, trial: optuna.Trial) -> TrialOutcome:
@@ -147,17 +151,21 @@ def run_trial(setup: SweepSetup, study: optuna.Study, trial: optuna.Trial) -> Tr
     outcome = TrialOutcome(trial.number, params, FAILED)
     try:
         config = trial_config(setup, params)
-        check_data(config, setup.manifest, setup.layout)  # e.g. a batch size above a rank's share of the rows
+        if not config.train.script:  # a training script's data and batch are its own
+            check_data(config, setup.manifest, setup.layout)  # e.g. a batch size above a rank's share of the rows
     except ValueError as error:
         return _failed(setup, study, trial, outcome, error)
     run_root = Path(config.train.run_root)
-    fingerprint = setup.manifest.fingerprint
+    fingerprint = setup.manifest.fingerprint if setup.manifest is not None else None
     run_dir = find_resumable_run(run_root, fingerprint, config) or new_run_dir(run_root, f"trial-{trial.number:03d}")
     outcome.run_id = run_id = start_trial_run(
         config, setup.parent_run_id, setup.sweep.study_name(), trial.number, run_dir, setup.run_context
     )
     objective = setup.sweep.objective
-    judge = EpochJudge(trial, run_dir, objective, config.train.epochs)
+    if config.train.script:
+        judge = ReportJudge(trial, run_dir, objective)  # its reports, not ddpflow's epochs
+    else:
+        judge = EpochJudge(trial, run_dir, objective, config.train.epochs)
     try:
         _record_run(setup, trial, run_dir, run_id)
         request = TrainRequest(
@@ -181,7 +189,7 @@ def run_trial(setup: SweepSetup, study: optuna.Study, trial: optuna.Trial) -> Tr
         study.tell(trial, state=TrialState.PRUNED)
         finish_trial_run(setup.tracking_uri, run_id, PRUNED, judge.last_value, pruned_at=judge.pruned_at)
         return outcome
-    value = result.metrics.get(SELECTED_PREFIX + objective, judge.last_value)
+    value = result.metrics.get(SELECTED_PREFIX + objective, judge.last_value)  # a script's: its last report
     if not isinstance(value, (int, float)) or not math.isfinite(value):
         error = ValueError(f"{objective} is {value} after training: nothing to judge the trial by")
         return _failed(setup, study, trial, outcome, error)
@@ -219,7 +227,7 @@ def progress_line(study: optuna.Study, outcome: TrialOutcome, sweep: Sweep) -> s
     shown = {key.removeprefix("train."): value for key, value in outcome.params.items()}
     how = {
         COMPLETE: f"complete: {sweep.objective} {outcome.value:.6g}" if outcome.value is not None else COMPLETE,
-        PRUNED: f"pruned after epoch {(outcome.pruned_at or 0) + 1} ({sweep.objective} {outcome.value})",
+        PRUNED: f"pruned {_where(outcome.pruned_at, sweep)} ({sweep.objective} {outcome.value})",
         FAILED: f"failed: {outcome.reason}",
     }[outcome.state]
     done = finished_trials(study)
@@ -228,6 +236,13 @@ def progress_line(study: optuna.Study, outcome: TrialOutcome, sweep: Sweep) -> s
     best = best_trial(study)
     best_text = f"best {sweep.objective} {best.value:.6g} (trial {best.number})" if best is not None else "no best yet"
     return f"trial {outcome.trial} {shown}: {how} · {len(done)}/{sweep.sweep.trials} done: {tally} · {best_text}"
+
+
+def _where(pruned_at: int | None, sweep: Sweep) -> str:
+    """After ddpflow's epoch N (1-based), or at a training script's report step."""
+    if sweep.base.train.script:
+        return f"at step {pruned_at}"
+    return f"after epoch {(pruned_at or 0) + 1}"
 
 
 def trial_rows(study: optuna.Study, sweep: Sweep) -> list[dict[str, Any]]:

@@ -6,9 +6,14 @@
 Decisions:
 - ``rejected``: a metric is NaN/inf; the gate metric misses ``registry.min_metric``; it does not beat the
   trivial baseline (``baseline_trivial/<metric>``: the train prior or mean on the same test rows) by more
-  than ``registry.min_lift`` (so guessing is never crowned, not even as the first model); or, with
+  than ``registry.min_lift`` (so guessing is never crowned, not even as the first model); a two-class ROC AUC
+  that beats 0.5 by no more than chance would while the log loss does not beat the prior's either
+  (``ranking_noise_reason``); or, with
   ``registry.require_reference``, it trails the reference model (``baseline_reference/<metric>``) by more
-  than ``registry.reference_margin`` (without it: ``reference_warning``, a warning).
+  than ``registry.reference_margin`` (without it: ``reference_warning``, a warning). A candidate that does not
+  beat the trivial baseline on the gate metric but does on its signal metric (the test log loss, the RMSE:
+  ``GateRules.signal_metric``) is not called "no better than guessing": the reason says what it fails and which
+  ``registry.metric`` would judge what it learnt (``no_lift_reason``).
 - ``promoted``: no champion yet; the candidate beats the champion (both scored on the
   same test shards) by more than ``min_delta``; the champion loads but cannot score
   this data (``incompatible``); or the champion is unreadable and the user opted in
@@ -35,7 +40,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ddpflow.drift.psi import FeatureDrift
-from training.core.directions import higher_is_better as metric_higher_is_better  # noqa: F401 (the gate's rule)
+from training.core.directions import higher_is_better as metric_higher_is_better  # the gate's rule
 from training.core.monitor import is_better
 from training.inference.baselines import REFERENCE, TRIVIAL, baseline_metric, model_metrics
 
@@ -66,6 +71,11 @@ class GateRules:
     min_lift: float = 0.0
     require_reference: bool = False
     reference_margin: float = 0.02
+    # The proper score that tells a model that learnt something from a guess whatever the gate metric (the test log
+    # loss, the RMSE: training/objectives/base.py ``Evaluation.signal_metric``); None: none (a language model).
+    signal_metric: str | None = None
+    # What a rejection may suggest gating on instead, in order (the two-class ranking metric, the signal metric).
+    alternatives: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -120,14 +130,88 @@ def rejection_reason(metrics: dict[str, float], rules: GateRules) -> str | None:
         and math.isfinite(trivial)
         and not is_better(value, trivial, rules.greater_is_better, rules.min_lift)
     ):
-        return (
-            f"{rules.metric}={value:.6g} does not beat the trivial baseline's {trivial:.6g} (the train split's "
-            f"class prior or mean on the same test rows) by more than registry.min_lift={rules.min_lift:g}: "
-            "no better than guessing"
-        )
+        return no_lift_reason(metrics, rules)
+    noise = ranking_noise_reason(metrics, rules)
+    if noise is not None:
+        return noise
     if rules.require_reference:
         return reference_warning(metrics, rules, "registry.require_reference is true")
     return None
+
+
+def no_lift_reason(metrics: dict[str, float], rules: GateRules) -> str:
+    """Why a candidate that does not beat the trivial baseline on the gate metric by more than ``min_lift`` is
+    rejected: "no better than guessing" only while its signal metric does not beat the baseline's either; else
+    what it fails, and the ``registry.metric`` that would judge what it learnt (``GateRules.alternatives``)."""
+    value, trivial = metrics[rules.metric], metrics[baseline_metric(TRIVIAL, rules.metric)]
+    text = (
+        f"{rules.metric}={value:.6g} does not beat the trivial baseline's {trivial:.6g} (the train split's class "
+        f"prior or mean on the same test rows) by more than registry.min_lift={rules.min_lift:g}"
+    )
+    signal = rules.signal_metric
+    if signal is None or signal == rules.metric or not beats_trivial(metrics, signal, rules.min_lift):
+        return f"{text}: no better than guessing"
+    fails = (
+        f"its {rules.metric.partition('_')[2]} equals the majority class's share"
+        if rules.metric.endswith("_accuracy") and value == trivial
+        else f"it does not show on {rules.metric}"
+    )
+    better = (
+        f"{signal}={metrics[signal]:.6g} beats the trivial baseline's {metrics[baseline_metric(TRIVIAL, signal)]:.6g}"
+    )
+    instead = next(
+        (name for name in rules.alternatives if name != rules.metric and beats_trivial(metrics, name, rules.min_lift)),
+        signal,
+    )
+    return (
+        f"{text}; not a guess: its {better}, so it learnt something, but {fails}; set registry.metric: {instead} "
+        f"to gate on {GATES_ON.get(instead.partition('_')[2], instead)}"
+    )
+
+
+RANKING_NOISE_Z = 1.645  # one-sided 95 %: a ROC AUC this many standard errors above 0.5 is not chance
+
+
+def ranking_noise_reason(metrics: dict[str, float], rules: GateRules) -> str | None:
+    """A two-class model whose ROC AUC beats the trivial baseline's 0.5 by no more than chance would on its test
+    rows (``RANKING_NOISE_Z`` standard errors of a model that cannot rank: sqrt((n0 + n1 + 1) / (12 n0 n1)), from
+    the split's class counts) and whose signal metric (the log loss) does not beat the prior's either: no better
+    than guessing, what a model trained on shuffled labels scores. None otherwise (a ranking beyond chance, or a
+    log loss that shows what it learnt)."""
+    if not rules.metric.endswith("_roc_auc"):
+        return None
+    split = rules.metric.removesuffix("_roc_auc")
+    rows, share = metrics.get(f"{split}_samples"), metrics.get(f"{split}_majority_share")
+    if not rows or share is None or not 0 < share < 1:
+        return None
+    major = round(rows * share)
+    minor = round(rows) - major
+    if minor <= 0:
+        return None
+    noise = RANKING_NOISE_Z * math.sqrt((major + minor + 1) / (12 * major * minor))
+    value = float(metrics[rules.metric])
+    if value - 0.5 > noise + rules.min_lift:
+        return None
+    signal = rules.signal_metric
+    if signal is not None and beats_trivial(metrics, signal, rules.min_lift):
+        return None
+    return (
+        f"{rules.metric}={value:.6g} is within chance of guessing's 0.5 on these test rows (a model that cannot rank "
+        f"scores up to {0.5 + noise:.3g} one time in 20 with {minor} and {major} rows of the two classes), and "
+        f"its {signal} does not beat the trivial baseline's: no better than guessing"
+    )
+
+
+GATES_ON = {"roc_auc": "ranking", "log_loss": "the probabilities", "loss": "the loss", "rmse": "the errors"}
+
+
+def beats_trivial(metrics: dict[str, float], metric: str, min_lift: float) -> bool:
+    """Whether the candidate's ``metric`` beats the trivial baseline's by more than ``min_lift`` (its direction:
+    ``metric_higher_is_better``); False when either is missing or not finite."""
+    value, trivial = metrics.get(metric), metrics.get(baseline_metric(TRIVIAL, metric))
+    if value is None or trivial is None or not math.isfinite(trivial):
+        return False
+    return is_better(float(value), float(trivial), metric_higher_is_better(metric), min_lift)
 
 
 TRAILING_HELP = "docs/models.md, 'When the mlp trails the reference'"

@@ -1,5 +1,5 @@
-"""The one mirror of training metrics into MLflow: rank 0's RUN_DIR/metrics.jsonl and steps.jsonl -> the
-pipeline's run.
+"""The one mirror of training metrics into MLflow: rank 0's RUN_DIR/metrics.jsonl and steps.jsonl (a training
+script's: RUN_DIR/script/reports.jsonl) -> the pipeline's run.
 
 Rank 0 only appends to the files (training/loop/metrics_sink.py); no rank imports
 MLflow. The process that launched torchrun follows them and logs each epoch
@@ -10,6 +10,10 @@ earlier one, or a torchrun restart; and each per-step line of steps.jsonl
 so a long epoch shows a curve in the MLflow UI. Each epoch line also carries
 ``selected_epoch`` and that epoch's validation metrics (``selected_val_loss``...):
 the run's latest values are the selection model.pt holds (training/loop/selection.py).
+
+A training script's reports (``ddpflow.report``: ddpflow/script/reporting.py) land as they were made, each metric
+at the report's step; several reports may share a step, so they are counted by line, not by step: the run's tag
+``ddpflow.reports_mirrored`` holds how many lines it has, so a retried task does not log them twice.
 """
 
 from __future__ import annotations
@@ -24,12 +28,14 @@ from typing import Any
 from mlflow import MlflowClient
 from mlflow.entities import Metric
 
-from training.core.layout import STEP_METRICS
+from training.core.layout import SCRIPT_REPORTS, STEP_METRICS
 from training.loop.metrics_sink import STEP_CURVES, STEP_KEY, read_metrics_lines
 
 STEP_LR = STEP_CURVES[1]  # every step line has it (a line whose rank-0 rows were all padding has no loss)
 
 STEP_PROBE_METRIC = "train_loss"  # every epoch line has it: its history says which epochs the run holds
+REPORTS_MIRRORED_TAG = "ddpflow.reports_mirrored"  # a training script's report lines the run holds
+MAX_BATCH_METRICS = 1000  # MLflow's log_batch limit
 
 
 class _Followed:
@@ -67,6 +73,7 @@ class EpochMetricsFollower:
             _Followed(self.path, "epoch", STEP_PROBE_METRIC),
             _Followed(self.path.with_name(STEP_METRICS), STEP_KEY, STEP_LR, drop=("epoch",)),
         ]
+        self._reports = _Reports(self.path.parent / SCRIPT_REPORTS, run_id, tracking_uri)
         self._wake = threading.Event()
         self._closing = False
         self._thread: threading.Thread | None = None
@@ -105,9 +112,10 @@ class EpochMetricsFollower:
                 return
 
     def catch_up(self) -> None:
-        """Log every complete line (epoch, step) the run does not hold yet; never raises."""
+        """Log every complete line (epoch, step, report) the run does not hold yet; never raises."""
         for followed in self._files:
             self._catch_up(followed)
+        self._reports.catch_up()
 
     def _catch_up(self, followed: _Followed) -> None:
         try:
@@ -130,6 +138,41 @@ class EpochMetricsFollower:
         except Exception as error:
             followed.size_seen = -1
             logger.warning("could not mirror %s into MLflow run %s: %s", followed.path, self.run_id, error)
+
+
+class _Reports:
+    """A training script's RUN_DIR/script/reports.jsonl, mirrored line by line (module doc)."""
+
+    def __init__(self, path: Path, run_id: str, tracking_uri: str):
+        self.path, self.run_id, self.tracking_uri = path, run_id, tracking_uri
+        self.size_seen = -1
+        self.mirrored: int | None = None  # lines the run holds; read from its tag on the first line
+
+    def catch_up(self) -> None:
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            return
+        if size == self.size_seen:
+            return
+        try:
+            client = MlflowClient(self.tracking_uri)
+            if self.mirrored is None:
+                self.mirrored = int(client.get_run(self.run_id).data.tags.get(REPORTS_MIRRORED_TAG, 0))
+            lines = read_metrics_lines(self.path)  # a torn last line is skipped now, read on the next change
+            metrics = [
+                Metric(name, float(value), int(float(line.get("time", 0)) * 1000), int(line.get("step", 0)))
+                for line in lines[self.mirrored :]
+                for name, value in (line.get("metrics") or {}).items()
+            ]
+            for start in range(0, len(metrics), MAX_BATCH_METRICS):
+                client.log_batch(self.run_id, metrics=metrics[start : start + MAX_BATCH_METRICS])
+            if len(lines) > self.mirrored:
+                client.set_tag(self.run_id, REPORTS_MIRRORED_TAG, str(len(lines)))
+                self.mirrored = len(lines)
+            self.size_seen = size
+        except Exception as error:
+            logger.warning("could not mirror %s into MLflow run %s: %s", self.path, self.run_id, error)
 
 
 class EpochLogger:

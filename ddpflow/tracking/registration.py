@@ -22,6 +22,9 @@ What the step guarantees (docs/registry.md says the same to users):
 - With ``registry.max_drift_psi`` set, the candidate's drift from the champion's
   training data is measured under the lock, against the champion just read, and
   a drifted candidate waits as @challenger (``gate.drift_hold_reason``).
+- A training script's model without a data section (``dataset_dir`` None) goes through the same steps,
+  judged on the metric the script reported (``script_models.gate_metric``) against the value the champion's
+  own run reported; with no trivial baseline, the rule against guessing cannot apply, and the decision says so.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ from ddpflow.tracking.registry import (
     is_transient,
     mark_challenger,
     promote,
+    register_program_version,
     register_version,
     set_version_tags,
     version_download_uri,
@@ -81,6 +85,7 @@ from ddpflow.tracking.runs import (
     resolve_tracking_uri,
     use_tracking_uri,
 )
+from ddpflow.tracking.script_models import gate_metric
 from training.core.config import PipelineConfig, apply_overrides, validate_config
 from training.core.manifest import Manifest, read_manifest
 from training.inference.baselines import (
@@ -138,10 +143,13 @@ class GateHooks:
 # ---------------------------------------------------------------- the whole step
 
 
-def gate_rules(config: PipelineConfig, task: str) -> GateRules:
-    """``task``: the dataset's; the metric is ``registry.metric``, else the objective's (a language model is judged
-    on its own: test_loss, lower is better; training/objectives/base.py ``Evaluation.gate_metric``)."""
-    registry, judged = config.registry, evaluation_of(config.train, task).gate_metric
+def gate_rules(config: PipelineConfig, task: str, n_classes: int | None = None) -> GateRules:
+    """``task`` and ``n_classes``: the dataset's (``Manifest.n_classes``); the metric is ``registry.metric``, else
+    the objective's (test_roc_auc for a label of two classes; a language model is judged on its own: test_loss,
+    lower is better; training/objectives/base.py ``Evaluation.gate_metric``, ``for_classes``)."""
+    evaluation = evaluation_of(config.train, task, n_classes)
+    registry, judged = config.registry, evaluation.gate_metric
+    alternatives = (evaluation.two_class_gate_metric if n_classes == 2 else None, evaluation.signal_metric)
     return GateRules(
         metric=registry.gate_metric(judged),
         greater_is_better=registry.higher_is_better(judged),
@@ -152,6 +160,8 @@ def gate_rules(config: PipelineConfig, task: str) -> GateRules:
         min_lift=registry.min_lift,
         require_reference=registry.require_reference,
         reference_margin=registry.reference_margin,
+        signal_metric=evaluation.signal_metric,
+        alternatives=tuple(name for name in alternatives if name is not None),
     )
 
 
@@ -159,7 +169,7 @@ def register_candidate(
     config: PipelineConfig,
     run_id: str,
     model_path: str,
-    dataset_dir: str,
+    dataset_dir: str | None,
     metrics: dict[str, float],
     tracking_uri: str,
     *,
@@ -167,7 +177,8 @@ def register_candidate(
     gate_lock: GateLock | None = None,
     hooks: GateHooks | None = None,
 ) -> GateDecision:
-    """Register the run's model and apply the champion gate (see the module docstring).
+    """Register the run's model and apply the champion gate (see the module docstring). ``dataset_dir`` None: a
+    training script's exported model without a data section, judged on the metric it reported (``metrics``).
 
     Raises ``RegistrationError`` (will not succeed as asked), ``RegistryUnavailable``
     (the store is away: worth retrying) or ``ChampionUnreadableError``.
@@ -176,7 +187,8 @@ def register_candidate(
     # process-wide tracking URI, so point it at this store for the whole step.
     with use_tracking_uri(tracking_uri):
         try:
-            step = _Registration(config, run_id, tracking_uri, logger or _logger, gate_lock, hooks or GateHooks())
+            kind = _Registration if dataset_dir is not None else _ReportedRegistration
+            step = kind(config, run_id, tracking_uri, logger or _logger, gate_lock, hooks or GateHooks())
             decision = step.run(model_path, dataset_dir, metrics)
         except Exception as error:
             if isinstance(error, (RegistryUnavailable, ChampionUnreadableError)) or not is_transient(error):
@@ -210,9 +222,9 @@ class _Registration:
         self.gate_lock = gate_lock or process_gate_lock
         self.client, self.experiment_id = configure_mlflow(config, tracking_uri)
 
-    def run(self, model_path: str, dataset_dir: str, metrics: dict[str, float]) -> GateDecision:
-        manifest = read_manifest(dataset_dir)
-        rules = gate_rules(self.config, manifest.task)
+    def run(self, model_path: str, dataset_dir: str | None, metrics: dict[str, float]) -> GateDecision:
+        manifest = read_manifest(dataset_dir) if dataset_dir is not None else None
+        rules = self._rules(manifest, metrics)
         if rules.metric not in metrics:
             raise RegistrationError(
                 f"registry.metric {rules.metric!r} is not among the evaluated metrics {sorted(metrics)}"
@@ -237,36 +249,46 @@ class _Registration:
             self.logger.warning("Not registering run %s: %s", self.run_id, rejection)
             return decision
         if version is None:
-            scored_as = evaluation_of(self.config.train, manifest.task).scored_as
-            version = register_version(
-                self.client, self.config, self.experiment_id, self.run_id, model_path, manifest, dataset_dir, scored_as
-            )
-        warning = reference_warning(metrics, rules)
-        if warning:
-            self.logger.warning("Run %s: %s", self.run_id, warning)
+            version = self._register_version(model_path, manifest, dataset_dir)
+        warning = self._warning(metrics, rules)
         with self.gate_lock(self.name):
             decision = self._gate(version, rules, candidate, dataset_dir, manifest, warning)
         log = self.logger.info if decision.decision == PROMOTED else self.logger.warning
         log("%s v%s: %s (%s)", self.name, decision.version, decision.decision, decision.reason)
         return decision
 
+    def _rules(self, manifest: Manifest, metrics: dict[str, float]) -> GateRules:
+        return gate_rules(self.config, manifest.task, manifest.n_classes)
+
+    def _register_version(self, model_path: str, manifest: Manifest, dataset_dir: str) -> ModelVersion:
+        """The pyfunc model of model.pt (raw rows in) and its registry version."""
+        scored_as = evaluation_of(self.config.train, manifest.task).scored_as
+        return register_version(
+            self.client, self.config, self.experiment_id, self.run_id, model_path, manifest, dataset_dir, scored_as
+        )
+
+    def _warning(self, metrics: dict[str, float], rules: GateRules) -> str | None:
+        """The decision's warning: the candidate trails the reference model."""
+        warning = reference_warning(metrics, rules)
+        if warning:
+            self.logger.warning("Run %s: %s", self.run_id, warning)
+        return warning
+
     def _with_trivial_baseline(
         self, metrics: dict[str, float], rules: GateRules, model_path: str, dataset_dir: str
     ) -> dict[str, float]:
-        """``metrics`` with the trivial baseline's gate metric: the evaluation's, else scored now (a run evaluated
-        before baselines existed); unchanged when the model's objective has none (a language model, a user
-        objective) or its model.pt cannot be read here."""
-        name = baseline_metric(TRIVIAL, rules.metric)
-        if name in metrics or not Path(model_path).is_file():
+        """``metrics`` with the trivial baseline's gate metric, signal metric and alternatives (``GateRules``): the
+        evaluation's, else scored now (a run evaluated before baselines existed); unchanged when the model's
+        objective has none (a language model, a user objective) or its model.pt cannot be read here."""
+        judged = [name for name in dict.fromkeys((rules.metric, rules.signal_metric, *rules.alternatives)) if name]
+        if all(baseline_metric(TRIVIAL, name) in metrics for name in judged) or not Path(model_path).is_file():
             return metrics
         objective, normaliser = checkpoint_reading(model_path)
         if not objective.has_baselines:
             return metrics
         manifest = read_manifest(dataset_dir)
         trivial = trivial_baseline(objective, normaliser, manifest, dataset_dir, "test")
-        if rules.metric not in trivial:
-            return metrics
-        return {**metrics, name: trivial[rules.metric]}
+        return {**{baseline_metric(TRIVIAL, name): trivial[name] for name in judged if name in trivial}, **metrics}
 
     def _gate(
         self,
@@ -283,10 +305,7 @@ class _Registration:
         if champion is not None and str(champion.version) == str(version.version):
             decision = self._promoted_earlier(version)
         else:
-            scored_as = evaluation_of(self.config.train, manifest.task).scored_as
-            reading = read_champion(
-                self.client, champion, dataset_dir, rules.metric, self.config.eval.batch_size, scored_as
-            )
+            reading = self._champion_reading(champion, rules, dataset_dir, manifest)
             drift = self._worst_drift(champion, rules, manifest)
             decision = GateDecision.judge(
                 rules, self.name, self.run_id, str(version.version), candidate, reading, drift, warning
@@ -299,6 +318,13 @@ class _Registration:
             mark_challenger(self.client, self.name, decision.version)
         self._mark_applied(decision)
         return decision
+
+    def _champion_reading(
+        self, champion: ModelVersion | None, rules: GateRules, dataset_dir: str, manifest: Manifest
+    ) -> ChampionReading:
+        """The champion re-scored on the candidate's test shards."""
+        scored_as = evaluation_of(self.config.train, manifest.task).scored_as
+        return read_champion(self.client, champion, dataset_dir, rules.metric, self.config.eval.batch_size, scored_as)
 
     def _worst_drift(self, champion: ModelVersion | None, rules: GateRules, manifest: Manifest) -> FeatureDrift | None:
         """With ``registry.max_drift_psi`` set: the candidate's most drifted feature against THIS champion's data.
@@ -348,6 +374,55 @@ class _Registration:
                 first_line(error),
                 self.run_id,
             )
+
+
+class _ReportedRegistration(_Registration):
+    """A training script's model without a data section: judged on the metric the script reported (``gate_metric``),
+    its champion on the value its own run reported. No trivial baseline stands for it (nothing to score one on), so
+    the guessing rule (``registry.min_lift``) cannot apply, and the decision's warning says so."""
+
+    def _rules(self, manifest: None, metrics: dict[str, float]) -> GateRules:
+        metric, why_not = gate_metric(self.config, metrics)
+        if metric is None:
+            raise RegistrationError(why_not)
+        registry = self.config.registry
+        return GateRules(
+            metric=metric,
+            greater_is_better=registry.higher_is_better(metric),
+            min_delta=registry.min_delta,
+            min_metric=registry.min_metric,
+            replace_unreadable_champion=registry.replace_unreadable_champion,
+        )
+
+    def _with_trivial_baseline(self, metrics: dict[str, float], rules: GateRules, *_: Any) -> dict[str, float]:
+        """The metric it is judged on alone: the script's other reports are its own business (a NaN train loss)."""
+        return {rules.metric: metrics[rules.metric]}
+
+    def _register_version(self, model_path: str, *_: Any) -> ModelVersion:
+        """The exported program's pyfunc model (the script's example in) and its registry version."""
+        return register_program_version(self.client, self.config, self.experiment_id, self.run_id, model_path)
+
+    def _warning(self, *_: Any) -> str:
+        return NO_GUESSING_RULE
+
+    def _champion_reading(self, champion: ModelVersion | None, rules: GateRules, *_: Any) -> ChampionReading:
+        """The champion's own run's last value of the metric (nothing here could score it again)."""
+        if champion is None:
+            return ChampionReading.none()
+        version = str(champion.version)
+        value = self.client.get_run(champion.run_id).data.metrics.get(rules.metric) if champion.run_id else None
+        if value is None:
+            return ChampionReading.incompatible(version, f"its run reported no {rules.metric}")
+        return ChampionReading.scored(version, value)
+
+    def _worst_drift(self, *_: Any) -> None:
+        return None
+
+
+# A script's model judged on what it reported: why registry.min_lift did not apply, on the decision.
+NO_GUESSING_RULE = (
+    "no data section, so no trivial baseline: the rule against guessing (registry.min_lift) could not apply"
+)
 
 
 def _now_ms() -> int:

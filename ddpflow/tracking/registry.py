@@ -15,8 +15,9 @@ from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 
-from ddpflow.tracking.runs import TRAINING_IDENTITY_TAG, resolve_tracking_uri
+from ddpflow.tracking.runs import SCRIPT_TAG, TRAINING_IDENTITY_TAG, resolve_tracking_uri
 from training.core.config import PipelineConfig
+from training.core.layout import SCRIPT_EXAMPLE
 from training.core.manifest import Manifest
 
 CHAMPION = "champion"
@@ -25,6 +26,7 @@ PREVIOUS_CHAMPION = "previous-champion"
 MODEL_PT_IN_MODEL = "artifacts/model.pt"  # where training/inference/serving.py's artifact lands in a logged model
 RUN_ID_TAG = "ddpflow.run_id"  # on the logged model and the version: which MLflow run made it
 LINEAGE_RUN_TAGS = (
+    SCRIPT_TAG,  # a training script's model: its path
     "data.fingerprint",
     "data.source",
     "data.task",
@@ -192,10 +194,24 @@ def input_example(manifest: Manifest, dataset_dir: str | Path, rows: int = 5):
 
 
 def version_description(
-    config: PipelineConfig, manifest: Manifest, run_tags: dict[str, str], run_id: str, scored_as: str | None = None
+    config: PipelineConfig,
+    manifest: Manifest | None,
+    run_tags: dict[str, str],
+    run_id: str,
+    scored_as: str | None = None,
 ) -> str:
-    """The version's description; ``scored_as``: what its evaluation is (the objective's, else the data's task)."""
+    """The version's description; ``scored_as``: what its evaluation is (the objective's, else the data's task).
+    A training script's model: the script and its data (``manifest`` None: none of ddpflow's)."""
     train = config.train
+    where = f"MLflow run {run_id}; Prefect flow run {run_tags.get('prefect.flow_run_name', '?')}."
+    world = f"world size {run_tags.get('ddp.world_size', '?')}"
+    if train.script:
+        data = "" if manifest is None else f" on {manifest.source} (fingerprint {manifest.fingerprint})"
+        task = scored_as or (manifest.task if manifest is not None else "")
+        return (
+            f"{task} model of the training script {train.script} (sha256 {str(train.script_sha256)[:16]}, "
+            f"arguments {train.script_args} {train.script_params or ''}){data}, {world}. {where}"
+        ).replace("  ", " ")
     global_batch = train.global_batch_size
     batch = f"batch {train.batch_size}/rank" if global_batch is None else f"global batch {global_batch}"
     rows = f"{manifest.rows('train')} train / {manifest.rows('val')} val / {manifest.rows('test')} test rows"
@@ -203,9 +219,7 @@ def version_description(
         f"{scored_as or manifest.task} model '{train.model}' {train.model_kwargs or ''} "
         f"trained on {manifest.source} "
         f"(fingerprint {manifest.fingerprint}: {rows}, {manifest.n_features} features). "
-        f"{train.epochs} epochs, {batch}, lr {train.lr}, "
-        f"world size {run_tags.get('ddp.world_size', '?')}. "
-        f"MLflow run {run_id}; Prefect flow run {run_tags.get('prefect.flow_run_name', '?')}."
+        f"{train.epochs} epochs, {batch}, lr {train.lr}, {world}. {where}"
     )
 
 
@@ -230,6 +244,29 @@ def register_version(
     if model_uri is None:
         example = input_example(manifest, dataset_dir)
         model_uri = log_pyfunc_model(model_path, example, run_id=run_id, tags={RUN_ID_TAG: run_id}).model_uri
+    description = version_description(config, manifest, client.get_run(run_id).data.tags, run_id, scored_as)
+    return _create_version(client, config, run_id, model_uri, model_path, description)
+
+
+def register_program_version(
+    client: MlflowClient, config: PipelineConfig, experiment_id: str, run_id: str, program_path: str
+) -> ModelVersion:
+    """A training script's exported program (no data section) as a pyfunc model (unless an earlier attempt logged
+    it) and its registry version. Inside ``runs.use_tracking_uri``, as ``register_version``."""
+    from training.inference.program_serving import log_program_model
+
+    model_uri = existing_logged_model(client, experiment_id, run_id)
+    if model_uri is None:
+        example = Path(program_path).parent / Path(SCRIPT_EXAMPLE).name  # beside it (training/core/layout.py)
+        model_uri = log_program_model(program_path, example, run_id=run_id, tags={RUN_ID_TAG: run_id}).model_uri
+    description = version_description(config, None, client.get_run(run_id).data.tags, run_id)
+    return _create_version(client, config, run_id, model_uri, program_path, description)
+
+
+def _create_version(
+    client: MlflowClient, config: PipelineConfig, run_id: str, model_uri: str, model_path: str, description: str
+) -> ModelVersion:
+    """The registered model (created if new) and its version of ``model_uri``, with the run's lineage tags."""
     name = config.registry.model_name
     try:
         client.create_registered_model(
@@ -246,7 +283,7 @@ def register_version(
         run_id=run_id,
         model_id=model_uri.removeprefix("models:/"),
         tags={RUN_ID_TAG: run_id, "model_path": str(model_path), **lineage},
-        description=version_description(config, manifest, run_tags, run_id, scored_as),
+        description=description,
     )
 
 

@@ -39,6 +39,7 @@ from mlflow import MlflowClient
 from mlflow.entities import DatasetInput, InputTag, Metric, Param
 from mlflow.exceptions import MlflowException
 
+from ddpflow.launch.command import LOG_DIR
 from training.checkpoint.files import training_identity
 from training.core.config import PipelineConfig
 from training.core.layout import SPLITS
@@ -56,6 +57,8 @@ WRONG_ROWS_ARTIFACT = "eval/confidently_wrong.json"  # a text classifier's most 
 MODEL_PATH_TAG = "ddpflow.model_path"  # set with the evaluation: what `ddpflow register --run-id` needs
 DATASET_DIR_TAG = "ddpflow.dataset_dir"
 RUN_DIR_TAG = "ddpflow.run_dir"  # the run directory (checkpoints and logs), for people
+SCRIPT_TAG = "ddpflow.script"  # a training script's run: the script's path (its file: the artifact script/<name>)
+SCRIPT_ARTIFACTS = "script"
 RESTARTS_TAG = "ddp.restarts"  # beside ddp.nnodes and ddp.world_size
 SLURM_JOB_TAG = "slurm.job_id"  # the Slurm job that trained (train.launcher: slurm)
 # A resumed run and the interrupted (or failed) run whose run directory and checkpoints it continues.
@@ -88,16 +91,6 @@ class TrackingUnreachableError(ConnectionError):
 # ---------------------------------------------------------------- where things go
 
 
-def store_modules(tracking_uri: str) -> tuple[str, ...]:
-    """What MLflow imports when a client first opens the tracking store of ``tracking_uri``: for a database
-    (SQLite, PostgreSQL, ...), its SQLAlchemy store (SQLAlchemy, alembic: most of ``ddpflow score``'s time after
-    the ranks, which preloads it on a thread while they score); nothing for a server's REST store."""
-    from mlflow.store.db.db_types import DATABASE_ENGINES
-
-    engine = urlparse(tracking_uri).scheme.split("+")[0]
-    return ("mlflow.store.tracking.sqlalchemy_store",) if engine in DATABASE_ENGINES else ()
-
-
 def resolve_tracking_uri(config: PipelineConfig) -> str:
     """``$MLFLOW_TRACKING_URI``, else ``mlflow.tracking_uri``, else ``sqlite:///<cwd>/mlflow.db``.
 
@@ -105,17 +98,33 @@ def resolve_tracking_uri(config: PipelineConfig) -> str:
     other working directories) writes to the same database.
     """
     default = f"sqlite:///{Path.cwd() / 'mlflow.db'}"
-    uri = os.environ.get("MLFLOW_TRACKING_URI") or config.mlflow.tracking_uri or default
-    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
-        relative = uri.removeprefix("sqlite:///")
-        if relative and relative != ":memory:":
-            uri = f"sqlite:///{Path(relative).resolve()}"
+    uri = _absolute_sqlite(os.environ.get("MLFLOW_TRACKING_URI") or config.mlflow.tracking_uri or default)
     if "://" not in uri and not uri.startswith("databricks"):  # a bare path: MLflow 3's file store is deprecated
         raise ValueError(
             f"mlflow.tracking_uri {uri!r} is a plain path; use sqlite:///{Path(uri).resolve()}.db "
             "or an http(s):// server"
         )
     return uri
+
+
+def _absolute_sqlite(uri: str) -> str:
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        relative = uri.removeprefix("sqlite:///")
+        if relative and relative != ":memory:":
+            return f"sqlite:///{Path(relative).resolve()}"
+    return uri
+
+
+def tracking_uri_note(config: PipelineConfig) -> str | None:
+    """Which store a command uses, when ``$MLFLOW_TRACKING_URI`` and ``mlflow.tracking_uri`` name two different
+    ones (the variable wins: ``resolve_tracking_uri``); None when they agree or one is unset."""
+    configured, environment = config.mlflow.tracking_uri, os.environ.get("MLFLOW_TRACKING_URI")
+    if not configured or not environment or _absolute_sqlite(configured) == _absolute_sqlite(environment):
+        return None
+    return (
+        f"MLflow store {resolve_tracking_uri(config)} from $MLFLOW_TRACKING_URI, which wins over the config's "
+        f"mlflow.tracking_uri {configured}"
+    )
 
 
 def is_http(uri: str) -> bool:
@@ -269,8 +278,14 @@ def git_commit(directory: str | Path | None = None) -> str | None:
 
 
 def run_tags(
-    prefect_context: dict[str, Any], manifest: Manifest, fingerprint: str, ddp: dict[str, Any]
+    prefect_context: dict[str, Any],
+    manifest: Manifest | None,
+    fingerprint: str | None,
+    ddp: dict[str, Any],
+    code_dir: str | Path | None = None,
 ) -> dict[str, str]:
+    """The run's tags: its Prefect flow run, its data (none for a training script without a data section), its DDP
+    layout and the git commit of ``code_dir`` (default: ddpflow's own; a training script's directory)."""
     tags = {
         "prefect.flow_run_id": prefect_context.get("flow_run_id"),
         "prefect.flow_run_name": prefect_context.get("flow_run_name"),
@@ -278,14 +293,14 @@ def run_tags(
         "prefect.deployment": prefect_context.get("deployment_name") or prefect_context.get("deployment"),
         "prefect.deployment_id": prefect_context.get("deployment_id"),
         "data.fingerprint": fingerprint,
-        "data.source": manifest.source,
-        "data.task": manifest.task,
+        "data.source": manifest.source if manifest is not None else None,
+        "data.task": manifest.task if manifest is not None else None,
     }
     for key, value in ddp.items():
         tags[f"ddp.{key}"] = value
     if "world_size" not in ddp and isinstance(ddp.get("nproc_per_node"), int):
         tags["ddp.world_size"] = ddp["nproc_per_node"] * int(ddp.get("nnodes", 1))
-    commit = git_commit()
+    commit = git_commit(code_dir)
     if commit:
         tags["git.commit"] = commit
         tags["mlflow.source.git.commit"] = commit  # what the MLflow UI shows
@@ -343,31 +358,50 @@ def start_pipeline_run(
     config: PipelineConfig,
     run_name: str,
     prefect_context: dict[str, Any],
-    fingerprint: str,
-    manifest: Manifest,
+    fingerprint: str | None,
+    manifest: Manifest | None,
     ddp: dict[str, Any],
     dataset_dir: str | Path | None = None,
 ) -> str:
     """Create the MLflow run for one pipeline run; returns its id.
 
-    Params: the flattened config. Tags: Prefect flow run, data fingerprint and
-    source, training identity, git commit, DDP layout. Inputs: the train/val/test
-    shards. The config itself is logged as ``config.json`` so ``ddpflow register
-    --run-id`` can rebuild it, and the manifest as ``data/manifest.json`` (drift is
-    measured against it later). The run stays RUNNING until ``end_pipeline_run``.
+    Params: the flattened config (a training script's: its path, its sha256, its arguments and params among them).
+    Tags: Prefect flow run, data fingerprint and source, training identity, git commit, DDP layout. Inputs: the
+    train/val/test shards. The config itself is logged as ``config.json`` so ``ddpflow register --run-id`` can
+    rebuild it, the manifest as ``data/manifest.json`` (drift is measured against it later), and a training script
+    as ``script/<its name>``. ``manifest`` None: a training script without a data section. The run stays RUNNING
+    until ``end_pipeline_run``.
     """
     client, experiment_id = configure_mlflow(config)
-    tags = run_tags(prefect_context, manifest, fingerprint, ddp)
+    script = config.train.script
+    tags = run_tags(prefect_context, manifest, fingerprint, ddp, code_dir=Path(script).parent if script else None)
     tags[TRAINING_IDENTITY_TAG] = training_identity_tag(config, fingerprint)
+    if script:
+        tags[SCRIPT_TAG] = script
     run_id = client.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
     params = [Param(key, str(value)[:6000]) for key, value in config.flat().items()]
     for start in range(0, len(params), 100):  # MLflow accepts at most 100 params per batch
         client.log_batch(run_id, params=params[start : start + 100])
-    dataset_dir = _absolute(dataset_dir or Path(config.data.root) / fingerprint)
-    client.log_inputs(run_id, datasets=dataset_inputs(manifest, dataset_dir, fingerprint))
     client.log_dict(run_id, config.model_dump(mode="json"), CONFIG_ARTIFACT)
-    client.log_dict(run_id, manifest.to_dict(), TRAINING_DATA_ARTIFACT)
+    if manifest is not None:
+        dataset_dir = _absolute(dataset_dir or Path(config.data.root) / fingerprint)
+        client.log_inputs(run_id, datasets=dataset_inputs(manifest, dataset_dir, fingerprint))
+        client.log_dict(run_id, manifest.to_dict(), TRAINING_DATA_ARTIFACT)
+    if script:
+        client.log_artifact(run_id, script, SCRIPT_ARTIFACTS)
     return run_id
+
+
+def log_rank_logs(tracking_uri: str, run_id: str, run_dir: str | Path) -> None:
+    """Every rank's stdout and stderr (RUN_DIR/logs, torchrun's per-rank files) as the run's ``logs/`` artifacts;
+    never raises (it runs on the way out of failed runs too)."""
+    logs = Path(run_dir) / LOG_DIR
+    if not logs.is_dir():
+        return
+    try:
+        MlflowClient(tracking_uri=tracking_uri).log_artifacts(run_id, str(logs), LOG_DIR)
+    except Exception as error:
+        logger.warning("could not log the rank logs of %s to MLflow run %s: %s", run_dir, run_id, error)
 
 
 def end_pipeline_run(run_id: str, tracking_uri: str, status: str = "FINISHED") -> None:

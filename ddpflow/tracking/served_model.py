@@ -79,7 +79,17 @@ def _example_row(client: MlflowClient, version) -> dict[str, Any] | None:
     if isinstance(split, dict) and split.get("data"):
         return {**body, "dataframe_split": {**split, "data": split["data"][:1]}}
     records = body.get("dataframe_records")
-    return {**body, "dataframe_records": records[:1]} if isinstance(records, list) and records else body
+    if isinstance(records, list) and records:
+        return {**body, "dataframe_records": records[:1]}
+    tensors = body.get("inputs")  # a training script's exported model: a tensor, or named tensors
+    if isinstance(tensors, list) and tensors:
+        return {**body, "inputs": tensors[:1]}
+    if isinstance(tensors, dict):
+        return {
+            **body,
+            "inputs": {name: value[:1] if isinstance(value, list) else value for name, value in tensors.items()},
+        }
+    return body
 
 
 def registered_version(spec: str, tracking_uri: str, store_hint: str = ""):

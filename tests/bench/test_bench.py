@@ -220,3 +220,24 @@ def test_every_family_is_the_module_named_as_its_only_name(repo_root):
 
     modules = {path.stem for path in (repo_root / "bench" / "families").glob("*.py")} - {"__init__"}
     assert modules == set(FAMILIES)
+
+
+def test_a_profile_summary_gives_each_process_its_share_and_keeps_a_python_c_command_whole(tmp_path):
+    """bench/harness/profile.py reads py-spy's collapsed stacks (``--subprocesses``): a rank started through a
+    ``python -c "a;b"`` wrapper is still one process, and the shares are of that process's samples."""
+    from bench.harness.profile import summarise
+
+    wrapper = 'process 7:"python -I -c import os;os.execv(x)"'
+    rank = 'process 9:"python -m training.inference.batch_scoring --config job.json"'
+    raw = tmp_path / "scoring.txt"
+    raw.write_text(
+        f"{wrapper};{rank};<module> (batch_scoring.py:1);score (training/x.py:3);forward (torch/nn/linear.py:9) 30\n"
+        f"{wrapper};{rank};<module> (batch_scoring.py:1);_find_and_load (<frozen importlib._bootstrap>:1) 10\n"
+        f"{wrapper};run (torch/distributed/run.py:5) 60\n"
+    )
+    summary = summarise(raw)
+    assert "100 samples" in summary
+    assert "## python -m training.inference.batch_scoring --config job.json" in summary
+    assert "40 samples (40.0% of all); importing modules: 25.0%" in summary
+    assert "| 75.0% | `score (training/x.py)` |" in summary and "| 75.0% | `forward (torch/nn/linear.py)` |" in summary
+    assert "torchrun's agent" in summary and "60 samples (60.0% of all)" in summary

@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from bench.__main__ import FAMILIES, family_module
-from bench.families.tables import MAX_BINS, boosting_features, wide_ids
+from bench.workloads.beside_boosting import MAX_BINS, boosting_features, wide_ids
 from bench.workloads.tables import (
     BINARY,
     BUNDLED,

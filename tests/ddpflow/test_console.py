@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 
-from ddpflow.console import LOG_ONLY, CommandLog, ConsoleFilter
+from ddpflow.console import INTERRUPT_CRASH, LOG_ONLY, CommandLog, ConsoleFilter
 from training.core.errors import DataError
 
 
@@ -39,6 +40,18 @@ def test_a_users_error_and_its_repeats_stay_off_the_console_a_bug_keeps_its_trac
     verbose = ConsoleFilter(user_errors=())  # --verbose: every error's records, tracebacks included
     assert verbose.filter(record("Task run failed with exception: DataError(...)", data_error))
     assert verbose.filter(record(finished))
+
+
+def test_prefects_crash_reports_of_a_ctrl_c_stay_off_the_console_in_verbose_too():
+    """Ctrl-C is a cancellation (flows/cli.py ends the runs Cancelled): Prefect's "Crash detected!" records of the
+    KeyboardInterrupt, and its "Finished in state Crashed(...)", are not shown; another crash is."""
+    from prefect.states import exception_to_crashed_state
+
+    assert asyncio.run(exception_to_crashed_state(KeyboardInterrupt())).message == INTERRUPT_CRASH  # Prefect's words
+    for console in (ConsoleFilter(user_errors=(ValueError,)), ConsoleFilter(user_errors=())):
+        assert not console.filter(record(f"Crash detected! {INTERRUPT_CRASH}"))
+        assert not console.filter(record(f"Finished in state Crashed({INTERRUPT_CRASH!r})"))
+        assert console.filter(record("Crash detected! Execution was interrupted by an unexpected exception: ..."))
 
 
 def test_the_command_log_keeps_every_trace(tmp_path):

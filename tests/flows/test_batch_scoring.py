@@ -25,8 +25,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.ddpflow.tracking.test_registry import DDP, PREFECT, train_typed_model
+from tests.ddpflow.tracking.test_registry import DDP, PREFECT
 from tests.flows.test_mixed_inputs import INPUTS, churn_table
+from tests.manifest_datasets import train_typed_model
 from training.core.errors import DataError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -253,6 +254,44 @@ def test_one_mlflow_run_records_the_scoring_its_scores_and_the_drift_from_the_tr
     assert {entry["feature"] for entry in drift["top"][:2]} == set(MOVED)
     artifacts = {entry.path for entry in client.list_artifacts(run.info.run_id, "drift")}
     assert artifacts == {"drift/data_drift.png", "drift/data_drift.json"}
+
+
+def test_the_mlflow_run_is_created_while_the_ranks_score_not_after_them(champion, scored):
+    """The run (its MLflow imports, the store's set-up, the run and its params) is made on a thread as the ranks
+    start (ddpflow/tracking/scoring.py: ScoringRun), so it is there before the ranks' manifest, which they write
+    once every row is scored; what only the end knows (rows/s, the distribution, the drift) comes after."""
+    from datetime import datetime
+
+    from mlflow import MlflowClient
+
+    run = MlflowClient(champion["config"].mlflow.tracking_uri).get_run(scored["summary"]["mlflow_run_id"])
+    manifest = json.loads((scored["output"] / "manifest.json").read_text())
+    ranks_done = datetime.fromisoformat(manifest["created_at"]).timestamp() * 1000
+    assert run.info.start_time < ranks_done, (run.info.start_time, manifest["created_at"])
+    assert run.data.params["score.output_kind"] == "probabilities" and run.data.params["score.nproc_per_node"] == "2"
+
+
+def test_the_command_reads_the_model_file_once(champion, tmp_path):
+    """`ddpflow score` of a model.pt: the command opens it once (its hash, its inputs and task, the copy its ranks
+    load and the statistics afterwards all come from those bytes: ddpflow/launch/scoring.py, ModelFile); each rank
+    then loads the copy in OUTPUT/.score once."""
+    model = Path(champion["model_path"]).resolve()
+    opened: list[str] = []
+    watching = [True]
+
+    def count_opens(event: str, args: tuple) -> None:
+        path = args[0] if event == "open" and watching[0] else None
+        if isinstance(path, str | os.PathLike) and Path(path).resolve() == model:
+            opened.append(event)
+
+    sys.addaudithook(count_opens)  # a hook cannot be removed: ``watching`` ends it
+    try:
+        summary = score_here(champion, model=str(model), source=str(source_files(tmp_path / "src", rows=300)),
+                             output=str(tmp_path / "out"), nproc_per_node=1)  # fmt: skip
+    finally:
+        watching[0] = False
+    assert summary["rows"] == 300 and summary["model"]["name"] == str(model)
+    assert len(opened) == 1, f"the command opened {model} {len(opened)} times"
 
 
 def test_the_scored_tables_drift_is_the_retraining_flows_on_the_same_rows(champion, trained, scored, tmp_path):

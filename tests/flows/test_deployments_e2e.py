@@ -34,6 +34,7 @@ from mlflow import MlflowClient
 from ddpflow.watch import EVENT, variable_name
 from devtools.ports import free_port
 from devtools.waiting import wait_until
+from tests.flows.script_variants import tutorial_text, with_three_lines
 from tests.flows.test_mixed_inputs import INPUTS as MIXED_INPUTS
 from tests.flows.test_mixed_inputs import churn_table
 from tests.flows.test_run_cli import LiveRun, cli_env, write_config
@@ -42,6 +43,7 @@ pytestmark = [pytest.mark.server, pytest.mark.torchrun]  # the stack; its runs t
 
 MODEL_NAME = "ddpflow-e2e"
 MIXED_MODEL_NAME = "ddpflow-e2e-mixed"  # its own model: the gate never compares it with the numeric champion
+SCRIPT_MODEL_NAME = "ddpflow-e2e-script"  # a training script's model
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 RUN_TIMEOUT_S = 420
 
@@ -66,11 +68,8 @@ class Stack:
 
     @property
     def cli_env(self) -> dict[str, str]:
-        return {
-            **self.env,
-            "PREFECT_API_URL": f"{self.prefect_url}/api",
-            "PREFECT_HOME": str(self.state_dir / "prefect"),
-        }
+        """What a user's shell has after `eval "$(ddpflow stack env)"`: `stack up` says it (`--json`: its env)."""
+        return {**self.env, **self.up["env"]}
 
     def prefect(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -198,6 +197,10 @@ def stack(repo_root: Path, tmp_path_factory: pytest.TempPathFactory):
     assert result.returncode == 0, f"stack up failed:\n{result.stdout}\n{result.stderr}"
     running = Stack(repo_root, tmp, env, json.loads(result.stdout))
     try:
+        assert running.up["env"] == {  # `ddpflow stack env`'s: what a user's shell needs for `prefect`
+            "PREFECT_HOME": str(tmp / ".ddpflow" / "prefect"),
+            "PREFECT_API_URL": f"{running.prefect_url}/api",
+        }
         yield running
     finally:
         try:
@@ -344,6 +347,41 @@ def wait_for_training(run_root: Path, within_s: float = 180) -> tuple[Path, list
 
 def still_alive(pids: list[int]) -> list[int]:
     return [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+
+
+def test_a_training_script_runs_through_the_manual_deployment_like_any_config(stack: Stack) -> None:
+    """`prefect deployment run train-pipeline/manual --params '{"config_file": ...}'` with a config whose
+    train.script is a user's own DDP script (with ddpflow's three lines): the worker runs it on 2 ranks, its MLflow
+    run names the script, and its model becomes the champion."""
+    project = stack.tmp / "script-project"
+    project.mkdir()
+    (project / "tracked.py").write_text(with_three_lines(tutorial_text()))
+    config = {
+        "train": {
+            "script": str(project / "tracked.py"),
+            "script_args": ["2", "1", "--snapshot_path", str(project / "snapshot.pt")],
+            "nproc_per_node": 2,
+            "run_root": str(stack.run_root / "scripts"),
+        },
+        "registry": {"model_name": SCRIPT_MODEL_NAME},
+        "mlflow": {"artifact_location": str(stack.tmp / "mlflow" / "mlartifacts")},
+    }
+    (project / "script.yaml").write_text(yaml.safe_dump(config))
+    params = json.dumps({"config_file": str(project / "script.yaml")})
+    result = stack.prefect("deployment", "run", "train-pipeline/manual", "--params", params)
+    assert result.returncode == 0, result.stdout + result.stderr
+    flow_run_id = re.search(r"UUID:\s*([0-9a-f-]{36})", result.stdout).group(1)
+    (run,) = stack.wait_for_terminal([flow_run_id]).values()
+    assert run["state_type"] == "COMPLETED", f"{run['state']}\n{stack.log_tail('worker')}"
+    mlflow_run = stack.mlflow_runs_by_flow_run()[flow_run_id]
+    assert mlflow_run.info.status == "FINISHED"
+    assert mlflow_run.data.params["train.script"] == str(project / "tracked.py")
+    assert [m.step for m in MlflowClient(stack.mlflow_uri).get_metric_history(mlflow_run.info.run_id, "test_mse")] == [
+        0,
+        1,
+    ]
+    champion = MlflowClient(tracking_uri=stack.mlflow_uri).get_model_version_by_alias(SCRIPT_MODEL_NAME, "champion")
+    assert champion.run_id == mlflow_run.info.run_id
 
 
 def test_cancelling_a_worker_run_kills_every_process_and_keeps_the_champion(stack: Stack) -> None:
@@ -620,7 +658,7 @@ def register_in_a_flow(running: Stack, work: Path) -> dict[str, Any]:
     """The project's model (ddpflow-demo: a quick model of the churn table, data.key customer_id) through the
     register task in a process of its own, which emits ddpflow.champion.moved, after the event of another model's
     promotion, which the project's trigger must not follow: the register task's decision."""
-    from tests.ddpflow.tracking.test_registry import train_typed_model
+    from tests.manifest_datasets import train_typed_model
     from training.inference.evaluate import evaluate_split
 
     pq.write_table(churn_table(rows=600, seed=0), work / "churn.parquet")
@@ -720,8 +758,9 @@ def test_a_new_champion_of_the_projects_model_scores_the_table_once_through_the_
 ) -> None:
     """The register task promoted the project's first model (ddpflow-demo v1) and emitted ddpflow.champion.moved;
     score-on-new-champion's trigger starts ONE run, with that version, into data/scores/ddpflow-demo-v1 of the
-    project, on the shipped config's 2 ranks: every row once, the model's key kept (no score.keep anywhere). A
-    promotion of another model (emitted first) starts none: the project's source is not its input."""
+    project, on the shipped config's ranks (auto: 1 on a machine without GPUs): every row once, the model's key
+    kept (no score.keep anywhere). A promotion of another model (emitted first) starts none: the project's source
+    is not its input."""
     project, table, decision = scoring_runs["dir"], scoring_runs["table"], scoring_runs["decision"]
     assert (decision["decision"], decision["version"]) == ("promoted", "1"), decision
     on_new_champion = scoring_runs["deployments"]["score-on-new-champion"]
@@ -738,7 +777,7 @@ def test_a_new_champion_of_the_projects_model_scores_the_table_once_through_the_
     output = project / "data" / "scores" / "ddpflow-demo-v1"
     manifest = json.loads((output / "manifest.json").read_text())
     assert manifest["model"] == {"name": "ddpflow-demo", "version": "1", "uri": "models:/ddpflow-demo/1"}
-    assert manifest["rows"] == manifest["scored"] == TODAY_FILES * TODAY_ROWS and manifest["world_size"] == 2
+    assert manifest["rows"] == manifest["scored"] == TODAY_FILES * TODAY_ROWS and manifest["world_size"] == 1
     assert manifest["keep"] == ["customer_id"]  # the model's data.key: configs/score.yaml keeps nothing else
     assert manifest["source"]["url"] == str(project / "data" / "today")  # the project's, not the checkout's
     assert scores_in(output)["customer_id"].tolist() == table["customer_id"].to_pylist()  # every row once

@@ -204,3 +204,34 @@ def test_a_killed_flow_is_followed_by_a_run_that_reattaches_to_its_job(champion,
         == job_id
     )
     assert f"reattached to job {job_id}" in flow_run_logs(second["flow_run_id"], f"reattached to job {job_id}")
+
+
+def test_a_training_script_runs_as_it_is_on_two_nodes_through_slurm(config, slurm_cluster, prefect_harness, tmp_path):
+    """The PyTorch tutorial's way of writing a DDP script (tests/scripts/ddp_tutorial.py), unmodified, as one
+    2-node Slurm job: one rank a node, its snapshot where the run started, its run tracked."""
+    from flows.pipeline import train_pipeline
+    from tests.flows.script_variants import tutorial_text
+
+    (tmp_path / "ddp_tutorial.py").write_text(tutorial_text())
+    script_config = {
+        "train": {
+            **{key: config["train"][key] for key in ("launcher", "nnodes", "nproc_per_node", "backend", "timeout_s")},
+            "script": "ddp_tutorial.py",  # relative to where the flow runs: the job starts its ranks there
+            "script_args": ["2", "1", "--batch_size", "64"],
+            "run_root": str(tmp_path / "runs"),
+        },
+        "slurm": config["slurm"],
+        "registry": {"model_name": f"{config['registry']['model_name']}-script"},
+        "mlflow": config["mlflow"],
+    }
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path)
+        summary = train_pipeline(config=script_config)
+    assert summary["decision"] == "tracked", summary
+    run = MlflowClient(config["mlflow"]["tracking_uri"]).get_run(summary["mlflow_run_id"])
+    assert run.info.status == "FINISHED" and run.data.tags["ddp.nnodes"] == "2"
+    job = slurm_cluster.job(run.data.tags["slurm.job_id"])
+    assert job["JobState"] == "COMPLETED" and job["NodeList"] == "n[1-2]", job
+    assert (tmp_path / "snapshot.pt").is_file()
+    logs = flow_run_logs(summary["flow_run_id"], "[n1 rank", "[n2 rank")
+    assert "Epoch 1 | Steps: 16" in logs and "[n1 rank" in logs and "[n2 rank" in logs, logs[-3000:]

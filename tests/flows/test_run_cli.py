@@ -9,7 +9,6 @@ PREFECT_HOME". With the project's stack up, the run uses the stack's server.
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -30,6 +29,7 @@ from ddpflow.tracking.runs import RESUMED_BY_TAG, RESUMED_FROM_TAG
 from devtools.ports import free_port
 from tests.flows.cli_runs import cli_env
 from tests.flows.serve_cli import as_from_a_terminal
+from tests.flows.terminal import TerminalRun
 from training.core.layout import FINAL_MODEL, PREEMPTED
 from training.core.log import TRAIN
 
@@ -93,8 +93,7 @@ def is_temporary_server(proc: psutil.Process) -> bool:
 class LiveRun:
     """A command started in the background; its stdout and stderr collected as they come."""
 
-    def __init__(self, argv: list[str], cwd: Path, env: dict[str, str], own_group: bool = False):
-        """``own_group``: in a process group of its own, as a terminal's foreground job is, for ``ctrl_c``."""
+    def __init__(self, argv: list[str], cwd: Path, env: dict[str, str]):
         self.popen = subprocess.Popen(
             argv,
             cwd=cwd,
@@ -104,7 +103,6 @@ class LiveRun:
             text=True,
             bufsize=1,
             preexec_fn=as_from_a_terminal,
-            start_new_session=own_group,
         )
         self.out: list[str] = []
         self.err: list[str] = []
@@ -143,10 +141,6 @@ class LiveRun:
     @property
     def last_error_line(self) -> str:
         return "".join(self.err).strip().splitlines()[-1]
-
-    def ctrl_c(self) -> None:
-        """What a terminal does on Ctrl-C: SIGINT to the whole foreground process group."""
-        os.killpg(self.popen.pid, signal.SIGINT)
 
     def kill(self) -> None:
         if self.popen.poll() is None:
@@ -294,46 +288,56 @@ def test_sigterm_saves_the_current_step_stops_everything_and_the_same_command_re
 # Rank 1 pauses 4 s before step 2 (0-based) of epoch 2 (1-based), once per run directory: Ctrl-C then comes
 # while the ranks are at a known step, and they save after it (3 steps into epoch 2) before stopping.
 PAUSE_IN_EPOCH_2 = "pause:rank=1:epoch=1:step=2:seconds=4"
-CTRL_C_LINES = 20  # at most this many lines from Ctrl-C to the end
+CTRL_C_LINES = 8  # at most this many lines from Ctrl-C to the end
 CTRL_C_EXIT_S = 20.0  # "a few seconds" (about 3 s here), with room for a loaded 2-core machine
 
 
 @pytest.mark.torchrun
-@pytest.mark.server  # a temporary Prefect server
-def test_ctrl_c_stops_in_a_few_lines_and_the_same_command_resumes_cleanly(first_run, make_config, project):
-    """Ctrl-C: the ranks save where they are, exit 130 within seconds, a few lines, no torchrun traceback, how to
-    resume (the epoch and step); a second Ctrl-C would not wait for the save; then the same command
-    resumes to the end: no lock or PID file left, the two MLflow runs name each other, and this second
-    registration of the model's name prints no server traceback (the gate's limit is reused, not re-created)."""
+@pytest.mark.server  # the session's Prefect harness (its state is read after the command ends)
+def test_ctrl_c_in_a_terminal_cancels_the_flow_run_in_a_few_lines_and_the_same_command_resumes_cleanly(
+    first_run, make_config, project, prefect_harness
+):
+    """Ctrl-C typed in the terminal that runs `ddpflow run` (a pty: SIGINT to the foreground group, as a person's
+    key sends it): the ranks save where they are, exit 130 within seconds, at most 8 lines, none of them ERROR
+    and no traceback, the flow run and its train task run Cancelled (not Crashed), and the last line says how to
+    resume (the epoch and step); then the same command resumes to the end: no lock or PID file left, the two
+    MLflow runs name each other, and this second registration of the model's name prints no server traceback
+    (the gate's limit is reused, not re-created)."""
     prefect_home = project / ".ddpflow" / "prefect"
     model_name = first_run[0]["registry"]["model_name"]
     assert first_run[2].returncode == 0, first_run[2].stderr[-4000:]
     config = make_config(**{"train.epochs": 2, "registry.model_name": model_name})
     argv = ["run", "--config", write_config(project, config)]
     env = {**cli_env(), "DDPFLOW_FAULT": PAUSE_IN_EPOCH_2}
-    run = LiveRun([sys.executable, "-m", "flows.cli", *argv], project, env, own_group=True)
+    run = TerminalRun([sys.executable, "-m", "flows.cli", *argv], project, {**env, "PREFECT_API_URL": prefect_harness})
     run_root = Path(config["train"]["run_root"])
     try:
         deadline = time.monotonic() + 300
         while not list(run_root.glob("*/.fault-pause-done")) and run.popen.poll() is None:
-            assert time.monotonic() < deadline, run.output[-4000:]
+            assert time.monotonic() < deadline, run.text()[-4000:]
             time.sleep(0.2)
-        lines_before = len(run.out) + len(run.err)
         pressed = time.monotonic()
         run.ctrl_c()
-        assert run.finish() == 130, run.output[-4000:]
+        assert run.finish() == 130, run.text()[-4000:]
         took_s = time.monotonic() - pressed
     finally:
         run.kill()
-    after = (run.out + run.err)[lines_before:]
-    assert len(after) <= CTRL_C_LINES, "".join(after)
-    assert took_s < CTRL_C_EXIT_S, "".join(after)
-    assert "Traceback" not in run.output and "SignalException" not in run.output, "".join(after)
+    after = run.lines_after_the_key()
+    shown = "\n".join(after)
+    assert len(after) <= CTRL_C_LINES, shown
+    assert took_s < CTRL_C_EXIT_S, shown
+    assert error_lines(run.text()) == [] and "SignalException" not in run.text(), run.text()[-6000:]
     (run_dir,) = run_root.iterdir()
-    assert f"ddpflow: re-run the same command to resume from epoch 2, step 3 (run directory {run_dir})\n" in run.err
+    assert after[-1] == f"ddpflow: re-run the same command to resume from epoch 2, step 3 (run directory {run_dir})"
     assert (run_dir / "checkpoints" / "step-e00001-s00000003.pt").is_file()
-    assert run.last_error_line == "error: interrupted"
     assert wait_until_none_left(prefect_home) == []
+    client = MlflowClient(config["mlflow"]["tracking_uri"])
+    experiment = client.get_experiment_by_name(config["mlflow"]["experiment"])
+    (killed,) = client.search_runs([experiment.experiment_id])
+    flow_run_id = killed.data.tags["prefect.flow_run_id"]
+    assert after[-2] == f"ddpflow: stopped by Ctrl-C; flow run {cancelled_flow_run_name(flow_run_id)!r} cancelled"
+    assert run_states(flow_run_id) == {"flow run": "CANCELLED", "prepare-data": "COMPLETED",
+                                       "measure-data-drift": "COMPLETED", "train-model": "CANCELLED"}  # fmt: skip
 
     resumed = ddpflow([*argv, "--json"], project, env)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
@@ -341,14 +345,30 @@ def test_ctrl_c_stops_in_a_few_lines_and_the_same_command_resumes_cleanly(first_
     summary = json.loads(resumed.stdout)
     assert Path(summary["run_dir"]) == run_dir and (run_dir / FINAL_MODEL).is_file()
     assert not (run_dir / LOCK_FILE).exists() and not (run_dir / PID_FILE).exists()
-    client = MlflowClient(config["mlflow"]["tracking_uri"])
-    experiment = client.get_experiment_by_name(config["mlflow"]["experiment"])
     runs = {r.info.status: r for r in client.search_runs([experiment.experiment_id])}
     assert sorted(runs) == ["FINISHED", "KILLED"]
     assert runs["FINISHED"].info.run_id == summary["mlflow_run_id"]
     assert runs["FINISHED"].data.tags[RESUMED_FROM_TAG] == runs["KILLED"].info.run_id
     assert runs["KILLED"].data.tags[RESUMED_BY_TAG] == runs["FINISHED"].info.run_id
     assert wait_until_none_left(prefect_home, within_s=10) == []
+
+
+def run_states(flow_run_id: str) -> dict[str, str]:
+    """The flow run's state type and each of its task runs' (by task name), through the Prefect API."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        states = {"flow run": client.read_flow_run(flow_run_id).state.type.value}
+        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return states | {task.name.rsplit("-", 1)[0]: task.state.type.value for task in tasks}
+
+
+def cancelled_flow_run_name(flow_run_id: str) -> str:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run(flow_run_id).name
 
 
 PARENT = """

@@ -80,26 +80,36 @@ def test_the_check_finds_a_named_objective(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("objective", "task", "gate_metric", "scored_as", "uses_label", "has_baselines"),
+    ("objective", "task", "n_classes", "gate_metric", "scored_as", "uses_label", "has_baselines"),
     [
-        ("auto", "classification", "test_accuracy", "classification", True, True),
-        ("binary", "classification", "test_accuracy", "classification", True, True),
-        ("auto", "regression", "test_rmse", "regression", True, True),
-        ("huber", "regression", "test_rmse", "regression", True, True),
-        ("multilabel", "multilabel", "test_micro_f1", "multilabel", True, True),
-        ("next_token", "classification", "test_loss", "next_token", False, False),
+        ("auto", "classification", 4, "test_accuracy", "classification", True, True),
+        ("auto", "classification", 2, "test_roc_auc", "classification", True, True),  # two classes: the ranking
+        ("auto", "classification", None, "test_accuracy", "classification", True, True),  # classes not known
+        ("binary", "classification", 2, "test_roc_auc", "classification", True, True),
+        ("auto", "regression", None, "test_rmse", "regression", True, True),
+        ("huber", "regression", None, "test_rmse", "regression", True, True),
+        ("multilabel", "multilabel", 2, "test_micro_f1", "multilabel", True, True),  # two labels: not two classes
+        ("next_token", "classification", 2, "test_loss", "next_token", False, False),
     ],
 )
 def test_each_built_in_record_says_how_it_is_evaluated_and_judged(
-    objective, task, gate_metric, scored_as, uses_label, has_baselines
+    objective, task, n_classes, gate_metric, scored_as, uses_label, has_baselines
 ):
     train = load_config(None, [f"train.objective={objective}"]).train
     record = objective_record(train.objective, task)
-    evaluation = evaluation_of(train, task)
+    evaluation = evaluation_of(train, task, n_classes)
     assert (evaluation.gate_metric, evaluation.scored_as) == (gate_metric, scored_as)
     assert (record.uses_label, record.has_baselines) == (uses_label, has_baselines)
     assert evaluation.scorer == (TOKEN_SCORER if objective == "next_token" else ROW_SCORER)
     assert gate_metric in evaluation.headline
+    config = load_config(None, [f"train.objective={objective}"])
+    assert gate_rules(config, task, n_classes).metric == gate_metric  # what the gate judges: the same record
+    assert (
+        gate_rules(
+            load_config(None, [f"train.objective={objective}", "registry.metric=test_f"]), task, n_classes
+        ).metric
+        == "test_f"
+    )
 
 
 USER_OBJECTIVES = """

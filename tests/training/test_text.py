@@ -106,7 +106,7 @@ def test_auto_is_mlp_without_text_and_transformer_needs_text():
         build_model(ModelSpec.for_inputs("transformer", tabular, 2, {}))
     with pytest.raises(
         ValueError,
-        match="mlp takes numeric, categorical, hashed and vector inputs.*snippet \\(text\\).*; "
+        match="mlp takes numeric, categorical, hashed, vector and datetime inputs.*snippet \\(text\\).*; "
         "set train.model: auto or transformer$",
     ):
         build_model(ModelSpec.for_inputs("mlp", INPUTS, 2, {}))

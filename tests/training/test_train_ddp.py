@@ -488,10 +488,34 @@ def _users_table(rng: np.random.Generator, rows: int) -> dict:
 
 
 USERS_INPUTS = {"visits": "numeric", "spend": "numeric", "f0": "numeric", "amount": "numeric", "colour": "categorical"}
+
+
+def _datetime_table(rng: np.random.Generator, rows: int) -> dict:
+    """Times as a source holds them: a zoned Parquet timestamp (the label: ordered at night, its own zone's
+    clock) that also splits the rows by time, a date, and a naive timestamp with nulls (a missing indicator)."""
+    start = np.datetime64("2024-01-01T00:00", "m")
+    minutes = np.sort(rng.integers(0, 200 * 24 * 60, size=rows))
+    ordered = start + minutes.astype("timedelta64[m]")
+    shipped = ordered + rng.integers(60, 72 * 60, size=rows).astype("timedelta64[m]")
+    hour = (minutes // 60) % 24
+    return {
+        "ordered": pa.array(ordered.astype("datetime64[us]"), pa.timestamp("us", tz="Europe/Oslo")),
+        "day": pa.array(ordered.astype("datetime64[D]"), pa.date32()),
+        "shipped": pa.array(shipped.astype("datetime64[us]"), mask=rng.random(rows) < 0.1),
+        "basket": rng.gamma(2.0, 20.0, size=rows),
+        "label": ((hour >= 22) | (hour < 6)).astype(np.int64),
+    }
+
+
+DATETIME_DATA = {
+    "inputs": {"ordered": "datetime", "day": "datetime", "shipped": "datetime", "basket": "numeric"},
+    "split": {"by": "time", "column": "ordered", "test": 0.12},  # val and test: the newest rows; 234 train rows
+}
 PREPARED_CASES = {
     "weighted_rows": (_weighted_table, {"weight": "w"}, ("val_accuracy", "val_macro_f1")),
     "multilabel": (_multilabel_table, {}, ("val_micro_f1", "val_macro_f1", "val_exact_match")),
     "numeric_nulls": (_nulls_table, {}, ("val_accuracy",)),
+    "datetime": (_datetime_table, DATETIME_DATA, ("val_accuracy", "val_roc_auc")),
 }
 # table -> (builder, data overrides): the PREPARED_CASES' tables and the default model's (DEFAULT_RUNS).
 PREPARED_TABLES = {case: (build, data) for case, (build, data, _) in PREPARED_CASES.items()}
@@ -649,6 +673,10 @@ def test_weighted_rows_multilabel_and_nulls_on_two_ranks_train_the_weights_of_on
         assert two.model()["objective"]["name"] == "multilabel"
         assert two.model()["model_spec"]["n_outputs"] == 3
         assert_multilabel_serving_equals_evaluation(two.run_dir / "model.pt", dataset, manifest)
+    if case == "datetime":  # each time as its DENSE block (cycles, time since the origin, missing indicator)
+        shapes = {entry["name"]: entry["shape"] for entry in two.model()["model_spec"]["inputs"]}
+        assert shapes == {"ordered": [9], "day": [7], "shipped": [10], "basket": []}
+        assert manifest["extra"]["split"]["column"] == "ordered" and manifest["splits"]["test"]["rows"] > 0
     if case == "numeric_nulls":
         spec = two.model()["model_spec"]
         assert spec["n_features"] == 6  # visits, spend, f0, amount and two missing indicators

@@ -14,6 +14,7 @@ its dotted path (``train.epochs: Input should be greater than or equal to 1``).
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import re
@@ -62,6 +63,9 @@ KeepsWeights = Annotated[_T, WeightsEffect(False)]  # may change between attempt
 # each comes from): the epoch budget, early stopping's patience, the per-rank batch cap and the rows per step.
 DEFAULT_EPOCHS = 100
 DEFAULT_PATIENCE = 10
+# Softmax's label smoothing when train.label_smoothing is auto: RealMLP's 0.1 for a label of more than two classes;
+# none for two classes, whose ROC AUC it did not lift, nor for any other objective (docs/models.md: what was measured).
+DEFAULT_LABEL_SMOOTHING = 0.1
 AUTO_BATCH_MAX = 512
 AUTO_BATCH_STEPS = 16  # train.batch_size auto: at least this many steps an epoch
 
@@ -84,7 +88,7 @@ class _Section(BaseModel):
 
 
 # The built-in data.inputs kinds, in the order logs list them; each one's record: training/kinds/registry.py.
-INPUT_KINDS = ("numeric", "categorical", "hashed", "vector", "image", "text")
+INPUT_KINDS = ("numeric", "categorical", "hashed", "vector", "datetime", "image", "text")
 IMAGE_OPTIONS = ("size", "channels", "mean", "std", "augment")  # kind image (training/kinds/image.py, docs/data.md)
 TEXT_OPTIONS = ("max_len", "tokenizer")  # kind text (training/kinds/text.py, docs/data.md)
 TEXT_DEFAULT_MAX_LEN = 256
@@ -158,6 +162,60 @@ class InputSpec(_Section):
         return {**given, **(self.model_extra or {})}
 
 
+class SplitSpec(_Section):
+    """``data.split``: how rows go to train, val and test.
+
+    ``{by: hash}`` (the default, also when ``data.split`` is unset): a stable hash of each row (``data.key``, else
+    its content) against ``data.val_fraction`` and ``data.test_fraction``; a row keeps its split when rows are added.
+    ``{by: time, column: <col>, val: ..., test: ...}``: the newest rows go to test and the ones before them to val,
+    so a model is judged on the rows after those it learnt from; ``val`` and ``test`` are each a fraction of the
+    rows (the newest ``test`` share of the rows by ``column``, the ``val`` share before them; unset:
+    ``data.val_fraction``, ``data.test_fraction``) or a cut-off date or time (ISO 8601: the rows at or after it;
+    in the column's own time zone unless it names one). training/prepare/time_split.py; docs/data.md.
+    """
+
+    by: Literal["hash", "time"] = "hash"
+    column: str | None = Field(None, description="time: the column of each row's time (a timestamp, date or ISO text).")
+    val: float | str | None = Field(None, description="time: a fraction of the rows, or a cut-off date or time.")
+    test: float | str | None = Field(None, description="time: a fraction of the rows, or a cut-off date or time.")
+
+    @field_validator("val", "test", mode="before")
+    @classmethod
+    def _dates_as_text(cls, value: Any) -> Any:
+        """A YAML date (``val: 2024-06-01``) or time as its ISO text; a number stays a fraction."""
+        return value.isoformat() if isinstance(value, (dt.date, dt.datetime)) else value
+
+    @field_validator("val", "test")
+    @classmethod
+    def _fraction_or_date(cls, value: float | str | None) -> float | str | None:
+        if isinstance(value, float) and not 0.0 <= value < 1.0:
+            raise ValueError(f"a fraction of the rows is at least 0 and below 1, not {value}")
+        if isinstance(value, str):
+            try:
+                dt.datetime.fromisoformat(value.strip())
+            except ValueError:
+                raise ValueError(
+                    f"{value!r} is neither a fraction of the rows nor an ISO-8601 date or time (2024-06-01, "
+                    "2024-06-01T00:00:00+02:00)"
+                ) from None
+        return value
+
+    @model_validator(mode="after")
+    def _one_rule(self) -> SplitSpec:
+        if self.by == "hash" and (self.column, self.val, self.test) != (None, None, None):
+            raise ValueError(
+                "by: hash takes no column, val or test (its fractions are data.val_fraction and data.test_fraction)"
+            )
+        if self.by == "time" and not self.column:
+            raise ValueError("by: time needs column: the column that holds each row's time")
+        fractions = [value for value in (self.val, self.test) if isinstance(value, float)]
+        if len(fractions) == 2 and sum(fractions) >= 1.0:
+            raise ValueError(
+                f"val ({self.val}) + test ({self.test}) must sum to less than 1, so that train is not empty"
+            )
+        return self
+
+
 class DataConfig(_Section):
     source: str = Field(
         "synthetic://classification?rows=20000&features=16&classes=4&seed=0",
@@ -173,7 +231,8 @@ class DataConfig(_Section):
     )
     inputs: ChangesWeights[dict[str, InputSpec] | None] = Field(
         None,
-        description="The model's inputs, name -> kind (numeric | categorical | hashed | vector | image | text) or "
+        description="The model's inputs, name -> kind (numeric | categorical | hashed | vector | datetime | image | "
+        "text) or "
         "{kind: ..., options}; default: every numeric column except label, key and weight (data.features).",
     )
     weight: ChangesWeights[str | None] = Field(
@@ -195,6 +254,12 @@ class DataConfig(_Section):
     )
     val_fraction: float = Field(0.1, ge=0.0, lt=1.0)
     test_fraction: float = Field(0.1, ge=0.0, lt=1.0)
+    split: ChangesWeights[SplitSpec | None] = Field(
+        None,
+        description="How rows go to train/val/test: unset or {by: hash} (a stable hash of each row, "
+        "data.val_fraction/test_fraction), or {by: time, column: <col>, val: <fraction or date>, test: <fraction "
+        "or date>} (the newest rows to test, those before them to val).",
+    )
     rows_per_shard: int = Field(262_144, ge=1)
     row_group_size: int = Field(65_536, ge=1)
     read_batch_rows: int = Field(131_072, ge=1, description="Rows per record batch while streaming the source.")
@@ -290,8 +355,15 @@ class TrainConfig(_Section):
         "train split's class counts); or {label: weight}, 1 for classes not named. They weigh each row's loss "
         "and the step's denominator alike, so the update stays exact.",
     )
-    label_smoothing: ChangesWeightsWhenSet[float] = Field(
-        0.0, ge=0.0, lt=1.0, description="Cross-entropy label smoothing (softmax only)."
+    # Omitted from the identity at 0 (its default before auto), so the records of runs without it keep theirs.
+    label_smoothing: Annotated[
+        Annotated[float, Field(ge=0.0, lt=1.0)] | Literal["auto"],
+        WeightsEffect(True, omitted_at_default=True, omitted_value=0.0, omits_earlier_default=True),
+    ] = Field(
+        "auto",
+        description="Cross-entropy label smoothing (softmax only). auto (the default): "
+        f"{DEFAULT_LABEL_SMOOTHING} for the softmax objective over more than two classes, 0 otherwise; the run "
+        "records the number.",
     )
     nproc_per_node: ChangesWeights[int | Literal["auto"]] = Field(
         "auto", description="Ranks per node; auto: one per GPU, or 1 on CPU (see docs)."
@@ -323,7 +395,10 @@ class TrainConfig(_Section):
         description="How long the other ranks wait for rank 0 to write a checkpoint (apart from collective_timeout_s).",
     )
     stall_timeout_s: KeepsWeights[float | None] = Field(
-        None, gt=0, description="Kill the run when no rank-0 output arrives for this long."
+        None,
+        gt=0,
+        description="Kill the run when torchrun and its ranks print no line for this long (every rank hung); "
+        "unset: no such watchdog.",
     )
     preempt_signal: KeepsWeights[str | None] = Field(
         "SIGUSR1",
@@ -424,6 +499,26 @@ class TrainConfig(_Section):
         description="Skip training (no torchrun, no new model version; the MLflow run is tagged ddpflow.skipped) "
         "when @champion was trained on the same dataset fingerprint with the same weight-changing settings.",
     )
+    # A user's own training script (docs/scripts.md): torchrun runs it on every rank instead of ddpflow's trainer.
+    script: KeepsWeights[str | None] = Field(
+        None,
+        description="A Python file of your own DDP training, run as it is on every rank by the same launcher "
+        "(train.launcher); relative to the directory the run starts in. ddpflow's own training settings (epochs, "
+        "lr, model, batch_size...) do not apply to it; the data section is optional (docs/scripts.md).",
+    )
+    script_args: ChangesWeightsWhenSet[list[str]] = Field(
+        default_factory=list, description="train.script's command-line arguments, as given."
+    )
+    script_params: ChangesWeightsWhenSet[dict[str, Any]] = Field(
+        default_factory=dict,
+        description="Passed to train.script after script_args as --key value arguments, and readable in the "
+        "script with ddpflow.params(); a sweep may search them (sweep.space: train.script_params.KEY).",
+    )
+    script_sha256: ChangesWeightsWhenSet[str | None] = Field(
+        None,
+        description="Filled in by ddpflow as the run starts: the sha256 of train.script's file, so an edited "
+        "script is another training (resume, train.skip_if_unchanged). A value given is replaced.",
+    )
 
     @classmethod
     def weight_fields(cls) -> tuple[str, ...]:
@@ -470,6 +565,13 @@ class TrainConfig(_Section):
     def rank_val_batch_size(self, world_size: int, train_rows: int | None = None) -> int:
         """Rows per forward pass of a rank's validation: ``val_batch_size``, or the per-rank train batch."""
         return self.val_batch_size or self.rank_batch_size(world_size, train_rows)
+
+    def smoothing(self, objective: str, n_classes: int | None) -> float:
+        """The label smoothing of ``objective`` (resolved: ``softmax``, ``mse``...) on ``n_classes`` classes:
+        ``label_smoothing``, or (``auto``) DEFAULT_LABEL_SMOOTHING for a softmax over more than two, else 0."""
+        if self.label_smoothing == "auto":
+            return DEFAULT_LABEL_SMOOTHING if objective == "softmax" and (n_classes or 0) > 2 else 0.0
+        return self.label_smoothing
 
     def patience(self, val_rows: int) -> int | None:
         """Early stopping's patience: ``early_stopping_patience``, or (``auto``) DEFAULT_PATIENCE when there is
@@ -613,8 +715,9 @@ class RegistryConfig(_Section):
     model_name: str = Field("ddpflow-model", min_length=1)
     metric: str | None = Field(
         None,
-        description="Gate metric; default the objective's: test_accuracy (classification), test_micro_f1 "
-        "(multilabel), test_rmse (regression), test_loss (train.objective next_token, lower is better).",
+        description="Gate metric; default the objective's: test_roc_auc (a label of two classes), test_accuracy "
+        "(more classes), test_micro_f1 (multilabel), test_rmse (regression), test_loss (train.objective next_token, "
+        "lower is better).",
     )
     greater_is_better: bool | None = Field(None, description="Default: inferred from the metric name.")
     min_delta: float = Field(0.0, ge=0, description="The candidate must beat the champion by more than this.")
@@ -660,7 +763,11 @@ class RegistryConfig(_Section):
 
 
 class MlflowConfig(_Section):
-    tracking_uri: str | None = Field(None, description="Default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db.")
+    tracking_uri: str | None = Field(
+        None,
+        description="The MLflow store. $MLFLOW_TRACKING_URI, when set, wins over it (ddpflow run and ddpflow score "
+        "say so when the two differ); neither set: sqlite:///<working directory>/mlflow.db.",
+    )
     experiment: str = Field("ddpflow", min_length=1)
     artifact_location: str | None = Field(
         None, description="Artifact root for a new experiment; default ./mlartifacts."
@@ -779,12 +886,16 @@ class ScoreConfig(_Section):
     format: Literal["auto", "parquet", "csv"] = Field("auto", description="The source's format; auto: from names.")
     output: str | None = Field(None, description="Directory of Parquet part files, a manifest.json written last.")
     keep: list[str] | None = Field(
-        None, description="Columns carried beside the scores; default: data.key when set, else none."
+        None,
+        description="Columns carried beside the scores; default: data.key when set, else the key the model was "
+        "trained with (model.pt's), else none.",
     )
     output_kind: Literal["auto", "label", "probabilities", "value"] = Field(
         "auto", description="label or probabilities (classification), value (regression); auto: the richest."
     )
-    nproc_per_node: int | Literal["auto"] = Field(2, description="Scoring ranks per node (auto: per GPU/core).")
+    nproc_per_node: int | Literal["auto"] = Field(
+        2, description="Scoring ranks per node; auto: one per GPU, or 1 on CPU (the train section's rule)."
+    )
     launcher: Literal["local", "slurm"] | None = Field(
         None,
         description="local: torchrun on this machine; slurm: one batch job of score.nnodes nodes through sbatch "
@@ -799,7 +910,8 @@ class ScoreConfig(_Section):
 
 
 class PipelineConfig(_Section):
-    data: DataConfig = Field(default_factory=DataConfig)
+    # None only for a training script run without a data section (train.script): it has no prepared dataset.
+    data: DataConfig | None = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
@@ -813,6 +925,21 @@ class PipelineConfig(_Section):
     def score_launcher(self) -> Literal["local", "slurm"]:
         """score.launcher, else train.launcher: a scoring runs where training runs unless told otherwise."""
         return self.score.launcher or self.train.launcher
+
+    @model_validator(mode="before")
+    @classmethod
+    def _script_without_data(cls, raw: Any) -> Any:
+        """A training script's run that names no data section has no dataset (``data`` is None); every other
+        run has one: the section's defaults when it is left out."""
+        if isinstance(raw, dict) and "data" not in raw and _names_script(raw.get("train")):
+            return {**raw, "data": None}
+        return raw
+
+    @model_validator(mode="after")
+    def _data_unless_script(self) -> PipelineConfig:
+        if self.data is None and self.train.script is None:
+            raise ValueError("data: only a run of train.script may go without its data section")
+        return self
 
     @model_validator(mode="after")
     def _score_nodes_need_slurm(self) -> PipelineConfig:
@@ -833,6 +960,12 @@ class PipelineConfig(_Section):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(self.model_dump_json(indent=2))
         return path
+
+
+def _names_script(train: Any) -> bool:
+    """Whether a raw ``train`` section (a dict or a TrainConfig) names a training script."""
+    script = train.get("script") if isinstance(train, dict) else getattr(train, "script", None)
+    return bool(script)
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """The training job: what the launcher writes to ``RUN_DIR/train_config.json``
-and what every rank reads. Plain JSON, so a person can run a rank by hand.
+and what every rank reads (ddpflow's trainer from ``--config``, a user's script through ``$DDPFLOW_JOB``).
+Plain JSON, so a person can run a rank by hand.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from training.core.config import PipelineConfig
 @dataclass(frozen=True)
 class TrainJob:
     config: PipelineConfig
-    dataset_dir: str  # <data.root>/<fingerprint>, holding manifest.json
+    dataset_dir: str | None  # <data.root>/<fingerprint>, holding manifest.json; None: a script without data
     run_dir: str
     init_weights: str | None = None  # a model.pt to warm-start from (resolved by the launcher)
 

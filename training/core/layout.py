@@ -12,6 +12,12 @@ A training run:       <train.run_root>/<run name>/
                           model.pt             the selected epoch's weights + what inference needs
                           preempted.json       a preempted run's stop: signal, epoch, step, checkpoint (from rank 0)
                           eval/metrics.json    the evaluate stage's metrics
+A training script's run (train.script, docs/scripts.md), besides config.json, train_config.json and logs/:
+                          checkpoints/         ddpflow.checkpoint_dir(): the script's own snapshots
+                          script/reports.jsonl ddpflow.report()'s lines, from rank 0
+                          script/model.pt2     ddpflow.log_model()'s torch.export program (+ example.pt)
+                          script/model_refused.json  why ddpflow.log_model() could not export the model
+                          script/done.json     the launch ended well (the run is finished, not resumable)
 """
 
 from __future__ import annotations
@@ -19,6 +25,9 @@ from __future__ import annotations
 from pathlib import Path
 
 SPLITS = ("train", "val", "test")
+# A user's training script (train.script) takes its own arguments, so its ranks find their job (TRAIN_JOB's path)
+# through this environment variable.
+JOB_ENV = "DDPFLOW_JOB"
 MANIFEST = "manifest.json"
 CONFIG = "config.json"
 TRAIN_JOB = "train_config.json"
@@ -28,6 +37,12 @@ LAST_CHECKPOINT = "checkpoints/last.pt"
 FINAL_MODEL = "model.pt"
 PREEMPTED = "preempted.json"
 EVAL_METRICS = "eval/metrics.json"
+CHECKPOINTS = "checkpoints"
+SCRIPT_REPORTS = "script/reports.jsonl"
+SCRIPT_PROGRAM = "script/model.pt2"
+SCRIPT_EXAMPLE = "script/example.pt"
+SCRIPT_REFUSED = "script/model_refused.json"
+SCRIPT_DONE = "script/done.json"
 
 
 def manifest_path(dataset_dir: str | Path) -> Path:

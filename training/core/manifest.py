@@ -94,6 +94,11 @@ class Manifest:
         return len(self.features) + sum(bool(entry.get("missing_indicator")) for entry in self.inputs or [])
 
     @property
+    def n_classes(self) -> int | None:
+        """How many classes the label has (classification, multilabel); None for a value (regression)."""
+        return len(self.label_mapping) if self.task in CLASS_TASKS else None
+
+    @property
     def n_outputs(self) -> int:
         return len(self.label_mapping) if self.task in CLASS_TASKS else 1
 

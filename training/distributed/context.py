@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import re
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -112,6 +112,18 @@ class DistContext:
         local = torch.tensor(list(values), dtype=torch.int64, device=self.device)
         dist.all_reduce(local, op=dist.ReduceOp.SUM)
         return [int(value) for value in local.tolist()]
+
+    def all_reduce_int_sum_async(self, values: Sequence[int]) -> Callable[[], list[int]]:
+        """``all_reduce_int_sum`` started now, without waiting: call the result for the sums. Every rank must start
+        it at the same point among its collectives, as for any collective."""
+        local = torch.tensor(list(values), dtype=torch.int64, device=self.device)
+        work = dist.all_reduce(local, op=dist.ReduceOp.SUM, async_op=True)
+
+        def sums() -> list[int]:
+            work.wait()
+            return [int(value) for value in local.tolist()]
+
+        return sums
 
     def weights_agree(self, model: nn.Module) -> bool:
         """All ranks hold bit-identical parameters (compares per-tensor checksums)."""

@@ -1,6 +1,7 @@
 """Per-process settings of a rank: orphan protection, CPU threads and cores, CUDA math modes, the
 all-reduce's wait (``configure_process``: all of them, as every rank and bench/ddp_rank.py take them),
-and the two start-up/exit costs a rank can avoid (DDP's lazy imports, interpreter teardown)."""
+the two start-up/exit costs a rank can avoid (DDP's lazy imports, interpreter teardown), and a scoring
+rank's heap (``keep_freed_heap``)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,10 @@ from training.distributed.allreduce_poll import wants_polling
 from training.distributed.context import DistContext
 
 _PR_SET_PDEATHSIG = 1
+# glibc's mallopt parameters, and what a scoring rank sets them to (``keep_freed_heap``).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+HEAP_MMAP_THRESHOLD = 32 << 20  # glibc's own ceiling for its moving threshold, fixed from the start
+HEAP_TRIM_THRESHOLD = 64 << 20  # the most freed heap a rank keeps: its cost in memory
 
 
 def die_with_parent() -> None:
@@ -162,6 +167,28 @@ def configure_process(train: TrainConfig, ctx: DistContext) -> ProcessSetup:
     cpu = configure_cpu(train, ctx.local_rank, ctx.local_world_size, pin=not on_gpu)
     poll = wants_polling(train.cpu_poll_allreduce, ctx.device, ctx.world_size, cpu.pinned)
     return ProcessSetup(cpu, poll, configure_cuda(train) if on_gpu else "")
+
+
+def keep_freed_heap() -> bool:
+    """Keep freed memory in this process's heap for the next allocation (glibc's malloc; False elsewhere).
+
+    glibc hands memory back to the kernel eagerly: a block above its mmap threshold (128 KiB at first) is
+    mapped for the allocation and unmapped when freed, and a free top of the heap above the trim threshold
+    is returned. A forward pass's intermediate tensors (megabytes each, freed within the call) then come back
+    as fresh pages on every call, each page a fault in the kernel: 27-44% of a scoring rank's CPU time, and its
+    first 100k rows cost 1.5 x the next (docs/benchmarks.md, "Batch scoring"). With the threshold fixed at
+    ``HEAP_MMAP_THRESHOLD`` and up to ``HEAP_TRIM_THRESHOLD`` of free heap kept, the blocks
+    are reused. Cost: up to that much freed memory stays in the process (its peak is unchanged).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, HEAP_TRIM_THRESHOLD)
+    )
 
 
 def exit_without_teardown(code: int = 0) -> None:

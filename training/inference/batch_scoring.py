@@ -493,12 +493,18 @@ def iter_parts(output: str | os.PathLike) -> Iterator[Path]:
 def main(argv: list[str] | None = None) -> None:
     from training.core.config import TrainConfig
     from training.distributed.context import distributed
-    from training.distributed.process import die_with_parent, exit_without_teardown, record_root_cause
+    from training.distributed.process import (
+        die_with_parent,
+        exit_without_teardown,
+        keep_freed_heap,
+        record_root_cause,
+    )
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="OUTPUT/.score/job.json")
     job = ScoreJob.read(parser.parse_args(argv).config)
     die_with_parent()
+    keep_freed_heap()  # the forward's intermediate tensors reuse freed heap instead of faulting in fresh pages
 
     @record_root_cause
     def run() -> None:

@@ -17,7 +17,7 @@ from torch import nn
 
 from training.core.manifest import Manifest
 from training.kinds.base import Codec
-from training.kinds.inputs import InputInfo
+from training.kinds.inputs import InputInfo, block_names, inputs_from_manifest
 from training.kinds.registry import codecs_for
 from training.models.registry import ModelSpec, build_model
 
@@ -32,6 +32,12 @@ REQUIRED_CHECKPOINT_KEYS = (
     "label",
     "label_mapping",
 )
+
+
+# A training script's model (ddpflow.log_model): its torch.export program's bytes stand for the architecture and the
+# weights, and ``model_spec`` names it EXPORTED (its inputs are the dataset's, its weights not in "model").
+PROGRAM = "program"
+EXPORTED = "exported"
 
 
 class IncompatibleModelError(ValueError):
@@ -77,27 +83,58 @@ class EvalResult:
 
 
 def load_model_checkpoint(path: str | Path) -> tuple[nn.Module, dict[str, Any]]:
-    """Rebuild the model from ``model_spec`` and load its weights, in eval mode.
+    """Rebuild the model from ``model_spec`` and load its weights, in eval mode (a training script's model: its
+    exported program, loaded).
 
     Returns the model and the checkpoint's other entries (everything except the
-    state dict). ``weights_only=True``: a checkpoint cannot run code on load.
+    state dict). ``weights_only=True``: a checkpoint cannot run code on load (nor does a torch.export program).
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"model checkpoint {path} does not exist")
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    meta = checkpoint_meta(checkpoint, path)
+    if PROGRAM in checkpoint:
+        return exported_module(checkpoint[PROGRAM]), meta
+    model = build_model(ModelSpec.from_dict(checkpoint["model_spec"], checkpoint["features"]), checkpoint["features"])
+    model.load_state_dict(checkpoint["model"])
+    return model.eval(), meta
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    """A model.pt read once, for a process that only describes the model (batch scoring's command: it hashes,
+    checks and copies the same bytes): its bytes, and ``load_model_checkpoint``'s entries (``meta``: task,
+    inputs, key, labels); no model is built."""
+
+    path: str
+    data: bytes = field(repr=False)
+    meta: dict[str, Any] = field(repr=False)
+
+    @classmethod
+    def read(cls, path: str | Path) -> ModelFile:
+        import io
+
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"model checkpoint {path} does not exist")
+        data = path.read_bytes()
+        checkpoint = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        return cls(str(path), data, checkpoint_meta(checkpoint, path))
+
+
+def checkpoint_meta(checkpoint: dict[str, Any], path: str | Path) -> dict[str, Any]:
+    """A loaded model.pt's entries but its weights (a ValueError naming what a final model file lacks), with its
+    ``model_spec`` complete (its inputs also for a model.pt from before typed inputs)."""
     missing = [key for key in REQUIRED_CHECKPOINT_KEYS if key not in checkpoint]
     if missing:
         raise ValueError(
             f"model checkpoint {path} lacks keys {missing}; is it a final model.pt (not checkpoints/last.pt)?"
         )
     spec = ModelSpec.from_dict(checkpoint["model_spec"], checkpoint["features"])
-    model = build_model(spec, checkpoint["features"])
-    model.load_state_dict(checkpoint["model"])
-    model.eval()
-    meta = {key: value for key, value in checkpoint.items() if key != "model"}
-    meta["model_spec"] = spec.to_dict()  # with its inputs, also for a model.pt from before typed inputs
-    return model, meta
+    meta = {key: value for key, value in checkpoint.items() if key not in ("model", PROGRAM)}
+    meta["model_spec"] = spec.to_dict()
+    return meta
 
 
 def checkpoint_inputs(meta: dict[str, Any]) -> dict[str, InputInfo]:
@@ -157,6 +194,39 @@ def inference_checkpoint(
         "selected_epoch": selection["selected_epoch"] if selection else metrics.get("epoch", epochs - 1),
         "selection": selection,
     }
+
+
+class ExportedModel(nn.Module):
+    """A torch.export program's module, for the callers of any model: it was exported in eval mode, and
+    ``train()``/``eval()`` (which an exported module refuses) change nothing in it."""
+
+    def __init__(self, program: nn.Module):
+        super().__init__()
+        self.program = program
+
+    def forward(self, *args: Any) -> Any:
+        return self.program(*args)
+
+    def train(self, mode: bool = True) -> ExportedModel:
+        self.training = mode  # this wrapper's flag only: the program runs as it was exported
+        return self
+
+
+def exported_module(program: bytes) -> ExportedModel:
+    """The module of a torch.export program's bytes (``torch.export.save``): no pickled code runs."""
+    import io
+
+    return ExportedModel(torch.export.load(io.BytesIO(program)).module())
+
+
+def exported_checkpoint(program: bytes, manifest: Manifest, encoders: dict[str, Any] | None) -> dict[str, Any]:
+    """model.pt of a training script's model trained on a prepared dataset (``ddpflow.dataset``, the model
+    contract's batch in, ``[B, n_outputs]`` out): its program, and what evaluation and serving need of the dataset,
+    as ``inference_checkpoint`` records it for ddpflow's own models (the objective ``auto`` picks for the task)."""
+    inputs = inputs_from_manifest(manifest)
+    spec = ModelSpec(EXPORTED, len(block_names(inputs)), manifest.n_outputs, {}, [i.to_dict() for i in inputs.values()])
+    checkpoint = inference_checkpoint({}, spec, manifest, 0, {}, encoders)
+    return {**checkpoint, PROGRAM: program, "objective": {"name": "auto", "kwargs": {}}, "selected_epoch": None}
 
 
 def source_types(manifest: Manifest) -> dict[str, str]:

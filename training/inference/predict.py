@@ -78,8 +78,9 @@ class Predictor:
             raise ValueError(f"input is missing feature columns {missing}; the model needs {self.features}")
         columns = {name: _column(frame, name) for name in self.features}
         numeric = numeric_names(self.inputs)
-        # A null or NaN is imputed (the train mean, and the missing indicator where the model has one); one the
-        # codec cannot impute (missing: error, or a model from before) is refused, and inf always is.
+        # A null or NaN is imputed (the train median, or mean under scaling: standard; and the missing indicator where
+        # the model has one); one the codec cannot impute (missing: error, or a model without imputation) is refused,
+        # and inf always is.
         bad = [name for name in numeric if not np.isfinite(self._codecs[name].encode(columns[name])).all()]
         if bad:
             raise ValueError(

@@ -5,9 +5,10 @@ boosting model gets on their own split.
     scored = reference_baseline(objective, normaliser, manifest, dataset_dir, "test", max_rows=200_000)
     scored.metrics["test_accuracy"], scored.fit["seconds"]
 
-- Inputs: numeric, categorical and hashed ones only (``reference_skip_reason`` says why a dataset has none:
-  images, text, vectors, a multilabel label). Numeric as they are stored, a null as NaN (boosting takes it
-  natively); categorical and hashed through the dataset's own encoders (fitted on the train split) and then
+- Inputs: numeric, categorical, hashed and datetime ones only (``reference_skip_reason`` says why a dataset has
+  none: images, text, vectors, a multilabel label). Numeric as they are stored, a null as NaN (boosting takes it
+  natively); a datetime as its hour, weekday, day of year, month and days since the train split's earliest time;
+  categorical and hashed through the dataset's own encoders (fitted on the train split) and then
   as native categories: the ``MAX_CATEGORIES - 1`` most frequent codes of the fitted rows each one category,
   the rest one "other" category, a null missing (HistGradientBoosting takes at most 255 categories).
 - Caps: at most ``max_rows`` train rows (a uniform sample above it, fixed seed), ``MAX_ITER`` boosting
@@ -33,7 +34,7 @@ import torch
 
 from training.core.manifest import Manifest
 from training.inference.evaluate import OutputScorer, _labels, class_outputs, value_outputs
-from training.kinds.base import CATEGORY
+from training.kinds.base import CATEGORY, NUMBERS
 from training.kinds.inputs import InputInfo, inputs_from_manifest
 from training.kinds.normalisation import Normaliser
 from training.kinds.registry import Codec, codecs_for, kind_record, known_kinds, read_encoders
@@ -71,28 +72,34 @@ def reference_skip_reason(manifest: Manifest) -> str | None:
 
 class _Columns:
     """Shard columns -> the reference's float64 matrix: numeric as stored (null: NaN), categorical and hashed
-    as ranked categories (module docstring)."""
+    as ranked categories, a NUMBERS input (datetime) as its several numbers (module docstring)."""
 
     def __init__(self, manifest: Manifest, dataset_dir: Path):
         self.inputs: dict[str, InputInfo] = inputs_from_manifest(manifest)
         self.codecs: dict[str, Codec] = codecs_for(self.inputs, read_encoders(dataset_dir, manifest))
+        widths = [codec.reference_width() if codec.reference_column == NUMBERS else 1 for codec in self.codecs.values()]
+        self.first = dict(zip(self.inputs, np.cumsum([0, *widths[:-1]]).tolist(), strict=True))  # its first column
         taken_as = [kind_record(info.kind).reference_column for info in self.inputs.values()]
-        self.categorical = np.array([column == CATEGORY for column in taken_as])
+        self.categorical = np.repeat([column == CATEGORY for column in taken_as], widths)
         self.lookup: dict[str, np.ndarray] = {}
 
     def codes(self, batch) -> np.ndarray:
-        """Each input's encoded values (numeric float, categorical and hashed the codec's index), [rows, inputs].
-        A numeric input's values as stored, a null as NaN (``raw``: not the network's imputed value, boosting
-        takes missing values natively)."""
+        """Each input's encoded values (numeric float, categorical and hashed the codec's index, a NUMBERS input's
+        columns), [rows, columns]. A numeric input's values as stored, a null as NaN (``raw``: not the network's
+        imputed value, boosting takes missing values natively)."""
         columns = []
         for name in self.inputs:
             codec, column = self.codecs[name], batch.column(name)
-            columns.append(codec.encode(column) if codec.reference_column == CATEGORY else codec.raw(column))
+            taken_as = codec.reference_column
+            if taken_as == NUMBERS:
+                columns.append(codec.reference_values(column))
+            else:
+                columns.append(codec.encode(column) if taken_as == CATEGORY else codec.raw(column))
         return np.column_stack(columns).astype(np.float64)
 
     def fit(self, codes: np.ndarray) -> None:
         """Rank each categorical column's codes by count in the fitted rows (ties: the smaller code first)."""
-        for j, name in enumerate(self.inputs):
+        for name, j in self.first.items():
             if not self.categorical[j]:
                 continue
             column = codes[:, j].astype(np.int64)
@@ -104,9 +111,9 @@ class _Columns:
             self.lookup[name] = lookup
 
     def matrix(self, codes: np.ndarray) -> np.ndarray:
-        for j, name in enumerate(self.inputs):
-            if name in self.lookup:
-                codes[:, j] = self.lookup[name][codes[:, j].astype(np.int64)]
+        for name, lookup in self.lookup.items():
+            j = self.first[name]
+            codes[:, j] = lookup[codes[:, j].astype(np.int64)]
         return codes
 
 

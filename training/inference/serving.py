@@ -33,13 +33,11 @@ from typing import Any
 
 import mlflow.pyfunc
 import pandas as pd
-import pyarrow as pa
 
 from training.inference.model_file import load_model_checkpoint
 from training.inference.predict import OUTPUTS, Predictor  # noqa: F401  (OUTPUTS: the served outputs, here too)
 from training.inference.token_scoring import TokenScorer
 from training.kinds.registry import CODECS, kind_record
-from training.kinds.tabular import source_dtype
 from training.objectives.base import ROW_SCORER, TOKEN_SCORER
 from training.objectives.registry import objective_from_checkpoint
 
@@ -99,11 +97,10 @@ def raw_example(predictor: Predictor | TokenScorer, frame: pd.DataFrame) -> pd.D
 
 def accepting_nulls(signature, predictor: Predictor | TokenScorer):
     """The signature with every input column required (MLflow marks a column whose example holds a null
-    optional, i.e. one that may be left out) and each numeric input that imputes nulls declared so that MLflow
-    lets them through: a float column is ``double`` (NaN, None and pandas' Float64 pass), an integer one
-    ``any``, since MLflow's ``long`` refuses every null (a float64 NaN, pandas' nullable Int64) and its ``double``
-    a plain int64 column: ``any`` takes the source's int64, float64 with NaN and Int64 frames, and the model's
-    own encoding (``NumericCodec``) reads them, refusing what is not a number."""
+    optional, i.e. one that may be left out) and each input whose kind's record says so declared ``any``
+    (``Codec.declared_any``: an integer input that imputes nulls, whose nulls MLflow's ``long`` refuses; a zoned
+    or string time, which MLflow's ``datetime`` refuses), so MLflow lets through what the model's own encoding
+    reads; a float column stays ``double`` (NaN, None and pandas' Float64 pass)."""
     from mlflow.models import ModelSignature
     from mlflow.types.schema import AnyType, ColSpec, Schema
 
@@ -114,9 +111,8 @@ def accepting_nulls(signature, predictor: Predictor | TokenScorer):
     columns = []
     for spec in signature.inputs.inputs:
         info = inputs.get(spec.name)
-        integer = pa.types.is_integer(source_dtype(source_types.get(spec.name)))
-        kind = AnyType() if info is not None and info.missing_indicator and integer else spec.type
-        columns.append(ColSpec(kind, spec.name, required=True))
+        loose = info is not None and kind_record(info.kind).declared_any(source_types.get(spec.name), info)
+        columns.append(ColSpec(AnyType() if loose else spec.type, spec.name, required=True))
     return ModelSignature(Schema(columns), signature.outputs, signature.params)
 
 
@@ -162,23 +158,14 @@ def log_pyfunc_model(
     MLflow's checks unchanged; strings for categoricals and ids; lists for
     vectors); the signature has the ``output`` param (``OUTPUTS``).
     """
-    from mlflow.models import Model, infer_signature
+    from mlflow.models import infer_signature
 
     model_path = Path(model_path)
     predictor = load_predictor(model_path)
     example = raw_example(predictor, input_example)  # a next_token model: its text column alone
-    # Created here, in the run's experiment: given only run_id, Model.log would
-    # put the model in the fluent "current" experiment (the Default one).
-    client = mlflow.MlflowClient()
-    experiment_id = client.get_run(run_id).info.experiment_id
-    logged = client.create_logged_model(experiment_id, name=MODEL_NAME, source_run_id=run_id, tags=tags)
-    return Model.log(
-        artifact_path=None,
-        name=MODEL_NAME,
-        flavor=mlflow.pyfunc,
-        run_id=run_id,
-        model_id=logged.model_id,
-        python_model=str(MODEL_CODE),
+    return log_code_model(
+        run_id,
+        MODEL_CODE,
         artifacts={MODEL_ARTIFACT: str(model_path)},
         code_paths=[str(TRAINING_PACKAGE), *user_code_paths(predictor.meta["model_spec"]["model"])],
         signature=accepting_nulls(
@@ -186,5 +173,30 @@ def log_pyfunc_model(
         ),
         input_example=example,
         pip_requirements=pip_requirements({info.kind for info in predictor.inputs.values()}),
-        metadata={"python_version": platform.python_version(), "task": predictor.task, "features": predictor.features},
+        metadata={"task": predictor.task, "features": predictor.features},
+        tags=tags,
+    )
+
+
+def log_code_model(
+    run_id: str, code: Path, *, metadata: dict[str, Any], tags: dict[str, str] | None = None, **logged: Any
+):
+    """A pyfunc model defined by the file ``code`` ("models from code"), logged as an output of MLflow run
+    ``run_id`` in the run's own experiment: given only run_id, ``Model.log`` would put the model in the fluent
+    "current" experiment (the Default one). ``logged``: ``Model.log``'s artifacts, code_paths, signature,
+    input_example and pip_requirements."""
+    from mlflow.models import Model
+
+    client = mlflow.MlflowClient()
+    experiment_id = client.get_run(run_id).info.experiment_id
+    model = client.create_logged_model(experiment_id, name=MODEL_NAME, source_run_id=run_id, tags=tags)
+    return Model.log(
+        artifact_path=None,
+        name=MODEL_NAME,
+        flavor=mlflow.pyfunc,
+        run_id=run_id,
+        model_id=model.model_id,
+        python_model=str(code),
+        metadata={"python_version": platform.python_version(), **metadata},
+        **logged,
     )

@@ -45,6 +45,7 @@ MODEL_BLOCKS = (SCALAR, EMBEDDING, DENSE, PIXELS, TOKENS)
 # How scikit-learn's reference model takes an input (``Codec.reference_column``).
 NUMBER = "number"  # its raw values (``raw``: a null is NaN, boosting takes missing values natively)
 CATEGORY = "category"  # ``encode``'s index, a category
+NUMBERS = "numbers"  # several numbers per row (``reference_values``, ``reference_width`` columns; a null NaN)
 
 # How evaluation shows a classifier's wrong rows of an input (``Codec.shown_as``, ``Codec.shown_values``).
 PICTURES = "pictures"  # the first misclassified rows' bytes, drawn as a grid (ddpflow/tracking/plots.py)
@@ -60,8 +61,8 @@ class Codec:
     # How the drift report compares the kind's ``drift_stats`` (ddpflow/drift/report.py: DRIFT_MEASURES);
     # None: nothing beyond the numeric histograms.
     drift_measure: str | None = None
-    # How scikit-learn's reference model takes the input (training/inference/reference.py): NUMBER or
-    # CATEGORY; None: not a table column, no reference.
+    # How scikit-learn's reference model takes the input (training/inference/reference.py): NUMBER, CATEGORY or
+    # NUMBERS; None: not a table column, no reference.
     reference_column: str | None = None
     # How evaluation shows a classifier's wrong rows of this input (PICTURES, TABLE; None: not shown).
     shown_as: str | None = None
@@ -191,6 +192,21 @@ class Codec:
         inferred from it); ``source_type``: the column's Arrow type in the source (``model.pt``'s
         ``source_types``). Most kinds: as they are."""
         return values
+
+    @classmethod
+    def declared_any(cls, source_type: str | None, info: InputInfo) -> bool:
+        """Whether the served signature declares the input ``any`` instead of the type MLflow infers from its
+        example (``serving_example``): where MLflow's own type would refuse values the model takes. Most kinds:
+        no."""
+        return False
+
+    def reference_values(self, array: pa.Array) -> np.ndarray:
+        """A NUMBERS kind's rows as the reference takes them: float64 ``[rows, reference_width()]``, a null NaN."""
+        raise NotImplementedError
+
+    def reference_width(self) -> int:
+        """How many columns ``reference_values`` gives (a NUMBERS kind)."""
+        raise NotImplementedError
 
     def encode(self, array: pa.Array) -> np.ndarray:
         """A fixed-shape kind's rows as the batch tensor's values, ``[rows, *shape]`` of ``dtype``."""

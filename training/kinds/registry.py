@@ -22,6 +22,9 @@ What each kind guarantees (docs/data.md):
   float64, strings as UTF-8): the same value gets the same bucket in every process and on every machine.
 - vector: float32 ``[rows, D]``, D the length of the source's first non-null row; any other length, a null
   row or a non-finite element is invalid (data.on_invalid). Vectors are not normalised.
+- datetime: float32 ``[rows, D]``: the time of day (not for dates), day of week, day of year and month as
+  sin/cos pairs, the time since the train split's earliest value (the train span is 1), a missing indicator when
+  the train split held a null; read as wall-clock times in the train column's zone (training/kinds/times.py).
 """
 
 from __future__ import annotations
@@ -43,12 +46,14 @@ from training.kinds.image import ImageCodec
 from training.kinds.inputs import KINDS, InputInfo, block_names, numeric_names
 from training.kinds.tabular import CategoricalCodec, HashedCodec, NumericCodec, VectorCodec
 from training.kinds.text import TextCodec
+from training.kinds.times import DatetimeCodec
 
 ENCODERS_FILE = "encoders.json"
 
 
 CODECS: dict[str, type[Codec]] = {
-    codec.kind: codec for codec in (NumericCodec, CategoricalCodec, HashedCodec, VectorCodec, ImageCodec, TextCodec)
+    codec.kind: codec
+    for codec in (NumericCodec, CategoricalCodec, HashedCodec, VectorCodec, DatetimeCodec, ImageCodec, TextCodec)
 }
 
 # Kinds of a user's own (docs/models.md, "Adding an input kind"): modules that call ``register_kind`` when

@@ -204,6 +204,13 @@ class NumericCodec(Codec):
                 "histogram": stats["histogram"]}  # fmt: skip
 
     @classmethod
+    def declared_any(cls, source_type: str | None, info: InputInfo) -> bool:
+        """An integer input that imputes nulls: MLflow's ``long`` refuses every null (a float64 NaN, pandas'
+        nullable Int64) and its ``double`` a plain int64 column; ``any`` takes the source's int64, float64 with
+        NaN and Int64 frames, and ``encode`` reads them, refusing what is not a number."""
+        return info.missing_indicator and pa.types.is_integer(source_dtype(source_type))
+
+    @classmethod
     def serving_example(cls, values, source_type: str | None):
         """Numbers of the source's own type (``source_dtype``): the signature MLflow infers from them takes
         the source's frames and hand-built ones alike; the model casts inside (``encode``)."""

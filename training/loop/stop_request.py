@@ -55,6 +55,19 @@ def read_verdict(run_dir: str | os.PathLike, epoch: int, wait_s: float) -> bool 
             time.sleep(POLL_S)
 
 
+TRIAL_STOP = "stop"  # a training script's trial: stop at the script's next should_stop() (ddpflow/script/)
+
+
+def write_stop(run_dir: str | os.PathLike) -> Path:
+    """Stop a training script's trial at its next ``ddpflow.should_stop()``: it has no epochs of ddpflow's own."""
+    return atomic_write_text(verdicts_dir(run_dir) / TRIAL_STOP, STOP, durable=False)
+
+
+def stop_written(run_dir: str | os.PathLike) -> bool:
+    """Whether ``write_stop`` stopped this run."""
+    return (verdicts_dir(run_dir) / TRIAL_STOP).is_file()
+
+
 def stop_requested(run_dir: str | os.PathLike, epoch: int, ctx: DistContext, wait_s: float = VERDICT_WAIT_S) -> bool:
     """After ``epoch``'s metrics line: whether every rank stops here (the same answer on every rank)."""
     if not verdicts_dir(run_dir).is_dir():

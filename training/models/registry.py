@@ -11,8 +11,8 @@ older contract, ``factory(n_features, n_outputs, **model_kwargs)`` with ``forwar
 working when every input is numeric (a forward pre-hook stacks the numeric inputs, in manifest order, into
 ``[B, F]``; the module and its state dict are the factory's own, so its model.pt files still load).
 
-Built in: ``mlp`` (numeric, categorical, hashed and vector inputs; ``tabular.py: MLP``), ``image_cnn`` (image inputs,
-with any tabular ones: training/models/image.py), ``transformer`` (text inputs, with any tabular ones:
+Built in: ``mlp`` (numeric, categorical, hashed, vector and datetime inputs; ``tabular.py: MLP``), ``image_cnn``
+(image inputs, with any tabular ones: training/models/image.py), ``transformer`` (text inputs, with any tabular ones:
 training/models/text.py) and ``auto``, the default, which picks the built-in model for the inputs
 (``image_cnn`` when one is an image, ``transformer`` when one is text, else ``mlp``). The pipeline resolves
 ``auto`` once the data is prepared (``with_resolved_model``), so a run's records and its training identity
@@ -151,9 +151,9 @@ def _fit_problem(model: str, inputs: dict[str, InputInfo]) -> str | None:
 BLOCKS_TAKEN = {"mlp": TABULAR_BLOCKS, "image_cnn": (*TABULAR_BLOCKS, PIXELS), "transformer": (*TABULAR_BLOCKS, TOKENS)}
 BLOCK_NEEDED = {"image_cnn": PIXELS, "transformer": TOKENS}
 _TAKES = {
-    "mlp": "numeric, categorical, hashed and vector",
-    "image_cnn": "image, numeric, categorical, hashed and vector",
-    "transformer": "text, numeric, categorical, hashed and vector",
+    "mlp": "numeric, categorical, hashed, vector and datetime",
+    "image_cnn": "image, numeric, categorical, hashed, vector and datetime",
+    "transformer": "text, numeric, categorical, hashed, vector and datetime",
 }
 
 

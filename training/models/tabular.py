@@ -98,7 +98,9 @@ class MLP(nn.Module):
         embedded = {name: inputs[name] for name in inputs_in(inputs, EMBEDDING)}
         unknown = [f"{name} ({info.kind})" for name, info in inputs.items() if block_of(info) not in TABULAR_BLOCKS]
         if unknown:
-            raise ValueError(f"train.model mlp takes numeric, categorical, hashed and vector inputs, not {unknown}")
+            raise ValueError(
+                f"train.model mlp takes numeric, categorical, hashed, vector and datetime inputs, not {unknown}"
+            )
         widths = {
             name: int((embedding_dims or {}).get(name, embedding_dim(info.cardinality)))
             for name, info in embedded.items()

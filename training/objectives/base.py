@@ -30,7 +30,7 @@ The built-in objectives implement it beside this module (``builtin.py``, ``next_
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -51,7 +51,11 @@ class Evaluation:
     ``registry.metric`` says otherwise; ``headline``: the metrics the evaluate task's log line shows;
     ``keeps_predictions``: its figure needs per-row predictions; ``figure``: the figure's name
     (ddpflow/tracking/plots.py: FIGURES), None for the task's own (confusion matrix, per-class recall, residuals);
-    ``note``: what the evaluate task logs besides (``str.format`` with the metrics and ``samples``)."""
+    ``note``: what the evaluate task logs besides (``str.format`` with the metrics and ``samples``);
+    ``two_class_gate_metric``: the gate's default instead of ``gate_metric`` for a label of exactly two classes
+    (``for_classes``); ``signal_metric``: the proper score that tells a model that learnt something from a guess
+    whatever the gate metric (the log loss of classes, the RMSE of values; ddpflow/tracking/gate.py says what a
+    model that beats the trivial baseline on it but not on the gate metric fails)."""
 
     scored_as: str
     gate_metric: str
@@ -60,13 +64,33 @@ class Evaluation:
     keeps_predictions: bool = False
     figure: str | None = None
     note: str | None = None
+    two_class_gate_metric: str | None = None
+    signal_metric: str | None = None
+
+    def for_classes(self, n_classes: int | None) -> Evaluation:
+        """The evaluation of a label with ``n_classes`` classes (None: not classes, or not known): with exactly two
+        and a ``two_class_gate_metric``, the gate judges that (ROC AUC: the ranking, whose trivial baseline is 0.5,
+        where the accuracy of a model with real signal can equal the majority class's share), first in the
+        headline; otherwise this evaluation as it is. The one rule of the two-class default."""
+        if n_classes != 2 or self.two_class_gate_metric is None:
+            return self
+        metric = self.two_class_gate_metric
+        return replace(self, gate_metric=metric, headline=(metric, *(name for name in self.headline if name != metric)))
 
 
 TASK_EVALUATIONS = {  # an objective of the dataset's task, per row (every built-in but a language model's)
-    "classification": Evaluation("classification", "test_accuracy", ("test_accuracy", "test_macro_f1", "test_loss")),
-    "multilabel": Evaluation("multilabel", "test_micro_f1", ("test_micro_f1", "test_macro_f1", "test_exact_match")),
-    "regression": Evaluation("regression", "test_rmse", ("test_rmse", "test_mae", "test_r2"), keeps_predictions=True),
-}
+    "classification": Evaluation(
+        "classification", "test_accuracy", ("test_accuracy", "test_macro_f1", "test_loss"),
+        two_class_gate_metric="test_roc_auc", signal_metric="test_log_loss",
+    ),
+    "multilabel": Evaluation(
+        "multilabel", "test_micro_f1", ("test_micro_f1", "test_macro_f1", "test_exact_match"), signal_metric="test_loss"
+    ),
+    "regression": Evaluation(
+        "regression", "test_rmse", ("test_rmse", "test_mae", "test_r2"),
+        keeps_predictions=True, signal_metric="test_rmse",
+    ),
+}  # fmt: skip
 
 
 def mean_in_log_space(log_values: torch.Tensor) -> torch.Tensor:

@@ -47,6 +47,11 @@ def auto_objective(task: str, multi_hot_label: bool = False) -> str:
     return "softmax" if task == "classification" else "mse"
 
 
+def resolved_name(name: str, task: str, multi_hot_label: bool = False) -> str:
+    """The objective ``train.objective`` names: ``auto``'s choice (``auto_objective``), or the name as given."""
+    return auto_objective(task, multi_hot_label) if name == "auto" else name
+
+
 def resolve_user_objective(name: str) -> Callable[..., Objective]:
     """The factory behind ``package.module:factory``; ConfigError naming train.objective when it does not import."""
     return import_factory(name, "train.objective", ConfigError)
@@ -62,7 +67,7 @@ def make_objective(
 ) -> Objective:
     """An objective for a dataset of ``task`` with ``n_classes``; ConfigError naming the field when it does not fit."""
     kwargs = dict(kwargs or {})
-    resolved = auto_objective(task, multi_hot_label) if name == "auto" else name
+    resolved = resolved_name(name, task, multi_hot_label)
     if label_smoothing and resolved != "softmax":
         raise ConfigError(
             f"train.label_smoothing: {label_smoothing} applies to the softmax objective only; "
@@ -86,16 +91,17 @@ def objective_record(name: str, task: str, multi_hot_label: bool = False) -> typ
     class, which answers how its models are evaluated and judged (``uses_label``, ``has_baselines``,
     ``evaluation``). A user's factory that is an ``Objective`` subclass is its own record; any other factory is
     read with the contract's defaults (evaluated as its task's objectives are)."""
-    resolved = auto_objective(task, multi_hot_label) if name == "auto" else name
+    resolved = resolved_name(name, task, multi_hot_label)
     if resolved in BUILT_INS:
         return BUILT_INS[resolved]
     factory = resolve_user_objective(resolved)
     return factory if isinstance(factory, type) and issubclass(factory, Objective) else Objective
 
 
-def evaluation_of(train, task: str) -> Evaluation:
-    """How a model trained by ``train`` (a TrainConfig) on a ``task`` dataset is evaluated and judged."""
-    return objective_record(train.objective, task).evaluation(task)
+def evaluation_of(train, task: str, n_classes: int | None = None) -> Evaluation:
+    """How a model trained by ``train`` (a TrainConfig) on a ``task`` dataset whose label has ``n_classes`` classes
+    (``Manifest.n_classes``; None: not known) is evaluated and judged (``Evaluation.for_classes``)."""
+    return objective_record(train.objective, task).evaluation(task).for_classes(n_classes)
 
 
 def _check_fits(name: str, task: str, n_classes: int | None, multi_hot_label: bool) -> None:
@@ -162,6 +168,13 @@ def multi_hot_label(manifest) -> bool:
     return getattr(manifest, "task", None) == "multilabel" or manifest.extra.get("label_kind") == MULTI_HOT
 
 
+def label_smoothing(train, manifest) -> float:
+    """``train.label_smoothing`` (a TrainConfig's) as a number on ``manifest``'s data (``auto``:
+    ``TrainConfig.smoothing`` of the objective it resolves to and the label's classes)."""
+    n_classes = len(manifest.label_mapping) if manifest.label_mapping is not None else None
+    return train.smoothing(resolved_name(train.objective, manifest.task, multi_hot_label(manifest)), n_classes)
+
+
 def build_objective(train, manifest) -> Objective:
     """The training objective of ``train`` (a TrainConfig) on ``manifest``'s data: the rank and the preflight."""
     multi_hot = multi_hot_label(manifest)
@@ -169,7 +182,8 @@ def build_objective(train, manifest) -> Objective:
     kwargs = train.objective_kwargs
     if train.objective in DATASET_KWARGS:
         kwargs = DATASET_KWARGS[train.objective](kwargs, manifest)
-    objective = make_objective(train.objective, manifest.task, n_classes, kwargs, train.label_smoothing, multi_hot)
+    smoothing = label_smoothing(train, manifest)
+    objective = make_objective(train.objective, manifest.task, n_classes, kwargs, smoothing, multi_hot)
     if train.class_weights != "none":
         if objective.label_kind != CLASS_INDEX:
             raise ConfigError(

@@ -27,6 +27,7 @@ from training.kinds.arrow_types import is_hashable, is_numeric, is_text, is_vect
 from training.kinds.image import is_image_column
 from training.kinds.inputs import NUMERIC, in_numeric_block
 from training.kinds.registry import CODECS, input_options, kind_record
+from training.kinds.times import is_time, looks_like_times
 
 
 @dataclass(frozen=True)
@@ -214,9 +215,11 @@ def left_out_columns(schema: pa.Schema, plan: ColumnPlan, sample: pa.RecordBatch
 
 
 def suggest_kind(kind: pa.DataType, column: pa.Array | None) -> tuple[str, str]:
-    """(the data.inputs entry for a column, why): categorical, hashed, vector, text or none."""
+    """(the data.inputs entry for a column, why): categorical, hashed, vector, datetime, text or none."""
     if is_vector(kind):
         return "vector", "a list of numbers"
+    if is_time(kind):
+        return "datetime", f"{kind} values"
     if is_image_column(kind):
         return "{kind: image, size: N}", "binary: encoded images, if it holds png, jpeg, webp, bmp or gif files"
     if not is_text(kind):
@@ -230,6 +233,8 @@ def suggest_kind(kind: pa.DataType, column: pa.Array | None) -> tuple[str, str]:
     values = column.drop_null()
     if pa.types.is_dictionary(values.type):
         values = pc.cast(values, values.type.value_type)
+    if looks_like_times(values):
+        return "datetime", "ISO-8601 dates or times"
     mean_chars = pc.mean(pc.utf8_length(pc.cast(values, pa.string()))).as_py()
     distinct = len(pc.unique(values))
     if mean_chars > TEXT_MEAN_CHARS:

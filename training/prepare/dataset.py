@@ -6,9 +6,10 @@
 Two streaming passes over the source, never holding it whole:
 1. the label column only: validates the schema and columns early, counts
    invalid labels and collects the classes (indices need all of them first);
-2. all used columns, batch by batch: validity, split by row hash, float32
-   features, class indices, train statistics (mean, std, per-feature
-   histogram), shard writing.
+2. all used columns, batch by batch: validity, split by row hash (or by time:
+   ``time_split.py``, whose fractions read the time column once more before
+   this pass), float32 features, class indices, train statistics (mean, std,
+   per-feature histogram), shard writing.
 
 The result is built in a temp dir and published by an atomic rename, with
 ``manifest.json`` written last inside it (see ``publish.py``). When the
@@ -55,6 +56,7 @@ from training.prepare.image_folder import with_image_folder_defaults
 from training.prepare.publish import discard, is_complete, make_temp_dir, publish, remove_stale_temp_dirs
 from training.prepare.shards import SplitWriter
 from training.prepare.sources import Source, open_source, source_identity
+from training.prepare.time_split import TimeSplit, plan_time_split, splits_by_time
 
 __all__ = ["DataError", "PreparedDataset", "prepare_dataset", "source_fingerprint"]
 
@@ -85,6 +87,7 @@ class PreparedDataset:
             "left_out": manifest.extra.get("left_out", []),
             "warnings": manifest.extra.get("warnings", []),
             "null_rates": manifest.extra.get("null_rates", {}),
+            **({"split": manifest.extra["split"]} if "split" in manifest.extra else {}),  # a time split's cut-offs
             "n_classes": len(manifest.label_mapping) if manifest.task in CLASS_TASKS else None,
             "rows": {split: manifest.rows(split) for split in SPLITS},
             "dropped_rows": manifest.dropped_rows,
@@ -309,16 +312,22 @@ def _build(source: Source, data: DataConfig, fingerprint: str, out_dir: Path, ta
     invalid = InvalidRows()
     checks = _ColumnChecks(plan)
     drift_stats = _DriftStats(plan, codecs, labels.classes)
-    for file, batch in source.iter_batches(plan.columns, data.read_batch_rows):
+    by_time = plan_time_split(source, data) if splits_by_time(data) else None  # else the hash split
+    columns = [*plan.columns, *([by_time.column] if by_time and by_time.column not in plan.columns else [])]
+    for file, batch in source.iter_batches(columns, data.read_batch_rows):
         rows = _BatchRows(batch, plan, labels.classes, codecs, file)
         if rows.wrong_lengths and data.on_invalid == "error":
             raise rows.wrong_lengths[0]
         invalid.add(file, rows.invalid_counts(), rows.invalid_rows)
         if invalid.rows and data.on_invalid == "error":
             continue  # keep counting so the error reports every bad row, but write nothing more
+        times = by_time.codes(file, batch.column(by_time.column)) if by_time else None
         rows.keep_valid()
         checks.update(rows)
-        codes = row_split.assign_splits(rows.hashes(), data.val_fraction, data.test_fraction)
+        if by_time is None:
+            codes = row_split.assign_splits(rows.hashes(), data.val_fraction, data.test_fraction)
+        else:
+            codes = times[rows.valid]
         for code, name in enumerate(SPLITS):
             chosen = np.flatnonzero(codes == code)
             if name == "train":
@@ -335,7 +344,7 @@ def _build(source: Source, data: DataConfig, fingerprint: str, out_dir: Path, ta
     if invalid.rows and data.on_invalid == "error":
         raise invalid.error(source.description)
     splits = {name: writer.close() for name, writer in writers.items()}
-    _check_splits(splits, invalid.rows, labels.rows, data, source)
+    _check_splits(splits, invalid.rows, labels.rows, data, source, by_time)
     checks.check_weights(source, sum(split.rows for split in splits.values()))
     _fit_train_columns(out_dir, splits["train"], codecs)
     encoders = _write_encoders(out_dir, codecs)
@@ -361,6 +370,8 @@ def _build(source: Source, data: DataConfig, fingerprint: str, out_dir: Path, ta
             "drift_stats": drift_stats.to_dict(),
             # The train split's share of null/NaN values per numeric input (those with any): imputed, indicated.
             "null_rates": {name: codecs[name].null_rate() for name in plan.features if codecs[name].nulls},
+            # A time split's rule and cut-offs (training/prepare/time_split.py); a hash split records none.
+            **({"split": by_time.describe()} if by_time else {}),
         },
     )
 
@@ -632,13 +643,16 @@ def _shard_schema(plan: ColumnPlan, source_schema: pa.Schema, codecs: dict[str, 
     return pa.schema(fields)
 
 
-def _check_splits(splits: dict[str, SplitInfo], dropped: int, total: int, data: DataConfig, source: Source) -> None:
+def _check_splits(
+    splits: dict[str, SplitInfo], dropped: int, total: int, data: DataConfig, source: Source, by_time: TimeSplit | None
+) -> None:
     if sum(split.rows for split in splits.values()) == 0:
         raise DataError(f"{source.description}: all {total} rows were dropped as invalid (data.on_invalid=drop)")
     if splits["train"].rows == 0:
+        rule = by_time.rule() if by_time else f"val_fraction={data.val_fraction}, test_fraction={data.test_fraction}"
         raise DataError(
-            f"{source.description}: the train split is empty ({total - dropped} valid rows, "
-            f"val_fraction={data.val_fraction}, test_fraction={data.test_fraction}); add rows or lower the fractions"
+            f"{source.description}: the train split is empty ({total - dropped} valid rows, {rule}); add rows or "
+            "lower the fractions (or move the cut-offs later)"
         )
 
 

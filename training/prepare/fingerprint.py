@@ -27,6 +27,7 @@ from training.kinds.registry import input_options, kind_record
 #    a missing indicator per numeric input with train nulls, null counts in the histograms (data.inputs.*.missing).
 # 6: robust scaling (median/IQR, smooth clip) and the numeric embeddings' quantile bins, fitted on the train
 #    split's whole column: encoders.json's numeric states, Manifest.feature_center/scale/clip, InputInfo.bins.
+# (data.split by time and the datetime kind add fields only to the datasets that use them: no bump.)
 PREPARE_VERSION = 6
 # DataConfig fields that do not change the prepared output.
 _NOT_OUTPUT_FIELDS = frozenset({"root", "read_batch_rows", "source", "cache_dir"})
@@ -42,8 +43,13 @@ def tokenizer_files(data: DataConfig) -> dict[str, str]:
 
 
 def prep_fields(data: DataConfig) -> dict[str, Any]:
-    """The data config minus what does not change the output (the source enters via its identity)."""
-    return {name: value for name, value in data.model_dump(mode="json").items() if name not in _NOT_OUTPUT_FIELDS}
+    """The data config minus what does not change the output (the source enters via its identity). ``data.split``
+    only when it splits by time: unset and ``{by: hash}`` are the one hash split, so a hash-split dataset keeps
+    the fingerprint it had before ``data.split`` existed."""
+    fields = {name: value for name, value in data.model_dump(mode="json").items() if name not in _NOT_OUTPUT_FIELDS}
+    if fields.get("split") is None or fields["split"]["by"] == "hash":
+        fields.pop("split", None)
+    return fields
 
 
 def dataset_fingerprint(source_identity: dict[str, Any], data: DataConfig) -> str:

@@ -74,8 +74,9 @@ from ddpflow.launch.slurm.output import (
 from ddpflow.launch.slurm.script import JobPaths, RankJob, batch_script, sbatch_command
 from ddpflow.launch.stage import TrainRequest, TrainResult, check_request, finished_result, write_job
 from ddpflow.launch.supervisor import OutputLine, describe_preempted, read_preempted, run_dir_lock
+from training.core.config import PipelineConfig
 from training.core.fileio import atomic_write_json, atomic_write_text
-from training.core.layout import FINAL_MODEL, MANIFEST, TRAIN_JOB
+from training.core.layout import FINAL_MODEL, MANIFEST, SCRIPT_DONE, TRAIN_JOB
 from training.core.topology import RankLayout
 
 __all__ = ["RankJob", "SlurmLine", "SlurmStage", "has_unfinished_job", "run_slurm_job", "run_training_on_slurm"]
@@ -169,15 +170,16 @@ def run_training_on_slurm(request: TrainRequest) -> TrainResult:
     layout = check_request(request)  # each node's ranks (slurm.gpus_per_node); ConfigError: nothing submitted
     run_path = Path(request.run_dir).resolve()
     # Absolute: the nodes' ranks start in the project root (--chdir), not where the flow runs.
-    dataset_dir = str(Path(request.dataset_dir).resolve())
+    dataset_dir = None if request.dataset_dir is None else str(Path(request.dataset_dir).resolve())
     job = RankJob(
         config,
         JobPaths(run_path),
         job_file=run_path / TRAIN_JOB,
-        entrypoint=command.RANK_ENTRYPOINT,  # read at call time: tests point it at a stand-in rank
+        program=tuple(command.rank_program(config, run_path / TRAIN_JOB)),  # ddpflow's trainer, or train.script
         nnodes=config.train.nnodes,
         layout=layout,
-        visible=(Path(dataset_dir) / MANIFEST,),
+        visible=_visible(config, dataset_dir),
+        workdir=command.rank_workdir(config),
         max_restarts=config.train.max_restarts,
         saves_on_preemption=True,
         preempt_signal=config.train.preempt_signal,
@@ -190,7 +192,7 @@ def run_training_on_slurm(request: TrainRequest) -> TrainResult:
     stage = SlurmStage(
         job,
         prepare=lambda: write_job(request, run_path, dataset_dir),  # RUN_DIR/config.json and the TrainJob
-        finished=(run_path / FINAL_MODEL).is_file,
+        finished=(run_path / (SCRIPT_DONE if config.train.script else FINAL_MODEL)).is_file,
         env=env,
         on_line=request.on_line,
         on_start=request.on_start,
@@ -200,7 +202,13 @@ def run_training_on_slurm(request: TrainRequest) -> TrainResult:
         timeout_s=config.train.timeout_s,
         stall_timeout_s=config.train.stall_timeout_s,
     )
-    return _train_result(run_path, job.paths, run_slurm_job(stage))
+    return _train_result(config, run_path, job.paths, run_slurm_job(stage))
+
+
+def _visible(config: PipelineConfig, dataset_dir: str | None) -> tuple[Path, ...]:
+    """What every node must see besides the job file: the dataset's manifest, a training script's file."""
+    paths = [Path(dataset_dir) / MANIFEST] if dataset_dir is not None else []
+    return (*paths, *([Path(config.train.script)] if config.train.script else []))
 
 
 def _recorded_job_id(paths: JobPaths) -> str | None:
@@ -427,13 +435,13 @@ class _JobFollower:
             signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a signal that came meanwhile is delivered now
 
 
-def _train_result(run_path: Path, paths: JobPaths, job_id: str | None) -> TrainResult:
+def _train_result(config: PipelineConfig, run_path: Path, paths: JobPaths, job_id: str | None) -> TrainResult:
     restarts = 0
     if job_id is not None:
         for node_dir in paths.job_folder(job_id).glob("*/logs"):
             attempts = len(list(node_dir.glob(f"job-{job_id}_*/attempt_*")))
             restarts = max(restarts, attempts - 1)
-    return finished_result(run_path, restarts, ended=f"Slurm job {job_id} COMPLETED")
+    return finished_result(config, run_path, restarts, ended=f"Slurm job {job_id} COMPLETED")
 
 
 def _now() -> str:

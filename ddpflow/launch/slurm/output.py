@@ -111,11 +111,14 @@ def raise_unless_completed(
         raise LaunchTimeout(f"{where}: it reached its time limit (slurm.time_limit: {limit})")
     if state == "CANCELLED":
         raise LaunchInterrupted(f"{where}: it was cancelled outside ddpflow (scancel, an administrator or preemption)")
-    raise job_failure(paths, job_id, info, where)
+    raise job_failure(paths, job_id, info, where, show_traceback=bool(config.train.script))
 
 
-def job_failure(paths: JobPaths, job_id: str, info: JobInfo | None, where: str) -> LaunchError:
-    """The root cause of a failed job: a node that cannot see a path, else a failed rank, else the job's state."""
+def job_failure(
+    paths: JobPaths, job_id: str, info: JobInfo | None, where: str, show_traceback: bool = False
+) -> LaunchError:
+    """The root cause of a failed job: a node that cannot see a path, else a failed rank, else the job's state.
+    ``show_traceback``: the rank's error ends with its traceback's last lines (failure.py)."""
     lines = OutputTail(paths.output(job_id)).read()
     unseen = [match for match in map(_CANNOT_SEE.search, lines) if match]
     if unseen:
@@ -129,7 +132,7 @@ def job_failure(paths: JobPaths, job_id: str, info: JobInfo | None, where: str) 
     failures = []
     for node in _failed_nodes_first(lines, by_node):
         node_dir = paths.node_folder(job_id, node)
-        failure = failure_from_output(node_dir, _node_job_dir(paths, job_id, node), by_node[node], returncode=1)
+        failure = failure_from_output(node_dir, _node_job_dir(paths, job_id, node), by_node[node], 1, show_traceback)
         if failure.rank is not None:
             failures.append((node, failure))
     # srun may see the node whose rank only lost its peer fail first: prefer a rank's own error.

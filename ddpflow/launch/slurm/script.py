@@ -1,6 +1,6 @@
 """The Slurm batch script of a ``RankJob`` (a training run, or a batch scoring) and the sbatch command (plain Python).
 
-    job = RankJob(config, JobPaths(run_dir), job_file, entrypoint, nnodes, layout, visible=(...))
+    job = RankJob(config, JobPaths(run_dir), job_file, program, nnodes, layout, visible=(...))
     text = batch_script(job, env)        # RUN_DIR/slurm/job.sh, kept for people
     argv = sbatch_command(job)           # a list, never a shell string
 
@@ -96,16 +96,17 @@ class JobPaths:
 @dataclass(frozen=True)
 class RankJob:
     """One Slurm job of torchrun agents, one per node, each starting ``layout.nproc_per_node`` ranks of
-    ``entrypoint`` that read ``job_file`` (what training and scoring each fill in; see the module doc)."""
+    ``program`` that read ``job_file`` (what training and scoring each fill in; see the module doc)."""
 
     config: PipelineConfig  # its slurm section (partition, time limit, sbatch_args...) and train.num_threads
     paths: JobPaths  # where the job's files go
-    job_file: Path  # what every rank reads (--config)
-    entrypoint: str  # the module every rank runs (-m), or a script's path (tests' stand-in ranks)
+    job_file: Path  # what every rank reads (--config, or $DDPFLOW_JOB for a training script)
+    program: tuple[str, ...]  # what every rank runs, after torchrun's options (command.py: rank_program)
     nnodes: int
     layout: RankLayout  # each node's ranks
     visible: tuple[Path, ...] = ()  # besides job_file and the interpreter: what every node must see
     name: str = ""  # the job's name after "ddpflow-" (default: the run directory's name)
+    workdir: Path = PROJECT_ROOT  # where the ranks start (command.py: rank_workdir)
     stage: str = "training"  # what the job does, in its script and in messages
     section: str = "train"  # the config section of its nnodes and timeout_s, named in errors (train, score)
     run_dir_key: str = "train.run_root"  # the setting that placed paths.run_dir, named in errors
@@ -131,7 +132,7 @@ def sbatch_command(job: RankJob) -> list[str]:
         f"--output={paths.folder}/%j.out",
         "--open-mode=append",  # a requeued job (preempted: it resumes) adds to its output file
         "--requeue" if job.requeue else "--no-requeue",
-        f"--chdir={PROJECT_ROOT}",  # where the local launcher runs torchrun too
+        f"--chdir={job.workdir}",  # where the local launcher runs torchrun too
     ]  # fmt: skip
     if slurm.partition:
         argv.append(f"--partition={slurm.partition}")
@@ -148,7 +149,6 @@ def sbatch_command(job: RankJob) -> list[str]:
 
 def torchrun_argv(job: RankJob) -> list[str]:
     """One node's torchrun agent; ``$head_addr``, ``$port`` and ``$SLURM_JOB_ID`` are filled in by the script."""
-    entry = [job.entrypoint] if job.entrypoint.endswith(".py") else ["-m", job.entrypoint]
     return [
         sys.executable, "-m", "torch.distributed.run",
         "--nnodes", str(job.nnodes),
@@ -156,7 +156,7 @@ def torchrun_argv(job: RankJob) -> list[str]:
         "--rdzv-backend", "c10d",
         "--max-restarts", str(job.max_restarts),
         "--tee", "3",  # every rank's lines on torchrun's stdout (and in its log files)
-        *entry, "--config", str(job.job_file),
+        *job.program,
     ]  # fmt: skip
 
 

@@ -209,9 +209,9 @@ def test_a_launch_that_ended_well_without_a_model_is_not_a_result(tmp_path):
 
     (tmp_path / "metrics.jsonl").write_text('{"epoch": 0}\n')  # ranks that ended well, before model.pt
     with pytest.raises(RuntimeError, match=r"torchrun exited 0 but wrote no .*model\.pt: training did not finish"):
-        finished_result(tmp_path, restarts=0, ended="torchrun exited 0")
+        finished_result(PipelineConfig(), tmp_path, restarts=0, ended="torchrun exited 0")
     (tmp_path / "model.pt").write_bytes(b"weights")
-    assert finished_result(tmp_path, restarts=1, ended="torchrun exited 0").metrics == {"epoch": 0}
+    assert finished_result(PipelineConfig(), tmp_path, restarts=1, ended="torchrun exited 0").metrics == {"epoch": 0}
 
 
 # ----------------------------------------------------------------------------- launching

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -51,6 +52,32 @@ def test_prefect_yaml_deploys_the_pipeline_with_real_configs(repo_root: Path) ->
     assert trigger["match"] == {"prefect.resource.id": f"ddpflow.model.{model_name}"}
     # The event's version and its own output, over the deployment's config_file (Prefect merges them).
     assert sorted(trigger["parameters"]) == ["model", "output"]
+
+
+def test_every_deployment_the_stack_activates_runs_on_a_fresh_checkout_and_any_machine(repo_root: Path) -> None:
+    """What `ddpflow stack up` activates (a schedule that is active, a trigger that is enabled) must not fail on a
+    fresh checkout: its config reads only what the checkout holds or builds (a score.source names files that are
+    there: configs/score.yaml scores the checkout's data/today/), and its ranks fit any machine (auto: one per GPU,
+    else 1), so a 1-GPU workstation runs the nights a laptop runs."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=repo_root, capture_output=True, text=True, check=True).stdout
+    checkout = set(tracked.splitlines())
+    spec = yaml.safe_load((repo_root / "prefect.yaml").read_text())
+    active = [
+        deployment
+        for deployment in spec["deployments"]
+        if any(schedule.get("active", True) for schedule in deployment.get("schedules") or [])
+        or any(trigger.get("enabled", True) for trigger in deployment.get("triggers") or [])
+    ]
+    assert {d["name"] for d in active} == {"nightly", "every-10-minutes", "on-new-data", "score-nightly",
+                                          "score-on-new-champion"}  # fmt: skip
+    for deployment in active:
+        config_file = deployment.get("parameters", {}).get("config_file", "configs/nightly.yaml")  # on-new-data's
+        config = load_config(repo_root / config_file)
+        assert config.train.nproc_per_node == "auto", (deployment["name"], config_file)
+        if deployment["entrypoint"].startswith("flows/score_pipeline.py"):
+            assert config.score.nproc_per_node == "auto", (deployment["name"], config_file)
+            source = config.score.source.rstrip("/") + "/"
+            assert any(path.startswith(source) for path in checkout), f"{config_file}: {config.score.source}"
 
 
 def test_up_refuses_a_busy_port_before_starting_anything(tmp_path: Path, repo_root: Path) -> None:
@@ -115,3 +142,28 @@ def test_status_without_a_stack_says_where_it_looked(tmp_path: Path) -> None:
     summary = stack.status(tmp_path, state_dir=tmp_path)
     assert summary == {"running": False, "state": f"{tmp_path / 'stack.json'} (none)"}
     assert not (tmp_path / "stack.json").exists(), "asking wrote nothing"
+
+
+def test_stack_env_is_the_line_a_shell_evals_to_reach_the_stack(tmp_path: Path) -> None:
+    """`eval "$(ddpflow stack env)"`: the stack's Prefect home and API in the shell, a path with a space quoted;
+    no stack recorded: exit 1 naming the state file."""
+    project = tmp_path / "my project"
+    stack.StackState(prefect_url="http://127.0.0.1:4321", mlflow_url="http://127.0.0.1:5432").write(
+        project / ".ddpflow" / "stack.json"
+    )
+    expected = {"PREFECT_HOME": str(project / ".ddpflow" / "prefect"), "PREFECT_API_URL": "http://127.0.0.1:4321/api"}
+    assert stack.shell_env(project) == expected
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PREFECT_")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[3])
+    shell = 'eval "$("$PYTHON" -m flows.cli stack env)" && echo "$PREFECT_HOME|$PREFECT_API_URL"'
+    evaluated = subprocess.run(
+        ["bash", "-c", shell], cwd=project, env={**env, "PYTHON": sys.executable}, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert evaluated.stdout.strip() == f"{expected['PREFECT_HOME']}|{expected['PREFECT_API_URL']}", evaluated.stderr
+    nothing = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "stack", "env"], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert nothing.returncode == 1 and nothing.stdout == ""
+    assert nothing.stderr.strip().splitlines()[-1].startswith("error: no stack is running for"), nothing.stderr

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
@@ -81,6 +82,50 @@ def test_a_candidate_must_beat_guessing_and_may_be_held_to_the_reference(repo_ro
     strict = GateRules("test_accuracy", True, require_reference=True)
     assert "registry.require_reference is true" in rejection_reason(trailing, strict)
     assert rejection_reason({"test_accuracy": 0.79, **guessing}, strict) is None
+
+
+# A two-class model with real signal whose accuracy equals the majority class's share: it ranks (ROC AUC 0.667
+# against the prior's 0.5) and its log loss is below the prior's.
+SHY = {
+    "test_accuracy": 0.763, "baseline_trivial/test_accuracy": 0.763,
+    "test_roc_auc": 0.667, "baseline_trivial/test_roc_auc": 0.5,
+    "test_log_loss": 0.51, "baseline_trivial/test_log_loss": 0.55,
+}  # fmt: skip
+ON_ACCURACY = GateRules(
+    "test_accuracy", True, signal_metric="test_log_loss", alternatives=("test_roc_auc", "test_log_loss")
+)
+
+
+def test_a_model_with_signal_is_never_called_a_guess_and_is_told_what_to_gate_on():
+    reason = rejection_reason(SHY, ON_ACCURACY)
+    assert "no better than guessing" not in reason and reason.startswith("test_accuracy=0.763 does not beat")
+    assert "its accuracy equals the majority class's share" in reason and "test_log_loss=0.51 beats" in reason
+    assert reason.endswith("set registry.metric: test_roc_auc to gate on ranking"), reason
+    assert rejection_reason(SHY, replace(ON_ACCURACY, metric="test_roc_auc")) is None  # the two-class default
+    # Its log loss beats the prior's only by 0.04: with registry.min_lift above it, it is a guess on every count.
+    lifted = replace(ON_ACCURACY, min_lift=0.05)
+    assert rejection_reason(SHY, lifted).endswith("no better than guessing")
+    # No ranking to offer (more classes): the signal metric itself; a model whose accuracy is below the share.
+    many = replace(ON_ACCURACY, alternatives=("test_log_loss",))
+    below = {**SHY, "test_accuracy": 0.70}
+    assert rejection_reason(below, many).endswith(
+        "it does not show on test_accuracy; set registry.metric: test_log_loss to gate on the probabilities"
+    )
+    # A guess on the signal metric too (or no signal metric): no better than guessing, naming the gate metric.
+    guess = {**SHY, "test_roc_auc": 0.5, "test_log_loss": 0.56}
+    assert rejection_reason(guess, replace(ON_ACCURACY, metric="test_roc_auc")) == (
+        "test_roc_auc=0.5 does not beat the trivial baseline's 0.5 (the train split's class prior or mean on the "
+        "same test rows) by more than registry.min_lift=0: no better than guessing"
+    )
+    assert rejection_reason(SHY, GateRules("test_accuracy", True)).endswith("no better than guessing")
+    # Regression: the RMSE is both the gate and the signal metric.
+    values = {"test_rmse": 2.0, "baseline_trivial/test_rmse": 2.0, "test_r2": 0.0, "baseline_trivial/test_r2": 0.0}
+    rmse = GateRules("test_rmse", False, signal_metric="test_rmse", alternatives=("test_rmse",))
+    assert rejection_reason(values, rmse).endswith("no better than guessing")
+    on_r2 = GateRules("test_r2", True, signal_metric="test_rmse", alternatives=("test_rmse",))
+    assert "set registry.metric: test_rmse to gate on the errors" in rejection_reason(
+        {**values, "test_rmse": 1.5}, on_r2
+    )
 
 
 @pytest.mark.parametrize(

@@ -109,3 +109,30 @@ def test_new_data_a_weight_setting_no_champion_or_an_old_champion_train():
     assert not decide_skip(config(), fingerprint, None).skip
     untagged = decide_skip(config(), fingerprint, champion({"data.fingerprint": fingerprint}))
     assert not untagged.skip and "carries no ddpflow.training_identity tag" in untagged.reason
+
+
+def test_a_training_script_skips_on_the_same_file_arguments_and_data_and_trains_when_any_changes(tmp_path, monkeypatch):
+    """The script's identity is its file's sha256 (training/resolve.py: resolve_script), its arguments and params:
+    the same script moved elsewhere still skips; an edited script, other arguments or other data train."""
+    from training.resolve import resolve_script
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("print('training')\n")
+
+    def script(path: str = "train.py", **train) -> PipelineConfig:
+        return resolve_script(config(**{"script": path, "script_args": ["--epochs", "3"], **train}))
+
+    trained = script()
+    assert trained.data is None and trained.train.script == str(tmp_path / "train.py")  # no data section
+    assert decide_skip(script(), None, champion_of(trained, None)).skip
+    (tmp_path / "moved").mkdir()
+    (tmp_path / "moved" / "train.py").write_text("print('training')\n")
+    assert decide_skip(script("moved/train.py"), None, champion_of(trained, None)).skip
+    other_args = decide_skip(script(script_args=["--epochs", "4"]), None, champion_of(trained, None))
+    assert not other_args.skip and "a setting that changes the weights differs" in other_args.reason
+    assert not decide_skip(script(script_params={"lr": 0.1}), None, champion_of(trained, None)).skip
+    (tmp_path / "train.py").write_text("print('training, edited')\n")
+    edited = decide_skip(script(), None, champion_of(trained, None))
+    assert not edited.skip and "a setting that changes the weights differs" in edited.reason
+    with_data = decide_skip(script(), "f" * 16, champion_of(trained, None))
+    assert not with_data.skip and "the data changed" in with_data.reason

@@ -24,9 +24,11 @@ from ddpflow.tracking.runs import (
     log_evaluation,
     resolve_tracking_uri,
     start_pipeline_run,
+    tracking_uri_note,
     use_tracking_uri,
 )
 from devtools.ports import free_port
+from tests.manifest_datasets import train_typed_model
 from training.core.config import PipelineConfig
 from training.core.fileio import atomic_write_json
 from training.core.manifest import read_manifest
@@ -260,37 +262,6 @@ def nulls_table(rows: int = 1200, seed: int = 3) -> pa.Table:
     )
 
 
-def train_typed_model(dataset: Path, path: Path, steps: int = 150, lr: float = 0.05) -> Path:
-    """A model.pt as the trainer writes it (the built-in model on every input, through the loader's encoding
-    and with the dataset's encoders), after full-batch Adam steps on the train split."""
-    import torch
-
-    from training.inference.model_file import inference_checkpoint
-    from training.kinds.inputs import inputs_from_manifest
-    from training.kinds.registry import read_encoders
-    from training.loading.batches import load_split
-    from training.models.registry import ModelSpec, build_model
-
-    manifest = read_manifest(dataset)
-    split = load_split(dataset, manifest, "train")
-    spec = ModelSpec.for_inputs("mlp", inputs_from_manifest(manifest), manifest.n_outputs, {"hidden": [16]})
-    torch.manual_seed(0)
-    model = build_model(spec)
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    batch = split.rows(0, len(split))
-    for _ in range(steps):
-        optimizer.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(batch), split.labels)
-        loss.backward()
-        optimizer.step()
-    encoders = read_encoders(dataset, manifest)
-    metrics = {"train_loss": float(loss.detach())}
-    checkpoint = inference_checkpoint(model.state_dict(), spec, manifest, 1, metrics, encoders)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(checkpoint, path)
-    return path
-
-
 def test_a_table_with_nulls_trains_and_its_served_model_scores_rows_with_nulls(make_config, tmp_path):
     """Nulls are values: int64 and float inputs with nulls prepare (not refused), the model sees each one's
     missing indicator, and the champion served through MLflow scores rows with None, NaN and pandas' nullable
@@ -431,8 +402,15 @@ def test_tracking_uri_resolution(monkeypatch, tmp_path):
     assert resolve_tracking_uri(PipelineConfig()) == f"sqlite:///{tmp_path / 'mlflow.db'}"
     relative = PipelineConfig.model_validate({"mlflow": {"tracking_uri": "sqlite:///state/m.db"}})
     assert resolve_tracking_uri(relative) == f"sqlite:///{tmp_path / 'state' / 'm.db'}"
+    assert tracking_uri_note(relative) is None  # one of the two unset: nothing to say
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
-    assert resolve_tracking_uri(relative) == "http://127.0.0.1:5000"
+    assert resolve_tracking_uri(relative) == "http://127.0.0.1:5000"  # the variable wins, and says so
+    assert tracking_uri_note(relative) == (
+        "MLflow store http://127.0.0.1:5000 from $MLFLOW_TRACKING_URI, which wins over the config's "
+        "mlflow.tracking_uri sqlite:///state/m.db"
+    )
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'state' / 'm.db'}")
+    assert tracking_uri_note(relative) is None  # the same store, written two ways
     check_tracking_reachable(f"sqlite:///{tmp_path / 'new' / 'dir' / 'mlflow.db'}")  # creates the folder
     assert (tmp_path / "new" / "dir").is_dir()
 

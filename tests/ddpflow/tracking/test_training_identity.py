@@ -47,8 +47,9 @@ def test_the_identity_of_runs_recorded_before_stays_the_same():
     """The tag on existing runs and model versions (skip_if_unchanged compares it): a lost or added
     ChangesWeights declaration changes these hashes, and every champion would stop matching."""
     # They were recorded with train.model mlp (its default then; the pipeline now records what auto picks), and
-    # the defaults of then: 5 epochs, batch 512 per rank, no early stopping (omitted from the identity as before).
-    then = {"model": "mlp", "epochs": 5, "batch_size": 512, "early_stopping_patience": None}
+    # the defaults of then: 5 epochs, batch 512 per rank, no early stopping and no label smoothing (omitted from the
+    # identity as before).
+    then = {"model": "mlp", "epochs": 5, "batch_size": 512, "early_stopping_patience": None, "label_smoothing": 0.0}
     assert training_identity_tag(config(**then), "fp0") == "aba5fe4681d3c94b"
     changed = config(**then, lr=0.01, model_kwargs={"hidden": [8]}, nproc_per_node=2)
     assert training_identity_tag(changed, "fp1") == "c6294b16f1623240"
@@ -78,9 +79,10 @@ def test_a_checkpoint_recorded_before_a_field_existed_keeps_its_identity():
     recorded without it is the same training as today's config at the default."""
     added = TrainConfig.identity_defaults()
     assert {"objective": "auto", "class_weights": "none", "label_smoothing": 0.0}.items() <= added.items()
-    # early_stopping_patience's default became auto: a record without it never stopped early (none).
-    assert added["early_stopping_patience"] is None
-    today = config(early_stopping_patience=None)
+    # early_stopping_patience's and label_smoothing's defaults became auto: a record without them never stopped
+    # early (none) and smoothed no label (0).
+    assert added["early_stopping_patience"] is None and added["label_smoothing"] == 0.0
+    today = config(early_stopping_patience=None, label_smoothing=0.0)
     old = today.model_dump(mode="json")
     for name in added:
         del old["train"][name]
@@ -88,5 +90,5 @@ def test_a_checkpoint_recorded_before_a_field_existed_keeps_its_identity():
     assert resume_mismatches(saved, today, "fp") == []
     assert training_identity(old, "fp") == training_identity(today, "fp")
     assert training_identity(old, "fp") != training_identity(config(), "fp")  # auto stops early: not that training
-    wrong = config(objective="binary", early_stopping_patience=None)
+    wrong = config(objective="binary", early_stopping_patience=None, label_smoothing=0.0)
     assert [p.split(" ")[0] for p in resume_mismatches(saved, wrong, "fp")] == ["train.objective"]

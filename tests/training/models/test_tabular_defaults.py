@@ -13,6 +13,7 @@ from manifest_datasets import make_dataset
 
 from training.core.config import (
     AUTO_BATCH_MAX,
+    DEFAULT_LABEL_SMOOTHING,
     DEFAULT_PATIENCE,
     ConfigError,
     PipelineConfig,
@@ -33,6 +34,7 @@ from training.models.tabular import (
     run_defaults,
 )
 from training.objectives.base import output_members
+from training.objectives.registry import build_objective
 from training.preflight import check_data
 from training.resolve import resolve_for_data
 
@@ -63,6 +65,23 @@ def test_the_default_batch_fits_a_tiny_table_and_the_run_records_it(tiny):
     with pytest.raises(ConfigError, match="train.batch_size: 512 is larger"):
         check_data(config(batch_size=512), tiny, TWO_RANKS)
     assert resolve_for_data(config(batch_size=64), tiny, 2).train.batch_size == 64
+
+
+def test_label_smoothing_is_realmlps_for_several_classes_and_none_for_two_classes_or_a_value(tmp_path, tiny):
+    """auto: 0.1 for a softmax over more than two classes (accuracy gained on the real tables), 0 for two classes
+    (their ROC AUC lost it) and for regression; the run records the number, and a number set is kept."""
+    two = read_manifest(make_dataset(tmp_path, n_classes=2, rows={"train": 137, "val": 20, "test": 21}))
+    value = read_manifest(make_dataset(tmp_path, task="regression", rows={"train": 137, "val": 20, "test": 21}))
+    resolved = resolve_for_data(config(), tiny, 2).train  # 4 classes
+    assert resolved.label_smoothing == DEFAULT_LABEL_SMOOTHING == 0.1
+    assert build_objective(resolved, tiny).label_smoothing == 0.1
+    assert build_objective(config().train, tiny).label_smoothing == 0.1  # a rank given an unresolved config
+    assert resolve_for_data(config(), two, 2).train.label_smoothing == 0.0
+    assert build_objective(config().train, two).label_smoothing == 0.0
+    assert resolve_for_data(config(), value, 2).train.label_smoothing == 0.0
+    assert build_objective(config().train, value).name == "mse"  # no smoothing to refuse
+    assert resolve_for_data(config(label_smoothing=0.0), tiny, 2).train.label_smoothing == 0.0
+    assert resolve_for_data(config(label_smoothing=0.2), two, 2).train.label_smoothing == 0.2
 
 
 def test_the_default_batch_grows_with_the_rows_up_to_its_cap():
