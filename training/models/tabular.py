@@ -18,15 +18,16 @@ from training.kinds.registry import block_of, inputs_in
 from training.models.numeric_embeddings import DEFAULT_DIM, NumericEmbeddings
 
 NUMERIC_EMBEDDINGS = ("ple", "none")  # model_kwargs numeric_embeddings: the input stem's choice
-# model_kwargs activation: the hidden layers' nonlinearity. A smooth one (silu, a run's default) keeps the training
-# of 1 rank x 2b and W ranks x b together under Adam; relu's kink lets float rounding flip a unit on one of them
-# (docs/training.md, "What the exact update promises").
+# model_kwargs activation: the hidden layers' nonlinearity. relu (the default) scores best on the real tables; a
+# smooth one (silu, gelu) keeps the weights of 1 rank x 2b and W ranks x b within 1e-4 under Adam, where relu's kink
+# lets float rounding put a unit on one side for one world size and on the other for another (docs/training.md,
+# "What the exact update promises").
 ACTIVATIONS = {"relu": nn.ReLU, "silu": nn.SiLU, "gelu": nn.GELU}
 
 # The built-in mlp's defaults for a run (training/resolve.py fills them into train.model_kwargs; docs/models.md says
 # where each comes from). The class's own defaults stay those of the model.pt files written before, which rebuild
 # from their recorded model_kwargs.
-MLP_DEFAULTS: dict = {"hidden": [256, 256], "scale_embeddings": True, "activation": "silu"}
+MLP_DEFAULTS: dict = {"hidden": [256, 256], "scale_embeddings": True}
 # ensemble: TabM's k members on a small train split, where their time is the launch's, one member above it.
 SMALL_TABLE_ROWS = 10_000
 SMALL_TABLE_ENSEMBLE = 8
@@ -61,8 +62,8 @@ def embedding_dim(cardinality: int) -> int:
 
 class MLP(nn.Module):
     """Feed-forward net over every tabular input: Linear -> activation (-> Dropout) per hidden layer, then a head;
-    the activation is ``ACTIVATIONS[activation]``: ReLU, the class's own (model.pt files written before the run
-    default load as trained), or SiLU, a run's default (``MLP_DEFAULTS``).
+    the activation is ``ACTIVATIONS[activation]``: ReLU by default, SiLU or GELU where a run's weights must agree
+    across world sizes to 1e-4 (docs/training.md).
 
     Its input row is, in this order: the numeric inputs (manifest order; each as its numeric embedding,
     ``numeric_embeddings.py``, unless ``numeric_embeddings: none`` or its dataset has no bins) and the missing

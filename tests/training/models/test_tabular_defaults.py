@@ -23,7 +23,6 @@ from training.core.manifest import read_manifest
 from training.core.topology import RankLayout
 from training.kinds.inputs import InputInfo, numeric_input
 from training.models.tabular import (
-    ACTIVATIONS,
     MLP,
     MLP_DEFAULTS,
     SMALL_TABLE_ENSEMBLE,
@@ -104,8 +103,7 @@ def test_the_users_model_kwargs_win_over_the_mlp_defaults(tiny):
     # What is recorded rebuilds MLP_DEFAULTS' architecture; nothing is recorded where the class gives it already.
     built = MLP({"a": numeric_input("a")}, 2, **resolve_for_data(config(), tiny, 2).train.model_kwargs)
     layers = list(built.net)
-    activation = ACTIVATIONS[MLP_DEFAULTS["activation"]]
-    default_hidden = [a.out_features for a, b in zip(layers, layers[1:]) if isinstance(b, activation)]
+    default_hidden = [a.out_features for a, b in zip(layers, layers[1:]) if isinstance(b, torch.nn.ReLU)]
     assert default_hidden == MLP_DEFAULTS["hidden"]
     assert built.output_members == run_defaults(137)["ensemble"] == SMALL_TABLE_ENSEMBLE
     custom = config(model="tests.stand_in_models:whatever", model_kwargs={"width": 4})
@@ -184,18 +182,18 @@ def test_a_runs_mlp_scales_each_embedding_to_unit_variance_and_an_earlier_model_
         torch.testing.assert_close(earlier(batch), scaled(batch))  # ...is the unscaled model: the same outputs
 
 
-def test_a_runs_mlp_is_smooth_and_an_earlier_model_keeps_relu(tiny):
-    """A run's mlp uses SiLU: no kink that float rounding can put a unit on one side of for one world size and on
-    the other for another (docs/training.md); a model.pt recorded without the kwarg rebuilds with ReLU, as trained."""
-    assert resolve_for_data(config(), tiny, 2).train.model_kwargs["activation"] == "silu"
+def test_the_mlp_keeps_relu_by_default_and_a_smooth_activation_is_the_same_parameters(tiny):
+    """A run's mlp uses ReLU unless ``activation`` says otherwise (nothing recorded: a model.pt without the kwarg
+    rebuilds as trained); ``activation: silu`` swaps only the nonlinearity: the same parameters, drawn alike."""
+    assert "activation" not in resolve_for_data(config(), tiny, 2).train.model_kwargs
     inputs = {name: numeric_input(name) for name in ("a", "b")}
     torch.manual_seed(0)
     smooth = MLP(inputs, 2, hidden=[8, 8], activation="silu")
     torch.manual_seed(0)
-    earlier = MLP(inputs, 2, hidden=[8, 8])  # a model.pt of before: no such kwarg
-    assert [type(layer) for layer in earlier.net] == [torch.nn.Linear, torch.nn.ReLU] * 2 + [torch.nn.Linear]
+    default = MLP(inputs, 2, hidden=[8, 8])
+    assert [type(layer) for layer in default.net] == [torch.nn.Linear, torch.nn.ReLU] * 2 + [torch.nn.Linear]
     assert [type(layer) for layer in smooth.net] == [torch.nn.Linear, torch.nn.SiLU] * 2 + [torch.nn.Linear]
-    assert list(smooth.state_dict()) == list(earlier.state_dict())  # the same parameters, drawn alike
-    assert all(torch.equal(a, b) for a, b in zip(smooth.state_dict().values(), earlier.state_dict().values()))
+    assert list(smooth.state_dict()) == list(default.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(smooth.state_dict().values(), default.state_dict().values()))
     with pytest.raises(ValueError, match="activation must be one of .*'relu'.*not 'tanh'"):
         MLP(inputs, 2, activation="tanh")
