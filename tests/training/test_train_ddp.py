@@ -467,6 +467,29 @@ def _nulls_table(rng: np.random.Generator, rows: int) -> dict:
     }
 
 
+def _users_table(rng: np.random.Generator, rows: int) -> dict:
+    """A table as a user brings it, for the default model: an int64 count with nulls (informative), a float with
+    NaN and nulls, a heavy-tailed int64 amount, a colour (strings: a categorical) and a binary label each moves."""
+    x = rng.normal(size=(rows, 3))
+    visits = rng.integers(0, 50, size=rows)
+    no_visits = rng.random(rows) < 0.15
+    amount = np.round(rng.lognormal(3.0, 1.5, size=rows)).astype(np.int64)
+    colour = rng.choice(["red", "green", "blue", "grey", "teal"], size=rows)
+    logit = x[:, 0] + 0.5 * np.isin(colour, ["red", "blue"]) + 0.02 * visits - 0.8 * no_visits
+    logit += 0.3 * np.log1p(amount) - 1.2
+    return {
+        "visits": pa.array(visits, mask=no_visits),
+        "spend": pa.array(np.where(rng.random(rows) < 0.1, np.nan, x[:, 1]), mask=rng.random(rows) < 0.05),
+        "f0": x[:, 0],
+        "amount": amount,
+        "colour": colour,
+        "label": (rng.random(rows) < 1 / (1 + np.exp(-logit))).astype(np.int64),
+    }
+
+
+USERS_INPUTS = {"visits": "numeric", "spend": "numeric", "f0": "numeric", "amount": "numeric", "colour": "categorical"}
+
+
 def _datetime_table(rng: np.random.Generator, rows: int) -> dict:
     """Times as a source holds them: a zoned Parquet timestamp (the label: ordered at night, its own zone's
     clock) that also splits the rows by time, a date, and a naive timestamp with nulls (a missing indicator)."""
@@ -494,13 +517,16 @@ PREPARED_CASES = {
     "numeric_nulls": (_nulls_table, {}, ("val_accuracy",)),
     "datetime": (_datetime_table, DATETIME_DATA, ("val_accuracy", "val_roc_auc")),
 }
+# table -> (builder, data overrides): the PREPARED_CASES' tables and the default model's (DEFAULT_RUNS).
+PREPARED_TABLES = {case: (build, data) for case, (build, data, _) in PREPARED_CASES.items()}
+PREPARED_TABLES["users"] = (_users_table, {"inputs": USERS_INPUTS})
 
 
 def write_prepared_dataset(root: Path, case: str, rows: int = 300) -> Path:
-    """``case``'s table through ``prepare_dataset`` (PREPARED_CASES), with a train split that 16 does not divide."""
+    """``case``'s table through ``prepare_dataset`` (PREPARED_TABLES), with a train split that 16 does not divide."""
     from training.prepare.dataset import prepare_dataset
 
-    build, data, _ = PREPARED_CASES[case]
+    build, data = PREPARED_TABLES[case]
     source = root / f"{case}.parquet"
     pq.write_table(pa.table(build(np.random.default_rng(11), rows)), source)
     overrides = [f"data.source={source}", f"data.root={root / 'shards'}"]
@@ -516,6 +542,16 @@ def write_prepared_dataset(root: Path, case: str, rows: int = 300) -> Path:
 # failure names the case. A new exact-update case adds its pair of runs here (and its dataset to
 # exact_datasets). All record their row indices (DDPFLOW_RECORD_INDICES).
 SCALED = {"hidden": HIDDEN, "scale_embeddings": True}
+# The runs a user's config trains: only the epochs set, every other train setting (model, model_kwargs, optimizer,
+# lr, batch) at its default, resolved for the dataset as the pipeline resolves it (``default_run_config``).
+USERS_ROWS, DEFAULT_EPOCHS = 282, 6  # 211 train rows: the auto batch's last global step holds 3 (2 + 1 on 2 ranks)
+SMOOTH = {"epochs": DEFAULT_EPOCHS, "model_kwargs": {"activation": "silu"}}  # the default but a smooth activation
+DEFAULT_RUNS: dict[str, tuple[int, str, dict]] = {
+    "defaults_w2": (2, "users", {"epochs": DEFAULT_EPOCHS}),
+    "defaults_w1x2": (1, "users", {"epochs": DEFAULT_EPOCHS}),
+    "smooth_w2": (2, "users", SMOOTH),
+    "smooth_w1x2": (1, "users", SMOOTH),
+}
 EXACT_RUNS: dict[str, tuple[int, str, dict]] = {
     "two_ranks": (2, "dataset", {}),
     "uneven_w2": (2, "uneven", {"batch_size": 8}),
@@ -543,6 +579,8 @@ EXACT_RUNS: dict[str, tuple[int, str, dict]] = {
     # TabM-mini (model_kwargs ensemble: k) over the default stem (bins, nulls): an option, exact like the mlp.
     "ensemble_w2": (2, "numeric_nulls", {"batch_size": 8, "model_kwargs": {"hidden": HIDDEN, "ensemble": 8}}),
     "ensemble_w1x2": (1, "numeric_nulls", {"batch_size": 16, "model_kwargs": {"hidden": HIDDEN, "ensemble": 8}}),
+    # Every setting at its default but the epochs (DEFAULT_RUNS): batch auto is 4 per rank on 2 ranks, 8 on 1.
+    **DEFAULT_RUNS,
     # Last of its launch: the resume test's reference, bit for bit (a case trains what its own launch would).
     "dropout_uninterrupted": (2, "uneven", DROPOUT_RESUME),
 }
@@ -560,6 +598,7 @@ def exact_datasets(dataset, uneven, tmp_path_factory) -> dict[str, Path]:
     for case in PREPARED_CASES:
         datasets[case] = write_prepared_dataset(tmp_path_factory.mktemp(case), case)
     datasets["regression"] = write_regression_dataset(tmp_path_factory.mktemp("regression"))
+    datasets["users"] = write_prepared_dataset(tmp_path_factory.mktemp("users"), "users", USERS_ROWS)
     return datasets
 
 
@@ -579,7 +618,7 @@ class ExactRuns:
 
     def _launch(self, world: int) -> dict[str, Launch]:
         cases = {
-            name: (job_config(world, **train), self.datasets[data])
+            name: (run_config(name, world, self.datasets[data], train), self.datasets[data])
             for name, (size, data, train) in EXACT_RUNS.items()
             if size == world
         }
@@ -589,6 +628,22 @@ class ExactRuns:
         env = production_env(first_config, root, DDPFLOW_RECORD_INDICES="1")
         results = launch_cases(root, cases, env)
         return {name: Launch(result.run_dir, result.returncode, result.output) for name, result in results.items()}
+
+
+def run_config(name: str, world: int, dataset_dir: Path, train: dict) -> PipelineConfig:
+    """An EXACT_RUNS entry's config: the test settings of ``job_config``, or for DEFAULT_RUNS ``default_run_config``."""
+    return default_run_config(world, dataset_dir, **train) if name in DEFAULT_RUNS else job_config(world, **train)
+
+
+def default_run_config(nproc: int, dataset_dir: Path, **train) -> PipelineConfig:
+    """A user's config on ``nproc`` ranks: ``train`` set, the launch's fields as every case of the launch has them
+    (``LAUNCH_FIELDS``), every other train setting at its default, resolved for the dataset (training/resolve.py)."""
+    from tests.multi_case import LAUNCH_FIELDS
+    from training.resolve import resolve_for_data
+
+    launch = {field: getattr(job_config(nproc).train, field) for field in LAUNCH_FIELDS}
+    config = load_config(None, [f"train.{key}={json.dumps(value)}" for key, value in {**launch, **train}.items()])
+    return resolve_for_data(config, read_manifest(dataset_dir), nproc)
 
 
 @pytest.fixture(scope="module")
@@ -664,6 +719,50 @@ def test_an_ensemble_on_two_ranks_trains_the_weights_of_one_rank_with_twice_the_
     assert members.shape == (len(frame), 8, 2)  # the model returns every member; the prediction is their mean
     served = predictor.predict_proba(frame).to_numpy()
     np.testing.assert_allclose(served, members.softmax(dim=-1).mean(dim=1).numpy(), atol=1e-6)
+
+
+DEFAULT_EXACT = 1e-4  # a smooth activation under AdamW: its bar (docs/training.md, "What the exact update promises")
+DEFAULT_SAME_TRAINING = 5e-3  # ReLU under AdamW: the epochs' losses, relative (measured 1.3e-3; weights unbounded)
+
+
+def test_the_default_model_and_optimizer_on_two_ranks_train_as_one_rank_with_twice_the_batch(exact_runs):
+    """A user's config, only the epochs set: the default mlp (``defaults_to_record``: 8 members over the numeric
+    embeddings on this small table, ReLU) and AdamW with its defaults, 6 epochs of auto batches (4 per rank on
+    2 ranks, 8 on 1; the last global step of each epoch 3 rows: 2 on rank 0, 1 on rank 1).
+    With ``activation: silu`` (nothing else changed) the last epoch's weights of 2 ranks x 4 and 1 rank x 8 agree
+    within DEFAULT_EXACT, and so do the epochs' losses and the weights model.pt selected. With the default ReLU
+    the two are the same training (every epoch's losses within DEFAULT_SAME_TRAINING, the same epoch selected),
+    while a unit that float rounding puts on the other side of ReLU's kink moves the weights further apart."""
+    from training.models.tabular import defaults_to_record
+
+    rows = read_manifest(exact_runs["defaults_w2"].dataset_dir()).rows("train")
+    assert rows % 8 == 3
+    for pair in (("defaults_w2", "defaults_w1x2"), ("smooth_w2", "smooth_w1x2")):
+        trained = [TrainJob.read(exact_runs[n].run_dir / "train_config.json").config.train for n in pair]
+        assert [train.batch_size for train in trained] == [4, 8]
+        for train in trained:
+            assert train.model == "mlp" and train.optimizer == "adamw" and train.optimizer_kwargs == {}
+            assert train.lr == 1e-3 and train.model_kwargs["ensemble"] == 8  # TabM's members on a small table
+            smooth = {"activation": "silu"} if pair[0] == "smooth_w2" else {}
+            assert train.model_kwargs == {**defaults_to_record(rows), **smooth}
+    two, one = exact_runs["smooth_w2"], exact_runs["smooth_w1x2"]
+    assert "numeric_embeddings.steps" in two.model()["model"]
+    last = [torch.load(run.run_dir / "checkpoints" / "last.pt", weights_only=True)["model"] for run in (two, one)]
+    difference = assert_same_weights(*last, DEFAULT_EXACT)
+    report(f"default model with SiLU, {DEFAULT_EPOCHS} epochs: 2 ranks x 4 vs 1 rank x 8 (last step 3)", difference)
+    for a, b in zip(two.metrics(), one.metrics(), strict=True):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
+        assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-5)
+    assert two.metrics()[-1]["selected_epoch"] == one.metrics()[-1]["selected_epoch"]
+    assert_same_weights(two.model()["model"], one.model()["model"], DEFAULT_EXACT)
+    two, one = exact_runs["defaults_w2"], exact_runs["defaults_w1x2"]
+    for a, b in zip(two.metrics(), one.metrics(), strict=True):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=DEFAULT_SAME_TRAINING)
+        assert a["val_loss"] == pytest.approx(b["val_loss"], rel=DEFAULT_SAME_TRAINING)
+    assert two.metrics()[-1]["selected_epoch"] == one.metrics()[-1]["selected_epoch"]
+    last = [torch.load(run.run_dir / "checkpoints" / "last.pt", weights_only=True)["model"] for run in (two, one)]
+    relu = max((a.float() - b.float()).abs().max().item() for a, b in zip(last[0].values(), last[1].values()))
+    report(f"default model (ReLU), {DEFAULT_EPOCHS} epochs: 2 ranks x 4 vs 1 rank x 8, weights", relu)
 
 
 @pytest.mark.server  # `mlflow models serve`

@@ -18,6 +18,11 @@ from training.kinds.registry import block_of, inputs_in
 from training.models.numeric_embeddings import DEFAULT_DIM, NumericEmbeddings
 
 NUMERIC_EMBEDDINGS = ("ple", "none")  # model_kwargs numeric_embeddings: the input stem's choice
+# model_kwargs activation: the hidden layers' nonlinearity. relu (the default) scores best on the real tables; a
+# smooth one (silu, gelu) keeps the weights of 1 rank x 2b and W ranks x b within 1e-4 under Adam, where relu's kink
+# lets float rounding put a unit on one side for one world size and on the other for another (docs/training.md,
+# "What the exact update promises").
+ACTIVATIONS = {"relu": nn.ReLU, "silu": nn.SiLU, "gelu": nn.GELU}
 
 # The built-in mlp's defaults for a run (training/resolve.py fills them into train.model_kwargs; docs/models.md says
 # where each comes from). The class's own defaults stay those of the model.pt files written before, which rebuild
@@ -56,7 +61,9 @@ def embedding_dim(cardinality: int) -> int:
 
 
 class MLP(nn.Module):
-    """Feed-forward net over every tabular input: Linear -> ReLU (-> Dropout) per hidden layer, then a head.
+    """Feed-forward net over every tabular input: Linear -> activation (-> Dropout) per hidden layer, then a head;
+    the activation is ``ACTIVATIONS[activation]``: ReLU by default, SiLU or GELU where a run's weights must agree
+    across world sizes to 1e-4 (docs/training.md).
 
     Its input row is, in this order: the numeric inputs (manifest order; each as its numeric embedding,
     ``numeric_embeddings.py``, unless ``numeric_embeddings: none`` or its dataset has no bins) and the missing
@@ -81,8 +88,11 @@ class MLP(nn.Module):
         numeric_embedding_dim: int = DEFAULT_DIM,
         ensemble: int = 1,
         scale_embeddings: bool = False,
+        activation: str = "relu",
     ):
         super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"train.model_kwargs.activation must be one of {tuple(ACTIVATIONS)}, not {activation!r}")
         self.numeric = block_names(inputs)  # the numeric inputs, then their missing indicators
         stem = numeric_stem(inputs, numeric_embeddings, numeric_embedding_dim)
         self.vectors = inputs_in(inputs, DENSE)
@@ -101,7 +111,7 @@ class MLP(nn.Module):
             width += stem.out_features - stem.weight.shape[0]
         row_width, layers = width, list[nn.Module]()
         for size in hidden:
-            layers += [nn.Linear(width, int(size)), nn.ReLU()]
+            layers += [nn.Linear(width, int(size)), ACTIVATIONS[activation]()]
             if dropout > 0:
                 layers.append(nn.Dropout(dropout))
             width = int(size)

@@ -180,3 +180,20 @@ def test_a_runs_mlp_scales_each_embedding_to_unit_variance_and_an_earlier_model_
     earlier.load_state_dict(moved)
     with torch.no_grad():
         torch.testing.assert_close(earlier(batch), scaled(batch))  # ...is the unscaled model: the same outputs
+
+
+def test_the_mlp_keeps_relu_by_default_and_a_smooth_activation_is_the_same_parameters(tiny):
+    """A run's mlp uses ReLU unless ``activation`` says otherwise (nothing recorded: a model.pt without the kwarg
+    rebuilds as trained); ``activation: silu`` swaps only the nonlinearity: the same parameters, drawn alike."""
+    assert "activation" not in resolve_for_data(config(), tiny, 2).train.model_kwargs
+    inputs = {name: numeric_input(name) for name in ("a", "b")}
+    torch.manual_seed(0)
+    smooth = MLP(inputs, 2, hidden=[8, 8], activation="silu")
+    torch.manual_seed(0)
+    default = MLP(inputs, 2, hidden=[8, 8])
+    assert [type(layer) for layer in default.net] == [torch.nn.Linear, torch.nn.ReLU] * 2 + [torch.nn.Linear]
+    assert [type(layer) for layer in smooth.net] == [torch.nn.Linear, torch.nn.SiLU] * 2 + [torch.nn.Linear]
+    assert list(smooth.state_dict()) == list(default.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(smooth.state_dict().values(), default.state_dict().values()))
+    with pytest.raises(ValueError, match="activation must be one of .*'relu'.*not 'tanh'"):
+        MLP(inputs, 2, activation="tanh")
