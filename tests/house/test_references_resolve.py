@@ -60,7 +60,9 @@ def defined_names(path: Path) -> set[str]:
 def comments_and_docstrings(path: Path) -> str:
     """A Python file's comments and docstrings, one after another."""
     source = path.read_text()
-    parts = [tok.string for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT]
+    parts = [
+        tok.string for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT
+    ]
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             parts.append(ast.get_docstring(node, clean=False) or "")
@@ -69,7 +71,9 @@ def comments_and_docstrings(path: Path) -> str:
 
 def texts() -> dict[str, str]:
     """Each text that names files: the docs whole, the code's comments and docstrings."""
-    found = {str(path.relative_to(REPO)): path.read_text() for path in [REPO / "README.md", *(REPO / "docs").glob("*.md")]}
+    found = {
+        str(path.relative_to(REPO)): path.read_text() for path in [REPO / "README.md", *(REPO / "docs").glob("*.md")]
+    }
     for root in CODE_ROOTS:
         for path in sorted((REPO / root).rglob("*.py")):
             found[str(path.relative_to(REPO))] = comments_and_docstrings(path)
@@ -82,7 +86,11 @@ def ignored_outputs() -> list[str]:
 
 
 def placeholder(path: str) -> bool:
-    return any(mark in path for mark in "*<>{") or "..." in path or any(part.split(".")[0].isupper() for part in path.split("/"))
+    return (
+        any(mark in path for mark in "*<>{")
+        or "..." in path
+        or any(part.split(".")[0].isupper() for part in path.split("/"))
+    )
 
 
 def code_like(name: str, in_code_span: bool) -> bool:
@@ -109,7 +117,9 @@ def dead_references(text: str) -> list[str]:
             continue
         wanted = [test.replace("::", ".")] if colons else [n.strip().rstrip(".") for n in (names or "").split(",")]
         defined = defined_names(target)
-        dead.extend(f"{path}: {name}" for name in wanted if name and code_like(name, bool(tick)) and name not in defined)
+        dead.extend(
+            f"{path}: {name}" for name in wanted if name and code_like(name, bool(tick)) and name not in defined
+        )
     return dead
 
 

@@ -212,7 +212,7 @@ class Checkpointer:
     ):
         self.run_dir = Path(run_dir)
         self.coordinator = coordinator
-        # Test hooks (training/loop/hooks.py: slow_checkpoint, DDPFLOW_KEEP_CHECKPOINTS), on the writer.
+        # Test hooks (training/loop/hooks.py: KEEP_CHECKPOINTS_ENV, the slow_checkpoint action), on the writer.
         self.before_write, self.after_write = before_write, after_write
         self.last_path = self.run_dir / LAST_CHECKPOINT
         self.final_path = self.run_dir / FINAL_MODEL

@@ -67,7 +67,7 @@ class Manifest:
     label_mean: float | None = None
     label_std: float | None = None
     # The train split's counts per feature on a dyadic grid (training/kinds/stats.py: RunningHistogram), in
-    # ``features`` order: what data drift is measured with (ddpflow/drift.py). None in older manifests.
+    # ``features`` order: what data drift is measured with (ddpflow/drift/report.py). None in older manifests.
     feature_histograms: list[dict[str, Any]] | None = None
     # Classification: the train split's rows per class, in ``label_mapping`` order (prepare's
     # training/kinds/stats.py: ClassCounts); what train.class_weights: balanced divides by. None in older manifests.

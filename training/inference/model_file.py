@@ -185,7 +185,7 @@ def inference_checkpoint(
         "fingerprint": manifest.fingerprint,
         "epochs": epochs,
         "metrics": metrics,
-        # The fitted encoders (training/kinds/registry.py: encoders.json) and the weight column: raw rows in.
+        # The fitted encoders (encoders.json, by training/kinds/registry.py) and the weight column: raw rows in.
         "encoders": encoders or {},
         "weight": manifest.weight,
         # Each input's type in the source, as prepare read it ("int64", "bool", "float"...): what the served

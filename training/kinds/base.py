@@ -151,7 +151,7 @@ class Codec:
         """Train rows for the drift statistics (only when ``drift_reads_rows``)."""
 
     def drift_stats(self) -> dict[str, Any] | None:
-        """What drift compares for this input (ddpflow/drift.py), from the train split; None: nothing beyond
+        """What drift compares for this input (ddpflow/drift/), from the train split; None: nothing beyond
         the numeric histograms. Written to the manifest's ``extra["drift_stats"]["inputs"]`` at prepare."""
         return None
 

@@ -183,7 +183,7 @@ class ImageCodec(Codec):
         return (self.channels, int(height), int(width))
 
     def drift_stats(self) -> dict[str, Any]:
-        """What drift compares (ddpflow/drift.py): train histograms of width, height and mean brightness."""
+        """What drift compares (ddpflow/drift/kinds.py): train histograms of width, height and mean brightness."""
         width, height, brightness = self.drift.to_list()
         return {"kind": "image", "width": width, "height": height, "brightness": brightness}
 

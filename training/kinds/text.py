@@ -121,7 +121,7 @@ class TextCodec(Codec):
         return dict(self._state)
 
     def drift_stats(self) -> dict[str, Any] | None:
-        """What drift compares (ddpflow/drift.py), over the train split: ``text_drift_stats``; None unfitted."""
+        """What drift compares (ddpflow/drift/text.py), over the train split: ``text_drift_stats``; None unfitted."""
         return getattr(self, "_drift", None)
 
     def scored_drift_stats(self, array: pa.Array) -> dict[str, Any]:

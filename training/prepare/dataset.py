@@ -363,7 +363,7 @@ def _build(source: Source, data: DataConfig, fingerprint: str, out_dir: Path, ta
     schema = _shard_schema(plan, source.schema, codecs)
     writers = {name: SplitWriter(out_dir, name, schema, data.rows_per_shard, data.row_group_size) for name in SPLITS}
     moments = RunningMoments(len(plan.features))
-    histograms = RunningHistogram(len(plan.features))  # what drift compares (ddpflow/drift.py)
+    histograms = RunningHistogram(len(plan.features))  # what drift compares (ddpflow/drift/report.py)
     targets = RunningMoments(1) if plan.task == "regression" else None  # standardises the target in training
     class_counts = ClassCounts(len(labels.classes)) if plan.task == "classification" else None  # class weights
     invalid = InvalidRows()
@@ -505,9 +505,9 @@ FLOAT32_EXACT = 2**24
 
 
 class _DriftStats:
-    """What drift compares beyond the numeric histograms (ddpflow/drift.py), over the train split: each input's
-    own statistics, as its kind keeps them (``Codec.drift_update``, ``drift_stats``), and the label's
-    distribution."""
+    """What drift compares beyond the numeric histograms (ddpflow/drift/kinds.py, text.py), over the train
+    split: each input's own statistics, as its kind keeps them (``Codec.drift_update``, ``drift_stats``), and the
+    label's distribution."""
 
     def __init__(self, plan: ColumnPlan, codecs: dict[str, Codec], classes: pa.Array | None):
         self.plan, self.codecs = plan, codecs
