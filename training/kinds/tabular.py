@@ -110,7 +110,8 @@ class NumericCodec(Codec):
         return ~np.isinf(values) if self.imputes else np.isfinite(values)
 
     def observe(self, array: pa.Array) -> None:
-        """Train rows: how many, how many null or NaN, the sum of the others (the imputed value is their mean)."""
+        """Train rows: how many, how many null or NaN, the sum of the others (their mean is the imputed value under
+        ``scaling: standard``; under ``robust`` it is the median, ``fit_train_column``)."""
         values = self.raw(array)
         present = values[~np.isnan(values)]
         self.rows += len(values)
