@@ -18,7 +18,6 @@ differ from: it is recorded and nothing is emitted.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from training.core.config import PipelineConfig
+from training.core.digest import json_digest
 from training.prepare.dataset import source_fingerprint
 
 EVENT = "ddpflow.data.changed"
@@ -68,8 +68,7 @@ def compare_sightings(previous: dict[str, Any] | None, current: Sighting) -> str
 
 def config_key(config_file: str | None, overrides: list[str] | None) -> str:
     """What identifies a watched config: the parameters a training run will be given."""
-    text = json.dumps({"config_file": config_file, "overrides": list(overrides or [])}, sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return json_digest({"config_file": config_file, "overrides": list(overrides or [])}, compact=False)
 
 
 def variable_name(config_file: str | None, overrides: list[str] | None) -> str:

@@ -23,7 +23,6 @@ ranks at once than the machine has (``check_sweep_machine``). A training script'
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from training.core.config import (
     read_yaml,
     validate_config,
 )
+from training.core.digest import json_digest
 from training.core.directions import higher_is_better
 from training.core.topology import RankLayout
 
@@ -153,8 +153,8 @@ class Sweep:
         if self.sweep.name:
             return self.sweep.name
         shape = self.sweep.model_dump(mode="json", exclude={"trials", "parallel", "name"})
-        text = json.dumps({"base": self.base.model_dump(mode="json"), "sweep": shape}, sort_keys=True, default=str)
-        return f"{self.base.registry.model_name}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+        digest = json_digest({"base": self.base.model_dump(mode="json"), "sweep": shape}, 12, compact=False)
+        return f"{self.base.registry.model_name}-{digest}"
 
 
 def _set(raw: dict[str, Any], dotted: str, value: Any) -> None:

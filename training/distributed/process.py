@@ -18,6 +18,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 from training.core.config import TrainConfig
+from training.core.fileio import atomic_path
 from training.distributed.allreduce_poll import wants_polling
 from training.distributed.context import DistContext
 
@@ -252,12 +253,10 @@ class AtomicErrorHandler(ErrorHandler):
         if not target:
             super().record_exception(e)
             return
-        partial = f"{target}.{os.getpid()}.tmp"
-        os.environ[ERROR_FILE_ENV] = partial
         try:
-            super().record_exception(e)
-            if os.path.exists(partial):
-                os.replace(partial, target)
+            with atomic_path(target, durable=False) as partial:  # torch writes the file by the name it is given
+                os.environ[ERROR_FILE_ENV] = str(partial)
+                super().record_exception(e)
         finally:
             os.environ[ERROR_FILE_ENV] = target
 

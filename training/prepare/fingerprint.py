@@ -13,11 +13,10 @@ same data prepared under another root or batch size hashes alike.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import Any
 
 from training.core.config import DataConfig
+from training.core.digest import json_digest
 from training.kinds.registry import input_options, kind_record
 
 # Bump when prepare's output changes for the same input (layout, dtypes, split rule, manifest statistics).
@@ -61,5 +60,4 @@ def dataset_fingerprint(source_identity: dict[str, Any], data: DataConfig) -> st
     files = tokenizer_files(data)
     if files:  # only with a user's tokenizer.json: every other dataset keeps its fingerprint
         payload["tokenizer_files"] = files
-    text = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return json_digest(payload)
