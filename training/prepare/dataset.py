@@ -70,7 +70,7 @@ from training.prepare.shards import SplitWriter
 from training.prepare.sources import Source, open_source, source_identity
 from training.prepare.time_split import TimeSplit, plan_time_split, splits_by_time
 
-__all__ = ["DataError", "PreparedDataset", "prepare_dataset", "source_fingerprint"]
+__all__ = ["DataError", "PreparedDataset", "prepare_dataset", "fingerprint_from_listing"]
 
 # More distinct label values than this is almost surely a regression target or an id.
 MAX_CLASSES = 100_000
@@ -179,7 +179,7 @@ def _intact_uploaded(target: str) -> Manifest | None:
     return manifest if complete else None
 
 
-def source_fingerprint(data: DataConfig) -> tuple[dict[str, Any], str]:
+def fingerprint_from_listing(data: DataConfig) -> tuple[dict[str, Any], str]:
     """(the source's identity, the fingerprint ``prepare_dataset(data)`` would give it now), from a listing alone.
 
     No file is opened: cheap enough to poll (flows/watch_data.py). Equal to the prepared
