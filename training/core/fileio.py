@@ -35,7 +35,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], Any], *, 
     ``durable=False`` skips the fsyncs, for files that matter only while this
     process runs (a pid file): atomic, but not crash-durable.
     """
-    with atomic_path(path, durable=durable) as temp, open(temp, "wb") as handle:
+    with atomic_path(path, durable=durable) as temp, open(temp, "r+b") as handle:  # read-write: a writer may map it
         write(handle)
     return Path(path)
 
