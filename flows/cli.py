@@ -235,7 +235,14 @@ def _log_to_file(args: argparse.Namespace) -> None:
 
 
 def _load(args: argparse.Namespace) -> PipelineConfig:
-    return load_config(args.config, args.overrides)
+    """The config, each input's options checked by its kind's record too (ConfigError: exit 2 before anything
+    starts)."""
+    from training.kinds.registry import check_inputs  # pyarrow and the kinds: only for a command with a config
+
+    config = load_config(args.config, args.overrides)
+    if config.data is not None:
+        check_inputs(config.data)
+    return config
 
 
 def _with_prefect_server(body: Callable[[PrefectServer], dict[str, Any]]) -> dict[str, Any]:

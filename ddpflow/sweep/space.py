@@ -42,6 +42,7 @@ from training.core.config import (
 from training.core.digest import json_digest
 from training.core.directions import higher_is_better
 from training.core.topology import RankLayout
+from training.kinds.registry import hashed_inputs
 
 SECTION = "sweep"
 # train dicts whose keys belong to the model, the optimizer or a training script (its --key value arguments)
@@ -153,7 +154,10 @@ class Sweep:
         if self.sweep.name:
             return self.sweep.name
         shape = self.sweep.model_dump(mode="json", exclude={"trials", "parallel", "name"})
-        digest = json_digest({"base": self.base.model_dump(mode="json"), "sweep": shape}, 12, compact=False)
+        base = self.base.model_dump(mode="json")
+        if self.base.data is not None:  # its inputs as a hash reads them (training/kinds/registry.py)
+            base["data"]["inputs"] = hashed_inputs(self.base.data)
+        digest = json_digest({"base": base, "sweep": shape}, 12, compact=False)
         return f"{self.base.registry.model_name}-{digest}"
 
 

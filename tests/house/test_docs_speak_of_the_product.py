@@ -43,7 +43,7 @@ NARRATION = (
     r"\bearlier (?:runs?|readings?|measurements?|figures?|versions?|ones?|tables?|default|defaults|seeds)\b",
     r"\(earlier[:,]",
     r"\buntil (?:now|then|recently)\b",
-    r"\b(?:recently|lately)\b",
+    r"(?<!least )(?<!most )\b(?:recently|lately)\b",  # "least recently used" is a cache's rule, not history
     r"\bthe old (?:default|rule|behaviou?r|figure|value|way|code)\b",
 )
 
@@ -157,6 +157,7 @@ def test_the_checks_catch_what_they_are_for():
         "the train split is used to fit the encoders",
         "## Heading",
         "before the run starts",
+        "evicting the least recently used shard",
     )
     for text in product:
         assert not passages(text, (*NARRATION, *ISSUE_REFERENCES)), text

@@ -39,14 +39,15 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+from pydantic import ValidationError
 
-from training.core.config import ConfigError, DataConfig, InputSpec
+from training.core.config import ConfigError, DataConfig, InputSpec, format_validation_error
 from training.core.location import join, read_text
 from training.kinds.base import Codec
-from training.kinds.image import ImageCodec
+from training.kinds.image import ImageCodec, ImageOptions
 from training.kinds.inputs import KINDS, InputInfo, block_names, numeric_names
 from training.kinds.tabular import CategoricalCodec, HashedCodec, NumericCodec, VectorCodec
-from training.kinds.text import TextCodec
+from training.kinds.text import TextCodec, TextOptions
 from training.kinds.times import DatetimeCodec
 
 ENCODERS_FILE = "encoders.json"
@@ -137,8 +138,35 @@ def input_options(name: str, spec: InputSpec) -> dict[str, Any]:
         raise ConfigError(f"data.inputs.{name}.kind: {problem}") from None
     try:
         return record.options_from(spec.given_options())
+    except ValidationError as error:  # a built-in kind's options model: pydantic's words, the field's whole path
+        raise ConfigError(format_validation_error(error, ("data", "inputs", name))) from None
     except ValueError as problem:
         raise ConfigError(f"data.inputs.{name}: {problem}") from None
+
+
+# The image and text options, typed by their kinds' models, in every input's JSON form that a hash reads.
+HASHED_OPTION_MODELS = (ImageOptions, TextOptions)
+
+
+def hashed_inputs(data: DataConfig) -> dict[str, dict[str, Any]] | None:
+    """``data.inputs`` in the JSON form that the dataset fingerprint and a sweep's study name hash: each input's
+    fields, with every image and text option typed by its kind's model and present (None where not given), the
+    form a config's inputs had while training/core/config.py declared those options, so the move to their kinds
+    left every dataset's fingerprint and every study's name as it was. ConfigError naming a value the model
+    refuses."""
+    if data.inputs is None:
+        return None
+    found = {}
+    for name, spec in data.inputs.items():
+        dump = spec.model_dump(mode="json")
+        for model in HASHED_OPTION_MODELS:
+            given = {key: dump.pop(key) for key in model.model_fields if key in dump}
+            try:
+                dump |= model.model_validate(given).model_dump(mode="json")
+            except ValidationError as error:
+                raise ConfigError(format_validation_error(error, ("data", "inputs", name))) from None
+        found[name] = dump
+    return found
 
 
 def check_inputs(data: DataConfig) -> dict[str, tuple[str, dict[str, Any]]]:

@@ -17,7 +17,7 @@ from typing import Any
 
 from training.core.config import DataConfig
 from training.core.digest import json_digest
-from training.kinds.registry import input_options, kind_record
+from training.kinds.registry import hashed_inputs, input_options, kind_record
 
 # Bump when prepare's output changes for the same input (layout, dtypes, split rule, manifest statistics).
 # 2: regression manifests carry label_mean/label_std (target standardisation).
@@ -50,6 +50,7 @@ def prep_fields(data: DataConfig) -> dict[str, Any]:
     only when it splits by time: unset and ``{by: hash}`` are the one hash split, so a hash-split dataset keeps
     the fingerprint it had before ``data.split`` existed."""
     fields = {name: value for name, value in data.model_dump(mode="json").items() if name not in _NOT_OUTPUT_FIELDS}
+    fields["inputs"] = hashed_inputs(data)
     if fields.get("split") is None or fields["split"]["by"] == "hash":
         fields.pop("split", None)
     return fields
