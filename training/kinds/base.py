@@ -68,7 +68,8 @@ class Codec:
     shown_as: str | None = None
     # Whether the split's row hash reads the encoded values (``encode``) rather than the raw ones.
     hashes_encoded = False
-    # Whether a fitted state is stored for it in encoders.json (a dataset from before may lack a numeric one).
+    # Whether a fitted state is stored for it in encoders.json (a numeric input's may be missing: before
+    # PREPARE_VERSION 5).
     needs_state = True
     dtype = "float32"  # the batch tensor's dtype
     # A ragged kind (text, images) sets the dtype of its stored values and implements ``encode_ragged`` and

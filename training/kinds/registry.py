@@ -150,10 +150,9 @@ HASHED_OPTION_MODELS = (ImageOptions, TextOptions)
 
 def hashed_inputs(data: DataConfig) -> dict[str, dict[str, Any]] | None:
     """``data.inputs`` in the JSON form that the dataset fingerprint and a sweep's study name hash: each input's
-    fields, with every image and text option typed by its kind's model and present (None where not given), the
-    form a config's inputs had while training/core/config.py declared those options, so the move to their kinds
-    left every dataset's fingerprint and every study's name as it was. ConfigError naming a value the model
-    refuses."""
+    fields, with every image and text option typed by its kind's model and present (None where not given): one
+    form for a config whichever module declares the options, so its dataset fingerprint and its study name
+    depend on what it says alone. ConfigError naming a value the model refuses."""
     if data.inputs is None:
         return None
     found = {}
@@ -203,7 +202,8 @@ def codecs_from_states(states: dict[str, Any]) -> dict[str, Codec]:
 
 
 def read_encoders(dataset_dir: str | Path, manifest) -> dict[str, Any]:
-    """encoders.json's states, checked against the manifest's sha256; {} for a dataset from before them."""
+    """encoders.json's states, checked against the manifest's sha256; {} for a dataset without them (before
+    PREPARE_VERSION 4)."""
     expected = (manifest.encoders or {}).get("sha256")
     if expected is None:
         return {}

@@ -624,7 +624,7 @@ class _BatchRows:
         if self.plan.task == "multilabel":  # a row's classes, as one sorted string
             label_for_hash = pa.array(["\x1f".join(map(str, sorted(row))) for row in self.raw_label.to_pylist()])
         extra = hash_values(label_for_hash)
-        for name, column in self.others.items():  # none for numeric tables: their split is as before
+        for name, column in self.others.items():  # none for numeric tables: their split hashes the numeric row alone
             if self.codecs[name].hashes_encoded:
                 extra = row_split.hash_rows(self.codecs[name].encode(column).astype(np.float64), extra)
             else:
