@@ -6,10 +6,10 @@ The tables between ``<!-- bench:NAME:begin -->`` and ``<!-- bench:NAME:end -->``
 written by the benchmark harness and say when they were measured: their dates are the run they show, not
 history, and are not read for dates. Links to other projects' issues (``PrefectHQ/prefect#13004``) are fine.
 
-The product's comments and docstrings (flows/, tasks/, ddpflow/, training/) name a file older than a feature
-by the version that brought it (``PREPARE_VERSION 6``) or by what it lacks ("a model.pt without ``inputs``"),
-never as "from before" or "the earlier mlp" (``CODE_NARRATION``). "An earlier run" of the same command, "any
-more" and "no longer" say what the product does, and stay."""
+The code's comments and docstrings (flows/, tasks/, ddpflow/, training/, bench/ and the tests' shared helpers)
+name a file older than a feature by the version that brought it (``PREPARE_VERSION 6``) or by what it lacks ("a
+model.pt without ``inputs``"), never as "from before" or "the earlier mlp" (``CODE_NARRATION``). "An earlier
+run" of the same command, "any more" and "no longer" say what the product does, and stay."""
 
 from __future__ import annotations
 
@@ -192,10 +192,15 @@ def test_the_settings_that_define_a_training_are_the_codes():
 
 
 def test_no_product_comment_narrates_the_codes_history():
+    helpers = [*(REPO / "tests").glob("*.py"), *(REPO / "tests" / "ranks").glob("*.py")]  # tests' shared code
+    code = [
+        path
+        for package in ("flows", "tasks", "ddpflow", "training", "bench")
+        for path in (REPO / package).rglob("*.py")
+    ]
     found = {
         str(path.relative_to(REPO)): hits
-        for package in ("flows", "tasks", "ddpflow", "training")
-        for path in sorted((REPO / package).rglob("*.py"))
+        for path in sorted([*code, *helpers])
         if (hits := passages(comments_and_docstrings(path), CODE_NARRATION))
     }
     assert not found, f"name the version or what the file lacks instead:\n{report(found)}"
