@@ -98,7 +98,7 @@ class InputSpec(_Section):
 
     The short form is the kind alone (``country: categorical``). Options belong to one kind each, and the kind's
     record says which it takes, checks them and fills the defaults (training/kinds/registry.py:
-    ``input_options``, ``check_inputs``, run by the preflight before anything starts): numeric ``missing``
+    ``input_options``, ``check_inputs``: run by the CLI as it loads a config and by the preflight): numeric ``missing``
     (impute, the default, or error) and ``scaling`` (robust, the default, or standard); categorical
     ``min_count`` (default 1) and ``max_size`` (default: no limit); hashed ``buckets`` (required), declared here.
     The image and text options are their kinds' own, kept here as given like a plugin kind's keys
@@ -125,7 +125,8 @@ class InputSpec(_Section):
     buckets: int | None = Field(None, ge=1, description="hashed: the number of hash buckets (required).")
 
     def given_options(self) -> dict[str, Any]:
-        """The options set (not None), declared ones in field order, then a plugin kind's own keys."""
+        """The options set (not None), declared ones in field order, then the keys kept as given (the image and text
+        kinds', a plugin kind's)."""
         declared = {name: getattr(self, name) for name in type(self).model_fields if name != "kind"}
         given = {name: value for name, value in declared.items() if value is not None}
         return {**given, **(self.model_extra or {})}
