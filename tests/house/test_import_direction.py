@@ -403,3 +403,26 @@ def test_the_training_ranks_never_import_the_prepare_folder():
             todo.extend(graph.get(module, {}))
     assert len(reached) > 30, "the walk from training.train found almost nothing"
     assert sorted(module for module in reached if module.startswith("training.prepare")) == []
+
+
+def listed_modules(docstring: str) -> list[str]:
+    """The modules a package docstring lists one per line (``    name.py   what it holds``), in order."""
+    return re.findall(r"^\s{4}(\w+)\.py\s", docstring, flags=re.MULTILINE)
+
+
+def test_a_package_whose_docstring_says_imports_run_up_its_list_keeps_to_it():
+    """ddpflow/drift/, ddpflow/launch/slurm/: each listed module imports only the ones listed above it."""
+    graph, checked, wrong = first_party_graph(), [], []
+    for init in python_files(*PRODUCT_PACKAGES):
+        docstring = ast.get_docstring(ast.parse(init.read_text())) if init.name == "__init__.py" else None
+        if not docstring or "Imports run up this list" not in docstring:
+            continue
+        package, order = module_name(init), listed_modules(docstring)
+        checked.append(package)
+        for place, name in enumerate(order):
+            for target in graph[f"{package}.{name}"]:
+                imported = target.removeprefix(f"{package}.")
+                if imported in order and order.index(imported) > place:
+                    wrong.append(f"{package}.{name} imports {imported}, listed below it")
+    assert {"ddpflow.drift", "ddpflow.launch.slurm"} <= set(checked)
+    assert wrong == []
