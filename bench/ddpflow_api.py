@@ -295,7 +295,7 @@ def embedding_dim(cardinality: int) -> int:
 
 
 def write_model_file(dataset_dir: str | Path, path: Path, model, hidden: Iterable[int]) -> Path:
-    """A model.pt as training writes it (``training.checkpoint.files.inference_checkpoint``) for an ``mlp`` of
+    """A model.pt as training writes it (``training/inference/model_file.py: inference_checkpoint``) for an ``mlp`` of
     ``hidden`` on the dataset's numeric block."""
     from training.inference.model_file import inference_checkpoint
     from training.models.registry import ModelSpec

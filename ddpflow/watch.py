@@ -4,7 +4,7 @@
     change = compare_sightings(previous, sighting)    # FIRST, UNCHANGED or CHANGED
 
 A sighting is the fingerprint prepare would give the data now
-(``training/prepare/dataset.py: source_fingerprint``: the source's identity, i.e. its
+(``training/prepare/dataset.py: fingerprint_from_listing``: the source's identity, i.e. its
 files' names, sizes and modification times or ETags, plus the data settings), with
 a file count and byte total for people. So "changed" means exactly "prepare would
 build a new dataset": an appended row, a new or edited file, another data setting.
@@ -18,7 +18,6 @@ differ from: it is recorded and nothing is emitted.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
@@ -26,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from training.core.config import PipelineConfig
-from training.prepare.dataset import source_fingerprint
+from training.core.digest import json_digest
+from training.prepare.dataset import fingerprint_from_listing
 
 EVENT = "ddpflow.data.changed"
 VARIABLE_PREFIX = "ddpflow-watch-"
@@ -48,7 +48,7 @@ class Sighting:
 
 
 def look_at_source(config: PipelineConfig) -> Sighting:
-    identity, fingerprint = source_fingerprint(config.data)
+    identity, fingerprint = fingerprint_from_listing(config.data)
     files = identity.get("files")
     return Sighting(
         fingerprint=fingerprint,
@@ -68,8 +68,7 @@ def compare_sightings(previous: dict[str, Any] | None, current: Sighting) -> str
 
 def config_key(config_file: str | None, overrides: list[str] | None) -> str:
     """What identifies a watched config: the parameters a training run will be given."""
-    text = json.dumps({"config_file": config_file, "overrides": list(overrides or [])}, sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return json_digest({"config_file": config_file, "overrides": list(overrides or [])}, compact=False)
 
 
 def variable_name(config_file: str | None, overrides: list[str] | None) -> str:

@@ -42,6 +42,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 from ddpflow.console import CommandLog
 from ddpflow.launch.failure import ScriptFailed
@@ -234,7 +235,14 @@ def _log_to_file(args: argparse.Namespace) -> None:
 
 
 def _load(args: argparse.Namespace) -> PipelineConfig:
-    return load_config(args.config, args.overrides)
+    """The config, each input's options checked by its kind's record too (ConfigError: exit 2 before anything
+    starts)."""
+    from training.kinds.registry import check_inputs  # pyarrow and the kinds: only for a command with a config
+
+    config = load_config(args.config, args.overrides)
+    if config.data is not None:
+        check_inputs(config.data)
+    return config
 
 
 def _with_prefect_server(body: Callable[[PrefectServer], dict[str, Any]]) -> dict[str, Any]:
@@ -294,11 +302,26 @@ def _run_flow(flow: Any, **parameters: Any) -> dict[str, Any]:
 CTRL_C = "Ctrl-C in the terminal that ran it"
 
 
+def cancel_interrupted_run(flow_run_id: UUID, message: str) -> None:
+    """Mark a flow run that an interrupt stopped, and each of its task runs that did not complete, Cancelled.
+
+    Prefect reports a KeyboardInterrupt as a crash ("Execution was aborted by an interrupt signal"); whoever
+    pressed Ctrl-C meant a cancellation. Completed task runs keep their state."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.states import Cancelled
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+        for task_run in runs:
+            if task_run.state is None or not task_run.state.is_completed():
+                client.set_task_run_state(task_run.id, Cancelled(message=message), force=True)
+        client.set_flow_run_state(flow_run_id, Cancelled(message=message), force=True)
+
+
 def _cancel_flow_run(flow_run: Any, interrupt: KeyboardInterrupt) -> None:
     """Ctrl-C is a cancellation: the flow run and its unfinished task runs end Cancelled, not Crashed (the state
     Prefect's engines give a run that a KeyboardInterrupt went through), while its server still runs."""
-    from tasks.cancellation import cancel_interrupted_run
-
     with shielded():  # a second Ctrl-C must not leave the run half-recorded
         try:
             cancel_interrupted_run(flow_run.id, CTRL_C)

@@ -47,7 +47,8 @@ def prepare_data(config: PipelineConfig) -> PreparedDataset:
     null_rates = manifest.extra.get("null_rates", {})
     if null_rates:
         logger.info(
-            "data: missing values (imputed with the train median, with a missing indicator) in the train split: %s",
+            "data: missing values (imputed with the train median, the mean under scaling: standard, with a missing"
+            " indicator) in the train split: %s",
             ", ".join(f"{name} {rate:.1%}" for name, rate in null_rates.items()),
         )
     left_out = manifest.extra.get("left_out", [])

@@ -7,8 +7,8 @@ The work, its order and its guarantees are in ddpflow/tracking/registration.py
   (the ``manual`` and ``nightly`` deployments, on any worker) gate one at a time.
   The limit is read first and created only when absent: a create that collides
   with an existing name makes the Prefect server log a ~140-line
-  ``IntegrityError`` traceback (its 409 handler logs every conflict), which
-  every repeat run used to print;
+  ``IntegrityError`` traceback (its 409 handler logs every conflict) on
+  every repeat run;
 - retries (3) of transient MLflow errors only, and the run logger.
 """
 

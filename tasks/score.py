@@ -3,9 +3,9 @@
 The work, its exactness, resume and refusals are plain Python (``ddpflow/launch/scoring.py``,
 ``training/inference/batch_scoring.py``). This wrapper adds the Prefect view: every rank's line in the run's log,
 a table artifact ``scored-table`` (rows, rejected, parts, model version, rows/s, the MLflow run), and cancellation
-(tasks/cancellation.py: a cancelled flow run stops the ranks, local torchrun or a Slurm job by scancel; the part
-files already written are kept, the task and flow runs end Cancelled, and the next run resumes). No retries: bad
-input fails the same way every time, and a re-run resumes from the parts anyway.
+(tasks/train.py: ``flow_run_cancelled_check``; a cancelled flow run stops the ranks, local torchrun or a Slurm
+job by scancel; the part files already written are kept, the task and flow runs end Cancelled, and the next run
+resumes). No retries: bad input fails the same way every time, and a re-run resumes from the parts anyway.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from prefect.cache_policies import NO_CACHE
 
 from ddpflow.launch.failure import LaunchInterrupted
 from ddpflow.scoring import score_table
-from tasks.cancellation import flow_run_cancelled_check
+from tasks.train import flow_run_cancelled_check
 from training.core.config import PipelineConfig
 
 

@@ -8,7 +8,7 @@ or training stages. Raw features have a large offset and scale, so a model
 that skipped normalisation would score near chance. ``target_stats=True``
 writes a regression target's train statistics into the manifest (as prepare
 does), so models train on the standardised target; without it the manifest
-looks like one from before target standardisation (raw scale).
+looks like one before PREPARE_VERSION 2, without target statistics (raw scale).
 """
 
 from __future__ import annotations

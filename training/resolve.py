@@ -8,7 +8,7 @@ training script's run records of its script.
 - the built-in ``mlp``'s defaults (``training/models/tabular.py: MLP_DEFAULTS``, and ``default_ensemble`` of the
   train rows) that differ from the class's own filled into ``train.model_kwargs`` where the user left them out
   (``defaults_to_record``), so the run records the
-  architecture it trains (an older model.pt, whose model_kwargs do not hold them, rebuilds with the class's own
+  architecture it trains (a model.pt whose model_kwargs do not hold them rebuilds with the class's own
   defaults, as it was trained); none while they agree;
 - ``train.batch_size: auto`` -> ``auto_batch_size(train rows, world size)`` (``training/core/config.py``);
 - ``train.early_stopping_patience: auto`` -> ``DEFAULT_PATIENCE`` with a val split, none without one;
@@ -22,8 +22,8 @@ The pipeline resolves before anything records the config or computes its trainin
 resolves again (a no-op on a resolved config), so config.json and every rank hold numbers, never ``auto``. A rank
 given an unresolved config (a launcher called directly, as some tests do) reads the batch, the patience and the
 label smoothing ``auto`` the same way (``TrainConfig.rank_batch_size``, ``TrainConfig.patience``,
-``TrainConfig.smoothing``); its ``mlp`` is the class's own defaults (the architecture of model.pt files from before
-these defaults).
+``TrainConfig.smoothing``); its ``mlp`` is the class's own defaults (the architecture of a model.pt whose
+model_kwargs do not hold ``MLP_DEFAULTS``).
 """
 
 from __future__ import annotations

@@ -96,7 +96,7 @@ def run(ctx: Context) -> list[Result]:
 
 
 def node_launch(ctx: Context, nproc: int, how: str, dataset, cache_dir) -> list[dict]:
-    """One torchrun launch of ``bench.memory_probe node``: every rank's figures, in rank order."""
+    """One torchrun launch of ``bench.ranks.memory_probe node``: every rank's figures, in rank order."""
     out = Path(tempfile.mkdtemp(prefix=f"node-{nproc}-{how}-", dir=ctx.workdir))
     args = ["node", "--how", how, "--dataset", str(dataset), "--cache-dir", str(cache_dir), "--out", str(out)]
     processes.run(processes.torchrun_argv(nproc, PROBE, args), timeout=600)

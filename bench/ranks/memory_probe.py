@@ -23,7 +23,7 @@ file's pages) above the imports: ``BENCH {"peak_rss_above_imports", "peak_anon_a
 ``node`` (one rank of N under torchrun): the rank's data PSS (``data_pss``) after
 imports, the process group and the model (its baseline), then the train and val
 splits got the way ranks get them (``cache``: the node cache, as ``training.train``
-does; ``load``: each rank reads the shards itself, as before the cache), then an
+does; ``load``: each rank reads the shards itself, without a node cache), then an
 epoch's worth of what a rank touches (every batch of its train share gathered, its
 val slice read), then the data PSS again. Writes ``OUT/rank-<r>.json``: ``{"rank",
 "baseline", "after", "load_seconds", "how"}`` (a file each: ranks' lines would interleave).

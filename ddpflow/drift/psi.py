@@ -79,7 +79,8 @@ def histogram_psi(reference: dict[str, Any], current: dict[str, Any], groups: in
 
 
 def null_rate(histogram: dict[str, Any]) -> float:
-    """The share of missing values in a ``RunningHistogram`` entry (0 in manifests from before they counted)."""
+    """The share of missing values in a ``RunningHistogram`` entry (0 where it holds no null count: before
+    PREPARE_VERSION 5)."""
     nulls = int(histogram.get("nulls", 0))
     total = nulls + int(sum(histogram["counts"]))
     return nulls / total if total else 0.0

@@ -38,7 +38,7 @@ from ddpflow.launch.slurm.script import JobPaths, RankJob
 from ddpflow.launch.supervisor import DEFAULT_GRACE_S, OutputLine, launch
 from training.core.config import ConfigError, PipelineConfig
 from training.core.errors import DataError
-from training.core.fileio import atomic_write_json
+from training.core.fileio import atomic_write, atomic_write_json
 from training.core.topology import RankLayout, resolve_ranks, visible_gpus
 from training.inference.batch_scoring import (
     JOB_FILE,
@@ -118,8 +118,8 @@ def prepare_output(job: ScoreJob, plan: Plan, model: ModelFile) -> Path:
         atomic_write_json(state / PLAN_FILE, plan.to_dict())
     copied = state / MODEL_FILE
     if Path(model.path).resolve() != copied.resolve():
-        copied.with_suffix(".tmp").write_bytes(model.data)  # the bytes the command read: the file is read once
-        os.replace(copied.with_suffix(".tmp"), copied)
+        # The bytes the command read (the file is read once); a copy for this scoring's ranks: not fsynced.
+        atomic_write(copied, lambda handle: handle.write(model.data), durable=False)
     job = replace(job, model_path=str(copied), pending=Plan.read(state / PLAN_FILE).pending(output))
     for stale in output.glob(".part-*.tmp"):
         stale.unlink()

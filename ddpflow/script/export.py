@@ -6,7 +6,7 @@ Safe on every rank: rank 0's model is kept (a DistributedDataParallel or torch.c
 other rank returns at once. Rank 0 exports a CPU copy in eval mode with ``torch.export`` (the batch dimension of
 every input dynamic) and writes the program to ``RUN_DIR/script/model.pt2``, with the example and the model's
 outputs on it (``RUN_DIR/script/example.pt``). After the launch ddpflow evaluates, registers behind the champion
-gate and serves that program (``ddpflow/tracking/script_runs.py``): the served model needs neither the script nor
+gate and serves that program (``ddpflow/tracking/script_models.py``): the served model needs neither the script nor
 its imports, and loading it runs no pickled code. A later call replaces an earlier one's model.
 
 ``input_example``: one batch of what ``forward`` takes: a tensor, a tuple of tensors, or a dict of tensors (the

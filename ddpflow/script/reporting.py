@@ -6,7 +6,7 @@
 Safe on every rank: rank 0's values are kept, every other rank returns at once. Rank 0 appends one JSON line per
 call to ``RUN_DIR/script/reports.jsonl`` (``{"step", "time", "metrics"}``); the process that launched the ranks
 mirrors it into MLflow as it grows (``ddpflow/tracking/metrics.py``) and the gate takes the last value of its
-metric from it (``ddpflow/tracking/script_runs.py``), so no rank imports MLflow or waits for the tracking store.
+metric from it (``ddpflow/tracking/script_models.py``), so no rank imports MLflow or waits for the tracking store.
 ``step`` unset: the number of reports made before, 0 first. Under a bare torchrun nothing is recorded; rank 0 says
 so once.
 """

@@ -23,7 +23,6 @@ ranks at once than the machine has (``check_sweep_machine``). A training script'
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -40,8 +39,10 @@ from training.core.config import (
     read_yaml,
     validate_config,
 )
+from training.core.digest import json_digest
 from training.core.directions import higher_is_better
 from training.core.topology import RankLayout
+from training.kinds.registry import hashed_inputs
 
 SECTION = "sweep"
 # train dicts whose keys belong to the model, the optimizer or a training script (its --key value arguments)
@@ -153,8 +154,11 @@ class Sweep:
         if self.sweep.name:
             return self.sweep.name
         shape = self.sweep.model_dump(mode="json", exclude={"trials", "parallel", "name"})
-        text = json.dumps({"base": self.base.model_dump(mode="json"), "sweep": shape}, sort_keys=True, default=str)
-        return f"{self.base.registry.model_name}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+        base = self.base.model_dump(mode="json")
+        if self.base.data is not None:  # its inputs as a hash reads them (training/kinds/registry.py)
+            base["data"]["inputs"] = hashed_inputs(self.base.data)
+        digest = json_digest({"base": base, "sweep": shape}, 12, compact=False)
+        return f"{self.base.registry.model_name}-{digest}"
 
 
 def _set(raw: dict[str, Any], dotted: str, value: Any) -> None:

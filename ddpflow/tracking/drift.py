@@ -6,9 +6,9 @@
 
 The champion's training data is the ``data/manifest.json`` its MLflow run logged at
 start (``runs.py: TRAINING_DATA_ARTIFACT``), so drift survives the deletion of old
-shards; a run from before that artifact existed falls back to the manifest in its
+shards; a run without that artifact falls back to the manifest in its
 ``ddpflow.dataset_dir``. When neither is there, or a manifest has no histograms
-(prepared by an older ddpflow), drift is "not available" with the reason: a log
+(prepared before PREPARE_VERSION 3), drift is "not available" with the reason: a log
 line, never an error. With no champion yet there is nothing to compare with, and
 nothing is logged. The numbers are ``ddpflow/drift/``'s (``report.compare``).
 """

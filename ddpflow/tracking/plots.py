@@ -207,7 +207,7 @@ def drift_figure(report: DriftReport, reference: str, max_psi: float | None = No
 def sweep_figure(rows: list[dict[str, Any]], keys: list[str], objective: str, log_keys: tuple[str, ...] = ()):
     """A sweep's objective against each tuned parameter, one panel per key: complete trials as dots (the best
     one ringed), pruned ones as crosses at the last value reported; failed trials have no value to draw.
-    ``rows``: ``ddpflow/tracking/sweep.py: trial_rows``."""
+    ``rows``: ``ddpflow/sweep/trials.py: trial_rows``."""
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(4.2 * max(1, len(keys)), 3.8))

@@ -17,8 +17,6 @@ otherwise override the next run's configured URI in the same process.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import subprocess
@@ -42,6 +40,7 @@ from mlflow.exceptions import MlflowException
 from ddpflow.launch.command import LOG_DIR
 from training.checkpoint.files import training_identity
 from training.core.config import PipelineConfig
+from training.core.digest import json_digest
 from training.core.layout import SPLITS
 from training.core.manifest import Manifest
 from training.inference.model_file import EvalResult
@@ -309,8 +308,7 @@ def run_tags(
 
 def training_identity_tag(config: PipelineConfig, fingerprint: str) -> str:
     """16 hex digits of the training identity: equal exactly when the resume rule calls two trainings the same."""
-    text = json.dumps(training_identity(config, fingerprint), sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return json_digest(training_identity(config, fingerprint))
 
 
 def dataset_inputs(manifest: Manifest, dataset_dir: str | Path, fingerprint: str) -> list[DatasetInput]:

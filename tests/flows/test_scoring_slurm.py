@@ -82,7 +82,8 @@ def test_a_slurm_scoring_cancelled_part_way_resumes_and_ends_with_every_row_once
         # cancellation (the task asks every 2 s) lands part-way
         cancelled = []
         canceller = cancel_the_flow_run_after_two_parts(output, cancelled)
-        # The score task's flow-run check (tasks/cancellation.py) stops the launch: scancel, then Abort.
+        # The score task's flow-run check (tasks/train.py: flow_run_cancelled_check) stops the launch: scancel,
+        # then Abort.
         with pytest.raises(Abort, match=r"was cancelled \(Cancelling\); cancelled Slurm job \d+"):
             score_pipeline(config=config)
         canceller.join(timeout=30)

@@ -4,12 +4,19 @@ measurement in prose). What changed, and when, is CHANGELOG.md's; it is the one 
 
 The tables between ``<!-- bench:NAME:begin -->`` and ``<!-- bench:NAME:end -->`` in docs/benchmarks.md are
 written by the benchmark harness and say when they were measured: their dates are the run they show, not
-history, and are not read for dates. Links to other projects' issues (``PrefectHQ/prefect#13004``) are fine."""
+history, and are not read for dates. Links to other projects' issues (``PrefectHQ/prefect#13004``) are fine.
+
+The code's comments and docstrings (flows/, tasks/, ddpflow/, training/, bench/ and the tests' shared helpers)
+name a file older than a feature by the version that brought it (``PREPARE_VERSION 6``) or by what it lacks ("a
+model.pt without ``inputs``"), never as "from before" or "the earlier mlp" (``CODE_NARRATION``). "An earlier
+run" of the same command, "any more" and "no longer" say what the product does, and stay."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+
+from source_text import comments_and_docstrings
 
 REPO = Path(__file__).resolve().parents[2]
 HISTORY = REPO / "CHANGELOG.md"
@@ -43,8 +50,19 @@ NARRATION = (
     r"\bearlier (?:runs?|readings?|measurements?|figures?|versions?|ones?|tables?|default|defaults|seeds)\b",
     r"\(earlier[:,]",
     r"\buntil (?:now|then|recently)\b",
-    r"\b(?:recently|lately)\b",
+    r"(?<!least )(?<!most )\b(?:recently|lately)\b",  # "least recently used" is a cache's rule, not history
     r"\bthe old (?:default|rule|behaviou?r|figure|value|way|code)\b",
+)
+
+# Words that narrate the code's history in a comment or docstring.
+CODE_NARRATION = (
+    r"\b(?:from|as) before\b",
+    r"\bbefore (?:imputation|robust scaling|typed inputs|objectives)\b",
+    r"\bolder (?:manifests?|datasets?|files|model\.pt|callers|ddpflow)\b",
+    r"\bthe earlier (?:mlp|model|rule|version)\b",
+    r"\bthe old (?:default|rule|behaviou?r|way|code)\b",
+    r"\bused to (?:be|take|say|fail|print|run|read|write|keep|start|give|show|cost)\b",
+    r"\b(?:was|were) \d",
 )
 
 DATE = r"\b20\d\d-\d\d-\d\d\b"  # a measurement's date in prose
@@ -157,6 +175,7 @@ def test_the_checks_catch_what_they_are_for():
         "the train split is used to fit the encoders",
         "## Heading",
         "before the run starts",
+        "evicting the least recently used shard",
     )
     for text in product:
         assert not passages(text, (*NARRATION, *ISSUE_REFERENCES)), text
@@ -170,3 +189,22 @@ def test_the_settings_that_define_a_training_are_the_codes():
     paragraph = text[text.index("**Training identity.**") :].split("\n\n")[0]
     missing = [name for name in TrainConfig.weight_fields() if f"`{name}`" not in paragraph]
     assert missing == [], f"docs/concepts.md's training identity lacks {missing}"
+
+
+def test_no_product_comment_narrates_the_codes_history():
+    helpers = [*(REPO / "tests").glob("*.py"), *(REPO / "tests" / "ranks").glob("*.py")]  # tests' shared code
+    code = [
+        path
+        for package in ("flows", "tasks", "ddpflow", "training", "bench")
+        for path in (REPO / package).rglob("*.py")
+    ]
+    found = {
+        str(path.relative_to(REPO)): hits
+        for path in sorted([*code, *helpers])
+        if (hits := passages(comments_and_docstrings(path), CODE_NARRATION))
+    }
+    assert not found, f"name the version or what the file lacks instead:\n{report(found)}"
+    for text in ("a dataset from before imputation", "the earlier mlp's", "None in older manifests", "(was 24)"):
+        assert passages(text, CODE_NARRATION), text
+    for text in ("an earlier run left them", "None before PREPARE_VERSION 6", "nothing runs any more"):
+        assert not passages(text, CODE_NARRATION), text

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import pkgutil
+import re
 import shutil
 import subprocess
 import sys
@@ -345,3 +346,83 @@ def test_a_training_layer_never_imports_a_layer_above_it():
             if target.startswith("training.") and layer_of(training_folder(target)) > layer:
                 upward.append(f"{module}:{line} -> {target}")
     assert upward == [], "imports from a lower layer of training/ into a higher one:\n" + "\n".join(upward)
+
+
+# --- what the folders' docstrings say about their imports ------------------------------------------------------
+
+
+def imports_claimed(docstring: str) -> set[str] | None:
+    """The folders of training/ a docstring's "Imports ``training.a`` and ``training.b``." sentence names (with
+    or without "only"); None when it has no such sentence."""
+    sentence = re.search(r"\bImports (?:only )?(``training\.\w+``(?:(?:,\s*|\s+and\s+)``training\.\w+``)*)", docstring)
+    return None if sentence is None else set(re.findall(r"``training\.(\w+)``", sentence.group(1)))
+
+
+def folder_imports() -> dict[str, set[str]]:
+    """Each folder of training/ -> the other folders of training/ its modules import (inside functions too)."""
+    found: dict[str, set[str]] = {}
+    for module, edges in first_party_graph().items():
+        folder = training_folder(module) if module.startswith("training.") else None
+        if folder:
+            others = {training_folder(target) for target in edges if target.startswith("training.")}
+            found.setdefault(folder, set()).update(others - {folder})
+    return found
+
+
+def test_each_training_folder_imports_exactly_the_folders_its_docstring_names():
+    actual = folder_imports()
+    claims = {}
+    for folder in sorted(actual):
+        claimed = imports_claimed(
+            ast.get_docstring(ast.parse((REPO / "training" / folder / "__init__.py").read_text()))
+        )
+        if claimed is not None:
+            claims[folder] = claimed
+    assert len(claims) >= 6, f"few folders say what they import: {sorted(claims)}"
+    wrong = {
+        folder: (sorted(claimed), sorted(actual[folder]))
+        for folder, claimed in claims.items()
+        if claimed != actual[folder]
+    }
+    assert wrong == {}, f"folder: (what its docstring says it imports, what it imports): {wrong}"
+    assert imports_claimed("Imports only ``training.core``.") == {"core"}
+    assert imports_claimed("Imports ``training.core``, ``training.kinds`` and ``training.distributed``.") == {
+        "core",
+        "kinds",
+        "distributed",
+    }
+
+
+def test_the_training_ranks_never_import_the_prepare_folder():
+    """training/prepare/__init__.py says so: what training.train imports, at any depth, never reaches it."""
+    graph, reached, todo = first_party_graph(), set(), ["training.train"]
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo.extend(graph.get(module, {}))
+    assert len(reached) > 30, "the walk from training.train found almost nothing"
+    assert sorted(module for module in reached if module.startswith("training.prepare")) == []
+
+
+def listed_modules(docstring: str) -> list[str]:
+    """The modules a package docstring lists one per line (``    name.py   what it holds``), in order."""
+    return re.findall(r"^\s{4}(\w+)\.py\s", docstring, flags=re.MULTILINE)
+
+
+def test_a_package_whose_docstring_says_imports_run_up_its_list_keeps_to_it():
+    """ddpflow/drift/, ddpflow/launch/slurm/: each listed module imports only the ones listed above it."""
+    graph, checked, wrong = first_party_graph(), [], []
+    for init in python_files(*PRODUCT_PACKAGES):
+        docstring = ast.get_docstring(ast.parse(init.read_text())) if init.name == "__init__.py" else None
+        if not docstring or "Imports run up this list" not in docstring:
+            continue
+        package, order = module_name(init), listed_modules(docstring)
+        checked.append(package)
+        for place, name in enumerate(order):
+            for target in graph[f"{package}.{name}"]:
+                imported = target.removeprefix(f"{package}.")
+                if imported in order and order.index(imported) > place:
+                    wrong.append(f"{package}.{name} imports {imported}, listed below it")
+    assert {"ddpflow.drift", "ddpflow.launch.slurm"} <= set(checked)
+    assert wrong == []

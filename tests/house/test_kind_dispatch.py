@@ -112,3 +112,18 @@ info = InputInfo(name, kind="vector", dtype="float32")
 raise ValueError("kind 'hashed' needs buckets")
 '''
     assert dispatched_names(ignored) == set()
+
+
+def test_the_image_and_text_kinds_own_their_options():
+    """Their options, types, defaults and checks are in their own modules (``ImageOptions``, ``TextOptions``);
+    training/core/config.py keeps an input's kind and the options it does not know as given."""
+    from training.core.config import InputSpec
+    from training.kinds.image import IMAGE_OPTIONS, ImageCodec
+    from training.kinds.text import TEXT_OPTIONS, TextCodec
+
+    assert ImageCodec.option_names == IMAGE_OPTIONS == ("size", "channels", "mean", "std", "augment")
+    assert TextCodec.option_names == TEXT_OPTIONS == ("max_len", "tokenizer")
+    declared = set(InputSpec.model_fields) & {*IMAGE_OPTIONS, *TEXT_OPTIONS}
+    assert declared == set(), f"training/core/config.py declares the image and text kinds' options {declared}"
+    source = (REPO / "training" / "core" / "config.py").read_text()
+    assert "TokenizerSpec" not in source and "crop_flip" not in source

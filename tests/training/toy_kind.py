@@ -29,7 +29,7 @@ class DigitsCodec(Codec):
     kind = "digits"
     option_names = ("scale",)
     model_block = DENSE  # float32 [B, 10]: the built-in models concatenate it beside the numeric block
-    drift_measure = "frequencies"  # ddpflow/drift/kinds.py: PSI over the train split's digit counts
+    drift_measure = "frequencies"  # PSI (ddpflow/drift/kinds.py) over the train split's digit counts
     shown_as = TABLE  # a column of the confidently-wrong table
     takes = staticmethod(is_text)
     takes_what = "strings of decimal digits"

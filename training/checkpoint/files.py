@@ -180,7 +180,7 @@ def check_global_batch(state: Mapping[str, Any], rank_batch: int, world_size: in
     """A resume trains the global batch its checkpoint was trained with (the rows of one step over all ranks).
     With ``train.global_batch_size`` the identity holds it, so only a run without it gets here with another:
     ``nproc_per_node: auto`` on a node with another number of GPUs. ``ResumeMismatchError`` naming both world
-    sizes and both global batches; a checkpoint from before the entry existed is not checked."""
+    sizes and both global batches; a checkpoint without the entry is not checked."""
     saved = state.get("global_batch")
     wanted = rank_batch * world_size
     if saved is None or int(saved) == wanted:
@@ -212,7 +212,7 @@ class Checkpointer:
     ):
         self.run_dir = Path(run_dir)
         self.coordinator = coordinator
-        # Test hooks (training/loop/hooks.py: slow_checkpoint, DDPFLOW_KEEP_CHECKPOINTS), on the writer.
+        # Test hooks (training/loop/hooks.py: KEEP_CHECKPOINTS_ENV, the slow_checkpoint action), on the writer.
         self.before_write, self.after_write = before_write, after_write
         self.last_path = self.run_dir / LAST_CHECKPOINT
         self.final_path = self.run_dir / FINAL_MODEL
@@ -307,7 +307,7 @@ class Checkpointer:
                 log_rank(f"warm start: {path} does not exist; training from scratch")
                 return None
             payload = load_checkpoint(path)
-            # Specs from before typed inputs compare with their features as numeric inputs.
+            # A spec without ``inputs`` compares with its features as numeric inputs.
             saved_spec, wanted_spec = payload.get("model_spec"), ModelSpec.from_dict(model_spec, features).to_dict()
             if isinstance(saved_spec, dict):
                 saved_spec = ModelSpec.from_dict(saved_spec, payload.get("features")).to_dict()

@@ -2,6 +2,6 @@
 
 The configuration (``config.py``, ``job.py``, ``topology.py``), the prepared dataset's table of contents
 (``manifest.py``) and the run directory's file names (``layout.py``), the one atomic write (``fileio.py``), the
-log prefixes, the per-rank seeds, errors and metric directions. Nothing here imports another folder of
-``training/``, and nothing here imports torch at module level.
+one hash of a JSON payload (``digest.py``), the log prefixes, the per-rank seeds, errors and metric directions.
+Nothing here imports another folder of ``training/``, and nothing here imports torch at module level.
 """

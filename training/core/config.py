@@ -91,29 +91,6 @@ class _Section(BaseModel):
 
 # The built-in data.inputs kinds, in the order logs list them; each one's record: training/kinds/registry.py.
 INPUT_KINDS = ("numeric", "categorical", "hashed", "vector", "datetime", "image", "text")
-IMAGE_OPTIONS = ("size", "channels", "mean", "std", "augment")  # kind image (training/kinds/image.py, docs/data.md)
-TEXT_OPTIONS = ("max_len", "tokenizer")  # kind text (training/kinds/text.py, docs/data.md)
-TEXT_DEFAULT_MAX_LEN = 256
-TEXT_DEFAULT_TOKENIZER = {"type": "bpe", "vocab_size": 8000}
-
-
-def text_options(max_len: int | None, tokenizer) -> dict[str, Any]:
-    """A text input's codec options with the defaults filled in: ``max_len`` and the tokenizer, either
-    ``{"type", "vocab_size"}`` (fitted) or ``{"file": path}`` (the user's)."""
-    if tokenizer is None:
-        spec = dict(TEXT_DEFAULT_TOKENIZER)
-    elif isinstance(tokenizer, str):
-        spec = {"file": tokenizer}
-    else:
-        spec = {"type": tokenizer.type, "vocab_size": int(tokenizer.vocab_size)}
-    return {"max_len": int(max_len or TEXT_DEFAULT_MAX_LEN), "tokenizer": spec}
-
-
-class TokenizerSpec(_Section):
-    """``data.inputs.<text>.tokenizer`` in the long form: the tokenizer prepare fits on the train split."""
-
-    type: Literal["bpe", "wordpiece", "unigram"] = "bpe"
-    vocab_size: int = Field(8000, ge=8, description="At most this many tokens, the special ones included.")
 
 
 class InputSpec(_Section):
@@ -121,11 +98,13 @@ class InputSpec(_Section):
 
     The short form is the kind alone (``country: categorical``). Options belong to one kind each, and the kind's
     record says which it takes, checks them and fills the defaults (training/kinds/registry.py:
-    ``input_options``, ``check_inputs``): numeric ``missing`` (impute, the default, or error) and ``scaling``
-    (robust, the default, or standard); categorical
-    ``min_count`` (default 1) and ``max_size`` (default: no limit); hashed ``buckets`` (required); image
-    ``size``, ``channels``, ``mean``, ``std``, ``augment``; text ``max_len`` and ``tokenizer``. A kind of a
-    user's own (docs/models.md) takes its own keys: kept here as given, checked by its record.
+    ``input_options``, ``check_inputs``: run by the CLI as it loads a config and by the preflight): numeric ``missing``
+    (impute, the default, or error) and ``scaling`` (robust, the default, or standard); categorical
+    ``min_count`` (default 1) and ``max_size`` (default: no limit); hashed ``buckets`` (required), declared here.
+    The image and text options are their kinds' own, kept here as given like a plugin kind's keys
+    (docs/models.md) and checked by their records: ``training/kinds/image.py: ImageOptions`` (``size``,
+    ``channels``, ``mean``, ``std``, ``augment``), ``training/kinds/text.py: TextOptions`` (``max_len``,
+    ``tokenizer``).
     """
 
     model_config = ConfigDict(extra="allow", validate_assignment=True)
@@ -144,21 +123,10 @@ class InputSpec(_Section):
     min_count: int | None = Field(None, ge=1, description="categorical: values seen fewer times in train are unknown.")
     max_size: int | None = Field(None, ge=1, description="categorical: keep at most this many most frequent values.")
     buckets: int | None = Field(None, ge=1, description="hashed: the number of hash buckets (required).")
-    size: int | tuple[int, int] | None = Field(None, description="image: [h, w] (or one number) the model sees.")
-    channels: Literal[1, 3] | None = Field(None, description="image: 3 (RGB, default) or 1 (grey).")
-    mean: list[float] | None = Field(None, description="image: per channel; default: the train split's.")
-    std: list[float] | None = Field(None, description="image: per channel; default: the train split's.")
-    augment: Literal["crop_flip", "none"] | None = Field(
-        None, description="image: crop_flip (default: random resized crop + horizontal flip) or none."
-    )
-    max_len: int | None = Field(None, ge=1, description="text: tokens kept per row (default 256; the rest cut).")
-    tokenizer: TokenizerSpec | str | None = Field(
-        None,
-        description="text: {type: bpe|wordpiece|unigram, vocab_size: N} fitted on train, or a tokenizer.json path.",
-    )
 
     def given_options(self) -> dict[str, Any]:
-        """The options set (not None), declared ones in field order, then a plugin kind's own keys."""
+        """The options set (not None), declared ones in field order, then the keys kept as given (the image and text
+        kinds', a plugin kind's)."""
         declared = {name: getattr(self, name) for name in type(self).model_fields if name != "kind"}
         given = {name: value for name, value in declared.items() if value is not None}
         return {**given, **(self.model_extra or {})}
@@ -1014,11 +982,12 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def format_validation_error(error: ValidationError) -> str:
-    """One line per problem, each naming the field by its dotted path."""
+def format_validation_error(error: ValidationError, within: tuple[str, ...] = ()) -> str:
+    """One line per problem, each naming the field by its dotted path (under ``within``: a section's own model,
+    such as an input kind's options, checked on its own)."""
     lines = []
     for problem in error.errors():
-        path = ".".join(str(part) for part in problem["loc"]) or "config"
+        path = ".".join(str(part) for part in (*within, *problem["loc"])) or "config"
         message = problem["msg"].removeprefix("Value error, ")
         lines.append(
             f"{path}: {message} (got {problem.get('input')!r})"

@@ -8,11 +8,14 @@ the temp file is removed and the previous file is untouched.
     atomic_write(path, lambda handle: torch.save(obj, handle))
     atomic_write_text(path, text)
     atomic_write_json(path, payload)
+    with atomic_path(path, durable=False) as temp:   # for a writer that takes a path (pyarrow, torch's
+        pq.write_table(table, temp)                   # error file): temp replaces path when the block ends
 
 Everything in the project that publishes a file others read (checkpoints,
-manifest.json, eval/metrics.json, stack.json, pid files, bench results) goes
-through here. It lives in ``training/`` because that is the lowest layer:
-ranks use it, and so can everything above them.
+manifest.json, eval/metrics.json, stack.json, pid files, bench results, a
+scoring's parts and model copy, a rank's error file) goes through here. It
+lives in ``training/`` because that is the lowest layer: ranks use it, and so
+can everything above them.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
@@ -31,23 +35,33 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], Any], *, 
     ``durable=False`` skips the fsyncs, for files that matter only while this
     process runs (a pid file): atomic, but not crash-durable.
     """
+    with atomic_path(path, durable=durable) as temp, open(temp, "r+b") as handle:  # read-write: a writer may map it
+        write(handle)
+    return Path(path)
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike, *, durable: bool = True) -> Iterator[Path]:
+    """A temp file beside ``path`` (``.NAME-XXXX.tmp``, mode 0644) for the block to fill by its path; when the
+    block ends it replaces ``path`` (fsynced first unless ``durable=False``); on an error it is removed and
+    ``path`` is untouched."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-", suffix=".tmp")
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-", suffix=".tmp")
+    temp = Path(name)
     try:
         os.fchmod(fd, 0o644)  # mkstemp makes it 0600; published files are ordinary, readable files
-        with os.fdopen(fd, "wb") as handle:
-            write(handle)
-            handle.flush()
-            if durable:
-                os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        os.close(fd)
+        yield temp
+        if durable:
+            with open(temp, "rb") as written:
+                os.fsync(written.fileno())
+        os.replace(temp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        temp.unlink(missing_ok=True)
         raise
     if durable:
         _fsync_directory(path.parent)
-    return path
 
 
 def atomic_write_text(path: str | os.PathLike, text: str, *, durable: bool = True) -> Path:

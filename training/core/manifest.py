@@ -63,23 +63,23 @@ class Manifest:
     versions: dict[str, str]
     dropped_rows: int = 0
     # Regression: the train split's target mean and population std (0 -> 1); training standardises the
-    # target with them (training/kinds/normalisation.py). None for classification and for older manifests.
+    # target with them (training/kinds/normalisation.py). None for classification and before PREPARE_VERSION 2.
     label_mean: float | None = None
     label_std: float | None = None
     # The train split's counts per feature on a dyadic grid (training/kinds/stats.py: RunningHistogram), in
-    # ``features`` order: what data drift is measured with (ddpflow/drift.py). None in older manifests.
+    # ``features`` order: what data drift is measured with (ddpflow/drift/report.py). None before PREPARE_VERSION 3.
     feature_histograms: list[dict[str, Any]] | None = None
     # Classification: the train split's rows per class, in ``label_mapping`` order (prepare's
-    # training/kinds/stats.py: ClassCounts); what train.class_weights: balanced divides by. None in older manifests.
+    # training/kinds/stats.py: ClassCounts); what train.class_weights: balanced divides by. None: not counted.
     train_class_counts: list[int] | None = None
-    # Every input, in order: InputInfo.to_dict() (training/kinds/inputs.py). None in older manifests: the
-    # features, all numeric.
+    # Every input, in order: InputInfo.to_dict() (training/kinds/inputs.py). None before PREPARE_VERSION 4:
+    # the features, all numeric.
     inputs: list[dict[str, Any]] | None = None
     encoders: dict[str, str] | None = None  # {"file": "encoders.json", "sha256": ...}; None: no encoders
     weight: str | None = None  # the row-weight column (data.weight), float32 in the shards
     # How the numeric block is scaled (training/kinds/normalisation.py), per column of ``n_features``: center,
     # scale (robust: median and interquartile range; standard: mean and std) and whether it is smoothly clipped;
-    # 0, 1, false per missing indicator. None in older manifests: feature_mean/feature_std, unclipped.
+    # 0, 1, false per missing indicator. None before PREPARE_VERSION 6: feature_mean/feature_std, unclipped.
     feature_center: list[float] | None = None
     feature_scale: list[float] | None = None
     feature_clip: list[bool] | None = None

@@ -302,6 +302,6 @@ def convert_batchnorm(model: nn.Module, device: torch.device) -> nn.Module:
 def shard_range(n_rows: int, rank: int, world_size: int) -> tuple[int, int]:
     """Rank's contiguous, unpadded share [start, stop) of ``n_rows``; shares cover every row once.
 
-    Used for evaluation, where DistributedSampler's padding would count rows twice.
+    Used for validation and batch scoring, where DistributedSampler's padding would count rows twice.
     """
     return (n_rows * rank) // world_size, (n_rows * (rank + 1)) // world_size

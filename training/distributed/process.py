@@ -1,7 +1,7 @@
 """Per-process settings of a rank: orphan protection, CPU threads and cores, CUDA math modes, the
-all-reduce's wait (``configure_process``: all of them, as every rank and bench/ddp_rank.py take them),
-the two start-up/exit costs a rank can avoid (DDP's lazy imports, interpreter teardown), and a scoring
-rank's heap (``keep_freed_heap``)."""
+all-reduce's wait (``configure_process``: all of them, as every rank and bench/ranks/ddp.py's
+``--ranks ddpflow`` take them), the two start-up/exit costs a rank can avoid (DDP's lazy imports, interpreter
+teardown), and a scoring rank's heap (``keep_freed_heap``)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 from training.core.config import TrainConfig
+from training.core.fileio import atomic_path
 from training.distributed.allreduce_poll import wants_polling
 from training.distributed.context import DistContext
 
@@ -116,7 +117,8 @@ def decode_workers(requested: int | str, cpu: CpuSetup, on_gpu: bool, decodes: b
     min(8, its cores - 1) (its own CPU work is light: the GPU steps); a CPU rank, one per 4 of its cores and
     none below 4. Why none: a worker takes a core from the step (``make_room_for_workers``), which on a rank
     of 2 cores halves it; measured there, decoding in the rank beat a worker on cheap images by 1.5x and lost
-    to it (0.76x) only where one image cost as much to decode as to train on (bench/image_workers.py)."""
+    to it (0.76x) only where one image cost as much to decode as to train on (bench/families/images.py:
+    ``worker_rule``)."""
     if requested != "auto":
         return int(requested)
     if not decodes:
@@ -251,12 +253,10 @@ class AtomicErrorHandler(ErrorHandler):
         if not target:
             super().record_exception(e)
             return
-        partial = f"{target}.{os.getpid()}.tmp"
-        os.environ[ERROR_FILE_ENV] = partial
         try:
-            super().record_exception(e)
-            if os.path.exists(partial):
-                os.replace(partial, target)
+            with atomic_path(target, durable=False) as partial:  # torch writes the file by the name it is given
+                os.environ[ERROR_FILE_ENV] = str(partial)
+                super().record_exception(e)
         finally:
             os.environ[ERROR_FILE_ENV] = target
 

@@ -105,7 +105,7 @@ def label_batches(manifest: Manifest, dataset_dir: str | Path, split: str) -> It
 
 def train_class_counts(manifest: Manifest, dataset_dir: str | Path) -> np.ndarray:
     """Rows per class of the train split: the manifest's (prepare counted them), else counted from its shards
-    (older manifests; multilabel: rows holding each label)."""
+    (a manifest without them; multilabel: rows holding each label)."""
     if manifest.task == "classification" and manifest.train_class_counts is not None:
         return np.asarray(manifest.train_class_counts, dtype=np.float64)
     counts = np.zeros(manifest.n_outputs, dtype=np.float64)

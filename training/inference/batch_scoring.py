@@ -46,8 +46,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from training.core.digest import json_digest
 from training.core.errors import DataError
-from training.core.fileio import atomic_write_json
+from training.core.fileio import atomic_path, atomic_write_json
 from training.inference.scored_drift import DriftTally
 from training.kinds.registry import kind_record
 from training.loop.coverage import Certificate, lanes
@@ -200,13 +201,7 @@ def make_plan(job: ScoreJob, inputs: dict[str, Any], ranks: int = 1) -> Plan:
         rows, pieces = _cut(fragment, job.batch_size, ranks)
         files.append([file.display, rows])
         units += [Unit(index, *piece) for piece in pieces]
-    return Plan(job.source, source_fingerprint(source.identity()), files, units, job.model)
-
-
-def source_fingerprint(identity: dict[str, Any]) -> str:
-    import hashlib
-
-    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return Plan(job.source, json_digest(source.identity(), compact=False), files, units, job.model)
 
 
 def _cut(fragment, batch_size: int, ranks: int = 1) -> tuple[int, list[tuple]]:
@@ -331,37 +326,42 @@ class UnitScorer:
         return tally
 
     def score(self, unit: Unit) -> None:
+        """One range into its part file, whole or not there: a part that exists is a range done (its rejects
+        written beside it first)."""
+        self.drift = DriftTally(self.codecs)
+        with atomic_path(self.output / unit.name, durable=False) as temp:
+            with pq.ParquetWriter(temp, self.schema) as writer:
+                tally, rejects = self._score_range(unit, writer)
+                # The range's coverage tally, in the footer: what a resumed run counts for this range.
+                writer.add_key_value_metadata({f"ddpflow.{key}": str(value) for key, value in tally.items()})
+                writer.add_key_value_metadata(self.drift.metadata())  # the drift statistics of its scored rows
+            if rejects:
+                _write_rejects(self.output / REJECTS / unit.name, pa.concat_tables(rejects))
+        pause = float(os.environ.get(PAUSE_ENV) or 0)
+        if pause:
+            time.sleep(pause)
+
+    def _score_range(self, unit: Unit, writer: pq.ParquetWriter) -> tuple[dict[str, int], list[pa.Table]]:
+        """The range's rows scored into ``writer``: its tally (rows, id hash lanes, rejected) and rejected rows."""
         file, fragment = self.fragments[unit.file]
         if unit.row_groups is not None:
             fragment = fragment.subset(row_group_ids=unit.row_groups)
         rows = high = low = rejected = 0
-        temp = self.output / f".{unit.name}.{os.getpid()}.tmp"
         rejects: list[pa.Table] = []
-        self.drift = DriftTally(self.codecs)
-        with pq.ParquetWriter(temp, self.schema) as writer:
-            for first, batch in unit.batches(self.source.scan(file, fragment, self.columns, self.job.batch_size)):
-                ids = unit.row_ids(first, batch.num_rows)
-                scored, refused = self.score_batch(batch, file.display, first)
-                writer.write_table(scored)
-                if self.memory is not None:
-                    self.memory.mark(batch.num_rows)
-                if refused is not None:
-                    rejects.append(refused)
-                    rejected += refused.num_rows
-                n, h, lo = lanes(ids)
-                rows, high, low = rows + n, high + h, low + lo
-            if rows != unit.stop - unit.start:
-                raise DataError(f"{file.display}: rows {unit.start}..{unit.stop} read as {rows} rows: the file changed")
-            # The range's coverage tally, in the footer: what a resumed run counts for this range.
-            tally = {"rows": rows, "hash_high": high, "hash_low": low, "rejected": rejected}
-            writer.add_key_value_metadata({f"ddpflow.{key}": str(value) for key, value in tally.items()})
-            writer.add_key_value_metadata(self.drift.metadata())  # the drift statistics of its scored rows
-        if rejects:
-            _write_rejects(self.output / REJECTS / unit.name, pa.concat_tables(rejects))
-        os.replace(temp, self.output / unit.name)  # whole, or not there: the range is done
-        pause = float(os.environ.get(PAUSE_ENV) or 0)
-        if pause:
-            time.sleep(pause)
+        for first, batch in unit.batches(self.source.scan(file, fragment, self.columns, self.job.batch_size)):
+            ids = unit.row_ids(first, batch.num_rows)
+            scored, refused = self.score_batch(batch, file.display, first)
+            writer.write_table(scored)
+            if self.memory is not None:
+                self.memory.mark(batch.num_rows)
+            if refused is not None:
+                rejects.append(refused)
+                rejected += refused.num_rows
+            n, h, lo = lanes(ids)
+            rows, high, low = rows + n, high + h, low + lo
+        if rows != unit.stop - unit.start:
+            raise DataError(f"{file.display}: rows {unit.start}..{unit.stop} read as {rows} rows: the file changed")
+        return {"rows": rows, "hash_high": high, "hash_low": low, "rejected": rejected}, rejects
 
     def score_batch(self, batch: pa.RecordBatch, display: str, first_row: int) -> tuple[pa.Table, pa.Table | None]:
         """The batch's output rows, and its refused rows (``on_invalid: skip``) with the reason."""
@@ -429,10 +429,8 @@ def _output_table(keep: pa.Table, scores: list, schema: pa.Schema) -> pa.Table:
 
 
 def _write_rejects(path: Path, table: pa.Table) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    pq.write_table(table, temp)
-    os.replace(temp, path)
+    with atomic_path(path, durable=False) as temp:
+        pq.write_table(table, temp)
 
 
 # ----------------------------------------------------------------------------- the rank's program

@@ -11,7 +11,8 @@ row is counted exactly once and the count is checked against the manifest.
 
 Which evaluator scores a model is its objective's (``Evaluation.scorer``, training/objectives/base.py): a
 label per row (classification, multilabel, regression: the code below), or a language model's target tokens
-(training/inference/token_scoring.py: test_loss, test_perplexity, test_token_accuracy, test_tokens).
+(training/inference/token_scoring.py, whose metrics are test_loss, test_perplexity, test_token_accuracy,
+test_tokens).
 """
 
 from __future__ import annotations

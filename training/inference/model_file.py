@@ -125,7 +125,7 @@ class ModelFile:
 
 def checkpoint_meta(checkpoint: dict[str, Any], path: str | Path) -> dict[str, Any]:
     """A loaded model.pt's entries but its weights (a ValueError naming what a final model file lacks), with its
-    ``model_spec`` complete (its inputs also for a model.pt from before typed inputs)."""
+    ``model_spec`` complete (its inputs also for a model.pt whose spec has none: its features, numeric)."""
     missing = [key for key in REQUIRED_CHECKPOINT_KEYS if key not in checkpoint]
     if missing:
         raise ValueError(
@@ -138,7 +138,7 @@ def checkpoint_meta(checkpoint: dict[str, Any], path: str | Path) -> dict[str, A
 
 
 def checkpoint_inputs(meta: dict[str, Any]) -> dict[str, InputInfo]:
-    """The model's inputs, in order (a model.pt from before typed inputs: its features, numeric)."""
+    """The model's inputs, in order (a model.pt whose spec has no ``inputs``: its features, numeric)."""
     return ModelSpec.from_dict(meta["model_spec"], meta["features"]).input_infos(meta["features"])
 
 
@@ -170,7 +170,7 @@ def inference_checkpoint(
         "features": list(manifest.features),
         "feature_mean": list(manifest.feature_mean),
         "feature_std": list(manifest.feature_std),
-        # The scaling the model was trained with (robust by default); None in older manifests: mean/std.
+        # The scaling the model was trained with (robust by default); None before PREPARE_VERSION 6: mean/std.
         "feature_center": manifest.feature_center,
         "feature_scale": manifest.feature_scale,
         "feature_clip": manifest.feature_clip,
@@ -185,11 +185,11 @@ def inference_checkpoint(
         "fingerprint": manifest.fingerprint,
         "epochs": epochs,
         "metrics": metrics,
-        # The fitted encoders (training/kinds/registry.py: encoders.json) and the weight column: raw rows in.
+        # The fitted encoders (encoders.json, by training/kinds/registry.py) and the weight column: raw rows in.
         "encoders": encoders or {},
         "weight": manifest.weight,
         # Each input's type in the source, as prepare read it ("int64", "bool", "float"...): what the served
-        # model's signature declares (training/inference/serving.py: raw_example). Absent in older files: float64.
+        # model's signature declares (training/inference/serving.py: raw_example). Absent: float64.
         "source_types": source_types(manifest),
         "selected_epoch": selection["selected_epoch"] if selection else metrics.get("epoch", epochs - 1),
         "selection": selection,

@@ -34,7 +34,7 @@ DRIFT_KEY = "ddpflow.drift"  # a part file's footer: its rows' drift statistics,
 
 
 class NoDriftStatistics(ValueError):
-    """A part of the output holds no drift statistics (written by a ddpflow from before they were kept)."""
+    """A part of the output holds no drift statistics (a part written without them)."""
 
 
 class DriftTally:

@@ -89,7 +89,7 @@ def raw_example(predictor: Predictor | TokenScorer, frame: pd.DataFrame) -> pd.D
     ``long``, a bool one ``boolean``, a float one ``double``: the source's own frame and a hand-built one
     pass MLflow's checks, and the model casts inside (``NumericCodec.encode``)."""
     example = frame[predictor.features].copy()
-    source_types = predictor.meta.get("source_types") or {}  # absent in a model.pt from before: float64
+    source_types = predictor.meta.get("source_types") or {}  # absent from a model.pt: float64
     for name, info in predictor.inputs.items():
         example[name] = kind_record(info.kind).serving_example(example[name], source_types.get(name))
     return example

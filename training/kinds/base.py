@@ -68,7 +68,8 @@ class Codec:
     shown_as: str | None = None
     # Whether the split's row hash reads the encoded values (``encode``) rather than the raw ones.
     hashes_encoded = False
-    # Whether a fitted state is stored for it in encoders.json (a dataset from before may lack a numeric one).
+    # Whether a fitted state is stored for it in encoders.json (a numeric input's may be missing: before
+    # PREPARE_VERSION 5).
     needs_state = True
     dtype = "float32"  # the batch tensor's dtype
     # A ragged kind (text, images) sets the dtype of its stored values and implements ``encode_ragged`` and
@@ -151,7 +152,7 @@ class Codec:
         """Train rows for the drift statistics (only when ``drift_reads_rows``)."""
 
     def drift_stats(self) -> dict[str, Any] | None:
-        """What drift compares for this input (ddpflow/drift.py), from the train split; None: nothing beyond
+        """What drift compares for this input (ddpflow/drift/), from the train split; None: nothing beyond
         the numeric histograms. Written to the manifest's ``extra["drift_stats"]["inputs"]`` at prepare."""
         return None
 

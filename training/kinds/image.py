@@ -24,13 +24,13 @@ import base64
 import binascii
 import io
 import math
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from pydantic import BaseModel, ConfigDict, Field
 
-from training.core.config import IMAGE_OPTIONS
 from training.core.errors import DataError
 from training.kinds.base import PICTURES, PIXELS, Codec
 from training.kinds.stats import RunningHistogram, merge_histograms
@@ -42,6 +42,24 @@ CROP_SCALE = (0.08, 1.0)  # torchvision's RandomResizedCrop defaults
 CROP_RATIO = (3 / 4, 4 / 3)
 CROP_ATTEMPTS = 10
 DRIFT_MEASURES = ("width", "height", "brightness")  # an image's histograms in its drift statistics
+
+
+class ImageOptions(BaseModel):
+    """An image input's options in ``data.inputs`` (``ImageCodec.options_from`` checks them; None: not given,
+    the codec fills the default, some learnt from the train split)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    size: int | tuple[int, int] | None = Field(None, description="image: [h, w] (or one number) the model sees.")
+    channels: Literal[1, 3] | None = Field(None, description="image: 3 (RGB, default) or 1 (grey).")
+    mean: list[float] | None = Field(None, description="image: per channel; default: the train split's.")
+    std: list[float] | None = Field(None, description="image: per channel; default: the train split's.")
+    augment: Literal["crop_flip", "none"] | None = Field(
+        None, description="image: crop_flip (default: random resized crop + horizontal flip) or none."
+    )
+
+
+IMAGE_OPTIONS = tuple(ImageOptions.model_fields)
 
 
 class ImageCodec(Codec):
@@ -78,9 +96,10 @@ class ImageCodec(Codec):
 
     @classmethod
     def options_from(cls, given: dict[str, Any]) -> dict[str, Any]:
-        """The options given, in IMAGE_OPTIONS' order: the codec fills the defaults it learns from train."""
-        given = super().options_from(given)
-        return {name: given[name] for name in IMAGE_OPTIONS if name in given}
+        """The options given, checked (``ImageOptions``: pydantic's ValidationError), in IMAGE_OPTIONS' order: the
+        codec fills the defaults it learns from train."""
+        typed = ImageOptions.model_validate(super().options_from(given))
+        return {name: getattr(typed, name) for name in IMAGE_OPTIONS if getattr(typed, name) is not None}
 
     @classmethod
     def shown_values(cls, array: pa.Array, name: str) -> list[Any]:
@@ -183,7 +202,7 @@ class ImageCodec(Codec):
         return (self.channels, int(height), int(width))
 
     def drift_stats(self) -> dict[str, Any]:
-        """What drift compares (ddpflow/drift.py): train histograms of width, height and mean brightness."""
+        """What drift compares (ddpflow/drift/kinds.py): train histograms of width, height and mean brightness."""
         width, height, brightness = self.drift.to_list()
         return {"kind": "image", "width": width, "height": height, "brightness": brightness}
 

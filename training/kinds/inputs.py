@@ -36,7 +36,7 @@ class InputInfo:
     # block too (``block_names``), after the numeric inputs, so the model learns what a missing value means.
     missing_indicator: bool = False
     # A numeric input's bins for the model's numeric embeddings (training/models/numeric_embeddings.py): the train
-    # split's quantiles, scaled as the model sees the input, strictly increasing. None: none (older datasets).
+    # split's quantiles, scaled as the model sees the input, strictly increasing. None: none (before PREPARE_VERSION 6).
     bins: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -56,7 +56,7 @@ class InputInfo:
             "shape": list(self.shape),
             "cardinality": self.cardinality,
             "options": dict(self.options),
-            **({"ragged_dtype": self.ragged_dtype} if self.ragged_dtype else {}),  # absent: older manifests match
+            **({"ragged_dtype": self.ragged_dtype} if self.ragged_dtype else {}),  # absent when none
             **({"missing_indicator": True} if self.missing_indicator else {}),  # likewise
             **({"bins": list(self.bins)} if self.bins is not None else {}),  # likewise
         }
@@ -85,7 +85,8 @@ def inputs_from_dicts(raw: list[dict[str, Any]]) -> dict[str, InputInfo]:
 
 
 def inputs_from_manifest(manifest) -> dict[str, InputInfo]:
-    """The manifest's inputs, in order; a manifest from before typed inputs: its features, all numeric."""
+    """The manifest's inputs, in order; a manifest without them (before PREPARE_VERSION 4): its features, all
+    numeric."""
     if getattr(manifest, "inputs", None):
         return inputs_from_dicts(manifest.inputs)
     return {name: numeric_input(name) for name in manifest.features}

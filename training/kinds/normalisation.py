@@ -5,8 +5,8 @@ input's codec from its whole train column: training/kinds/tabular.py), then, for
 the smooth clip ``z / sqrt(1 + (z / 3)^2)`` (RealMLP's), which keeps every value within (-3, 3) and leaves
 the bulk (|z| < 1) almost as it is. A numeric input's default scaling is robust: center the median, scale the
 interquartile range, clipped (``{kind: numeric, scaling: standard}``: the mean and std, not clipped, the
-rule before). The missing indicators are 0/1 columns: center 0, scale 1, never clipped. A manifest or
-model.pt from before robust scaling has ``feature_mean``/``feature_std`` only: those, unclipped. Regression
+rule before PREPARE_VERSION 6). The missing indicators are 0/1 columns: center 0, scale 1, never clipped. A
+manifest or model.pt before PREPARE_VERSION 6 has ``feature_mean``/``feature_std`` only: those, unclipped. Regression
 targets likewise with ``label_mean`` / ``label_std``: the model trains on the
 standardised target, and ``target_inverse`` maps its outputs back to the
 original scale before anyone sees them (metrics, served predictions).
@@ -32,7 +32,7 @@ import torch
 from training.core.manifest import Manifest
 
 # Bump with any change to what these functions compute for the same statistics (or to what
-# training/loading/batches.py: load_split returns): node caches built under the old rule
+# training/loading/batches.py: load_split returns): node caches built under another version
 # (training/loading/node_cache.py) then get another file name and are rebuilt.
 # 2: robust scaling (center/scale/clip per column).
 NORMALISATION_VERSION = 2
@@ -69,8 +69,8 @@ class Normaliser:
         feature_clip: Sequence[bool] | None = None,
     ) -> Normaliser:
         """``feature_mean``/``feature_std``: each column's center and scale; ``feature_clip``: which columns are
-        smoothly clipped (None: none). ``label_mean``/``label_std`` None (classification, or files from before
-        they existed): identity."""
+        smoothly clipped (None: none). ``label_mean``/``label_std`` None (classification, or files before
+        PREPARE_VERSION 2): identity."""
         if label_std is not None and not label_std > 0:
             raise ValueError(f"label_std must be positive, got {label_std!r}")
         clip = torch.tensor(list(feature_clip), dtype=torch.bool) if feature_clip is not None else None
@@ -94,7 +94,7 @@ class Normaliser:
     @classmethod
     def from_scaling(cls, entries: Mapping[str, Any], label_mean, label_std) -> Normaliser:
         """``feature_center``/``feature_scale``/``feature_clip`` where a manifest or model.pt has them, else
-        (written before robust scaling) ``feature_mean``/``feature_std``, unclipped."""
+        (written before PREPARE_VERSION 6) ``feature_mean``/``feature_std``, unclipped."""
         if entries.get("feature_center") is not None:
             center, scale, clip = entries["feature_center"], entries["feature_scale"], entries["feature_clip"]
         else:

@@ -39,14 +39,15 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+from pydantic import ValidationError
 
-from training.core.config import ConfigError, DataConfig, InputSpec
+from training.core.config import ConfigError, DataConfig, InputSpec, format_validation_error
 from training.core.location import join, read_text
 from training.kinds.base import Codec
-from training.kinds.image import ImageCodec
+from training.kinds.image import ImageCodec, ImageOptions
 from training.kinds.inputs import KINDS, InputInfo, block_names, numeric_names
 from training.kinds.tabular import CategoricalCodec, HashedCodec, NumericCodec, VectorCodec
-from training.kinds.text import TextCodec
+from training.kinds.text import TextCodec, TextOptions
 from training.kinds.times import DatetimeCodec
 
 ENCODERS_FILE = "encoders.json"
@@ -137,8 +138,34 @@ def input_options(name: str, spec: InputSpec) -> dict[str, Any]:
         raise ConfigError(f"data.inputs.{name}.kind: {problem}") from None
     try:
         return record.options_from(spec.given_options())
+    except ValidationError as error:  # a built-in kind's options model: pydantic's words, the field's whole path
+        raise ConfigError(format_validation_error(error, ("data", "inputs", name))) from None
     except ValueError as problem:
         raise ConfigError(f"data.inputs.{name}: {problem}") from None
+
+
+# The image and text options, typed by their kinds' models, in every input's JSON form that a hash reads.
+HASHED_OPTION_MODELS = (ImageOptions, TextOptions)
+
+
+def hashed_inputs(data: DataConfig) -> dict[str, dict[str, Any]] | None:
+    """``data.inputs`` in the JSON form that the dataset fingerprint and a sweep's study name hash: each input's
+    fields, with every image and text option typed by its kind's model and present (None where not given): one
+    form for a config whichever module declares the options, so its dataset fingerprint and its study name
+    depend on what it says alone. ConfigError naming a value the model refuses."""
+    if data.inputs is None:
+        return None
+    found = {}
+    for name, spec in data.inputs.items():
+        dump = spec.model_dump(mode="json")
+        for model in HASHED_OPTION_MODELS:
+            given = {key: dump.pop(key) for key in model.model_fields if key in dump}
+            try:
+                dump |= model.model_validate(given).model_dump(mode="json")
+            except ValidationError as error:
+                raise ConfigError(format_validation_error(error, ("data", "inputs", name))) from None
+        found[name] = dump
+    return found
 
 
 def check_inputs(data: DataConfig) -> dict[str, tuple[str, dict[str, Any]]]:
@@ -175,7 +202,8 @@ def codecs_from_states(states: dict[str, Any]) -> dict[str, Codec]:
 
 
 def read_encoders(dataset_dir: str | Path, manifest) -> dict[str, Any]:
-    """encoders.json's states, checked against the manifest's sha256; {} for a dataset from before them."""
+    """encoders.json's states, checked against the manifest's sha256; {} for a dataset without them (before
+    PREPARE_VERSION 4)."""
     expected = (manifest.encoders or {}).get("sha256")
     if expected is None:
         return {}

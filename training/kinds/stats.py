@@ -5,7 +5,7 @@ for the train split's features and, for regression, one for its target
 (``Manifest.label_mean/label_std``).
 
 ``RunningHistogram``: each feature's counts on a dyadic grid
-(``Manifest.feature_histograms``), what ``ddpflow/drift.py`` compares between the
+(``Manifest.feature_histograms``), what ``ddpflow/drift/psi.py`` compares between the
 champion's training data and a new run's (or a scored table's).
 
 Both merge: two parts of a column's rows (a scoring's part files) give the
@@ -107,7 +107,7 @@ class RunningHistogram:
 
     Why dyadic: the histograms of two datasets (the champion's training data and a
     candidate's) re-bin exactly onto a common grid, the coarser of the two
-    (``ddpflow/drift.py``), so comparing them needs no interpolation, also for
+    (``ddpflow/drift/psi.py``), so comparing them needs no interpolation, also for
     discrete features (0/1 flags, small integers).
     """
 

@@ -55,7 +55,7 @@ class NumericCodec(Codec):
     option_names = ("missing", "scaling")
     model_block = SCALAR
     reference_column = NUMBER
-    needs_state = False  # a dataset from before imputation stored none: NaN stays NaN
+    needs_state = False  # a dataset before PREPARE_VERSION 5 stored none: NaN stays NaN
     takes = staticmethod(is_number)
     takes_what = "a number (integer, float, decimal, bool)"
 
@@ -66,9 +66,9 @@ class NumericCodec(Codec):
         if self.scaling not in SCALINGS:
             raise ValueError(f"numeric input {name!r}: scaling must be one of {SCALINGS}")
         self.rows, self.nulls, self._sum = 0, 0, 0.0
-        self.impute: float | None = None  # None: not fitted (a dataset from before): nulls stay NaN
+        self.impute: float | None = None  # None: not fitted (before PREPARE_VERSION 5): nulls stay NaN
         self.indicator = False
-        # From the whole train column (fit_train_column); None: a dataset from before robust scaling.
+        # From the whole train column (fit_train_column); None: a dataset before PREPARE_VERSION 6.
         self.center: float | None = None
         self.scale, self.clip = 1.0, False
         self.edges: list[float] = []  # the train quantiles, raw values, increasing: the embeddings' bins
@@ -110,7 +110,8 @@ class NumericCodec(Codec):
         return ~np.isinf(values) if self.imputes else np.isfinite(values)
 
     def observe(self, array: pa.Array) -> None:
-        """Train rows: how many, how many null or NaN, the sum of the others (the imputed value is their mean)."""
+        """Train rows: how many, how many null or NaN, the sum of the others (their mean is the imputed value under
+        ``scaling: standard``; under ``robust`` it is the median, ``fit_train_column``)."""
         values = self.raw(array)
         present = values[~np.isnan(values)]
         self.rows += len(values)
@@ -161,7 +162,7 @@ class NumericCodec(Codec):
 
     def scaled_edges(self) -> tuple[float, ...] | None:
         """The bins' edges as the model sees its input (scaled and clipped by the one arithmetic,
-        ``normalisation.scale_columns_``, in float32), strictly increasing; None before robust scaling."""
+        ``normalisation.scale_columns_``, in float32), strictly increasing; None before PREPARE_VERSION 6."""
         if self.center is None:
             return None
         import torch
@@ -223,7 +224,8 @@ def source_dtype(arrow_type: str | None) -> pa.DataType:
     """What a numeric input is declared as, from its type in the source (``model.pt``'s ``source_types``):
     every integer int64 (MLflow ``long``: int8..int64 and uint8..uint32 frames pass, and pandas' default
     int64; a narrower declaration refuses a hand-built ``[3]``), bool bool (``boolean``), every float float64
-    (``double``: float32 and float64 frames pass). float64 for an older model.pt, a decimal or any other type."""
+    (``double``: float32 and float64 frames pass). float64 for a model.pt without source types, a decimal or any
+    other type."""
     try:
         kind = pa.type_for_alias(arrow_type) if arrow_type else pa.float64()
     except ValueError:

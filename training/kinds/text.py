@@ -32,13 +32,13 @@ import hashlib
 import itertools
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from pydantic import BaseModel, ConfigDict, Field
 
-from training.core.config import TEXT_OPTIONS, text_options
 from training.core.errors import DataError
 from training.kinds.arrow_types import is_text
 from training.kinds.base import TABLE, TOKENS, Codec, plain
@@ -48,6 +48,44 @@ PAD, UNK = "[PAD]", "[UNK]"
 SPECIAL_TOKENS = (PAD, UNK)  # ids 0 and 1 of a fitted tokenizer
 TOKENIZERS_DIR = "tokenizers"  # <dataset>/tokenizers/<input>.json
 UNIGRAM_SCORE_DIGITS = 9
+TEXT_DEFAULT_MAX_LEN = 256
+TEXT_DEFAULT_TOKENIZER = {"type": "bpe", "vocab_size": 8000}
+
+
+class TokenizerSpec(BaseModel):
+    """``data.inputs.<text>.tokenizer`` in the long form: the tokenizer prepare fits on the train split."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["bpe", "wordpiece", "unigram"] = "bpe"
+    vocab_size: int = Field(8000, ge=8, description="At most this many tokens, the special ones included.")
+
+
+class TextOptions(BaseModel):
+    """A text input's options in ``data.inputs`` (``TextCodec.options_from`` checks them; None: not given)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_len: int | None = Field(None, ge=1, description="text: tokens kept per row (default 256; the rest cut).")
+    tokenizer: TokenizerSpec | str | None = Field(
+        None,
+        description="text: {type: bpe|wordpiece|unigram, vocab_size: N} fitted on train, or a tokenizer.json path.",
+    )
+
+
+TEXT_OPTIONS = tuple(TextOptions.model_fields)
+
+
+def text_options(max_len: int | None, tokenizer: TokenizerSpec | str | None) -> dict[str, Any]:
+    """A text input's codec options with the defaults filled in: ``max_len`` and the tokenizer, either
+    ``{"type", "vocab_size"}`` (fitted) or ``{"file": path}`` (the user's)."""
+    if tokenizer is None:
+        spec = dict(TEXT_DEFAULT_TOKENIZER)
+    elif isinstance(tokenizer, str):
+        spec = {"file": tokenizer}
+    else:
+        spec = {"type": tokenizer.type, "vocab_size": int(tokenizer.vocab_size)}
+    return {"max_len": int(max_len or TEXT_DEFAULT_MAX_LEN), "tokenizer": spec}
 
 
 def tokenizer_file_sha256(options: dict[str, Any]) -> str | None:
@@ -93,8 +131,10 @@ class TextCodec(Codec):
 
     @classmethod
     def options_from(cls, given: dict[str, Any]) -> dict[str, Any]:
-        given = super().options_from(given)
-        return text_options(given.get("max_len"), given.get("tokenizer"))
+        """``max_len`` and the tokenizer checked (``TextOptions``: pydantic's ValidationError), the defaults
+        filled in."""
+        typed = TextOptions.model_validate(super().options_from(given))
+        return text_options(typed.max_len, typed.tokenizer)
 
     @classmethod
     def user_file_sha256(cls, options: dict[str, Any]) -> str | None:
@@ -121,7 +161,7 @@ class TextCodec(Codec):
         return dict(self._state)
 
     def drift_stats(self) -> dict[str, Any] | None:
-        """What drift compares (ddpflow/drift.py), over the train split: ``text_drift_stats``; None unfitted."""
+        """What drift compares (ddpflow/drift/text.py), over the train split: ``text_drift_stats``; None unfitted."""
         return getattr(self, "_drift", None)
 
     def scored_drift_stats(self, array: pa.Array) -> dict[str, Any]:

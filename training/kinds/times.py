@@ -295,7 +295,7 @@ NAIVE, ZONED, TEXT = "naive", "zoned", "text"
 def source_form(source_type: str | None) -> str:
     """How a datetime input's source column holds its times, from its type's text (``model.pt``'s
     ``source_types``): ZONED (a timestamp with a zone), TEXT (strings) or NAIVE (a timestamp without one, a date;
-    also an older model.pt that does not say)."""
+    also a model.pt that does not say)."""
     text = source_type or ""
     if "tz=" in text:
         return ZONED

@@ -147,7 +147,7 @@ def _input_from(sections: dict[str, torch.Tensor], name: str, ragged: bool) -> t
     return sections[INPUT_PREFIX + name]
 
 
-SplitTensors = SplitArrays  # the name before typed inputs: SplitTensors(features, labels) still builds one
+SplitTensors = SplitArrays  # the name its callers in training/loop/ use; SplitTensors(features, labels) builds one
 
 
 def label_dtype(task: str) -> torch.dtype:
@@ -415,7 +415,7 @@ class RankSampler(DistributedSampler):
         Memory is the point: every rank draws the whole n-row permutation each epoch, so it is drawn as int32
         (the same values as int64: torch's CPU randperm does not depend on the dtype; the test compares), the
         padded permutation is never built, and only this rank's n/W rows outlive the call. Peak: 8 bytes a row
-        per rank, then 8/W kept (was 24, then 8: a padded copy of an int64 permutation)."""
+        per rank, then 8/W kept (a padded copy of an int64 permutation would take 24, then 8)."""
         # DistributedSampler pads with the permutation's first entries, again and again if it is shorter than
         # the padding: padded position p >= n holds order[p % n].
         rows = len(self.dataset)

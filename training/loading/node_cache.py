@@ -50,7 +50,6 @@ rank); the header, the size and the atomic rename are what guard it.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import mmap
 import os
@@ -72,6 +71,7 @@ from typing import IO, Any
 import numpy as np
 import torch
 
+from training.core.digest import json_digest
 from training.core.fileio import atomic_write
 from training.core.location import is_url, local_path
 from training.core.manifest import Manifest
@@ -139,8 +139,7 @@ def cache_directory(dataset_dir: str | Path, manifest: Manifest, cache_dir: str 
 
 def manifest_key(manifest: Manifest) -> str:
     """Hash of the whole manifest: new statistics, rows or shards give a new file."""
-    text = json.dumps(manifest.to_dict(), sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return json_digest(manifest.to_dict())
 
 
 def cache_path(dataset_dir: str | Path, manifest: Manifest, split: str, cache_dir: str | None) -> Path:

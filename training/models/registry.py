@@ -52,8 +52,8 @@ BUILT_IN = MODELS  # image_cnn: training/models/image.py; transformer: training/
 class ModelSpec:
     """Everything needed to rebuild the architecture; stored in every checkpoint.
 
-    ``inputs``: every input's ``InputInfo.to_dict()``, in order. None (model.pt files from before typed
-    inputs, and callers that only have a feature count): ``n_features`` numeric inputs."""
+    ``inputs``: every input's ``InputInfo.to_dict()``, in order. None (a model.pt whose spec has no inputs,
+    and callers that only have a feature count): ``n_features`` numeric inputs."""
 
     model: str
     n_features: int
@@ -90,7 +90,7 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], features: Sequence[str] | None = None) -> ModelSpec:
-        """``features`` names the numeric inputs of a spec from before typed inputs (a model.pt's "features")."""
+        """``features`` names the numeric inputs of a spec without ``inputs`` (a model.pt's "features")."""
         spec = cls(**raw)
         if spec.inputs is None and features is not None and len(features) == spec.n_features:
             spec = cls(**{**raw, "inputs": [numeric_input(name).to_dict() for name in features]})

@@ -72,10 +72,10 @@ class MLP(nn.Module):
     ``embedding_dims[name]``), multiplied by 1/sqrt(its width) with ``scale_embeddings`` (a run's default,
     ``MLP_DEFAULTS``): an embedding then enters the first layer with unit variance at initialisation, as one
     scaled numeric input does, whatever its width; unscaled, an id's 64 N(0, 1) numbers outweigh every other input
-    and the first layer can memorise the ids by their random codes (docs/models.md). With numeric inputs only it
-    is exactly the earlier MLP: the same layers,
-    created in the same order (so the same seed gives the same weights) and the same state dict keys.
-    ``forward`` also takes the numeric block ``[B, F]`` as one tensor (benchmarks, older callers)."""
+    and the first layer can memorise the ids by their random codes (docs/models.md). Its layers (``net``) are
+    created first, in order, so with numeric inputs only and no numeric embeddings it is a plain MLP: the same
+    seed gives it the same weights, and its state dict holds ``net``'s keys alone.
+    ``forward`` also takes the numeric block ``[B, F]`` as one tensor (benchmarks, a caller without a batch dict)."""
 
     def __init__(
         self,
@@ -116,7 +116,7 @@ class MLP(nn.Module):
                 layers.append(nn.Dropout(dropout))
             width = int(size)
         layers.append(nn.Linear(width, n_outputs) if ensemble == 1 else EnsembleHead(width, n_outputs, ensemble))
-        self.net = nn.Sequential(*layers)  # first: numeric-only models draw their weights as before
+        self.net = nn.Sequential(*layers)  # first: a numeric-only model draws its weights before anything else
         self.output_members = int(ensemble)  # k > 1: outputs [B, k, n_outputs] (training/objectives/base.py)
         self.adapter = EnsembleAdapter(row_width, ensemble) if ensemble > 1 else None
         if embedded:
@@ -124,7 +124,7 @@ class MLP(nn.Module):
                 {name: nn.Embedding(info.cardinality, widths[name]) for name, info in embedded.items()}
             )
         self.embedded = list(embedded)
-        self.scale_embeddings = scale_embeddings  # off: the earlier mlp's, so its model.pt files load as trained
+        self.scale_embeddings = scale_embeddings  # off: the class's default, so a model.pt without it loads as trained
         if stem is not None:
             self.numeric_embeddings = stem
 

@@ -38,7 +38,8 @@ import torch
 from training.objectives.metrics import MeanTally, Tally
 
 CLASS_INDEX, MULTI_HOT, VALUE = "class_index", "multi_hot", "value"  # what a label is
-ROW_SCORER, TOKEN_SCORER = "rows", "tokens"  # which evaluator scores a model (training/inference/evaluate.py: SCORERS)
+# Which evaluator scores a model (training/inference/evaluate.py: evaluate_split).
+ROW_SCORER, TOKEN_SCORER = "rows", "tokens"
 
 
 @dataclass(frozen=True)

@@ -196,8 +196,8 @@ def build_objective(train, manifest) -> Objective:
 
 
 def objective_from_checkpoint(meta: Mapping[str, Any]) -> Objective:
-    """The objective a model.pt was trained with (its ``describe()``); files from before objectives existed
-    were trained with ``auto``'s choice for their task."""
+    """The objective a model.pt was trained with (its ``describe()``); a file without an ``objective``
+    entry was trained with ``auto``'s choice for its task."""
     recorded = meta.get("objective") or {"name": "auto", "kwargs": {}}
     n_classes = len(meta["label_mapping"]) if meta.get("label_mapping") is not None else None
     multi_hot = meta.get("task") == "multilabel"

@@ -70,7 +70,7 @@ from training.prepare.shards import SplitWriter
 from training.prepare.sources import Source, open_source, source_identity
 from training.prepare.time_split import TimeSplit, plan_time_split, splits_by_time
 
-__all__ = ["DataError", "PreparedDataset", "prepare_dataset", "source_fingerprint"]
+__all__ = ["DataError", "PreparedDataset", "prepare_dataset", "fingerprint_from_listing"]
 
 # More distinct label values than this is almost surely a regression target or an id.
 MAX_CLASSES = 100_000
@@ -179,7 +179,7 @@ def _intact_uploaded(target: str) -> Manifest | None:
     return manifest if complete else None
 
 
-def source_fingerprint(data: DataConfig) -> tuple[dict[str, Any], str]:
+def fingerprint_from_listing(data: DataConfig) -> tuple[dict[str, Any], str]:
     """(the source's identity, the fingerprint ``prepare_dataset(data)`` would give it now), from a listing alone.
 
     No file is opened: cheap enough to poll (flows/watch_data.py). Equal to the prepared
@@ -363,7 +363,7 @@ def _build(source: Source, data: DataConfig, fingerprint: str, out_dir: Path, ta
     schema = _shard_schema(plan, source.schema, codecs)
     writers = {name: SplitWriter(out_dir, name, schema, data.rows_per_shard, data.row_group_size) for name in SPLITS}
     moments = RunningMoments(len(plan.features))
-    histograms = RunningHistogram(len(plan.features))  # what drift compares (ddpflow/drift.py)
+    histograms = RunningHistogram(len(plan.features))  # what drift compares (ddpflow/drift/report.py)
     targets = RunningMoments(1) if plan.task == "regression" else None  # standardises the target in training
     class_counts = ClassCounts(len(labels.classes)) if plan.task == "classification" else None  # class weights
     invalid = InvalidRows()
@@ -505,9 +505,9 @@ FLOAT32_EXACT = 2**24
 
 
 class _DriftStats:
-    """What drift compares beyond the numeric histograms (ddpflow/drift.py), over the train split: each input's
-    own statistics, as its kind keeps them (``Codec.drift_update``, ``drift_stats``), and the label's
-    distribution."""
+    """What drift compares beyond the numeric histograms (ddpflow/drift/kinds.py, text.py), over the train
+    split: each input's own statistics, as its kind keeps them (``Codec.drift_update``, ``drift_stats``), and the
+    label's distribution."""
 
     def __init__(self, plan: ColumnPlan, codecs: dict[str, Codec], classes: pa.Array | None):
         self.plan, self.codecs = plan, codecs
@@ -624,7 +624,7 @@ class _BatchRows:
         if self.plan.task == "multilabel":  # a row's classes, as one sorted string
             label_for_hash = pa.array(["\x1f".join(map(str, sorted(row))) for row in self.raw_label.to_pylist()])
         extra = hash_values(label_for_hash)
-        for name, column in self.others.items():  # none for numeric tables: their split is as before
+        for name, column in self.others.items():  # none for numeric tables: their split hashes the numeric row alone
             if self.codecs[name].hashes_encoded:
                 extra = row_split.hash_rows(self.codecs[name].encode(column).astype(np.float64), extra)
             else:

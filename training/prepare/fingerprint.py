@@ -13,12 +13,11 @@ same data prepared under another root or batch size hashes alike.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import Any
 
 from training.core.config import DataConfig
-from training.kinds.registry import input_options, kind_record
+from training.core.digest import json_digest
+from training.kinds.registry import hashed_inputs, input_options, kind_record
 
 # Bump when prepare's output changes for the same input (layout, dtypes, split rule, manifest statistics).
 # 2: regression manifests carry label_mean/label_std (target standardisation).
@@ -51,6 +50,7 @@ def prep_fields(data: DataConfig) -> dict[str, Any]:
     only when it splits by time: unset and ``{by: hash}`` are the one hash split, so a hash-split dataset keeps
     the fingerprint it had before ``data.split`` existed."""
     fields = {name: value for name, value in data.model_dump(mode="json").items() if name not in _NOT_OUTPUT_FIELDS}
+    fields["inputs"] = hashed_inputs(data)
     if fields.get("split") is None or fields["split"]["by"] == "hash":
         fields.pop("split", None)
     return fields
@@ -61,5 +61,4 @@ def dataset_fingerprint(source_identity: dict[str, Any], data: DataConfig) -> st
     files = tokenizer_files(data)
     if files:  # only with a user's tokenizer.json: every other dataset keeps its fingerprint
         payload["tokenizer_files"] = files
-    text = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return json_digest(payload)

@@ -17,7 +17,7 @@ from ddpflow.drift.report import compare
 from training.core.errors import DataError
 from training.core.manifest import read_manifest
 from training.kinds.stats import HISTOGRAM_BINS, RunningHistogram
-from training.prepare.dataset import prepare_dataset, source_fingerprint
+from training.prepare.dataset import fingerprint_from_listing, prepare_dataset
 from training.prepare.sources import open_source
 
 
@@ -135,13 +135,13 @@ def test_the_listing_fingerprint_is_prepares_and_changes_with_an_appended_row(tm
     source.parent.mkdir()
     source.write_text("x,label\n" + "".join(f"{i * 0.5},{i % 2}\n" for i in range(200)))
     config = make_config(source.parent)
-    identity, fingerprint = source_fingerprint(config)
+    identity, fingerprint = fingerprint_from_listing(config)
     assert identity == open_source(config.source, config.format).identity()
     assert fingerprint == prepare_dataset(config).fingerprint
-    assert source_fingerprint(config)[1] == fingerprint  # the prepared shards under data.root do not count
+    assert fingerprint_from_listing(config)[1] == fingerprint  # the prepared shards under data.root do not count
     with source.open("a") as handle:
         handle.write("1.5,1\n")
-    assert source_fingerprint(config)[1] != fingerprint
+    assert fingerprint_from_listing(config)[1] != fingerprint
 
 
 def test_the_listing_fingerprint_opens_no_file(tmp_path, make_config):
@@ -153,7 +153,7 @@ def test_the_listing_fingerprint_opens_no_file(tmp_path, make_config):
     config = make_config(good.parent)
     with pytest.raises(DataError, match="b.parquet"):
         open_source(config.source, config.format)
-    identity, _ = source_fingerprint(config)
+    identity, _ = fingerprint_from_listing(config)
     assert [entry[0].rsplit("/", 1)[1] for entry in identity["files"]] == ["a.parquet", "b.parquet"]
 
 

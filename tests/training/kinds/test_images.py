@@ -21,7 +21,7 @@ from training.kinds.inputs import InputInfo
 from training.kinds.ragged import BatchContext
 from training.kinds.registry import ENCODERS_FILE, codecs_from_states, collate_encoded, make_codec
 from training.models.registry import ModelSpec, build_model
-from training.prepare.dataset import DataError, prepare_dataset, source_fingerprint
+from training.prepare.dataset import DataError, fingerprint_from_listing, prepare_dataset
 
 
 def shard_table(prepared, split: str) -> pa.Table:
@@ -59,10 +59,10 @@ def test_an_image_folder_keeps_its_bytes_keys_by_path_and_fingerprints_its_listi
     drift = manifest.extra["drift_stats"]["inputs"]["image"]
     assert drift["kind"] == "image" and drift["width"]["min"] == drift["width"]["max"] == 16
     # The fingerprint comes from the listing: a watcher's look agrees, and touching one file changes it.
-    assert source_fingerprint(config)[1] == prepared.fingerprint
+    assert fingerprint_from_listing(config)[1] == prepared.fingerprint
     assert prepare_dataset(config).cache_hit
     os.utime(root / "circle" / "000.png", ns=(1, 1))
-    assert source_fingerprint(config)[1] != prepared.fingerprint
+    assert fingerprint_from_listing(config)[1] != prepared.fingerprint
 
 
 def test_a_parquet_binary_or_struct_column_is_an_image_input(tmp_path, table_file, make_config):

@@ -249,7 +249,7 @@ def test_an_integer_label_with_many_values_is_a_number_to_predict(table_file, ma
     label with more than INTEGER_CLASSES_MAX distinct values is inferred as regression (the dataset data.task:
     regression prepares, fingerprint included); few values stay classes (fingerprint as before); data.task wins."""
     from training.prepare.columns import INTEGER_CLASSES_MAX
-    from training.prepare.dataset import source_fingerprint
+    from training.prepare.dataset import fingerprint_from_listing
 
     prices = np.random.default_rng(0).integers(1_000, 900_000, size=dh.rows).astype(np.int64)
     priced = table_file(dh.numeric_table().set_column(5, "label", pa.array(prices)), "prices.parquet")
@@ -268,7 +268,7 @@ def test_an_integer_label_with_many_values_is_a_number_to_predict(table_file, ma
     classes = prepare_dataset(data)
     assert classes.manifest.task == "classification" and len(classes.manifest.label_mapping) == INTEGER_CLASSES_MAX
     assert f"holds {INTEGER_CLASSES_MAX} distinct values" in classes.summary()["task_inferred"]
-    assert classes.fingerprint == source_fingerprint(data)[1]  # the fingerprint of data.task unset, as before
+    assert classes.fingerprint == fingerprint_from_listing(data)[1]  # the fingerprint of data.task unset, as before
     assert (
         "(data.task)"
         in prepare_dataset(make_config(priced, task="regression", val_fraction=0.2)).summary()["task_inferred"]
