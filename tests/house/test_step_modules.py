@@ -4,9 +4,11 @@
 The run: the real ``Trainer`` (training/train.py) in one process, a gloo group of one (as ``python -m
 training.train`` runs without torchrun), 3 epochs of 8 micro-batches, ``train.grad_accum`` 2 (4 optimizer
 steps an epoch; a step's first micro-batch runs under ``no_sync``, its last all-reduces and updates), step
-checkpoints and step curves switched on so that their decisions run. ``sys.setprofile`` records the module
-of every Python function called on the training thread; the windows are cut at ``TrainHooks.at_step``, the
-fixed point where the loop starts a micro-batch:
+checkpoints and step curves switched on so that their decisions run (the traced step writes neither, as most
+steps do not; the traced epoch writes both), progress lines only at the epoch's end. ``sys.setprofile``
+records the module of every Python function called on the training thread; the windows are cut where the
+pass starts a micro-batch (``TrainHooks.micro_batches``, the test hooks' view of them; with no test hook the
+micro-batches pass through untouched):
 
 - one optimizer step: from its first micro-batch's start to the next step's first (epoch 1, step 1: the
   fetch of the batches, forward, backward, the update, the sums, the progress line, the checkpoint decision);
@@ -78,8 +80,12 @@ def trace_run(job_path: str, out_path: str) -> None:
     recorder = Recorder()
 
     class Marks(TrainHooks):
-        def at_step(self, epoch: int, step: int) -> None:
-            recorder.open(epoch, step)
+        """Opens a window as each micro-batch starts, in this module (not under training/: not counted)."""
+
+        def micro_batches(self, epoch, batches, start):
+            for index, batch in enumerate(batches, start):
+                recorder.open(epoch, index)
+                yield index, batch
 
     job = TrainJob.read(job_path)
     with distributed(job.config.train) as ctx:
@@ -101,7 +107,8 @@ def traced_modules(tmp_path: Path) -> dict[str, list[str]]:
     rows = {"train": MICRO_BATCHES * BATCH, "val": 24, "test": 8}
     dataset = write_dataset(tmp_path, rows, seed=5, name="fp-trace")
     settings = {"epochs": EPOCHS, "batch_size": BATCH, "grad_accum": GRAD_ACCUM, "backend": "gloo"}
-    config = job_config(1, 0, **settings, checkpoint_every_steps=5, log_every_steps=1)
+    # A step checkpoint at run step 5 and a step line at 4 and 8 (in the epoch), none in the step (run step 6).
+    config = job_config(1, 0, **settings, checkpoint_every_steps=5, log_every_steps=4, progress_interval_s=3600)
     job = write_job(tmp_path / "run", dataset, config)
     out = tmp_path / "modules.json"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -127,6 +134,6 @@ def test_a_step_and_an_epoch_cross_few_modules(tmp_path):
     step, epoch = traced["step"], traced["epoch"]
     print(describe("one optimizer step", step))
     print(describe("one epoch", epoch))
-    assert "training/train.py" in step and set(step) <= set(epoch)  # the trace saw the loop
+    assert "training/loop/step.py" in step and set(step) <= set(epoch)  # the trace saw the pass
     assert len(step) <= MAX_STEP_MODULES, describe("one optimizer step", step)
     assert len(epoch) <= MAX_EPOCH_MODULES, describe("one epoch", epoch)
