@@ -176,7 +176,7 @@ class Trainer:
 
         After the model: ``auto`` places a split on a GPU by the memory free once the model is there."""
         train, ctx = self.config, self.ctx
-        rows = self.manifest.rows("train")
+        rows, self.val_rows = self.manifest.rows("train"), self.manifest.rows("val")
         self.batch_size = train.rank_batch_size(ctx.world_size, rows)  # train.batch_size, or the global one / W
         self.val_batch_size = train.rank_val_batch_size(ctx.world_size, rows)  # bounds validation's memory
         if self.stream is not None:  # windows on the host, each batch copied over; decoded in the rank
@@ -199,7 +199,7 @@ class Trainer:
             row_weights=self.objective.split_row_weights(train_split), num_workers=self._decode_workers(),
             reorder=self.hooks.epoch_rows,
         )  # fmt: skip
-        self.expected_coverage = Certificate.expected(self.manifest.rows("train"))  # each row once per epoch
+        self.expected_coverage = Certificate.expected(rows)  # each row once per epoch
 
     def _decode_workers(self) -> int:
         """train.num_workers resolved for this rank, its threads shrunk to make room (distributed/process.py)."""
@@ -255,10 +255,8 @@ class Trainer:
             if selection.stopped:  # a resume after the stop: nothing left to train
                 break
             metrics = self.run_epoch(epoch)
-            position.epochs_done = epoch + 1
             self._judge(epoch, metrics)
-            record = {"epoch": epoch, **metrics}
-            position.history.append(record)
+            record = position.end_epoch(epoch, metrics)
             record.update(selection.selected_metrics(position.history))  # selected_epoch, selected_val_*
             self.sink.log_epoch(epoch, record)
             self.state.save_last()
@@ -335,7 +333,7 @@ class Trainer:
 
     def _check_coverage(self, epoch: int, trained: dict[str, Any]) -> Certificate:
         """The ranks trained every row of the train split exactly once (``CoverageError`` naming the epoch)."""
-        rows = self.manifest.rows("train")
+        rows = self.expected_coverage.rows  # the train split's
         if trained["rows"] != rows:
             raise RuntimeError(f"epoch {epoch}: ranks trained on {trained['rows']} rows, the train split has {rows}")
         coverage = Certificate.from_lanes(*trained["coverage"])
@@ -344,7 +342,7 @@ class Trainer:
 
     def _validate(self, epoch: int) -> dict[str, Any]:
         """One exact validation pass: each rank its shard of the val split, the sums all-reduced once."""
-        ctx, rows, settings = self.ctx, self.manifest.rows("val"), self.train_step.settings
+        ctx, rows, settings = self.ctx, self.val_rows, self.train_step.settings
         start, stop = shard_range(rows, ctx.rank, ctx.world_size)
         val_pass = evaluate_pieces(self.model, self.val.pieces(start, stop), self.val_batch_size, settings)
         scored = ctx.gather_objects(val_pass.scored) if val_pass.scored is not None else None  # 2 classes: AUCs

@@ -25,12 +25,13 @@ from pathlib import Path
 STEP_PATTERN = re.compile(r"^step-e(\d+)-s(\d+)\.pt$")
 
 
-def step_checkpoint_path(checkpoints: Path, epoch: int, step: int) -> Path:
-    return checkpoints / f"step-e{epoch:05d}-s{step:08d}.pt"
+def step_checkpoint_path(checkpoints: Path, epoch: int, micro_batches: int) -> Path:
+    """The step checkpoint once ``micro_batches`` micro-batches of ``epoch`` (0-based) are trained."""
+    return checkpoints / f"step-e{epoch:05d}-s{micro_batches:08d}.pt"
 
 
 def step_position(path: Path) -> tuple[int, int] | None:
-    """(epoch, step) of a step checkpoint's file name; None for any other file."""
+    """(epoch, micro-batches trained) of a step checkpoint's file name; None for any other file."""
     found = STEP_PATTERN.match(path.name)
     return (int(found[1]), int(found[2])) if found else None
 
