@@ -23,10 +23,10 @@ world size. The epoch line shows the exact, all-rank metrics.
 
 ``StepMetricsSink``: ``RUN_DIR/steps.jsonl``, one line every ``train.log_every_steps`` optimizer steps (rank 0).
 It costs no collective and no device sync of its own: it uses the loss sum and gradient norm ``TrainStep``
-copies to the host anyway (``StepReport``). The loss is rank 0's own (its rows of the steps since the last
-line, like the progress lines); the gradient norm is over all ranks (after the all-reduce), the mean of those
-steps; the lr is the logged step's. A resumed run does not write a step twice: the sink remembers the last
-step the file holds. The file's format and reader are training/loop/metrics_sink.py's.
+copies to the host anyway (``StepReport``, its report of an optimizer step). The loss is rank 0's own (its rows
+of the steps since the last line, like the progress lines); the gradient norm is over all ranks (after the
+all-reduce), the mean of those steps; the lr is the logged step's. A resumed run does not write a step twice:
+the sink remembers the last step the file holds. The file's format and reader are training/loop/metrics_sink.py's.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -44,9 +44,6 @@ from training.core.log import log_rank
 from training.loading.batches import Batch
 from training.loop.coverage import CoverageTally
 from training.loop.metrics_sink import STEP_CURVES, STEP_KEY, append_line, read_metrics_lines
-
-if TYPE_CHECKING:
-    from training.loop.step import StepReport
 
 _EPOCH_KEYS = ("train_loss", "val_loss", "val_accuracy", "val_rmse")
 
@@ -156,6 +153,19 @@ class Progress:
             f"epoch {self.epoch + 1}/{self.epochs} done: {shown} {metrics['train_samples_per_s']:,.0f} samples/s "
             f"{metrics['epoch_seconds']:.1f}s ETA {_eta(metrics['epoch_seconds'] * remaining_epochs)}"
         )
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One optimizer step on this rank: its index in the epoch, loss sum Σ w·ℓ and real rows, gradient norm, lr,
+    and the weight Σ w of its real rows (the rows without data.weight or class weights; None: the rows)."""
+
+    index: int
+    loss_sum: float
+    rows: int
+    grad_norm: float
+    lr: float
+    weight: float | None = None
 
 
 class StepMetricsSink:

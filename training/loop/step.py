@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 from training.loading.batches import Batch, SplitTensors, TrainBatches, combined_row_weights
-from training.loop.counting import EpochSums, OptimizerSteps, Progress, StepMetricsSink
+from training.loop.counting import EpochSums, OptimizerSteps, Progress, StepMetricsSink, StepReport
 from training.loop.hooks import TrainHooks
 from training.loop.nonfinite import NonFiniteStep
 from training.loop.preemption import PreemptionWatch
@@ -193,19 +193,6 @@ class TrainStep:
             self.scheduler.step()
         index = self.steps.step_of(group.start)
         self.on_update(StepReport(index, loss, self._step_rows, grad_norm, lr, weight))
-
-
-@dataclass(frozen=True)
-class StepReport:
-    """One optimizer step on this rank: its index in the epoch, loss sum Σ w·ℓ and real rows, gradient norm, lr,
-    and the weight Σ w of its real rows (the rows without data.weight or class weights; None: the rows)."""
-
-    index: int
-    loss_sum: float
-    rows: int
-    grad_norm: float
-    lr: float
-    weight: float | None = None
 
 
 class StepSchedule:
