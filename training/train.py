@@ -30,12 +30,10 @@ import argparse
 import math
 import os
 import time
-from dataclasses import replace
 from typing import Any
 
 from training.checkpoint.files import Checkpointer
 from training.checkpoint.state import TrainState, on_cpu
-from training.checkpoint.steps import StepSchedule
 from training.core.job import TrainJob
 from training.core.log import DATA, log_main, log_rank
 from training.core.manifest import read_manifest
@@ -46,7 +44,6 @@ from training.distributed.process import (
     decode_workers,
     die_with_parent,
     exit_without_teardown,
-    make_room_for_workers,
     preload_in_background,
     record_root_cause,
 )
@@ -58,16 +55,22 @@ from training.loading.batches import TrainBatches
 from training.loading.node_cache import open_splits
 from training.loading.placement import place_splits
 from training.loading.stream import open_stream
-from training.loop.accumulation import OptimizerSteps
+from training.loop.counting import OptimizerSteps, Progress, StepMetricsSink
 from training.loop.coverage import Certificate
-from training.loop.epoch_sums import EpochSums
 from training.loop.hooks import NO_HOOKS, TrainHooks, hooks_from_env
-from training.loop.metrics_sink import MetricsSink, StepMetricsSink
+from training.loop.metrics_sink import MetricsSink
 from training.loop.nonfinite import NonFiniteStep, non_finite_error
 from training.loop.optim import build_optimizer, build_schedule, optimizer_states_per_parameter
 from training.loop.preemption import Preempted, PreemptionWatch
-from training.loop.progress import Progress
-from training.loop.step import StepSettings, TrainStep, evaluate_pieces, validation_metrics
+from training.loop.step import (
+    EpochPass,
+    StepSchedule,
+    StepSettings,
+    StopFlags,
+    TrainStep,
+    evaluate_pieces,
+    validation_metrics,
+)
 from training.loop.stop_request import stop_requested
 from training.models.registry import ModelSpec, build_model
 from training.objectives.registry import build_objective
@@ -173,7 +176,7 @@ class Trainer:
 
         After the model: ``auto`` places a split on a GPU by the memory free once the model is there."""
         train, ctx = self.config, self.ctx
-        rows = self.manifest.rows("train")
+        rows, self.val_rows = self.manifest.rows("train"), self.manifest.rows("val")
         self.batch_size = train.rank_batch_size(ctx.world_size, rows)  # train.batch_size, or the global one / W
         self.val_batch_size = train.rank_val_batch_size(ctx.world_size, rows)  # bounds validation's memory
         if self.stream is not None:  # windows on the host, each batch copied over; decoded in the rank
@@ -196,44 +199,44 @@ class Trainer:
             row_weights=self.objective.split_row_weights(train_split), num_workers=self._decode_workers(),
             reorder=self.hooks.epoch_rows,
         )  # fmt: skip
-        self.expected_coverage = Certificate.expected(self.manifest.rows("train"))  # each row once per epoch
+        self.expected_coverage = Certificate.expected(rows)  # each row once per epoch
 
     def _decode_workers(self) -> int:
         """train.num_workers resolved for this rank, its threads shrunk to make room (distributed/process.py)."""
         decodes = any(CODECS[info.kind].decodes_in_workers for info in inputs_from_manifest(self.manifest).values())
-        cpu = self.process.cpu
-        workers = decode_workers(self.config.num_workers, cpu, self.ctx.device.type == "cuda", decodes)
-        self.process = replace(self.process, cpu=make_room_for_workers(cpu, workers, self.config))
+        workers = decode_workers(self.config.num_workers, self.process.cpu, self.ctx.device.type == "cuda", decodes)
+        self.process = self.process.with_workers(workers, self.config)
         log_main(self.ctx.is_main, f"{workers} decode worker(s) per rank; {self.process.cpu.describe()}")
         return workers
 
     def _build_optimizer(self) -> None:
-        """The optimizer and its schedule over every optimizer step of the run (training/loop/optim.py), the step
-        that uses them and its per-step curves, when a step checkpoint is due, and the resumable state."""
+        """The optimizer and its schedule over every optimizer step of the run (training/loop/optim.py), the
+        step, the epoch's pass that runs it (training/loop/step.py) and its records, and the resumable state."""
         train, ctx = self.config, self.ctx
         optimizer = build_optimizer(self.model, train)
-        settings = StepSettings(
-            self.manifest.task, ctx.device, train.grad_accum, train.grad_clip, train.bf16, self.objective
-        )
-        steps_per_epoch = OptimizerSteps(train.grad_accum, len(self.batches)).steps_per_epoch
-        scheduler = build_schedule(optimizer, train, train.epochs * steps_per_epoch)
-        self.step_sink = StepMetricsSink(
-            self.job.run_dir, ctx.is_main, train.log_every_steps, steps_per_epoch,
-            lambda loss: loss * self._loss_scale(),  # as run_epoch's
-        )  # fmt: skip
-        self.train_step = TrainStep(self.ddp, optimizer, scheduler, self.batches, settings, self.step_sink.add_step)
-        self.step_schedule = StepSchedule(
-            train.checkpoint_every_steps, train.checkpoint_every_s, train.grad_accum, len(self.batches),
-            lambda due: ctx.all_reduce_sum([due if ctx.is_main else False])[0] > 0,
-        )  # fmt: skip
-        self.progress = Progress(
-            ctx.is_main, train.progress_interval_s, train.epochs, len(self.batches), ctx.world_size
-        )
+        steps = OptimizerSteps(train.grad_accum, len(self.batches))
+        scheduler = build_schedule(optimizer, train, train.epochs * steps.optimizer_steps)
         self.state = TrainState(
             self.job.config, self.manifest.fingerprint, ctx, self.checkpointer, self.model, optimizer, scheduler,
             self.batch_size,
         )  # fmt: skip
-        self.preemption.attach(ctx, len(self.batches), train.grad_accum)
+        self.progress = Progress(
+            ctx.is_main, train.progress_interval_s, train.epochs, steps.micro_batches, ctx.world_size,
+            self._loss_scale(),
+        )  # fmt: skip
+        curves = StepMetricsSink(
+            self.job.run_dir, ctx.is_main, train.log_every_steps, steps.optimizer_steps, self._loss_scale()
+        )
+        settings = StepSettings(
+            self.manifest.task, ctx.device, train.grad_accum, train.grad_clip, train.bf16, self.objective
+        )
+        self.train_step = TrainStep(self.ddp, optimizer, scheduler, self.batches, settings, curves.add_step)
+        self.stops = StopFlags(self.preemption, ctx, steps)
+        schedule = StepSchedule(train.checkpoint_every_steps, train.checkpoint_every_s, steps, ctx.rank0_flag)
+        self.epoch_pass = EpochPass(
+            self.train_step, schedule, self.stops, (self.progress, curves), self.state.save_step, self._stopped,
+            self.hooks,
+        )  # fmt: skip
 
     # --- the loop ---------------------------------------------------------------------------------------------
 
@@ -252,16 +255,14 @@ class Trainer:
             if selection.stopped:  # a resume after the stop: nothing left to train
                 break
             metrics = self.run_epoch(epoch)
-            position.epochs_done = epoch + 1
             self._judge(epoch, metrics)
-            record = {"epoch": epoch, **metrics}
-            position.history.append(record)
+            record = position.end_epoch(epoch, metrics)
             record.update(selection.selected_metrics(position.history))  # selected_epoch, selected_val_*
             self.sink.log_epoch(epoch, record)
             self.state.save_last()
             self.progress.end_epoch(record)
-            if epoch + 1 < self.config.epochs and self.preemption.requested():  # last.pt is the checkpoint
-                raise self.preemption.stopped(self.checkpointer, epoch + 1, 0, self.job.run_dir)
+            if epoch + 1 < self.config.epochs and self.stops.requested():  # last.pt is the checkpoint
+                raise self._stopped(epoch + 1, 0)
             if epoch + 1 < self.config.epochs and stop_requested(self.job.run_dir, epoch, self.ctx):
                 log_main(self.ctx.is_main, f"stopped after epoch {epoch + 1}: the sweep's pruner asked for it")
                 break
@@ -313,32 +314,18 @@ class Trainer:
             **coverage.metrics(),
         }
 
-    def _train_pass(self, epoch: int) -> EpochSums:
-        """This rank's micro-batches of ``epoch``, from the resumed step on (0 unless a step checkpoint; the sums of
-        the steps before it come from the checkpoint). ``TrainStep`` steps the optimizer on the micro-batch that
-        ``steps_optimizer`` names (training/loop/accumulation.py); only there, between two optimizer steps, may a
-        step checkpoint be taken (``StepSchedule``; ``state.save_step``, written by rank 0 in the background)."""
+    def _train_pass(self, epoch: int):
+        """This rank's micro-batches of ``epoch`` (training/loop/step.py: ``EpochPass``), from the resumed one on
+        (0 unless a step checkpoint; the sums of the micro-batches before it come from the checkpoint)."""
         start, carried = self.state.position.take_start()
-        sums, scale, steps = EpochSums(self.ctx.device, carried), self._loss_scale(), self.train_step.steps
-        self.progress.start_epoch(epoch)
-        self.ddp.train()
-        self.step_sink.epoch = epoch
-        for index, batch in enumerate(self.batches.epoch(epoch, start), start):
-            self.hooks.at_step(epoch, index)
-            self.hooks.on_batch(batch.indices)
-            self.preemption.begin(index)  # the flags' all-reduce runs beside the step; ``due`` waits for it
-            try:
-                sums.add(batch, self.train_step(index, batch))
-            except NonFiniteStep as bad:
-                raise self._non_finite(epoch, bad) from None
-            self.progress.step(index + 1, sums.rows, lambda seen=sums.rows: scale * sums.loss.item() / max(1, seen))
-            preempted = self.preemption.due(index)  # the same on every rank (training/loop/preemption.py)
-            if preempted or (steps.steps_optimizer(index) and self.step_schedule.due(epoch, index)):
-                self.state.save_step(epoch, index + 1, sums)
-                self.step_schedule.written()
-            if preempted:
-                raise self.preemption.stopped(self.checkpointer, epoch, index + 1, self.job.run_dir)
-        return sums
+        try:
+            return self.epoch_pass.run(epoch, start, carried)
+        except NonFiniteStep as bad:
+            raise self._non_finite(epoch, bad) from None
+
+    def _stopped(self, epoch: int, micro_batches: int) -> Preempted:
+        """The stop once every rank saved after ``micro_batches`` of ``epoch`` (training/loop/preemption.py)."""
+        return self.preemption.stopped(self.checkpointer, self.ctx, epoch, micro_batches, self.job.run_dir)
 
     def _loss_scale(self) -> float:
         """Losses on the target's original scale (mse: times std², exact; other objectives: as trained)."""
@@ -346,7 +333,7 @@ class Trainer:
 
     def _check_coverage(self, epoch: int, trained: dict[str, Any]) -> Certificate:
         """The ranks trained every row of the train split exactly once (``CoverageError`` naming the epoch)."""
-        rows = self.manifest.rows("train")
+        rows = self.expected_coverage.rows  # the train split's
         if trained["rows"] != rows:
             raise RuntimeError(f"epoch {epoch}: ranks trained on {trained['rows']} rows, the train split has {rows}")
         coverage = Certificate.from_lanes(*trained["coverage"])
@@ -355,7 +342,7 @@ class Trainer:
 
     def _validate(self, epoch: int) -> dict[str, Any]:
         """One exact validation pass: each rank its shard of the val split, the sums all-reduced once."""
-        ctx, rows, settings = self.ctx, self.manifest.rows("val"), self.train_step.settings
+        ctx, rows, settings = self.ctx, self.val_rows, self.train_step.settings
         start, stop = shard_range(rows, ctx.rank, ctx.world_size)
         val_pass = evaluate_pieces(self.model, self.val.pieces(start, stop), self.val_batch_size, settings)
         scored = ctx.gather_objects(val_pass.scored) if val_pass.scored is not None else None  # 2 classes: AUCs

@@ -100,7 +100,7 @@ def test_bad_data_fails_at_prepare_and_registers_nothing(champion_run, config, c
 
 
 def epoch_progress(epoch: int, epochs: int) -> str:
-    """What training/loop/progress.py says on every line about 1-based ``epoch``: its steps and its end."""
+    """What training/loop/counting.py: Progress says on every line about 1-based ``epoch``: its steps and its end."""
     return f"epoch {epoch}/{epochs} "
 
 

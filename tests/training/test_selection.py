@@ -118,8 +118,8 @@ def test_select_best_ends_with_a_lower_validation_loss_than_select_last(stopped,
 
 def test_the_curves_within_an_epoch_are_written_every_n_steps(stopped):
     lines = [json.loads(line) for line in (stopped.run_dir / STEP_METRICS).read_text().splitlines()]
-    steps_per_epoch = 48 // (2 * SETTINGS["batch_size"])  # 3
-    trained = len(stopped.metrics()) * steps_per_epoch
+    optimizer_steps = 48 // (2 * SETTINGS["batch_size"])  # 3 an epoch
+    trained = len(stopped.metrics()) * optimizer_steps
     assert [line["step"] for line in lines] == list(range(LOG_EVERY, trained + 1, LOG_EVERY))
     for line in lines:
         assert line["step/lr"] == SETTINGS["lr"] and 0 < line["step/grad_norm"] < 1e6 and line["step/train_loss"] > 0

@@ -226,12 +226,13 @@ class Checkpointer:
         if self.coordinator.is_main:
             prune(self.last_path.parent, self.keep_steps, before=(int(state["epoch"]), 0))
 
-    def save_step(self, snapshot: dict[str, Any], epoch: int, step: int) -> None:
-        """A step checkpoint of the state before step ``step`` of ``epoch``, written by rank 0 in the
-        background: ``snapshot`` must be CPU copies no training step touches. The other ranks go on at once."""
+    def save_step(self, snapshot: dict[str, Any], epoch: int, micro_batches: int) -> None:
+        """A step checkpoint of the state once ``micro_batches`` micro-batches of ``epoch`` are trained, written by
+        rank 0 in the background: ``snapshot`` must be CPU copies no training step touches. The other ranks go on
+        at once."""
         if not self.coordinator.is_main:
             return
-        path = step_checkpoint_path(self.last_path.parent, epoch, step)
+        path = step_checkpoint_path(self.last_path.parent, epoch, micro_batches)
 
         def write() -> None:
             self.before_write(path)

@@ -6,7 +6,7 @@ ones last.pt had before this module (a file written then resumes):
 
     "model"                              the plain module (DDP's wrapped copy shares its tensors)
     "optimizer", "scheduler"             the optimizer and its warmup/cosine schedule (training/loop/optim.py)
-    "epoch", "step", "epoch_sums",       ``Position``: epochs done, micro-batch steps of the next one trained and
+    "epoch", "step", "epoch_sums",       ``Position``: epochs done, micro-batches of the next one trained and
     "metrics"                            their all-reduced sums (a step checkpoint), every epoch's metrics line
     "global_batch", "world_size"         the rows of one step over all ranks and the ranks (``check_global_batch``)
     "rng"                                ``RankStreams``: every rank's RNG streams, {"per_rank": [...]}
@@ -48,28 +48,38 @@ def on_cpu(tree: Any, copy: bool = False) -> Any:
 @dataclass
 class Position:
     """Where training is: ``epochs_done`` complete epochs, each one's metrics line (``history``), and on a resume
-    mid-epoch the micro-batch step it continues at (``start_step``) with the epoch's sums so far (``carried``,
+    mid-epoch the micro-batch it continues at (``start_micro_batch``) with the epoch's sums so far (``carried``,
     rank 0's alone, so the epoch's all-reduce counts them once)."""
 
     epochs_done: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
-    start_step: int = 0
+    start_micro_batch: int = 0
     carried: dict[str, Any] | None = None
 
     def take_start(self) -> tuple[int, dict[str, Any] | None]:
-        """The resumed step and sums for the epoch starting now; the next epoch starts at 0."""
-        start, carried = self.start_step, self.carried
-        self.start_step, self.carried = 0, None
+        """The resumed micro-batch and sums for the epoch starting now; the next epoch starts at 0."""
+        start, carried = self.start_micro_batch, self.carried
+        self.start_micro_batch, self.carried = 0, None
         return start, carried
 
-    def state_dict(self, step: int = 0, epoch_sums: dict[str, Any] | None = None) -> dict[str, Any]:
-        return {"epoch": self.epochs_done, "step": step, "epoch_sums": epoch_sums, "metrics": list(self.history)}
+    def end_epoch(self, epoch: int, metrics: dict[str, Any]) -> dict[str, Any]:
+        """``epoch`` (0-based) is complete with ``metrics``: its line of the history, returned."""
+        record = {"epoch": epoch, **metrics}
+        self.epochs_done = epoch + 1
+        self.history.append(record)
+        return record
+
+    def state_dict(self, micro_batches: int = 0, epoch_sums: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``micro_batches``: of the epoch in progress, trained (a step checkpoint; 0: at an epoch's end)."""
+        return {
+            "epoch": self.epochs_done, "step": micro_batches, "epoch_sums": epoch_sums, "metrics": list(self.history)
+        }  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any], keeps_sums: bool) -> None:
         self.epochs_done = int(state["epoch"])
         self.history = list(state.get("metrics") or [])
-        self.start_step = int(state.get("step") or 0)
-        sums = state.get("epoch_sums") if self.start_step else None
+        self.start_micro_batch = int(state.get("step") or 0)
+        sums = state.get("epoch_sums") if self.start_micro_batch else None
         self.carried = None
         if sums is not None:
             self.carried = {
@@ -142,8 +152,8 @@ class TrainState:
         self.best = BestWeights(ctx.is_main)
         self.streams = RankStreams(ctx, config.train.seed)
 
-    def state_dict(self, step: int = 0, epoch_sums: dict[str, Any] | None = None) -> dict[str, Any]:
-        """last.pt (after an epoch) or a step checkpoint (``step`` micro-batch steps into epoch ``epochs_done``,
+    def state_dict(self, micro_batches: int = 0, epoch_sums: dict[str, Any] | None = None) -> dict[str, Any]:
+        """last.pt (after an epoch) or a step checkpoint (``micro_batches`` into epoch ``epochs_done``,
         with the epoch's all-reduced sums so far); rank 0 gets the contents, the others {}."""
         rng = self.streams.state_dict()
         if not self.ctx.is_main:
@@ -153,7 +163,7 @@ class TrainState:
             "model": on_cpu(self.model.state_dict(), copy=True),
             "optimizer": on_cpu(self.optimizer.state_dict(), copy=True),
             "scheduler": on_cpu(scheduler.state_dict(), copy=True) if scheduler is not None else None,
-            **self.position.state_dict(step, epoch_sums),
+            **self.position.state_dict(micro_batches, epoch_sums),
             "global_batch": self.rank_batch * self.ctx.world_size,  # rows of one step over all ranks
             "rng": rng,
             "world_size": self.ctx.world_size,
@@ -189,16 +199,17 @@ class TrainState:
         """last.pt after an epoch (every rank calls it: the RNG streams are gathered)."""
         self.checkpointer.save_last(self.state_dict())
 
-    def save_step(self, epoch: int, step: int, sums) -> None:
-        """A step checkpoint before micro-batch step ``step`` of ``epoch``: ``sums`` (``EpochSums``, this rank's)
-        all-reduced, then the state as CPU copies that rank 0 writes in the background while training goes on
-        (training/checkpoint/steps.py). Every rank calls it, between two optimizer steps."""
+    def save_step(self, epoch: int, micro_batches: int, sums) -> None:
+        """A step checkpoint once ``micro_batches`` micro-batches of ``epoch`` are trained: ``sums`` (``EpochSums``,
+        this rank's) all-reduced, then the state as CPU copies that rank 0 writes in the background while training
+        goes on (training/checkpoint/steps.py). Every rank calls it, between two optimizer steps."""
         epoch_sums = sums.all_reduced(self.ctx)
-        self.checkpointer.save_step(self.state_dict(step, epoch_sums), epoch, step)
+        self.checkpointer.save_step(self.state_dict(micro_batches, epoch_sums), epoch, micro_batches)
 
     def _say_resumed(self, saved_world: int, same_world: bool) -> None:
         position = self.position
-        at_step = f", at step {position.start_step} of epoch {position.epochs_done}" if position.start_step else ""
+        start = position.start_micro_batch
+        at_step = f", at step {start} of epoch {position.epochs_done}" if start else ""
         resumed = f"resumed from {self.checkpointer.resumed_from} after {position.epochs_done} epoch(s){at_step}"
         if not same_world:
             resumed += (

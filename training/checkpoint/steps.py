@@ -1,15 +1,10 @@
 """Step checkpoints: a resumable state inside an epoch, ``RUN_DIR/checkpoints/step-e{E}-s{S}.pt``.
 
-E is the epoch (0-based) and S the micro-batch steps of it already trained; the name alone orders them, so
+E is the epoch (0-based) and S the micro-batches of it already trained; the name alone orders them, so
 resume finds the newest without opening any. What one holds is ``TrainState``'s business, as for last.pt
-(training/checkpoint/state.py: ``save_step``); here: WHEN one is due (``StepSchedule``), and HOW rank 0 writes
-it without stopping training (``BackgroundWriter``).
-
-When: after an optimizer step (never between the micro-batches of one, ``train.grad_accum``), every
-``train.checkpoint_every_steps`` optimizer steps of the run, and/or once ``train.checkpoint_every_s`` seconds
-passed since the last checkpoint by rank 0's clock (rank 0 decides and every rank learns it through a
-one-number all-reduce per optimizer step, so all ranks enter the checkpoint's collectives together; the
-step count needs no collective). Not after the epoch's last step: last.pt covers that.
+(training/checkpoint/state.py: ``save_step``); when one is due, the epoch's pass decides
+(training/loop/step.py: ``StepSchedule``); here: its name, and HOW rank 0 writes it without stopping training
+(``BackgroundWriter``) and prunes the older ones.
 
 How: ``TrainState`` copies the state off the device into fresh CPU tensors (the snapshot, taken between steps,
 so it is one consistent state), then rank 0 writes it in a background thread while training goes on
@@ -24,21 +19,19 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
-
-from training.loop.accumulation import OptimizerSteps
 
 STEP_PATTERN = re.compile(r"^step-e(\d+)-s(\d+)\.pt$")
 
 
-def step_checkpoint_path(checkpoints: Path, epoch: int, step: int) -> Path:
-    return checkpoints / f"step-e{epoch:05d}-s{step:08d}.pt"
+def step_checkpoint_path(checkpoints: Path, epoch: int, micro_batches: int) -> Path:
+    """The step checkpoint once ``micro_batches`` micro-batches of ``epoch`` (0-based) are trained."""
+    return checkpoints / f"step-e{epoch:05d}-s{micro_batches:08d}.pt"
 
 
 def step_position(path: Path) -> tuple[int, int] | None:
-    """(epoch, step) of a step checkpoint's file name; None for any other file."""
+    """(epoch, micro-batches trained) of a step checkpoint's file name; None for any other file."""
     found = STEP_PATTERN.match(path.name)
     return (int(found[1]), int(found[2])) if found else None
 
@@ -47,41 +40,6 @@ def step_checkpoints(checkpoints: Path) -> list[Path]:
     """The step checkpoints in ``checkpoints``, oldest first (a temp file of a torn write is not one)."""
     found = [path for path in checkpoints.glob("step-*.pt") if step_position(path) is not None]
     return sorted(found, key=step_position)
-
-
-class StepSchedule:
-    """Whether a step checkpoint is due after micro-batch step ``step`` (0-based) of an epoch: the same
-    answer on every rank (module docstring)."""
-
-    def __init__(
-        self,
-        every_steps: int | None,
-        every_s: float | None,
-        grad_accum: int,
-        steps_per_epoch: int,
-        rank0_flag: Callable[[bool], bool],
-    ):
-        self.every_steps, self.every_s = every_steps, every_s
-        self.steps = OptimizerSteps(grad_accum, steps_per_epoch)  # steps_per_epoch: micro-batch steps
-        self.rank0_flag = rank0_flag  # rank 0's bool on every rank (a collective)
-        self.last_at = time.monotonic()
-
-    @property
-    def enabled(self) -> bool:
-        return self.every_steps is not None or self.every_s is not None
-
-    def due(self, epoch: int, step: int) -> bool:
-        steps = self.steps
-        if not self.enabled or not steps.steps_optimizer(step) or step + 1 >= steps.micro_batches:
-            return False
-        run_steps = epoch * steps.steps_per_epoch + steps.step_of(step) + 1  # optimizer steps of the run so far
-        due = self.every_steps is not None and run_steps % self.every_steps == 0
-        if self.every_s is not None:
-            due = self.rank0_flag(due or time.monotonic() - self.last_at >= self.every_s)
-        return due
-
-    def written(self) -> None:
-        self.last_at = time.monotonic()
 
 
 class BackgroundWriter:

@@ -113,6 +113,10 @@ class DistContext:
         dist.all_reduce(local, op=dist.ReduceOp.SUM)
         return [int(value) for value in local.tolist()]
 
+    def rank0_flag(self, flag: bool) -> bool:
+        """Rank 0's ``flag`` on every rank (a collective: every rank calls it, the others' flags are ignored)."""
+        return self.all_reduce_sum([flag if self.is_main else False])[0] > 0
+
     def all_reduce_int_sum_async(self, values: Sequence[int]) -> Callable[[], list[int]]:
         """``all_reduce_int_sum`` started now, without waiting: call the result for the sums. Every rank must start
         it at the same point among its collectives, as for any collective."""

@@ -12,7 +12,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
@@ -156,6 +156,10 @@ class ProcessSetup:
     cpu: CpuSetup
     poll_allreduce: bool  # train.cpu_poll_allreduce, resolved (training/distributed/allreduce_poll.py)
     cuda: str = ""  # the CUDA math modes, on a GPU rank
+
+    def with_workers(self, workers: int, train: TrainConfig) -> ProcessSetup:
+        """This setup once ``workers`` decode workers per rank share its cores (``make_room_for_workers``)."""
+        return replace(self, cpu=make_room_for_workers(self.cpu, workers, train))
 
     def describe(self) -> str:
         parts = [self.cpu.describe(), *([self.cuda] if self.cuda else [])]

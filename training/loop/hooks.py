@@ -49,12 +49,17 @@ import os
 import shutil
 import signal
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from training.core.log import log_rank
+
+if TYPE_CHECKING:
+    from training.loading.batches import Batch
 
 FAULT_ENV = "DDPFLOW_FAULT"
 RECORD_INDICES_ENV = "DDPFLOW_RECORD_INDICES"
@@ -69,8 +74,16 @@ class TrainHooks:
     def on_model(self, model: torch.nn.Module) -> None:
         """The plain module, once built (before DDP wraps it)."""
 
+    def micro_batches(self, epoch: int, batches: Iterable[Batch], start: int) -> Iterable[tuple[int, Batch]]:
+        """The epoch's micro-batches from ``start`` on, numbered, as the pass trains them: each one's ``at_step``
+        and ``on_batch`` run before it is trained."""
+        for index, batch in enumerate(batches, start):
+            self.at_step(epoch, index)
+            self.on_batch(batch.indices)
+            yield index, batch
+
     def at_step(self, epoch: int, step: int) -> None:
-        """Before training step ``step`` of ``epoch`` (both 0-based)."""
+        """Before training micro-batch ``step`` of ``epoch`` (both 0-based)."""
 
     def on_batch(self, indices: torch.Tensor) -> None:
         """The dataset rows of the batch about to be trained (sampler padding excluded)."""
@@ -90,7 +103,14 @@ class TrainHooks:
         """On the writing rank, once ``path`` is complete."""
 
 
-NO_HOOKS = TrainHooks()
+class NoHooks(TrainHooks):
+    """No test hook: the micro-batches pass through untouched (no call of this module per micro-batch)."""
+
+    def micro_batches(self, epoch: int, batches: Iterable[Batch], start: int) -> Iterable[tuple[int, Batch]]:
+        return enumerate(batches, start)
+
+
+NO_HOOKS = NoHooks()
 
 
 @dataclass(frozen=True)
@@ -218,6 +238,10 @@ class CheckpointKeeper:
     def __init__(self, enabled: bool):
         self.enabled, self.epoch = enabled, -1
 
+    def end_epoch(self, epoch: int) -> None:
+        """The epoch whose last.pt the next write is."""
+        self.epoch = epoch
+
     def after_write(self, path: Path) -> None:
         if self.enabled and path.name == "last.pt" and self.epoch >= 0:
             shutil.copyfile(path, path.with_name(f"epoch{self.epoch}.pt"))
@@ -244,7 +268,7 @@ class EnvironmentHooks(TrainHooks):
 
     def end_epoch(self, epoch: int) -> None:
         self.indices.write(epoch)
-        self.keeper.epoch = epoch
+        self.keeper.end_epoch(epoch)
 
     def before_checkpoint_write(self, path: Path) -> None:
         self.faults.before_checkpoint_write(path)

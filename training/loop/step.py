@@ -1,10 +1,14 @@
-"""The step arithmetic of one rank: ``TrainStep`` (one micro-batch of the exact update) and
-``evaluate`` (one exact validation pass). The epoch loop that calls them is ``Trainer.run_epoch``
-(training/train.py).
+"""One rank's pass over its micro-batches of an epoch, in one place: ``EpochPass`` (the micro-batch loop: the
+batch, forward and backward, the optimizer step, what is due between two optimizer steps: a step checkpoint,
+``StepSchedule``, or a stop, ``StopFlags``), ``TrainStep`` (one micro-batch of the exact update: forward,
+backward and, on the last micro-batch of an optimizer step, the optimizer step), and ``evaluate`` (one exact
+validation pass). ``Trainer.run_epoch`` (training/train.py) runs an ``EpochPass``, then validates; what the pass
+counts and records (the rule of which micro-batches form an optimizer step, the epoch's sums, the progress lines
+and the step curves) is training/loop/counting.py's.
 
-Written for a DDP-wrapped model but never calling collectives itself: DDP
-all-reduces gradients in ``backward``; the caller sums the returned
-statistics over ranks.
+Written for a DDP-wrapped model; the step never calls a collective itself: DDP all-reduces gradients in
+``backward``; the caller sums the returned statistics over ranks. The pass's collectives are the flags' one
+int64 at each boundary (``StopFlags``) and, with ``train.checkpoint_every_s``, rank 0's clock (``StepSchedule``).
 
 The exact update: every optimizer step minimises the one loss contract
 (training/objectives/registry.py)
@@ -23,11 +27,25 @@ averages over the W ranks:
 So W ranks x batch b, one rank x batch W*b and grad_accum k x batch b/k take
 the same steps, for every objective and weighting, also when the last step of
 an epoch is short.
+
+Step checkpoints (when, ``StepSchedule``): after an optimizer step (never between the micro-batches of one),
+every ``train.checkpoint_every_steps`` optimizer steps of the run, and/or once ``train.checkpoint_every_s``
+seconds passed since the last checkpoint by rank 0's clock (rank 0 decides and every rank learns it through a
+one-number all-reduce per optimizer step, so all ranks enter the checkpoint's collectives together; the step
+count needs no collective). Not after the epoch's last optimizer step: last.pt covers that. How one is
+written is training/checkpoint/steps.py's and training/checkpoint/state.py's (``TrainState.save_step``).
+
+A stop (``StopFlags``): at each boundary every rank all-reduces its preemption flag
+(training/loop/preemption.py: ``PreemptionWatch``; one int64, SUM > 0: "some rank was told"), started before
+the micro-batch (``begin``: the flag as it is then) and waited for after it (``due``), so the all-reduce runs
+beside the step's forward and backward. Where it is due, the pass writes that step's checkpoint whatever
+``train.checkpoint_every_*`` says, and raises what ``on_stop`` returns.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -37,8 +55,10 @@ import torch
 from torch import nn
 
 from training.loading.batches import Batch, SplitTensors, TrainBatches, combined_row_weights
-from training.loop.accumulation import OptimizerSteps
+from training.loop.counting import EpochSums, OptimizerSteps, Progress, StepMetricsSink, StepReport
+from training.loop.hooks import TrainHooks
 from training.loop.nonfinite import NonFiniteStep
+from training.loop.preemption import PreemptionWatch
 from training.objectives.base import Objective, output_members
 from training.objectives.registry import auto_objective, make_objective
 
@@ -63,11 +83,51 @@ class StepSettings:
         return nullcontext()
 
 
+class EpochPass:
+    """This rank's micro-batches of an epoch, from the resumed one on (module docstring): each trained by ``step``
+    and counted; between two optimizer steps, a step checkpoint (``save_step``, with the micro-batches done and
+    the sums so far) when ``schedule`` says so, or a stop when ``stops`` says some rank was told (then the
+    checkpoint, then ``on_stop``'s exception). ``hooks``: the test hooks' view of the micro-batches."""
+
+    def __init__(
+        self,
+        step: TrainStep,
+        schedule: StepSchedule,
+        stops: StopFlags,
+        records: tuple[Progress, StepMetricsSink],
+        save_step: Callable[[int, int, EpochSums], None],
+        on_stop: Callable[[int, int], Exception],
+        hooks: TrainHooks,
+    ):
+        self.step, self.schedule, self.stops, self.hooks = step, schedule, stops, hooks
+        self.progress, self.curves = records
+        self.save_step, self.on_stop = save_step, on_stop
+
+    def run(self, epoch: int, start: int, carried: dict | None) -> EpochSums:
+        """Micro-batches ``start`` .. of ``epoch`` (``carried``: the sums of those before ``start``)."""
+        step = self.step
+        sums = EpochSums(step.settings.device, carried)
+        self.progress.start_epoch(epoch)
+        self.curves.start_epoch(epoch)
+        step.model.train()
+        for index, batch in self.hooks.micro_batches(epoch, step.batches.epoch(epoch, start), start):
+            self.stops.begin(index)  # the flags' all-reduce runs beside the micro-batch; ``due`` waits for it
+            sums.add(batch, step(index, batch))  # forward, backward; on a step's last micro-batch, the update
+            self.progress.step(index + 1, sums)
+            stop = self.stops.due(index)  # the same answer on every rank
+            if stop or self.schedule.due(epoch, index):
+                self.save_step(epoch, index + 1, sums)
+                self.schedule.written()
+            if stop:
+                raise self.on_stop(epoch, index + 1)
+        return sums
+
+
 class TrainStep:
     """One micro-batch of the exact update (module docstring), called for micro-batches 0, 1, ... of an epoch.
 
     Micro-batches ``[k * grad_accum, (k + 1) * grad_accum)`` form optimizer step k (the epoch's last may be
-    short: ``steps``, training/loop/accumulation.py, the rule the loop reads too); only the last of a step
+    short: ``steps``, training/loop/counting.py, the rule the pass reads too); only the last of a step
     all-reduces (the others run under ``no_sync``), then the step clips, updates, zeroes the gradients and
     advances the schedule.
     """
@@ -84,7 +144,7 @@ class TrainStep:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.batches, self.settings = batches, settings
         self.steps = OptimizerSteps(settings.grad_accum, len(batches))  # which micro-batches step the optimizer
-        self.on_update = on_update  # after each optimizer step (the per-step curves: training/loop/metrics_sink.py)
+        self.on_update = on_update  # after each optimizer step (the per-step curves: training/loop/counting.py)
         # This rank's loss sum Σ w·ℓ, weight Σ w (device tensors) and real rows of the optimizer step so far.
         self._step_loss, self._step_weight, self._step_rows = None, None, 0
         self.objective = settings.loss()
@@ -135,17 +195,65 @@ class TrainStep:
         self.on_update(StepReport(index, loss, self._step_rows, grad_norm, lr, weight))
 
 
-@dataclass(frozen=True)
-class StepReport:
-    """One optimizer step on this rank: its index in the epoch, loss sum Σ w·ℓ and real rows, gradient norm, lr,
-    and the weight Σ w of its real rows (the rows without data.weight or class weights; None: the rows)."""
+class StepSchedule:
+    """Whether a step checkpoint is due after micro-batch ``index`` (0-based) of an epoch: the same answer on
+    every rank (module docstring). ``rank0_flag``: rank 0's bool on every rank (a collective)."""
 
-    index: int
-    loss_sum: float
-    rows: int
-    grad_norm: float
-    lr: float
-    weight: float | None = None
+    def __init__(
+        self,
+        every_steps: int | None,
+        every_s: float | None,
+        steps: OptimizerSteps,
+        rank0_flag: Callable[[bool], bool],
+    ):
+        self.every_steps, self.every_s, self.steps, self.rank0_flag = every_steps, every_s, steps, rank0_flag
+        self.last_at = time.monotonic()
+
+    @property
+    def enabled(self) -> bool:
+        return self.every_steps is not None or self.every_s is not None
+
+    def due(self, epoch: int, index: int) -> bool:
+        if not self.enabled or not self.steps.boundary(index):
+            return False
+        due = self.every_steps is not None and self.steps.run_steps(epoch, index) % self.every_steps == 0
+        if self.every_s is not None:
+            due = self.rank0_flag(due or time.monotonic() - self.last_at >= self.every_s)
+        return due
+
+    def written(self) -> None:
+        self.last_at = time.monotonic()
+
+
+class StopFlags:
+    """Whether some rank was told to stop: every rank's ``PreemptionWatch`` flag (training/loop/preemption.py),
+    summed over the ranks at each boundary (module docstring) and, by ``requested``, at an epoch's end."""
+
+    def __init__(self, watch: PreemptionWatch, ctx, steps: OptimizerSteps):
+        self.watch, self.ctx, self.steps = watch, ctx, steps
+        self.pending: tuple[int, Callable[[], list[int]]] | None = None  # (micro-batch, its flags' sum, in flight)
+
+    def begin(self, index: int) -> None:
+        """Before micro-batch ``index``: at a boundary, start the all-reduce of the flags as they are now."""
+        if self.steps.boundary(index):
+            self.pending = (index, self.ctx.all_reduce_int_sum_async([self._flag()]))
+
+    def due(self, index: int) -> bool:
+        """After micro-batch ``index``: whether some rank was told to stop. A collective only at a boundary
+        (the one ``begin`` started; without it, one now)."""
+        if not self.steps.boundary(index):
+            return False
+        if self.pending is None or self.pending[0] != index:
+            return self.requested()
+        sums, self.pending = self.pending[1], None
+        return sums()[0] > 0
+
+    def requested(self) -> bool:
+        """Any rank's flag, on every rank (every rank must call it at the same point)."""
+        return self.ctx.all_reduce_int_sum([self._flag()])[0] > 0
+
+    def _flag(self) -> int:
+        return int(self.watch.signum is not None)
 
 
 def gradient_norm(parameters) -> torch.Tensor:

@@ -205,7 +205,7 @@ def train_state(config, run_dir, seed: int):
 def test_the_train_state_writes_last_pts_keys_and_resumes_a_step_checkpoint_exactly(tmp_path):
     from types import SimpleNamespace
 
-    from training.loop.epoch_sums import EpochSums
+    from training.loop.counting import EpochSums
 
     config = load_config(None, ["train.epochs=3", "train.select=best"])
     state = train_state(config, tmp_path, seed=0)

@@ -8,8 +8,10 @@ import torch
 from ddpflow.rundirs import find_resumable_run
 from tests.training.test_train_ddp import job_config
 from training.checkpoint.files import Checkpointer, CheckpointWriteError, identity_entries
-from training.checkpoint.steps import StepSchedule, prune, step_checkpoint_path, step_checkpoints, step_position
+from training.checkpoint.steps import prune, step_checkpoint_path, step_checkpoints, step_position
 from training.distributed.context import SingleProcess
+from training.loop.counting import OptimizerSteps
+from training.loop.step import StepSchedule
 
 
 def due_steps(schedule: StepSchedule, epochs: int = 2) -> list[tuple[int, int]]:
@@ -18,12 +20,12 @@ def due_steps(schedule: StepSchedule, epochs: int = 2) -> list[tuple[int, int]]:
 
 
 def test_a_step_checkpoint_is_due_every_n_optimizer_steps_of_the_run_never_mid_step_or_at_an_epoch_end():
-    every_4 = StepSchedule(4, None, grad_accum=1, steps_per_epoch=10, rank0_flag=bool)
+    every_4 = StepSchedule(4, None, OptimizerSteps(grad_accum=1, micro_batches=10), rank0_flag=bool)
     assert due_steps(every_4) == [(0, 4), (0, 8), (1, 2), (1, 6)]  # run steps 4, 8, 12, 16 (20 is an epoch end)
     # grad_accum 2: 5 optimizer steps an epoch; every 2 of them, at the micro-batch closing the step.
-    accumulated = StepSchedule(2, None, grad_accum=2, steps_per_epoch=10, rank0_flag=bool)
+    accumulated = StepSchedule(2, None, OptimizerSteps(grad_accum=2, micro_batches=10), rank0_flag=bool)
     assert due_steps(accumulated) == [(0, 4), (0, 8), (1, 2), (1, 6)]
-    assert due_steps(StepSchedule(None, None, 1, 10, bool)) == []
+    assert due_steps(StepSchedule(None, None, OptimizerSteps(1, 10), bool)) == []
 
 
 def test_a_time_interval_asks_rank_0_and_restarts_after_each_write():
@@ -33,7 +35,7 @@ def test_a_time_interval_asks_rank_0_and_restarts_after_each_write():
         asked.append(due)
         return due
 
-    schedule = StepSchedule(None, 3600.0, grad_accum=1, steps_per_epoch=5, rank0_flag=rank0_flag)
+    schedule = StepSchedule(None, 3600.0, OptimizerSteps(grad_accum=1, micro_batches=5), rank0_flag=rank0_flag)
     assert due_steps(schedule, 1) == [] and asked == [False] * 4  # one question per step, not the last
     schedule.last_at -= 3600.0
     assert schedule.due(0, 0)

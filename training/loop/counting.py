@@ -1,0 +1,211 @@
+"""What one rank counts and records as it trains an epoch, and nothing more: which micro-batches form an
+optimizer step (``OptimizerSteps``), the epoch's running sums (``EpochSums``), rank 0's progress lines
+(``Progress``) and its per-step curves (``StepMetricsSink``). The loop that feeds them is ``EpochPass``
+(training/loop/step.py).
+
+Two counts, two words: an epoch is ``micro_batches`` micro-batches (this rank's batches of ``TrainBatches``)
+and ``optimizer_steps`` optimizer steps. The one rule between them (``train.grad_accum``): optimizer step k is
+micro-batches ``[k * grad_accum, (k + 1) * grad_accum)``, the last one short when ``grad_accum`` does not
+divide the epoch. ``steps_optimizer(i)`` says whether micro-batch i ends its optimizer step (``TrainStep``
+all-reduces and updates there); ``boundary(i)`` whether it ends one before the epoch's last, where a step
+checkpoint or a stop may come (the epoch's end has last.pt). The learning-rate schedule, the step checkpoints'
+``train.checkpoint_every_steps`` and the step curves count optimizer steps; the progress lines, micro-batches.
+
+``EpochSums``: the weighted loss Σ w·ℓ (a device tensor, so no step waits on a device->host copy), the rows
+and the coverage lanes (training/loop/coverage.py). A resumed epoch starts from its step checkpoint's sums
+(``carried``: the micro-batches already trained, summed over all ranks), on rank 0 alone, so the epoch's
+all-reduce counts them once. ``all_reduced`` is what the epoch's end reads and what a step checkpoint stores
+(``epoch_sums``: {"loss", "rows", "coverage"}).
+
+``Progress``: at most one line every ``train.progress_interval_s``, plus one per epoch. The loss shown
+mid-epoch is rank 0's own running mean (no collective just to print); samples/s is rank 0's rate times the
+world size. The epoch line shows the exact, all-rank metrics.
+
+``StepMetricsSink``: ``RUN_DIR/steps.jsonl``, one line every ``train.log_every_steps`` optimizer steps (rank 0).
+It costs no collective and no device sync of its own: it uses the loss sum and gradient norm ``TrainStep``
+copies to the host anyway (``StepReport``, its report of an optimizer step). The loss is rank 0's own (its rows
+of the steps since the last line, like the progress lines); the gradient norm is over all ranks (after the
+all-reduce), the mean of those steps; the lr is the logged step's. A resumed run does not write a step twice:
+the sink remembers the last step the file holds. The file's format and reader are training/loop/metrics_sink.py's.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from training.core.layout import STEP_METRICS
+from training.core.log import log_rank
+from training.loading.batches import Batch
+from training.loop.coverage import CoverageTally
+from training.loop.metrics_sink import STEP_CURVES, STEP_KEY, append_line, read_metrics_lines
+
+_EPOCH_KEYS = ("train_loss", "val_loss", "val_accuracy", "val_rmse")
+
+
+@dataclass(frozen=True)
+class OptimizerSteps:
+    """How an epoch of ``micro_batches`` micro-batches is cut into optimizer steps of ``grad_accum`` each."""
+
+    grad_accum: int
+    micro_batches: int  # in one epoch, this rank's
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps in one epoch."""
+        return -(-self.micro_batches // self.grad_accum)
+
+    def group(self, index: int) -> range:
+        """The micro-batches ``[first, stop)`` of micro-batch ``index``'s optimizer step."""
+        first = (index // self.grad_accum) * self.grad_accum
+        return range(first, min(first + self.grad_accum, self.micro_batches))
+
+    def steps_optimizer(self, index: int) -> bool:
+        """Whether micro-batch ``index`` is the last of its optimizer step: the one that all-reduces and updates."""
+        return index == self.group(index)[-1]
+
+    def boundary(self, index: int) -> bool:
+        """Whether micro-batch ``index`` ends an optimizer step before the epoch's last: where the ranks may stop
+        or write a step checkpoint between two optimizer steps."""
+        return self.steps_optimizer(index) and index + 1 < self.micro_batches
+
+    def step_of(self, index: int) -> int:
+        """The optimizer step (0-based, in its epoch) micro-batch ``index`` belongs to."""
+        return index // self.grad_accum
+
+    def run_steps(self, epoch: int, index: int) -> int:
+        """Optimizer steps of the run done once micro-batch ``index`` of ``epoch`` (0-based) ends its step."""
+        return epoch * self.optimizer_steps + self.step_of(index) + 1
+
+
+class EpochSums:
+    """One rank's running sums of the epoch it trains (module docstring)."""
+
+    def __init__(self, device: torch.device, carried: dict[str, Any] | None = None):
+        carried = carried or {}
+        self.loss = torch.tensor(carried.get("loss", 0.0), dtype=torch.float64, device=device)
+        self.rows = int(carried.get("rows", 0))
+        self.coverage = CoverageTally()  # this rank's rows of the epoch
+        self.coverage.start(carried.get("coverage"))
+
+    def add(self, batch: Batch, loss: torch.Tensor) -> None:
+        """A trained micro-batch: its rows, their coverage lanes and its weighted loss sum."""
+        self.coverage.add(batch.indices)
+        self.loss.add_(loss)
+        self.rows += batch.samples
+
+    def all_reduced(self, ctx) -> dict[str, Any]:
+        """The sums over every rank (collectives: every rank calls it): {"loss", "rows", "coverage"}."""
+        loss, rows = ctx.all_reduce_sum([self.loss, self.rows])
+        return {"loss": loss, "rows": int(rows), "coverage": ctx.all_reduce_int_sum(self.coverage.totals())}
+
+
+def _eta(seconds: float) -> str:
+    return str(timedelta(seconds=max(0, int(seconds))))
+
+
+class Progress:
+    """Rank 0's progress lines (module docstring); losses times ``loss_scale`` (the target's own scale)."""
+
+    def __init__(
+        self, enabled: bool, interval_s: float, epochs: int, micro_batches: int, world_size: int, loss_scale: float
+    ):
+        self.enabled, self.interval_s = enabled, interval_s
+        self.epochs, self.micro_batches, self.world_size = epochs, micro_batches, world_size
+        self.loss_scale = loss_scale
+        self.epoch = 0
+        self.started = self.last_print = time.monotonic()
+
+    def start_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.started = self.last_print = time.monotonic()
+
+    def step(self, done: int, sums: EpochSums) -> None:
+        """After micro-batch ``done - 1``; the loss is only read (a device sync) when a line is printed."""
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if now - self.last_print < self.interval_s:
+            return
+        self.last_print = now
+        elapsed = now - self.started
+        remaining = (self.micro_batches - done) + self.micro_batches * (self.epochs - self.epoch - 1)
+        rate = sums.rows * self.world_size / max(elapsed, 1e-9)
+        loss = self.loss_scale * sums.loss.item() / max(1, sums.rows)
+        log_rank(
+            f"epoch {self.epoch + 1}/{self.epochs} step {done}/{self.micro_batches} "
+            f"loss {loss:.4f} {rate:,.0f} samples/s ETA {_eta(elapsed / max(1, done) * remaining)}"
+        )
+
+    def end_epoch(self, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        remaining_epochs = self.epochs - self.epoch - 1
+        shown = " ".join(f"{key} {metrics[key]:.4f}" for key in _EPOCH_KEYS if key in metrics)
+        if "selected_epoch" in metrics:  # counted from 1, as this line counts epochs (training/loop/selection.py)
+            shown += f" selected epoch {metrics['selected_epoch'] + 1}"
+        log_rank(
+            f"epoch {self.epoch + 1}/{self.epochs} done: {shown} {metrics['train_samples_per_s']:,.0f} samples/s "
+            f"{metrics['epoch_seconds']:.1f}s ETA {_eta(metrics['epoch_seconds'] * remaining_epochs)}"
+        )
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One optimizer step on this rank: its index in the epoch, loss sum Σ w·ℓ and real rows, gradient norm, lr,
+    and the weight Σ w of its real rows (the rows without data.weight or class weights; None: the rows)."""
+
+    index: int
+    loss_sum: float
+    rows: int
+    grad_norm: float
+    lr: float
+    weight: float | None = None
+
+
+class StepMetricsSink:
+    """Appends a line to steps.jsonl every ``every`` optimizer steps (rank 0 only; ``every`` None: never)."""
+
+    def __init__(
+        self, run_dir: str | Path, enabled: bool, every: int | None, optimizer_steps: int, loss_scale: float = 1.0
+    ):
+        self.enabled = enabled and every is not None
+        self.every, self.optimizer_steps, self.loss_scale = every, optimizer_steps, loss_scale
+        self.path = Path(run_dir) / STEP_METRICS
+        lines = read_metrics_lines(self.path) if self.enabled else []
+        self.logged_through = max((line.get(STEP_KEY, 0) for line in lines), default=0)
+        self.epoch = 0  # the epoch being trained (``start_epoch``): ``add_step`` reports in it
+        self._window()
+
+    def _window(self) -> None:
+        self.loss_sum, self.weight, self.norm_sum, self.count = 0.0, 0.0, 0.0, 0
+
+    def start_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def add_step(self, report: StepReport) -> None:
+        """``TrainStep``'s report of an optimizer step of the current epoch."""
+        self.add(self.epoch, report)
+
+    def add(self, epoch: int, report: StepReport) -> None:
+        if not self.enabled:
+            return
+        step = epoch * self.optimizer_steps + report.index + 1
+        # Σ w·ℓ / Σ w, the weighted mean the step optimises (a report without a weight: its rows weigh 1).
+        weight = report.rows if report.weight is None else report.weight
+        self.loss_sum, self.weight = self.loss_sum + report.loss_sum, self.weight + weight
+        self.norm_sum, self.count = self.norm_sum + report.grad_norm, self.count + 1
+        if step % self.every or step <= self.logged_through:
+            return
+        loss, lr, norm = STEP_CURVES
+        record = {STEP_KEY: step, "epoch": epoch, lr: report.lr, norm: self.norm_sum / self.count}
+        if self.weight:
+            record[loss] = self.loss_scale * (self.loss_sum / self.weight)
+        append_line(self.path, record)
+        self.logged_through = step
+        self._window()
