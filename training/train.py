@@ -68,7 +68,7 @@ from training.loop.step import (
     StepSettings,
     StopFlags,
     TrainStep,
-    evaluate_pieces,
+    validate_pieces,
     validation_metrics,
 )
 from training.loop.stop_request import stop_requested
@@ -344,7 +344,7 @@ class Trainer:
         """One exact validation pass: each rank its shard of the val split, the sums all-reduced once."""
         ctx, rows, settings = self.ctx, self.val_rows, self.train_step.settings
         start, stop = shard_range(rows, ctx.rank, ctx.world_size)
-        val_pass = evaluate_pieces(self.model, self.val.pieces(start, stop), self.val_batch_size, settings)
+        val_pass = validate_pieces(self.model, self.val.pieces(start, stop), self.val_batch_size, settings)
         scored = ctx.gather_objects(val_pass.scored) if val_pass.scored is not None else None  # 2 classes: AUCs
         sums = ctx.all_reduce_sum(val_pass.sums.unbind())
         val = validation_metrics(sums, settings, self.normaliser.target_std, scored)

@@ -1,7 +1,7 @@
 """One rank's pass over its micro-batches of an epoch, in one place: ``EpochPass`` (the micro-batch loop: the
 batch, forward and backward, the optimizer step, what is due between two optimizer steps: a step checkpoint,
 ``StepSchedule``, or a stop, ``StopFlags``), ``TrainStep`` (one micro-batch of the exact update: forward,
-backward and, on the last micro-batch of an optimizer step, the optimizer step), and ``evaluate`` (one exact
+backward and, on the last micro-batch of an optimizer step, the optimizer step), and ``validate`` (one exact
 validation pass). ``Trainer.run_epoch`` (training/train.py) runs an ``EpochPass``, then validates; what the pass
 counts and records (the rule of which micro-batches form an optimizer step, the epoch's sums, the progress lines
 and the step curves) is training/loop/counting.py's.
@@ -281,7 +281,7 @@ class ValidationPass:
 
 
 @torch.no_grad()
-def evaluate(
+def validate(
     model: nn.Module, split: SplitTensors, start: int, stop: int, batch_size: int, settings: StepSettings
 ) -> ValidationPass:
     """The objective's tally (training/objectives/metrics.py) over rows [start, stop) of ``split``: the caller
@@ -308,10 +308,10 @@ def evaluate(
     return ValidationPass(tally.sums().to(settings.device), tally.scored_rows())
 
 
-def evaluate_pieces(model: nn.Module, pieces, batch_size: int, settings: StepSettings) -> ValidationPass:
-    """``evaluate`` over (split, start, stop) pieces of one rank's slice (``SplitArrays.pieces``: the split whole;
+def validate_pieces(model: nn.Module, pieces, batch_size: int, settings: StepSettings) -> ValidationPass:
+    """``validate`` over (split, start, stop) pieces of one rank's slice (``SplitArrays.pieces``: the split whole;
     a streamed split: shard by shard), their sums added and their scored rows joined in order."""
-    passes = [evaluate(model, split, start, stop, batch_size, settings) for split, start, stop in pieces]
+    passes = [validate(model, split, start, stop, batch_size, settings) for split, start, stop in pieces]
     sums = torch.stack([one.sums for one in passes]).sum(dim=0)
     scored = [one.scored for one in passes if one.scored is not None]
     return ValidationPass(sums, tuple(np.concatenate(parts) for parts in zip(*scored)) if scored else None)
@@ -331,7 +331,7 @@ def validation_weights(
 def validation_metrics(
     sums: list[float], settings: StepSettings, target_std: float = 1.0, scored: list[tuple] | None = None
 ) -> dict[str, float]:
-    """``val_*`` from the all-reduced ``evaluate`` sums (and every rank's scored rows, in rank order, where the
+    """``val_*`` from the all-reduced ``validate`` sums (and every rank's scored rows, in rank order, where the
     objective ranks them); losses on the target's original scale (``target_std``)."""
     objective = settings.loss()
     tally = objective.tally(objective.n_classes)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from training.loading.batches import SplitTensors
-from training.loop.step import StepSettings, evaluate, validation_metrics
+from training.loop.step import StepSettings, validate, validation_metrics
 from training.objectives.registry import make_objective
 
 
@@ -26,7 +26,7 @@ def test_val_loss_is_weighted_by_data_weight_and_accuracy_is_not():
     split = SplitTensors(features=features, labels=labels, weights=weights)
     objective = make_objective("softmax", "classification", 2)
     settings = StepSettings(task="classification", device=torch.device("cpu"), objective=objective)
-    sums = evaluate(FirstFeature(), split, 0, 4, batch_size=3, settings=settings).sums
+    sums = validate(FirstFeature(), split, 0, 4, batch_size=3, settings=settings).sums
     metrics = validation_metrics(sums.tolist(), settings)
     losses = objective.per_row_loss(FirstFeature()({"x0": features[:, 0]}), labels)
     torch.testing.assert_close(metrics["val_loss"], float((weights * losses).sum() / weights.sum()))
@@ -74,7 +74,7 @@ def test_val_batch_size_bounds_each_validation_batch_and_leaves_the_metrics_as_t
     for batch_size in (7, 16):
         built.clear()
         model.batches.clear()
-        sums = evaluate(model, split, 3, 50, batch_size=batch_size, settings=settings).sums
+        sums = validate(model, split, 3, 50, batch_size=batch_size, settings=settings).sums
         metrics[batch_size] = validation_metrics(sums.tolist(), settings)
         # 47 rows in full batches and one short one: never more rows at once than the setting.
         full, last = divmod(47, batch_size)

@@ -355,7 +355,7 @@ def test_validation_sharded_over_ranks_reports_what_one_pass_does(objective):
     """Two ranks' slices of the val split, their sums added (the all-reduce) and scored rows gathered, give
     the metrics of one pass over the whole split: ROC AUC and PR AUC included for two classes, whichever
     objective (binary's logit, softmax's log-odds of class 1)."""
-    from training.loop.step import evaluate, validation_metrics
+    from training.loop.step import validate, validation_metrics
 
     generator = torch.Generator().manual_seed(4)
     classes = objective.n_classes or 0
@@ -366,8 +366,8 @@ def test_validation_sharded_over_ranks_reports_what_one_pass_does(objective):
     torch.manual_seed(0)
     model = NumericLinear(5, objective.n_outputs(objective.n_classes))
     settings = StepSettings("classification" if classes else "regression", torch.device("cpu"), objective=objective)
-    whole = evaluate(model, split, 0, 101, 16, settings)
-    shards = [evaluate(model, split, 0, 50, 16, settings), evaluate(model, split, 50, 101, 7, settings)]
+    whole = validate(model, split, 0, 101, 16, settings)
+    shards = [validate(model, split, 0, 50, 16, settings), validate(model, split, 50, 101, 7, settings)]
     gathered = [shard.scored for shard in shards] if whole.scored is not None else None
     one = validation_metrics(whole.sums.tolist(), settings, 2.0, [whole.scored] if whole.scored else None)
     two = validation_metrics((shards[0].sums + shards[1].sums).tolist(), settings, 2.0, gathered)
