@@ -43,7 +43,7 @@ def default_lr(rows_per_step: int, task: str) -> float:
     steps (8 rows on a 222-row train split over 2 ranks). A squared error's gradient grows with the residual, so on
     a skewed target (salaries, counts) one far row moves a step of 8 rows, and Adam's step does not shrink with that
     noise as SGD's does; the rate comes down with the square root of the rows. A class label's gradient is bounded
-    (p - y), and its tables lost accuracy at the lower rate (docs/models.md)."""
+    (p - y); the rule was measured on regression targets only (docs/benchmarks.md)."""
     if task != "regression":
         return DEFAULT_LR
     return DEFAULT_LR * min(1.0, math.sqrt(max(1, rows_per_step) / LR_REFERENCE_ROWS))

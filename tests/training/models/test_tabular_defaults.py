@@ -87,8 +87,8 @@ def test_label_smoothing_is_realmlps_for_several_classes_and_none_for_two_classe
 
 def test_the_mlps_rate_on_a_value_comes_down_with_the_square_root_of_a_small_steps_rows(tmp_path, tiny):
     """auto, for a regression target: DEFAULT_LR from 256 rows a step (the anchors' batch) up, lower below it by
-    sqrt(rows / 256): Hitters' 8-row steps (222 train rows on 2 ranks) get 1.8e-4. Classes keep DEFAULT_LR (their
-    accuracy fell at the lower rate). The run records the number; one set is kept; the world size does not move it
+    sqrt(rows / 256): Hitters' 8-row steps (222 train rows on 2 ranks) get 1.8e-4. Classes keep DEFAULT_LR (the rule
+    was measured on regression targets). The run records the number; one set is kept; the world size does not move it
     where a step's rows stay the same; another model, and a rank given an unresolved config, take DEFAULT_LR."""
     assert [round(default_lr(rows, "regression"), 7) for rows in (1, 8, 16, 64, 256, 512, 4096)] == [
         6.25e-05,
