@@ -11,6 +11,9 @@ training script's run records of its script.
   architecture it trains (a model.pt whose model_kwargs do not hold them rebuilds with the class's own
   defaults, as it was trained); none while they agree;
 - ``train.batch_size: auto`` -> ``auto_batch_size(train rows, world size)`` (``training/core/config.py``);
+- ``train.lr: auto`` -> for the built-in ``mlp``, ``default_lr`` of the rows per optimizer step and the task
+  (``training/models/tabular.py``: lower for a regression target's small steps); for every other model
+  ``DEFAULT_LR``;
 - ``train.early_stopping_patience: auto`` -> ``DEFAULT_PATIENCE`` with a val split, none without one;
 - ``train.label_smoothing: auto`` -> ``DEFAULT_LABEL_SMOOTHING`` for a softmax over more than two classes, else 0
   (``training/objectives/registry.py: label_smoothing``);
@@ -23,7 +26,7 @@ resolves again (a no-op on a resolved config), so config.json and every rank hol
 given an unresolved config (a launcher called directly, as some tests do) reads the batch, the patience and the
 label smoothing ``auto`` the same way (``TrainConfig.rank_batch_size``, ``TrainConfig.patience``,
 ``TrainConfig.smoothing``); its ``mlp`` is the class's own defaults (the architecture of a model.pt whose
-model_kwargs do not hold ``MLP_DEFAULTS``).
+model_kwargs do not hold ``MLP_DEFAULTS``) and its ``lr`` DEFAULT_LR (``TrainConfig.learning_rate``).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from training.core.log import DATA, log_rank
 from training.core.manifest import Manifest
 from training.loading.stream import stream_wanted
 from training.models.registry import with_resolved_model
-from training.models.tabular import defaults_to_record
+from training.models.tabular import default_lr, defaults_to_record
 from training.objectives.registry import label_smoothing
 
 
@@ -52,6 +55,9 @@ def resolve_for_data(config: PipelineConfig, manifest: Manifest, world_size: int
             update["model_kwargs"] = kwargs
     if train.batch_size == "auto":
         update["batch_size"] = train.rank_batch_size(world_size, manifest.rows("train"))
+    if train.lr == "auto":
+        rows = train.rows_per_step(world_size, manifest.rows("train"))
+        update["lr"] = default_lr(rows, manifest.task) if train.model == "mlp" else train.learning_rate()
     if train.early_stopping_patience == "auto":
         update["early_stopping_patience"] = train.patience(manifest.rows("val"))
     if train.label_smoothing == "auto":

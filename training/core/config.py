@@ -64,6 +64,9 @@ KeepsWeights = Annotated[_T, WeightsEffect(False)]  # may change between attempt
 # each comes from): the epoch budget, early stopping's patience, the per-rank batch cap and the rows per step.
 DEFAULT_EPOCHS = 100
 DEFAULT_PATIENCE = 10
+# train.lr auto: DEFAULT_LR, lower for the built-in mlp's small steps on a regression target
+# (training/models/tabular.py: default_lr).
+DEFAULT_LR = 1e-3
 # Softmax's label smoothing when train.label_smoothing is auto: RealMLP's 0.1 for a label of more than two classes;
 # none for two classes, whose ROC AUC it did not lift, nor for any other objective (docs/models.md: what was measured).
 DEFAULT_LABEL_SMOOTHING = 0.1
@@ -323,7 +326,12 @@ class TrainConfig(_Section):
         description="Rows of one step over all ranks, instead of train.batch_size: each rank takes it / world size. "
         "With it a run checkpointed on W ranks can resume on another number of ranks (docs/training.md).",
     )
-    lr: ChangesWeights[float] = Field(1e-3, gt=0)
+    lr: ChangesWeights[Annotated[float, Field(gt=0)] | Literal["auto"]] = Field(
+        "auto",
+        description=f"The optimizer's learning rate. auto (the default): {DEFAULT_LR}; for the built-in mlp on a "
+        f"regression target, {DEFAULT_LR} x sqrt(rows per optimizer step / 256) below 256 rows a step; the run "
+        "records the number.",
+    )
     weight_decay: ChangesWeights[float] = Field(0.01, ge=0)
     lr_schedule: ChangesWeights[Literal["constant", "cosine"]] = "constant"
     grad_clip: ChangesWeights[float | None] = Field(
@@ -568,6 +576,15 @@ class TrainConfig(_Section):
     def rank_val_batch_size(self, world_size: int, train_rows: int | None = None) -> int:
         """Rows per forward pass of a rank's validation: ``val_batch_size``, or the per-rank train batch."""
         return self.val_batch_size or self.rank_batch_size(world_size, train_rows)
+
+    def learning_rate(self) -> float:
+        """The optimizer's learning rate: ``lr``, or (``auto`` left unresolved: a launcher called directly, as some
+        tests do) DEFAULT_LR. A run resolves ``auto`` before it trains (training/resolve.py)."""
+        return DEFAULT_LR if self.lr == "auto" else float(self.lr)
+
+    def rows_per_step(self, world_size: int, train_rows: int | None = None) -> int:
+        """Rows of one optimizer step over every rank: the per-rank batch x the world x ``grad_accum``."""
+        return self.rank_batch_size(world_size, train_rows) * world_size * self.grad_accum
 
     def smoothing(self, objective: str, n_classes: int | None) -> float:
         """The label smoothing of ``objective`` (resolved: ``softmax``, ``mse``...) on ``n_classes`` classes:

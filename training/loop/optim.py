@@ -48,7 +48,9 @@ def build_optimizer(model: nn.Module, train: TrainConfig) -> torch.optim.Optimiz
     """``train.optimizer`` over ``param_groups``; a bad ``train.optimizer_kwargs`` entry is named."""
     optimizer_class = OPTIMIZERS[train.optimizer]
     try:
-        return optimizer_class(param_groups(model, train.weight_decay), lr=train.lr, **train.optimizer_kwargs)
+        return optimizer_class(
+            param_groups(model, train.weight_decay), lr=train.learning_rate(), **train.optimizer_kwargs
+        )
     except (TypeError, ValueError) as error:
         raise ValueError(
             f"train.optimizer_kwargs {train.optimizer_kwargs} do not suit train.optimizer={train.optimizer!r} "

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from training.core.config import DEFAULT_LR
 from training.kinds.base import DENSE, EMBEDDING, SCALAR
 from training.kinds.inputs import InputInfo, block_names, numeric_names
 from training.kinds.registry import block_of, inputs_in
@@ -31,6 +32,21 @@ MLP_DEFAULTS: dict = {"hidden": [256, 256], "scale_embeddings": True}
 # ensemble: TabM's k members on a small train split, where their time is the launch's, one member above it.
 SMALL_TABLE_ROWS = 10_000
 SMALL_TABLE_ENSEMBLE = 8
+# train.lr auto for a regression target: DEFAULT_LR at this many rows per optimizer step and above (RealMLP's and
+# TabM's batch), below it the square-root scaling rule for Adam (Malladi et al., NeurIPS 2022).
+LR_REFERENCE_ROWS = 256
+
+
+def default_lr(rows_per_step: int, task: str) -> float:
+    """A run's ``train.lr`` when it is ``auto``: for a regression target DEFAULT_LR x sqrt(rows per optimizer step /
+    LR_REFERENCE_ROWS), at most DEFAULT_LR; for classes DEFAULT_LR. ``batch_size: auto`` gives a small table small
+    steps (8 rows on a 222-row train split over 2 ranks). A squared error's gradient grows with the residual, so on
+    a skewed target (salaries, counts) one far row moves a step of 8 rows, and Adam's step does not shrink with that
+    noise as SGD's does; the rate comes down with the square root of the rows. A class label's gradient is bounded
+    (p - y); the rule was measured on regression targets only (docs/benchmarks.md)."""
+    if task != "regression":
+        return DEFAULT_LR
+    return DEFAULT_LR * min(1.0, math.sqrt(max(1, rows_per_step) / LR_REFERENCE_ROWS))
 
 
 def default_ensemble(train_rows: int) -> int:

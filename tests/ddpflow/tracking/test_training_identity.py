@@ -47,11 +47,12 @@ def test_the_identity_of_runs_recorded_before_stays_the_same():
     """The tag on existing runs and model versions (skip_if_unchanged compares it): a lost or added
     ChangesWeights declaration changes these hashes, and every champion would stop matching."""
     # They were recorded with train.model mlp (its default then; the pipeline now records what auto picks), and
-    # the defaults of then: 5 epochs, batch 512 per rank, no early stopping and no label smoothing (omitted from the
-    # identity as before).
-    then = {"model": "mlp", "epochs": 5, "batch_size": 512, "early_stopping_patience": None, "label_smoothing": 0.0}
+    # the defaults of then: lr 0.001, 5 epochs, batch 512 per rank, no early stopping and no label smoothing (omitted
+    # from the identity as before). A run records its lr as a number (auto resolves before the identity).
+    then = {"model": "mlp", "lr": 0.001, "epochs": 5, "batch_size": 512, "early_stopping_patience": None}
+    then |= {"label_smoothing": 0.0}
     assert training_identity_tag(config(**then), "fp0") == "aba5fe4681d3c94b"
-    changed = config(**then, lr=0.01, model_kwargs={"hidden": [8]}, nproc_per_node=2)
+    changed = config(**{**then, "lr": 0.01}, model_kwargs={"hidden": [8]}, nproc_per_node=2)
     assert training_identity_tag(changed, "fp1") == "c6294b16f1623240"
     # Today's defaults train otherwise (up to 100 epochs, early stopping, the batch for the data): another training.
     assert training_identity_tag(config(model="mlp"), "fp0") != "aba5fe4681d3c94b"

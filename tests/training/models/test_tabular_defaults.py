@@ -14,6 +14,7 @@ from manifest_datasets import make_dataset
 from training.core.config import (
     AUTO_BATCH_MAX,
     DEFAULT_LABEL_SMOOTHING,
+    DEFAULT_LR,
     DEFAULT_PATIENCE,
     ConfigError,
     PipelineConfig,
@@ -28,6 +29,7 @@ from training.models.tabular import (
     SMALL_TABLE_ENSEMBLE,
     SMALL_TABLE_ROWS,
     default_ensemble,
+    default_lr,
     defaults_to_record,
     embedding_dim,
     run_defaults,
@@ -81,6 +83,37 @@ def test_label_smoothing_is_realmlps_for_several_classes_and_none_for_two_classe
     assert build_objective(config().train, value).name == "mse"  # no smoothing to refuse
     assert resolve_for_data(config(label_smoothing=0.0), tiny, 2).train.label_smoothing == 0.0
     assert resolve_for_data(config(label_smoothing=0.2), two, 2).train.label_smoothing == 0.2
+
+
+def test_the_mlps_rate_on_a_value_comes_down_with_the_square_root_of_a_small_steps_rows(tmp_path, tiny):
+    """auto, for a regression target: DEFAULT_LR from 256 rows a step (the anchors' batch) up, lower below it by
+    sqrt(rows / 256): Hitters' 8-row steps (222 train rows on 2 ranks) get 1.8e-4. Classes keep DEFAULT_LR (the rule
+    was measured on regression targets). The run records the number; one set is kept; the world size does not move it
+    where a step's rows stay the same; another model, and a rank given an unresolved config, take DEFAULT_LR."""
+    assert [round(default_lr(rows, "regression"), 7) for rows in (1, 8, 16, 64, 256, 512, 4096)] == [
+        6.25e-05,
+        0.0001768,
+        0.00025,
+        0.0005,
+        0.001,
+        0.001,
+        0.001,
+    ]
+    assert default_lr(8, "classification") == DEFAULT_LR
+    value = read_manifest(make_dataset(tmp_path, task="regression", rows={"train": 137, "val": 20, "test": 21}))
+    resolved = resolve_for_data(config(), value, 2).train  # 137 rows: 4 a rank, 8 a step
+    assert resolved.lr == default_lr(8, "regression") and '"lr":0.000176' in resolved.model_dump_json()
+    assert resolve_for_data(config(batch_size=8), value, 1).train.lr == resolved.lr  # 1 rank x 8: the same step
+    assert resolve_for_data(config(batch_size=4, grad_accum=2), value, 1).train.lr == resolved.lr
+    assert resolve_for_data(config(lr=0.01), value, 2).train.lr == 0.01
+    assert resolve_for_data(config(), tiny, 2).train.lr == DEFAULT_LR == 1e-3  # 4 classes
+    large = read_manifest(
+        make_dataset(tmp_path / "large", task="regression", rows={"train": 9000, "val": 20, "test": 20})
+    )
+    assert resolve_for_data(config(), large, 2).train.lr == DEFAULT_LR  # 256 a rank, 512 a step
+    custom = config(model="tests.stand_in_models:whatever")
+    assert resolve_for_data(custom, value, 2).train.lr == DEFAULT_LR
+    assert config().train.lr == "auto" and config().train.learning_rate() == DEFAULT_LR
 
 
 def test_the_default_batch_grows_with_the_rows_up_to_its_cap():
