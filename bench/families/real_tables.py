@@ -149,10 +149,10 @@ def summarise(
     worst_mean = max(figures["mean"] for figures in summary.values())
     worst_seed = max(summary, key=lambda seed: summary[seed]["worst"])
     notes = [
-        f"{len(measured)} tables at seeds {', '.join(map(str, seeds))} (`train.seed`; the same split); ddpflow: "
+        f"{len(measured)} tables at seeds {', '.join(map(str, seeds))} (`train.seed`; the same splits); ddpflow: "
         "data.inputs by kind, 2 ranks, and what the table's data needs (data.on_invalid: drop for null labels, "
-        "data.task where the label's type says otherwise, data.key where the table has an id), nothing else: the "
-        "default model and training settings"
+        "data.task where the label's type says otherwise, data.key where the table has an id, a split by time "
+        "where the rows are days in order), nothing else: the default model and training settings"
         + (f"; this run's extra settings: {extra}" if (extra := extra_settings()) else "")
         + ". Boosting: HistGradientBoosting defaults (random_state 0) on the same train and test rows. "
         + (

@@ -14,7 +14,7 @@ import importlib.util
 from pathlib import Path
 
 from bench.harness.results import Timer
-from bench.workloads.beside_boosting import BINARY, REGRESSION, Table, score, split_frames
+from bench.workloads.beside_boosting import BINARY, REGRESSION, Table, numeric_values, score, split_frames
 
 NAME = "RealMLP-TD"
 
@@ -24,7 +24,8 @@ def available() -> bool:
 
 
 def features(frame, inputs: dict[str, str], categories: dict[str, list], means: dict[str, float]):
-    """RealMLP's input frame: floats (nulls as the train mean, with a missing column where ``means`` says the
+    """RealMLP's input frame: floats (a date as ``numeric_values`` gives it; nulls
+    as the train mean, with a missing column where ``means`` says the
     train split held nulls) and pandas categoricals of the train split's categories."""
     import numpy as np
     import pandas as pd
@@ -34,7 +35,7 @@ def features(frame, inputs: dict[str, str], categories: dict[str, list], means: 
         if kind == "categorical":
             columns[name] = pd.Categorical(frame[name].astype(object), categories=categories[name])
             continue
-        values = pd.to_numeric(frame[name]).astype(np.float64)
+        values = numeric_values(frame[name], kind)
         if name in means:
             columns[f"{name}.missing"] = values.isna().astype(np.float64)
             values = values.fillna(means[name])
@@ -50,7 +51,7 @@ def run_realmlp(spec: Table, dataset: Path, inputs: dict[str, str], seed: int) -
     frames = split_frames(dataset, inputs, ("train", "val", "test"))
     train, categories = frames["train"], frames["categories"]
     means = {
-        name: float(train[name].mean())
+        name: float(numeric_values(train[name], kind).mean())
         for name, kind in inputs.items()
         if kind != "categorical" and train[name].isna().any()
     }

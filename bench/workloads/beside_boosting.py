@@ -10,7 +10,8 @@ What the ``tables`` and ``real_tables`` families share (each keeps its own table
   more for an experiment; the figures of docs/benchmarks.md are measured without it.
 - HistGradientBoosting with its defaults (``random_state=0`` so that a rerun is the same), fitted on the rows
   of ddpflow's own train split and scored on its own test split, read from the prepared shards: numeric
-  columns as float (NaN as is), categoricals as pandas categoricals (``categorical_features="from_dtype"``);
+  columns as float (NaN as is), dates as their seconds since 1970, categoricals as pandas categoricals
+  (``categorical_features="from_dtype"``);
   an id with more values than the 255 bins it takes for a categorical is target-encoded (scikit-learn's
   ``TargetEncoder``, cross-fitted on the train split in 5 folds drawn with a fixed seed, so a rerun scores the same
   reference), what scikit-learn advises for many categories.
@@ -102,16 +103,27 @@ def run_ddpflow(config, spec: Table) -> dict:
 def boosting_features(frame, inputs: dict[str, str], categories: dict[str, list]):
     """What HistGradientBoosting takes natively: floats with NaN, pandas categoricals (train's categories). An id
     with more values than its bins is left out here: ``wide_ids`` names them, ``run_boosting`` target-encodes."""
-    import numpy as np
     import pandas as pd
 
     features = pd.DataFrame(index=frame.index)
     for name, kind in inputs.items():
         if kind != "categorical":
-            features[name] = pd.to_numeric(frame[name]).astype(np.float64)
+            features[name] = numeric_values(frame[name], kind)
         elif len(categories[name]) <= MAX_BINS:
             features[name] = pd.Categorical(frame[name], categories=categories[name])
     return features
+
+
+def numeric_values(column, kind: str):
+    """A numeric or datetime input as float64, nulls as NaN: a date or timestamp (an ISO string, a date, a
+    timestamp with or without a zone) as its seconds since 1970 in UTC, the number a tree splits on."""
+    import numpy as np
+    import pandas as pd
+
+    if kind == "datetime":
+        moments = pd.to_datetime(column, utc=True)
+        return (moments - pd.Timestamp(0, tz="UTC")).dt.total_seconds().astype(np.float64)
+    return pd.to_numeric(column).astype(np.float64)
 
 
 def wide_ids(categories: dict[str, list]) -> list[str]:

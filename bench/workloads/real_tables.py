@@ -8,8 +8,8 @@ Each ``RealTable`` says where its rows come from, its label and task, and what a
 its natural kind (codes of a category as ``categorical``, counts and amounts as ``numeric``); a column a user
 would leave out (the label's own parts, an id, the package's own train/test flag) is named in ``left_out`` with
 the reason. ``data`` holds the data settings the table itself needs (``on_invalid: drop`` for null labels).
-A date column is in ``dates``; it is an input where ``inputs`` declares it (``kinds(..., datetime="date")``: one
-argument in the table's spec), and left out otherwise, as every date is now: no input kind takes a date yet.
+A date column is in ``dates``; it is an input where ``inputs`` declares it (``kinds(..., datetime="date")``: the
+``datetime`` kind, as a user declares a date), and left out otherwise.
 tests/bench/test_bench_real_tables.py checks the claims of ``structure``.
 """
 
@@ -128,7 +128,7 @@ TABLES = (  # smallest first: a run's first figures come soonest
         "cars",
         MULTICLASS,
         "Origin",
-        kinds("Miles_per_Gallon Cylinders Displacement Horsepower Weight_in_lbs Acceleration"),
+        kinds("Miles_per_Gallon Cylinders Displacement Horsepower Weight_in_lbs Acceleration", datetime="Year"),
         "vega_datasets cars: 406 cars' origin (USA 254, Japan 79, Europe 73), 6 numeric with nulls "
         "(Miles_per_Gallon 8, Horsepower 6), the model year a date",
         "vega_datasets",
@@ -178,12 +178,13 @@ TABLES = (  # smallest first: a run's first figures come soonest
         "seattle_weather",
         MULTICLASS,
         "weather",
-        kinds("precipitation temp_max temp_min wind"),
+        kinds("precipitation temp_max temp_min wind", datetime="date"),
         "vega_datasets seattle-weather: 1,461 days' weather (5 classes, imbalanced: sun 714, fog 411, rain 259, "
         "drizzle 54, snow 23), 4 numeric, the date",
         "vega_datasets",
         vega("seattle-weather"),
         dates=("date",),
+        data={"split": {"by": "time", "column": "date"}},  # days in order: judged on the latest
     ),
     RealTable(
         "wage",
@@ -209,13 +210,14 @@ TABLES = (  # smallest first: a run's first figures come soonest
         "nyse",
         REGRESSION,
         "log_volume",
-        kinds("DJ_return log_volatility", categorical="day_of_week"),
+        kinds("DJ_return log_volatility", categorical="day_of_week", datetime="date"),
         "ISLP NYSE: 6,051 trading days' log volume (detrended), the day's Dow Jones return and log volatility, "
         "weekday; the date (1962-1986)",
         "ISLP",
         islp("NYSE"),
         left_out={"train": "ISLP's own train/test flag"},
         dates=("date",),
+        data={"split": {"by": "time", "column": "date"}},  # trading days in order: judged on the latest
     ),
     RealTable(
         "fair",
