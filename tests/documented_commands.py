@@ -32,6 +32,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -294,6 +296,10 @@ class DocShell:
         assert found, f"no command {prefix!r} ran in the background"
         return found[-1]
 
+    def typed(self) -> list[str]:
+        """Every command typed: those that ended, and those left running until their block ended."""
+        return [ran.typed for ran in self.ran] + [background.typed for background, _, _ in self.stopped]
+
     def failures(self) -> list[str]:
         return [
             f"{ran.block.doc}:{ran.block.line}: {ran.typed[:200]!r} exited {ran.status}:\n{ran.output[-3000:]}"
@@ -327,6 +333,20 @@ def _group_members(pgid: int) -> list[int]:
             except (ProcessLookupError, PermissionError):
                 continue
     return members
+
+
+@contextmanager
+def doc_run(doc: Path, checkout: Path, mlflow_db: Path, harness_url: str, after: dict) -> Iterator[DocShell]:
+    """Every fenced shell command of ``doc`` run in ``checkout`` (a fresh checkout), with ``mlflow_db`` as its empty
+    store and ``after`` (a typed prefix -> a check run after it); a stack it left up is brought down after."""
+    shutil.copy(mlflow_db, checkout / "mlflow.db")  # an empty store, its schema made once per session
+    shell = DocShell(checkout, doc_env(checkout), harness_url=harness_url)
+    shell.after.update(after)
+    try:
+        shell.run_all(shell_blocks(doc))
+        yield shell
+    finally:
+        shell.close()
 
 
 def doc_env(checkout: Path) -> dict[str, str]:

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from tests.documented_commands import REPO, DocShell, doc_env, fresh_checkout, shell_blocks
+from tests.documented_commands import REPO, DocShell, doc_run, fresh_checkout, shell_blocks
 
 # torchrun and server: the demo's ranks, the stack, ddpflow serve. The whole doc runs in the module's fixture:
 # minutes of launches (a stack, trainings), counted in the first test's timeout, so the suite's 600 s is raised.
@@ -38,19 +37,14 @@ def stack_runs(shell: DocShell) -> None:
 @pytest.fixture(scope="module")
 def readme(tmp_path_factory, prefect_harness, _migrated_mlflow_db) -> Iterator[DocShell]:
     checkout = fresh_checkout(tmp_path_factory.mktemp("readme-checkout"))
-    shutil.copy(_migrated_mlflow_db, checkout / "mlflow.db")  # an empty store, its schema made once per session
-    shell = DocShell(checkout, doc_env(checkout), harness_url=prefect_harness)
-    shell.after["prefect deployment run"] = stack_runs
-    try:
-        shell.run_all(shell_blocks(REPO / "README.md"))
+    after = {"prefect deployment run": stack_runs}
+    with doc_run(REPO / "README.md", checkout, _migrated_mlflow_db, prefect_harness, after) as shell:
         yield shell
-    finally:
-        shell.close()
 
 
 def test_every_command_of_the_readme_runs_green_on_a_fresh_checkout(readme: DocShell):
     assert readme.failures() == [], readme.report()
-    typed = [ran.typed for ran in readme.ran] + [background.typed for background, _, _ in readme.stopped]
+    typed = readme.typed()
     blocks = shell_blocks(REPO / "README.md")
     expected = [command for block in blocks if block.not_run is None for command in block.commands]
     assert sorted(typed) == sorted(expected), readme.report()

@@ -19,7 +19,7 @@ import pandas as pd
 import pytest
 from mlflow import MlflowClient
 
-from tests.documented_commands import REPO, DocShell, doc_env, fresh_checkout, shell_blocks
+from tests.documented_commands import REPO, DocShell, doc_run, fresh_checkout, shell_blocks
 
 # torchrun and server: the run's ranks, the stack, ddpflow serve. The whole doc runs in the module's fixture: minutes of
 # launches (a stack, trainings), counted in the first test's timeout, so the suite's 600 s per test is raised.
@@ -39,22 +39,15 @@ def deployment_of_the_user(shell: DocShell) -> None:
 
 @pytest.fixture(scope="module")
 def walkthrough(tmp_path_factory, prefect_harness, _migrated_mlflow_db) -> Iterator[DocShell]:
-    import shutil
-
     checkout = fresh_checkout(tmp_path_factory.mktemp("walkthrough-checkout"))
-    shutil.copy(_migrated_mlflow_db, checkout / "mlflow.db")
-    shell = DocShell(checkout, doc_env(checkout), harness_url=prefect_harness)
-    shell.after["prefect --no-prompt deploy --prefect-file"] = deployment_of_the_user
-    try:
-        shell.run_all(shell_blocks(WALKTHROUGH))
+    after = {"prefect --no-prompt deploy --prefect-file": deployment_of_the_user}
+    with doc_run(WALKTHROUGH, checkout, _migrated_mlflow_db, prefect_harness, after) as shell:
         yield shell
-    finally:
-        shell.close()
 
 
 def test_every_command_of_the_walkthrough_runs_green_on_a_fresh_checkout(walkthrough: DocShell):
     assert walkthrough.failures() == [], walkthrough.report()
-    typed = [ran.typed for ran in walkthrough.ran] + [background.typed for background, _, _ in walkthrough.stopped]
+    typed = walkthrough.typed()
     expected = [command for block in shell_blocks(WALKTHROUGH) for command in block.commands]
     assert sorted(typed) == sorted(expected) and walkthrough.skipped == [], walkthrough.report()
     print(walkthrough.report())

@@ -24,6 +24,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from training.core.log import byte_size
 from training.loading.batches import SplitArrays
 
 DataOnDevice = bool | Literal["auto"]
@@ -53,7 +54,8 @@ def decide(mode: DataOnDevice, device: torch.device, needed: int, free: int) -> 
         return False, "auto: the device is the host, the split stays in the node's shared copy"
     budget = max(0, free) // AUTO_SHARE
     verdict = "at most" if needed <= budget else "more than"
-    return needed <= budget, f"auto: {_mb(needed)} is {verdict} a quarter of the {_mb(free)} free after the model"
+    free_text = byte_size(free)
+    return needed <= budget, f"auto: {byte_size(needed)} is {verdict} a quarter of the {free_text} free after the model"
 
 
 def place_splits(
@@ -80,7 +82,7 @@ def _to_device(name: str, split: SplitArrays, device: torch.device) -> SplitArra
         return split.with_sections({section: tensor.to(device) for section, tensor in split.row_sections().items()})
     except torch.OutOfMemoryError as error:
         raise RuntimeError(
-            f"train.data_on_device=true: the {name} split ({_mb(split_bytes(split))}) does not fit on {device}; "
+            f"train.data_on_device=true: the {name} split ({byte_size(split_bytes(split))}) does not fit on {device}; "
             "use auto (places it only where it fits) or false"
         ) from error
 
@@ -90,7 +92,3 @@ def _free_device_bytes(device: torch.device) -> int:
         return 0  # unused: auto keeps host data on the host
     free, _total = torch.cuda.mem_get_info(device)
     return free
-
-
-def _mb(count: int) -> str:
-    return f"{count / 1e6:,.1f} MB" if count < 1e9 else f"{count / 1e9:,.2f} GB"

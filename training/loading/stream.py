@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from training.core.config import DataConfig
-from training.core.log import DATA, log_main, log_rank
+from training.core.log import DATA, byte_size, log_main, log_rank
 from training.core.manifest import Manifest, SplitInfo
 from training.kinds.base import Codec
 from training.kinds.ragged import BatchContext, RaggedArray
@@ -77,8 +77,8 @@ def stream_wanted(data: DataConfig, dataset_dir: str | Path, manifest: Manifest)
         on = needed > AUTO_SHARE * free
         verdict = "more" if on else "no more"
         return on, (
-            f"data.stream auto: the node cache would take {_mb(needed)}, {verdict} than half of the {_mb(free)} "
-            f"free under {directory}: {'streaming' if on else 'the node cache'}"
+            f"data.stream auto: the node cache would take {byte_size(needed)}, {verdict} than half of the "
+            f"{byte_size(free)} free under {directory}: {'streaming' if on else 'the node cache'}"
         )
     return bool(data.stream), f"data.stream={str(data.stream).lower()}"
 
@@ -146,8 +146,8 @@ class StreamSource:
         cache = self.cache
         return (
             f"{self.split}: {self.rows} rows streamed from {self.dataset_dir} through {cache.directory} "
-            f"(limit {_mb(cache.limit)}; this rank copied in {_mb(cache.downloaded)}, the cache held at most "
-            f"{_mb(cache.peak)} when it added a shard)"
+            f"(limit {byte_size(cache.limit)}; this rank copied in {byte_size(cache.downloaded)}, the cache held at "
+            f"most {byte_size(cache.peak)} when it added a shard)"
         )
 
 
@@ -369,9 +369,10 @@ class StreamBatches:
             here = torch.from_numpy(windows == j)
             parts.append((window, window.shuffle.index_select(0, reads[here] - window.start)))
         arrays = parts[0][0].arrays
+        per_window = [(window.arrays.row_sections(), local) for window, local in parts]  # built once a window
         sections = {
-            name: torch.cat([window.arrays.row_sections()[name].index_select(0, local) for window, local in parts])
-            for name in arrays.row_sections()
+            name: torch.cat([held[name].index_select(0, local) for held, local in per_window])
+            for name in per_window[0][0]
             if name != WEIGHTS
         }
         rows = torch.cat([window.row_ids.index_select(0, local) for window, local in parts])
@@ -440,7 +441,7 @@ def open_stream(dataset_dir: str | Path, manifest: Manifest, data: DataConfig, c
     log_main(
         ctx.is_main,
         f"{why}: train and val streamed from {dataset_dir} through {train.cache.directory} (limit "
-        f"{_mb(data.stream_cache_limit)}, windows of {data.shuffle_window} shards); batches gathered on the host "
+        f"{byte_size(data.stream_cache_limit)}, windows of {data.shuffle_window} shards); batches gathered on the host "
         "and decoded in the rank (train.data_on_device and train.num_workers do not apply)",
         DATA,
     )
@@ -475,9 +476,3 @@ class StreamedSplit:
                 yield arrays, max(start, first) - first, min(stop, int(self.first[i + 1])) - first
         finally:
             shards.close()
-
-
-def _mb(count: int) -> str:
-    if count < 1e6:
-        return f"{count / 1e3:,.1f} kB"
-    return f"{count / 1e6:,.1f} MB" if count < 1e9 else f"{count / 1e9:,.2f} GB"

@@ -80,7 +80,13 @@ class OptimizerSteps:
 
     def run_steps(self, epoch: int, index: int) -> int:
         """Optimizer steps of the run done once micro-batch ``index`` of ``epoch`` (0-based) ends its step."""
-        return epoch * self.optimizer_steps + self.step_of(index) + 1
+        return steps_of_run(epoch, self.optimizer_steps, self.step_of(index))
+
+
+def steps_of_run(epoch: int, optimizer_steps: int, step: int) -> int:
+    """Optimizer steps of the run done once optimizer step ``step`` (0-based) of ``epoch`` ends, at
+    ``optimizer_steps`` an epoch: the run's step count of step checkpoints and steps.jsonl."""
+    return epoch * optimizer_steps + step + 1
 
 
 class EpochSums:
@@ -195,7 +201,7 @@ class StepMetricsSink:
     def add(self, epoch: int, report: StepReport) -> None:
         if not self.enabled:
             return
-        step = epoch * self.optimizer_steps + report.index + 1
+        step = steps_of_run(epoch, self.optimizer_steps, report.index)
         # Σ w·ℓ / Σ w, the weighted mean the step optimises (a report without a weight: its rows weigh 1).
         weight = report.rows if report.weight is None else report.weight
         self.loss_sum, self.weight = self.loss_sum + report.loss_sum, self.weight + weight
