@@ -169,9 +169,7 @@ class Trainer:
             if warm is not None:
                 self.model.load_state_dict(warm)
         self.model.to(self.ctx.device)
-        self.allreduce = GradientAllReduce(
-            self.process.poll_allreduce, self.preemption.flag
-        )  # the stop flags ride on it
+        self.allreduce = GradientAllReduce(self.process.poll_allreduce, self.preemption)  # the flags ride on it
         self.ddp = wrap_model(self.model, self.ctx, self.allreduce, train.sync_batchnorm)  # trains
         return saved
 

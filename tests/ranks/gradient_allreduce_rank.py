@@ -10,8 +10,10 @@ backend ran during ddpflow's step (torch.profiler's ``gloo:all_reduce`` events; 
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -39,14 +41,14 @@ def collectives(prof) -> int:
 def main() -> None:
     out = Path(sys.argv[1])
     with distributed(TrainConfig(backend="gloo")) as ctx:
-        step_now = {"step": 0}
-        flag = lambda: int(ctx.rank == 1 and step_now["step"] >= STOP_AT)  # noqa: E731
-        gradients = GradientAllReduce(flag=flag)
+        watch = SimpleNamespace(signum=None)  # a PreemptionWatch's flag: rank 1's is set from step STOP_AT on
+        gradients = GradientAllReduce(watch=watch)
         ours, plain = wrap_model(model(), ctx, gradients), DistributedDataParallel(model())
         generator = torch.Generator().manual_seed(100 + ctx.rank)
         record = []
         for step in range(STEPS):
-            step_now["step"] = step
+            if ctx.rank == 1 and step == STOP_AT:
+                watch.signum = signal.SIGUSR1
             batches = [(torch.randn(5, 7, generator=generator) * 1e3, torch.randn(5, 3, generator=generator))]
             batches += [(torch.randn(4, 7, generator=generator), torch.randn(4, 3, generator=generator))]
             flags_between, counts = [], {}

@@ -10,7 +10,7 @@ two, ``x / 3`` and ``x * (1 / 3)`` differ in the last bit, for 40% of a small ML
 **The stop flags ride on the gradients.** Every rank must learn of a stop (a signal to any one rank:
 training/loop/preemption.py) at the same optimizer step, which takes a collective; one of its own on every step
 costs a round trip through the backend, as dear as the gradients' own all-reduce for a small model on CPU ranks.
-So the hook appends this rank's flag (``flag()``: 1 when told to stop, else 0) to bucket 0 of every backward that
+So the hook appends this rank's flag (1 once its ``watch`` received a signal, else 0) to bucket 0 of every backward that
 all-reduces (the last micro-batch of an optimizer step: the others run under ``no_sync``) and all-reduces the
 two together: the gradients come back as DDP would have them, and the last element is the number of ranks told to
 stop, the same on every rank. ``take_flags`` hands that number to the loop once per step (training/loop/step.py:
@@ -33,9 +33,8 @@ differs; earlier buckets still overlap the backward pass.
 
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -54,9 +53,10 @@ def wants_polling(setting: bool | Literal["auto"], device: torch.device, world_s
     return setting is True or pinned
 
 
-def no_stop() -> int:
-    """The flag of a rank that no signal can stop (no ``PreemptionWatch`` installed)."""
-    return 0
+class Watch(Protocol):
+    """What the hook reads of a rank's stop signal (training/loop/preemption.py: ``PreemptionWatch``)."""
+
+    signum: int | None  # the first signal received, None until then
 
 
 @dataclass
@@ -65,7 +65,7 @@ class GradientAllReduce:
     all-reduce carries back."""
 
     poll: bool = False
-    flag: Callable[[], int] = no_stop
+    watch: Watch | None = None  # None: a rank no signal stops (its flag stays 0)
     poll_limit_s: float = POLL_LIMIT_S
     group: dist.ProcessGroup | None = None  # set by ``register``: the DDP module's group
     in_flight: list[torch.futures.Future] = field(default_factory=list)  # this step's buckets, while polling
@@ -91,7 +91,8 @@ def gradient_allreduce_hook(state: GradientAllReduce, bucket: dist.GradBucket) -
     """DDP's own average of the bucket, the stop flags appended to bucket 0; polling once the last is launched."""
     buffer = bucket.buffer().mul_(1.0 / state.group.size())
     if bucket.index() == 0:
-        carried = torch.cat([buffer, buffer.new_full((1,), float(state.flag()))])
+        told = state.watch is not None and state.watch.signum is not None
+        carried = torch.cat([buffer, buffer.new_full((1,), float(told))])
         state.flags = dist.all_reduce(carried, group=state.group, async_op=True).get_future()
         future = state.flags.then(lambda done: done.value()[0][:-1])
     else:

@@ -86,10 +86,6 @@ class PreemptionWatch:
             signal.signal(sig, watch._handle)
         return watch
 
-    def flag(self) -> int:
-        """1 once a signal came, else 0: what this rank adds to the ranks' sum."""
-        return int(self.signum is not None)
-
     def _handle(self, signum: int, frame: Any) -> None:
         if self.signum is None:  # only a flag: the work happens at the next step boundary
             self.signum, self.received_at = signum, time.monotonic()

@@ -247,7 +247,7 @@ class StopFlags:
 
     def requested(self) -> bool:
         """Any rank's flag, on every rank (every rank must call it at the same point)."""
-        return self.ctx.all_reduce_int_sum([self.watch.flag()])[0] > 0
+        return self.ctx.all_reduce_int_sum([int(self.watch.signum is not None)])[0] > 0
 
 
 def gradient_norm(parameters) -> torch.Tensor:
