@@ -273,8 +273,8 @@ def wrap_model(
     model: nn.Module, ctx: DistContext, allreduce: GradientAllReduce | None = None, sync_batchnorm: bool = False
 ) -> DistributedDataParallel:
     """DDP on this rank's device. DDP broadcasts rank 0's weights and buffers at construction. Its gradients are
-    all-reduced by ``allreduce`` (training/distributed/gradient_allreduce.py: DDP's average, the stop flags carried
-    along, polling where ``train.cpu_poll_allreduce`` says; None: a state that never polls and carries no flag).
+    all-reduced by ``allreduce`` (``GradientAllReduce``: DDP's average, the stop flags carried along, polling where
+    ``train.cpu_poll_allreduce`` says; None: a state that never polls and carries no flag).
 
     ``sync_batchnorm`` (train.sync_batchnorm): the model's BatchNorm layers become SyncBatchNorm, in place
     (the same parameters and buffers: model.pt keeps its keys). On a GPU the weights go channels_last (a
