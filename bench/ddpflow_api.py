@@ -248,9 +248,11 @@ def train_epoch(
     device: str | torch.device = "cpu",
     grad_accum: int = 1,
     bf16: bool = False,
+    stops=None,
 ) -> int:
     """ddpflow's training epoch: ``Trainer.run_epoch``'s loop over ``training.loop.step.TrainStep`` (the exact update),
-    without the Trainer's validation and hooks; returns the samples trained."""
+    without the Trainer's validation and hooks; returns the samples trained. ``stops``: the run's stop check after
+    every micro-batch (``DdpflowRank.stop_flags``), as ``training.loop.step.EpochPass`` makes it."""
     from training.loop.step import StepSettings, TrainStep
 
     device = torch.device(device)
@@ -263,6 +265,8 @@ def train_epoch(
     for step, batch in enumerate(batches.epoch(epoch)):
         loss.add_(train_step(step, batch))
         samples += batch.samples
+        if stops is not None and stops.due(step):
+            raise RuntimeError("a stop flag was set")  # no handler is installed: never
     return samples
 
 
@@ -309,19 +313,31 @@ def write_model_file(dataset_dir: str | Path, path: Path, model, hidden: Iterabl
 # ----------------------------------------------------------------------------- a rank's set-up
 
 
-@dataclass(frozen=True)
+@dataclass
 class DdpflowRank:
     """A rank joined and configured by ddpflow's own code, as ``training.train.Trainer`` sets one up."""
 
     ctx: Any  # training.distributed.context.DistContext
     setup: Any  # training.distributed.process.ProcessSetup: threads, cores, whether it polls for the all-reduce
+    gradients: Any = None  # training.distributed.gradient_allreduce.GradientAllReduce, once ``wrap`` made it
 
     def wrap(self, model):
-        """``training.distributed.context.wrap_model``: DDP with ddpflow's bucket size, and its polling hook
-        when asked."""
+        """``training.distributed.context.wrap_model``: DDP with ddpflow's bucket size and its gradient all-reduce
+        (the stop flags carried on it; polling when asked)."""
         from training.distributed.context import wrap_model
+        from training.distributed.gradient_allreduce import GradientAllReduce
 
-        return wrap_model(model, self.ctx, self.setup.poll_allreduce)
+        self.gradients = GradientAllReduce(self.setup.poll_allreduce)
+        return wrap_model(model, self.ctx, self.gradients)
+
+    def stop_flags(self, grad_accum: int, micro_batches: int):
+        """``training.loop.step.StopFlags`` as a run's epoch asks it after every micro-batch, over ``wrap``'s
+        all-reduce (no signal handler: it never says stop, but it reads the flags a run reads)."""
+        from training.loop.counting import OptimizerSteps
+        from training.loop.preemption import PreemptionWatch
+        from training.loop.step import StopFlags
+
+        return StopFlags(PreemptionWatch(), self.ctx, OptimizerSteps(grad_accum, micro_batches), self.gradients)
 
 
 @contextmanager

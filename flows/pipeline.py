@@ -11,6 +11,9 @@ Returns a summary dict: model name and version, the gate's decision, test
 metrics, data drift from the champion's training data, the MLflow run id and
 URL, the run directory.
 
+The data drift from the champion's training data is measured beside the training (its task is submitted
+before the train task, and the flow waits for it before the gate, which reads it).
+
 ``train.skip_if_unchanged``: when @champion was trained on this very data with
 the same weight-changing settings (ddpflow/tracking/skip.py), the flow ends
 Completed after prepare and the checks, without training: the decision is
@@ -135,12 +138,14 @@ def train_pipeline(
         ddp=_ddp_params(config, layout),
         dataset_dir=dataset_dir,
     )
+    drifting = None  # the drift task, beside the training: it reads the prepared data and the champion's profile only
     try:
         tag_run(tracking_uri, run_id, {RUN_DIR_TAG: str(run_dir)})
         earlier_run_id = record_mlflow_run(run_dir, run_id)
         if earlier_run_id is not None:
             link_resumed_run(tracking_uri, earlier_run_id, run_id)
-        drift = measure_data_drift(config, prepared.manifest, run_id, tracking_uri) if prepared is not None else None
+        if prepared is not None:
+            drifting = measure_data_drift.submit(config, prepared.manifest, run_id, tracking_uri)
         request = TrainRequest(
             config,
             dataset_dir,
@@ -151,12 +156,15 @@ def train_pipeline(
             grace_s=KILL_GRACE_S,
         )
         trained = train_model(request, mlflow_run_id=run_id)
+        drift = drifting.result() if drifting is not None else None  # logged to the run before the gate reads it
         tag_run(tracking_uri, run_id, {RESTARTS_TAG: str(trained.restarts)})
         candidate = evaluate_trained(config, trained, dataset_dir, run_id, tracking_uri)
         # Everything that can fail runs before the gate: once @champion moves, the flow must not fail.
         mlflow_run_url = ui_url(tracking_uri, run_id)
         decision = gate(config, candidate, dataset_dir, run_id, tracking_uri)
     except BaseException as error:
+        if drifting is not None:
+            drifting.wait()  # it logs to the run: let it finish before the run ends
         interrupted = isinstance(error, INTERRUPTIONS)
         if interrupted:
             _tag_preempted(tracking_uri, run_id, Path(run_dir))

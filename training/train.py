@@ -39,6 +39,7 @@ from training.core.log import DATA, log_main, log_rank
 from training.core.manifest import read_manifest
 from training.core.rng import seed_process
 from training.distributed.context import DistContext, distributed, shard_range, wrap_model
+from training.distributed.gradient_allreduce import GradientAllReduce
 from training.distributed.process import (
     configure_process,
     decode_workers,
@@ -168,7 +169,8 @@ class Trainer:
             if warm is not None:
                 self.model.load_state_dict(warm)
         self.model.to(self.ctx.device)
-        self.ddp = wrap_model(self.model, self.ctx, self.process.poll_allreduce, train.sync_batchnorm)  # trains
+        self.allreduce = GradientAllReduce(self.process.poll_allreduce, self.preemption)  # the flags ride on it
+        self.ddp = wrap_model(self.model, self.ctx, self.allreduce, train.sync_batchnorm)  # trains
         return saved
 
     def _place_data(self, train_split) -> None:
@@ -231,7 +233,7 @@ class Trainer:
             self.manifest.task, ctx.device, train.grad_accum, train.grad_clip, train.bf16, self.objective
         )
         self.train_step = TrainStep(self.ddp, optimizer, scheduler, self.batches, settings, curves.add_step)
-        self.stops = StopFlags(self.preemption, ctx, steps)
+        self.stops = StopFlags(self.preemption, ctx, steps, self.allreduce)
         schedule = StepSchedule(train.checkpoint_every_steps, train.checkpoint_every_s, steps, ctx.rank0_flag)
         self.epoch_pass = EpochPass(
             self.train_step, schedule, self.stops, (self.progress, curves), self.state.save_step, self._stopped,

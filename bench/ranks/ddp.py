@@ -77,9 +77,8 @@ def pin_to_own_cores(local_rank: int, local_world: int) -> None:
 class DdpflowFeed:
     """Warm-up and timed epochs through ddpflow's loader and training loop."""
 
-    def __init__(self, args, rank: int, world: int, device):
-
-        self.api, self.args, self.device = ddpflow_api, args, device
+    def __init__(self, args, rank: int, world: int, device, ddpflow=None):
+        self.api, self.args, self.device, self.ddpflow = ddpflow_api, args, device, ddpflow
         split = ddpflow_api.node_splits(args.data, ["train"])["train"].tensors  # as training.train gets it
         per_step = args.batch * world
         self.warm = ddpflow_api.train_batches(
@@ -99,6 +98,8 @@ class DdpflowFeed:
 
     def run(self, ddp, optimizer, timed: bool) -> int:
         batches = self.timed if timed else self.warm
+        # ddpflow's ranks read the stop flags as a run does (they ride on the gradient all-reduce)
+        stops = None if self.ddpflow is None else self.ddpflow.stop_flags(self.args.grad_accum, len(batches))
         return self.api.train_epoch(
             ddp,
             optimizer,
@@ -107,6 +108,7 @@ class DdpflowFeed:
             device=self.device,
             grad_accum=self.args.grad_accum,
             bf16=self.args.bf16,
+            stops=stops,
         )
 
 
@@ -163,7 +165,7 @@ def main() -> None:
         with ddpflow_api.ddpflow_rank(args.set) as rank:
             ctx = rank.ctx
             model, optimizer = build_model_and_optimizer(device=ctx.device)
-            measure(args, ctx.rank, ctx.world_size, ctx.device, rank.wrap(model), optimizer, rank.setup)
+            measure(args, ctx.rank, ctx.world_size, ctx.device, rank.wrap(model), optimizer, rank)
         return
     plain_rank(args)
 
@@ -198,13 +200,19 @@ def plain_rank(args) -> None:
     dist.destroy_process_group()
 
 
-def measure(args, rank: int, world: int, device, ddp, optimizer, setup=None) -> None:
-    """Warm up, then time ``args.steps`` steps between two barriers; write this rank's figures."""
+def measure(args, rank: int, world: int, device, ddp, optimizer, ddpflow=None) -> None:
+    """Warm up, then time ``args.steps`` steps between two barriers; write this rank's figures (``ddpflow``: the
+    rank's ``ddpflow_api.DdpflowRank``, None for plain PyTorch's)."""
+    setup = None if ddpflow is None else ddpflow.setup
     import torch
     import torch.distributed as dist
 
     model = getattr(ddp, "module", ddp)
-    feed = (DdpflowFeed if args.feed == "ddpflow" else PlainFeed)(args, rank, world, device)
+    feed = (
+        DdpflowFeed(args, rank, world, device, ddpflow)
+        if args.feed == "ddpflow"
+        else PlainFeed(args, rank, world, device)
+    )
     cuda = device.type == "cuda"
 
     feed.run(ddp, optimizer, timed=False)

@@ -203,3 +203,17 @@ def test_a_drifted_source_is_shown_and_held_as_challenger_by_max_drift_psi(story
     assert str(client.get_model_version_by_alias(name, "champion").version) != drifted["model_version"]
     version = client.get_model_version(name, drifted["model_version"])
     assert version.tags["gate.drift_feature"] == "f0" and float(version.tags["gate.drift_psi"]) > 0.25
+
+
+def test_the_drift_is_measured_beside_the_training(story):
+    """The drift task reads the prepared data and the champion's profile only: the flow submits it before the train
+    task and waits for it after, so the two task runs overlap (the drift's seconds are off the run's critical path)."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    _, runs, _ = story
+    flow_run_id = runs["appended"]["flow_run_id"]
+    with get_client(sync_client=True) as client:
+        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    spans = {task.name.rsplit("-", 1)[0]: (task.start_time, task.end_time) for task in tasks}
+    (drift_start, drift_end), (train_start, train_end) = spans["measure-data-drift"], spans["train-model"]
+    assert drift_start < train_end and train_start < drift_end, spans

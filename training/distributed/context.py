@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from training.core import topology
 from training.core.config import TrainConfig
 from training.core.log import log_rank
-from training.distributed.allreduce_poll import register_polling_allreduce
+from training.distributed.gradient_allreduce import GradientAllReduce
 
 # DDP's default puts the first gradient bucket at 1 MiB and the rest at 25 MiB,
 # so even a small model pays two all-reduces per step. Passing the cap
@@ -270,11 +270,12 @@ def distributed(train: TrainConfig) -> Iterator[DistContext]:
 
 
 def wrap_model(
-    model: nn.Module, ctx: DistContext, poll_allreduce: bool = False, sync_batchnorm: bool = False
+    model: nn.Module, ctx: DistContext, allreduce: GradientAllReduce | None = None, sync_batchnorm: bool = False
 ) -> DistributedDataParallel:
-    """DDP on this rank's device. DDP broadcasts rank 0's weights and buffers at construction.
+    """DDP on this rank's device. DDP broadcasts rank 0's weights and buffers at construction. Its gradients are
+    all-reduced by ``allreduce`` (``GradientAllReduce``: DDP's average, the stop flags carried along, polling where
+    ``train.cpu_poll_allreduce`` says; None: a state that never polls and carries no flag).
 
-    ``poll_allreduce``: CPU ranks wait for the gradient all-reduce by polling (training/distributed/allreduce_poll.py).
     ``sync_batchnorm`` (train.sync_batchnorm): the model's BatchNorm layers become SyncBatchNorm, in place
     (the same parameters and buffers: model.pt keeps its keys). On a GPU the weights go channels_last (a
     no-op for a model without convolutions; faster convolutions under bf16).
@@ -283,14 +284,12 @@ def wrap_model(
         convert_batchnorm(model, ctx.device)
     if ctx.device.type == "cuda":
         model.to(memory_format=torch.channels_last)
-    if ctx.device.type == "cuda":
-        return DistributedDataParallel(
+        ddp = DistributedDataParallel(
             model, device_ids=[ctx.device.index], output_device=ctx.device.index, bucket_cap_mb=BUCKET_CAP_MB
         )
-    ddp = DistributedDataParallel(model, bucket_cap_mb=BUCKET_CAP_MB)
-    if poll_allreduce:
-        register_polling_allreduce(ddp)
-    return ddp
+    else:
+        ddp = DistributedDataParallel(model, bucket_cap_mb=BUCKET_CAP_MB)
+    return (allreduce or GradientAllReduce()).register(ddp)
 
 
 def convert_batchnorm(model: nn.Module, device: torch.device) -> nn.Module:

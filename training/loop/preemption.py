@@ -6,15 +6,14 @@
 
 A signal (a spot reclaim, a Kubernetes eviction, Slurm's time limit or ``--signal``, Ctrl-C, ``ddpflow run`` or
 torchrun passing one on, or one sent to any one rank) only sets a flag in the handler: no I/O, no collective, no
-exception in the middle of a step or a checkpoint write. At each boundary between two optimizer steps every rank
-all-reduces its flag (training/loop/step.py: ``StopFlags``; one int64, SUM > 0: "some rank was told"), so all
-ranks learn it at the same step and none runs ahead into a collective the others left. The all-reduce is started
-before the micro-batch (``StopFlags.begin``: the flag as it is then) and waited for after it (``StopFlags.due``):
-it runs beside the step's forward and backward instead of holding every rank after it. The epoch's pass then
-writes that step's checkpoint, whatever ``train.checkpoint_every_*`` says: the same atomic step checkpoint as any
-other (training/checkpoint/steps.py), so a kill during the save leaves the previous checkpoint intact. The
-epoch's last optimizer step is not a boundary (as for the schedule): a flag seen there is acted on once last.pt
-is written at the epoch's end (``StopFlags.requested``), and that is the checkpoint.
+exception in the middle of a step or a checkpoint write. Every rank's flag rides on the gradient all-reduce
+of each optimizer step (training/distributed/gradient_allreduce.py: appended to bucket 0, summed with it; SUM > 0:
+"some rank was told"), so all ranks learn it at the same step, and none runs ahead into a collective the others
+left, without a collective of its own (training/loop/step.py: ``StopFlags``). The epoch's pass then writes that
+step's checkpoint, whatever ``train.checkpoint_every_*`` says: the same atomic step checkpoint as any other
+(training/checkpoint/steps.py), so a kill during the save leaves the previous checkpoint intact. The epoch's last
+optimizer step is not a boundary (as for the schedule): a flag seen there is acted on once last.pt is written at
+the epoch's end (``StopFlags.requested``: a collective, once an epoch), and that is the checkpoint.
 
 ``stopped`` waits for the write, rank 0 records the stop in ``RUN_DIR/preempted.json`` (signal, epoch, step,
 checkpoint, seconds from the signal to the saved file) and returns ``Preempted``; ``main`` catches it and every rank
@@ -26,10 +25,10 @@ weights of an uninterrupted run (the step checkpoint's exact resume).
 
 A second signal changes nothing in a rank: the hard stop is the parent's SIGKILL after ``train.preempt_grace_s``.
 
-Cost: one all-reduce of one int64 per optimizer step, started before the step and waited for after it, so its
-latency hides behind the step (docs/reliability.md). The stop is exact (every rank saves at the same step) and
-comes at the end of the first boundary step that STARTS after the signal: a signal before a step stops the run
-at that step's end; one during a step, at the next boundary's end (two optimizer steps at most).
+Cost: one number more in the step's first gradient bucket; no collective of its own. The stop is exact (every
+rank saves at the same step) and comes at the end of the first optimizer step whose gradient all-reduce starts
+after the signal: a signal before a step's backward stops the run at that step's end; one later in the step, at
+the next boundary's end (two optimizer steps at most).
 """
 
 from __future__ import annotations

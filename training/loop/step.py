@@ -7,8 +7,8 @@ counts and records (the rule of which micro-batches form an optimizer step, the 
 and the step curves) is training/loop/counting.py's.
 
 Written for a DDP-wrapped model; the step never calls a collective itself: DDP all-reduces gradients in
-``backward``; the caller sums the returned statistics over ranks. The pass's collectives are the flags' one
-int64 at each boundary (``StopFlags``) and, with ``train.checkpoint_every_s``, rank 0's clock (``StepSchedule``).
+``backward`` (the ranks' stop flags ride on it: ``StopFlags``); the caller sums the returned statistics over
+ranks. The pass's only collective of its own is rank 0's clock, with ``train.checkpoint_every_s`` (``StepSchedule``).
 
 The exact update: every optimizer step minimises the one loss contract
 (training/objectives/registry.py)
@@ -35,11 +35,11 @@ one-number all-reduce per optimizer step, so all ranks enter the checkpoint's co
 count needs no collective). Not after the epoch's last optimizer step: last.pt covers that. How one is
 written is training/checkpoint/steps.py's and training/checkpoint/state.py's (``TrainState.save_step``).
 
-A stop (``StopFlags``): at each boundary every rank all-reduces its preemption flag
-(training/loop/preemption.py: ``PreemptionWatch``; one int64, SUM > 0: "some rank was told"), started before
-the micro-batch (``begin``: the flag as it is then) and waited for after it (``due``), so the all-reduce runs
-beside the step's forward and backward. Where it is due, the pass writes that step's checkpoint whatever
-``train.checkpoint_every_*`` says, and raises what ``on_stop`` returns.
+A stop (``StopFlags``): every rank's preemption flag (training/loop/preemption.py: ``PreemptionWatch``) is
+appended to the first gradient bucket of the step's all-reduce (training/distributed/gradient_allreduce.py), so
+after each boundary every rank knows how many ranks were told (> 0: stop) without a collective of its own. Where
+it is due, the pass writes that step's checkpoint whatever ``train.checkpoint_every_*`` says, and raises what
+``on_stop`` returns.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -61,6 +62,9 @@ from training.loop.nonfinite import NonFiniteStep
 from training.loop.preemption import PreemptionWatch
 from training.objectives.base import Objective, output_members
 from training.objectives.registry import auto_objective, make_objective
+
+if TYPE_CHECKING:
+    from training.distributed.gradient_allreduce import GradientAllReduce
 
 
 @dataclass(frozen=True)
@@ -111,10 +115,9 @@ class EpochPass:
         self.curves.start_epoch(epoch)
         step.model.train()
         for index, batch in self.hooks.micro_batches(epoch, step.batches.epoch(epoch, start), start):
-            self.stops.begin(index)  # the flags' all-reduce runs beside the micro-batch; ``due`` waits for it
             sums.add(batch, step(index, batch))  # forward, backward; on a step's last micro-batch, the update
             self.progress.step(index + 1, sums)
-            stop = self.stops.due(index)  # the same answer on every rank
+            stop = self.stops.due(index)  # the same answer on every rank: the flags came with the gradients
             if stop or self.schedule.due(epoch, index):
                 self.save_step(epoch, index + 1, sums)
                 self.schedule.written()
@@ -226,34 +229,25 @@ class StepSchedule:
 
 
 class StopFlags:
-    """Whether some rank was told to stop: every rank's ``PreemptionWatch`` flag (training/loop/preemption.py),
-    summed over the ranks at each boundary (module docstring) and, by ``requested``, at an epoch's end."""
+    """Whether some rank was told to stop: every rank's ``PreemptionWatch`` flag summed over the ranks. At each
+    boundary the sum comes with the step's gradient all-reduce (``gradients``: training/distributed/
+    gradient_allreduce.py, the flags ride on bucket 0), so the step makes no collective for it; at an epoch's end
+    ``requested`` sums the flags by a collective of its own."""
 
-    def __init__(self, watch: PreemptionWatch, ctx, steps: OptimizerSteps):
-        self.watch, self.ctx, self.steps = watch, ctx, steps
-        self.pending: tuple[int, Callable[[], list[int]]] | None = None  # (micro-batch, its flags' sum, in flight)
-
-    def begin(self, index: int) -> None:
-        """Before micro-batch ``index``: at a boundary, start the all-reduce of the flags as they are now."""
-        if self.steps.boundary(index):
-            self.pending = (index, self.ctx.all_reduce_int_sum_async([self._flag()]))
+    def __init__(self, watch: PreemptionWatch, ctx, steps: OptimizerSteps, gradients: GradientAllReduce):
+        self.watch, self.ctx, self.steps, self.gradients = watch, ctx, steps, gradients
 
     def due(self, index: int) -> bool:
-        """After micro-batch ``index``: whether some rank was told to stop. A collective only at a boundary
-        (the one ``begin`` started; without it, one now)."""
+        """After micro-batch ``index``: whether some rank was told to stop, the same answer on every rank. At a
+        boundary, the flags the step's all-reduce carried (a collective of their own only where none ran)."""
         if not self.steps.boundary(index):
             return False
-        if self.pending is None or self.pending[0] != index:
-            return self.requested()
-        sums, self.pending = self.pending[1], None
-        return sums()[0] > 0
+        carried = self.gradients.take_flags()
+        return self.requested() if carried is None else carried > 0
 
     def requested(self) -> bool:
         """Any rank's flag, on every rank (every rank must call it at the same point)."""
-        return self.ctx.all_reduce_int_sum([self._flag()])[0] > 0
-
-    def _flag(self) -> int:
-        return int(self.watch.signum is not None)
+        return self.ctx.all_reduce_int_sum([int(self.watch.signum is not None)])[0] > 0
 
 
 def gradient_norm(parameters) -> torch.Tensor:
