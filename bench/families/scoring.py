@@ -11,7 +11,9 @@ weights: they do not change the speed). Three figures per repeat:
 - steady: the ranks' rows/s (the manifest's ``seconds``: from the plan to the coverage check) against twice the
   model's own forward rate on a pre-encoded 65,536-row batch with one torch thread (what each rank has): the
   faster of one call on the whole batch and calls of ``CPU_FORWARD_ROWS`` rows (what ``Predictor`` makes on a
-  CPU; about 3x faster here, so the reference is the harder one).
+  CPU; about 3x faster here, so the reference is the harder one);
+- scaling: the 2 ranks' steady rows/s against one rank's, ``ddpflow score`` with ``score.nproc_per_node=1`` on the
+  same rows in the same repeat.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def run(ctx: Context) -> list[Result]:
     dataset = mixed_prepared_dir(ctx, min(rows, 100_000))  # the encoders' fit; the categories are the same
     model = ddpflow_api.write_input_model_file(dataset, ctx.workdir / "score-model.pt", HIDDEN)
     tracking = f"sqlite:///{ctx.workdir / 'score-mlflow.db'}"
-    ours, pyfunc, steady = [], [], []
+    ours, pyfunc, steady, one_rank = [], [], [], []
     every_core, one_thread = [], []  # the pyfunc's rows/s with torch on every core, on one thread
     for repeat in range(ctx.sizes.repeats):
         output = ctx.workdir / f"scores-{repeat}"
@@ -48,17 +50,19 @@ def run(ctx: Context) -> list[Result]:
             raise RuntimeError(f"ddpflow score failed: {done.stderr[-2000:]}")
         ours.append(rows / command.seconds)
         steady.append(rows / json.loads((output / "manifest.json").read_text())["seconds"])
+        one_rank.append(steady_rows_per_s(model, source, ctx.workdir / f"scores-1-{repeat}", tracking, rows))
         every_core.append(pyfunc_rate(model, source, os.cpu_count() or 1))
         one_thread.append(pyfunc_rate(model, source, 1))
         pyfunc.append(max(every_core[-1], one_thread[-1]))
         log(f"scoring repeat {repeat + 1}: ddpflow score {ours[-1]:,.0f} rows/s end to end ({steady[-1]:,.0f} "
-            f"steady), pyfunc {every_core[-1]:,.0f} rows/s on every core, {one_thread[-1]:,.0f} "
-            "on one thread")  # fmt: skip
+            f"steady; one rank {one_rank[-1]:,.0f} steady), pyfunc {every_core[-1]:,.0f} rows/s on every core, "
+            f"{one_thread[-1]:,.0f} on one thread")  # fmt: skip
     whole, chunked = forward_rate(model, source)
     cpu_rows = ddpflow_api.cpu_forward_rows()
     forward = max(whole, chunked)
     end_to_end = Stats.of(a / b for a, b in zip(ours, pyfunc, strict=True))
     steady_ratio = Stats.of(rate / (RANKS * forward) for rate in steady)
+    scaling = Stats.of(a / b for a, b in zip(steady, one_rank, strict=True))
     return [
         Result(
             name="scoring",
@@ -105,7 +109,28 @@ def run(ctx: Context) -> list[Result]:
             ],
             notes=["the reference is the faster of the two forward rates"],
         ),
+        Result(
+            name="scoring_scaling",
+            title="Batch scoring, 2 ranks against 1",
+            ratio=scaling,
+            target=1.6,
+            ratio_label="the 2 ranks' steady rows/s ÷ one rank's (`score.nproc_per_node=1`), the same rows",
+            rows=[
+                Row("2 ranks, from the plan to the coverage check", Stats.of(steady), "rows/s", scaling),
+                Row("1 rank, the same", Stats.of(one_rank), "rows/s"),
+            ],
+            notes=[f"each repeat scores the same {rows:,} rows with 2 ranks, then with 1; both end to end runs"],
+        ),
     ]
+
+
+def steady_rows_per_s(model_path, source, output, tracking: str, rows: int) -> float:
+    """One rank's steady rows/s: ``ddpflow score`` with ``score.nproc_per_node=1`` (the manifest's ``seconds``)."""
+    argv = ddpflow_api.score_command(model_path, source, output, 1, tracking)
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=output.parent, env=dict(os.environ))
+    if done.returncode != 0:
+        raise RuntimeError(f"ddpflow score on one rank failed: {done.stderr[-2000:]}")
+    return rows / json.loads((output / "manifest.json").read_text())["seconds"]
 
 
 def pyfunc_rate(model_path, source, threads: int) -> float:
