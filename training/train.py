@@ -32,8 +32,7 @@ import os
 import time
 from typing import Any
 
-from training.checkpoint.files import Checkpointer
-from training.checkpoint.state import TrainState, on_cpu
+from training.checkpoint.files import Checkpointer, TrainState, on_cpu
 from training.core.job import TrainJob
 from training.core.log import DATA, log_main, log_rank
 from training.core.manifest import read_manifest
@@ -55,13 +54,12 @@ from training.loading.batches import TrainBatches
 from training.loading.node_cache import open_splits
 from training.loading.placement import place_splits
 from training.loading.stream import open_stream
-from training.loop.counting import OptimizerSteps, Progress, StepMetricsSink
-from training.loop.coverage import Certificate
+from training.loop.counting import Certificate, MetricsSink, OptimizerSteps, Progress, StepMetricsSink
 from training.loop.hooks import NO_HOOKS, TrainHooks, hooks_from_env
-from training.loop.metrics_sink import MetricsSink
 from training.loop.nonfinite import NonFiniteStep, non_finite_error
 from training.loop.optim import build_optimizer, build_schedule, optimizer_states_per_parameter
 from training.loop.preemption import Preempted, PreemptionWatch
+from training.loop.selection import stop_requested
 from training.loop.step import (
     EpochPass,
     StepSchedule,
@@ -71,7 +69,6 @@ from training.loop.step import (
     validate_pieces,
     validation_metrics,
 )
-from training.loop.stop_request import stop_requested
 from training.models.registry import ModelSpec, build_model
 from training.objectives.registry import build_objective
 

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from training.core.layout import METRICS, SCRIPT_REPORTS, run_file
-from training.loop.metrics_sink import read_metrics_lines
-from training.loop.stop_request import verdicts_dir, write_stop, write_verdict
+from training.loop.counting import read_metrics_lines
+from training.loop.selection import verdicts_dir, write_stop, write_verdict
 
 logger = logging.getLogger(__name__)
 POLL_S = 0.2

@@ -38,7 +38,7 @@ from mlflow.entities import DatasetInput, InputTag, Metric, Param
 from mlflow.exceptions import MlflowException
 
 from ddpflow.launch.command import LOG_DIR
-from training.checkpoint.files import training_identity
+from training.checkpoint.identity import training_identity
 from training.core.config import PipelineConfig
 from training.core.digest import json_digest
 from training.core.layout import SPLITS

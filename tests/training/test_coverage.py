@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from training.checkpoint.files import identity_differences, training_identity
+from training.checkpoint.identity import identity_differences, training_identity
 from training.core.config import ConfigError, load_config
-from training.loop.coverage import Certificate, CoverageError, CoverageTally, splitmix64
+from training.loop.counting import Certificate, CoverageError, CoverageTally, splitmix64
 
 
 def certificate_of(*parts: list[int]) -> Certificate:

@@ -51,7 +51,7 @@ from training.core.errors import DataError
 from training.core.fileio import atomic_path, atomic_write_json
 from training.inference.scored_drift import DriftTally
 from training.kinds.registry import kind_record
-from training.loop.coverage import Certificate, lanes
+from training.loop.counting import Certificate, lanes
 
 SCORE_DIR = ".score"  # OUTPUT/.score: job.json, plan.json, the launch's lock and torchrun's logs
 JOB_FILE = "job.json"

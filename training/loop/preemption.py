@@ -40,7 +40,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Protocol
 
-from training.checkpoint.steps import step_checkpoint_path
+from training.checkpoint.files import step_checkpoint_path
 from training.core.config import TrainConfig
 from training.core.fileio import atomic_write_json
 from training.core.layout import LAST_CHECKPOINT, PREEMPTED, run_file

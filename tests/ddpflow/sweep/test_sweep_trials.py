@@ -18,7 +18,7 @@ from ddpflow.sweep.space import load_sweep
 from ddpflow.sweep.study import FAIL_REASON, finished_trials
 from ddpflow.sweep.trials import run_trials
 from training.core.topology import RankLayout
-from training.loop.stop_request import read_verdict
+from training.loop.selection import read_verdict
 from training.prepare.dataset import prepare_dataset
 
 LRS = [0.01, 0.02, 1e-7, 1e30, 0.03, 0.04]

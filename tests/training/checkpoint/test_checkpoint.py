@@ -192,7 +192,7 @@ class OneRank(SingleProcess):
 
 
 def train_state(config, run_dir, seed: int):
-    from training.checkpoint.state import TrainState
+    from training.checkpoint.files import TrainState
 
     torch.manual_seed(seed)
     model = torch.nn.Linear(3, 2)
