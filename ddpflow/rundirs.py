@@ -7,7 +7,7 @@ Names come from flow parameters: anything but letters, digits, ``.``, ``_`` and 
 becomes ``-``, leading dots and dashes are dropped, so ``../x`` or ``/etc`` cannot leave run_root.
 
 ``find_resumable_run(run_root, fingerprint, config)``: the most recent run directory under run_root
-  * that holds the same training: ``training_identity`` (training/checkpoint/files.py, the one
+  * that holds the same training: ``training_identity`` (training/checkpoint/identity.py, the one
     resume rule, which the checkpointer applies to last.pt too) of its config.json and
     dataset equals this config's and fingerprint's (a training script's: its file's sha256 among them),
   * whose training did not finish: ``checkpoints/last.pt`` or a step checkpoint exists (a training script's:

@@ -13,7 +13,7 @@ rendezvous endpoint and id; RUN_DIR and the dataset on a shared filesystem)::
         -m training.train --config RUN_DIR/train_config.json
 
 Without torchrun the same command trains in one process. What a rank reads
-and writes is in ``training/core/layout.py``; resume rules in ``training/checkpoint/files.py``;
+and writes is in ``training/core/layout.py``; the resume rule in ``training/checkpoint/identity.py``;
 test hooks (``DDPFLOW_FAULT``, ``DDPFLOW_RECORD_INDICES``) in ``training/loop/hooks.py``.
 
 The file reads in the order a rank runs: ``main`` joins the process group and
@@ -21,7 +21,7 @@ runs ``Trainer(job, ctx, hooks).train()``; the Trainer's constructor builds
 the rank's parts in named steps (the process, the data, the model, the data's
 place and batches, the optimizer and the resumable state, then resume or per-rank seeds); ``train``
 and ``run_epoch`` are the loop. What last.pt and a step checkpoint hold is
-``training/checkpoint/state.py: TrainState``'s (``self.state``).
+``training/checkpoint/files.py: TrainState``'s (``self.state``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The one mirror of training metrics into MLflow: rank 0's RUN_DIR/metrics.jsonl and steps.jsonl (a training
 script's: RUN_DIR/script/reports.jsonl) -> the pipeline's run.
 
-Rank 0 only appends to the files (training/loop/metrics_sink.py); no rank imports
+Rank 0 only appends to the files (training/loop/counting.py: MetricsSink, StepMetricsSink); no rank imports
 MLflow. The process that launched torchrun follows them and logs each epoch
 into the run, once (step = epoch), whether the epoch came from this attempt, an
 earlier one, or a torchrun restart; and each per-step line of steps.jsonl

@@ -49,7 +49,7 @@ CONFIG_ARTIFACT = "config.json"  # the run's PipelineConfig, so registration can
 # The prepared data's manifest (with its per-feature histograms): what a later run measures drift against,
 # even once the shards are deleted.
 TRAINING_DATA_ARTIFACT = "data/manifest.json"
-# A stable hash of training/checkpoint/files.py's training_identity (the data's fingerprint and the settings that
+# A stable hash of training/checkpoint/identity.py's training_identity (the data's fingerprint and the settings that
 # change the weights), on the run and on its model version: train.skip_if_unchanged compares it.
 TRAINING_IDENTITY_TAG = "ddpflow.training_identity"
 WRONG_ROWS_ARTIFACT = "eval/confidently_wrong.json"  # a text classifier's most confidently wrong test rows

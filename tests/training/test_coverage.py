@@ -1,5 +1,5 @@
-"""The coverage certificate (training/loop/coverage.py) and the global batch size's config rules; one torchrun
-launch: a sampler that skips a row (``DDPFLOW_FAULT=skip_row``) fails the run, naming the epoch."""
+"""The coverage certificate (training/loop/counting.py: Certificate) and the global batch size's config rules;
+one torchrun launch: a sampler that skips a row (``DDPFLOW_FAULT=skip_row``) fails the run, naming the epoch."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ ranks learn it at the same step and none runs ahead into a collective the others
 before the micro-batch (``StopFlags.begin``: the flag as it is then) and waited for after it (``StopFlags.due``):
 it runs beside the step's forward and backward instead of holding every rank after it. The epoch's pass then
 writes that step's checkpoint, whatever ``train.checkpoint_every_*`` says: the same atomic step checkpoint as any
-other (training/checkpoint/steps.py), so a kill during the save leaves the previous checkpoint intact. The
+other (training/checkpoint/files.py), so a kill during the save leaves the previous checkpoint intact. The
 epoch's last optimizer step is not a boundary (as for the schedule): a flag seen there is acted on once last.pt
 is written at the epoch's end (``StopFlags.requested``), and that is the checkpoint.
 
