@@ -35,9 +35,8 @@ from ddpflow.launch.supervisor import is_locked
 from training.checkpoint.files import step_checkpoints, step_position
 from training.checkpoint.identity import training_identity
 from training.core.config import PipelineConfig
-from training.core.fileio import atomic_write_json
+from training.core.fileio import atomic_write_json, read_metrics_lines
 from training.core.layout import CONFIG, FINAL_MODEL, LAST_CHECKPOINT, METRICS, SCRIPT_DONE, TRAIN_JOB
-from training.loop.counting import read_metrics_lines
 
 MLFLOW_RUN_FILE = "mlflow_run.json"  # {"run_id": ...}: the MLflow run training in this directory
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")

@@ -19,8 +19,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from training.core.fileio import read_metrics_lines
 from training.core.layout import METRICS, SCRIPT_REPORTS, run_file
-from training.loop.counting import read_metrics_lines
 from training.loop.selection import verdicts_dir, write_stop, write_verdict
 
 logger = logging.getLogger(__name__)

@@ -28,8 +28,8 @@ from typing import Any
 from mlflow import MlflowClient
 from mlflow.entities import Metric
 
-from training.core.layout import SCRIPT_REPORTS, STEP_METRICS
-from training.loop.counting import STEP_CURVES, STEP_KEY, read_metrics_lines
+from training.core.fileio import read_metrics_lines
+from training.core.layout import SCRIPT_REPORTS, STEP_CURVES, STEP_KEY, STEP_METRICS
 
 STEP_LR = STEP_CURVES[1]  # every step line has it (a line whose rank-0 rows were all padding has no loss)
 

@@ -36,20 +36,19 @@ world size. The epoch line shows the exact, all-rank metrics.
 The records are files, and the files are the record: ranks never talk to MLflow. ``MetricsSink``:
 ``RUN_DIR/metrics.jsonl``, one JSON object per epoch (rank 0); the process that launched torchrun follows it
 and mirrors each epoch into the pipeline's MLflow run (ddpflow/tracking/metrics.py: ``EpochMetricsFollower``),
-reading it with ``read_metrics_lines``, so the rank and the mirror read the file one way. ``StepMetricsSink``:
-``RUN_DIR/steps.jsonl``, one line every ``train.log_every_steps`` optimizer steps (rank 0). It costs no
-collective and no device sync of its own: it uses the loss sum and gradient norm ``TrainStep`` copies to the
-host anyway (``StepReport``, its report of an optimizer step). The loss is rank 0's own (its rows of the steps
-since the last line, like the progress lines); the gradient norm is over all ranks (after the all-reduce), the
-mean of those steps; the lr is the logged step's. Each line is flushed and fsynced (``append_line``), and a
-resumed run (torchrun restart, task retry) writes no epoch and no step twice: each sink remembers what its
-file holds.
+reading it with training/core/fileio.py's ``read_metrics_lines``, so the rank and the mirror read the file one
+way. ``StepMetricsSink``: ``RUN_DIR/steps.jsonl``, one line every ``train.log_every_steps`` optimizer steps
+(rank 0), its keys training/core/layout.py's (``STEP_KEY``, ``STEP_CURVES``). It costs no collective and no
+device sync of its own: it uses the loss sum and gradient norm ``TrainStep`` copies to the host anyway
+(``StepReport``, its report of an optimizer step). The loss is rank 0's own (its rows of the steps since the
+last line, like the progress lines); the gradient norm is over all ranks (after the all-reduce), the mean of
+those steps; the lr is the logged step's. Each line is flushed and fsynced (training/core/fileio.py:
+``append_line``), and a resumed run (torchrun restart, task retry) writes no epoch and no step twice: each sink
+remembers what its file holds.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -59,7 +58,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from training.core.layout import METRICS, STEP_METRICS
+from training.core.fileio import append_line, read_metrics_lines
+from training.core.layout import METRICS, STEP_CURVES, STEP_KEY, STEP_METRICS
 from training.core.log import log_rank
 
 if TYPE_CHECKING:
@@ -68,8 +68,6 @@ if TYPE_CHECKING:
 _EPOCH_KEYS = ("train_loss", "val_loss", "val_accuracy", "val_rmse")
 _MASK32 = np.uint64(0xFFFFFFFF)
 _CHUNK = 1 << 20  # rows hashed at a time for the expected certificate (8 MiB of uint64)
-STEP_KEY = "step"  # a step line's x axis: optimizer steps done in the run (1-based)
-STEP_CURVES = ("step/train_loss", "step/lr", "step/grad_norm")  # its metrics (distinct from the epoch ones)
 
 
 @dataclass(frozen=True)
@@ -255,20 +253,6 @@ class Progress:
         )
 
 
-def read_metrics_lines(path: str | Path) -> list[dict[str, Any]]:
-    """The epochs in a metrics.jsonl; a torn last line (a crash mid-write) is skipped."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
-
-
 class MetricsSink:
     """Appends each epoch to metrics.jsonl (rank 0 only: ``enabled``), fsynced, at most once per epoch."""
 
@@ -285,15 +269,6 @@ class MetricsSink:
 
     def _append(self, record: dict[str, Any]) -> None:
         append_line(self.path, record)
-
-
-def append_line(path: Path, record: dict[str, Any]) -> None:
-    """One JSON line, flushed and fsynced: a crash leaves at most a torn last line (``read_metrics_lines``)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as handle:
-        handle.write(json.dumps(record) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
 
 
 @dataclass(frozen=True)

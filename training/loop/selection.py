@@ -40,10 +40,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from training.core.config import TrainConfig
 from training.core.fileio import atomic_write_text
 
 if TYPE_CHECKING:
+    from training.core.config import TrainConfig
     from training.distributed.context import DistContext
 
 SELECTED_PREFIX = "selected_"  # the selected epoch's validation metrics, on every metrics.jsonl line
