@@ -6,8 +6,6 @@ from __future__ import annotations
 import hashlib
 import random
 
-import torch
-
 RANK_STRIDE = 1000  # rank r's seeds start at seed + 1000 * (r + 1): apart from the shared seed and each other
 
 
@@ -25,5 +23,7 @@ def row_seed(seed: int, epoch: int, row: int) -> int:
 
 def seed_process(seed: int) -> None:
     """Seed the streams a rank draws from: torch's and Python's."""
+    import torch  # here, not at the top: nothing in training/core/ imports torch at module level
+
     torch.manual_seed(seed)
     random.seed(seed)
