@@ -266,7 +266,7 @@ class Checkpointer:
         at once."""
         if not self.coordinator.is_main:
             return
-        path = step_checkpoint_path(self.last_path.parent, epoch, micro_batches)
+        path = self.path_at(epoch, micro_batches)
 
         def write() -> None:
             self.before_write(path)
@@ -275,6 +275,13 @@ class Checkpointer:
             prune(path.parent, self.keep_steps)  # only now: the new one is complete
 
         self._writer.submit(write)
+
+    def path_at(self, epoch: int, micro_batches: int) -> Path:
+        """The checkpoint once ``micro_batches`` micro-batches of ``epoch`` are trained: a step checkpoint, or
+        last.pt at an epoch's end (``micro_batches`` 0)."""
+        if not micro_batches:
+            return self.last_path
+        return step_checkpoint_path(self.last_path.parent, epoch, micro_batches)
 
     def wait_for_writes(self, raise_error: bool = True) -> None:
         """Rank 0: the step checkpoint under way is complete, or its error raised here (``raise_error``) or

@@ -40,10 +40,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Protocol
 
-from training.checkpoint.files import step_checkpoint_path
 from training.core.config import TrainConfig
 from training.core.fileio import atomic_write_json
-from training.core.layout import LAST_CHECKPOINT, PREEMPTED, run_file
+from training.core.layout import PREEMPTED, run_file
 from training.core.log import log_main
 
 BASE_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -60,7 +59,9 @@ class Collectives(Protocol):
 
 
 class Writes(Protocol):
-    last_path: Path
+    """What ``stopped`` needs of the checkpointer (training/checkpoint/files.py: ``Checkpointer``)."""
+
+    def path_at(self, epoch: int, micro_batches: int) -> Path: ...
 
     def wait_for_writes(self, raise_error: bool = True) -> None: ...
 
@@ -98,9 +99,7 @@ class PreemptionWatch:
         it, record the stop (rank 0), and the exception that ends the rank. A failed write raises
         ``CheckpointWriteError`` instead."""
         checkpointer.wait_for_writes()  # the step checkpoint is complete and renamed into place, or its error
-        folder = checkpointer.last_path.parent
-        last = run_file(run_dir, LAST_CHECKPOINT)
-        path = step_checkpoint_path(folder, epoch, micro_batches) if micro_batches else last
+        path = checkpointer.path_at(epoch, micro_batches)
         name = signal.Signals(self.signum).name if self.signum is not None else "a signal to another rank"
         waited = time.monotonic() - self.received_at if self.received_at is not None else None
         where = f"step {micro_batches} of epoch {epoch + 1}" if micro_batches else f"the end of epoch {epoch}"
