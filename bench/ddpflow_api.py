@@ -48,9 +48,9 @@ def manifest(dataset_dir: str | Path):
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """A run's epochs, from RUN_DIR/metrics.jsonl (``training.loop.metrics_sink.read_metrics_lines``)."""
+    """A run's epochs, from RUN_DIR/metrics.jsonl (``training.core.fileio.read_metrics_lines``)."""
+    from training.core.fileio import read_metrics_lines
     from training.core.layout import METRICS
-    from training.loop.metrics_sink import read_metrics_lines
 
     return read_metrics_lines(Path(run_dir) / METRICS)
 

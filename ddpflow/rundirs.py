@@ -7,7 +7,7 @@ Names come from flow parameters: anything but letters, digits, ``.``, ``_`` and 
 becomes ``-``, leading dots and dashes are dropped, so ``../x`` or ``/etc`` cannot leave run_root.
 
 ``find_resumable_run(run_root, fingerprint, config)``: the most recent run directory under run_root
-  * that holds the same training: ``training_identity`` (training/checkpoint/files.py, the one
+  * that holds the same training: ``training_identity`` (training/checkpoint/identity.py, the one
     resume rule, which the checkpointer applies to last.pt too) of its config.json and
     dataset equals this config's and fingerprint's (a training script's: its file's sha256 among them),
   * whose training did not finish: ``checkpoints/last.pt`` or a step checkpoint exists (a training script's:
@@ -32,12 +32,11 @@ from typing import Any
 
 from ddpflow.launch.slurm.launcher import has_unfinished_job
 from ddpflow.launch.supervisor import is_locked
-from training.checkpoint.files import training_identity
-from training.checkpoint.steps import step_checkpoints, step_position
+from training.checkpoint.files import step_checkpoints, step_position
+from training.checkpoint.identity import training_identity
 from training.core.config import PipelineConfig
-from training.core.fileio import atomic_write_json
+from training.core.fileio import atomic_write_json, read_metrics_lines
 from training.core.layout import CONFIG, FINAL_MODEL, LAST_CHECKPOINT, METRICS, SCRIPT_DONE, TRAIN_JOB
-from training.loop.metrics_sink import read_metrics_lines
 
 MLFLOW_RUN_FILE = "mlflow_run.json"  # {"run_id": ...}: the MLflow run training in this directory
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")

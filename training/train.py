@@ -13,7 +13,7 @@ rendezvous endpoint and id; RUN_DIR and the dataset on a shared filesystem)::
         -m training.train --config RUN_DIR/train_config.json
 
 Without torchrun the same command trains in one process. What a rank reads
-and writes is in ``training/core/layout.py``; resume rules in ``training/checkpoint/files.py``;
+and writes is in ``training/core/layout.py``; the resume rule in ``training/checkpoint/identity.py``;
 test hooks (``DDPFLOW_FAULT``, ``DDPFLOW_RECORD_INDICES``) in ``training/loop/hooks.py``.
 
 The file reads in the order a rank runs: ``main`` joins the process group and
@@ -21,7 +21,7 @@ runs ``Trainer(job, ctx, hooks).train()``; the Trainer's constructor builds
 the rank's parts in named steps (the process, the data, the model, the data's
 place and batches, the optimizer and the resumable state, then resume or per-rank seeds); ``train``
 and ``run_epoch`` are the loop. What last.pt and a step checkpoint hold is
-``training/checkpoint/state.py: TrainState``'s (``self.state``).
+``training/checkpoint/files.py: TrainState``'s (``self.state``).
 """
 
 from __future__ import annotations
@@ -32,8 +32,7 @@ import os
 import time
 from typing import Any
 
-from training.checkpoint.files import Checkpointer
-from training.checkpoint.state import TrainState, on_cpu
+from training.checkpoint.files import Checkpointer, TrainState, on_cpu
 from training.core.job import TrainJob
 from training.core.log import DATA, log_main, log_rank
 from training.core.manifest import read_manifest
@@ -56,13 +55,12 @@ from training.loading.batches import TrainBatches
 from training.loading.node_cache import open_splits
 from training.loading.placement import place_splits
 from training.loading.stream import open_stream
-from training.loop.counting import OptimizerSteps, Progress, StepMetricsSink
-from training.loop.coverage import Certificate
+from training.loop.counting import Certificate, MetricsSink, OptimizerSteps, Progress, StepMetricsSink
 from training.loop.hooks import NO_HOOKS, TrainHooks, hooks_from_env
-from training.loop.metrics_sink import MetricsSink
 from training.loop.nonfinite import NonFiniteStep, non_finite_error
 from training.loop.optim import build_optimizer, build_schedule, optimizer_states_per_parameter
 from training.loop.preemption import Preempted, PreemptionWatch
+from training.loop.selection import stop_requested
 from training.loop.step import (
     EpochPass,
     StepSchedule,
@@ -72,7 +70,6 @@ from training.loop.step import (
     validate_pieces,
     validation_metrics,
 )
-from training.loop.stop_request import stop_requested
 from training.models.registry import ModelSpec, build_model
 from training.objectives.registry import build_objective
 

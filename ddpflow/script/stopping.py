@@ -27,7 +27,7 @@ from typing import Any
 from ddpflow.script.run import checkpoint_dir, current_run, rank
 from training.core.fileio import atomic_write_json
 from training.core.layout import PREEMPTED
-from training.loop.stop_request import stop_written
+from training.loop.selection import stop_written
 
 PRUNED = "the sweep's pruner"  # the reason when the verdict, not a signal, stops a trial
 

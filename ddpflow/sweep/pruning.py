@@ -1,9 +1,9 @@
 """The per-epoch report from rank 0 to the pruner, and the pruner's answer to every rank.
 
-Rank 0 writes each epoch's line to RUN_DIR/metrics.jsonl (training/loop/metrics_sink.py). ``EpochJudge``,
+Rank 0 writes each epoch's line to RUN_DIR/metrics.jsonl (training/loop/counting.py: MetricsSink). ``EpochJudge``,
 a thread of the process that holds the Optuna study, reads each new line, reports the objective to the
 trial (``trial.report(value, epoch)``), asks ``trial.should_prune()``, and writes the verdict the ranks wait
-for at the epoch boundary (training/loop/stop_request.py: ``write_verdict``), where the flag is all-reduced
+for at the epoch boundary (training/loop/selection.py: ``write_verdict``), where the flag is all-reduced
 so every rank stops after the same epoch. A trial's last epoch needs no verdict: it ends there anyway.
 
 A training script's trial has no epochs of ddpflow's: ``ReportJudge`` follows its reports instead
@@ -19,9 +19,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from training.core.fileio import read_metrics_lines
 from training.core.layout import METRICS, SCRIPT_REPORTS, run_file
-from training.loop.metrics_sink import read_metrics_lines
-from training.loop.stop_request import verdicts_dir, write_stop, write_verdict
+from training.loop.selection import verdicts_dir, write_stop, write_verdict
 
 logger = logging.getLogger(__name__)
 POLL_S = 0.2

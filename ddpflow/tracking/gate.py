@@ -41,8 +41,8 @@ from typing import Any
 
 from ddpflow.drift.psi import FeatureDrift
 from training.core.directions import higher_is_better as metric_higher_is_better  # the gate's rule
-from training.core.monitor import is_better
 from training.inference.baselines import REFERENCE, TRIVIAL, baseline_metric, model_metrics
+from training.loop.selection import is_better
 
 PROMOTED, CHALLENGER, REJECTED = "promoted", "challenger", "rejected"
 # champion_status is "<kind>" or "<kind>: <detail>"

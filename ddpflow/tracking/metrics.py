@@ -1,7 +1,7 @@
 """The one mirror of training metrics into MLflow: rank 0's RUN_DIR/metrics.jsonl and steps.jsonl (a training
 script's: RUN_DIR/script/reports.jsonl) -> the pipeline's run.
 
-Rank 0 only appends to the files (training/loop/metrics_sink.py); no rank imports
+Rank 0 only appends to the files (training/loop/counting.py: MetricsSink, StepMetricsSink); no rank imports
 MLflow. The process that launched torchrun follows them and logs each epoch
 into the run, once (step = epoch), whether the epoch came from this attempt, an
 earlier one, or a torchrun restart; and each per-step line of steps.jsonl
@@ -28,8 +28,8 @@ from typing import Any
 from mlflow import MlflowClient
 from mlflow.entities import Metric
 
-from training.core.layout import SCRIPT_REPORTS, STEP_METRICS
-from training.loop.metrics_sink import STEP_CURVES, STEP_KEY, read_metrics_lines
+from training.core.fileio import read_metrics_lines
+from training.core.layout import SCRIPT_REPORTS, STEP_CURVES, STEP_KEY, STEP_METRICS
 
 STEP_LR = STEP_CURVES[1]  # every step line has it (a line whose rank-0 rows were all padding has no loss)
 

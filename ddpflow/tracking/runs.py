@@ -38,7 +38,7 @@ from mlflow.entities import DatasetInput, InputTag, Metric, Param
 from mlflow.exceptions import MlflowException
 
 from ddpflow.launch.command import LOG_DIR
-from training.checkpoint.files import training_identity
+from training.checkpoint.identity import training_identity
 from training.core.config import PipelineConfig
 from training.core.digest import json_digest
 from training.core.layout import SPLITS
@@ -49,7 +49,7 @@ CONFIG_ARTIFACT = "config.json"  # the run's PipelineConfig, so registration can
 # The prepared data's manifest (with its per-feature histograms): what a later run measures drift against,
 # even once the shards are deleted.
 TRAINING_DATA_ARTIFACT = "data/manifest.json"
-# A stable hash of training/checkpoint/files.py's training_identity (the data's fingerprint and the settings that
+# A stable hash of training/checkpoint/identity.py's training_identity (the data's fingerprint and the settings that
 # change the weights), on the run and on its model version: train.skip_if_unchanged compares it.
 TRAINING_IDENTITY_TAG = "ddpflow.training_identity"
 WRONG_ROWS_ARTIFACT = "eval/confidently_wrong.json"  # a text classifier's most confidently wrong test rows

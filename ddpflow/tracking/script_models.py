@@ -19,11 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from training.core.config import PipelineConfig
-from training.core.fileio import atomic_write
+from training.core.fileio import atomic_write, read_metrics_lines
 from training.core.layout import FINAL_MODEL, SCRIPT_PROGRAM, SCRIPT_REFUSED, SCRIPT_REPORTS, run_file
 from training.core.manifest import read_manifest
 from training.kinds.registry import read_encoders
-from training.loop.metrics_sink import read_metrics_lines
 
 TEST_PREFIX = "test_"  # a script's held-out metrics: what the gate may judge without registry.metric
 

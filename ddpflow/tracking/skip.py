@@ -6,7 +6,7 @@
 The rule, one place: skip when ``@champion``'s model version carries the same dataset
 fingerprint (``data.fingerprint``) and the same training identity
 (``ddpflow.training_identity``: ``runs.py: training_identity_tag``, a hash of
-``training/checkpoint/files.py: training_identity``, the resume rule's fields that change
+``training/checkpoint/identity.py: training_identity``, the resume rule's fields that change
 the trained weights). Anything else trains: another fingerprint (an appended row, an
 edited file, another data setting), another weight-changing setting (lr, epochs,
 model, ...), no champion, or a champion registered before versions carried the

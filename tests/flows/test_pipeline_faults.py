@@ -17,8 +17,8 @@ from ddpflow.launch.supervisor import LOCK_FILE, PID_FILE
 from ddpflow.tracking.runs import RESUMED_BY_TAG, RESUMED_FROM_TAG
 from tests.flows.flow_logs import flow_run_logs
 from training.core.errors import DataError
+from training.core.fileio import read_metrics_lines
 from training.core.layout import FINAL_MODEL, LAST_CHECKPOINT, METRICS
-from training.loop.metrics_sink import read_metrics_lines
 
 pytestmark = pytest.mark.torchrun
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from training.checkpoint.steps import step_checkpoints, step_position
+from training.checkpoint.files import step_checkpoints, step_position
 from training.core.layout import FINAL_MODEL
 
 pytestmark = pytest.mark.torchrun

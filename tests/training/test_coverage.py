@@ -1,5 +1,5 @@
-"""The coverage certificate (training/loop/coverage.py) and the global batch size's config rules; one torchrun
-launch: a sampler that skips a row (``DDPFLOW_FAULT=skip_row``) fails the run, naming the epoch."""
+"""The coverage certificate (training/loop/counting.py: Certificate) and the global batch size's config rules;
+one torchrun launch: a sampler that skips a row (``DDPFLOW_FAULT=skip_row``) fails the run, naming the epoch."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from training.checkpoint.files import identity_differences, training_identity
+from training.checkpoint.identity import identity_differences, training_identity
 from training.core.config import ConfigError, load_config
-from training.loop.coverage import Certificate, CoverageError, CoverageTally, splitmix64
+from training.loop.counting import Certificate, CoverageError, CoverageTally, splitmix64
 
 
 def certificate_of(*parts: list[int]) -> Certificate:

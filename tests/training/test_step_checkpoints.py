@@ -315,7 +315,7 @@ def test_a_resume_on_another_world_size_without_global_batch_size_is_refused_nam
 
 
 def test_the_reference_logs_each_epoch_coverage_certificate(reference):
-    from training.loop.coverage import Certificate
+    from training.loop.counting import Certificate
 
     expected = Certificate.expected(TRAIN_ROWS).metrics()
     for line in reference.metrics():

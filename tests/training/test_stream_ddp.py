@@ -38,7 +38,7 @@ from training.core.config import load_config
 from training.core.layout import LAST_CHECKPOINT
 from training.distributed.context import SingleProcess
 from training.loading.stream_order import StreamOrder
-from training.loop.coverage import Certificate
+from training.loop.counting import Certificate
 
 pytestmark = [pytest.mark.torchrun, pytest.mark.server]  # moto's S3 server, started here
 

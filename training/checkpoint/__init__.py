@@ -1,4 +1,4 @@
-"""Checkpoints: ``last.pt`` and model.pt written atomically by rank 0, the resume rule and warm start
-(``files.py``); what last.pt and a step checkpoint hold, built and restored (``state.py: TrainState``); and
-step checkpoints: their schedule, background writer and pruning (``steps.py``).
+"""Checkpoints: what last.pt and a step checkpoint hold (``TrainState``, the RNG streams among them) and how rank 0
+writes them and model.pt (atomic; step checkpoints in the background, pruned), reads the one a run continues and
+a warm start (``files.py``); the resume rule, which training a run is (``identity.py: training_identity``).
 """

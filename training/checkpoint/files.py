@@ -1,67 +1,72 @@
-"""Checkpoints: ``RUN_DIR/checkpoints/last.pt`` after every epoch, ``RUN_DIR/model.pt`` at the end.
+"""Checkpoints, in one module: what last.pt and a step checkpoint hold (``TrainState``), how rank 0 writes them and
+model.pt (``Checkpointer``), and how a rank finds and reads the one it continues.
 
-Writing: rank 0 alone writes, atomically (``training/core/fileio.py``: a temp
-file fsynced, then renamed over the old one), then every rank waits at a barrier of its own,
-for up to ``train.checkpoint_timeout_s`` (not the collective timeout: a large
-checkpoint on a slow shared filesystem may take longer than any collective
-should). A failed write (disk full, file size limit, unwritable directory)
-raises ``CheckpointWriteError`` naming the path and leaves the previous file
-intact.
+The files: ``RUN_DIR/checkpoints/last.pt`` after every epoch, ``RUN_DIR/model.pt`` at the end (what it holds is
+training/inference/model_file.py's), and step checkpoints inside an epoch, ``RUN_DIR/checkpoints/step-e{E}-s{S}.pt``:
+E the epoch (0-based), S the micro-batches of it already trained, so the name alone orders them and resume finds
+the newest without opening any. When a step checkpoint is due, the epoch's pass decides (training/loop/step.py:
+``StepSchedule``).
 
-Reading: rank 0 reads (``torch.load(weights_only=True)``: files hold only
-tensors and plain Python values) and broadcasts the result, so every rank takes
-the same decision and only one reads the disk.
+What they hold: a resumable state is made of parts, each owning its own ``state_dict()`` and
+``load_state_dict()`` (as torchtitan's checkpoint manager holds its stateful parts); ``TrainState`` puts them
+under these keys (last.pt and a step checkpoint alike):
 
-What last.pt holds is ``TrainState``'s business (training/checkpoint/state.py);
-the Checkpointer knows only the entries the resume rule reads
-(``identity_entries``: ``CONFIG_ENTRY``, ``FINGERPRINT_ENTRY``).
+    "model"                              the plain module (DDP's wrapped copy shares its tensors)
+    "optimizer", "scheduler"             the optimizer and its warmup/cosine schedule (training/loop/optim.py)
+    "epoch", "step", "epoch_sums",       ``Position``: epochs done, micro-batches of the next one trained and
+    "metrics"                            their all-reduced sums (a step checkpoint), every epoch's metrics line
+    "global_batch", "world_size"         the rows of one step over all ranks and the ranks (``check_global_batch``)
+    "rng"                                ``RankStreams``: every rank's RNG streams, {"per_rank": [...]}
+                                         (``capture_rng``; the per-rank seed rule: training/core/rng.py)
+    "selection", "best_model"            ``Selection`` (training/loop/selection.py), ``BestWeights`` (rank 0's)
+    "config", "fingerprint"              the resume rule's entries (``identity_entries``)
 
-Resume rule, the only one (ddpflow/rundirs.py picks the run directory to
-resume with it too): a run continues only the SAME training, and two trainings
-are the same when ``training_identity(config, fingerprint)`` is equal: the
-dataset fingerprint plus the train settings that change the trained weights, each
-declared so on the field itself in training/core/config.py (``ChangesWeights[...]``: the
-model, the optimisation, the batch, the seed, the world, the numerics). Every other
-setting (``KeepsWeights[...]``: timeouts, restarts, threads, paths, backend,
-init_from, progress interval) may change between attempts.
-``train.epochs`` is part of it: raising it is a new training (the pipeline
-opens a fresh run directory; last.pt of another epoch count is refused here).
-Why: one rule anyone can predict, and a resumed run ends with the weights an
-uninterrupted run of the same config would have (also with a cosine schedule,
-which depends on the epoch count). To train an existing model longer, start a
-new run with ``train.init_from`` pointing at its model.pt.
-A last.pt of a different training is an error (``ResumeMismatchError``), not a
-silent fresh start: starting over would overwrite the progress of a different
-training in that run directory.
-Another world size: with ``train.global_batch_size`` (in the identity instead of the
-per-rank batch and the ranks) a run resumes on any world size that divides it; the
-RNG streams are then reseeded and the message says so. Without it the world size
-changes the weights (the global batch is the per-rank batch x the ranks): a changed
-``nproc_per_node`` or ``nnodes`` is an identity difference, and ``check_global_batch``
-refuses what the identity cannot see (``nproc_per_node: auto`` on a node with another
-number of GPUs). Both errors name the two world sizes and say what to do.
+Every entry is a CPU copy: a step checkpoint is written in the background while training goes on. Building the
+state gathers every rank's RNG streams, so every rank calls ``state_dict``/``save_last``/``save_step``; rank 0,
+the writer, gets the contents, the others an empty dict.
+
+Writing: rank 0 alone writes, atomically (training/core/fileio.py: a temp file fsynced, then renamed over the old
+one), then every rank waits at a barrier of its own, for up to ``train.checkpoint_timeout_s`` (not the
+collective timeout: a large checkpoint on a slow shared filesystem may take longer than any collective should).
+A failed write (disk full, file size limit, unwritable directory) raises ``CheckpointWriteError`` naming the path
+and leaves the previous file intact. A step checkpoint is written by rank 0 in a background thread
+(``BackgroundWriter``) while training goes on, and once it is complete the older step checkpoints beyond
+``train.keep_checkpoints`` are deleted (``prune``); the next checkpoint, last.pt and model.pt wait for a write
+still under way first, so writes never overlap and a failed one fails the run at the next of them.
+``torch.distributed.checkpoint``'s async save is not used: it writes a directory per checkpoint (sharded for
+FSDP), where a DDP state is one small file rank 0 already holds.
+
+Reading: rank 0 reads (``torch.load(weights_only=True)``: files hold only tensors and plain Python values) and
+broadcasts the result, so every rank takes the same decision and only one reads the disk. A run continues the
+newest of last.pt and the step checkpoints, and only when it is the same training (the resume rule:
+training/checkpoint/identity.py: ``training_identity``); a checkpoint of a different training is an error
+(``ResumeMismatchError``), not a silent fresh start: starting over would overwrite the progress of a different
+training in that run directory. With ``train.global_batch_size`` a run resumes on another world size, its RNG
+streams reseeded (the message says so); without it ``check_global_batch`` refuses what the identity cannot see
+(``nproc_per_node: auto`` on a node with another number of GPUs). Both errors name the two world sizes and say
+what to do.
 """
 
 from __future__ import annotations
 
+import random
+import re
+import threading
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+from torch import nn
 
-from training.checkpoint.steps import (
-    BackgroundWriter,
-    prune,
-    remove_torn_writes,
-    step_checkpoint_path,
-    step_checkpoints,
-    step_position,
-)
-from training.core.config import DataConfig, PipelineConfig, TrainConfig
+from training.checkpoint.identity import identity_differences, training_identity
+from training.core.config import PipelineConfig
 from training.core.fileio import atomic_write
 from training.core.layout import FINAL_MODEL, LAST_CHECKPOINT
-from training.core.log import log_rank
+from training.core.log import log_main, log_rank
+from training.core.rng import rank_seed, seed_process
+from training.loop.selection import Selection
 from training.models.registry import ModelSpec
 
 
@@ -105,48 +110,6 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         raise
     except Exception as error:
         raise CheckpointReadError(f"cannot load checkpoint {path}: {error}") from error
-
-
-def training_identity(config: PipelineConfig | Mapping[str, Any], fingerprint: str | None) -> dict[str, Any]:
-    """What makes two trainings the same one: the data's fingerprint and the train fields that change the weights.
-
-    ``config`` is a PipelineConfig or its JSON form (a run's config.json, a checkpoint's
-    "config"). Equal identities: a run may continue the other's checkpoint, and two models
-    were trained the same way on the same data.
-    """
-    if isinstance(config, PipelineConfig):
-        train = config.train.model_dump(mode="json")
-        data = config.data.model_dump(mode="json") if config.data is not None else {}
-    else:
-        train = dict(config.get("train") or {})
-        data = dict(config.get("data") or {})
-    omitted = TrainConfig.identity_defaults()  # at its default (or absent: recorded before it existed): left out
-    fields = {name: train.get(name, omitted.get(name)) for name in TrainConfig.weight_fields()}
-    if fields.get("global_batch_size") is not None:  # the global batch, not how it splits over ranks
-        fields = {name: value for name, value in fields.items() if name not in TrainConfig.world_fields()}
-    identity = {
-        "fingerprint": fingerprint,
-        "train": {name: value for name, value in fields.items() if name not in omitted or value != omitted[name]},
-    }
-    order = DataConfig.order_identity(data)  # the stream's order; {} on the node cache: no entry at all
-    return {**identity, "data": order} if order else identity
-
-
-def identity_differences(saved: Mapping[str, Any], wanted: Mapping[str, Any]) -> list[str]:
-    """Each way two ``training_identity`` values differ ("train.lr 0.01 != 0.1"); empty when equal."""
-    problems = []
-    if saved["fingerprint"] != wanted["fingerprint"]:
-        problems.append(f"dataset fingerprint {saved['fingerprint']!r} != {wanted['fingerprint']!r}")
-    for name in TrainConfig.weight_fields():
-        if saved["train"].get(name) != wanted["train"].get(name):
-            problems.append(f"train.{name} {saved['train'].get(name)!r} != {wanted['train'].get(name)!r}")
-    saved_data, wanted_data = saved.get("data") or {}, wanted.get("data") or {}
-    for name in sorted(saved_data.keys() | wanted_data.keys()):
-        absent = False if name == "stream" else None  # the node cache: stream false, no window
-        before, now = saved_data.get(name, absent), wanted_data.get(name, absent)
-        if before != now:
-            problems.append(f"data.{name} {before!r} != {now!r}")
-    return problems
 
 
 # The entries of last.pt the resume rule reads: ``identity_entries`` writes them, ``resume_mismatches`` reads them.
@@ -201,7 +164,78 @@ def _world_advice(saved: Mapping[str, Any]) -> str:
     )
 
 
+STEP_PATTERN = re.compile(r"^step-e(\d+)-s(\d+)\.pt$")
+
+
+def step_checkpoint_path(checkpoints: Path, epoch: int, micro_batches: int) -> Path:
+    """The step checkpoint once ``micro_batches`` micro-batches of ``epoch`` (0-based) are trained."""
+    return checkpoints / f"step-e{epoch:05d}-s{micro_batches:08d}.pt"
+
+
+def step_position(path: Path) -> tuple[int, int] | None:
+    """(epoch, micro-batches trained) of a step checkpoint's file name; None for any other file."""
+    found = STEP_PATTERN.match(path.name)
+    return (int(found[1]), int(found[2])) if found else None
+
+
+def step_checkpoints(checkpoints: Path) -> list[Path]:
+    """The step checkpoints in ``checkpoints``, oldest first (a temp file of a torn write is not one)."""
+    found = [path for path in checkpoints.glob("step-*.pt") if step_position(path) is not None]
+    return sorted(found, key=step_position)
+
+
+class BackgroundWriter:
+    """Rank 0's writes, one at a time, in a thread; ``wait`` joins the one under way and raises its error."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def submit(self, write: Callable[[], None]) -> None:
+        self.wait()
+
+        def run() -> None:
+            try:
+                write()
+            except BaseException as error:  # re-raised in the training thread by wait()
+                self._error = error
+
+        self._thread = threading.Thread(target=run, name="ddpflow-step-checkpoint", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+
+def prune(checkpoints: Path, keep: int, before: tuple[int, int] | None = None) -> list[Path]:
+    """Delete all but the newest ``keep`` step checkpoints, and every one at a position before ``before``
+    (what a newer last.pt covers); returns what was deleted. Only rank 0 calls it, once the newer file is
+    complete."""
+    found = step_checkpoints(checkpoints)
+    doomed = found[: max(0, len(found) - keep)]
+    if before is not None:
+        doomed += [path for path in found[len(doomed) :] if step_position(path) < before]
+    for path in doomed:
+        path.unlink(missing_ok=True)
+    return doomed
+
+
+def remove_torn_writes(checkpoints: Path) -> None:
+    """A write killed mid-way (SIGKILL: no cleanup) leaves its temp file (training/core/fileio.py): remove them.
+    Rank 0 at start, before any write of its own."""
+    for path in checkpoints.glob(".*.pt-*.tmp"):
+        path.unlink(missing_ok=True)
+
+
 class Checkpointer:
+    """Rank 0's writes of last.pt, the step checkpoints and model.pt, and the reading of the checkpoint a run
+    continues or the model.pt it starts warm from (module docstring)."""
+
     def __init__(
         self,
         run_dir: str | Path,
@@ -218,7 +252,7 @@ class Checkpointer:
         self.final_path = self.run_dir / FINAL_MODEL
         self.keep_steps = keep_steps  # train.keep_checkpoints
         self.resumed_from: Path | None = None  # the file load_resumable continued, on rank 0
-        self._writer = BackgroundWriter()  # step checkpoints, on rank 0 (training/checkpoint/steps.py)
+        self._writer = BackgroundWriter()  # step checkpoints, on rank 0
 
     def save_last(self, state: dict[str, Any]) -> None:
         """last.pt after an epoch; then the step checkpoints it supersedes go (rank 0: ``state["epoch"]``)."""
@@ -232,7 +266,7 @@ class Checkpointer:
         at once."""
         if not self.coordinator.is_main:
             return
-        path = step_checkpoint_path(self.last_path.parent, epoch, micro_batches)
+        path = self.path_at(epoch, micro_batches)
 
         def write() -> None:
             self.before_write(path)
@@ -241,6 +275,13 @@ class Checkpointer:
             prune(path.parent, self.keep_steps)  # only now: the new one is complete
 
         self._writer.submit(write)
+
+    def path_at(self, epoch: int, micro_batches: int) -> Path:
+        """The checkpoint once ``micro_batches`` micro-batches of ``epoch`` are trained: a step checkpoint, or
+        last.pt at an epoch's end (``micro_batches`` 0)."""
+        if not micro_batches:
+            return self.last_path
+        return step_checkpoint_path(self.last_path.parent, epoch, micro_batches)
 
     def wait_for_writes(self, raise_error: bool = True) -> None:
         """Rank 0: the step checkpoint under way is complete, or its error raised here (``raise_error``) or
@@ -346,3 +387,204 @@ def warm_start_shape(spec: dict[str, Any] | None) -> dict[str, Any] | None:
         return spec
     inputs = [{**entry, "bins": len(entry["bins"])} if entry.get("bins") else entry for entry in spec["inputs"]]
     return {**spec, "inputs": inputs}
+
+
+def on_cpu(tree: Any, copy: bool = False) -> Any:
+    """Tensors moved to the CPU, so a checkpoint written on a GPU loads anywhere; ``copy``: fresh tensors and
+    containers even where they already are on the CPU (a snapshot that later steps do not change)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().to("cpu", copy=copy)
+    if isinstance(tree, dict):
+        return {key: on_cpu(value, copy) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(on_cpu(value, copy) for value in tree)
+    return tree
+
+
+@dataclass
+class Position:
+    """Where training is: ``epochs_done`` complete epochs, each one's metrics line (``history``), and on a resume
+    mid-epoch the micro-batch it continues at (``start_micro_batch``) with the epoch's sums so far (``carried``,
+    rank 0's alone, so the epoch's all-reduce counts them once)."""
+
+    epochs_done: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+    start_micro_batch: int = 0
+    carried: dict[str, Any] | None = None
+
+    def take_start(self) -> tuple[int, dict[str, Any] | None]:
+        """The resumed micro-batch and sums for the epoch starting now; the next epoch starts at 0."""
+        start, carried = self.start_micro_batch, self.carried
+        self.start_micro_batch, self.carried = 0, None
+        return start, carried
+
+    def end_epoch(self, epoch: int, metrics: dict[str, Any]) -> dict[str, Any]:
+        """``epoch`` (0-based) is complete with ``metrics``: its line of the history, returned."""
+        record = {"epoch": epoch, **metrics}
+        self.epochs_done = epoch + 1
+        self.history.append(record)
+        return record
+
+    def state_dict(self, micro_batches: int = 0, epoch_sums: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``micro_batches``: of the epoch in progress, trained (a step checkpoint; 0: at an epoch's end)."""
+        return {
+            "epoch": self.epochs_done, "step": micro_batches, "epoch_sums": epoch_sums, "metrics": list(self.history)
+        }  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any], keeps_sums: bool) -> None:
+        self.epochs_done = int(state["epoch"])
+        self.history = list(state.get("metrics") or [])
+        self.start_micro_batch = int(state.get("step") or 0)
+        sums = state.get("epoch_sums") if self.start_micro_batch else None
+        self.carried = None
+        if sums is not None:
+            self.carried = {
+                "loss": sums["loss"] if keeps_sums else 0.0,
+                "rows": sums["rows"] if keeps_sums else 0,
+                "coverage": tuple(sums["coverage"]) if keeps_sums else None,
+            }
+
+
+class BestWeights:
+    """Rank 0's copy of the best epoch's weights, on the CPU (``train.select: best``), for model.pt."""
+
+    def __init__(self, is_main: bool):
+        self.is_main, self.weights = is_main, None
+
+    def keep(self, model: nn.Module) -> None:
+        if self.is_main:
+            self.weights = {name: value.detach().to("cpu", copy=True) for name, value in model.state_dict().items()}
+
+    def state_dict(self) -> dict[str, torch.Tensor] | None:
+        return self.weights
+
+    def load_state_dict(self, weights: dict[str, torch.Tensor] | None) -> None:
+        self.weights = weights if self.is_main else None
+
+
+def capture_rng() -> dict[str, Any]:
+    """This process's RNG streams; plain tensors and tuples (no numpy) for weights_only loading."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class RankStreams:
+    """Every rank's RNG streams: gathered into the checkpoint, restored on the same world size, reseeded per rank
+    (``rank_seed``) on another one or on a fresh start."""
+
+    def __init__(self, ctx, seed: int):
+        self.ctx, self.seed = ctx, seed
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"per_rank": self.ctx.gather_objects(capture_rng())}  # a collective: every rank calls it
+
+    def load_state_dict(self, state: dict[str, Any], epochs_done: int) -> bool:
+        """True when this rank's own stream was restored; False when the world size changed (reseeded)."""
+        per_rank = state["per_rank"]
+        if len(per_rank) == self.ctx.world_size:
+            restore_rng(per_rank[self.ctx.rank])
+            return True
+        seed_process(rank_seed(self.seed, self.ctx.rank, epochs_done))
+        return False
+
+    def seed_fresh(self) -> None:
+        """Different streams per rank from here on (e.g. dropout masks), still reproducible."""
+        seed_process(rank_seed(self.seed, self.ctx.rank))
+
+
+class TrainState:
+    """Everything a training continues from (module docstring): ``state_dict``/``load_state_dict`` build and
+    restore it; ``save_last``, ``save_step`` and ``resume_or_seed`` are the Checkpointer's calls with it."""
+
+    def __init__(
+        self,
+        config: PipelineConfig,
+        fingerprint: str,
+        ctx,
+        checkpointer: Checkpointer,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        rank_batch: int,
+    ):
+        self.config, self.fingerprint, self.ctx, self.checkpointer = config, fingerprint, ctx, checkpointer
+        self.model, self.optimizer, self.scheduler, self.rank_batch = model, optimizer, scheduler, rank_batch
+        self.position = Position()
+        self.selection = Selection.from_config(config.train)  # which epoch model.pt holds, when to stop
+        self.best = BestWeights(ctx.is_main)
+        self.streams = RankStreams(ctx, config.train.seed)
+
+    def state_dict(self, micro_batches: int = 0, epoch_sums: dict[str, Any] | None = None) -> dict[str, Any]:
+        """last.pt (after an epoch) or a step checkpoint (``micro_batches`` into epoch ``epochs_done``,
+        with the epoch's all-reduced sums so far); rank 0 gets the contents, the others {}."""
+        rng = self.streams.state_dict()
+        if not self.ctx.is_main:
+            return {}
+        scheduler = self.scheduler
+        return {
+            "model": on_cpu(self.model.state_dict(), copy=True),
+            "optimizer": on_cpu(self.optimizer.state_dict(), copy=True),
+            "scheduler": on_cpu(scheduler.state_dict(), copy=True) if scheduler is not None else None,
+            **self.position.state_dict(micro_batches, epoch_sums),
+            "global_batch": self.rank_batch * self.ctx.world_size,  # rows of one step over all ranks
+            "rng": rng,
+            "world_size": self.ctx.world_size,
+            "selection": self.selection.state_dict(),
+            "best_model": self.best.state_dict(),
+            **identity_entries(self.config, self.fingerprint),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state_dict()``'s contents (every rank loads the same, broadcast state). Any resume
+        keeps the global batch (one step covers the same rows at any world size: training/loading/batches.py
+        ``global_positions_of_steps``); ``ResumeMismatchError`` otherwise."""
+        source = self.checkpointer.resumed_from or "the checkpoint"
+        check_global_batch(state, self.rank_batch, self.ctx.world_size, source)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.position.load_state_dict(state, keeps_sums=self.ctx.is_main)
+        self.selection.load_state_dict(state.get("selection"))
+        self.best.load_state_dict(state.get("best_model"))
+        same_world = self.streams.load_state_dict(state["rng"], self.position.epochs_done)
+        self._say_resumed(len(state["rng"]["per_rank"]), same_world)
+
+    def resume_or_seed(self, saved: dict[str, Any] | None) -> None:
+        """``saved`` (the Checkpointer's ``load_resumable``), or a fresh start with each rank's own seed."""
+        if saved is not None:
+            self.load_state_dict(saved)
+        else:
+            self.streams.seed_fresh()
+
+    def save_last(self) -> None:
+        """last.pt after an epoch (every rank calls it: the RNG streams are gathered)."""
+        self.checkpointer.save_last(self.state_dict())
+
+    def save_step(self, epoch: int, micro_batches: int, sums) -> None:
+        """A step checkpoint once ``micro_batches`` micro-batches of ``epoch`` are trained: ``sums`` (``EpochSums``,
+        this rank's) all-reduced, then the state as CPU copies that rank 0 writes in the background while training
+        goes on (``Checkpointer.save_step``). Every rank calls it, between two optimizer steps."""
+        epoch_sums = sums.all_reduced(self.ctx)
+        self.checkpointer.save_step(self.state_dict(micro_batches, epoch_sums), epoch, micro_batches)
+
+    def _say_resumed(self, saved_world: int, same_world: bool) -> None:
+        position = self.position
+        start = position.start_micro_batch
+        at_step = f", at step {start} of epoch {position.epochs_done}" if start else ""
+        resumed = f"resumed from {self.checkpointer.resumed_from} after {position.epochs_done} epoch(s){at_step}"
+        if not same_world:
+            resumed += (
+                f"; world size {saved_world} -> {self.ctx.world_size}: RNG streams reseeded, data order per rank "
+                "differs"
+            )
+        log_main(self.ctx.is_main, resumed)

@@ -37,7 +37,7 @@ class WeightsEffect:
     """Declared on every train field: whether it changes the trained weights.
 
     The fields that do, with the data's fingerprint, are a training's identity
-    (training/checkpoint/files.py: ``training_identity``): a run resumes only a checkpoint of the
+    (training/checkpoint/identity.py: ``training_identity``): a run resumes only a checkpoint of the
     same identity, and ``train.skip_if_unchanged`` compares it with the champion's. The
     others (timeouts, restarts, threads, paths, launcher, progress...) may change between
     attempts of one training.
@@ -495,7 +495,7 @@ class TrainConfig(_Section):
     log_every_steps: KeepsWeights[int | None] = Field(
         50, ge=1, description="Train loss, lr and gradient norm to MLflow every N optimizer steps; none: off."
     )
-    # Step checkpoints (training/checkpoint/steps.py): a resumable state within an epoch.
+    # Step checkpoints (training/checkpoint/files.py): a resumable state within an epoch.
     checkpoint_every_steps: KeepsWeights[int | None] = Field(
         None, ge=1, description="Write a step checkpoint every N optimizer steps; none: only at the end of epochs."
     )

@@ -1,4 +1,5 @@
-"""The one atomic write: a reader sees the old file or the new one, never half of either.
+"""The one atomic write: a reader sees the old file or the new one, never half of either; and the one durable
+append of a JSON line (``append_line``), read back whole (``read_metrics_lines``: a torn last line is skipped).
 
 A temp file in the target's directory (same filesystem, so the rename is
 atomic), written, fsynced, made 0644, then ``os.replace``d over the target;
@@ -10,6 +11,8 @@ the temp file is removed and the previous file is untouched.
     atomic_write_json(path, payload)
     with atomic_path(path, durable=False) as temp:   # for a writer that takes a path (pyarrow, torch's
         pq.write_table(table, temp)                   # error file): temp replaces path when the block ends
+    append_line(path, record)                         # metrics.jsonl, steps.jsonl: one line, fsynced
+    read_metrics_lines(path)                          # their lines (and a script's reports.jsonl)
 
 Everything in the project that publishes a file others read (checkpoints,
 manifest.json, eval/metrics.json, stack.json, pid files, bench results, a
@@ -83,3 +86,26 @@ def _fsync_directory(directory: Path) -> None:
         pass  # some filesystems refuse fsync on a directory; the rename is still atomic
     finally:
         os.close(fd)
+
+
+def append_line(path: Path, record: dict[str, Any]) -> None:
+    """One JSON line, flushed and fsynced: a crash leaves at most a torn last line (``read_metrics_lines``)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        handle.write(json.dumps(record) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def read_metrics_lines(path: str | Path) -> list[dict[str, Any]]:
+    """The epochs in a metrics.jsonl; a torn last line (a crash mid-write) is skipped."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records

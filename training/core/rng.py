@@ -1,12 +1,10 @@
-"""A rank's random streams: the one per-rank seed rule, and the state a checkpoint carries."""
+"""A rank's random streams: the one per-rank seed rule, one row's seed, and the seeding of a process. The state
+of the streams that a checkpoint carries is training/checkpoint/files.py's (``capture_rng``, ``RankStreams``)."""
 
 from __future__ import annotations
 
 import hashlib
 import random
-from typing import Any
-
-import torch
 
 RANK_STRIDE = 1000  # rank r's seeds start at seed + 1000 * (r + 1): apart from the shared seed and each other
 
@@ -25,20 +23,7 @@ def row_seed(seed: int, epoch: int, row: int) -> int:
 
 def seed_process(seed: int) -> None:
     """Seed the streams a rank draws from: torch's and Python's."""
+    import torch  # here, not at the top: nothing in training/core/ imports torch at module level
+
     torch.manual_seed(seed)
     random.seed(seed)
-
-
-def capture_rng() -> dict[str, Any]:
-    """This process's RNG streams; plain tensors and tuples (no numpy) for weights_only loading."""
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def restore_rng(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])

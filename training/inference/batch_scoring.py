@@ -19,8 +19,8 @@ with (``training/inference/serving.py``): the same raw-row encoding, the same ou
   range whose part file exists is done, and a re-run (after SIGTERM, a lost rank, on another world size) scores
   only the others. Each part's metadata holds its coverage tally and the model's name and version.
 - **Coverage**: each row's id is ``file << 40 | row in file``; every rank sums the tallies of its ranges (rows and
-  ``Σ splitmix64(id)``, ``training/loop/coverage.py``), the ranks all-reduce them, and the total must equal the
-  plan's, or nothing is published.
+  ``Σ splitmix64(id)``, ``training/loop/counting.py: Certificate``), the ranks all-reduce them, and the total must
+  equal the plan's, or nothing is published.
 - **The manifest** (``manifest.json``: rows, files, model, source fingerprint) is written last, atomically, by
   rank 0, after the check: a reader that finds it finds a whole output.
 - **Drift**: each part's footer holds the drift statistics of the rows it scored, per input
@@ -51,7 +51,7 @@ from training.core.errors import DataError
 from training.core.fileio import atomic_path, atomic_write_json
 from training.inference.scored_drift import DriftTally
 from training.kinds.registry import kind_record
-from training.loop.coverage import Certificate, lanes
+from training.loop.counting import Certificate, lanes
 
 SCORE_DIR = ".score"  # OUTPUT/.score: job.json, plan.json, the launch's lock and torchrun's logs
 JOB_FILE = "job.json"

@@ -18,7 +18,7 @@
   step: the non-finite check, training/loop/nonfinite.py, must stop the run there).
 - ``skip_row``: a broken sampler, every time: in epoch E rank R trains its first row of
   the epoch twice and skips its second (the same row count; only the coverage certificate,
-  training/loop/coverage.py, can tell).
+  training/loop/counting.py: ``Certificate``, can tell).
 
 ``DDPFLOW_FAULT=slow_checkpoint:rank=0:epoch=E:seconds=S`` makes rank 0 (the
 checkpoint writer) sleep S seconds before writing the checkpoint that ends

@@ -11,7 +11,7 @@ of each optimizer step (training/distributed/gradient_allreduce.py: appended to 
 "some rank was told"), so all ranks learn it at the same step, and none runs ahead into a collective the others
 left, without a collective of its own (training/loop/step.py: ``StopFlags``). The epoch's pass then writes that
 step's checkpoint, whatever ``train.checkpoint_every_*`` says: the same atomic step checkpoint as any other
-(training/checkpoint/steps.py), so a kill during the save leaves the previous checkpoint intact. The epoch's last
+(training/checkpoint/files.py), so a kill during the save leaves the previous checkpoint intact. The epoch's last
 optimizer step is not a boundary (as for the schedule): a flag seen there is acted on once last.pt is written at
 the epoch's end (``StopFlags.requested``: a collective, once an epoch), and that is the checkpoint.
 
@@ -39,10 +39,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Protocol
 
-from training.checkpoint.steps import step_checkpoint_path
 from training.core.config import TrainConfig
 from training.core.fileio import atomic_write_json
-from training.core.layout import LAST_CHECKPOINT, PREEMPTED, run_file
+from training.core.layout import PREEMPTED, run_file
 from training.core.log import log_main
 
 BASE_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -59,7 +58,9 @@ class Collectives(Protocol):
 
 
 class Writes(Protocol):
-    last_path: Path
+    """What ``stopped`` needs of the checkpointer (training/checkpoint/files.py: ``Checkpointer``)."""
+
+    def path_at(self, epoch: int, micro_batches: int) -> Path: ...
 
     def wait_for_writes(self, raise_error: bool = True) -> None: ...
 
@@ -97,9 +98,7 @@ class PreemptionWatch:
         it, record the stop (rank 0), and the exception that ends the rank. A failed write raises
         ``CheckpointWriteError`` instead."""
         checkpointer.wait_for_writes()  # the step checkpoint is complete and renamed into place, or its error
-        folder = checkpointer.last_path.parent
-        last = run_file(run_dir, LAST_CHECKPOINT)
-        path = step_checkpoint_path(folder, epoch, micro_batches) if micro_batches else last
+        path = checkpointer.path_at(epoch, micro_batches)
         name = signal.Signals(self.signum).name if self.signum is not None else "a signal to another rank"
         waited = time.monotonic() - self.received_at if self.received_at is not None else None
         where = f"step {micro_batches} of epoch {epoch + 1}" if micro_batches else f"the end of epoch {epoch}"

@@ -33,7 +33,7 @@ every ``train.checkpoint_every_steps`` optimizer steps of the run, and/or once `
 seconds passed since the last checkpoint by rank 0's clock (rank 0 decides and every rank learns it through a
 one-number all-reduce per optimizer step, so all ranks enter the checkpoint's collectives together; the step
 count needs no collective). Not after the epoch's last optimizer step: last.pt covers that. How one is
-written is training/checkpoint/steps.py's and training/checkpoint/state.py's (``TrainState.save_step``).
+written is training/checkpoint/files.py's (``TrainState.save_step``).
 
 A stop (``StopFlags``): every rank's preemption flag (training/loop/preemption.py: ``PreemptionWatch``) is
 appended to the first gradient bucket of the step's all-reduce (training/distributed/gradient_allreduce.py), so

@@ -20,7 +20,7 @@ from ddpflow.script.reporting import numbers
 from ddpflow.script.run import parse_params
 from training.core.layout import JOB_ENV, PREEMPTED, SCRIPT_EXAMPLE, SCRIPT_PROGRAM, SCRIPT_REFUSED, SCRIPT_REPORTS
 from training.inference.model_file import exported_module
-from training.loop.stop_request import write_stop
+from training.loop.selection import write_stop
 
 
 @pytest.fixture

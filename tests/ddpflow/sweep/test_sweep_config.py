@@ -23,7 +23,7 @@ from ddpflow.sweep.study import (
 )
 from training.core.config import ConfigError, load_config
 from training.core.topology import RankLayout
-from training.loop.stop_request import read_verdict, stop_requested, verdicts_dir, write_verdict
+from training.loop.selection import read_verdict, stop_requested, verdicts_dir, write_verdict
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -1,7 +1,8 @@
 """The sweep's trial loop with ``sweep.parallel: 2`` (issue 38), without ranks: ``SweepSetup.train`` is a stand-in
-that writes metrics.jsonl as rank 0 does and obeys the verdict files as the ranks do (training/loop/stop_request.py),
-so the loop's own logic is checked: no trial asked beyond ``trials``, a failed trial recorded while the others go
-on, one child run per trial under the parent, the parent's table. Real ranks: tests/flows/test_sweep.py."""
+that writes metrics.jsonl as rank 0 does and obeys the verdict files as the ranks do
+(training/loop/selection.py: stop_requested), so the loop's own logic is checked: no trial asked beyond
+``trials``, a failed trial recorded while the others go on, one child run per trial under the parent, the
+parent's table. Real ranks: tests/flows/test_sweep.py."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from ddpflow.sweep.space import load_sweep
 from ddpflow.sweep.study import FAIL_REASON, finished_trials
 from ddpflow.sweep.trials import run_trials
 from training.core.topology import RankLayout
-from training.loop.stop_request import read_verdict
+from training.loop.selection import read_verdict
 from training.prepare.dataset import prepare_dataset
 
 LRS = [0.01, 0.02, 1e-7, 1e30, 0.03, 0.04]

@@ -3,9 +3,9 @@ into the pipeline's MLflow run at step = the optimizer steps done (real SQLite M
 
 from __future__ import annotations
 
+from training.core.fileio import read_metrics_lines
 from training.core.layout import METRICS, STEP_METRICS
 from training.loop.counting import StepMetricsSink, StepReport
-from training.loop.metrics_sink import read_metrics_lines
 
 
 def report(index: int, loss_sum: float, rows: int = 4, grad_norm: float = 1.0, lr: float = 0.1) -> StepReport:

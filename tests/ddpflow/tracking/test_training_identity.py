@@ -9,7 +9,8 @@ import pytest
 from pydantic import Field
 
 from ddpflow.tracking.runs import training_identity_tag
-from training.checkpoint.files import resume_mismatches, training_identity
+from training.checkpoint.files import resume_mismatches
+from training.checkpoint.identity import training_identity
 from training.core.config import ChangesWeights, KeepsWeights, PipelineConfig, TrainConfig
 
 

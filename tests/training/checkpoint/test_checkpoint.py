@@ -131,7 +131,7 @@ def test_resume_continues_the_same_training_only(tmp_path):
     checkpointer.save_last(saved_state(config))
 
     assert checkpointer.load_resumable(config, "fp")["epoch"] == 1
-    # More epochs is another training (training/checkpoint/files.py: the resume rule).
+    # More epochs is another training (training/checkpoint/identity.py: the resume rule).
     with pytest.raises(ResumeMismatchError, match=r"train\.epochs 2 != 5"):
         checkpointer.load_resumable(load_config(None, ["train.epochs=5", "train.lr=0.01"]), "fp")
     # Settings that do not change the training itself may differ.
@@ -170,7 +170,7 @@ def test_warm_start_needs_the_same_architecture_and_features(tmp_path, capsys):
     assert out.count("training from scratch") == 3 and "does not exist" in out
 
 
-# --- what last.pt holds: training/checkpoint/state.py ------------------------------------------------------------
+# --- what last.pt holds: training/checkpoint/files.py: TrainState ------------------------------------------------
 
 # The keys of last.pt and a step checkpoint (docs/architecture.md): files written before TrainState existed hold them.
 LAST_PT_KEYS = {
@@ -192,7 +192,7 @@ class OneRank(SingleProcess):
 
 
 def train_state(config, run_dir, seed: int):
-    from training.checkpoint.state import TrainState
+    from training.checkpoint.files import TrainState
 
     torch.manual_seed(seed)
     model = torch.nn.Linear(3, 2)

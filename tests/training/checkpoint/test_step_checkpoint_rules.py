@@ -7,8 +7,15 @@ import torch
 
 from ddpflow.rundirs import find_resumable_run
 from tests.training.test_train_ddp import job_config
-from training.checkpoint.files import Checkpointer, CheckpointWriteError, identity_entries
-from training.checkpoint.steps import prune, step_checkpoint_path, step_checkpoints, step_position
+from training.checkpoint.files import (
+    Checkpointer,
+    CheckpointWriteError,
+    identity_entries,
+    prune,
+    step_checkpoint_path,
+    step_checkpoints,
+    step_position,
+)
 from training.distributed.context import SingleProcess
 from training.loop.counting import OptimizerSteps
 from training.loop.step import StepSchedule

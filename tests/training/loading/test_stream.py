@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from training.checkpoint.files import identity_differences, training_identity
+from training.checkpoint.identity import identity_differences, training_identity
 from training.core.config import ConfigError, load_config
 from training.core.manifest import ShardInfo
 from training.loading.batches import TrainBatches, global_rows_in_steps, load_split
@@ -169,7 +169,7 @@ def test_the_divisor_is_the_weight_of_the_steps_global_rows_at_any_world_size(pr
 
 def test_a_stream_that_trains_a_row_twice_and_skips_another_fails_the_certificate(prepared, tmp_path):
     """The fault hook ``skip_row`` reaches the stream's positions; the ranks' tallies then miss the split's."""
-    from training.loop.coverage import Certificate, CoverageTally
+    from training.loop.counting import Certificate, CoverageTally
     from training.loop.hooks import Fault, FaultInjector
 
     source = source_of(prepared)
