@@ -150,7 +150,8 @@ class DatetimeCodec(Codec):
         self.rows, self.nulls, self._first, self._last = 0, 0, None, None
         self._pivot, self._days = None, 0.0  # the first time seen, and the sum of the days after it
         self.origin, self.span, self.impute, self.indicator = 0, US_PER_DAY, 0.0, False
-        self.edges: list[int] | None = None  # the train quantiles (wall-clock microseconds); None: before version 7
+        self.edges: list[int] | None = None  # the train quantiles (wall-clock microseconds); None: no bins
+        self.ordered = False  # a time split is by this column (``orders_the_split``): no bins
         self._drift = RunningHistogram(len(DRIFT_MEASURES))
 
     def stored_type(self, source_type: pa.DataType) -> pa.DataType:
@@ -200,9 +201,17 @@ class DatetimeCodec(Codec):
         self._last = int(times.max()) if self._last is None else max(self._last, int(times.max()))
         self._days += float(((times - self._pivot) / US_PER_DAY).sum())
 
+    def orders_the_split(self) -> None:
+        """No bins for the column a time split is by: its val, test and served rows lie past the train split's last
+        time, beyond every bin, where the level of a stretch of train days says nothing of the days to come (on
+        the real tables it cost seattle-weather's and NYSE's time splits accuracy and R²: docs/benchmarks.md)."""
+        self.ordered = True
+
     def fit_train_column(self, array: pa.Array) -> None:
         """The train split's whole column: the quantiles of its present times (``quantile_edges``, as a numeric
-        input's), the bins of the time since the origin."""
+        input's), the bins of the time since the origin; none for the column a time split is by."""
+        if self.ordered:
+            return
         micros, present, _ = self._times(array)
         self.edges = [int(edge) for edge in quantile_edges(np.sort(micros[present]))] if present.any() else []
 
@@ -216,14 +225,14 @@ class DatetimeCodec(Codec):
         return {
             "zone": self.zone, "cycles": list(self.cycles or CYCLES), "origin": self.origin, "span": self.span,
             "origin_time": str(np.datetime64(self.origin, "us")), "impute": self.impute, "indicator": self.indicator,
-            "rows": self.rows, "nulls": self.nulls, **({"edges": self.edges} if self.edges is not None else {}),
+            "rows": self.rows, "nulls": self.nulls, "edges": self.edges,
         }  # fmt: skip
 
     def load(self, state: dict[str, Any]) -> None:
         self.zone, self.cycles = state["zone"], tuple(state["cycles"])
         self.origin, self.span, self.impute = int(state["origin"]), int(state["span"]), float(state["impute"])
         self.indicator, self.rows, self.nulls = bool(state["indicator"]), int(state["rows"]), int(state["nulls"])
-        self.edges = [int(edge) for edge in state["edges"]] if "edges" in state else None
+        self.edges = None if state.get("edges") is None else [int(edge) for edge in state["edges"]]
 
     def scaled(self, micros: np.ndarray) -> np.ndarray:
         """The time since the origin in train spans: the train split lies in 0..1."""
@@ -231,7 +240,8 @@ class DatetimeCodec(Codec):
 
     def info(self) -> InputInfo:
         """With the bins of the time since the origin (``bins_column``: its column, after the cycles' pairs),
-        scaled as ``encode`` gives it in float32, strictly increasing; none before PREPARE_VERSION 7."""
+        scaled as ``encode`` gives it in float32, strictly increasing; none for the column a time split is by, or
+        before PREPARE_VERSION 7."""
         if self.edges is None:
             return super().info()
         edges = np.unique(self.scaled(np.array(self.edges, dtype=np.int64)).astype(np.float32))

@@ -149,7 +149,7 @@ def test_the_time_since_the_start_goes_through_the_mlps_numeric_embeddings(tmp_p
     """Each datetime input's time since the start carries the train split's quantiles as bins (scaled: the train
     split spans 0..1) and the mlp embeds it as it embeds a numeric input: the stem holds it after the numeric
     inputs, its raw column leaves the dense block, and its piecewise-linear steps move the output. A datetime state
-    without edges (prepared before them) keeps the time as one dense number, as its model was trained."""
+    without edges (prepared before them) and the column a time split is by keep the time as one dense number."""
     import torch
 
     from training.models.numeric_embeddings import DEFAULT_DIM
@@ -179,6 +179,15 @@ def test_the_time_since_the_start_goes_through_the_mlps_numeric_embeddings(tmp_p
     old = DatetimeCodec("when")
     old.load(state)
     assert old.info().bins is None and MLP({"when": old.info()}, 2).binned == {}
+    # The column a time split is by: no bins (its val, test and served rows lie past them); the others keep theirs.
+    (tmp_path / "by_time").mkdir()
+    frame = timetable().dropna(subset=["when"])
+    split = prepare(tmp_path / "by_time", frame, INPUTS, "data.split={by: time, column: when}")
+    by_time = inputs_from_manifest(split.manifest)
+    assert split.manifest.extra["split"]["column"] == "when" and split.manifest.splits["test"].rows > 0
+    assert by_time["when"].bins is None and len(by_time["day"].bins) > 40
+    assert read_encoders(split.dataset_dir, split.manifest)["when"]["state"]["edges"] is None
+    assert list(MLP(by_time, 2).binned) == ["day"]
 
 
 def test_drift_compares_the_time_of_day_weekday_and_month(tmp_path):
