@@ -16,7 +16,7 @@ circle (sin, cos: December sits next to January), then the time since the train 
 that the train split spans 0..1 (later rows, a time split's val and test, run past 1); a null is a value (the
 circle's centre, the train mean time, and a 0/1 missing indicator when the train split held any). The time since
 the start carries bins (``InputInfo.bins``, ``bins_column``): the train split's quantiles of it, as a numeric
-input's, so the built-in models' numeric embeddings take it as they take a numeric input (the level of each
+input's, so the mlp's numeric embeddings take it as they take a numeric input (the level of each
 stretch of days, not a trend alone).
 """
 
