@@ -679,6 +679,12 @@ def test_weighted_rows_multilabel_and_nulls_on_two_ranks_train_the_weights_of_on
     if case == "datetime":  # each time as its DENSE block (cycles, time since the origin, missing indicator)
         shapes = {entry["name"]: entry["shape"] for entry in two.model()["model_spec"]["inputs"]}
         assert shapes == {"ordered": [9], "day": [7], "shipped": [10], "basket": []}
+        # day's and shipped's times since the start go through the numeric embeddings after basket, their steps
+        # trained alike; ordered, the time split's column, keeps its time as one number (no bins).
+        binned = {entry["name"]: entry.get("bins_column") for entry in two.model()["model_spec"]["inputs"]}
+        assert binned == {"ordered": None, "day": 6, "shipped": 8, "basket": None}
+        steps = two.model()["model"]["numeric_embeddings.steps"]
+        assert steps.shape[0] == 3 and bool((steps[1:].abs().sum(dim=(1, 2)) > 0).all())
         assert manifest["extra"]["split"]["column"] == "ordered" and manifest["splits"]["test"]["rows"] > 0
     if case == "numeric_nulls":
         spec = two.model()["model_spec"]

@@ -136,6 +136,11 @@ class Codec:
     def fit_train_column(self, array: pa.Array) -> None:
         """The train split's whole stored column (only when ``reads_train_column``), after ``observe``."""
 
+    def orders_the_split(self) -> None:
+        """Prepare's word, before ``fit_train_column``, that a time split is by this input's column
+        (``data.split: {by: time}``): its val and test rows, and the rows served after training, come after every
+        train row's time."""
+
     def fit(self) -> dict[str, Any]:
         return {}
 

@@ -38,6 +38,10 @@ class InputInfo:
     # A numeric input's bins for the model's numeric embeddings (training/models/numeric_embeddings.py): the train
     # split's quantiles, scaled as the model sees the input, strictly increasing. None: none (before PREPARE_VERSION 6).
     bins: tuple[float, ...] | None = None
+    # A dense input's column that ``bins`` are for (the datetime kind's time since the train split's start): the
+    # model's numeric embeddings take that column as they take a numeric input. None: a numeric input (its one
+    # value), or no bins (a datetime input before PREPARE_VERSION 7).
+    bins_column: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(size) for size in self.shape))
@@ -59,6 +63,7 @@ class InputInfo:
             **({"ragged_dtype": self.ragged_dtype} if self.ragged_dtype else {}),  # absent when none
             **({"missing_indicator": True} if self.missing_indicator else {}),  # likewise
             **({"bins": list(self.bins)} if self.bins is not None else {}),  # likewise
+            **({"bins_column": self.bins_column} if self.bins_column is not None else {}),  # likewise
         }
 
     @classmethod
@@ -73,6 +78,7 @@ class InputInfo:
             ragged_dtype=raw.get("ragged_dtype"),
             missing_indicator=bool(raw.get("missing_indicator", False)),
             bins=raw.get("bins"),
+            bins_column=raw.get("bins_column"),
         )
 
 

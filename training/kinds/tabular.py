@@ -34,6 +34,14 @@ SCALINGS = ("robust", "standard")  # {kind: numeric, scaling: ...}; robust is th
 QUANTILE_BINS = 48
 
 
+def quantile_edges(present: np.ndarray) -> list[float]:
+    """The numeric embeddings' bin edges of a train column's sorted present values (raw units, increasing): its
+    quantiles at 0, 1/QUANTILE_BINS, ..., 1, each a train value, repeats merged. What a numeric input's and a
+    datetime input's time since the start are binned by."""
+    quantiles = np.quantile(present, np.linspace(0.0, 1.0, QUANTILE_BINS + 1), method="lower")
+    return [float(edge) for edge in np.unique(quantiles)]
+
+
 class NumericCodec(Codec):
     """A number per row, float32. Nulls are values: by default (``missing: impute``) a null or NaN is replaced by
     the train split's center of the input (the median; the mean under ``scaling: standard``), and an input whose
@@ -135,8 +143,7 @@ class NumericCodec(Codec):
                 self.scale = (float(present[-1]) - float(present[0])) / 2
         if not self.scale > 0:
             self.scale = 1.0
-        quantiles = np.quantile(present, np.linspace(0.0, 1.0, QUANTILE_BINS + 1), method="lower")
-        self.edges = [float(edge) for edge in np.unique(quantiles)]
+        self.edges = quantile_edges(present)
 
     def fit(self) -> dict[str, Any]:
         if self.rows:

@@ -14,12 +14,16 @@ same instant as ``07:00Z``. Features (``DatetimeCodec``, float32 ``[rows, D]``, 
 the time of day, day of week, day of year (hour is left out for a date column) and month, each as a point on a
 circle (sin, cos: December sits next to January), then the time since the train split's earliest value, scaled so
 that the train split spans 0..1 (later rows, a time split's val and test, run past 1); a null is a value (the
-circle's centre, the train mean time, and a 0/1 missing indicator when the train split held any).
+circle's centre, the train mean time, and a 0/1 missing indicator when the train split held any). The time since
+the start carries bins (``InputInfo.bins``, ``bins_column``): the train split's quantiles of it, as a numeric
+input's, so the mlp's numeric embeddings take it as they take a numeric input (the level of each
+stretch of days, not a trend alone).
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -29,7 +33,9 @@ import pyarrow.compute as pc
 from training.core.errors import DataError
 from training.kinds.arrow_types import is_text, value_type
 from training.kinds.base import DENSE, NUMBERS, Codec, plain
+from training.kinds.inputs import InputInfo
 from training.kinds.stats import RunningHistogram, merge_histograms
+from training.kinds.tabular import quantile_edges
 
 US_PER_DAY = 86_400_000_000
 # An ISO-8601 time with an offset at its end (a date alone, "2024-05-31", has none: its "-31" is the day).
@@ -125,9 +131,12 @@ class DatetimeCodec(Codec):
     (time of day unless the column holds dates, day of week, day of year, month) as sin/cos pairs, the time since
     the train split's earliest value in train spans, and a missing indicator when the train split held a null.
     Fitted on the train split (encoders.json): the zone it reads times in, the origin and span, the mean time a
-    null stands for. A string that is not ISO 8601 is invalid (``data.on_invalid``); served, it is refused."""
+    null stands for, and the bins of the time since the origin (the train column's quantiles, ``fit_train_column``;
+    ``info`` hands them to the model scaled as it sees the time). A string that is not ISO 8601 is invalid
+    (``data.on_invalid``); served, it is refused."""
 
     kind = "datetime"
+    reads_train_column = True  # the quantiles of the time since the origin: the numeric embeddings' bins
     model_block = DENSE
     drift_measure = "histograms"  # time of day, day of week, month (``drift_stats``)
     reference_column = NUMBERS  # hour, weekday, day of year, month, days since the origin (``reference_values``)
@@ -141,6 +150,8 @@ class DatetimeCodec(Codec):
         self.rows, self.nulls, self._first, self._last = 0, 0, None, None
         self._pivot, self._days = None, 0.0  # the first time seen, and the sum of the days after it
         self.origin, self.span, self.impute, self.indicator = 0, US_PER_DAY, 0.0, False
+        self.edges: list[int] | None = None  # the train quantiles (wall-clock microseconds); None: no bins
+        self.ordered = False  # a time split is by this column (``orders_the_split``): no bins
         self._drift = RunningHistogram(len(DRIFT_MEASURES))
 
     def stored_type(self, source_type: pa.DataType) -> pa.DataType:
@@ -190,6 +201,20 @@ class DatetimeCodec(Codec):
         self._last = int(times.max()) if self._last is None else max(self._last, int(times.max()))
         self._days += float(((times - self._pivot) / US_PER_DAY).sum())
 
+    def orders_the_split(self) -> None:
+        """No bins for the column a time split is by: its val, test and served rows lie past the train split's last
+        time, beyond every bin, where the level of a stretch of train days says nothing of the days to come (on
+        the real tables it cost seattle-weather's and NYSE's time splits accuracy and R²: docs/benchmarks.md)."""
+        self.ordered = True
+
+    def fit_train_column(self, array: pa.Array) -> None:
+        """The train split's whole column: the quantiles of its present times (``quantile_edges``, as a numeric
+        input's), the bins of the time since the origin; none for the column a time split is by."""
+        if self.ordered:
+            return
+        micros, present, _ = self._times(array)
+        self.edges = [int(edge) for edge in quantile_edges(np.sort(micros[present]))] if present.any() else []
+
     def fit(self) -> dict[str, Any]:
         if self.rows and self._first is not None:
             present = self.rows - self.nulls
@@ -200,13 +225,27 @@ class DatetimeCodec(Codec):
         return {
             "zone": self.zone, "cycles": list(self.cycles or CYCLES), "origin": self.origin, "span": self.span,
             "origin_time": str(np.datetime64(self.origin, "us")), "impute": self.impute, "indicator": self.indicator,
-            "rows": self.rows, "nulls": self.nulls,
+            "rows": self.rows, "nulls": self.nulls, "edges": self.edges,
         }  # fmt: skip
 
     def load(self, state: dict[str, Any]) -> None:
         self.zone, self.cycles = state["zone"], tuple(state["cycles"])
         self.origin, self.span, self.impute = int(state["origin"]), int(state["span"]), float(state["impute"])
         self.indicator, self.rows, self.nulls = bool(state["indicator"]), int(state["rows"]), int(state["nulls"])
+        self.edges = None if state.get("edges") is None else [int(edge) for edge in state["edges"]]
+
+    def scaled(self, micros: np.ndarray) -> np.ndarray:
+        """The time since the origin in train spans: the train split lies in 0..1."""
+        return (micros - self.origin) / self.span
+
+    def info(self) -> InputInfo:
+        """With the bins of the time since the origin (``bins_column``: its column, after the cycles' pairs),
+        scaled as ``encode`` gives it in float32, strictly increasing; none for the column a time split is by, or
+        before PREPARE_VERSION 7."""
+        if self.edges is None:
+            return super().info()
+        edges = np.unique(self.scaled(np.array(self.edges, dtype=np.int64)).astype(np.float32))
+        return replace(super().info(), bins=tuple(float(edge) for edge in edges), bins_column=2 * len(self.cycles))
 
     def shape(self) -> tuple[int, ...]:
         return (2 * len(self.cycles) + 1 + int(self.indicator),)
@@ -220,7 +259,7 @@ class DatetimeCodec(Codec):
         angles = 2 * np.pi * cycle_phases(micros, self.cycles)
         columns = [part for angle in angles for part in (np.sin(angle), np.cos(angle))]
         columns = [np.where(present, column, 0.0) for column in columns]
-        columns.append(np.where(present, (micros - self.origin) / self.span, self.impute))
+        columns.append(np.where(present, self.scaled(micros), self.impute))
         if self.indicator:
             columns.append((~present).astype(np.float64))
         return np.stack(columns, axis=1).astype(np.float32) if columns else np.empty((len(micros), 0), np.float32)

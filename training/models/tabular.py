@@ -82,8 +82,10 @@ class MLP(nn.Module):
     across world sizes to 1e-4 (docs/training.md).
 
     Its input row is, in this order: the numeric inputs (manifest order; each as its numeric embedding,
-    ``numeric_embeddings.py``, unless ``numeric_embeddings: none`` or its dataset has no bins) and the missing
-    indicators of those whose train split held nulls (``block_names``), then each vector input, then an
+    ``numeric_embeddings.py``, unless ``numeric_embeddings: none`` or its dataset has no bins), the embedding of
+    each dense input's binned column (``binned_columns``: a datetime input's time since the start), the missing
+    indicators of the numeric inputs whose train split held nulls (``block_names``), then each vector and
+    datetime input (without its embedded column), then an
     embedding per categorical and hashed input (``embedding_dim(cardinality)`` wide, or
     ``embedding_dims[name]``), multiplied by 1/sqrt(its width) with ``scale_embeddings`` (a run's default,
     ``MLP_DEFAULTS``): an embedding then enters the first layer with unit variance at initialisation, as one
@@ -112,6 +114,7 @@ class MLP(nn.Module):
         self.numeric = block_names(inputs)  # the numeric inputs, then their missing indicators
         stem = numeric_stem(inputs, numeric_embeddings, numeric_embedding_dim)
         self.vectors = inputs_in(inputs, DENSE)
+        self.binned = binned_columns(inputs) if stem is not None else {}  # dense columns the stem takes
         embedded = {name: inputs[name] for name in inputs_in(inputs, EMBEDDING)}
         unknown = [f"{name} ({info.kind})" for name, info in inputs.items() if block_of(info) not in TABULAR_BLOCKS]
         if unknown:
@@ -123,7 +126,7 @@ class MLP(nn.Module):
             for name, info in embedded.items()
         }
         width = len(self.numeric) + sum(inputs[name].shape[0] for name in self.vectors) + sum(widths.values())
-        if stem is not None:  # each numeric input becomes its embedding; the missing indicators stay as they are
+        if stem is not None:  # each numeric input (and binned column) becomes its embedding; the rest stays
             width += stem.out_features - stem.weight.shape[0]
         row_width, layers = width, list[nn.Module]()
         for size in hidden:
@@ -146,11 +149,19 @@ class MLP(nn.Module):
 
     def forward(self, batch):
         if isinstance(batch, torch.Tensor):
-            return self.body(self._stem(batch))
-        parts = [self._stem(numeric_block(batch, self.numeric))] if self.numeric else []
-        parts += [batch[name] for name in self.vectors]
+            return self.body(torch.cat(self._stem(batch, []), dim=1))
+        block = numeric_block(batch, self.numeric) if self.numeric else None
+        parts = self._stem(block, [batch[name][:, column : column + 1] for name, column in self.binned.items()])
+        parts += [self._vector(name, batch[name]) for name in self.vectors]
         parts += [self._embedded(name, batch[name]) for name in self.embedded]
         return self.body(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
+
+    def _vector(self, name: str, values: torch.Tensor) -> torch.Tensor:
+        """A dense input as the first layer takes it: without its binned column, which the stem embeds."""
+        if name not in self.binned:
+            return values
+        column = self.binned[name]
+        return torch.cat([values[:, :column], values[:, column + 1 :]], dim=1)
 
     def _embedded(self, name: str, index: torch.Tensor) -> torch.Tensor:
         vectors = self.embeddings[name](index)
@@ -162,14 +173,18 @@ class MLP(nn.Module):
         makes one prediction of them (``Objective.member_loss``, ``combine_members``)."""
         return self.net(row if self.adapter is None else self.adapter(row))
 
-    def _stem(self, block: torch.Tensor) -> torch.Tensor:
-        """The numeric block ``[B, F]`` as the first layer takes it: with numeric embeddings, each numeric
-        input's embedding, then the missing indicators."""
+    def _stem(self, block: torch.Tensor | None, binned: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The numeric block ``[B, F]`` (None: no numeric input) and the dense inputs' binned columns (``[B, 1]``
+        each) as the first layer takes them: with numeric embeddings, the embedding of each numeric input and of
+        each binned column, then the missing indicators; without, the block as it is."""
         stem = getattr(self, "numeric_embeddings", None)
         if stem is None:
-            return block
-        count = stem.weight.shape[0]
-        return torch.cat([stem(block[:, :count]), block[:, count:]], dim=1)
+            return [block] if block is not None else []
+        count = stem.weight.shape[0] - len(binned)  # the numeric inputs
+        columns = ([block[:, :count]] if block is not None else []) + binned
+        features = columns[0] if len(columns) == 1 else torch.cat(columns, dim=1)
+        indicators = [block[:, count:]] if block is not None and block.shape[1] > count else []
+        return [stem(features), *indicators]
 
 
 class EnsembleAdapter(nn.Module):
@@ -200,15 +215,22 @@ class EnsembleHead(nn.Module):
         return torch.einsum("bkh,kho->bko", hidden, self.weight) + self.bias
 
 
+def binned_columns(inputs: dict[str, InputInfo]) -> dict[str, int]:
+    """The dense inputs with bins (a datetime input's time since the start), each with its binned column
+    (``InputInfo.bins_column``): the numeric embeddings take that column after the numeric inputs."""
+    return {name: inputs[name].bins_column for name in inputs_in(inputs, DENSE) if inputs[name].bins is not None}
+
+
 def numeric_stem(inputs: dict[str, InputInfo], choice: str, dim: int) -> NumericEmbeddings | None:
-    """The numeric embeddings of the inputs' numeric columns (``numeric_embeddings: ple``, the default), or None:
-    ``none``, no numeric input, or a dataset prepared before the bins (no input has ``InputInfo.bins``)."""
+    """The numeric embeddings of the inputs' numeric columns and binned dense columns (``binned_columns``), in
+    that order (``numeric_embeddings: ple``, the default), or None: ``none``, no such column, or a dataset
+    prepared before the bins (no input has ``InputInfo.bins``)."""
     if choice not in NUMERIC_EMBEDDINGS:
         raise ValueError(f"train.model_kwargs.numeric_embeddings must be one of {NUMERIC_EMBEDDINGS}, not {choice!r}")
-    numeric = [inputs[name] for name in numeric_names(inputs)]
-    if choice == "none" or not any(info.bins is not None for info in numeric):
+    binned = [inputs[name] for name in (*numeric_names(inputs), *binned_columns(inputs))]
+    if choice == "none" or not any(info.bins is not None for info in binned):
         return None
-    return NumericEmbeddings([info.bins for info in numeric], int(dim))
+    return NumericEmbeddings([info.bins for info in binned], int(dim))
 
 
 TABULAR_BLOCKS = (SCALAR, DENSE, EMBEDDING)  # the blocks an MLP takes (and the other built-ins beside theirs)

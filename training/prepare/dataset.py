@@ -403,7 +403,7 @@ def _build(source: Source, data: DataConfig, fingerprint: str, out_dir: Path, ta
     splits = {name: writer.close() for name, writer in writers.items()}
     _check_splits(splits, invalid.rows, labels.rows, data, source, by_time)
     checks.check_weights(source, sum(split.rows for split in splits.values()))
-    _fit_train_columns(out_dir, splits["train"], codecs)
+    _fit_train_columns(out_dir, splits["train"], codecs, by_time.column if by_time else None)
     encoders = _write_encoders(out_dir, codecs)
     manifest = _manifest(source, data, plan, labels, splits, moments, histograms, targets, invalid, fingerprint)
     numeric = [codecs[name] for name in plan.features]
@@ -433,11 +433,14 @@ def _build(source: Source, data: DataConfig, fingerprint: str, out_dir: Path, ta
     )
 
 
-def _fit_train_columns(out_dir: Path, train: SplitInfo, codecs: dict[str, Codec]) -> None:
+def _fit_train_columns(out_dir: Path, train: SplitInfo, codecs: dict[str, Codec], split_column: str | None) -> None:
     """Each input whose kind reads the train split's whole column (``Codec.reads_train_column``: a numeric
-    input's quantiles), read back from the train shards one column at a time: memory is one column."""
+    input's quantiles), read back from the train shards one column at a time: memory is one column. The input on
+    ``split_column`` (a time split's) is told first (``Codec.orders_the_split``)."""
     import pyarrow.parquet as pq
 
+    if split_column in codecs:
+        codecs[split_column].orders_the_split()
     files = [str(out_dir / shard.file) for shard in train.shards]
     for name, codec in codecs.items():
         if codec.reads_train_column:

@@ -28,7 +28,9 @@ from training.kinds.registry import hashed_inputs, input_options, kind_record
 # 6: robust scaling (median/IQR, smooth clip) and the numeric embeddings' quantile bins, fitted on the train
 #    split's whole column: encoders.json's numeric states, Manifest.feature_center/scale/clip, InputInfo.bins.
 # (data.split by time and the datetime kind add fields only to the datasets that use them: no bump.)
-PREPARE_VERSION = 6
+# 7: the datetime kind's time since the start carries the numeric embeddings' bins (encoders.json's datetime
+#    edges, InputInfo.bins and bins_column).
+PREPARE_VERSION = 7
 # DataConfig fields that do not change the prepared output.
 # How ranks read the shards (data.stream, its cache and window) is not the dataset either.
 _NOT_OUTPUT_FIELDS = frozenset(

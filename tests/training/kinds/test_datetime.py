@@ -145,6 +145,51 @@ def test_prepare_takes_times_as_parquet_and_csv_hold_them(tmp_path):
     assert {column["name"]: column["type"] for column in read.manifest.schema}["when"] == "timestamp[s, tz=UTC]"
 
 
+def test_the_time_since_the_start_goes_through_the_mlps_numeric_embeddings(tmp_path):
+    """Each datetime input's time since the start carries the train split's quantiles as bins (scaled: the train
+    split spans 0..1) and the mlp embeds it as it embeds a numeric input: the stem holds it after the numeric
+    inputs, its raw column leaves the dense block, and its piecewise-linear steps move the output. A datetime state
+    without edges (prepared before them) and the column a time split is by keep the time as one dense number."""
+    import torch
+
+    from training.models.numeric_embeddings import DEFAULT_DIM
+    from training.models.tabular import MLP
+
+    prepared = prepare(tmp_path, timetable(), INPUTS)
+    inputs = inputs_from_manifest(prepared.manifest)
+    when, day = inputs["when"], inputs["day"]
+    assert (when.bins_column, day.bins_column) == (8, 6)  # after the cycles' pairs: 4 with the hour, 3 for a date
+    for info in (when, day):
+        assert len(info.bins) > 40 and info.bins[0] == 0.0 and info.bins[-1] == 1.0
+        assert all(b > a for a, b in zip(info.bins, info.bins[1:])), info.name
+    torch.manual_seed(0)
+    model = MLP(inputs, 2)
+    assert model.numeric_embeddings.weight.shape[0] == 3  # basket, then the two times
+    # Each time's embedding replaces its one scaled number; the cycles and the missing indicator stay dense.
+    dense = when.shape[0] - 1 + day.shape[0] - 1
+    assert model.net[0].in_features == 3 * DEFAULT_DIM + dense
+    codecs = codecs_for(inputs, read_encoders(prepared.dataset_dir, prepared.manifest))
+    frame = pa.Table.from_pandas(timetable(rows=64, seed=1), preserve_index=False)
+    batch = {name: torch.from_numpy(codecs[name].encode(frame[name])) for name in ("when", "day", "basket")}
+    before = model(batch)
+    with torch.no_grad():
+        model.numeric_embeddings.steps[1] += 0.5  # the order time's steps, at zero from the start
+    assert (model(batch) - before).abs().max() > 1e-3
+    state = {key: value for key, value in codecs["when"].fit().items() if key != "edges"}
+    old = DatetimeCodec("when")
+    old.load(state)
+    assert old.info().bins is None and MLP({"when": old.info()}, 2).binned == {}
+    # The column a time split is by: no bins (its val, test and served rows lie past them); the others keep theirs.
+    (tmp_path / "by_time").mkdir()
+    frame = timetable().dropna(subset=["when"])
+    split = prepare(tmp_path / "by_time", frame, INPUTS, "data.split={by: time, column: when}")
+    by_time = inputs_from_manifest(split.manifest)
+    assert split.manifest.extra["split"]["column"] == "when" and split.manifest.splits["test"].rows > 0
+    assert by_time["when"].bins is None and len(by_time["day"].bins) > 40
+    assert read_encoders(split.dataset_dir, split.manifest)["when"]["state"]["edges"] is None
+    assert list(MLP(by_time, 2).binned) == ["day"]
+
+
 def test_drift_compares_the_time_of_day_weekday_and_month(tmp_path):
     for folder in "abc":
         (tmp_path / folder).mkdir()
