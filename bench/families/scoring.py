@@ -42,15 +42,10 @@ def run(ctx: Context) -> list[Result]:
     ours, pyfunc, steady, one_rank = [], [], [], []
     every_core, one_thread = [], []  # the pyfunc's rows/s with torch on every core, on one thread
     for repeat in range(ctx.sizes.repeats):
-        output = ctx.workdir / f"scores-{repeat}"
-        argv = ddpflow_api.score_command(model, source, output, RANKS, tracking)
-        with Timer() as command:
-            done = subprocess.run(argv, capture_output=True, text=True, cwd=ctx.workdir, env=dict(os.environ))
-        if done.returncode != 0:
-            raise RuntimeError(f"ddpflow score failed: {done.stderr[-2000:]}")
-        ours.append(rows / command.seconds)
-        steady.append(rows / json.loads((output / "manifest.json").read_text())["seconds"])
-        one_rank.append(steady_rows_per_s(model, source, ctx.workdir / f"scores-1-{repeat}", tracking, rows))
+        wall_s, steady_s = score(model, source, ctx.workdir / f"scores-{repeat}", tracking, RANKS)
+        ours.append(rows / wall_s)
+        steady.append(rows / steady_s)
+        one_rank.append(rows / score(model, source, ctx.workdir / f"scores-1-{repeat}", tracking, 1)[1])
         every_core.append(pyfunc_rate(model, source, os.cpu_count() or 1))
         one_thread.append(pyfunc_rate(model, source, 1))
         pyfunc.append(max(every_core[-1], one_thread[-1]))
@@ -124,13 +119,15 @@ def run(ctx: Context) -> list[Result]:
     ]
 
 
-def steady_rows_per_s(model_path, source, output, tracking: str, rows: int) -> float:
-    """One rank's steady rows/s: ``ddpflow score`` with ``score.nproc_per_node=1`` (the manifest's ``seconds``)."""
-    argv = ddpflow_api.score_command(model_path, source, output, 1, tracking)
-    done = subprocess.run(argv, capture_output=True, text=True, cwd=output.parent, env=dict(os.environ))
+def score(model_path, source, output, tracking: str, ranks: int) -> tuple[float, float]:
+    """``ddpflow score`` on ``ranks`` ranks as a user runs it: (the command's wall seconds, the ranks' seconds from
+    the plan to the coverage check, the manifest's ``seconds``)."""
+    argv = ddpflow_api.score_command(model_path, source, output, ranks, tracking)
+    with Timer() as command:
+        done = subprocess.run(argv, capture_output=True, text=True, cwd=output.parent, env=dict(os.environ))
     if done.returncode != 0:
-        raise RuntimeError(f"ddpflow score on one rank failed: {done.stderr[-2000:]}")
-    return rows / json.loads((output / "manifest.json").read_text())["seconds"]
+        raise RuntimeError(f"ddpflow score on {ranks} rank(s) failed: {done.stderr[-2000:]}")
+    return command.seconds, json.loads((output / "manifest.json").read_text())["seconds"]
 
 
 def pyfunc_rate(model_path, source, threads: int) -> float:
