@@ -5,7 +5,8 @@
 
 Where the cause comes from, first found wins:
   1. a rank whose error is its own, when torchrun blamed a rank that only lost its peer
-     (torchrun's "first observed failure" is decided by whole-second timestamps);
+     (torchrun's "first observed failure" is decided by whole-second timestamps, and a rank that
+     aborts on its closed gloo pair (SIGABRT) writes no error file: its log's last exception says so);
   2. the error file torchrun's ``@record`` copied to RUN_DIR/error.json, or the one it names;
   3. NCCL's watchdog text in the rank's log: on GPUs a collective that outlives
      ``train.collective_timeout_s`` aborts the rank (SIGABRT) with no Python exception,
@@ -119,10 +120,11 @@ def failure_from_output(
     original = _original_failure(attempt, local_rank)
     note = ""
     if original is not None and rank is not None:
-        # Global rank = the blamed rank's node offset + the original's local rank. Its exit
-        # code is whatever torchrun's shutdown left (often SIGTERM), so the note keeps torchrun's view.
+        # Global rank = the blamed rank's node offset + the original's local rank; its exit code is the one
+        # torchrun listed among the other failures (None where torchrun's shutdown stopped it first).
         note = f"; torchrun first saw rank {rank} exit with code {exitcode}, after it lost this peer"
         rank, local_rank = rank - local_rank + original[0], original[0]
+        exitcode = failed_ranks(tail).get(rank)
 
     log_file = attempt / str(local_rank) / "stderr.log" if attempt is not None and local_rank is not None else None
     cause = original[1] if original is not None else _root_cause_text(run_dir, summary, log_file, rank)
@@ -131,13 +133,11 @@ def failure_from_output(
         last = next((t for t in reversed(tail) if t.strip()), "")
         message = f"torchrun exited with code {returncode}: {last}"
     else:
-        message = (
-            f"rank {rank} failed: {cause}{note}"
-            if note
-            else f"rank {rank} failed with exit code {exitcode}: {cause or 'no exception recorded'}"
-        )
+        code = f" with exit code {exitcode}" if exitcode is not None else ""
+        message = f"rank {rank} failed{code}: {cause or 'no exception recorded'}"
         if log_file is not None:
             message += f" (its log: {log_file})"
+        message += note
     fields = {"rank": rank, "exitcode": exitcode, "root_cause": cause, "log_file": str(log_file) if log_file else None}
     shown = traceback_tail(_read_text(log_file) or "") if show_traceback and log_file is not None else None
     if shown and rank is not None:
@@ -192,6 +192,25 @@ def root_cause_summary(tail: list[str]) -> dict[str, str]:
     return found
 
 
+def failed_ranks(tail: list[str]) -> dict[int, int]:
+    """Global rank -> exit code of every failure in torchrun's ChildFailedError block (the others and the root)."""
+    found: dict[int, int] = {}
+    rank = None
+    for text in tail:
+        match = _ROOT_CAUSE_FIELD.match(text)
+        if match is None:
+            continue
+        if match["key"] == "rank":
+            rank_match = re.match(r"(\d+)", match["value"])
+            rank = int(rank_match[1]) if rank_match else None
+        elif match["key"] == "exitcode" and rank is not None:
+            code = re.match(r"(-?\d+)", match["value"])
+            if code:
+                found.setdefault(rank, int(code[1]))
+            rank = None
+    return found
+
+
 def _last_attempt(job_dir: Path | None) -> Path | None:
     """torchrun's log folder of the last restart round: JOB_DIR/attempt_<n>."""
     if job_dir is None:
@@ -209,14 +228,25 @@ def _original_failure(attempt: Path | None, local_rank: int | None) -> tuple[int
     """The rank whose error is its own, when torchrun blamed a rank that only lost its peer."""
     if attempt is None or local_rank is None:
         return None
-    blamed = _error_file_message(attempt / str(local_rank) / ERROR_FILE)
+    blamed = _rank_error(attempt / str(local_rank))
     if blamed is None or not _PEER_LOST.search(blamed):
         return None
-    for error_file in sorted(attempt.glob(f"*/{ERROR_FILE}")):
-        message = _error_file_message(error_file)
-        if message and not _PEER_LOST.search(message) and error_file.parent.name.isdigit():
-            return int(error_file.parent.name), message
+    ranks = sorted((path for path in attempt.iterdir() if path.name.isdigit()), key=lambda path: int(path.name))
+    for rank_dir in ranks:
+        message = _rank_error(rank_dir)
+        if message and not _PEER_LOST.search(message):
+            return int(rank_dir.name), message
     return None
+
+
+def _rank_error(rank_dir: Path) -> str | None:
+    """A rank's own error: its ``@record`` error file, else the last exception line of its log (a user's script
+    without ``@record``, or a rank aborted by a C++ error, writes no error file)."""
+    message = _error_file_message(rank_dir / ERROR_FILE)
+    if message is None:
+        log_text = _read_text(rank_dir / "stderr.log")
+        message = _last_exception_line(log_text) if log_text else None
+    return message
 
 
 def _error_file_message(path: Path) -> str | None:

@@ -459,3 +459,41 @@ def test_a_rank_that_only_lost_its_peer_is_not_blamed(tmp_path):
     )
     error = failure_from_output(tmp_path, attempt.parent, tail, returncode=1)
     assert error.rank == 0 and "bad batch" in str(error)
+
+
+def test_a_script_rank_that_aborted_on_its_lost_peer_is_not_blamed(tmp_path):
+    """A user's script writes no error file, and a rank whose gloo pair closed under a collective aborts (SIGABRT,
+    no error file either): the ranks' logs say whose error is its own, and torchrun's list of failures its code."""
+    attempt = tmp_path / "logs" / "job" / "attempt_0"
+    logs = {
+        0: "terminate called after throwing an instance of 'gloo::IoException'\n"
+        "  what():  [gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:1234: Connection reset by peer\n"
+        "RuntimeError: [gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234\n",
+        1: "Traceback (most recent call last):\n  File \"failing.py\", line 9, in <module>\n"
+        "    raise ValueError('bad batch in epoch 1')\nValueError: bad batch in epoch 1\n",
+    }
+    for local_rank, text in logs.items():
+        (attempt / str(local_rank)).mkdir(parents=True)
+        (attempt / str(local_rank) / "stderr.log").write_text(text)
+    tail = [
+        "Failures:",
+        "[1]:",
+        "  time      : 2026-12-07_00:37:21",
+        "  rank      : 1 (local_rank: 1)",
+        "  exitcode  : 1 (pid: 2618)",
+        "  error_file: <N/A>",
+        "------------------------------------------------------------",
+        "Root Cause (first observed failure):",
+        "[0]:",
+        "  time      : 2026-12-07_00:37:21",
+        "  rank      : 0 (local_rank: 0)",
+        "  exitcode  : -6 (pid: 2617)",
+        "  error_file: <N/A>",
+    ]
+    error = failure_from_output(tmp_path, attempt.parent, tail, returncode=1, show_traceback=True)
+    assert (error.rank, error.exitcode) == (1, 1)
+    assert str(error).startswith(
+        f"rank 1 failed with exit code 1: ValueError: bad batch in epoch 1 (its log: {attempt / '1' / 'stderr.log'})"
+        "; torchrun first saw rank 0 exit with code -6, after it lost this peer"
+    ), str(error)
+    assert error.traceback.endswith("ValueError: bad batch in epoch 1")
