@@ -112,7 +112,15 @@ def _ratio_cell(bench: dict[str, Any]) -> str:
 def _met_cell(bench: dict[str, Any]) -> str:
     if bench["status"] != "ok":
         return "—"
-    return {True: "yes", False: "**no**", None: "—"}[bench["met"]]
+    met = {True: "yes", False: "**no**", None: "—"}[bench["met"]]
+    if bench["met"] is False and bench.get("ceiling") and bench.get("restated_target") is not None:
+        sign = "≥" if bench["direction"] == "ge" else "≤"
+        restated = {True: "yes", False: "**no**", None: "—"}[bench.get("restated_met")]
+        met += (
+            f"; this machine's ceiling {_stats_text(bench['ceiling'], '')}, restated target "
+            f"{sign} {bench['restated_target']:.3g}: {restated}"
+        )
+    return met
 
 
 def _anchor(title: str) -> str:

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from bench.harness.report import render_docs, replace_block
+from bench.harness.report import render_docs, render_summary, replace_block
 from bench.harness.results import Result, Row, Stats, repeat
 
 # The in-process families: together they drive prepare, the loader, the training loop and evaluate.
@@ -34,6 +34,18 @@ def test_result_checks_its_target_in_the_right_direction():
     at_most = Result("b", "B", ratio=Stats.of([0.9]), target=1.0, direction="le")
     skipped = Result("c", "C", target=1.0, status="skipped", reason="no GPU")
     assert (at_least.met, at_most.met, skipped.met) == (False, True, None)
+
+
+def test_a_missed_target_shows_the_measured_ceiling_and_the_restated_target_beside_it():
+    bounded = Result(
+        "s", "S", ratio=Stats.of([1.1, 1.2]), target=1.6, ceiling=Stats.of([1.25, 1.3]), restated_target=1.0
+    )
+    plain = Result("p", "P", ratio=Stats.of([0.9]), target=0.95)
+    assert (bounded.met, bounded.restated_met, plain.restated_met) == (False, True, None)
+    payload = {"benchmarks": [dict(bounded.to_dict(), measured_at="now"), dict(plain.to_dict(), measured_at="now")]}
+    rows = render_summary(payload["benchmarks"]).splitlines()
+    assert "| **no**; this machine's ceiling 1.27 (1.25–1.3), restated target ≥ 1: yes | now |" in rows[2]
+    assert rows[3].endswith("| ≥ 0.95 | **no** | now |")
 
 
 def test_docs_blocks_are_replaced_and_prose_kept(tmp_path):

@@ -209,6 +209,9 @@ def test_the_manifest_and_every_part_name_the_model_and_the_source(champion, sco
     assert manifest["model"] == {"name": "scorer", "version": "1", "uri": "models:/scorer@champion"}
     assert manifest["files"] == sorted(path.name for path in output.glob("part-*.parquet"))
     assert manifest["coverage"]["rows"] == ROWS and len(manifest["source"]["fingerprint"]) == 16
+    # The ranks' CPU time beside their wall time: positive, and no more than the machine's cores could give (each
+    # rank counts from its own start, so allow the ranks' start-up skew).
+    assert 0 < manifest["cpu_seconds"] <= 2 * (os.cpu_count() or 1) * manifest["seconds"], manifest
     assert [name for name, _ in manifest["source"]["files"]] == sorted(str(p) for p in scored["source"].iterdir())
     for part in output.glob("part-*.parquet"):
         metadata = pq.read_schema(part).metadata

@@ -443,14 +443,15 @@ def score_rank(job: ScoreJob, ctx) -> dict[str, Any] | None:
     plan = Plan.read(Path(job.output) / SCORE_DIR / PLAN_FILE)
     predictor = Predictor.from_checkpoint(job.model_path, batch_size=job.batch_size).to(ctx.device)  # NCCL: its GPU
     scorer = UnitScorer(job, plan, predictor, MemoryLog(ctx.rank))  # the heap test's baseline: the model loaded
-    started = time.monotonic()
+    started, cpu_started = time.monotonic(), time.process_time()
     totals = [0, 0, 0, 0]
     to_score, finished = plan.mine(
         ctx.rank, ctx.world_size, plan.pending(job.output) if job.pending is None else job.pending
     )
     for unit in [*to_score, *finished]:
         totals = [a + b for a, b in zip(totals, scorer.tally(unit), strict=True)]
-    rows, high, low, rejected = ctx.all_reduce_int_sum(totals)
+    cpu_us = round((time.process_time() - cpu_started) * 1e6)  # every thread of this rank: user + system
+    rows, high, low, rejected, cpu_us = ctx.all_reduce_int_sum([*totals, cpu_us])
     certificate = Certificate.from_lanes(rows, high, low)
     expected = plan.expected()
     if certificate != expected:
@@ -460,12 +461,18 @@ def score_rank(job: ScoreJob, ctx) -> dict[str, Any] | None:
         )
     if not ctx.is_main:
         return None
-    manifest = scoring_manifest(job, plan, certificate, rejected, time.monotonic() - started, ctx.world_size)
+    seconds = time.monotonic() - started
+    manifest = scoring_manifest(job, plan, certificate, rejected, seconds, cpu_us / 1e6, ctx.world_size)
     atomic_write_json(Path(job.output) / MANIFEST, manifest)
     return manifest
 
 
-def scoring_manifest(job: ScoreJob, plan: Plan, certificate: Certificate, rejected: int, seconds: float, world: int):
+def scoring_manifest(
+    job: ScoreJob, plan: Plan, certificate: Certificate, rejected: int, seconds: float, cpu_seconds: float, world: int
+):
+    """``seconds``: rank 0's wall time from the plan to the coverage check; ``cpu_seconds``: the CPU time the ranks
+    spent in it, summed over ranks (every thread, user and system), so ``cpu_seconds / seconds`` is the cores the
+    ranks kept busy."""
     return {
         "rows": certificate.rows,
         "scored": certificate.rows - rejected,
@@ -479,6 +486,7 @@ def scoring_manifest(job: ScoreJob, plan: Plan, certificate: Certificate, reject
         "keep": job.keep,
         "world_size": world,
         "seconds": round(seconds, 3),
+        "cpu_seconds": round(cpu_seconds, 3),
         "created_at": datetime.now(timezone.utc).isoformat(),
     }
 
