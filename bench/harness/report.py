@@ -117,7 +117,7 @@ def _met_cell(bench: dict[str, Any]) -> str:
         sign = "≥" if bench["direction"] == "ge" else "≤"
         restated = {True: "yes", False: "**no**", None: "—"}[bench.get("restated_met")]
         met += (
-            f"; this machine's ceiling {_stats_text(bench['ceiling'], '')}, restated target "
+            f"; measured ceiling {_stats_text(bench['ceiling'], '')}, restated target "
             f"{sign} {bench['restated_target']:.3g}: {restated}"
         )
     return met

@@ -44,7 +44,7 @@ def test_a_missed_target_shows_the_measured_ceiling_and_the_restated_target_besi
     assert (bounded.met, bounded.restated_met, plain.restated_met) == (False, True, None)
     payload = {"benchmarks": [dict(bounded.to_dict(), measured_at="now"), dict(plain.to_dict(), measured_at="now")]}
     rows = render_summary(payload["benchmarks"]).splitlines()
-    assert "| **no**; this machine's ceiling 1.27 (1.25–1.3), restated target ≥ 1: yes | now |" in rows[2]
+    assert "| **no**; measured ceiling 1.27 (1.25–1.3), restated target ≥ 1: yes | now |" in rows[2]
     assert rows[3].endswith("| ≥ 0.95 | **no** | now |")
 
 
