@@ -6,7 +6,7 @@ ddpflow's default model as a user runs it and HistGradientBoosting with its defa
 (``bench/workloads/beside_boosting.py`` says how each is run and scored, and ``BENCH_TABLES_SET``).
 
 The metric: ROC AUC for two classes, accuracy for several, R² for regression. The gap is boosting minus
-ddpflow (positive: ddpflow trails). Issue 36's targets: mean gap <= 0.01, no table trailing by more than 0.03.
+ddpflow (positive: ddpflow trails). The targets: mean gap <= 0.01, no table trailing by more than 0.03.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ def prepared_dir(ctx: Context, rows: int) -> Path:
     return ctx.cached(f"prepared:{rows}", lambda: ddpflow_api.prepare(data_config(ctx, source_file(ctx, rows))))
 
 
-# The mixed table (issue 21's data path): the workload's numeric columns plus these categoricals, each drawn
+# The mixed table (the data path with typed inputs): the workload's numeric columns plus these categoricals, each drawn
 # uniformly from this many string values, embedded by the built-in mlp (``embedding_dim(cardinality)`` wide).
 CATEGORICALS = {"country": 50, "plan": 4, "device": 8, "merchant": 5000}
 

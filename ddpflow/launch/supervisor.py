@@ -13,7 +13,7 @@ session (``start_new_session=True`` in torch's SubprocessHandler), so killing
 torchrun's process group does not reach the ranks, and a SIGKILLed torchrun
 orphans them. Prefect cannot help either: its ``timeout_seconds`` is not a hard
 stop for blocking code and cancelled tasks' children can survive
-(PrefectHQ/prefect#13004, #20979, #17593). So ``launch``
+(PrefectHQ/prefect#13004, PrefectHQ/prefect#20979, PrefectHQ/prefect#17593). So ``launch``
 
 * records every descendant PID (psutil, each poll) and, to stop, sends SIGTERM
   to torchrun's group and to every rank's group, waits ``grace_s``, then SIGKILL

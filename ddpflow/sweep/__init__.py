@@ -1,4 +1,4 @@
-"""Hyperparameter sweeps (issue 38): one prepared dataset, each trial a real DDP run, Optuna for sampling and
+"""Hyperparameter sweeps: one prepared dataset, each trial a real DDP run, Optuna for sampling and
 pruning, the best trial alone through the test split and the gate (plain Python, no Prefect; docs/sweeps.md).
 
     space.py    the ``sweep:`` section and every check that refuses it before anything starts

@@ -174,7 +174,7 @@ def test_memory_family_measures_the_node_cache_build_and_a_rank_with_an_image_co
     assert any(label.startswith("mixed (numeric + 4 categoricals): the builder's peak anon") for label in labels)
     batch = next(row for row in build.rows if row.label == "numeric: one record batch of the shards")
     assert batch.value.median > 0 and build.ratio.median > 0  # the builder holds at least part of a record batch
-    assert build.target is None  # issue 21: reported, no target
+    assert build.target is None  # reported, no target
 
     images = memory.image_anon_memory(ctx)
     assert images.name == "rank_anon_memory_images" and images.target == 1.5 and images.direction == "le"

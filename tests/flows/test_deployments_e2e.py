@@ -277,7 +277,7 @@ def mixed_table_overrides(running: Stack) -> tuple[str, ...]:
 
 def test_two_manual_runs_at_once_complete_in_turn_and_register_models(stack: Stack) -> None:
     """`prefect deployment run` x2 through the worker: the limit queues the second, each keeps its own files.
-    The second trains the mixed table (issue 21: it trains through a deployment) on the inputs its parameters
+    The second trains the mixed table (typed inputs train through a deployment) on the inputs its parameters
     name."""
     flow_run_ids = [stack.submit_manual_run(), stack.submit_manual_run(*mixed_table_overrides(stack))]
     runs = stack.wait_for_terminal(flow_run_ids, timeout_s=2 * RUN_TIMEOUT_S)
@@ -419,7 +419,7 @@ def test_cancelling_a_worker_run_kills_every_process_and_keeps_the_champion(stac
     assert client.search_model_versions(f"name='{MODEL_NAME}' and run_id='{mlflow_run.info.run_id}'") == []
 
 
-# --- new data starts a training (issue 15): watch-data, its event, the deployment trigger ----------------------
+# --- new data starts a training: watch-data, its event, the deployment trigger ----------------------
 # `watch-data/every-10-minutes` runs three times through the worker, on an unseen source (recorded, no event),
 # the same source (no event), and the source with rows appended (`ddpflow.data.changed`); the deployment
 # trigger of `train-pipeline/on-new-data` then starts exactly one training, with that config, which completes.
@@ -516,7 +516,7 @@ def test_new_data_starts_one_training_through_the_trigger_and_unchanged_data_non
     assert [run["id"] for run in flow_runs_of(stack, on_new_data["id"])] == [training["id"]]  # one event, one run
 
 
-# --- `ddpflow run` in the stack's project uses the stack's server (issue 16) ----------------------------------
+# --- `ddpflow run` in the stack's project uses the stack's server ----------------------------------
 
 
 def test_run_uses_the_projects_running_stack_and_starts_no_server(make_config, stack: Stack) -> None:
@@ -593,7 +593,7 @@ def test_the_stack_listens_on_loopback_only(stack: Stack) -> None:
     assert [entry for entry in listening if entry[1] not in ("127.0.0.1", "::1")] == []
 
 
-# --- batch scoring through the deployments (issue 37): score-nightly and the new-champion trigger ---------------
+# --- batch scoring through the deployments: score-nightly and the new-champion trigger ---------------
 # A scoring project (what a user's checkout holds for it: configs/score.yaml as shipped, flows/, and data/) that the
 # two score-pipeline deployments run in, as if deployed from it (their working directory, the only change): the
 # shipped config's relative source and output, and the trigger's relative output, land in it. ONE launch of every

@@ -1,4 +1,4 @@
-"""Retraining that notices the data, through the real flow (issue 15, parts 1 and 3).
+"""Retraining that notices the data, through the real flow.
 
 A CSV source in a temp dir, one rank, one epoch, the session's Prefect test harness and
 SQLite MLflow store. In order, on one model:

@@ -1,4 +1,4 @@
-"""A Slurm job that fails after a step checkpoint, resubmitted on fewer nodes, resumes there (issue 25).
+"""A Slurm job that fails after a step checkpoint, resubmitted on fewer nodes, resumes there.
 
 The whole pipeline with ``train.launcher: slurm`` on the session's two-node cluster (tests/slurm_cluster.py):
 a 2-node run with ``train.global_batch_size`` fails for good mid-epoch (its retry too); the same config on

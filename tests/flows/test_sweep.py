@@ -1,4 +1,4 @@
-"""`ddpflow sweep` (issue 38) end to end, on the CPU with real torchrun, Prefect and MLflow: ONE sweep of four
+"""`ddpflow sweep` end to end, on the CPU with real torchrun, Prefect and MLflow: ONE sweep of four
 trials (2 ranks a trial, 2 epochs, a tiny table), stopped by SIGTERM in its second trial and resumed with the
 same config through the flow, checked many ways:
 

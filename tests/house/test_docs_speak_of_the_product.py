@@ -208,3 +208,21 @@ def test_no_product_comment_narrates_the_codes_history():
         assert passages(text, CODE_NARRATION), text
     for text in ("an earlier run left them", "None before PREPARE_VERSION 6", "nothing runs any more"):
         assert not passages(text, CODE_NARRATION), text
+
+
+def test_no_comment_or_docstring_refers_to_this_projects_issues():
+    """The code's comments and docstrings, the tests' included, say what the code does, not which issue asked for it
+    (this file's own patterns excepted)."""
+    here = Path(__file__).resolve()
+    code = [
+        path
+        for package in ("flows", "tasks", "ddpflow", "training", "bench", "examples", "tests")
+        for path in (REPO / package).rglob("*.py")
+        if path.resolve() != here
+    ]
+    found = {
+        str(path.relative_to(REPO)): hits
+        for path in sorted(code)
+        if (hits := passages(comments_and_docstrings(path), ISSUE_REFERENCES))
+    }
+    assert not found, f"{sum(map(len, found.values()))} issue references:\n{report(found)}"

@@ -211,7 +211,7 @@ def test_mlflow_is_imported_only_in_the_tracking_layer_and_the_rank_side_serving
 
 
 def test_optuna_is_imported_only_by_the_sweep_package():
-    """The sweep's sampler, pruner and study live in ddpflow/sweep/ (issue 38); the ranks only read a verdict file."""
+    """The sweep's sampler, pruner and study live in ddpflow/sweep/; the ranks only read a verdict file."""
     offenders = {}
     for path in python_files(*PRODUCT_PACKAGES):
         if path.is_relative_to(REPO / "ddpflow" / "sweep"):

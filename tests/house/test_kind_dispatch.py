@@ -1,4 +1,4 @@
-"""Each input kind's name is dispatched on in at most ``MAX_MODULES`` modules (issue 35: one record per kind).
+"""Each input kind's name is dispatched on in at most ``MAX_MODULES`` modules (one record per kind).
 
 What a kind does is asked of its record (``training/kinds/base.py: Codec``, registered in
 ``training/kinds/registry.py``), not decided by comparing its name. The rule this test counts, per built-in

@@ -48,7 +48,7 @@ def stopped(regression, tmp_path_factory) -> Launch:
 
 @pytest.fixture(scope="module")
 def by_default(regression, tmp_path_factory) -> Launch:
-    """The defaults a user leaves alone (issue 36): the epoch budget, early stopping (patience auto) and the batch
+    """The defaults a user leaves alone: the epoch budget, early stopping (patience auto) and the batch
     (auto) on a 48-row train split, which the earlier default batch of 512 per rank refused. The settings of
     ``job_config`` that are not the product's defaults are set back to them; the model and lr stay the suite's."""
     run_dir = tmp_path_factory.mktemp("by_default")

@@ -163,8 +163,8 @@ def class_weight_vector(
 
 
 def multi_hot_label(manifest) -> bool:
-    """Whether the manifest's label is a list<string> (multi-hot) label. The typed-input seam (issue 21, data
-    side) records that; until it does, no prepared label is one."""
+    """Whether the manifest's label is a list<string> (multi-hot) label: a multilabel task, or a label prepare
+    recorded as multi-hot."""
     return getattr(manifest, "task", None) == "multilabel" or manifest.extra.get("label_kind") == MULTI_HOT
 
 

@@ -1,4 +1,4 @@
-"""A sweep's section is refused before anything starts, each bad input with its own clear error (issue 38);
+"""A sweep's section is refused before anything starts, each bad input with its own clear error;
 the stop request every rank obeys; the study's resume rule. No ranks, no servers."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The sweep's trial loop with ``sweep.parallel: 2`` (issue 38), without ranks: ``SweepSetup.train`` is a stand-in
+"""The sweep's trial loop with ``sweep.parallel: 2``, without ranks: ``SweepSetup.train`` is a stand-in
 that writes metrics.jsonl as rank 0 does and obeys the verdict files as the ranks do
 (training/loop/selection.py: stop_requested), so the loop's own logic is checked: no trial asked beyond
 ``trials``, a failed trial recorded while the others go on, one child run per trial under the parent, the

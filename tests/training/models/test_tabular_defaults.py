@@ -1,4 +1,4 @@
-"""The built-in tabular model's defaults (issue 36 item 4): the batch a small table can take, early stopping,
+"""The built-in tabular model's defaults: the batch a small table can take, early stopping,
 the mlp's defaults recorded in the resolved config, and the ensemble (TabM-mini's k members: each trained on its
 own loss, predicting with the mean of their probabilities or values).
 

@@ -245,9 +245,9 @@ def test_float_label_means_regression(table_file, make_config, dh):
 
 
 def test_an_integer_label_with_many_values_is_a_number_to_predict(table_file, make_config, dh):
-    """Issue 36: prices as int64 were read as thousands of classes unless data.task said regression. An integer
+    """Prices as int64 are a number to predict, not thousands of classes, without data.task. An integer
     label with more than INTEGER_CLASSES_MAX distinct values is inferred as regression (the dataset data.task:
-    regression prepares, fingerprint included); few values stay classes (fingerprint as before); data.task wins."""
+    regression prepares, fingerprint included); few values stay classes (the fingerprint of data.task unset); data.task wins."""
     from training.prepare.columns import INTEGER_CLASSES_MAX
     from training.prepare.dataset import fingerprint_from_listing
 
@@ -268,7 +268,7 @@ def test_an_integer_label_with_many_values_is_a_number_to_predict(table_file, ma
     classes = prepare_dataset(data)
     assert classes.manifest.task == "classification" and len(classes.manifest.label_mapping) == INTEGER_CLASSES_MAX
     assert f"holds {INTEGER_CLASSES_MAX} distinct values" in classes.summary()["task_inferred"]
-    assert classes.fingerprint == fingerprint_from_listing(data)[1]  # the fingerprint of data.task unset, as before
+    assert classes.fingerprint == fingerprint_from_listing(data)[1]  # the fingerprint of data.task unset
     assert (
         "(data.task)"
         in prepare_dataset(make_config(priced, task="regression", val_fraction=0.2)).summary()["task_inferred"]
