@@ -247,7 +247,8 @@ def test_float_label_means_regression(table_file, make_config, dh):
 def test_an_integer_label_with_many_values_is_a_number_to_predict(table_file, make_config, dh):
     """Prices as int64 are a number to predict, not thousands of classes, without data.task. An integer
     label with more than INTEGER_CLASSES_MAX distinct values is inferred as regression (the dataset data.task:
-    regression prepares, fingerprint included); few values stay classes (the fingerprint of data.task unset); data.task wins."""
+    regression prepares, fingerprint included); few values stay classes (the fingerprint of data.task unset);
+    data.task wins."""
     from training.prepare.columns import INTEGER_CLASSES_MAX
     from training.prepare.dataset import fingerprint_from_listing
 
