@@ -469,7 +469,7 @@ def test_a_script_rank_that_aborted_on_its_lost_peer_is_not_blamed(tmp_path):
         0: "terminate called after throwing an instance of 'gloo::IoException'\n"
         "  what():  [gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:1234: Connection reset by peer\n"
         "RuntimeError: [gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234\n",
-        1: "Traceback (most recent call last):\n  File \"failing.py\", line 9, in <module>\n"
+        1: 'Traceback (most recent call last):\n  File "failing.py", line 9, in <module>\n'
         "    raise ValueError('bad batch in epoch 1')\nValueError: bad batch in epoch 1\n",
     }
     for local_rank, text in logs.items():
