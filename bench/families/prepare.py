@@ -21,7 +21,7 @@ from pathlib import Path
 
 from bench import ddpflow_api
 from bench.harness.context import Context
-from bench.harness.results import Result, Row, Stats, Timer, log
+from bench.harness.results import Result, Row, Stats, Timer, log, restated
 from bench.workloads.tabular import data_config, prepared_dir, raw_bytes, source_file
 
 
@@ -45,7 +45,6 @@ def run(ctx: Context) -> list[Result]:
     ratio = Stats.of(a / b for a, b in zip(ours, bare))
     floor_rates = [rows / (rows / copy + sort) for copy, sort in zip(bare, sorts, strict=True)]
     ceiling = Stats.of(floor / copy for floor, copy in zip(floor_rates, bare, strict=True))
-    restated = {"ceiling": ceiling, "restated_target": round(0.5 * ceiling.median, 3)} if ceiling.median < 0.5 else {}
     mb = raw_bytes(1) / 1e6
     prepare = Result(
         name="prepare",
@@ -72,7 +71,7 @@ def run(ctx: Context) -> list[Result]:
             "the floor's ratio is the most prepare can read while it fits exact quantile edges; the restated target "
             "is half of it (the target's allowance over the work that must be done)",
         ],
-        **restated,
+        **restated(0.5, ceiling, share=0.5),
     )
     return [prepare, shard_size(ctx, rows, source)]
 

@@ -147,6 +147,14 @@ class Result:
         return raw
 
 
+def restated(target: float, ceiling: Stats, share: float, at_least: float = 0.0) -> dict[str, Any]:
+    """``Result``'s ceiling and restated target (``share`` of the ceiling's median, at least ``at_least``) where the
+    ceiling is below a target of the "ge" direction; nothing where the target stands."""
+    if ceiling.median >= target:
+        return {}
+    return {"ceiling": ceiling, "restated_target": round(max(at_least, share * ceiling.median), 3)}
+
+
 def skipped(name: str, title: str, reason: str) -> Result:
     return Result(name=name, title=title, status="skipped", reason=reason)
 
