@@ -38,8 +38,8 @@ class PiecewiseLinearEncoding(nn.Module):
         counts = [max(len(edges or ()) - 1, 0) for edges in bins]
         width = max([1, *counts])
         shape = (len(bins), width)
-        left, size = torch.zeros(shape), torch.ones(shape)
-        lower, upper, mask = torch.zeros(shape), torch.ones(shape), torch.zeros(shape)
+        # A padding bin is clamped to [0, 0], so it encodes to 0 without a mask.
+        left, size, lower, upper = torch.zeros(shape), torch.ones(shape), torch.zeros(shape), torch.zeros(shape)
         for f, (edges, count) in enumerate(zip(bins, counts)):
             if not count:
                 continue
@@ -47,15 +47,20 @@ class PiecewiseLinearEncoding(nn.Module):
             steps = edges[1:] - edges[:-1]
             if not bool((steps > 0).all()):
                 raise ValueError(f"numeric embeddings: feature {f}'s bin edges are not strictly increasing")
-            left[f, :count], size[f, :count], mask[f, :count] = edges[:-1], steps, 1.0
+            left[f, :count], size[f, :count], upper[f, :count] = edges[:-1], steps, 1.0
             lower[f, 0], upper[f, count - 1] = -math.inf, math.inf  # the outer bins extrapolate
         self.n_bins = counts
-        for name, value in (("left", left), ("size", size), ("lower", lower), ("upper", upper), ("mask", mask)):
+        for name, value in (("left", left), ("size", size), ("lower", lower), ("upper", upper)):
             self.register_buffer(name, value, persistent=False)  # rebuilt from the spec: not in state dicts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        share = (x.unsqueeze(-1) - self.left) / self.size
-        return torch.minimum(torch.maximum(share, self.lower), self.upper) * self.mask
+        return self.by_feature(x).transpose(0, 1)
+
+    def by_feature(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, F]`` -> ``[F, B, T]``: the encoding laid out feature by feature, as ``NumericEmbeddings`` multiplies
+        it with each feature's steps in one batched matmul (no copy to reorder it)."""
+        share = (x.t().unsqueeze(-1) - self.left.unsqueeze(1)).div_(self.size.unsqueeze(1))
+        return torch.clamp(share, self.lower.unsqueeze(1), self.upper.unsqueeze(1))
 
 
 class NumericEmbeddings(nn.Module):
@@ -80,5 +85,5 @@ class NumericEmbeddings(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         linear = x.unsqueeze(-1) * self.weight + self.bias  # [B, F, d]
-        stepped = torch.einsum("bft,ftd->bfd", self.encoding(x), self.steps)
-        return (linear + stepped).flatten(1)
+        stepped = torch.bmm(self.encoding.by_feature(x), self.steps)  # [F, B, d]: each feature times its own steps
+        return (linear + stepped.transpose(0, 1)).flatten(1)

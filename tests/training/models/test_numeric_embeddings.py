@@ -48,6 +48,25 @@ def test_numeric_embeddings_start_linear_and_learn_steps():
     assert embeddings.steps.grad[0, :3].abs().sum() > 0 and not embeddings.steps.grad[2].any()
 
 
+def test_numeric_embeddings_are_the_papers_formula_with_learned_steps():
+    """With steps learned (non-zero), the embedding is ``x * w + c + PLE(x) @ W_f`` per feature, values and
+    gradients, whatever the stem's own layout; input gradients flow through the encoding."""
+    torch.manual_seed(0)
+    embeddings = NumericEmbeddings(BINS, dim=4)
+    with torch.no_grad():
+        embeddings.steps.normal_()
+    x = torch.tensor([[0.5, 0.0, 7.0], [2.0, 3.0, 7.0], [-2.0, -3.0, 7.0], [6.0, 1.0, -7.0]], requires_grad=True)
+    out = embeddings(x)
+    expected = x.unsqueeze(-1) * embeddings.weight + embeddings.bias
+    expected = expected + torch.einsum("bft,ftd->bfd", embeddings.encoding(x), embeddings.steps)
+    torch.testing.assert_close(out, expected.flatten(1))
+    grads = torch.autograd.grad(out.square().sum(), [x, embeddings.steps, embeddings.weight])
+    reference = torch.autograd.grad(expected.square().sum(), [x, embeddings.steps, embeddings.weight])
+    for got, want in zip(grads, reference, strict=True):
+        torch.testing.assert_close(got, want)
+    assert grads[0][:, 0].abs().sum() > 0 and not grads[1][2].any()  # the constant feature's steps: no gradient
+
+
 def test_the_mlp_embeds_its_numeric_inputs_by_default_and_the_switch_turns_it_off():
     """The default mlp takes the bins from its inputs record (ModelSpec.inputs, what model.pt keeps) and embeds
     each numeric input; ``numeric_embeddings: none`` is the model without them (the same layers as a dataset
