@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bench import ddpflow_api
 from bench.harness.context import Context
-from bench.harness.results import Result, Row, Stats, Timer, log, restated, turns
+from bench.harness.results import Result, Row, Stats, Timer, log, turns
 from bench.workloads import images
 from bench.workloads.tabular import set_threads
 
@@ -255,8 +255,7 @@ def worker_rule(ctx: Context, pngs: Path) -> Result:
             "The ceiling: the best any fixed arrangement reads in its worse workload (each repeat); the restated "
             "target is 0.95 of it.",
         ],
-        **restated(0.95, ceiling, share=0.95),
-    )
+    ).bounded_by(ceiling, share=0.95)
 
 
 def best_worst_case(measured: dict[str, dict[str, list[float]]], names: list[str]) -> list[float]:

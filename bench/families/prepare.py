@@ -21,7 +21,7 @@ from pathlib import Path
 
 from bench import ddpflow_api
 from bench.harness.context import Context
-from bench.harness.results import Result, Row, Stats, Timer, log, restated
+from bench.harness.results import Result, Row, Stats, Timer, log
 from bench.workloads.tabular import data_config, prepared_dir, raw_bytes, source_file
 
 
@@ -71,8 +71,7 @@ def run(ctx: Context) -> list[Result]:
             "the floor's ratio is the most prepare can read while it fits exact quantile edges; the restated target "
             "is half of it (the target's allowance over the work that must be done)",
         ],
-        **restated(0.5, ceiling, share=0.5),
-    )
+    ).bounded_by(ceiling, share=0.5)
     return [prepare, shard_size(ctx, rows, source)]
 
 

@@ -112,15 +112,17 @@ def _ratio_cell(bench: dict[str, Any]) -> str:
 def _met_cell(bench: dict[str, Any]) -> str:
     if bench["status"] != "ok":
         return "—"
-    met = {True: "yes", False: "**no**", None: "—"}[bench["met"]]
+    met = _VERDICT[bench["met"]]
     if bench["met"] is False and bench.get("ceiling") and bench.get("restated_target") is not None:
         sign = "≥" if bench["direction"] == "ge" else "≤"
-        restated = {True: "yes", False: "**no**", None: "—"}[bench.get("restated_met")]
         met += (
             f"; measured ceiling {_stats_text(bench['ceiling'], '')}, restated target "
-            f"{sign} {bench['restated_target']:.3g}: {restated}"
+            f"{sign} {bench['restated_target']:.3g}: {_VERDICT[bench.get('restated_met')]}"
         )
     return met
+
+
+_VERDICT = {True: "yes", False: "**no**", None: "—"}
 
 
 def _anchor(title: str) -> str:

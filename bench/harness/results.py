@@ -122,16 +122,25 @@ class Result:
 
     @property
     def met(self) -> bool | None:
-        if self.ratio is None or self.target is None or self.status != "ok":
-            return None
-        return self.ratio.median >= self.target if self.direction == "ge" else self.ratio.median <= self.target
+        return self._meets(self.target)
 
     @property
     def restated_met(self) -> bool | None:
-        if self.ratio is None or self.restated_target is None or self.status != "ok":
+        return self._meets(self.restated_target)
+
+    def _meets(self, target: float | None) -> bool | None:
+        if self.ratio is None or target is None or self.status != "ok":
             return None
-        good = self.ratio.median >= self.restated_target
-        return good if self.direction == "ge" else self.ratio.median <= self.restated_target
+        return self.ratio.median >= target if self.direction == "ge" else self.ratio.median <= target
+
+    def bounded_by(self, ceiling: Stats, share: float, at_least: float = 0.0) -> Result:
+        """This result with a measured ceiling below its ("ge") target: the ceiling, and the target restated as
+        ``share`` of the ceiling's median, at least ``at_least``. Unchanged where the ceiling leaves the target
+        possible."""
+        if self.target is None or ceiling.median >= self.target:
+            return self
+        self.ceiling, self.restated_target = ceiling, round(max(at_least, share * ceiling.median), 3)
+        return self
 
     @property
     def target_text(self) -> str:
@@ -145,14 +154,6 @@ class Result:
         raw["restated_met"] = self.restated_met
         raw["target_text"] = self.target_text
         return raw
-
-
-def restated(target: float, ceiling: Stats, share: float, at_least: float = 0.0) -> dict[str, Any]:
-    """``Result``'s ceiling and restated target (``share`` of the ceiling's median, at least ``at_least``) where the
-    ceiling is below a target of the "ge" direction; nothing where the target stands."""
-    if ceiling.median >= target:
-        return {}
-    return {"ceiling": ceiling, "restated_target": round(max(at_least, share * ceiling.median), 3)}
 
 
 def skipped(name: str, title: str, reason: str) -> Result:

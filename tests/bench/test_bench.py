@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from bench.harness.report import render_docs, render_summary, replace_block
-from bench.harness.results import Result, Row, Stats, repeat, restated
+from bench.harness.results import Result, Row, Stats, repeat
 
 # The in-process families: together they drive prepare, the loader, the training loop and evaluate.
 QUICK_FAMILIES = ["datapath", "prepare", "evaluate", "scale"]
@@ -46,10 +46,15 @@ def test_a_missed_target_shows_the_measured_ceiling_and_the_restated_target_besi
     rows = render_summary(payload["benchmarks"]).splitlines()
     assert "| **no**; measured ceiling 1.27 (1.25–1.3), restated target ≥ 1: yes | now |" in rows[2]
     assert rows[3].endswith("| ≥ 0.95 | **no** | now |")
+
     # The restated target: the target's share of the ceiling, never below its floor; none where the target stands.
-    assert restated(1.6, Stats.of([1.24]), share=0.8, at_least=1.0)["restated_target"] == 1.0
-    assert restated(0.5, Stats.of([0.46]), share=0.5)["restated_target"] == 0.23
-    assert restated(0.8, Stats.of([0.955]), share=0.8) == {}
+    def bounded(target: float, ceiling: float, **share) -> Result:
+        return Result("r", "R", ratio=Stats.of([0.1]), target=target).bounded_by(Stats.of([ceiling]), **share)
+
+    assert bounded(1.6, 1.24, share=0.8, at_least=1.0).restated_target == 1.0
+    assert bounded(0.5, 0.46, share=0.5).restated_target == 0.23
+    stands = bounded(0.8, 0.955, share=0.8)
+    assert (stands.ceiling, stands.restated_target) == (None, None)
 
 
 def test_docs_blocks_are_replaced_and_prose_kept(tmp_path):
