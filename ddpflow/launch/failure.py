@@ -120,11 +120,13 @@ def failure_from_output(
     original = _original_failure(attempt, local_rank)
     note = ""
     if original is not None and rank is not None:
-        # Global rank = the blamed rank's node offset + the original's local rank; its exit code is the one
-        # torchrun listed among the other failures (None where torchrun's shutdown stopped it first).
+        # Global rank = the blamed rank's node offset + the original's local rank. Its error is a Python exception
+        # of its own, so it exits 1; torchrun lists that code, or a signal where its shutdown stopped the rank while
+        # it was still exiting (SIGTERM: -15), which is not the rank's failure.
         note = f"; torchrun first saw rank {rank} exit with code {exitcode}, after it lost this peer"
         rank, local_rank = rank - local_rank + original[0], original[0]
-        exitcode = failed_ranks(tail).get(rank)
+        listed = failed_ranks(tail).get(rank)
+        exitcode = listed if listed is not None and listed > 0 else 1
 
     log_file = attempt / str(local_rank) / "stderr.log" if attempt is not None and local_rank is not None else None
     cause = original[1] if original is not None else _root_cause_text(run_dir, summary, log_file, rank)

@@ -497,3 +497,9 @@ def test_a_script_rank_that_aborted_on_its_lost_peer_is_not_blamed(tmp_path):
         "; torchrun first saw rank 0 exit with code -6, after it lost this peer"
     ), str(error)
     assert error.traceback.endswith("ValueError: bad batch in epoch 1")
+    # torchrun's shutdown may stop the rank while it is still exiting: its own error still exits 1.
+    stopped = [text.replace("exitcode  : 1 (pid: 2618)", "exitcode  : -15 (pid: 2618)") for text in tail]
+    error = failure_from_output(tmp_path, attempt.parent, stopped, returncode=1, show_traceback=True)
+    assert (error.rank, error.exitcode) == (1, 1) and str(error).startswith(
+        "rank 1 failed with exit code 1: ValueError"
+    )
