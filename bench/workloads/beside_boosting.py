@@ -17,7 +17,8 @@ What the ``tables`` and ``real_tables`` families share (each keeps its own table
   reference), what scikit-learn advises for many categories.
 
 The metric: ROC AUC for two classes, accuracy for several, R² for regression (``METRIC``). The gap is boosting
-minus ddpflow (positive: ddpflow trails).
+minus ddpflow (positive: ddpflow trails); ``gap_interval`` is its spread over the test rows (a paired bootstrap),
+for the small test splits of real tables.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from bench.harness.results import Result, Row, Stats, Timer
 BINARY, MULTICLASS, REGRESSION = "binary", "multiclass", "regression"
 METRIC = {BINARY: "roc_auc", MULTICLASS: "accuracy", REGRESSION: "r2"}  # what each task is judged by
 MAX_BINS = 255  # HistGradientBoosting's categorical limit (its max_bins default)
+# The gap's interval over the test rows: a paired bootstrap of this many draws, its central GAP_LEVEL share.
+GAP_RESAMPLES, GAP_LEVEL = 2000, 0.90
 EXPERIMENT_ENV = "BENCH_TABLES_SET"  # an experiment's overrides, ``;`` between them
 
 
@@ -96,6 +99,7 @@ def run_ddpflow(config, spec: Table) -> dict:
         "dataset": dataset,
         "metric": metrics[f"test_{METRIC[spec.task]}"],
         "epochs": trained.metrics.get("epoch"),
+        "model_path": trained.model_path,
         "seconds": {"prepare": prepare.seconds, "train": train.seconds, "evaluate": evaluate.seconds},
     }
 
@@ -182,7 +186,33 @@ def run_boosting(spec: Table, dataset: Path, inputs: dict[str, str]) -> dict:
     else:
         predicted = model.predict(x_test)
     return {"metric": score(spec.task, y_test, predicted), "seconds": fit.seconds, "train_rows": len(train),
-            "test_rows": len(test), "wide": wide}  # fmt: skip
+            "test_rows": len(test), "wide": wide, "labels": y_test.to_numpy(), "predicted": predicted}  # fmt: skip
+
+
+def ddpflow_predicted(task: str, model_path: Path, dataset: Path):
+    """ddpflow's model's predictions on the test split's rows as ``score`` reads them: values, class index 1's
+    probability (two classes) or class indices."""
+    predictions = ddpflow_api.split_predictions(model_path, dataset, "test")
+    if task == REGRESSION:
+        return predictions
+    indices, probabilities = predictions
+    return probabilities[:, 1] if task == BINARY else indices
+
+
+def gap_interval(task: str, labels, ours, theirs, resamples: int = GAP_RESAMPLES, seed: int = 0) -> list[float]:
+    """The gap's (boosting − ddpflow) GAP_LEVEL interval over the test rows: a paired bootstrap (rows drawn with
+    replacement, both models scored on the same draw), which tells a gap the test split resolves from the luck of
+    a few rows. A draw with one class only (no ROC AUC) is drawn again."""
+    import numpy as np
+
+    rng, gaps = np.random.default_rng(seed), []
+    while len(gaps) < resamples:
+        rows = rng.integers(0, len(labels), len(labels))
+        if task == BINARY and len(np.unique(labels[rows])) < 2:
+            continue
+        gaps.append(score(task, labels[rows], theirs[rows]) - score(task, labels[rows], ours[rows]))
+    low, high = np.quantile(gaps, [(1 - GAP_LEVEL) / 2, (1 + GAP_LEVEL) / 2])
+    return [float(low), float(high)]
 
 
 def measure(
@@ -192,9 +222,11 @@ def measure(
     inputs: dict[str, str],
     extra_data: dict[str, Any] | None = None,
     overrides: list[str] = (),
+    interval: bool = False,
 ) -> dict:
     """ddpflow and boosting on one table: the figures docs/benchmarks.md shows (``ddpflow``, ``boosting``,
-    ``gap``, the rows of each split, the seconds, the load), and ``dataset``, the prepared split both used."""
+    ``gap``, the rows of each split, the seconds, the load; ``interval``: the gap's ``gap_interval`` too), and
+    ``dataset``, the prepared split both used."""
     config = user_config(root, spec, source, inputs, extra_data=extra_data, overrides=overrides)
     load = os.getloadavg()[0]
     refused = ""
@@ -211,6 +243,10 @@ def measure(
         ours = run_ddpflow(config, spec)
         refused = f"default refused ({refused}); rerun with train.batch_size {batch}"
     theirs = run_boosting(spec, ours["dataset"], inputs)
+    spread = None
+    if interval:
+        predicted = ddpflow_predicted(spec.task, ours["model_path"], ours["dataset"])
+        spread = gap_interval(spec.task, theirs["labels"], predicted, theirs["predicted"])
     return {
         "table": spec.name,
         "task": spec.task,
@@ -227,6 +263,7 @@ def measure(
         "target_encoded": theirs["wide"],
         "epochs_run": ours["epochs"],
         "refused": refused,
+        **({"gap_interval": spread} if spread else {}),
         "dataset": ours["dataset"],
     }
 

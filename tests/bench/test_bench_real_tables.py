@@ -9,6 +9,7 @@ inputs, categoricals, dates).
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -114,3 +115,36 @@ def test_the_targets_are_judged_at_the_worst_seed():
     assert worst.ratio.median == pytest.approx(0.03) and not worst.met and "seed 0" in worst.ratio_label
     assert [row.ratio.max for row in mean.rows] == pytest.approx([0.01, 0.03])
     assert any("Seed 1: mean gap -0.0100, worst +0.010" in note for note in mean.notes)
+
+
+def test_the_worst_gap_carries_its_interval_over_the_test_rows():
+    from bench.families.real_tables import summarise
+
+    def run(seed, gap, spread):
+        return {"seed": seed, "ddpflow": 0.8 - gap, "boosting": 0.8, "gap": gap, "metric": "r2",
+                "train_rows": 100, "test_rows": 20, "source_rows": 130, "dropped_rows": 0,
+                "ddpflow_s": {"prepare": 0.1, "train": 2.0, "evaluate": 0.1}, "boosting_fit_s": 0.1,
+                "epochs_run": 12, "load_1min": 1.0, "target_encoded": [], "gap_interval": spread}  # fmt: skip
+
+    first, second = TABLES[0], TABLES[1]
+    measured = [(first, [run(0, 0.05, [-0.04, 0.13])]), (second, [run(0, 0.03, [0.021, 0.04])])]
+    mean, worst = summarise(measured, (0,), False, [])
+    assert "(its 90% interval over the test rows -0.040 to +0.130)" in worst.ratio_label
+    assert any("2 of 2 tables trailing by more than 0.02 (1 of them with the gap's whole" in n for n in mean.notes)
+    assert "the gap's 90% interval over the test rows -0.040 to +0.130" in mean.rows[0].note
+
+
+def test_the_gap_interval_is_a_paired_bootstrap_over_the_test_rows():
+    from bench.workloads.beside_boosting import gap_interval
+
+    rng = np.random.default_rng(0)
+    labels = rng.normal(size=400)
+    same = labels + rng.normal(scale=0.5, size=400)
+    assert gap_interval(REGRESSION, labels, same, same, resamples=200) == [0.0, 0.0]  # paired: one draw, both models
+    worse = labels + rng.normal(scale=1.0, size=400)
+    low, high = gap_interval(REGRESSION, labels, worse, same, resamples=200)  # boosting (same) clearly better
+    assert 0 < low < high
+    # two classes, 1 positive row in 8: draws without it (no ROC AUC) are drawn again, and the interval is finite
+    classes = np.array([0] * 7 + [1])
+    low, high = gap_interval(BINARY, classes, np.linspace(0, 1, 8), np.linspace(1, 0, 8), resamples=50)
+    assert np.isfinite([low, high]).all() and low <= high
