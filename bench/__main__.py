@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                 machine=machine,
                 results=results,
                 started=started,
-                argv=sys.argv[1:],
+                argv=sys.argv[1:] if argv is None else list(argv),
                 kept=kept,
                 order=list(FAMILIES),
             )

@@ -21,7 +21,7 @@ def render_machine(payload: dict[str, Any]) -> str:
     lines = [
         "| | |",
         "|---|---|",
-        f"| measured | {payload['started_at']} ({payload['mode']} run, {payload['wall_s']:.0f} s in all) |",
+        f"| measured | {payload['started_at']} ({_run_kind(payload)}, {payload['wall_s']:.0f} s in all) |",
         f"| CPU | {machine.get('cpu_model')}, {machine.get('cpus_usable')} usable cores of "
         f"{machine.get('cpu_count')} |",
         f"| memory | {machine.get('memory_gib', '?')} GiB |",
@@ -33,6 +33,14 @@ def render_machine(payload: dict[str, Any]) -> str:
         f"| platform | {machine.get('platform')} |",
     ]
     return "\n".join(lines)
+
+
+def _run_kind(payload: dict[str, Any]) -> str:
+    """``full run`` or ``quick run``, and the families an ``--only`` run measured (the rest of the page keeps the
+    figures of the runs that measured them, each block with its own date)."""
+    argv = list(payload.get("argv") or [])
+    only = argv[argv.index("--only") + 1] if "--only" in argv[:-1] else None
+    return f"{payload['mode']} run" + (f" of --only {only}" if only else "")
 
 
 def _load(values: Sequence[float]) -> str:

@@ -262,3 +262,12 @@ def test_a_profile_summary_gives_each_process_its_share_and_keeps_a_python_c_com
     assert "40 samples (40.0% of all); importing modules: 25.0%" in summary
     assert "| 75.0% | `score (training/x.py)` |" in summary and "| 75.0% | `forward (torch/nn/linear.py)` |" in summary
     assert "torchrun's agent" in summary and "60 samples (60.0% of all)" in summary
+
+
+def test_the_machine_block_names_the_families_an_only_run_measured():
+    from bench.harness.report import render_machine
+
+    payload = {"machine": {}, "started_at": "t", "mode": "full", "wall_s": 73.0, "argv": ["--only", "scripts"]}
+    assert "| measured | t (full run of --only scripts, 73 s in all) |" in render_machine(payload)
+    payload["argv"] = []
+    assert "| measured | t (full run, 73 s in all) |" in render_machine(payload)
