@@ -17,6 +17,7 @@ a run.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -132,6 +133,8 @@ def ddpflow_first_step(ctx: Context, dataset: Path, root: Path) -> dict[str, flo
 
 # --------------------------------------------------------------------------- orchestration
 
+REFERENCE_FIT = re.compile(r"Baselines: reference: HistGradientBoosting fitted on .*? iterations in ([0-9.]+)s")
+
 
 def orchestration(ctx: Context) -> Result:
     dataset = small_dataset(ctx)
@@ -150,14 +153,16 @@ def orchestration(ctx: Context) -> Result:
             mlflow_dir=stacked / "mlflow",
         )
     try:
-        with_stack, without_stack, bare, imports = [], [], [], []
+        with_stack, without_stack, bare, imports, reference = [], [], [], [], []
         for repeat in range(ctx.sizes.orchestration_repeats):
             flow_import = [sys.executable, "-c", f"import {ddpflow_api.FLOW_MODULE}"]
             imports.append(processes.run(flow_import, timeout=300, env=env)[1])
             root = ctx.workdir / "orchestration" / str(repeat)
             runs = [(with_stack, "with-stack", stacked, "stack"), (without_stack, "alone", alone, "temporary")]
             for walls, name, project, server in runs if repeat % 2 == 0 else reversed(runs):  # alternate who's first
-                walls.append(ddpflow_run_wall(ctx, root / name, project, env, expect_server=server))
+                wall, fitted = ddpflow_run_wall(ctx, root / name, project, env, expect_server=server)
+                walls.append(wall)
+                reference.append(fitted)
             bare.append(bare_train_eval_wall(ctx, dataset, root / "bare", env))
             log(
                 f"orchestration repeat {repeat + 1}: ddpflow run with the stack {with_stack[-1]:.1f} s, "
@@ -193,6 +198,13 @@ def orchestration(ctx: Context) -> Result:
                 temporary_cost,
                 "s",
                 note="its start overlaps the CLI's imports",
+            ),
+            Row(
+                "  of which, in either: the reference model's fit (`eval.reference`, HistGradientBoosting on the "
+                "train split; `false` saves it)",
+                Stats.of(reference),
+                "s",
+                note="the bare work fits none",
             ),
             Row(
                 "  of which: a fresh process importing the flow (Prefect, MLflow, tasks)",
@@ -251,8 +263,11 @@ def cli_overrides(config) -> list[str]:
     return [arg for key, value in flat.items() for arg in ("--set", f"{key}={value}")]
 
 
-def ddpflow_run_wall(ctx: Context, root: Path, project: Path, env: dict[str, str], expect_server: str) -> float:
-    """`ddpflow run` in ``project`` (its stack, if any, is found from there); wall seconds."""
+def ddpflow_run_wall(
+    ctx: Context, root: Path, project: Path, env: dict[str, str], expect_server: str
+) -> tuple[float, float]:
+    """`ddpflow run` in ``project`` (its stack, if any, is found from there): wall seconds, and the seconds of the
+    reference model's fit in its evaluate task (its log line; 0 when it fitted none)."""
     root.mkdir(parents=True, exist_ok=True)
     config = small_config(ctx, root)
     argv = [sys.executable, "-m", ddpflow_api.CLI_MODULE, "run", *cli_overrides(config), "--json"]
@@ -264,7 +279,8 @@ def ddpflow_run_wall(ctx: Context, root: Path, project: Path, env: dict[str, str
     server = json.loads(result.stdout)["prefect_server"]
     if server != expect_server:
         raise RuntimeError(f"ddpflow run in {project} used the {server!r} Prefect server, not {expect_server!r}")
-    return wall
+    fitted = REFERENCE_FIT.search(result.stdout + result.stderr)
+    return wall, float(fitted[1]) if fitted else 0.0
 
 
 def bare_train_eval_wall(ctx: Context, dataset: Path, root: Path, env: dict[str, str]) -> float:
