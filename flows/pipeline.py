@@ -66,13 +66,14 @@ from ddpflow.tracking.script_models import dataset_model_file, gate_metric, scri
 from ddpflow.tracking.skip import SKIPPED, SkipCheck, check_unchanged, record_skipped_run
 from flows.params import resolve_config, run_label
 from tasks.drift import measure_data_drift
-from tasks.evaluate import evaluate_model
+from tasks.evaluate import evaluate_model, fit_reference_model
 from tasks.prepare import prepare_data
 from tasks.register import register_model
 from tasks.train import KILL_GRACE_S, TrainRequest, TrainResult, train_model
 from training.core.config import PipelineConfig
 from training.core.topology import RankLayout
 from training.inference.baselines import REFERENCE, TRIVIAL, baseline_values, comparison, model_metrics
+from training.inference.reference import FittedReference
 from training.loop.selection import selection_summary
 from training.preflight import check_data, check_machine
 from training.prepare.dataset import PreparedDataset
@@ -138,7 +139,9 @@ def train_pipeline(
         ddp=_ddp_params(config, layout),
         dataset_dir=dataset_dir,
     )
-    drifting = None  # the drift task, beside the training: it reads the prepared data and the champion's profile only
+    # Beside the training, each reading the prepared data only: the drift (and the champion's profile) and the
+    # reference model's fit.
+    drifting = referencing = None
     try:
         tag_run(tracking_uri, run_id, {RUN_DIR_TAG: str(run_dir)})
         earlier_run_id = record_mlflow_run(run_dir, run_id)
@@ -146,6 +149,7 @@ def train_pipeline(
             link_resumed_run(tracking_uri, earlier_run_id, run_id)
         if prepared is not None:
             drifting = measure_data_drift.submit(config, prepared.manifest, run_id, tracking_uri)
+            referencing = fit_reference_model.submit(dataset_dir, config)
         request = TrainRequest(
             config,
             dataset_dir,
@@ -158,13 +162,15 @@ def train_pipeline(
         trained = train_model(request, mlflow_run_id=run_id)
         drift = drifting.result() if drifting is not None else None  # logged to the run before the gate reads it
         tag_run(tracking_uri, run_id, {RESTARTS_TAG: str(trained.restarts)})
-        candidate = evaluate_trained(config, trained, dataset_dir, run_id, tracking_uri)
+        reference = referencing.result() if referencing is not None else None
+        candidate = evaluate_trained(config, trained, dataset_dir, run_id, tracking_uri, reference)
         # Everything that can fail runs before the gate: once @champion moves, the flow must not fail.
         mlflow_run_url = ui_url(tracking_uri, run_id)
         decision = gate(config, candidate, dataset_dir, run_id, tracking_uri)
     except BaseException as error:
-        if drifting is not None:
-            drifting.wait()  # it logs to the run: let it finish before the run ends
+        for beside in (drifting, referencing):  # the drift logs to the run: both end before the run and the flow do
+            if beside is not None:
+                beside.wait()
         interrupted = isinstance(error, INTERRUPTIONS)
         if interrupted:
             _tag_preempted(tracking_uri, run_id, Path(run_dir))
@@ -222,12 +228,17 @@ class Candidate:
 
 
 def evaluate_trained(
-    config: PipelineConfig, trained: TrainResult, dataset_dir: str | None, run_id: str, tracking_uri: str
+    config: PipelineConfig,
+    trained: TrainResult,
+    dataset_dir: str | None,
+    run_id: str,
+    tracking_uri: str,
+    reference: FittedReference | None = None,
 ) -> Candidate:
-    """The trained model, evaluated exactly on the test split where ddpflow has one (module doc); a training
-    script's rank logs go to its MLflow run first."""
+    """The trained model, evaluated exactly on the test split where ddpflow has one (module doc), with the
+    ``reference`` fitted beside its training; a training script's rank logs go to its MLflow run first."""
     if not config.train.script:
-        metrics = evaluate_model(trained.model_path, dataset_dir, run_id, tracking_uri, config)
+        metrics = evaluate_model(trained.model_path, dataset_dir, run_id, tracking_uri, config, reference)
         return Candidate(trained.model_path, metrics, True)
     log_rank_logs(tracking_uri, run_id, trained.run_dir)
     outcome = script_outcome(trained.run_dir)
@@ -238,7 +249,7 @@ def evaluate_trained(
         _, why_not = gate_metric(config, outcome.reported)  # several test_* metrics: tracked, not registered
         return Candidate(str(outcome.program), outcome.reported, False, why_not)
     model_path = str(dataset_model_file(trained.run_dir, outcome.program, dataset_dir))
-    metrics = evaluate_model(model_path, dataset_dir, run_id, tracking_uri, config)
+    metrics = evaluate_model(model_path, dataset_dir, run_id, tracking_uri, config, reference)
     return Candidate(model_path, metrics, True)
 
 

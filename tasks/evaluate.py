@@ -6,7 +6,8 @@ confusion-matrix or residual plot, where the model and data are). This task
 writes ``RUN_DIR/eval/metrics.json`` and a Prefect markdown artifact with a link
 to the run. Beside the model, the baselines (``training/inference/baselines.py``: the train
 prior or mean, and the HistGradientBoosting reference for tables) are scored on the
-same test rows here, in this process, never in the ranks.
+same test rows here, in this process, never in the ranks. The reference's fit needs the prepared data only, so
+``fit_reference_model`` makes it beside the train task and this task scores it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from training.core.manifest import read_manifest
 from training.inference.baselines import Baselines, evaluate_baselines
 from training.inference.evaluate import evaluate_split
 from training.inference.model_file import EvalResult
+from training.inference.reference import FittedReference, fit_before_scoring
 from training.objectives.registry import evaluation_of
 
 PLOT_ROWS = 20_000  # residual plot: enough points to see structure, bounded memory
@@ -62,13 +64,37 @@ def evaluation_markdown(result: EvalResult, model_path: str, run_link: str, base
     return text + f"\nModel: `{model_path}`\n\nMLflow: {link}\n"
 
 
+@task(name="fit-reference", cache_policy=NO_CACHE)
+def fit_reference_model(dataset_dir: str, config: PipelineConfig) -> FittedReference | None:
+    """The reference model (HistGradientBoosting on the train split, ``eval.reference``) fitted while the candidate
+    trains: it reads the prepared data only. None where it is off or does not apply; a failed fit carries its error
+    to the evaluation, which names it (a baseline never fails a run)."""
+    if not config.eval.reference:
+        return None
+    fitted = fit_before_scoring(read_manifest(dataset_dir), dataset_dir, config.eval.reference_max_rows)
+    if fitted is not None and fitted.fit is not None:
+        get_run_logger().info(
+            "Reference fitted on %d train rows, %d iterations in %.1fs",
+            fitted.fit["rows"],
+            fitted.fit["iterations"],
+            fitted.fit["seconds"],
+        )
+    return fitted
+
+
 @task(name="evaluate-model", task_run_name="evaluate-{run_id}", cache_policy=NO_CACHE)  # logs to MLflow: never skip
 def evaluate_model(
-    model_path: str, dataset_dir: str, run_id: str, tracking_uri: str, config: PipelineConfig
+    model_path: str,
+    dataset_dir: str,
+    run_id: str,
+    tracking_uri: str,
+    config: PipelineConfig,
+    reference: FittedReference | None = None,
 ) -> dict[str, float]:
     """Test-split metrics (``test_accuracy``, ``test_rmse``, ...) and the baselines' on the same rows
     (``baseline_trivial/test_accuracy``, ``baseline_reference/...``: training/inference/baselines.py), logged
-    to the MLflow run; returns them."""
+    to the MLflow run; returns them. ``reference``: ``fit_reference_model``'s fit, scored here (None: fitted here,
+    where ``eval.reference`` asks for one)."""
     logger = get_run_logger()
     model_path = str(model_path)
     # Per-row predictions only for a figure that draws them (residuals, row losses); a confusion matrix is counted
@@ -86,7 +112,7 @@ def evaluate_model(
     if evaluation.note:
         logger.info("%s: %s", config.train.objective, evaluation.note.format(samples=result.samples, **result.metrics))
     baselines = evaluate_baselines(
-        model_path, dataset_dir, "test", config.eval.reference, config.eval.reference_max_rows, logger
+        model_path, dataset_dir, "test", config.eval.reference, config.eval.reference_max_rows, logger, reference
     )
     metrics_path = atomic_write_json(
         Path(model_path).parent / EVAL_METRICS, {**result.to_dict(), "baselines": baselines.metrics()}

@@ -217,3 +217,20 @@ def test_the_drift_is_measured_beside_the_training(story):
     spans = {task.name.rsplit("-", 1)[0]: (task.start_time, task.end_time) for task in tasks}
     (drift_start, drift_end), (train_start, train_end) = spans["measure-data-drift"], spans["train-model"]
     assert drift_start < train_end and train_start < drift_end, spans
+
+
+def test_the_reference_is_fitted_beside_the_training_and_scored_after_it(story):
+    """The reference model's fit reads the prepared data only: its task runs beside the train task, and the evaluate
+    task scores what it fitted once both are done."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    config, runs, client = story
+    flow_run_id = runs["appended"]["flow_run_id"]
+    with get_client(sync_client=True) as prefect:
+        tasks = prefect.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    spans = {task.name.rsplit("-", 1)[0]: (task.start_time, task.end_time) for task in tasks}
+    (fit_start, fit_end), (train_start, train_end) = spans["fit-reference"], spans["train-model"]
+    evaluate_start = next(start for name, (start, _) in spans.items() if name.startswith("evaluate"))
+    assert fit_start < train_end and train_start < fit_end and fit_end <= evaluate_start, spans
+    metrics = client.get_run(runs["appended"]["mlflow_run_id"]).data.metrics
+    assert any(name.startswith("baseline_reference/") for name in metrics), sorted(metrics)

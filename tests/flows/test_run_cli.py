@@ -337,7 +337,8 @@ def test_ctrl_c_in_a_terminal_cancels_the_flow_run_in_a_few_lines_and_the_same_c
     flow_run_id = killed.data.tags["prefect.flow_run_id"]
     assert after[-2] == f"ddpflow: stopped by Ctrl-C; flow run {cancelled_flow_run_name(flow_run_id)!r} cancelled"
     assert run_states(flow_run_id) == {"flow run": "CANCELLED", "prepare-data": "COMPLETED",
-                                       "measure-data-drift": "COMPLETED", "train-model": "CANCELLED"}  # fmt: skip
+                                       "measure-data-drift": "COMPLETED", "fit-reference": "COMPLETED",
+                                       "train-model": "CANCELLED"}  # fmt: skip
 
     resumed = ddpflow([*argv, "--json"], project, env)
     assert resumed.returncode == 0, resumed.stderr[-4000:]

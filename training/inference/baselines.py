@@ -33,7 +33,12 @@ import torch
 from training.core.location import open_parquet
 from training.core.manifest import Manifest, read_manifest
 from training.inference.evaluate import OutputScorer, _labels, class_outputs, value_outputs
-from training.inference.reference import DEFAULT_MAX_ROWS, reference_baseline, reference_skip_reason
+from training.inference.reference import (
+    DEFAULT_MAX_ROWS,
+    FittedReference,
+    reference_baseline,
+    reference_skip_reason,
+)
 from training.kinds.normalisation import Normaliser
 from training.objectives.registry import Objective, objective_from_checkpoint
 
@@ -167,9 +172,11 @@ def evaluate_baselines(
     reference: bool = True,
     reference_max_rows: int | None = None,
     logger: Any = None,
+    fitted_reference: FittedReference | None = None,
 ) -> Baselines:
     """Both baselines for the candidate ``model_path`` on ``split``; a baseline that does not apply is left out
-    with the reason in ``notes`` (and in the log)."""
+    with the reason in ``notes`` (and in the log). ``fitted_reference``: the reference fitted while the candidate
+    trained (``reference.fit_before_scoring``), scored here instead of fitting it now."""
     log = logger or _logger
     manifest = read_manifest(dataset_dir)
     objective, normaliser = checkpoint_reading(model_path)
@@ -189,12 +196,15 @@ def evaluate_baselines(
         baselines.notes.append(f"no reference model: {skip}")
         log.info("Baselines: %s", baselines.notes[-1])
         return baselines
-    try:
-        scored = reference_baseline(
-            objective, normaliser, manifest, dataset_dir, split, reference_max_rows or DEFAULT_MAX_ROWS
-        )
-    except Exception as error:  # a baseline never fails the candidate's evaluation: say why it is missing
-        baselines.notes.append(f"no reference model: fitting it failed: {type(error).__name__}: {error}")
+    failure = fitted_reference.error if fitted_reference is not None else None
+    if failure is None:
+        try:
+            max_rows = reference_max_rows or DEFAULT_MAX_ROWS
+            scored = reference_baseline(objective, normaliser, manifest, dataset_dir, split, max_rows, fitted_reference)
+        except Exception as error:  # a baseline never fails the candidate's evaluation: say why it is missing
+            failure = f"{type(error).__name__}: {error}"
+    if failure is not None:
+        baselines.notes.append(f"no reference model: fitting it failed: {failure}")
         log.warning("Baselines: %s", baselines.notes[-1])
         return baselines
     baselines.reference, baselines.reference_fit = scored.metrics, scored.fit
@@ -203,6 +213,7 @@ def evaluate_baselines(
         f"reference: HistGradientBoosting fitted on {fit['rows']} train rows"
         + (f" (a sample of {fit['train_rows']})" if fit["rows"] < fit["train_rows"] else "")
         + f", {fit['iterations']} iterations in {fit['seconds']:.1f}s"
+        + (", beside the training" if fitted_reference is not None else "")
     )
     log.info("Baselines: %s", baselines.notes[-1])
     return baselines

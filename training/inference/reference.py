@@ -5,6 +5,9 @@ boosting model gets on their own split.
     scored = reference_baseline(objective, normaliser, manifest, dataset_dir, "test", max_rows=200_000)
     scored.metrics["test_accuracy"], scored.fit["seconds"]
 
+The fit needs the prepared data only, not the candidate: ``fit_before_scoring`` fits it while the candidate trains
+(the pipeline's reference task, beside the train task), and ``reference_baseline(..., fitted=...)`` then scores it.
+
 - Inputs: numeric, categorical, hashed and datetime ones only (``reference_skip_reason`` says why a dataset has
   none: images, text, vectors, a multilabel label). Numeric as they are stored, a null as NaN (boosting takes it
   natively); a datetime as its hour, weekday, day of year, month and days since the train split's earliest time;
@@ -46,6 +49,17 @@ MAX_CATEGORIES = 255  # HistGradientBoosting's most categories per feature (max_
 MAX_CLASSES = 100
 SEED = 0
 BATCH_ROWS = 65_536
+
+
+@dataclass
+class FittedReference:
+    """A reference fitted before the candidate it is scored with: the model, its columns and what the fit took, or
+    why the fit failed (``error``: the evaluation then names it, as a failed fit at scoring time does)."""
+
+    model: Any = None
+    columns: Any = None
+    fit: dict[str, Any] | None = None
+    error: str | None = None
 
 
 @dataclass
@@ -188,20 +202,45 @@ def _log_probabilities(model, matrix: np.ndarray, n_classes: int, fitted_rows: i
     return full.float()
 
 
+def fit_before_scoring(manifest: Manifest, dataset_dir: str | Path, max_rows: int) -> FittedReference | None:
+    """The reference fitted now, to be scored once the candidate exists; None where it does not apply
+    (``reference_skip_reason``); a failed fit is returned with its error, never raised."""
+    if reference_skip_reason(manifest) is not None:
+        return None
+    try:
+        return FittedReference(*fit_reference(manifest, dataset_dir, max_rows))
+    except Exception as error:  # a baseline never fails the candidate's evaluation: it says why it is missing
+        return FittedReference(error=f"{type(error).__name__}: {error}")
+
+
 def reference_baseline(
-    objective: Objective, normaliser: Normaliser, manifest: Manifest, dataset_dir: str | Path, split: str, max_rows: int
+    objective: Objective,
+    normaliser: Normaliser,
+    manifest: Manifest,
+    dataset_dir: str | Path,
+    split: str,
+    max_rows: int,
+    fitted: FittedReference | None = None,
 ) -> ReferenceScore:
-    """Fit on the train split (or its sample), score every row of ``split`` through the candidate's tallies."""
+    """Fit on the train split (or its sample), unless ``fitted`` holds that fit already, and score every row of
+    ``split`` through the candidate's tallies."""
     from threadpoolctl import threadpool_limits
 
     with threadpool_limits(limits=fit_threads()):  # predicting runs OpenMP threads too
-        return _fit_and_score(objective, normaliser, manifest, dataset_dir, split, max_rows)
+        if fitted is None:
+            fitted = FittedReference(*fit_reference(manifest, dataset_dir, max_rows))
+        return _score(objective, normaliser, manifest, dataset_dir, split, fitted)
 
 
-def _fit_and_score(
-    objective: Objective, normaliser: Normaliser, manifest: Manifest, dataset_dir: str | Path, split: str, max_rows: int
+def _score(
+    objective: Objective,
+    normaliser: Normaliser,
+    manifest: Manifest,
+    dataset_dir: str | Path,
+    split: str,
+    fitted: FittedReference,
 ) -> ReferenceScore:
-    model, columns, fit = fit_reference(manifest, dataset_dir, max_rows)
+    model, columns, fit = fitted.model, fitted.columns, fitted.fit
     scorer = OutputScorer(objective, manifest, normaliser)
     names = [*columns.inputs, manifest.label]
     for shard in manifest.shard_locations(dataset_dir, split):

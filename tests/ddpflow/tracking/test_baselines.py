@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -25,7 +26,7 @@ from training.core.manifest import read_manifest, write_manifest
 from training.inference.baselines import evaluate_baselines, trivial_baseline
 from training.inference.evaluate import evaluate_split
 from training.inference.model_file import inference_checkpoint
-from training.inference.reference import fit_reference, reference_baseline
+from training.inference.reference import FittedReference, fit_before_scoring, fit_reference, reference_baseline
 from training.kinds.normalisation import Normaliser
 from training.models.registry import ModelSpec, build_model
 from training.objectives.registry import make_objective
@@ -129,6 +130,23 @@ def test_the_reference_is_scored_on_the_models_test_rows(dataset_factory, model_
     assert not any("_precision_" in name for name in flat)  # per-class numbers stay the model's own
     off = evaluate_baselines(model_path, dataset, "test", reference=False)
     assert off.reference is None and off.trivial == baselines.trivial and "eval.reference is false" in off.notes[0]
+
+
+def test_a_reference_fitted_before_the_model_scores_as_one_fitted_after_it(dataset_factory, model_factory):
+    """The pipeline fits the reference while the model trains (it needs the prepared data only) and scores it once
+    the model exists: the same metrics as fitting it then, and a failed early fit is named, never raised."""
+    dataset = dataset_factory(rows={"train": 600, "val": 50, "test": 211}, shard_rows=200)
+    fitted = fit_before_scoring(read_manifest(dataset), dataset, 1000)  # before any model exists
+    model_path = model_factory(dataset, steps=20)
+
+    early = evaluate_baselines(model_path, dataset, "test", reference=True, fitted_reference=fitted)
+    late = evaluate_baselines(model_path, dataset, "test", reference=True)
+
+    assert early.reference == late.reference and early.reference["test_samples"] == 211
+    assert early.reference_fit["rows"] == 600 and early.notes[-1].endswith(", beside the training")
+    failed = evaluate_baselines(model_path, dataset, "test", fitted_reference=FittedReference(error="ValueError: x"))
+    assert failed.reference is None and failed.notes[-1] == "no reference model: fitting it failed: ValueError: x"
+    assert fit_before_scoring(read_manifest(dataset), Path("/nonexistent"), 1000).error  # the error, not raised
 
 
 def test_the_reference_takes_a_table_as_it_is_and_matches_scikit_learns_own_scores(tmp_path):
