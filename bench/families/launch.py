@@ -200,11 +200,11 @@ def orchestration(ctx: Context) -> Result:
                 note="its start overlaps the CLI's imports",
             ),
             Row(
-                "  of which, in either: the reference model's fit (`eval.reference`, HistGradientBoosting on the "
-                "train split; `false` saves it)",
+                "  in either: the reference model's fit (`eval.reference`, HistGradientBoosting on the train split, "
+                "in its own task beside the train task; `false` saves it)",
                 Stats.of(reference),
                 "s",
-                note="the bare work fits none",
+                note="its seconds overlap the ranks'; the bare work fits none",
             ),
             Row(
                 "  of which: a fresh process importing the flow (Prefect, MLflow, tasks)",
