@@ -462,14 +462,13 @@ def evaluate_metrics(model_path: str | Path, dataset_dir: str | Path, split: str
     return dict(evaluate_split(model_path, dataset_dir, split).metrics)
 
 
-def split_predictions(model_path: str | Path, dataset_dir: str | Path, split: str = "test"):
-    """A model's prediction for each row of a prepared split, in ``split_frame``'s order, as a served model makes it
-    (``training.inference.predict.Predictor``): the value (regression), or (class indices, a probability column
+def frame_predictions(model_path: str | Path, frame):
+    """A model's prediction for each row of ``frame`` (a split as ``split_frame`` reads it), as a served model makes
+    it (``training.inference.predict.Predictor``): the value (regression), or (class indices, a probability column
     per class index) for a classifier."""
     from training.inference.predict import Predictor
 
     predictor = Predictor.from_checkpoint(model_path)
-    frame = split_frame(dataset_dir, split)
     if predictor.task == "regression":
         return predictor.predict_raw(frame)
     return predictor.predict_raw(frame), predictor.predict_proba(frame).to_numpy()

@@ -68,18 +68,10 @@ def evaluation_markdown(result: EvalResult, model_path: str, run_link: str, base
 def fit_reference_model(dataset_dir: str, config: PipelineConfig) -> FittedReference | None:
     """The reference model (HistGradientBoosting on the train split, ``eval.reference``) fitted while the candidate
     trains: it reads the prepared data only. None where it is off or does not apply; a failed fit carries its error
-    to the evaluation, which names it (a baseline never fails a run)."""
+    to the evaluation, which names it (a baseline never fails a run). The evaluate task logs what the fit took."""
     if not config.eval.reference:
         return None
-    fitted = fit_before_scoring(read_manifest(dataset_dir), dataset_dir, config.eval.reference_max_rows)
-    if fitted is not None and fitted.fit is not None:
-        get_run_logger().info(
-            "Reference fitted on %d train rows, %d iterations in %.1fs",
-            fitted.fit["rows"],
-            fitted.fit["iterations"],
-            fitted.fit["seconds"],
-        )
-    return fitted
+    return fit_before_scoring(read_manifest(dataset_dir), dataset_dir, config.eval.reference_max_rows)
 
 
 @task(name="evaluate-model", task_run_name="evaluate-{run_id}", cache_policy=NO_CACHE)  # logs to MLflow: never skip

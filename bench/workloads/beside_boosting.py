@@ -186,13 +186,14 @@ def run_boosting(spec: Table, dataset: Path, inputs: dict[str, str]) -> dict:
     else:
         predicted = model.predict(x_test)
     return {"metric": score(spec.task, y_test, predicted), "seconds": fit.seconds, "train_rows": len(train),
-            "test_rows": len(test), "wide": wide, "labels": y_test.to_numpy(), "predicted": predicted}  # fmt: skip
+            "test_rows": len(test), "wide": wide, "test": test, "labels": y_test.to_numpy(),
+            "predicted": predicted}  # fmt: skip
 
 
-def ddpflow_predicted(task: str, model_path: Path, dataset: Path):
-    """ddpflow's model's predictions on the test split's rows as ``score`` reads them: values, class index 1's
-    probability (two classes) or class indices."""
-    predictions = ddpflow_api.split_predictions(model_path, dataset, "test")
+def ddpflow_predicted(task: str, model_path: Path, test):
+    """ddpflow's model's predictions on the test split's rows (``test``: the frame boosting was scored on) as
+    ``score`` reads them: values, class index 1's probability (two classes) or class indices."""
+    predictions = ddpflow_api.frame_predictions(model_path, test)
     if task == REGRESSION:
         return predictions
     indices, probabilities = predictions
@@ -245,7 +246,7 @@ def measure(
     theirs = run_boosting(spec, ours["dataset"], inputs)
     spread = None
     if interval:
-        predicted = ddpflow_predicted(spec.task, ours["model_path"], ours["dataset"])
+        predicted = ddpflow_predicted(spec.task, ours["model_path"], theirs["test"])
         spread = gap_interval(spec.task, theirs["labels"], predicted, theirs["predicted"])
     return {
         "table": spec.name,

@@ -205,16 +205,20 @@ def test_a_drifted_source_is_shown_and_held_as_challenger_by_max_drift_psi(story
     assert version.tags["gate.drift_feature"] == "f0" and float(version.tags["gate.drift_psi"]) > 0.25
 
 
+def task_spans(flow_run_id: str) -> dict:
+    """Each task run of the flow run, by task name: (start time, end time), through the Prefect API."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {task.name.rsplit("-", 1)[0]: (task.start_time, task.end_time) for task in tasks}
+
+
 def test_the_drift_is_measured_beside_the_training(story):
     """The drift task reads the prepared data and the champion's profile only: the flow submits it before the train
     task and waits for it after, so the two task runs overlap (the drift's seconds are off the run's critical path)."""
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
     _, runs, _ = story
-    flow_run_id = runs["appended"]["flow_run_id"]
-    with get_client(sync_client=True) as client:
-        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-    spans = {task.name.rsplit("-", 1)[0]: (task.start_time, task.end_time) for task in tasks}
+    spans = task_spans(runs["appended"]["flow_run_id"])
     (drift_start, drift_end), (train_start, train_end) = spans["measure-data-drift"], spans["train-model"]
     assert drift_start < train_end and train_start < drift_end, spans
 
@@ -222,13 +226,8 @@ def test_the_drift_is_measured_beside_the_training(story):
 def test_the_reference_is_fitted_beside_the_training_and_scored_after_it(story):
     """The reference model's fit reads the prepared data only: its task runs beside the train task, and the evaluate
     task scores what it fitted once both are done."""
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    config, runs, client = story
-    flow_run_id = runs["appended"]["flow_run_id"]
-    with get_client(sync_client=True) as prefect:
-        tasks = prefect.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-    spans = {task.name.rsplit("-", 1)[0]: (task.start_time, task.end_time) for task in tasks}
+    _, runs, client = story
+    spans = task_spans(runs["appended"]["flow_run_id"])
     (fit_start, fit_end), (train_start, train_end) = spans["fit-reference"], spans["train-model"]
     evaluate_start = next(start for name, (start, _) in spans.items() if name.startswith("evaluate"))
     assert fit_start < train_end and train_start < fit_end and fit_end <= evaluate_start, spans
