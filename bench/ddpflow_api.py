@@ -319,13 +319,12 @@ class DdpflowRank:
 
     ctx: Any  # training.distributed.context.DistContext
     setup: Any  # training.distributed.process.ProcessSetup: threads, cores, whether it polls for the all-reduce
-    gradients: Any = None  # training.distributed.gradient_allreduce.GradientAllReduce, once ``wrap`` made it
+    gradients: Any = None  # training.distributed.context.GradientAllReduce, once ``wrap`` made it
 
     def wrap(self, model):
         """``training.distributed.context.wrap_model``: DDP with ddpflow's bucket size and its gradient all-reduce
         (the stop flags carried on it; polling when asked)."""
-        from training.distributed.context import wrap_model
-        from training.distributed.gradient_allreduce import GradientAllReduce
+        from training.distributed.context import GradientAllReduce, wrap_model
 
         self.gradients = GradientAllReduce(self.setup.poll_allreduce)
         return wrap_model(model, self.ctx, self.gradients)

@@ -37,8 +37,7 @@ from training.core.job import TrainJob
 from training.core.log import DATA, log_main, log_rank
 from training.core.manifest import read_manifest
 from training.core.rng import seed_process
-from training.distributed.context import DistContext, distributed, shard_range, wrap_model
-from training.distributed.gradient_allreduce import GradientAllReduce
+from training.distributed.context import DistContext, GradientAllReduce, distributed, shard_range, wrap_model
 from training.distributed.process import (
     configure_process,
     decode_workers,

@@ -23,8 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project root
 
 from training.core.config import TrainConfig
-from training.distributed.context import distributed, wrap_model
-from training.distributed.gradient_allreduce import GradientAllReduce
+from training.distributed.context import GradientAllReduce, distributed, wrap_model
 
 STEPS, STOP_AT, ACCUM = 6, 3, 2  # optimizer steps; the first step rank 1's flag is up; micro-batches a step
 

@@ -19,8 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, recor
 
 from training.core.config import TrainConfig
 from training.core.fileio import atomic_path
-from training.distributed.context import DistContext
-from training.distributed.gradient_allreduce import wants_polling
+from training.distributed.context import DistContext, wants_polling
 
 _PR_SET_PDEATHSIG = 1
 # glibc's mallopt parameters, and what a scoring rank sets them to (``keep_freed_heap``).
@@ -154,7 +153,7 @@ class ProcessSetup:
     """What ``configure_process`` settled for this rank."""
 
     cpu: CpuSetup
-    poll_allreduce: bool  # train.cpu_poll_allreduce, resolved (training/distributed/gradient_allreduce.py)
+    poll_allreduce: bool  # train.cpu_poll_allreduce, resolved (training/distributed/context.py: wants_polling)
     cuda: str = ""  # the CUDA math modes, on a GPU rank
 
     def with_workers(self, workers: int, train: TrainConfig) -> ProcessSetup:

@@ -6,14 +6,14 @@
 
 A signal (a spot reclaim, a Kubernetes eviction, Slurm's time limit or ``--signal``, Ctrl-C, ``ddpflow run`` or
 torchrun passing one on, or one sent to any one rank) only sets a flag in the handler: no I/O, no collective, no
-exception in the middle of a step or a checkpoint write. Every rank's flag rides on the gradient all-reduce
-of each optimizer step (training/distributed/gradient_allreduce.py: appended to bucket 0, summed with it; SUM > 0:
+exception in the middle of a step or a checkpoint write. Every rank's flag rides on the gradient all-reduce of each
+optimizer step (training/distributed/context.py: GradientAllReduce: appended to bucket 0, summed with it; SUM > 0:
 "some rank was told"), so all ranks learn it at the same step, and none runs ahead into a collective the others
 left, without a collective of its own (training/loop/step.py: ``StopFlags``). The epoch's pass then writes that
 step's checkpoint, whatever ``train.checkpoint_every_*`` says: the same atomic step checkpoint as any other
 (training/checkpoint/files.py), so a kill during the save leaves the previous checkpoint intact. The epoch's last
-optimizer step is not a boundary (as for the schedule): a flag seen there is acted on once last.pt is written at
-the epoch's end (``StopFlags.requested``: a collective, once an epoch), and that is the checkpoint.
+optimizer step is not a boundary (as for the schedule): a flag seen there is acted on once last.pt is written at the
+epoch's end (``StopFlags.requested``: a collective, once an epoch), and that is the checkpoint.
 
 ``stopped`` waits for the write, rank 0 records the stop in ``RUN_DIR/preempted.json`` (signal, epoch, step,
 checkpoint, seconds from the signal to the saved file) and returns ``Preempted``; ``main`` catches it and every rank

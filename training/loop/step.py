@@ -36,7 +36,7 @@ count needs no collective). Not after the epoch's last optimizer step: last.pt c
 written is training/checkpoint/files.py's (``TrainState.save_step``).
 
 A stop (``StopFlags``): every rank's preemption flag (training/loop/preemption.py: ``PreemptionWatch``) is
-appended to the first gradient bucket of the step's all-reduce (training/distributed/gradient_allreduce.py), so
+appended to the first gradient bucket of the step's all-reduce (training/distributed/context.py: GradientAllReduce), so
 after each boundary every rank knows how many ranks were told (> 0: stop) without a collective of its own. Where
 it is due, the pass writes that step's checkpoint whatever ``train.checkpoint_every_*`` says, and raises what
 ``on_stop`` returns.
@@ -64,7 +64,7 @@ from training.objectives.base import Objective, output_members
 from training.objectives.registry import auto_objective, make_objective
 
 if TYPE_CHECKING:
-    from training.distributed.gradient_allreduce import GradientAllReduce
+    from training.distributed.context import GradientAllReduce
 
 
 @dataclass(frozen=True)
@@ -231,8 +231,8 @@ class StepSchedule:
 class StopFlags:
     """Whether some rank was told to stop: every rank's ``PreemptionWatch`` flag summed over the ranks. At each
     boundary the sum comes with the step's gradient all-reduce (``gradients``: training/distributed/
-    gradient_allreduce.py, the flags ride on bucket 0), so the step makes no collective for it; at an epoch's end
-    ``requested`` sums the flags by a collective of its own."""
+    context.py: ``GradientAllReduce``, the flags ride on bucket 0), so the step makes no collective for it; at an
+    epoch's end ``requested`` sums the flags by a collective of its own."""
 
     def __init__(self, watch: PreemptionWatch, ctx, steps: OptimizerSteps, gradients: GradientAllReduce):
         self.watch, self.ctx, self.steps, self.gradients = watch, ctx, steps, gradients

@@ -1,6 +1,7 @@
-"""training/distributed/gradient_allreduce.py on 2 real torchrun ranks (tests/ranks/gradient_allreduce_rank.py): the
-stop flags ride on the gradient all-reduce, so an optimizer step makes one collective, the gradients are those plain
-DDP computes, bit for bit, and every rank reads the same number of ranks told to stop after each step."""
+"""training/distributed/context.py: GradientAllReduce on 2 real torchrun ranks
+(tests/ranks/gradient_allreduce_rank.py): the stop flags ride on the gradient all-reduce, so an optimizer step makes
+one collective, the gradients are those plain DDP computes, bit for bit, and every rank reads the same number of
+ranks told to stop after each step."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""training/distributed/process.py and training/distributed/gradient_allreduce.py: a rank's start-up preload, its exit
-without interpreter teardown, its CPU pinning, a scoring rank's heap, and that its polling wait for the all-reduce
-always ends."""
+"""training/distributed/process.py and training/distributed/context.py's gradient all-reduce: a rank's start-up
+preload, its exit without interpreter teardown, its CPU pinning, a scoring rank's heap, and that its polling wait
+for the all-reduce always ends."""
 
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def test_cpu_affinity_pins_threads_that_started_before_it():
     assert "pinned to cores" in described and same == "True 1"
 
 
-# --- training/distributed/gradient_allreduce.py: a poll always ends (its arithmetic: test_train_ddp.py) ---
+# --- training/distributed/context.py: poll, a poll always ends (its arithmetic: test_train_ddp.py) ---
 
 
 def test_polling_returns_once_every_future_is_done():
@@ -126,7 +126,7 @@ def test_polling_returns_once_every_future_is_done():
 
     import torch
 
-    from training.distributed.gradient_allreduce import poll
+    from training.distributed.context import poll
 
     futures = [torch.futures.Future() for _ in range(2)]
     timers = [threading.Timer(0.02 * (i + 1), future.set_result, (i,)) for i, future in enumerate(futures)]
@@ -141,7 +141,7 @@ def test_polling_gives_up_at_its_limit_and_leaves_the_wait_to_ddp():
     with its timeout, takes over."""
     import torch
 
-    from training.distributed.gradient_allreduce import poll
+    from training.distributed.context import poll
 
     never = torch.futures.Future()
     poll([never], limit_s=0.05)
