@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+AGENT_MODULE = "ddpflow.launch.agent"  # torchrun's agent as ddpflow starts it (torch.distributed.run's main)
 RANK_MODULE = "training.train"  # what every rank runs: python -m training.train --config RUN_DIR/train_config.json
 CLI_MODULE = "flows.cli"  # ``ddpflow`` (the console script) as python -m flows.cli
 FLOW_MODULE = "flows.pipeline"  # the pipeline flow: what a fresh CLI process imports

@@ -47,8 +47,11 @@ SERVER_ARGV_PARTS = (
 SLURM_PROGRAMS = {"slurmctld", "slurmd", "slurmstepd", "srun", "sbatch", "salloc"}
 
 
+TORCHRUN_MODULES = ("torch.distributed.run", "ddpflow.launch.agent")  # torchrun, and torchrun as ddpflow starts it
+
+
 def starts_ranks(argv: Sequence[str]) -> bool:
-    return any(arg == "torch.distributed.run" or os.path.basename(arg) == "torchrun" for arg in argv)
+    return any(arg in TORCHRUN_MODULES or os.path.basename(arg) == "torchrun" for arg in argv)
 
 
 def is_server(argv: Sequence[str]) -> bool:

@@ -178,6 +178,9 @@ def rank_memory(pid: int) -> tuple[int, int] | None:
     return anon, cache
 
 
+AGENTS = ("torch.distributed.run", ddpflow_api.AGENT_MODULE)  # a torchrun agent's argv names its ranks' program too
+
+
 def rank_pids() -> list[int]:
     """This process's descendants that run the rank program (not torchrun's agent)."""
     pids = []
@@ -186,6 +189,6 @@ def rank_pids() -> list[int]:
             argv = " ".join(child.cmdline())
         except psutil.Error:
             continue
-        if ddpflow_api.RANK_MODULE in argv and "torch.distributed.run" not in argv:
+        if ddpflow_api.RANK_MODULE in argv and not any(agent in argv for agent in AGENTS):
             pids.append(child.pid)
     return pids

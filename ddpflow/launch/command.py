@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ddpflow.launch.agent import AGENT_MODULE
 from training.core.config import PipelineConfig
 from training.core.layout import JOB_ENV, TRAIN_JOB, run_file
 from training.core.topology import available_cores, resolve_ranks
@@ -33,7 +34,7 @@ def torchrun_command(
     train = config.train
     layout = resolve_ranks(train, gpus)
     job_path = Path(job_path)
-    argv = [sys.executable, "-m", "torch.distributed.run"]
+    argv = [sys.executable, "-m", AGENT_MODULE]  # torch.distributed.run's main (ddpflow/launch/agent.py)
     if train.nnodes == 1:
         argv += ["--standalone", "--nnodes", "1"]
     else:

@@ -553,7 +553,7 @@ def test_run_uses_the_projects_running_stack_and_starts_no_server(make_config, s
         assert run.finish() == 0, run.output[-4000:]
     finally:
         run.kill()
-    assert any("torch.distributed.run" in argv for argv in started_by_the_run), "the scan must see torchrun"
+    assert any("ddpflow.launch.agent" in argv for argv in started_by_the_run), "the scan must see torchrun"
     assert [argv for argv in started_by_the_run if "uvicorn" in argv or " server start" in argv] == []
 
     summary = json.loads("".join(run.out))  # stdout holds only the summary

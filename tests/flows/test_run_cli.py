@@ -244,7 +244,7 @@ def test_sigterm_saves_the_current_step_stops_everything_and_the_same_command_re
             time.sleep(0.1)
         started = processes_with_home(prefect_home)
         assert any(is_temporary_server(p) for p in started), "the scan must see the temporary server"
-        assert any("torch.distributed.run" in " ".join(p.cmdline()) for p in started), "... and torchrun"
+        assert any("ddpflow.launch.agent" in " ".join(p.cmdline()) for p in started), "... and torchrun"
         sent = time.monotonic()
         run.popen.send_signal(signal.SIGTERM)
         assert run.finish() == 143, run.output[-4000:]

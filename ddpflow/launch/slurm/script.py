@@ -46,6 +46,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ddpflow.launch.agent import AGENT_MODULE
 from ddpflow.launch.command import ERROR_FILE, LOG_DIR, PROJECT_ROOT
 from training.core.config import PipelineConfig
 from training.core.layout import FINAL_MODEL, PREEMPTED
@@ -150,7 +151,7 @@ def sbatch_command(job: RankJob) -> list[str]:
 def torchrun_argv(job: RankJob) -> list[str]:
     """One node's torchrun agent; ``$head_addr``, ``$port`` and ``$SLURM_JOB_ID`` are filled in by the script."""
     return [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", AGENT_MODULE,  # torch.distributed.run's main (ddpflow/launch/agent.py)
         "--nnodes", str(job.nnodes),
         "--nproc-per-node", str(job.layout.nproc_per_node),
         "--rdzv-backend", "c10d",

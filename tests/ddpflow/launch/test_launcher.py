@@ -38,7 +38,7 @@ def config(**train) -> PipelineConfig:
 
 def test_one_node_argv_is_a_list_with_standalone_and_the_rank_module(tmp_path):
     argv = torchrun_command(config(max_restarts=2), tmp_path / "train_config.json", gpus=0)
-    assert argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert argv[:3] == [sys.executable, "-m", "ddpflow.launch.agent"]  # torch.distributed.run's main
     assert "--standalone" in argv and "--rdzv-endpoint" not in argv
     assert argv[argv.index("--nproc-per-node") + 1] == "1"  # auto on CPU: one rank
     assert argv[argv.index("--max-restarts") + 1] == "2"
