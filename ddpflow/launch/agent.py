@@ -11,16 +11,21 @@ would: through Python's own exit, with its traceback and status.
 
 from __future__ import annotations
 
+import os
+import sys
+
 AGENT_MODULE = "ddpflow.launch.agent"
 
 
 def main() -> None:
     from torch.distributed.run import main as torchrun_main
 
-    from training.distributed.process import exit_without_teardown
-
     torchrun_main()  # its arguments from sys.argv, as under ``python -m torch.distributed.run``
-    exit_without_teardown(0)
+    # As a rank's exit (training/distributed/process.py: exit_without_teardown), without importing the rank's
+    # modules into the agent: the streams flushed, then no teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
