@@ -35,14 +35,13 @@ def invocations(
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", os.defpath)])
     command = [sys.executable, "-m", "mlflow", "models", "serve", "-m", model_uri, "--env-manager", "local"]
     log_path = Path(workdir) / "serve.log"
-    for attempt in range(1, BIND_ATTEMPTS + 1):
+    for _ in range(BIND_ATTEMPTS):
         try:
             return _serve_and_post([*command, "--host", "127.0.0.1", "--workers", "1"], workdir, env, log_path,
                                    rows, params)  # fmt: skip
         except PortTaken:
-            if attempt == BIND_ATTEMPTS:
-                raise AssertionError(log_path.read_text()[-3000:]) from None
-    return []  # not reached: the last attempt returns or raises
+            continue
+    raise AssertionError(log_path.read_text()[-3000:])
 
 
 def _serve_and_post(command: list[str], workdir: Path, env: dict[str, str], log_path: Path, rows, params) -> list:
