@@ -68,7 +68,7 @@ def score_table(
 
 
 def _tracking_uri(config: PipelineConfig) -> str:
-    from ddpflow.tracking.runs import resolve_tracking_uri
+    from ddpflow.tracking.tracking_uri import resolve_tracking_uri
 
     return resolve_tracking_uri(config)
 

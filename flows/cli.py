@@ -139,8 +139,8 @@ def cmd_register(args: argparse.Namespace) -> None:
 def cmd_serve(args: argparse.Namespace) -> None:
     """MLflow's scoring server for a registered model, until Ctrl-C or SIGTERM (then nothing is left running)."""
     from ddpflow.services.scoring_server import ScoringServer, ScoringServerError
-    from ddpflow.tracking.runs import resolve_tracking_uri
     from ddpflow.tracking.served_model import served_model
+    from ddpflow.tracking.tracking_uri import resolve_tracking_uri
 
     if args.tracking_uri:
         os.environ["MLFLOW_TRACKING_URI"] = args.tracking_uri
@@ -171,7 +171,7 @@ def cmd_score(args: argparse.Namespace) -> None:
 
 def _say_which_store(config: PipelineConfig) -> None:
     """One line when $MLFLOW_TRACKING_URI and the config's mlflow.tracking_uri differ: the variable wins."""
-    from ddpflow.tracking.runs import tracking_uri_note
+    from ddpflow.tracking.tracking_uri import tracking_uri_note
 
     note = tracking_uri_note(config)
     if note:

@@ -57,13 +57,13 @@ from ddpflow.tracking.runs import (
     link_resumed_run,
     log_rank_logs,
     preempted_tags,
-    resolve_tracking_uri,
     start_pipeline_run,
     tag_run,
     ui_url,
 )
 from ddpflow.tracking.script_models import dataset_model_file, gate_metric, script_outcome
 from ddpflow.tracking.skip import SKIPPED, SkipCheck, check_unchanged, record_skipped_run
+from ddpflow.tracking.tracking_uri import resolve_tracking_uri
 from flows.params import resolve_config, run_label
 from tasks.drift import measure_data_drift
 from tasks.evaluate import evaluate_model, fit_reference_model

@@ -19,7 +19,8 @@ from prefect import flow, get_run_logger
 
 from ddpflow.tracking.gate import PROMOTED
 from ddpflow.tracking.registration import register_run
-from ddpflow.tracking.runs import check_tracking_reachable, resolve_tracking_uri
+from ddpflow.tracking.runs import check_tracking_reachable
+from ddpflow.tracking.tracking_uri import resolve_tracking_uri
 from tasks.register import announce_new_champion, gate_lock
 from training.core.config import PipelineConfig
 

@@ -26,11 +26,11 @@ from ddpflow.sweep.trials import COMPLETE, FAILED, PRUNED, run_trials, trial_row
 from ddpflow.tracking.runs import (
     check_tracking_reachable,
     end_pipeline_run,
-    resolve_tracking_uri,
     tag_run,
     ui_url,
 )
 from ddpflow.tracking.sweep import tag_best_version
+from ddpflow.tracking.tracking_uri import resolve_tracking_uri
 from flows.params import _deep_merge
 from flows.pipeline import INTERRUPTIONS, _prefect_context, evaluate_trained, gate
 from tasks.prepare import prepare_data

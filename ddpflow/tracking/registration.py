@@ -82,10 +82,10 @@ from ddpflow.tracking.runs import (
     MODEL_PATH_TAG,
     configure_mlflow,
     read_run_config,
-    resolve_tracking_uri,
     use_tracking_uri,
 )
 from ddpflow.tracking.script_models import gate_metric
+from ddpflow.tracking.tracking_uri import resolve_tracking_uri
 from training.core.config import PipelineConfig, apply_overrides, validate_config
 from training.core.manifest import Manifest, read_manifest
 from training.inference.baselines import (

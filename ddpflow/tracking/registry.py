@@ -15,7 +15,8 @@ from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 
-from ddpflow.tracking.runs import SCRIPT_TAG, TRAINING_IDENTITY_TAG, resolve_tracking_uri
+from ddpflow.tracking.runs import SCRIPT_TAG, TRAINING_IDENTITY_TAG
+from ddpflow.tracking.tracking_uri import resolve_tracking_uri
 from training.core.config import PipelineConfig
 from training.core.layout import SCRIPT_EXAMPLE
 from training.core.manifest import Manifest

@@ -38,6 +38,7 @@ from mlflow.entities import DatasetInput, InputTag, Metric, Param
 from mlflow.exceptions import MlflowException
 
 from ddpflow.launch.command import LOG_DIR
+from ddpflow.tracking.tracking_uri import resolve_tracking_uri
 from training.checkpoint.identity import training_identity
 from training.core.config import PipelineConfig
 from training.core.digest import json_digest
@@ -88,42 +89,6 @@ class TrackingUnreachableError(ConnectionError):
 
 
 # ---------------------------------------------------------------- where things go
-
-
-def resolve_tracking_uri(config: PipelineConfig) -> str:
-    """``$MLFLOW_TRACKING_URI``, else ``mlflow.tracking_uri``, else ``sqlite:///<cwd>/mlflow.db``.
-
-    A relative SQLite path is made absolute now, so every task and rank (with
-    other working directories) writes to the same database.
-    """
-    default = f"sqlite:///{Path.cwd() / 'mlflow.db'}"
-    uri = _absolute_sqlite(os.environ.get("MLFLOW_TRACKING_URI") or config.mlflow.tracking_uri or default)
-    if "://" not in uri and not uri.startswith("databricks"):  # a bare path: MLflow 3's file store is deprecated
-        raise ValueError(
-            f"mlflow.tracking_uri {uri!r} is a plain path; use sqlite:///{Path(uri).resolve()}.db "
-            "or an http(s):// server"
-        )
-    return uri
-
-
-def _absolute_sqlite(uri: str) -> str:
-    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
-        relative = uri.removeprefix("sqlite:///")
-        if relative and relative != ":memory:":
-            return f"sqlite:///{Path(relative).resolve()}"
-    return uri
-
-
-def tracking_uri_note(config: PipelineConfig) -> str | None:
-    """Which store a command uses, when ``$MLFLOW_TRACKING_URI`` and ``mlflow.tracking_uri`` name two different
-    ones (the variable wins: ``resolve_tracking_uri``); None when they agree or one is unset."""
-    configured, environment = config.mlflow.tracking_uri, os.environ.get("MLFLOW_TRACKING_URI")
-    if not configured or not environment or _absolute_sqlite(configured) == _absolute_sqlite(environment):
-        return None
-    return (
-        f"MLflow store {resolve_tracking_uri(config)} from $MLFLOW_TRACKING_URI, which wins over the config's "
-        f"mlflow.tracking_uri {configured}"
-    )
 
 
 def is_http(uri: str) -> bool:

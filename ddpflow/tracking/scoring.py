@@ -95,7 +95,8 @@ class ScoringRun:
     def _new_run(self, job, plan) -> tuple[MlflowClient, str]:
         from mlflow.entities import Param
 
-        from ddpflow.tracking.runs import configure_mlflow, resolve_tracking_uri
+        from ddpflow.tracking.runs import configure_mlflow
+        from ddpflow.tracking.tracking_uri import resolve_tracking_uri
 
         model, config = self.model, self.config
         self.tracking_uri = self.tracking_uri or resolve_tracking_uri(config)

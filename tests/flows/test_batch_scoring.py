@@ -274,27 +274,51 @@ def test_the_mlflow_run_is_created_while_the_ranks_score_not_after_them(champion
     assert run.data.params["score.output_kind"] == "probabilities" and run.data.params["score.nproc_per_node"] == "2"
 
 
-def test_the_command_reads_the_model_file_once(champion, tmp_path):
+# What a `ddpflow score` of a model.pt does in its own process, watched from inside it: every open of the model file
+# (an audit hook) and whether MLflow was imported when the ranks were about to start (ScoringRun.start, called then).
+WATCHED_SCORE = """
+import os, sys
+from pathlib import Path
+
+model = Path(sys.argv[1]).resolve()
+opened = []
+sys.addaudithook(lambda event, args: opened.append(event) if event == "open" and isinstance(args[0], str | os.PathLike)
+                 and Path(args[0]).resolve() == model else None)
+from ddpflow.tracking import scoring
+
+start = scoring.ScoringRun.start
+def start_watched(self, job, plan):
+    print(f"MLFLOW_BEFORE_RANKS={'mlflow' in sys.modules}", file=sys.stderr)
+    start(self, job, plan)
+scoring.ScoringRun.start = start_watched
+from flows.cli import main
+
+status = main(["score", "--model", str(model), *sys.argv[2:]])
+print(f"MODEL_OPENS={len(opened)}", file=sys.stderr)
+sys.exit(status)
+"""
+
+
+def test_the_command_reads_the_model_file_once_and_imports_mlflow_only_once_the_ranks_start(champion, tmp_path):
     """`ddpflow score` of a model.pt: the command opens it once (its hash, its inputs and task, the copy its ranks
     load and the statistics afterwards all come from those bytes: ddpflow/launch/scoring.py, ModelFile); each rank
-    then loads the copy in OUTPUT/.score once."""
+    then loads the copy in OUTPUT/.score once. MLflow (a second of imports) is not imported before the ranks start:
+    which store the command names comes from ddpflow/tracking/tracking_uri.py, and the scoring's MLflow run is
+    created on a thread beside the ranks (ddpflow/tracking/scoring.py: ScoringRun)."""
     model = Path(champion["model_path"]).resolve()
-    opened: list[str] = []
-    watching = [True]
-
-    def count_opens(event: str, args: tuple) -> None:
-        path = args[0] if event == "open" and watching[0] else None
-        if isinstance(path, str | os.PathLike) and Path(path).resolve() == model:
-            opened.append(event)
-
-    sys.addaudithook(count_opens)  # a hook cannot be removed: ``watching`` ends it
-    try:
-        summary = score_here(champion, model=str(model), source=str(source_files(tmp_path / "src", rows=300)),
-                             output=str(tmp_path / "out"), nproc_per_node=1)  # fmt: skip
-    finally:
-        watching[0] = False
-    assert summary["rows"] == 300 and summary["model"]["name"] == str(model)
-    assert len(opened) == 1, f"the command opened {model} {len(opened)} times"
+    driver = tmp_path / "watched_score.py"
+    driver.write_text(WATCHED_SCORE)
+    source = source_files(tmp_path / "src", rows=300)
+    done = subprocess.run(
+        [sys.executable, str(driver), str(model), "--config", str(champion["config_file"]), "--source", str(source),
+         "--output", str(tmp_path / "out"), "--set", "score.nproc_per_node=1", "--json"],
+        cwd=champion["root"], env=cli_env(), capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    summary = json.loads(done.stdout)
+    assert summary["rows"] == 300 and summary["model"]["name"] == str(model) and summary["mlflow_run_id"]
+    assert "MLFLOW_BEFORE_RANKS=False" in done.stderr, done.stderr[-3000:]
+    assert "MODEL_OPENS=1" in done.stderr, done.stderr[-3000:]
 
 
 def test_the_scored_tables_drift_is_the_retraining_flows_on_the_same_rows(champion, trained, scored, tmp_path):

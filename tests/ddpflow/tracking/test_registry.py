@@ -22,11 +22,10 @@ from ddpflow.tracking.runs import (
     check_tracking_reachable,
     end_pipeline_run,
     log_evaluation,
-    resolve_tracking_uri,
     start_pipeline_run,
-    tracking_uri_note,
     use_tracking_uri,
 )
+from ddpflow.tracking.tracking_uri import resolve_tracking_uri, tracking_uri_note
 from devtools.ports import free_port
 from tests.manifest_datasets import train_typed_model
 from training.core.config import PipelineConfig
