@@ -80,7 +80,11 @@ def _check_trainer(config: PipelineConfig) -> None:
 
 
 def check_optimizer(config: PipelineConfig) -> None:
-    """``train.optimizer_kwargs`` that ``train.optimizer`` does not take fail here, not in every rank."""
+    """``train.optimizer_kwargs`` that ``train.optimizer`` does not take fail here, not in every rank. Without
+    keywords no optimizer is built: none can fail (the config bounds ``lr`` and ``weight_decay``), and the first
+    optimizer built in a process imports ``torch._dynamo``, about a second of CPU before the ranks start."""
+    if not config.train.optimizer_kwargs:
+        return
     import torch
 
     from training.loop.optim import build_optimizer

@@ -4,6 +4,9 @@ placement counts, and the selection rules (no ranks: the pieces the Trainer is b
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +15,8 @@ from torch import nn
 from training.core.config import ConfigError, load_config
 from training.loop.optim import build_optimizer, build_schedule, optimizer_states_per_parameter, param_groups
 from training.loop.selection import Selection
+
+REPO = Path(__file__).resolve().parents[3]
 
 
 def train_config(*overrides: str):
@@ -78,6 +83,23 @@ def test_bad_optimizer_keywords_are_named():
 
     with pytest.raises(ConfigError, match=r"train.optimizer_kwargs .*'momentum'"):
         check_machine(load_config(None, ["train.optimizer=adam", "train.optimizer_kwargs={momentum: 0.9}"]), gpus=0)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adam", "sgd"])
+def test_the_preflight_builds_no_optimizer_without_keywords(optimizer):
+    """Without train.optimizer_kwargs no optimizer can fail (the config bounds lr and weight_decay), so the
+    preflight builds none: the first one built in a process imports torch._dynamo, a second of CPU before the ranks
+    start. In a fresh interpreter, as the train task runs it; the ranks build theirs."""
+    program = (
+        "import sys\n"
+        "from training.core.config import load_config\n"
+        "from training.preflight import check_machine\n"
+        f"check_machine(load_config(None, ['train.optimizer={optimizer}']), gpus=0)\n"
+        "print('torch' in sys.modules, 'torch._dynamo' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "False"], done.stdout
 
 
 def lrs(schedule: str, warmup: int, steps: int, lr: float = 0.1) -> list[float]:
