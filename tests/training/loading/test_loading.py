@@ -18,7 +18,7 @@ import torch
 from training.core.config import load_config
 from training.core.manifest import read_manifest
 from training.distributed.context import shard_range
-from training.kinds.normalisation import Normaliser
+from training.kinds.normalisation import Normaliser, scale_columns_
 from training.loading.batches import (
     RankSampler,
     ShardError,
@@ -83,6 +83,26 @@ def test_a_manifest_without_target_statistics_loads_the_raw_target(prepared):
     split = load_split(prepared.dataset_dir, old, "train")
     table = read_train_table(prepared)
     torch.testing.assert_close(split.labels, torch.from_numpy(table[old.label].to_numpy()))
+
+
+@pytest.mark.parametrize("clipped", ["some", "all", "none"])
+def test_the_smooth_clip_gives_the_bits_of_clipping_the_marked_columns_alone(clipped):
+    """``scale_columns_`` computes the clip over whole rows and keeps the marked columns' results: bit for bit what
+    the clip of those columns alone gives (a node cache's values, a served row's, and the numeric embeddings'
+    bin edges must not move), the unmarked columns scaled only, even where they hold inf or NaN."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, 9, generator=generator) * 7
+    x[:5, 4] = torch.tensor([float("inf"), float("-inf"), float("nan"), 1e30, -0.0])
+    center, scale = torch.linspace(-1, 1, 9), torch.linspace(0.5, 2, 9)
+    clip = {"some": torch.arange(9) % 2 == 0, "all": torch.ones(9, dtype=torch.bool),
+            "none": torch.zeros(9, dtype=torch.bool)}[clipped]  # fmt: skip
+    if clipped == "some":
+        x[:5, 1] = x[:5, 4]  # an unclipped column's inf and NaN stay as scaled
+    expected = (x - center) / scale
+    part = expected[:, clip]
+    expected[:, clip] = part / torch.sqrt(1.0 + torch.square(part / 3.0))
+    result = scale_columns_(x.clone(), center, scale, clip)
+    assert torch.equal(result.view(torch.int32), expected.view(torch.int32))  # every bit, -0.0 and NaN included
 
 
 def test_one_normalisation_in_place_or_copied_and_its_inverse(prepared):
