@@ -244,11 +244,13 @@ def test_sigterm_to_the_flow_process_kills_every_process_through_prefects_handle
         assert final.is_crashed(), final
 
 
-def test_a_hanging_tracking_server_never_blocks_the_launcher(tmp_path, caplog):
+def test_a_hanging_tracking_server_never_blocks_the_launcher(tmp_path, caplog, monkeypatch):
     """The follower logs on its own thread: poke() returns at once and close() waits only as long as told."""
     import socket
 
     from ddpflow.tracking.metrics import EpochMetricsFollower
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # once the server is gone, its thread ends at once
 
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text(json.dumps({"epoch": 0, "train_loss": 2.0}) + "\n")
@@ -263,3 +265,7 @@ def test_a_hanging_tracking_server_never_blocks_the_launcher(tmp_path, caplog):
         assert time.monotonic() - started < 10
     assert "not all logged within 2 s" in caplog.text
     assert metrics.read_text().count("train_loss") == 1  # the record is untouched
+    # The server gone, the follower's requests fail (no retries) and its thread ends: none of its log lines
+    # outlives the test and its captured streams.
+    follower.close(timeout_s=60)
+    assert "MLflow logging failed for epoch 0" in caplog.text and "within 60 s" not in caplog.text
