@@ -5,6 +5,7 @@ session's Prefect harness, MLflow on SQLite. The script is the PyTorch DDP tutor
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -176,7 +177,10 @@ def test_a_failing_script_is_one_error_with_its_rank_exit_code_and_traceback(tmp
     done = run_cli(tmp_path, config, prefect_harness)
     assert done.returncode == 2, done.stderr[-4000:]  # the user's own error
     lines = done.stderr.splitlines()
-    assert lines[-1].startswith("error: rank 1 failed with exit code 1: ValueError: bad batch in epoch 1 (its log: ")
+    # Exit code 1, or -6 where torch's teardown of the script's live gloo group aborts the process after its
+    # traceback ("terminate called without an active exception"): the error names the script's exception either way.
+    error = r"error: rank 1 failed with exit code (1|-6): ValueError: bad batch in epoch 1 \(its log: "
+    assert re.match(error, lines[-1]), lines[-1]
     start = max(i for i, line in enumerate(lines) if line == "Traceback (most recent call last):")
     shown = lines[start:-1]  # the script's traceback, printed once just before the error line
     assert 3 <= len(shown) <= 15 and shown[-1] == "ValueError: bad batch in epoch 1", "\n".join(lines[-20:])
