@@ -45,8 +45,6 @@ def scale_columns_(x: torch.Tensor, center: torch.Tensor, scale: torch.Tensor, c
     ``clip`` (bool [F]) is true. The one arithmetic of features (``Normaliser.features_``) and of the numeric
     embeddings' bin edges (training/kinds/tabular.py), so an input equal to an edge lands on it exactly."""
     x.sub_(center).div_(scale)
-    if bool(clip.all()):
-        return x.div_(torch.sqrt(1.0 + torch.square(x / SMOOTH_CLIP)))
     if bool(clip.any()):
         # Every column computed, the clipped ones kept: the same bits as clipping the selected columns alone, and
         # about 4x faster than gathering them and scattering them back (65,536 rows x 36 columns, one thread).
