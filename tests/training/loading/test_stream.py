@@ -8,6 +8,7 @@ string categorical and a row weight, prepared by the real prepare stage into man
 
 from __future__ import annotations
 
+import fcntl
 import json
 import multiprocessing
 import os
@@ -222,7 +223,11 @@ def cached_bytes(directory: Path) -> int:
 
 
 class Poller:
-    """Looks at a directory every millisecond in a thread and keeps the most it ever held."""
+    """Looks at a directory every millisecond in a thread and keeps the most it ever held.
+
+    Each look holds the cache's lock (shared), as every eviction and reservation does (exclusive): a walk of the
+    directory's split folders takes time, and a walk without the lock can list a shard evicted from one folder
+    and the download that took its room in another, the same bytes twice."""
 
     def __init__(self, directory: Path):
         self.directory, self.most, self._stop = directory, 0, threading.Event()
@@ -231,10 +236,18 @@ class Poller:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self.most = max(self.most, cached_bytes(self.directory))
+                self.most = max(self.most, self._look())
             except FileNotFoundError:
-                pass  # a file removed mid-walk
+                pass  # no cache yet, or a download renamed mid-walk
             time.sleep(0.001)
+
+    def _look(self) -> int:
+        with open(self.directory / CACHE_LOCK, "a+b") as lock:
+            fcntl.flock(lock, fcntl.LOCK_SH)
+            try:
+                return cached_bytes(self.directory)
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
 
     def __enter__(self) -> Poller:
         self._thread.start()
