@@ -130,10 +130,11 @@ class ShardCache:
         self._reserve(shard, temp)
         source = join(self.dataset, shard.file)
         try:
-            copied = self._copy(source, temp)
+            copied = self._copy(source, temp, shard.bytes)
             if copied != shard.bytes:
+                holds = f"more than {shard.bytes}" if copied > shard.bytes else str(copied)
                 raise StreamCacheError(
-                    f"{source}: holds {copied} bytes, the manifest says {shard.bytes}: the dataset was altered "
+                    f"{source}: holds {holds} bytes, the manifest says {shard.bytes}: the dataset was altered "
                     "since it was prepared; prepare it again"
                 )
             os.replace(temp, path)
@@ -142,7 +143,9 @@ class ShardCache:
             raise
         self.downloaded += copied
 
-    def _copy(self, source: str, temp: Path) -> int:
+    def _copy(self, source: str, temp: Path, reserved: int) -> int:
+        """Copy ``source`` into ``temp``; the bytes copied. Not one byte past ``reserved``: a source larger than
+        the manifest says stops the copy there (the count then exceeds ``reserved``)."""
         fs, remote = filesystem(source)
         copied = 0
         try:
@@ -151,6 +154,8 @@ class ShardCache:
             raise StreamCacheError(f"{source}: a shard the manifest lists does not exist") from None
         with src, open(temp, "r+b") as dst:
             while block := src.read(COPY_BLOCK):
+                if copied + len(block) > reserved:
+                    return copied + len(block)
                 try:
                     dst.write(block)
                 except OSError as error:

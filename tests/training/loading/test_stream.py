@@ -313,6 +313,9 @@ def test_a_shard_that_differs_from_the_manifest_or_is_missing_is_named(prepared,
     altered = ShardInfo(shard.file, shard.rows, shard.bytes + 1)
     with pytest.raises(StreamCacheError, match=rf"{shard.file}: holds \d+ bytes, the manifest says {altered.bytes}"):
         _read(cache, altered)
+    shrunk = ShardInfo(shard.file, shard.rows, shard.bytes - 1)  # a source larger than its reserved room
+    with pytest.raises(StreamCacheError, match=rf"holds more than {shrunk.bytes} bytes, the manifest says"):
+        _read(cache, shrunk)
     with pytest.raises(StreamCacheError, match="part-99999.parquet: a shard the manifest lists does not exist"):
         _read(cache, ShardInfo("train/part-99999.parquet", 1, 10))
     assert cached_bytes(tmp_path / "c") == 0  # nothing half-written stays
