@@ -28,9 +28,9 @@ from torch import nn
 
 from training.core.manifest import CLASS_TASKS
 from training.inference.model_file import checkpoint_codecs, checkpoint_inputs, load_model_checkpoint
-from training.kinds.inputs import InputInfo, numeric_names
+from training.kinds.inputs import InputInfo
 from training.kinds.normalisation import Normaliser
-from training.kinds.registry import encode_columns
+from training.kinds.registry import NonFiniteInputs, encode_columns
 from training.objectives.base import output_members
 from training.objectives.registry import objective_from_checkpoint
 
@@ -77,17 +77,13 @@ class Predictor:
         if missing:
             raise ValueError(f"input is missing feature columns {missing}; the model needs {self.features}")
         columns = {name: _column(frame, name) for name in self.features}
-        numeric = numeric_names(self.inputs)
         # A null or NaN is imputed (the train median, or mean under scaling: standard; and the missing indicator where
         # the model has one); one the codec cannot impute (missing: error, or a model without imputation) is refused,
-        # and inf always is.
-        bad = [name for name in numeric if not np.isfinite(self._codecs[name].encode(columns[name])).all()]
-        if bad:
-            raise ValueError(
-                f"input columns {bad} hold infinite values, or null/NaN where the model takes none (missing: error)"
-            )
+        # and inf always is: ``NonFiniteInputs`` names the columns.
         try:
             return encode_columns(columns, self.inputs, self._codecs, self._normaliser)
+        except NonFiniteInputs:
+            raise
         except ValueError as error:
             raise ValueError(f"input rows cannot be encoded: {error}") from None
 

@@ -231,12 +231,24 @@ def codecs_for(inputs: dict[str, InputInfo], states: dict[str, Any]) -> dict[str
 # --------------------------------------------------------------------------- raw columns -> the batch dict
 
 
+class NonFiniteInputs(ValueError):
+    """Numeric input columns whose encoded values are not all finite (``columns``): an inf, or a null or NaN where
+    the input takes none (``missing: error``, or a model without imputation)."""
+
+    def __init__(self, columns: list[str]):
+        super().__init__(
+            f"input columns {columns} hold infinite values, or null/NaN where the model takes none (missing: error)"
+        )
+        self.columns = columns
+
+
 def encode_columns(
     columns: dict[str, pa.Array], inputs: dict[str, InputInfo], codecs: dict[str, Codec], normaliser
 ) -> dict[str, Any]:
     """Raw columns (a shard's record batch, a served DataFrame's) -> the model's batch dict of tensors.
 
-    The numeric inputs are encoded into one float32 block, normalised in place (``normaliser``:
+    The numeric inputs are encoded into one float32 block, each column once, checked (``NonFiniteInputs`` names
+    the columns with a value that is not finite), normalised in place (``normaliser``:
     training/kinds/normalisation.py), and handed over as views of its columns, as the loader does."""
     import torch
 
@@ -246,6 +258,9 @@ def encode_columns(
     block = np.empty((rows, len(names)), dtype=np.float32)
     for j, name in enumerate(numeric):
         block[:, j] = codecs[name].encode(columns[name])
+    finite = np.isfinite(block[:, : len(numeric)]).all(axis=0)
+    if not finite.all():
+        raise NonFiniteInputs([name for name, ok in zip(numeric, finite, strict=True) if not ok])
     for k, name in enumerate([name for name in numeric if inputs[name].missing_indicator], len(numeric)):
         block[:, k] = codecs[name].missing(columns[name])
     features = normaliser.features_(torch.from_numpy(block))

@@ -103,3 +103,18 @@ def test_an_arrow_batch_scores_as_its_dataframe_does(model_path):
     np.testing.assert_array_equal(predictor.predict(table), predictor.predict(table.to_pandas()))  # a Table too
     with pytest.raises(ValueError, match=r"missing feature columns \['plan'\]"):
         predictor.scores(batch.drop_columns(["plan"]))
+
+
+def test_each_input_column_is_encoded_once_and_an_infinite_value_is_named(model_path):
+    """The encoding checks the numeric block it builds: no second encoding of a column to look for bad values."""
+    predictor = Predictor.from_checkpoint(model_path)
+    encoded: list[str] = []
+    for name, codec in predictor._codecs.items():
+        codec.encode = (lambda encode, name: lambda column: encoded.append(name) or encode(column))(codec.encode, name)
+    table = user_table(ROWS, seed=5).drop(["label"])
+    predictor.scores(table)
+    assert sorted(encoded) == sorted(predictor.features)  # every input once (the numeric ones were encoded twice)
+    income = table["income"].to_numpy(zero_copy_only=False).copy()
+    income[7] = np.inf
+    with pytest.raises(ValueError, match=r"input columns \['income'\] hold infinite values"):
+        predictor.scores(table.set_column(table.schema.get_field_index("income"), "income", pa.array(income)))
