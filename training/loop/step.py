@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -152,6 +152,9 @@ class TrainStep:
         self._step_loss, self._step_weight, self._step_rows = None, None, 0
         self.objective = settings.loss()
         self.members = output_members(model)  # an ensemble's k: each member trains on its own loss
+        # The parameters whose gradient norm each optimizer step checks, listed once: walking the module tree for
+        # them every step cost more than the norm itself on a small model.
+        self.parameters = list(model.parameters())
 
     def __call__(self, index: int, batch: Batch) -> torch.Tensor:
         """Train micro-batch ``index``; returns its weighted loss sum Σ w_i ℓ_i (float64, detached, on the device)."""
@@ -182,9 +185,9 @@ class TrainStep:
     def _update(self, group: range) -> None:
         """Check, clip, step. Raises ``NonFiniteStep`` (training/loop/nonfinite.py) before a NaN or inf update."""
         if self.settings.grad_clip is not None:
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)
+            norm = torch.nn.utils.clip_grad_norm_(self.parameters, self.settings.grad_clip)
         else:
-            norm = gradient_norm(self.model.parameters())
+            norm = gradient_norm(self.parameters)
         # The step's one device->host copy: its loss sum and the (all-reduced) gradient norm together.
         loss, weight, grad_norm = torch.stack([self._step_loss, self._step_weight, norm.to(torch.float64)]).tolist()
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
@@ -250,12 +253,15 @@ class StopFlags:
         return self.ctx.all_reduce_int_sum([int(self.watch.signum is not None)])[0] > 0
 
 
-def gradient_norm(parameters) -> torch.Tensor:
-    """The global 2-norm of the gradients (what ``clip_grad_norm_`` computes), without clipping."""
+def gradient_norm(parameters: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The global 2-norm of the gradients (what ``clip_grad_norm_`` computes, to the bit), without clipping: each
+    gradient's norm, then the norm of those. On a GPU in one fused call (``get_total_norm``, foreach); on a CPU,
+    where torch has no foreach kernel and takes the same per-gradient path, the norms directly: its grouping of
+    the gradients by device and dtype first cost twice the norms on a CPU step of a small model."""
     grads = [p.grad.detach() for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6: clip_grad_norm_'s own (foreach) computation
+    if grads[0].device.type != "cpu" and hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6
         return torch.nn.utils.get_total_norm(grads)
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, 2.0) for g in grads]), 2.0)
 

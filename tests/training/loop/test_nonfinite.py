@@ -61,7 +61,21 @@ def test_each_optimizer_step_reports_its_loss_rows_norm_and_lr():
 
 
 def test_the_gradient_norm_is_the_one_clipping_computes():
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     model(torch.randn(5, 4)).sum().backward()
     norm = gradient_norm(model.parameters())
     assert torch.equal(norm, torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=float("inf")))
+    assert torch.equal(norm, torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+
+
+def test_the_step_lists_its_parameters_once_not_at_every_update():
+    """Walking the module tree for the parameters at every optimizer step cost more than the norm itself on a
+    small CPU model: the step lists them when it is made (the norm is clipping's: the test above)."""
+    reports: list = []
+    model, batches, step = one_rank_step(torch.randn(14, 5), reports=reports)
+    walks = []
+    listed = model.parameters
+    model.parameters = lambda *args, **kwargs: walks.append(1) or listed(*args, **kwargs)
+    for index, batch in enumerate(batches.epoch(0)):
+        step(index, batch)
+    assert len(reports) == 4 and walks == []
