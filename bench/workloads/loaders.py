@@ -1,6 +1,7 @@
 """The ways of feeding the same training step that the benchmarks compare.
 
 - ``presliced``: the compute limit; batches cut in advance, the loop only indexes a list.
+- ``shuffled_gather``: the least a loader of a shuffled epoch does: a fresh permutation, one gather a batch.
 - ``per_row``: a map-style Dataset returning one row, DataLoader(shuffle=True) collating 512 of them.
 - ``batch_sampler``: the Dataset takes a list of indices (BatchSampler), one gather per batch.
 - ``pandas_rows``: the plain way a user writes it: per-row Dataset over a pandas DataFrame.
@@ -25,6 +26,19 @@ def presliced(x: torch.Tensor, y: torch.Tensor, batch: int, batches: int, seed: 
     xs = [chunk.contiguous() for chunk in x[order].split(batch)]
     ys = [chunk.contiguous() for chunk in y[order].split(batch)]
     return lambda: iter(zip(xs, ys))
+
+
+def shuffled_gather(x: torch.Tensor, y: torch.Tensor, batch: int, seed: int = 0) -> Epoch:
+    """A fresh permutation of the rows each epoch, and one ``index_select`` of a batch's rows from ``x`` and ``y``:
+    what any in-memory loader must do to shuffle every epoch, and nothing else (its floor)."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def epoch() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        order = torch.randperm(len(y), generator=generator)
+        for rows in order[: len(y) // batch * batch].split(batch):
+            yield x.index_select(0, rows), y.index_select(0, rows)
+
+    return epoch
 
 
 class RowDataset(Dataset):
