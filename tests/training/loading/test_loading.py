@@ -105,6 +105,18 @@ def test_the_smooth_clip_gives_the_bits_of_clipping_the_marked_columns_alone(cli
     assert torch.equal(result.view(torch.int32), expected.view(torch.int32))  # every bit, -0.0 and NaN included
 
 
+def test_the_smooth_clip_makes_one_temporary_of_the_blocks_size():
+    """The clip of a served or scored batch allocates one block-sized temporary, not one per arithmetic step: each
+    fresh temporary of megabytes is fresh pages under glibc's default malloc (the pyfunc's), every page a fault."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(4096, 9) * 7
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiled:
+        scale_columns_(x, torch.zeros(9), torch.ones(9), torch.arange(9) % 2 == 0)
+    allocating = [e.name for e in profiled.events() if e.name != "[memory]" and e.cpu_memory_usage >= x.nbytes]
+    assert allocating == ["aten::div"], allocating
+
+
 def test_one_normalisation_in_place_or_copied_and_its_inverse(prepared):
     norm = Normaliser.from_manifest(prepared.manifest)
     x = torch.randn(5, prepared.manifest.n_features) * 10 + 3
