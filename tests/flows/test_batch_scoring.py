@@ -216,6 +216,14 @@ def test_the_manifest_and_every_part_name_the_model_and_the_source(champion, sco
     for part in output.glob("part-*.parquet"):
         metadata = pq.read_schema(part).metadata
         assert metadata[b"ddpflow.model"] == b"scorer" and metadata[b"ddpflow.model_version"] == b"1"
+        # The labels dictionary-encoded, the probabilities (almost all distinct) plain: a dictionary of them is
+        # larger than they are.
+        footer = pq.read_metadata(part)
+        encodings = {
+            footer.schema.column(i).name: footer.row_group(0).column(i).encodings for i in range(footer.num_columns)
+        }
+        assert "RLE_DICTIONARY" in encodings["prediction"], encodings
+        assert all("RLE_DICTIONARY" not in encodings[f"probability_{label}"] for label in (0, 1)), encodings
     assert not list(output.glob(".*.tmp"))
     # The same scoring again: the output is complete, nothing is scored twice or rewritten.
     before = {path: path.stat().st_mtime_ns for path in output.glob("part-*.parquet")}
