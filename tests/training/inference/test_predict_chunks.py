@@ -109,8 +109,16 @@ def test_each_input_column_is_encoded_once_and_an_infinite_value_is_named(model_
     """The encoding checks the numeric block it builds: no second encoding of a column to look for bad values."""
     predictor = Predictor.from_checkpoint(model_path)
     encoded: list[str] = []
+
+    def counted(name: str, encode):
+        def encode_and_count(column):
+            encoded.append(name)
+            return encode(column)
+
+        return encode_and_count
+
     for name, codec in predictor._codecs.items():
-        codec.encode = (lambda encode, name: lambda column: encoded.append(name) or encode(column))(codec.encode, name)
+        codec.encode = counted(name, codec.encode)
     table = user_table(ROWS, seed=5).drop(["label"])
     predictor.scores(table)
     assert sorted(encoded) == sorted(predictor.features)  # every input once (the numeric ones were encoded twice)
