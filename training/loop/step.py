@@ -257,7 +257,7 @@ def gradient_norm(parameters: Iterable[torch.Tensor]) -> torch.Tensor:
     """The global 2-norm of the gradients (what ``clip_grad_norm_`` computes, to the bit), without clipping: each
     gradient's norm, then the norm of those. On a GPU in one fused call (``get_total_norm``, foreach); on a CPU,
     where torch has no foreach kernel and takes the same per-gradient path, the norms directly: its grouping of
-    the gradients by device and dtype first cost twice the norms on a CPU step of a small model."""
+    the gradients by device and dtype first doubled the cost on a CPU step of a small model (117 µs against 57)."""
     grads = [p.grad.detach() for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros(())
