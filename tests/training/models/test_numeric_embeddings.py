@@ -35,6 +35,32 @@ def test_piecewise_linear_encoding_by_hand():
         PiecewiseLinearEncoding([(0.0, 0.0, 1.0)])
 
 
+def test_the_encoding_makes_one_tensor_of_its_size_and_the_gradients_of_the_clamp():
+    """The encoding ``[F, B, T]`` is one tensor, each step in place on it (a second one for the clamp cost the
+    model's forward 8% on a CPU), with the gradients of the out-of-place clamp, to the bit."""
+    from torch.profiler import ProfilerActivity, profile
+
+    encoding = PiecewiseLinearEncoding(BINS)
+    x = torch.randn(4096, 3) * 3
+    size = 3 * 4096 * 3 * 4  # F x B x T float32
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiled:
+        encoding.by_feature(x)
+    allocating = [e.name for e in profiled.events() if e.name != "[memory]" and e.cpu_memory_usage >= size]
+    assert allocating == ["aten::sub"], allocating
+    steps = torch.randn(3, 3, 5)
+    grads = []
+    for clamp in ("in place", "a copy"):
+        leaf = x.clone().requires_grad_(True)
+        if clamp == "in place":
+            share = encoding.by_feature(leaf)
+        else:
+            share = (leaf.t().unsqueeze(-1) - encoding.left.unsqueeze(1)).div(encoding.size.unsqueeze(1))
+            share = torch.clamp(share, encoding.lower.unsqueeze(1), encoding.upper.unsqueeze(1))
+        torch.bmm(share, steps).square().sum().backward()
+        grads.append(leaf.grad)
+    assert torch.equal(grads[0], grads[1]) and grads[0].abs().sum() > 0
+
+
 def test_numeric_embeddings_start_linear_and_learn_steps():
     """Each feature's embedding is dim numbers: x * w + c at the start (the step weights are zero), and the
     steps get gradients, so training can learn a threshold."""
