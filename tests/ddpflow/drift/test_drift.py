@@ -110,6 +110,19 @@ def test_a_scorings_categorical_parts_merged_count_as_prepare_does():
     assert reported["other"] > 0
 
 
+def test_the_most_frequent_values_come_first_and_ties_by_value():
+    """``top_counts``: the ``keep`` largest counts, most frequent first and equal counts in the values' order (the
+    order of the key (-count, value)), and the sum of the rest; counts as they are when they fit."""
+    from training.kinds.stats import top_counts
+
+    rng = np.random.default_rng(7)
+    counts = {f"m{i}": int(n) for i, n in enumerate(rng.integers(1, 6, size=500))}  # many equal counts
+    kept, rest = top_counts(counts, 300)
+    expected = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+    assert list(kept.items()) == expected[:300] and rest == sum(n for _, n in expected[300:])
+    assert top_counts(counts, 500) == (counts, 0)
+
+
 def test_a_constant_column_keeps_its_value_in_one_bin():
     entry = streamed(np.full(3000, -2.25, dtype=np.float32))
     assert sum(1 for count in entry["counts"] if count) == 1
