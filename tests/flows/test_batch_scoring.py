@@ -650,9 +650,9 @@ def test_a_table_four_times_what_a_rank_may_hold_scores_every_row_once_with_the_
     batch's scores to its part file, so a rank's heap does not grow with the table. Each rank logs its anonymous
     resident memory (RssAnon: heap, Arrow's pool, tensors; not its libraries' pages) after every batch
     (``DDPFLOW_SCORE_MEMORY_LOG``), from the moment its model is loaded, before any row is read. The columns a
-    rank reads are 4 x HEAP_BOUND; the rank stays under HEAP_BOUND above its loaded model, and adds nothing from
-    the first half of its rows to the second. A rank that read the table, its share or a whole row group at once,
-    or kept the scores it wrote, breaks one or both."""
+    rank reads are 4 x HEAP_BOUND; the rank stays under HEAP_BOUND above its loaded model, and adds less than 4
+    batches of raw bytes from the first half of its rows to the second. A rank that read the table, its share or a
+    whole row group at once, or kept the rows it wrote (scores and kept columns), breaks one or both."""
     from ddpflow.launch.scoring import ScoreRequest, run_scoring
 
     rows_per_file = 40_000
@@ -685,4 +685,8 @@ def test_a_table_four_times_what_a_rank_may_hold_scores_every_row_once_with_the_
         print(figures)
         assert last["rows"] == rows / 2, figures  # both ranks scored their share
         assert end - base["anon"] < HEAP_BOUND, figures  # a quarter of the table
-        assert end - half < 8 * 2**20, figures  # flat: the second half of its rows adds nothing
+        # Flat: the second half of its rows adds less than 4 batches of raw bytes. Within that, the peak moves with
+        # when Arrow's pool and malloc hand back a batch's buffers (the first half's peak was 65-71.5 MB, the end's
+        # 69-73); a rank that kept what it read would add the second half's 39 batches.
+        batch = raw / rows * settings["batch_size"]
+        assert end - half < 4 * batch, figures
