@@ -11,7 +11,9 @@ weights: they do not change the speed). Three figures per repeat:
 - steady: the ranks' rows/s (the manifest's ``seconds``: from the plan to the coverage check) against twice the
   model's own forward rate, in the same repeat, on a pre-encoded 65,536-row batch with one torch thread (what each
   rank has): the faster of one call on the whole batch and calls of ``CPU_FORWARD_ROWS`` rows (what ``Predictor``
-  makes on a CPU; about 3x faster here, so the reference is the harder one);
+  makes on a CPU; about 3x faster here, so the reference is the harder one); beside it, the forward timed in 2
+  processes at once against one alone (each in its own process, as a rank is): what the machine gives two ranks'
+  forwards;
 - scaling: the 2 ranks' steady rows/s against one rank's, ``ddpflow score`` with ``score.nproc_per_node=1`` on the
   same rows in the same repeat.
 
@@ -59,6 +61,7 @@ def run(ctx: Context) -> list[Result]:
     busy, one_busy, bound = [], [], []  # cores the ranks kept busy (2 ranks, 1 rank); C x rows / cpu_seconds
     ranks_ready, torch_import = [], []  # a bare torchrun's no-op ranks ready; one `import torch`
     whole, chunked, forward = [], [], []  # the model's forward rates (one call, CPU_FORWARD_ROWS calls; the faster)
+    alone, together = [], []  # the forward in one process alone; in RANKS processes at once (their summed rows/s)
     noop = ctx.workdir / "noop_rank.py"
     noop.write_text(NOOP_RANK)
     for repeat in range(ctx.sizes.repeats):
@@ -79,6 +82,8 @@ def run(ctx: Context) -> list[Result]:
         whole.append(rates[0])
         chunked.append(rates[1])
         forward.append(max(rates))
+        alone.append(forwards_at_once(model, source, 1))
+        together.append(forwards_at_once(model, source, RANKS))
         log(f"scoring repeat {repeat + 1}: ddpflow score {ours[-1]:,.0f} rows/s end to end ({steady[-1]:,.0f} "
             f"steady; one rank {one_rank[-1]:,.0f} steady), pyfunc {every_core[-1]:,.0f} rows/s on every core, "
             f"{one_thread[-1]:,.0f} on one thread, the forward {forward[-1]:,.0f}")  # fmt: skip
@@ -87,6 +92,7 @@ def run(ctx: Context) -> list[Result]:
     steady_ratio = Stats.of(rate / (RANKS * best) for rate, best in zip(steady, forward, strict=True))
     scaling = Stats.of(a / b for a, b in zip(steady, one_rank, strict=True))
     steady_ceiling = Stats.of(rate / (RANKS * best) for rate, best in zip(bound, forward, strict=True))
+    shared = Stats.of(two / (RANKS * one) for two, one in zip(together, alone, strict=True))
     # End to end at best: the command's torch import, a bare torchrun's ranks ready, then every row at the ceiling.
     best_s = [a + b + rows / c for a, b, c in zip(torch_import, ranks_ready, bound, strict=True)]
     end_to_end_ceiling = Stats.of(rows / s / ref for s, ref in zip(best_s, pyfunc, strict=True))
@@ -155,11 +161,21 @@ def run(ctx: Context) -> list[Result]:
                     "",
                     steady_ceiling,
                 ),
+                Row("the forward in one process alone (the faster way), 1 thread", Stats.of(alone), "rows/s"),
+                Row(
+                    f"{RANKS} such processes at once: their summed rows/s, ÷ {RANKS} x one alone",
+                    Stats.of(together),
+                    "rows/s",
+                    shared,
+                ),
             ],
             notes=[
                 "the reference is the faster of the two forward rates, measured in each repeat after its scorings",
-                "the last row bounds the ratio by the ranks' own CPU per row (what they do beyond the forward), not by "
-                "the machine: the target stands",
+                "the ratio with every core on the ranks' work bounds it by the ranks' own CPU per row (what they do "
+                "beyond the forward), not by the machine: the target stands",
+                f"the last row is what the machine gives {RANKS} forwards at once (shared caches and memory "
+                "bandwidth), each in its own process as a rank is: a ceiling for any 2 processes' work, above the "
+                "target, which stands",
             ],
         ),
         Result(
@@ -222,8 +238,14 @@ def pyfunc_rate(model_path, source, threads: int) -> float:
 def forward_rate(model_path, source, repeats: int = 5) -> tuple[float, float]:
     """(rows/s of one forward call on a pre-encoded FORWARD_BATCH-row batch, rows/s of the same batch in
     CPU_FORWARD_ROWS-row calls), one torch thread, no encoding."""
+    model, calls = forward_calls(model_path, source)
+    return timed_forward(model, calls, repeats)
+
+
+def forward_calls(model_path, source) -> tuple[object, list[list[dict]]]:
+    """(the model, [the batch in one call, the batch in CPU_FORWARD_ROWS-row calls]), one torch thread: a
+    pre-encoded FORWARD_BATCH-row batch of the source's first rows."""
     import pyarrow.parquet as pq
-    import torch
 
     set_threads(1)
     frame = next(pq.ParquetFile(source).iter_batches(batch_size=FORWARD_BATCH)).to_pandas()
@@ -231,14 +253,57 @@ def forward_rate(model_path, source, repeats: int = 5) -> tuple[float, float]:
     step = ddpflow_api.cpu_forward_rows()
     starts = range(0, len(frame), step)
     chunks = [{name: tensor[start : start + step] for name, tensor in batch.items()} for start in starts]
-    rates = []  # the chunks are views of the batch: the same rows, the same memory, only the calls differ
+    return model, [[batch], chunks]  # the chunks are views of the batch: the same rows, only the calls differ
+
+
+def timed_forward(model, calls: list[list[dict]], repeats: int = 5) -> tuple[float, float]:
+    """The rows/s of each way of calling (``forward_calls``), after one warm-up pass of it."""
+    import torch
+
+    rates = []
     with torch.inference_mode():
-        for calls in ([batch], chunks):
-            for rows in calls:  # warm-up
-                model(rows)
+        for way in calls:
+            rows = sum(len(next(iter(call.values()))) for call in way)
+            for call in way:  # warm-up
+                model(call)
             with Timer() as timed:
                 for _ in range(repeats):
-                    for rows in calls:
-                        model(rows)
-            rates.append(repeats * len(frame) / timed.seconds)
+                    for call in way:
+                        model(call)
+            rates.append(repeats * rows / timed.seconds)
     return rates[0], rates[1]
+
+
+def forward_child(model_path: str, source: str) -> None:
+    """A process of ``forwards_at_once``: the model and batch loaded, "ready", then on a line from stdin the
+    forward timed; its faster rate printed as the last line."""
+    model, calls = forward_calls(model_path, source)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    print(max(timed_forward(model, calls)), flush=True)
+
+
+def forwards_at_once(model_path, source, count: int) -> float:
+    """The summed rows/s of ``count`` processes timing the model's forward (``forward_rate``, the faster way) at
+    the same moment, each with one torch thread: started, loaded, then released together."""
+    script = f"from bench.families.scoring import forward_child; forward_child({str(model_path)!r}, {str(source)!r})"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        )  # fmt: skip
+        for _ in range(count)
+    ]
+    try:
+        for child in children:
+            if child.stdout.readline().strip() != "ready":
+                raise RuntimeError("a forward process ended before it was ready")
+        for child in children:
+            child.stdin.write("go\n")
+            child.stdin.flush()
+        return sum(float(child.communicate(timeout=300)[0].split()[-1]) for child in children)
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
