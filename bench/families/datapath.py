@@ -228,7 +228,7 @@ def run(ctx: Context) -> list[Result]:
             rates,
             {name: ratio_to_compute(name, "mixed_compute") for name in MIXED_SIDES},
             mixed.batches,
-        ),  # fmt: skip
+        ),
     ]
 
 

@@ -174,8 +174,8 @@ def run(ctx: Context) -> list[Result]:
                 "the ratio with every core on the ranks' work bounds it by the ranks' own CPU per row (what they do "
                 "beyond the forward), not by the machine: the target stands",
                 f"the last row is what the machine gives {RANKS} forwards at once (shared caches and memory "
-                "bandwidth), each in its own process as a rank is: a ceiling for any 2 processes' work, above the "
-                "target, which stands",
+                f"bandwidth), each in its own process as a rank is: a ceiling for any {RANKS} processes' work; the "
+                "target stands while it reads above 0.8",
             ],
         ),
         Result(
