@@ -59,10 +59,7 @@ def run(ctx: Context) -> list[Result]:
     compute = loaders.presliced(x, y, BATCH, epoch_steps + sizes.warmup)
     gather = loaders.shuffled_gather(x, y, BATCH)
     references = {"per_row": loaders.per_row(x, y, BATCH), "batch_sampler": loaders.batch_sampler(x, y, BATCH)}
-    epochs = itertools.count(1000)
-
-    def ddpflow_batches():
-        return ((batch.features, batch.labels) for batch in batches.epoch(next(epochs)))
+    ddpflow_batches = epochs_of(batches, first=1000)
 
     mixed_dataset = mixed_prepared_dir(ctx, sizes.rows)
     mixed_split = ddpflow_api.node_splits(mixed_dataset, ["train"])["train"].tensors
@@ -96,7 +93,7 @@ def run(ctx: Context) -> list[Result]:
     def mapped_vs_private() -> Stats:
         """The node cache's effect alone: the loader with the bare step on the mapped split ÷ on a private
         copy, in short slices that take turns, so that load on the machine hits both sides alike."""
-        feeds = {name: cycle(as_xy(feed)) for name, feed in (("mapped", batches), ("private", private_batches))}
+        feeds = {name: cycle(epochs_of(feed)) for name, feed in (("mapped", batches), ("private", private_batches))}
         model, optimizer = build_model_and_optimizer()
         ratios = []
         for pair in range(AB_PAIRS):
@@ -132,7 +129,7 @@ def run(ctx: Context) -> list[Result]:
         "mixed_ddpflow": measure_ddpflow_on(mixed),
         "ddpflow_loader": measure_bare_step_on(numeric, ddpflow_batches),
         "gather_floor": measure_bare_step_on(numeric, numeric.shuffled),
-        "mixed_loader": measure_bare_step_on(mixed, as_inputs(mixed_batches)),
+        "mixed_loader": measure_bare_step_on(mixed, epochs_of(mixed_batches, "inputs", first=3000)),
         "mixed_floor": measure_bare_step_on(mixed, mixed.shuffled),
         **{name: measure_reference(epoch) for name, epoch in references.items()},
     }
@@ -333,16 +330,11 @@ def mixed_result(ctx: Context, split, rates: dict[str, list[float]], ratios: dic
     ).bounded_by(floor, share=0.95)
 
 
-def as_xy(batches):
-    """An epoch factory of (features, labels) from ddpflow's batches, each call a new epoch."""
-    epochs = itertools.count(2000)
-    return lambda: ((batch.features, batch.labels) for batch in batches.epoch(next(epochs)))
-
-
-def as_inputs(batches):
-    """An epoch factory of (the model's batch dict, labels) from ddpflow's batches, each call a new epoch."""
-    epochs = itertools.count(3000)
-    return lambda: ((batch.inputs, batch.labels) for batch in batches.epoch(next(epochs)))
+def epochs_of(batches, model_input: str = "features", first: int = 2000):
+    """An epoch factory of (the batch's ``model_input``: ``features``, the numeric block, or ``inputs``, the
+    model's batch dict; labels) from ddpflow's batches, each call the next epoch from ``first`` on."""
+    epochs = itertools.count(first)
+    return lambda: ((getattr(batch, model_input), batch.labels) for batch in batches.epoch(next(epochs)))
 
 
 def loader_alone(batches) -> float:

@@ -287,11 +287,14 @@ def forwards_at_once(model_path, source, count: int) -> float:
     """The summed rows/s of ``count`` processes timing the model's forward (``forward_rate``, the faster way) at
     the same moment, each with one torch thread: started, loaded, then released together."""
     script = f"from bench.families.scoring import forward_child; forward_child({str(model_path)!r}, {str(source)!r})"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     children = [
         subprocess.Popen(
-            [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
-        )  # fmt: skip
+            [sys.executable, "-c", script],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=processes.child_env(threads=1),
+        )
         for _ in range(count)
     ]
     try:
