@@ -15,6 +15,7 @@ from typing import Any
 
 from ddpflow.launch.scoring import ScoreRequest, run_scoring
 from ddpflow.launch.supervisor import OutputLine
+from ddpflow.tracking.scoring import ScoringRun, is_model_file, scoring_model
 from training.core.config import PipelineConfig
 
 
@@ -39,19 +40,17 @@ def score_table(
     """Score ``config.score.source`` into ``config.score.output``; returns the manifest plus ``elapsed_s`` and
     ``rows_per_s`` (the whole command, start-up included).
 
-    Before the ranks start: the model, read once (a registered version through MLflow; a model.pt without
-    importing MLflow). The MLflow run is created on a thread as the ranks start (``ScoringRun``), and completed
-    once they end."""
-    from ddpflow.tracking.scoring import ScoringRun, is_model_file, scoring_model
+    The model is read once (a registered version through MLflow; a model.pt without importing MLflow), while
+    torchrun starts where it can (``ddpflow/launch/scoring.py``). The MLflow run is created on a thread as the
+    ranks start (``ScoringRun``), and completed once they end."""
 
     started = time.monotonic()
     spec = model_spec(config)
     tracking_uri = None if is_model_file(spec) else _tracking_uri(config)
     with tempfile.TemporaryDirectory(prefix="ddpflow-score-") as scratch:
-        model = scoring_model(spec, tracking_uri, scratch)
-        run = ScoringRun(config, model, tracking_uri)
-        request = ScoreRequest(config, str(model.path), model.identity(), on_line=on_line,
-                               should_cancel=should_cancel, loaded=model.file, on_ranks_start=run.start)  # fmt: skip
+        run = ScoringRun(config, tracking_uri)
+        request = ScoreRequest(config, lambda: scoring_model(spec, tracking_uri, scratch), on_line=on_line,
+                               should_cancel=should_cancel, on_ranks_start=run.start)  # fmt: skip
         try:
             manifest = run_scoring(request)
         except BaseException:
@@ -62,6 +61,7 @@ def score_table(
                    "rows_per_s": round(manifest["rows"] / seconds, 1) if seconds > 0 else None}  # fmt: skip
         if manifest.get("already_complete"):
             return summary  # recorded when it was scored
+        model = run.model
         distribution, profile = table_statistics(config, model.file.meta, manifest, model.registered)
     run_id, drift = run.finish(summary, distribution, profile)
     return {**summary, "mlflow_run_id": run_id, "score_distribution": distribution, "data_drift": drift.summary()}

@@ -1,16 +1,17 @@
 """The scoring stage's launch: a model.pt scores ``score.source`` into ``score.output`` on torchrun ranks (plain
 Python, no Prefect, no MLflow: the model is already a local file).
 
-    manifest = run_scoring(ScoreRequest(config, model_path, {"name": ..., "version": ..., "uri": ...}, on_line=print))
+    manifest = run_scoring(ScoreRequest(config, read_model=lambda: model))   # model: path, identity(), file
 
-Before any rank starts: the model's task picks ``score.output_kind`` (auto: probabilities for a classifier, value
-for a regression), the plan is made (the source's files cut into row ranges; a missing or mistyped input column is a
-``DataError`` naming the file and column), and the output directory is checked: one that holds another model's or
-another source's scores (or anything that is not a ddpflow scoring output) is refused; one of the same model and
-source is continued, from its part files (``training/inference/batch_scoring.py``), and one already complete
-(its manifest written) is returned as it is. Then OUTPUT/.score gets what the ranks read (the plan, the model
-copied to OUTPUT/.score/model.pt, the job with the ranges still to score), and the ranks run where
-``score.launcher`` says (default: ``train.launcher``'s value, where training runs):
+Before any row is scored: the model is read (``ScoreRequest.read_model``, once), its task picks
+``score.output_kind`` (auto: probabilities for a classifier, value for a regression), the plan is made (the source's
+files cut into row ranges; a missing or mistyped input column is a ``DataError`` naming the file and column), and
+the output directory is checked: one that holds anything but a ddpflow scoring output is refused at once; one that
+holds another model's or another source's scores is refused; one of the same model and source is continued, from
+its part files (``training/inference/batch_scoring.py``), and one already complete (its manifest written) is
+returned as it is. Then OUTPUT/.score gets what the ranks read (the plan, the model copied to
+OUTPUT/.score/model.pt, and last the job with the ranges still to score, which each rank waits for), and the ranks
+run where ``score.launcher`` says (default: ``train.launcher``'s value, where training runs):
 
   * local: ``supervisor.launch`` runs torchrun here, owning its tree (timeouts, signals, cancellation, the
     OUTPUT/.score lock: two scorings never share an output);
@@ -18,38 +19,37 @@ copied to OUTPUT/.score/model.pt, the job with the ranges still to score), and t
     (``run_slurm_job``, ddpflow/launch/slurm/launcher.py): preflight naming score.*, the job followed to its end,
     scancel on cancellation, signals and ``score.timeout_s``; its files in OUTPUT/.score/slurm/. A launch that
     finds its output's job still running follows it instead of submitting a second one.
+
+A new output (none yet, empty, or a launch stopped before its plan) is scored locally with torchrun started first:
+its agent and ranks import torch while this process reads the model and makes the plan, instead of after (on 2
+cores, about 2 s of a scoring's start; docs/benchmarks.md). So this module imports torch only once torchrun runs:
+what the ranks and the plan need is imported where it is used. A failure before the job is written (the model, the
+plan, score.output_kind) stops the waiting ranks and removes what the launch created: nothing is left of it. An
+output that holds a plan (resumed, complete, or another scoring's) is checked before anything runs or is written.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ddpflow.launch.command import launch_env, rank_program, torchrun_command
 from ddpflow.launch.failure import RankFailed
-from ddpflow.launch.slurm.commands import check_cluster
-from ddpflow.launch.slurm.launcher import SlurmStage, run_slurm_job
-from ddpflow.launch.slurm.script import JobPaths, RankJob
 from ddpflow.launch.supervisor import DEFAULT_GRACE_S, OutputLine, launch
 from training.core.config import ConfigError, PipelineConfig
 from training.core.errors import DataError
 from training.core.fileio import atomic_write, atomic_write_json
+from training.core.layout import MANIFEST, SCORE_DIR, SCORE_JOB, SCORE_PLAN
 from training.core.topology import RankLayout, resolve_ranks, visible_gpus
-from training.inference.batch_scoring import (
-    JOB_FILE,
-    MANIFEST,
-    PLAN_FILE,
-    SCORE_DIR,
-    Plan,
-    ScoreJob,
-    make_plan,
-)
-from training.inference.model_file import ModelFile, checkpoint_inputs
+
+if TYPE_CHECKING:
+    from training.inference.batch_scoring import Plan, ScoreJob
+    from training.inference.model_file import ModelFile
 
 SCORING_ENTRYPOINT = "training.inference.batch_scoring"
 MODEL_FILE = "model.pt"  # OUTPUT/.score/model.pt: the model every rank (on every node) loads
@@ -60,45 +60,77 @@ KINDS = {
 }
 
 
+class ScoringModel(Protocol):
+    """A model to score with, read once: a local model.pt (``ddpflow/tracking/scoring.py: ScoringModel``)."""
+
+    path: Path | str
+    file: ModelFile  # its bytes and entries
+
+    def identity(self) -> dict[str, str]: ...  # {"name", "version", "uri"}: in the manifest and the part files
+
+
 @dataclass(frozen=True)
 class ScoreRequest:
     config: PipelineConfig  # its score section (source and output resolved), train.backend / timeouts, slurm
-    model_path: str  # a local model.pt
-    model: dict[str, str]  # {"name", "version", "uri"}: recorded in the manifest and the part files
+    read_model: Callable[[], ScoringModel]  # called once, when the model is needed (after torchrun starts, if it can)
     on_line: Callable[[OutputLine], None] = print
     should_cancel: Callable[[], str | None] | None = None  # a non-empty reason stops the ranks (scancels the job)
     cancel_check_s: float = 2.0  # how often should_cancel is asked
     grace_s: float = DEFAULT_GRACE_S
-    loaded: ModelFile | None = None  # model_path already read (None: read here, once)
-    # Called once the output is known to need scoring, just before the ranks start (never for an output already
-    # complete, nor for a refused one): what the caller does while they score (ddpflow/scoring.py: the MLflow run).
-    on_ranks_start: Callable[[ScoreJob, Plan], None] | None = None
+    # Called once the output is known to need scoring, just before the job is written (never for an output already
+    # complete, nor for a refused one): what the caller does while the ranks score (ddpflow/scoring.py: MLflow).
+    on_ranks_start: Callable[[ScoringModel, ScoreJob, Plan], None] | None = None
 
-    @cached_property
-    def model_file(self) -> ModelFile:
-        return self.loaded or ModelFile.read(self.model_path)
+
+@dataclass(frozen=True)
+class Scoring:
+    """What one scoring's ranks read: the model, the job (its settings resolved for this model) and the plan."""
+
+    model: ScoringModel
+    job: ScoreJob
+    plan: Plan
+
+    @classmethod
+    def make(cls, request: ScoreRequest, layout: RankLayout) -> Scoring:
+        """The model read, the job resolved for it, the plan made: a DataError naming the file and column of a
+        missing or mistyped input, a ConfigError for score.output_kind. Large row groups are cut one piece per rank."""
+        from training.inference.batch_scoring import make_plan
+        from training.inference.model_file import checkpoint_inputs
+
+        model = request.read_model()
+        job = scoring_job(request.config, model, layout)
+        return cls(model, job, make_plan(job, checkpoint_inputs(model.file.meta), layout.world_size))
+
+    def begin(self, request: ScoreRequest) -> Path:
+        """The output's OUTPUT/.score written for the ranks (``prepare_output``), after ``on_ranks_start``."""
+        (Path(self.job.output) / SCORE_DIR).mkdir(parents=True, exist_ok=True)
+        if request.on_ranks_start is not None:
+            request.on_ranks_start(self.model, self.job, self.plan)
+        return prepare_output(self.job, self.plan, self.model.file)
 
 
 def run_scoring(request: ScoreRequest) -> dict[str, Any]:
-    """Score as ``request`` says; returns the output's manifest (``resumed``: part files an earlier run left)."""
-    layout = scoring_layout(request.config)
-    on_slurm = request.config.score_launcher == "slurm"
+    """Score as ``request`` says; returns the output's manifest (``resumed_parts``: part files an earlier run left;
+    ``already_complete``: the same scoring was complete)."""
+    config = request.config
+    layout = scoring_layout(config)
+    on_slurm = config.score_launcher == "slurm"
     if on_slurm:
-        check_cluster(request.config, "score")  # SlurmSetupError naming score.nnodes or slurm.*; nothing written
-    job = scoring_job(request, layout)
-    output = Path(job.output)
-    # DataError naming file and column; nothing written. Large row groups are cut into one piece per rank.
-    plan = make_plan(job, checkpoint_inputs(request.model_file.meta), layout.world_size)
-    done = check_output(output, plan, job)
-    if done is not None:
-        return {**done, "already_complete": True}
-    (output / SCORE_DIR).mkdir(parents=True, exist_ok=True)
+        from ddpflow.launch.slurm.commands import check_cluster
+
+        check_cluster(config, "score")  # SlurmSetupError naming score.nnodes or slurm.*; nothing written
+    output = scoring_output(config)
     resumed = sorted(path.name for path in output.glob("part-*.parquet"))
-    run_ranks = _on_slurm if on_slurm else _on_this_machine
-    if request.on_ranks_start is not None:
-        request.on_ranks_start(job, plan)
     try:
-        run_ranks(request, layout, lambda: prepare_output(job, plan, request.model_file))
+        if on_slurm or (output / SCORE_DIR / SCORE_PLAN).is_file():  # checked before anything runs or is written
+            scoring = Scoring.make(request, layout)
+            done = check_output(output, scoring.plan, scoring.job)
+            if done is not None:
+                return {**done, "already_complete": True}
+            run_ranks = _on_slurm if on_slurm else _on_this_machine
+            run_ranks(request, layout, lambda: scoring.begin(request))
+        else:
+            _while_torchrun_starts(request, layout, output)
     except RankFailed as failure:
         cause = failure.root_cause or ""
         if cause.startswith("DataError: "):  # the user's data, named by the rank: said once, no traceback
@@ -108,30 +140,59 @@ def run_scoring(request: ScoreRequest) -> dict[str, Any]:
     return {**manifest, "resumed_parts": len(resumed)}
 
 
+def _while_torchrun_starts(request: ScoreRequest, layout: RankLayout, output: Path) -> None:
+    """A new output, scored here with torchrun started first: its ranks import while this process reads the model
+    and makes the plan, then wait for the job. A failure before the job is written stops them and removes what the
+    launch created (the output, or its OUTPUT/.score)."""
+    created = output if not output.exists() else output / SCORE_DIR if not (output / SCORE_DIR).exists() else None
+    (output / SCORE_DIR / SCORE_JOB).unlink(missing_ok=True)  # a stopped launch's: the ranks must wait for this one's
+    written = False
+
+    def get_ready() -> Path:
+        nonlocal written
+        job = Scoring.make(request, layout).begin(request)
+        written = True
+        return job
+
+    try:
+        _on_this_machine(request, layout, get_ready, ranks_first=True)
+    except BaseException:
+        if not written and created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+
+
 def prepare_output(job: ScoreJob, plan: Plan, model: ModelFile) -> Path:
     """What the ranks read, in OUTPUT/.score: the plan (a resumed scoring keeps its own), the model (a copy: a node
-    may not see the launching machine's temporary files), the job with the ranges still to score; a stopped rank's
-    unfinished part is removed (its range is scored again). Returns the job's path."""
+    may not see the launching machine's temporary files), then the job with the ranges still to score (what each
+    rank waits for); a stopped rank's unfinished part is removed (its range is scored again). Returns the job's
+    path."""
+    from training.inference.batch_scoring import Plan
+
     output = Path(job.output)
     state = output / SCORE_DIR
-    if not any(output.glob("part-*.parquet")) or not (state / PLAN_FILE).is_file():  # a new scoring: this plan
-        atomic_write_json(state / PLAN_FILE, plan.to_dict())
+    if not any(output.glob("part-*.parquet")) or not (state / SCORE_PLAN).is_file():  # a new scoring: this plan
+        atomic_write_json(state / SCORE_PLAN, plan.to_dict())
     copied = state / MODEL_FILE
     if Path(model.path).resolve() != copied.resolve():
         # The bytes the command read (the file is read once); a copy for this scoring's ranks: not fsynced.
         atomic_write(copied, lambda handle: handle.write(model.data), durable=False)
-    job = replace(job, model_path=str(copied), pending=Plan.read(state / PLAN_FILE).pending(output))
+    job = replace(job, model_path=str(copied), pending=Plan.read(state / SCORE_PLAN).pending(output))
     for stale in output.glob(".part-*.tmp"):
         stale.unlink()
-    return job.write(state / JOB_FILE)
+    return job.write(state / SCORE_JOB)
 
 
-def _on_this_machine(request: ScoreRequest, layout: RankLayout, prepare: Callable[[], Path]) -> None:
-    """The ranks as torchrun here, its tree owned by supervisor.launch."""
+def _on_this_machine(
+    request: ScoreRequest, layout: RankLayout, prepare: Callable[[], Path], ranks_first: bool = False
+) -> None:
+    """The ranks as torchrun here, its tree owned by supervisor.launch. ``ranks_first``: ``prepare`` (which writes
+    the job the ranks wait for) runs once torchrun has started; otherwise before."""
     state = Path(request.config.score.output).resolve() / SCORE_DIR
-    job_file = prepare()
+    if not ranks_first:
+        prepare()
     rank_config = _rank_config(request.config)
-    argv = torchrun_command(rank_config, job_file, gpus=layout.gpus, entrypoint=SCORING_ENTRYPOINT)
+    argv = torchrun_command(rank_config, state / SCORE_JOB, gpus=layout.gpus, entrypoint=SCORING_ENTRYPOINT)
     env = launch_env(rank_config, state, gpus=layout.gpus, grace_s=request.grace_s)
     launch(
         argv,
@@ -142,11 +203,15 @@ def _on_this_machine(request: ScoreRequest, layout: RankLayout, prepare: Callabl
         grace_s=request.grace_s,
         should_cancel=request.should_cancel,
         cancel_check_s=request.cancel_check_s,
+        meanwhile=prepare if ranks_first else None,
     )
 
 
 def _on_slurm(request: ScoreRequest, layout: RankLayout, prepare: Callable[[], Path]) -> None:
     """The ranks as one Slurm job of score.nnodes nodes (ddpflow/launch/slurm/launcher.py: ``run_slurm_job``)."""
+    from ddpflow.launch.slurm.launcher import SlurmStage, run_slurm_job
+    from ddpflow.launch.slurm.script import JobPaths, RankJob
+
     config = request.config
     output = Path(config.score.output).resolve()
     state = output / SCORE_DIR
@@ -154,11 +219,11 @@ def _on_slurm(request: ScoreRequest, layout: RankLayout, prepare: Callable[[], P
     job = RankJob(
         rank_config,
         JobPaths(state),
-        job_file=state / JOB_FILE,
-        program=tuple(rank_program(rank_config, state / JOB_FILE, SCORING_ENTRYPOINT)),
+        job_file=state / SCORE_JOB,
+        program=tuple(rank_program(rank_config, state / SCORE_JOB, SCORING_ENTRYPOINT)),
         nnodes=config.score.nnodes,
         layout=layout,
-        visible=(state / MODEL_FILE, state / PLAN_FILE),
+        visible=(state / MODEL_FILE, state / SCORE_PLAN),
         name=f"score-{output.name}",
         stage="scoring",
         section="score",
@@ -194,15 +259,29 @@ def scoring_layout(config: PipelineConfig) -> RankLayout:
     return layout
 
 
-def scoring_job(request: ScoreRequest, layout: RankLayout) -> ScoreJob:
+def scoring_output(config: PipelineConfig) -> Path:
+    """score.output, absolute: a ConfigError without score.source or score.output, a DataError for a directory
+    that holds anything but a ddpflow scoring output (which is never written into)."""
+    score = config.score
+    if not score.source or not score.output:
+        raise ConfigError("score.source and score.output are required (or --source and --output)")
+    output = Path(score.output).resolve()
+    state = output / SCORE_DIR
+    scoring_state = (state / SCORE_PLAN).is_file() or (state / SCORE_JOB).is_file()
+    if output.is_dir() and not scoring_state and any(path.name != SCORE_DIR for path in output.iterdir()):
+        raise DataError(f"score.output {output} is not empty and is not a ddpflow scoring output: choose another")
+    return output
+
+
+def scoring_job(config: PipelineConfig, model: ScoringModel, layout: RankLayout) -> ScoreJob:
     """The job every rank reads, with score.output_kind and score.keep resolved for this model, and a relative
     score.source made absolute in the caller's directory (the project root, where `ddpflow score`
     and a deployment's flow run both start): the ranks run elsewhere (the package's root), and the manifest names
     the source a reader can find."""
-    config, score = request.config, request.config.score
-    if not score.source or not score.output:
-        raise ConfigError("score.source and score.output are required (or --source and --output)")
-    meta = request.model_file.meta
+    from training.inference.batch_scoring import ScoreJob
+
+    score = config.score
+    meta = model.file.meta
     task = meta["task"]
     kind = score.output_kind
     if kind == "auto":
@@ -210,8 +289,8 @@ def scoring_job(request: ScoreRequest, layout: RankLayout) -> ScoreJob:
     if kind not in KINDS.get(task, ()):
         raise ConfigError(f"score.output_kind {kind!r}: a {task} model gives {' or '.join(KINDS.get(task, ()))}")
     return ScoreJob(
-        model_path=str(Path(request.model_path).resolve()),
-        model={key: str(value) for key, value in request.model.items()},
+        model_path=str(Path(model.path).resolve()),
+        model={key: str(value) for key, value in model.identity().items()},
         source=in_caller_directory(score.source),
         file_format=score.format,
         output=str(Path(score.output).resolve()),
@@ -243,15 +322,14 @@ def in_caller_directory(path: str) -> str:
 
 def check_output(output: Path, plan: Plan, job: ScoreJob) -> dict[str, Any] | None:
     """None: score into ``output`` (new, or the same scoring stopped part-way); the manifest of the same scoring
-    already complete; a DataError when the directory holds something else, which is never mixed in."""
-    if not output.exists() or not any(output.iterdir()):
-        return None
+    already complete; a DataError when it holds another model's or source's scores, which are never mixed in (a
+    directory that holds anything else: ``scoring_output``)."""
+    from training.inference.batch_scoring import Plan, ScoreJob
+
     state = output / SCORE_DIR
-    if not (state / PLAN_FILE).is_file() or not (state / JOB_FILE).is_file():
-        if not any(path.name != SCORE_DIR for path in output.iterdir()):
-            return None  # a launch stopped before its plan was whole: nothing scored, start over
-        raise DataError(f"score.output {output} is not empty and is not a ddpflow scoring output: choose another")
-    earlier_plan, earlier = Plan.read(state / PLAN_FILE), ScoreJob.read(state / JOB_FILE)
+    if not (state / SCORE_PLAN).is_file() or not (state / SCORE_JOB).is_file():
+        return None  # new, or a launch stopped before its job was written: nothing scored yet
+    earlier_plan, earlier = Plan.read(state / SCORE_PLAN), ScoreJob.read(state / SCORE_JOB)
     mine = (job.model["name"], job.model["version"], plan.fingerprint, job.output_kind, job.keep)
     theirs = (
         earlier.model["name"],

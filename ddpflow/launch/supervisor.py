@@ -230,6 +230,7 @@ def launch(
     preemption: Preemption | None = None,
     cwd: str | os.PathLike = PROJECT_ROOT,
     show_traceback: bool = False,
+    meanwhile: Callable[[], object] | None = None,
 ) -> LaunchResult:
     """Run ``argv`` (torchrun) to completion in ``cwd``, streaming its lines to ``on_line`` in THIS thread.
 
@@ -238,7 +239,9 @@ def launch(
     string it returns is the reason to stop. ``show_traceback``: a failed rank's error ends with the last lines of its
     traceback (a user's training script). ``preemption``: a first stop signal is passed on to the ranks
     (module doc); without it every signal kills the tree. Ranks that stopped preempted: ``LaunchPreempted``,
-    or what the handler of the signal the launcher held back raises.
+    or what the handler of the signal the launcher held back raises. ``meanwhile``: called in this thread once
+    torchrun has started (what its ranks wait for: batch scoring writes their job while they import); an exception
+    out of it stops the tree and is raised, and torchrun's lines wait until it returns.
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -251,6 +254,10 @@ def launch(
         try:
             with launcher.signals_forwarded():  # before start: no window where a signal skips the kill
                 launcher.start()
+                if meanwhile is not None:
+                    launcher.muted = True  # stopped now, torchrun would print only its shutdown: not delivered
+                    meanwhile()
+                    launcher.muted = False
                 stop = launcher.wait(timeout_s, stall_timeout_s, should_cancel, cancel_check_s)
         finally:
             # Any way out of wait() (exception, Prefect's TerminationSignal, KeyboardInterrupt) kills the tree.
@@ -298,6 +305,7 @@ class _Launcher:
         self.replaced: dict[int, object] = {}  # the handlers forward_signals replaced (to chain a held signal)
         self._said_held = False
         self._torchrun_failing = False  # torchrun began printing its failure report
+        self.muted = False  # drain() delivers nothing (launch's ``meanwhile`` failed: the ranks never had work)
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
@@ -405,6 +413,8 @@ class _Launcher:
 
     def drain(self) -> None:
         """Deliver what torchrun printed before it exited (its failure summary)."""
+        if self.muted:
+            return
         deadline = time.monotonic() + 5
         while not self._output_ended and time.monotonic() < deadline:  # ended: nothing left, no wait
             try:

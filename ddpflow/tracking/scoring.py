@@ -4,10 +4,11 @@ the scores, the drift).
 
     model = scoring_model("churn@champion", tracking_uri, scratch_dir)   # or "churn/3", or "runs/x/model.pt"
     model.path, model.identity(), model.file.meta   # a local model.pt (read once); {"name", "version", "uri"}
-    run = ScoringRun(config, model)     # run.start(job, plan) as the ranks start; run.finish(...) once they end
+    run = ScoringRun(config)     # run.start(model, job, plan) as the ranks start; run.finish(...) once they end
 
 MLflow is imported only where it is used: a model.pt scores without importing it before the ranks start, and the
-run's imports and store set-up happen on a thread while the ranks score.
+run's imports and store set-up happen on a thread while the ranks score. Nor is torch imported with this module:
+reading the model does (``scoring_model``), once batch scoring has started torchrun.
 """
 
 from __future__ import annotations
@@ -19,12 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from training.inference.model_file import ModelFile
-
 if TYPE_CHECKING:
     from mlflow import MlflowClient
 
     from ddpflow.tracking.drift import DriftOutcome
+    from training.inference.model_file import ModelFile
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,10 @@ def is_model_file(spec: str) -> bool:
 def scoring_model(spec: str, tracking_uri: str | None, destination: str | Path) -> ScoringModel:
     """``NAME@alias`` / ``NAME/version`` / ``NAME`` (its @champion) from the registry, or a run's ``model.pt``
     (named by its path, versioned by its content's hash); ValueError naming what is not there. The file is read
-    once: its hash, its entries and the copy the ranks load come from the same bytes."""
+    once: its hash, its entries and the copy the ranks load come from the same bytes. Imports torch (reading the
+    file): batch scoring calls it once torchrun has started."""
+    from training.inference.model_file import ModelFile
+
     if is_model_file(spec):
         path = Path(spec).expanduser().resolve()
         if not path.is_file():
@@ -74,15 +77,17 @@ class ScoringRun:
     creates it on a thread, with its tags and the params known then, so MLflow's imports and its store's set-up
     overlap the scoring; ``finish`` waits for that thread and logs the rest; ``fail`` ends a started run FAILED."""
 
-    def __init__(self, config, model: ScoringModel, tracking_uri: str | None = None):
-        self.config, self.model, self.tracking_uri = config, model, tracking_uri
+    def __init__(self, config, tracking_uri: str | None = None):
+        self.config, self.tracking_uri = config, tracking_uri
+        self.model: ScoringModel | None = None  # the model that scores: known once the ranks start
         self.run_id: str | None = None
         self._client: MlflowClient | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    def start(self, job, plan) -> None:
+    def start(self, model: ScoringModel, job, plan) -> None:
         """Create the run on a thread (``job``: the ScoreJob the ranks read; ``plan``: its Plan)."""
+        self.model = model
         self._thread = threading.Thread(target=self._create, args=(job, plan), name="scoring-run", daemon=True)
         self._thread.start()
 

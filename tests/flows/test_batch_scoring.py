@@ -75,6 +75,15 @@ def score_here(champion: dict, **settings):
     return score_table(config.model_copy(update={"score": config.score.model_copy(update=settings)}), on_line=print)
 
 
+def as_registered(model_path: Path, identity: dict[str, str]):
+    """``ScoreRequest.read_model`` for a model.pt standing for a registered version (``identity``)."""
+    from ddpflow.tracking.scoring import ScoringModel
+    from training.inference.model_file import ModelFile
+
+    name, version, uri = identity["name"], identity["version"], identity["uri"]
+    return lambda: ScoringModel(Path(model_path), name, version, uri, ModelFile.read(model_path))
+
+
 def cli_env(**extra: str) -> dict[str, str]:
     env = {key: value for key, value in os.environ.items() if not key.startswith("DDPFLOW_")}
     return {**env, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **extra}
@@ -282,37 +291,48 @@ def test_the_mlflow_run_is_created_while_the_ranks_score_not_after_them(champion
     assert run.data.params["score.output_kind"] == "probabilities" and run.data.params["score.nproc_per_node"] == "2"
 
 
-# What a `ddpflow score` of a model.pt does in its own process, watched from inside it: every open of the model file
-# (an audit hook) and whether MLflow was imported when the ranks were about to start (ScoringRun.start, called then).
+# What a `ddpflow score` of a model.pt does in its own process, watched from inside it (audit hooks): every open of
+# the model file, whether torchrun had started then, whether torch was imported when it started, and whether MLflow
+# was imported when the ranks were about to get their job (ScoringRun.start, called then).
 WATCHED_SCORE = """
 import os, sys
 from pathlib import Path
 
 model = Path(sys.argv[1]).resolve()
-opened = []
-sys.addaudithook(lambda event, args: opened.append(event) if event == "open" and isinstance(args[0], str | os.PathLike)
-                 and Path(args[0]).resolve() == model else None)
+opened, torchrun = [], []
+def watch(event, args):
+    if event == "open" and isinstance(args[0], str | os.PathLike) and Path(args[0]).resolve() == model:
+        opened.append(bool(torchrun))
+    elif event == "subprocess.Popen" and "ddpflow.launch.agent" in [str(arg) for arg in args[1]]:
+        torchrun.append("torch" in sys.modules)
+sys.addaudithook(watch)
 from ddpflow.tracking import scoring
 
 start = scoring.ScoringRun.start
-def start_watched(self, job, plan):
+def start_watched(self, model, job, plan):
     print(f"MLFLOW_BEFORE_RANKS={'mlflow' in sys.modules}", file=sys.stderr)
-    start(self, job, plan)
+    start(self, model, job, plan)
 scoring.ScoringRun.start = start_watched
 from flows.cli import main
 
 status = main(["score", "--model", str(model), *sys.argv[2:]])
-print(f"MODEL_OPENS={len(opened)}", file=sys.stderr)
+print(f"MODEL_OPENS={len(opened)} TORCHRUN_FIRST={all(opened)} TORCH_BEFORE_TORCHRUN={torchrun}", file=sys.stderr)
 sys.exit(status)
 """
 
 
-def test_the_command_reads_the_model_file_once_and_imports_mlflow_only_once_the_ranks_start(champion, tmp_path):
-    """`ddpflow score` of a model.pt: the command opens it once (its hash, its inputs and task, the copy its ranks
-    load and the statistics afterwards all come from those bytes: ddpflow/launch/scoring.py, ModelFile); each rank
-    then loads the copy in OUTPUT/.score once. MLflow (a second of imports) is not imported before the ranks start:
-    which store the command names comes from ddpflow/tracking/tracking_uri.py, and the scoring's MLflow run is
-    created on a thread beside the ranks (ddpflow/tracking/scoring.py: ScoringRun)."""
+def test_torchrun_starts_first_and_the_command_reads_the_model_once_and_imports_mlflow_once_the_ranks_start(
+    champion, tmp_path
+):
+    """`ddpflow score` of a model.pt into a new output: torchrun starts before the command reads the model, and,
+    on a machine without a GPU driver, before it imports torch, so the agent's and the ranks' imports overlap the
+    command's (ddpflow/launch/scoring.py). The command opens the model once (its hash, its inputs and task, the copy
+    its ranks load and the statistics afterwards all come from those bytes: ModelFile); each rank then loads the
+    copy in OUTPUT/.score once. MLflow (a second of imports) is not imported before the ranks get their job: which
+    store the command names comes from ddpflow/tracking/tracking_uri.py, and the scoring's MLflow run is created on
+    a thread beside the ranks (ddpflow/tracking/scoring.py: ScoringRun)."""
+    from training.core.topology import GPU_DRIVER_NODES
+
     model = Path(champion["model_path"]).resolve()
     driver = tmp_path / "watched_score.py"
     driver.write_text(WATCHED_SCORE)
@@ -326,7 +346,9 @@ def test_the_command_reads_the_model_file_once_and_imports_mlflow_only_once_the_
     summary = json.loads(done.stdout)
     assert summary["rows"] == 300 and summary["model"]["name"] == str(model) and summary["mlflow_run_id"]
     assert "MLFLOW_BEFORE_RANKS=False" in done.stderr, done.stderr[-3000:]
-    assert "MODEL_OPENS=1" in done.stderr, done.stderr[-3000:]
+    no_gpu_driver = not any(os.path.exists(node) for node in GPU_DRIVER_NODES)  # else torch counts the GPUs first
+    torch_first = "[False]" if no_gpu_driver else "[True]"
+    assert f"MODEL_OPENS=1 TORCHRUN_FIRST=True TORCH_BEFORE_TORCHRUN={torch_first}" in done.stderr, done.stderr[-3000:]
 
 
 def test_the_scored_tables_drift_is_the_retraining_flows_on_the_same_rows(champion, trained, scored, tmp_path):
@@ -374,13 +396,24 @@ def test_an_output_of_another_model_or_source_is_refused_and_left_as_it_was(cham
     assert sorted(output.rglob("*")) == before
 
 
-def test_a_missing_input_column_is_named_before_any_rank_starts_and_no_manifest_is_written(champion, tmp_path):
+def test_a_missing_input_column_is_said_once_and_nothing_of_the_launch_is_left(champion, tmp_path):
+    """A new output is scored with torchrun started first (ddpflow/launch/scoring.py): the plan's DataError stops
+    the ranks waiting for their job. The command says it once (exit 2), with neither a traceback nor torchrun's
+    shutdown, and removes what the launch created: no output is left that looks begun, and a directory the user
+    made stays as it was."""
     source = source_files(tmp_path / "src", rows=300)
     for path in source.iterdir():
         pq.write_table(pq.read_table(path).drop_columns(["plan"]), path)
-    with pytest.raises(DataError, match=r"day-0.parquet: lacks the model's input columns \['plan'\]"):
-        score_here(champion, source=str(source), output=str(tmp_path / "out"))
-    assert not (tmp_path / "out" / "manifest.json").exists()
+    output = tmp_path / "out"
+    for made in (False, True):
+        if made:
+            output.mkdir()
+        done = cli("--config", str(champion["config_file"]), "--source", str(source), "--output", str(output),
+                   cwd=champion["root"])  # fmt: skip
+        assert done.returncode == 2, done.stderr[-3000:]
+        assert done.stderr.count(r"day-0.parquet: lacks the model's input columns ['plan']") == 1, done.stderr
+        assert "Traceback" not in done.stderr and "[torchrun]" not in done.stderr, done.stderr
+        assert (list(output.iterdir()) == []) if made else not output.exists()
 
 
 def test_a_bad_row_stops_the_scoring_naming_file_row_and_column_with_no_manifest(champion, scored, tmp_path):
@@ -482,14 +515,15 @@ def score_in_one_rank(model_path: Path, source: Path, output: Path, keep: list[s
     """The scoring rank's own program (plan, part files, coverage, manifest) in this process, as a group of one."""
     from training.core.config import TrainConfig
     from training.core.fileio import atomic_write_json
+    from training.core.layout import SCORE_DIR, SCORE_PLAN
     from training.distributed.context import distributed
-    from training.inference.batch_scoring import PLAN_FILE, SCORE_DIR, ScoreJob, make_plan, score_rank
+    from training.inference.batch_scoring import ScoreJob, make_plan, score_rank
     from training.inference.model_file import checkpoint_inputs, load_model_checkpoint
 
     job = ScoreJob(str(model_path), {"name": "m", "version": "1", "uri": str(model_path)}, str(source), "auto",
                    str(output), keep, "probabilities", 16, "skip")  # fmt: skip
     plan = make_plan(job, checkpoint_inputs(load_model_checkpoint(model_path)[1]))
-    atomic_write_json(output / SCORE_DIR / PLAN_FILE, plan.to_dict())
+    atomic_write_json(output / SCORE_DIR / SCORE_PLAN, plan.to_dict())
     with distributed(TrainConfig(backend="gloo", collective_timeout_s=60)) as ctx:
         return score_rank(job, ctx)
 
@@ -666,7 +700,7 @@ def test_a_table_four_times_what_a_rank_may_hold_scores_every_row_once_with_the_
                 "batch_size": 1024, "nproc_per_node": 2, "output_kind": "probabilities"}  # fmt: skip
     config = config.model_copy(update={"score": config.score.model_copy(update=settings)})
     model = {"name": "scorer", "version": "1", "uri": "models:/scorer/1"}
-    manifest = run_scoring(ScoreRequest(config, str(trained["model_path"]), model, on_line=lambda line: None))
+    manifest = run_scoring(ScoreRequest(config, as_registered(trained["model_path"], model), on_line=lambda line: None))
     # (1) Every row once: the manifest's count, and the parts' ids cover the source's ids once.
     rows = 4 * rows_per_file
     assert manifest["rows"] == rows and manifest["scored"] == rows

@@ -18,7 +18,7 @@ import pytest
 from slurm_cluster import processes_mentioning, wait_until
 
 from ddpflow.launch.slurm.commands import SlurmSetupError
-from tests.flows.test_batch_scoring import ROWS, read_scores, source_files, train_scorer
+from tests.flows.test_batch_scoring import ROWS, as_registered, read_scores, source_files, train_scorer
 from tests.flows.test_mixed_inputs import INPUTS
 
 pytestmark = pytest.mark.torchrun
@@ -131,5 +131,5 @@ def test_the_preflight_names_the_score_settings_and_submits_nothing(scorer, slur
     source, output = source_files(tmp_path / "src", rows=300), tmp_path / "out"
     config = on_slurm(scorer, source=str(source), output=str(output), nnodes=3)
     with pytest.raises(SlurmSetupError, match=r"^score\.nnodes: 3 nodes asked for, but partition 'debug' has 2$"):
-        run_scoring(ScoreRequest(config, str(scorer["model_path"]), MODEL))
+        run_scoring(ScoreRequest(config, as_registered(scorer["model_path"], MODEL)))
     assert not output.exists() and jobs_of(slurm_cluster, output) == []

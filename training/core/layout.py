@@ -18,6 +18,10 @@ A training script's run (train.script, docs/scripts.md), besides config.json, tr
                           script/model.pt2     ddpflow.log_model()'s torch.export program (+ example.pt)
                           script/model_refused.json  why ddpflow.log_model() could not export the model
                           script/done.json     the launch ended well (the run is finished, not resumable)
+A scoring's output:   <score.output>/part-NNNNN.parquet   the scores (training/inference/batch_scoring.py)
+                          manifest.json        written last: every row scored once
+                          rejects/             the rows score.on_invalid skipped
+                          .score/              what the ranks read (plan.json, model.pt, job.json), the lock, logs/
 """
 
 from __future__ import annotations
@@ -45,6 +49,10 @@ SCRIPT_PROGRAM = "script/model.pt2"
 SCRIPT_EXAMPLE = "script/example.pt"
 SCRIPT_REFUSED = "script/model_refused.json"
 SCRIPT_DONE = "script/done.json"
+SCORE_DIR = ".score"
+SCORE_JOB = "job.json"  # OUTPUT/.score/job.json: written last, what each scoring rank waits for
+SCORE_PLAN = "plan.json"
+REJECTS = "rejects"
 
 
 def manifest_path(dataset_dir: str | Path) -> Path:

@@ -25,6 +25,7 @@ No torch import at module level: the CLI and the launcher use this without payin
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 from training.core.config import ConfigError, TrainConfig
@@ -73,8 +74,17 @@ def resolve_backend(requested: str, gpus: int) -> str:
     return requested
 
 
+# A GPU torch could use needs one of these: the NVIDIA driver's control node (or its /proc entry, in containers),
+# ROCm's kernel driver, or WSL's GPU paravirtualisation. Without any of them torch.cuda sees no device.
+GPU_DRIVER_NODES = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd", "/dev/dxg")
+
+
 def visible_gpus() -> int:
-    """GPUs torch can see (0 without CUDA). Imports torch, so call it when needed, not at import."""
+    """GPUs torch can see (0 without CUDA). A Linux machine without a GPU driver's node has none: 0 without
+    importing torch (a command that starts torchrun need not pay for it first). Elsewhere torch is asked (imported),
+    so call it when needed, not at import."""
+    if sys.platform == "linux" and not any(os.path.exists(node) for node in GPU_DRIVER_NODES):
+        return 0
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0

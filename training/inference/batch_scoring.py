@@ -12,6 +12,8 @@ with (``training/inference/serving.py``): the same raw-row encoding, the same ou
   about ``batch_size`` rows or more each. Of the ranges not scored yet when the launch began (``ScoreJob.pending``),
   rank r scores ``shard_range(len(pending), r, world)``: every range belongs to one rank, no padding, no
   duplicates, whatever the world size, and a resumed scoring stays balanced.
+- **The job** (``ScoreJob``, ``OUTPUT/.score/job.json``) is written last by the launcher; a rank imports what it
+  needs, then waits for it (``wait_for``): torchrun may start before the command has read the model.
 - **Memory flat**: a range is read in record batches (pyarrow.dataset, no readahead:
   ``training/prepare/sources.py: FileSource.scan``) and each batch is scored and appended to the range's part
   file as it comes; a rank holds one batch.
@@ -49,15 +51,11 @@ import pyarrow.parquet as pq
 from training.core.digest import json_digest
 from training.core.errors import DataError
 from training.core.fileio import atomic_path, atomic_write_json
+from training.core.layout import MANIFEST, REJECTS, SCORE_DIR, SCORE_PLAN
 from training.inference.scored_drift import DriftTally
 from training.kinds.registry import kind_record
 from training.loop.counting import Certificate, lanes
 
-SCORE_DIR = ".score"  # OUTPUT/.score: job.json, plan.json, the launch's lock and torchrun's logs
-JOB_FILE = "job.json"
-PLAN_FILE = "plan.json"
-MANIFEST = "manifest.json"
-REJECTS = "rejects"
 PREDICTION = "prediction"
 FILE_SHIFT = 40  # a row id is file << 40 | row: files of up to 2^40 rows, 2^23 files
 META_PREFIX = b"ddpflow."  # the coverage tally in each part's footer
@@ -454,7 +452,7 @@ def score_rank(job: ScoreJob, ctx) -> dict[str, Any] | None:
     """This rank's ranges, the all-reduced coverage check, and (rank 0) the manifest; returns it on rank 0."""
     from training.inference.predict import Predictor
 
-    plan = Plan.read(Path(job.output) / SCORE_DIR / PLAN_FILE)
+    plan = Plan.read(Path(job.output) / SCORE_DIR / SCORE_PLAN)
     predictor = Predictor.from_checkpoint(job.model_path, batch_size=job.batch_size).to(ctx.device)  # NCCL: its GPU
     scorer = UnitScorer(job, plan, predictor, MemoryLog(ctx.rank))  # the heap test's baseline: the model loaded
     started, cpu_started = time.monotonic(), time.process_time()
@@ -510,6 +508,14 @@ def iter_parts(output: str | os.PathLike) -> Iterator[Path]:
     yield from sorted(Path(output).glob("part-*.parquet"))
 
 
+def wait_for(job_path: Path, poll_s: float = 0.01) -> Path:
+    """The job, once written: torchrun may start before the command has read the model and made the plan
+    (ddpflow/launch/scoring.py); the job is written last, atomically. A command that fails first stops the ranks."""
+    while not job_path.is_file():
+        time.sleep(poll_s)
+    return job_path
+
+
 def main(argv: list[str] | None = None) -> None:
     from training.core.config import TrainConfig
     from training.distributed.context import distributed
@@ -519,11 +525,12 @@ def main(argv: list[str] | None = None) -> None:
         keep_freed_heap,
         record_root_cause,
     )
+    from training.inference.predict import Predictor  # noqa: F401  imported while the command writes the job
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="OUTPUT/.score/job.json")
-    job = ScoreJob.read(parser.parse_args(argv).config)
     die_with_parent()
+    job = ScoreJob.read(wait_for(Path(parser.parse_args(argv).config)))
     keep_freed_heap()  # the forward's intermediate tensors reuse freed heap instead of faulting in fresh pages
 
     @record_root_cause

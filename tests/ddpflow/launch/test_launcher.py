@@ -69,6 +69,17 @@ def test_environment_sets_threads_unbuffered_mlflow_and_error_file(tmp_path):
     assert int(launch_env(config(num_threads=3), tmp_path, gpus=0, base={})["OMP_NUM_THREADS"]) == 3
 
 
+def test_a_fresh_rendezvous_store_per_round_only_where_agents_on_several_nodes_can_restart(tmp_path):
+    """pytorch/pytorch#135712: on one node the ranks keep a key space per restart count in the agent's store
+    (training/distributed/context.py: _group_store); a fresh store per round, which costs every start, is asked
+    for only where agents on several nodes count restarts apart."""
+    several = {"nnodes": 2, "rdzv_endpoint": "head:29400"}
+    trains = ({"max_restarts": 3}, {**several, "max_restarts": 0}, {**several, "max_restarts": 1})
+    fresh = [launch_env(config(**train), tmp_path, gpus=0, base={}).get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+             for train in trains]  # fmt: skip
+    assert fresh == [None, None, "1"]
+
+
 # ----------------------------------------------------------------------------- one rule for ranks and backend
 
 
@@ -135,6 +146,19 @@ def test_the_rank_resolves_its_backend_as_the_preflight_did_on_this_machine():
         assert str(on_rank.value) == str(in_preflight.value)
     else:
         assert distributed.resolve_backend("nccl") == "nccl"
+
+
+def test_the_gpus_are_counted_as_torch_counts_them_and_without_torch_where_no_gpu_driver_is():
+    """``visible_gpus`` answers torch.cuda's count; on a Linux machine with no GPU driver's node it answers 0
+    without importing torch (a `ddpflow score` starts torchrun before it pays for torch)."""
+    probe = ("import sys; from training.core.topology import visible_gpus; gpus = visible_gpus(); "
+             "print(gpus, 'torch' in sys.modules); import torch; "
+             "print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    (counted, imported), (torch_counts,) = (line.split() for line in done.stdout.splitlines())
+    assert counted == torch_counts
+    no_driver = sys.platform == "linux" and not any(os.path.exists(node) for node in topology.GPU_DRIVER_NODES)
+    assert imported == str(not no_driver), done.stdout
 
 
 # ----------------------------------------------------------------------------- preflight

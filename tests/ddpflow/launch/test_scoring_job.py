@@ -12,10 +12,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ddpflow.launch.scoring import ScoreRequest, scoring_job, scoring_layout
+from ddpflow.launch.scoring import scoring_job, scoring_layout
+from ddpflow.tracking.scoring import ScoringModel
 from training.core.config import PipelineConfig, load_config
 from training.inference.batch_scoring import make_plan
-from training.inference.model_file import checkpoint_inputs, load_model_checkpoint
+from training.inference.model_file import ModelFile, checkpoint_inputs, load_model_checkpoint
 
 MODEL = {"name": "churn", "version": "3", "uri": "models:/churn/3"}
 
@@ -52,7 +53,8 @@ def project(tmp_path, monkeypatch) -> Path:
 def job_for(model: Path, **sections):
     config = PipelineConfig.model_validate({"score": {"source": "data/today/", "output": "data/scores/today"},
                                             **sections})  # fmt: skip
-    return scoring_job(ScoreRequest(config, str(model), MODEL), scoring_layout(config))
+    scoring = ScoringModel(model, MODEL["name"], MODEL["version"], MODEL["uri"], ModelFile.read(model))
+    return scoring_job(config, scoring, scoring_layout(config))
 
 
 def test_a_relative_source_is_the_callers_and_the_ranks_read_it_from_anywhere(keyed_model, project, monkeypatch):
