@@ -21,9 +21,10 @@ Where the ranks' CPU goes: the manifest's ``cpu_seconds`` is the CPU time the ra
 over ranks), so with C cores the 2 ranks cannot score faster than C x rows / cpu_seconds, whatever else runs. For
 the scaling ratio that bound is the machine's ceiling (both sides do the same work per row; one rank alone already
 keeps more than one core busy): where it is below 1.6, the target is restated as the target's share of the ideal
-(1.6 of 2 ranks: 0.8) of the ceiling, and never below 1. For the end-to-end ratio the floor is the command's torch
-import and a bare torchrun's ranks joining their group, then every row at that bound: where it is below 1, the
-target is restated as 0.8 of it. For the steady ratio the bound is set by the ranks' own work beyond the forward, so
+(1.6 of 2 ranks: 0.8) of the ceiling, and never below 1. For the end-to-end ratio the floor is a bare torchrun's
+ranks joining their group (``ddpflow score`` starts torchrun before its own work, which overlaps the ranks' start),
+then every row at that bound: where it is below 1, the target is restated as 0.8 of it. For the steady ratio the
+bound is set by the ranks' own work beyond the forward, so
 it is shown, and the target stands.
 """
 
@@ -43,7 +44,6 @@ from bench.workloads.pipeline import NOOP_RANK
 from bench.workloads.tabular import HIDDEN, mixed_prepared_dir, mixed_source_file, set_threads
 
 RANKS = 2
-IMPORT_TORCH = [sys.executable, "-c", "import torch; print('imported')"]  # a process that imports torch, whole
 CORES = len(os.sched_getaffinity(0))  # the cores this process (and the ranks it starts) may run on
 CHUNK = 100_000
 FORWARD_BATCH = 65_536
@@ -59,14 +59,13 @@ def run(ctx: Context) -> list[Result]:
     ours, pyfunc, steady, one_rank = [], [], [], []
     every_core, one_thread = [], []  # the pyfunc's rows/s with torch on every core, on one thread
     busy, one_busy, bound = [], [], []  # cores the ranks kept busy (2 ranks, 1 rank); C x rows / cpu_seconds
-    ranks_ready, torch_import = [], []  # a bare torchrun's no-op ranks ready; one `import torch`
+    ranks_ready = []  # a bare torchrun's no-op ranks ready
     whole, chunked, forward = [], [], []  # the model's forward rates (one call, CPU_FORWARD_ROWS calls; the faster)
     alone, together = [], []  # the forward in one process alone; in RANKS processes at once (their summed rows/s)
     noop = ctx.workdir / "noop_rank.py"
     noop.write_text(NOOP_RANK)
     for repeat in range(ctx.sizes.repeats):
         ranks_ready.append(bare_ranks_ready(noop))
-        torch_import.append(processes.run_timed_lines(IMPORT_TORCH, "imported", timeout=120)[1])
         wall_s, steady_s, cpu_s = score(model, source, ctx.workdir / f"scores-{repeat}", tracking, RANKS)
         ours.append(rows / wall_s)
         steady.append(rows / steady_s)
@@ -93,8 +92,8 @@ def run(ctx: Context) -> list[Result]:
     scaling = Stats.of(a / b for a, b in zip(steady, one_rank, strict=True))
     steady_ceiling = Stats.of(rate / (RANKS * best) for rate, best in zip(bound, forward, strict=True))
     shared = Stats.of(two / (RANKS * one) for two, one in zip(together, alone, strict=True))
-    # End to end at best: the command's torch import, a bare torchrun's ranks ready, then every row at the ceiling.
-    best_s = [a + b + rows / c for a, b, c in zip(torch_import, ranks_ready, bound, strict=True)]
+    # End to end at best: a bare torchrun's ranks ready, then every row at the ceiling.
+    best_s = [ready + rows / ceiling for ready, ceiling in zip(ranks_ready, bound, strict=True)]
     end_to_end_ceiling = Stats.of(rows / s / ref for s, ref in zip(best_s, pyfunc, strict=True))
     scaling_ceiling = Stats.of(a / b for a, b in zip(bound, one_rank, strict=True))
     busy_row = Row(f"the 2 ranks' CPU: cores kept busy (cpu_seconds ÷ seconds) of {CORES}", Stats.of(busy), "cores")
@@ -121,10 +120,9 @@ def run(ctx: Context) -> list[Result]:
                 ),
                 Row("... torch on every core", Stats.of(every_core), "rows/s"),
                 Row("... torch on one thread", Stats.of(one_thread), "rows/s"),
-                Row("the floor before a row: one torch import (the command)", Stats.of(torch_import), "s"),
-                Row("... and a bare torchrun's 2 no-op ranks ready", Stats.of(ranks_ready), "s"),
+                Row("the floor before a row: a bare torchrun's 2 no-op ranks ready", Stats.of(ranks_ready), "s"),
                 Row(
-                    "the floor in all: those, then every row at the 2 ranks' ceiling (Batch scoring, steady)",
+                    "the floor in all: that, then every row at the 2 ranks' ceiling (Batch scoring, steady)",
                     Stats.of(best_s),
                     "s",
                 ),
@@ -134,8 +132,9 @@ def run(ctx: Context) -> list[Result]:
                 f"{rows:,} rows of the mixed table (32 numeric, 4 categorical string columns), one Parquet file",
                 "the reference is the pyfunc's faster thread setting in each repeat: on a loaded machine torch's "
                 "threads wait for each other in every call, and one thread is faster",
-                "the ceiling: the rows over the floor's seconds (the command's torch import, a bare torchrun's ranks "
-                "ready, every row at the ranks' ceiling) ÷ the pyfunc's rows/s; the restated target is 0.8 of it",
+                "the ceiling: the rows over the floor's seconds (a bare torchrun's ranks ready, every row at the "
+                "ranks' ceiling; the command's own work overlaps torchrun's start) ÷ the pyfunc's rows/s; the "
+                "restated target is 0.8 of it",
             ],
         ).bounded_by(end_to_end_ceiling, share=0.8),
         Result(
