@@ -78,7 +78,7 @@ class ScoreRequest:
     cancel_check_s: float = 2.0  # how often should_cancel is asked
     grace_s: float = DEFAULT_GRACE_S
     # Called once the output is known to need scoring, just before the job is written (never for an output already
-    # complete, nor for a refused one): what the caller does while the ranks score (ddpflow/scoring.py: MLflow).
+    # complete, nor for a refused one): what the caller does while the ranks score (the MLflow run: ddpflow/scoring.py).
     on_ranks_start: Callable[[ScoringModel, ScoreJob, Plan], None] | None = None
 
 
