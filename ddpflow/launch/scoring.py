@@ -260,12 +260,14 @@ def scoring_layout(config: PipelineConfig) -> RankLayout:
 
 
 def scoring_output(config: PipelineConfig) -> Path:
-    """score.output, absolute: a ConfigError without score.source or score.output, a DataError for a directory
-    that holds anything but a ddpflow scoring output (which is never written into)."""
+    """score.output, absolute: a ConfigError without score.source or score.output, a DataError for a file or a
+    directory that holds anything but a ddpflow scoring output (which is never written into)."""
     score = config.score
     if not score.source or not score.output:
         raise ConfigError("score.source and score.output are required (or --source and --output)")
     output = Path(score.output).resolve()
+    if output.exists() and not output.is_dir():
+        raise DataError(f"score.output {output} is a file: name a directory (new, empty, or a scoring output)")
     state = output / SCORE_DIR
     scoring_state = (state / SCORE_PLAN).is_file() or (state / SCORE_JOB).is_file()
     if output.is_dir() and not scoring_state and any(path.name != SCORE_DIR for path in output.iterdir()):

@@ -89,3 +89,23 @@ def test_a_source_without_the_models_key_is_named_with_how_to_keep_none(keyed_mo
     job = job_for(keyed_model)
     with pytest.raises(DataError, match=r"lacks the score.keep columns \['customer_id'\].*score.keep, \[\] for none"):
         make_plan(job, checkpoint_inputs(load_model_checkpoint(keyed_model)[1]))
+
+
+def test_an_output_that_is_a_file_or_holds_other_files_is_refused_before_anything_runs(project):
+    """``scoring_output``: checked before torchrun starts, so nothing is written into what is refused."""
+    from ddpflow.launch.scoring import scoring_output
+    from training.core.errors import DataError
+
+    (project / "data" / "scores").mkdir(parents=True)
+    (project / "data" / "scores" / "notes.txt").write_text("mine")
+    (project / "data" / "scores.parquet").write_bytes(b"PAR1")
+    for output, why in (
+        ("data/scores", "is not empty and is not a ddpflow scoring output"),
+        ("data/scores.parquet", "is a file"),
+    ):
+        config = PipelineConfig.model_validate({"score": {"source": "data/today/", "output": output}})
+        with pytest.raises(DataError, match=why):
+            scoring_output(config)
+    assert sorted(path.name for path in (project / "data" / "scores").iterdir()) == ["notes.txt"]
+    config = PipelineConfig.model_validate({"score": {"source": "data/today/", "output": "data/new"}})
+    assert scoring_output(config) == project / "data" / "new" and not (project / "data" / "new").exists()
