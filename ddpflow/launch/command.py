@@ -99,11 +99,11 @@ def launch_env(
     extra = [config.train.preempt_signal] if config.train.preempt_signal else []
     env["PET_SIGNALS_TO_HANDLE"] = ",".join(dict.fromkeys(["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", *extra]))
     # torchrun 2.13 shares one TCP store across restarts, so a restarted rank can read a dead peer's address and
-    # hang in gloo's connectFullMesh (pytorch/pytorch#135712). On one node the ranks keep a key space per restart
-    # count (training/distributed/context.py: _group_store); agents on several nodes count restarts apart, so there
-    # a fresh store per round avoids it. Only there: rank 0 hosting a store of its own adds about 0.6 s to the
-    # ranks' start (docs/benchmarks.md, Launch latency).
-    if config.train.max_restarts > 0 and config.train.nnodes > 1:
+    # fail or hang in gloo's connectFullMesh (pytorch/pytorch#135712; a user's script that calls
+    # init_process_group itself meets it on one node too). A fresh store per round avoids it. Only where torchrun
+    # can restart: rank 0 hosting a store of its own adds about 0.6 s to the ranks' start (docs/benchmarks.md,
+    # Launch latency), and a launch without restarts (batch scoring's) has no second round to isolate.
+    if config.train.max_restarts > 0:
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     if tracking_uri:
         env["MLFLOW_TRACKING_URI"] = tracking_uri

@@ -151,7 +151,9 @@ def test_cancelling_the_flow_run_cancels_the_job_and_nothing_is_left(champion, c
         run_root = Path(hanging["train"]["run_root"]).resolve()
         marker = wait_until(lambda: next(run_root.glob("*/.fault-hang-done"), None), 180, "rank 1 to hang")
     run_dir = marker.parent
-    [job_id] = jobs_of(slurm_cluster, run_dir)
+    # The job that hangs: the newest (a job whose agent lost its rendezvous port to another process between the
+    # script's pick and torchrun's bind fails at once, and the task's retry submits another).
+    job_id = max(jobs_of(slurm_cluster, run_dir), key=int)
     flow_run_id = running_flow_run_id(hanging["train"]["run_root"])
     with get_client(sync_client=True) as client:
         client.set_flow_run_state(flow_run_id, Cancelling(), force=True)

@@ -69,15 +69,15 @@ def test_environment_sets_threads_unbuffered_mlflow_and_error_file(tmp_path):
     assert int(launch_env(config(num_threads=3), tmp_path, gpus=0, base={})["OMP_NUM_THREADS"]) == 3
 
 
-def test_a_fresh_rendezvous_store_per_round_only_where_agents_on_several_nodes_can_restart(tmp_path):
-    """pytorch/pytorch#135712: on one node the ranks keep a key space per restart count in the agent's store
-    (training/distributed/context.py: _group_store); a fresh store per round, which costs every start, is asked
-    for only where agents on several nodes count restarts apart."""
+def test_a_fresh_rendezvous_store_per_round_only_where_torchrun_can_restart(tmp_path):
+    """pytorch/pytorch#135712: a restarted round that shares the agent's store can read a dead peer's address (a
+    user's script meets it on one node: tests/flows/test_scripts.py, the killed rank). A fresh store per round,
+    which costs every start, is asked for only where torchrun can restart (batch scoring's launches cannot)."""
     several = {"nnodes": 2, "rdzv_endpoint": "head:29400"}
-    trains = ({"max_restarts": 3}, {**several, "max_restarts": 0}, {**several, "max_restarts": 1})
+    trains = ({"max_restarts": 3}, {"max_restarts": 0}, {**several, "max_restarts": 0}, {**several, "max_restarts": 1})
     fresh = [launch_env(config(**train), tmp_path, gpus=0, base={}).get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
              for train in trains]  # fmt: skip
-    assert fresh == [None, None, "1"]
+    assert fresh == ["1", None, None, "1"]
 
 
 # ----------------------------------------------------------------------------- one rule for ranks and backend
