@@ -57,8 +57,8 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def train_line_prefix() -> str:
-    """``training.core.log.TRAIN``: the prefix of the training program's own lines."""
-    from training.core.log import TRAIN
+    """``training.core.fileio.TRAIN``: the prefix of the training program's own lines."""
+    from training.core.fileio import TRAIN
 
     return TRAIN
 

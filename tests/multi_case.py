@@ -146,8 +146,8 @@ def case_log(run_dir: Path, rank: int):
 def main(argv: list[str] | None = None) -> None:
     """Join the group once (the first case's config; ``launch_cases`` checked the others agree), then train
     each case with ``training.train``'s own Trainer and hooks."""
+    from training.core.fileio import log_main
     from training.core.job import TrainJob
-    from training.core.log import log_main
     from training.distributed.context import distributed
     from training.distributed.process import die_with_parent, preload_in_background
     from training.loop.hooks import hooks_from_env

@@ -35,8 +35,8 @@ import hashlib
 from pathlib import Path
 
 from training.core.config import PipelineConfig
+from training.core.fileio import DATA, log_rank
 from training.core.location import join
-from training.core.log import DATA, log_rank
 from training.core.manifest import Manifest
 from training.loading.stream import stream_wanted
 from training.models.registry import with_resolved_model

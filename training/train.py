@@ -33,8 +33,8 @@ import time
 from typing import Any
 
 from training.checkpoint.files import Checkpointer, TrainState, on_cpu
+from training.core.fileio import DATA, log_main, log_rank
 from training.core.job import TrainJob
-from training.core.log import DATA, log_main, log_rank
 from training.core.manifest import read_manifest
 from training.core.rng import seed_process
 from training.distributed.context import DistContext, GradientAllReduce, distributed, shard_range, wrap_model
@@ -55,7 +55,7 @@ from training.loading.node_cache import open_splits
 from training.loading.placement import place_splits
 from training.loading.stream import open_stream
 from training.loop.counting import Certificate, MetricsSink, OptimizerSteps, Progress, StepMetricsSink
-from training.loop.hooks import NO_HOOKS, TrainHooks, hooks_from_env
+from training.loop.hooks import TrainHooks, hooks_from_env
 from training.loop.nonfinite import NonFiniteStep, non_finite_error
 from training.loop.optim import build_optimizer, build_schedule, optimizer_states_per_parameter
 from training.loop.preemption import Preempted, PreemptionWatch
@@ -98,19 +98,23 @@ class Trainer:
     """One rank's training: the constructor builds it, step by step, in the order it happens; ``train()`` runs it."""
 
     def __init__(
-        self, job: TrainJob, ctx: DistContext, hooks: TrainHooks = NO_HOOKS, preemption: PreemptionWatch | None = None
+        self,
+        job: TrainJob,
+        ctx: DistContext,
+        hooks: TrainHooks | None = None,
+        preemption: PreemptionWatch | None = None,
     ):
-        self.job, self.ctx, self.hooks = job, ctx, hooks
+        self.job, self.ctx, self.hooks = job, ctx, hooks  # hooks: a test's (loop/hooks.py), None in a user's run
         self.preemption = preemption or PreemptionWatch()  # none installed: never preempted
         self.config = job.config.train
-        self.checkpointer = Checkpointer(
-            job.run_dir, ctx, hooks.before_checkpoint_write, hooks.after_checkpoint_write, self.config.keep_checkpoints
-        )
+        writes = (hooks.before_checkpoint_write, hooks.after_checkpoint_write) if hooks else ()
+        self.checkpointer = Checkpointer(job.run_dir, ctx, *writes, keep_steps=self.config.keep_checkpoints)
         self.sink = MetricsSink(job.run_dir, enabled=ctx.is_main)
         self._configure_process()
         train_split = self._load_data()
         saved = self._build_model()
-        hooks.on_model(self.model)
+        if hooks:
+            hooks.on_model(self.model)
         self._place_data(train_split)
         self._build_optimizer()
         self.state.resume_or_seed(saved)
@@ -179,7 +183,7 @@ class Trainer:
         self.val_batch_size = train.rank_val_batch_size(ctx.world_size, rows)  # bounds validation's memory
         if self.stream is not None:  # windows on the host, each batch copied over; decoded in the rank
             self.batches = self.stream.batches(
-                ctx, self.batch_size, train.seed, self.objective.split_row_weights, self.hooks.epoch_rows
+                ctx, self.batch_size, train.seed, self.objective.split_row_weights, self._reorder()
             )
             self.expected_coverage = Certificate.expected(rows)
             return
@@ -195,9 +199,13 @@ class Trainer:
         self.batches = TrainBatches(
             train_split, ctx.rank, ctx.world_size, self.batch_size, train.seed, ctx.device, train.pin_memory,
             row_weights=self.objective.split_row_weights(train_split), num_workers=self._decode_workers(),
-            reorder=self.hooks.epoch_rows,
+            reorder=self._reorder(),
         )  # fmt: skip
         self.expected_coverage = Certificate.expected(rows)  # each row once per epoch
+
+    def _reorder(self):
+        """A test hook's view of the rank's epoch order (``TrainHooks.epoch_rows``); None: the sampler's."""
+        return self.hooks.epoch_rows if self.hooks else None
 
     def _decode_workers(self) -> int:
         """train.num_workers resolved for this rank, its threads shrunk to make room (distributed/process.py)."""
@@ -294,7 +302,8 @@ class Trainer:
         started = time.monotonic()
         sums = self._train_pass(epoch)
         train_seconds = time.monotonic() - started
-        self.hooks.end_epoch(epoch)
+        if self.hooks:
+            self.hooks.end_epoch(epoch)
         weight = self.batches.global_weight(0, len(self.batches))  # the epoch's Σ w, all ranks (train_loss)
         trained = sums.all_reduced(self.ctx)
         coverage = self._check_coverage(epoch, trained)

@@ -21,8 +21,8 @@ from slurm_cluster import processes_mentioning, wait_until
 from ddpflow.launch.slurm.commands import SlurmSetupError
 from tests.flows.flow_logs import flow_run_logs
 from training.core.config import ConfigError
+from training.core.fileio import TRAIN
 from training.core.layout import FINAL_MODEL
-from training.core.log import TRAIN
 from training.core.manifest import read_manifest
 
 pytestmark = pytest.mark.torchrun

@@ -30,8 +30,8 @@ from devtools.ports import free_port
 from tests.flows.cli_runs import cli_env
 from tests.flows.serve_cli import as_from_a_terminal
 from tests.flows.terminal import TerminalRun
+from training.core.fileio import TRAIN
 from training.core.layout import FINAL_MODEL, PREEMPTED
-from training.core.log import TRAIN
 
 REPO = Path(__file__).resolve().parents[2]
 TRAINING_LINE = TRAIN  # a rank's own log line: the ranks are up and training

@@ -62,9 +62,8 @@ from torch import nn
 
 from training.checkpoint.identity import identity_differences, training_identity
 from training.core.config import PipelineConfig
-from training.core.fileio import atomic_write
+from training.core.fileio import atomic_write, log_main, log_rank
 from training.core.layout import FINAL_MODEL, LAST_CHECKPOINT
-from training.core.log import log_main, log_rank
 from training.core.rng import rank_seed, seed_process
 from training.loop.selection import Selection
 from training.models.registry import ModelSpec

@@ -1,5 +1,7 @@
-"""The one atomic write: a reader sees the old file or the new one, never half of either; and the one durable
-append of a JSON line (``append_line``), read back whole (``read_metrics_lines``: a torn last line is skipped).
+"""How a rank writes, in one place: the one atomic write (a reader sees the old file or the new one, never half of
+either), the one durable append of a JSON line (``append_line``, read back whole by ``read_metrics_lines``: a torn
+last line is skipped), and its log lines (``log_main``, ``log_rank``: stdout, which torchrun's ``--tee`` keeps as
+the rank's file under RUN_DIR/logs) with their prefixes.
 
 A temp file in the target's directory (same filesystem, so the rename is
 atomic), written, fsynced, made 0644, then ``os.replace``d over the target;
@@ -13,12 +15,16 @@ the temp file is removed and the previous file is untouched.
         pq.write_table(table, temp)                   # error file): temp replaces path when the block ends
     append_line(path, record)                         # metrics.jsonl, steps.jsonl: one line, fsynced
     read_metrics_lines(path)                          # their lines (and a script's reports.jsonl)
+    log_main(ctx.is_main, "data: ...")                # [train] data: ...  (rank 0 only)
+    log_rank(f"rank {rank}: ...", DATA)               # [data] rank 1: ...  (whichever rank)
 
 Everything in the project that publishes a file others read (checkpoints,
 manifest.json, eval/metrics.json, stack.json, pid files, bench results, a
-scoring's parts and model copy, a rank's error file) goes through here. It
-lives in ``training/`` because that is the lowest layer: ranks use it, and so
-can everything above them.
+scoring's parts and model copy, a rank's error file) goes through here, and
+rank code prints through ``log_main``/``log_rank``: tests and bench/ match
+lines by ``TRAIN`` and ``DATA``, never by literals. It lives in ``training/``
+because that is the lowest layer: ranks use it, and so can everything above
+them.
 """
 
 from __future__ import annotations
@@ -109,3 +115,25 @@ def read_metrics_lines(path: str | Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return records
+
+
+TRAIN = "[train]"  # what the training program says (rank 0, or the rank a fault hit)
+DATA = "[data]"  # how each rank got its splits (the node cache)
+
+
+def log_rank(message: str, prefix: str = TRAIN) -> None:
+    """A line from this rank, whichever rank it is."""
+    print(f"{prefix} {message}", flush=True)
+
+
+def log_main(is_main: bool, message: str, prefix: str = TRAIN) -> None:
+    """A line from rank 0 only: what every rank would say alike."""
+    if is_main:
+        log_rank(message, prefix)
+
+
+def byte_size(count: int) -> str:
+    """A size in bytes as a log line writes it: kB below 1e6, MB below 1e9, else GB."""
+    if count < 1e6:
+        return f"{count / 1e3:,.1f} kB"
+    return f"{count / 1e6:,.1f} MB" if count < 1e9 else f"{count / 1e9:,.2f} GB"

@@ -61,7 +61,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from training.core import topology
 from training.core.config import TrainConfig
-from training.core.log import log_rank
+from training.core.fileio import log_rank
 
 # DDP's default puts the first gradient bucket at 1 MiB and the rest at 25 MiB,
 # so even a small model pays two all-reduces per step. Passing the cap

@@ -24,7 +24,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from training.core.log import byte_size
+from training.core.fileio import byte_size
 from training.loading.batches import SplitArrays
 
 DataOnDevice = bool | Literal["auto"]

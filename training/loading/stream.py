@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from training.core.config import DataConfig
-from training.core.log import DATA, byte_size, log_main, log_rank
+from training.core.fileio import DATA, byte_size, log_main, log_rank
 from training.core.manifest import Manifest, SplitInfo
 from training.kinds.base import Codec
 from training.kinds.ragged import BatchContext, RaggedArray

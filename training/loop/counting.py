@@ -58,9 +58,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from training.core.fileio import append_line, read_metrics_lines
+from training.core.fileio import append_line, log_rank, read_metrics_lines
 from training.core.layout import METRICS, STEP_CURVES, STEP_KEY, STEP_METRICS
-from training.core.log import log_rank
 
 if TYPE_CHECKING:
     from training.loading.batches import Batch

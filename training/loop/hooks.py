@@ -38,8 +38,8 @@ checkpoint records the rows from its first step on (the steps before it are not 
 again), so a test can see where it began.
 
 They reach the training program through ONE object, ``TrainHooks``: the
-Trainer calls its methods at fixed points, and by default (``NO_HOOKS``) each
-does nothing. ``hooks_from_env`` builds the hooks these variables ask for.
+Trainer calls its methods at fixed points. ``hooks_from_env`` builds the hooks these variables ask for, and
+None when none is set: a user's run calls no code of this module.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from training.core.log import log_rank
+from training.core.fileio import log_rank
 
 if TYPE_CHECKING:
     from training.loading.batches import Batch
@@ -69,7 +69,7 @@ _FIELDS = ("rank", "epoch", "step", "seconds")
 
 
 class TrainHooks:
-    """Where tests reach into a rank's training. Every method does nothing here; ``NO_HOOKS`` is the default."""
+    """Where tests reach into a rank's training. Every method does nothing here: a test overrides the ones it needs."""
 
     def on_model(self, model: torch.nn.Module) -> None:
         """The plain module, once built (before DDP wraps it)."""
@@ -101,16 +101,6 @@ class TrainHooks:
 
     def after_checkpoint_write(self, path: Path) -> None:
         """On the writing rank, once ``path`` is complete."""
-
-
-class NoHooks(TrainHooks):
-    """No test hook: the micro-batches pass through untouched (no call of this module per micro-batch)."""
-
-    def micro_batches(self, epoch: int, batches: Iterable[Batch], start: int) -> Iterable[tuple[int, Batch]]:
-        return enumerate(batches, start)
-
-
-NO_HOOKS = NoHooks()
 
 
 @dataclass(frozen=True)
@@ -277,11 +267,11 @@ class EnvironmentHooks(TrainHooks):
         self.keeper.after_write(path)
 
 
-def hooks_from_env(rank: int, run_dir: str | Path) -> TrainHooks:
-    """``NO_HOOKS`` unless a test hook's variable is set."""
+def hooks_from_env(rank: int, run_dir: str | Path) -> TrainHooks | None:
+    """None unless a test hook's variable is set."""
     keep = os.environ.get(KEEP_CHECKPOINTS_ENV) == "1"
     if not os.environ.get(FAULT_ENV) and os.environ.get(RECORD_INDICES_ENV) != "1" and not keep:
-        return NO_HOOKS
+        return None
     return EnvironmentHooks(
         FaultInjector.from_env(rank, run_dir), IndexRecorder.from_env(rank, run_dir), CheckpointKeeper(keep)
     )

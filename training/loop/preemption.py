@@ -40,9 +40,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from training.core.config import TrainConfig
-from training.core.fileio import atomic_write_json
+from training.core.fileio import atomic_write_json, log_main
 from training.core.layout import PREEMPTED, run_file
-from training.core.log import log_main
 
 BASE_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 

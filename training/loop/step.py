@@ -91,7 +91,8 @@ class EpochPass:
     """This rank's micro-batches of an epoch, from the resumed one on (module docstring): each trained by ``step``
     and counted; between two optimizer steps, a step checkpoint (``save_step``, with the micro-batches done and
     the sums so far) when ``schedule`` says so, or a stop when ``stops`` says some rank was told (then the
-    checkpoint, then ``on_stop``'s exception). ``hooks``: the test hooks' view of the micro-batches."""
+    checkpoint, then ``on_stop``'s exception). ``hooks``: the test hooks' view of the micro-batches (None: they
+    pass through untouched)."""
 
     def __init__(
         self,
@@ -101,7 +102,7 @@ class EpochPass:
         records: tuple[Progress, StepMetricsSink],
         save_step: Callable[[int, int, EpochSums], None],
         on_stop: Callable[[int, int], Exception],
-        hooks: TrainHooks,
+        hooks: TrainHooks | None,
     ):
         self.step, self.schedule, self.stops, self.hooks = step, schedule, stops, hooks
         self.progress, self.curves = records
@@ -114,7 +115,9 @@ class EpochPass:
         self.progress.start_epoch(epoch)
         self.curves.start_epoch(epoch)
         step.model.train()
-        for index, batch in self.hooks.micro_batches(epoch, step.batches.epoch(epoch, start), start):
+        batches = step.batches.epoch(epoch, start)
+        numbered = self.hooks.micro_batches(epoch, batches, start) if self.hooks else enumerate(batches, start)
+        for index, batch in numbered:
             sums.add(batch, step(index, batch))  # forward, backward; on a step's last micro-batch, the update
             self.progress.step(index + 1, sums)
             stop = self.stops.due(index)  # the same answer on every rank: the flags came with the gradients

@@ -5,7 +5,7 @@ prepare stage: one rank builds the cache while the others wait, every rank maps
 the same file, the data equals ``load_split``'s, a truncated or corrupt file is
 rebuilt, two runs starting together build it once, and a read-only cache dir
 stops the run with the setting named. Which rank built, waited or found the
-file ready is read from each rank's data line (``training.core.log.DATA``, then
+file ready is read from each rank's data line (``training.core.fileio.DATA``, then
 ``rank R: ...``). A split placed on a GPU yields the host's batches (GPU only:
 on the CPU the device is the host, and placement keeps the shared mapping).
 """
@@ -26,8 +26,8 @@ import pytest
 import torch
 
 from training.core.config import load_config
+from training.core.fileio import DATA
 from training.core.job import TrainJob
-from training.core.log import DATA
 from training.core.manifest import read_manifest
 from training.loading import node_cache
 from training.loading.batches import RankSampler, SplitTensors, TrainBatches, load_split
