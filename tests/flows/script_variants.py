@@ -48,17 +48,20 @@ def failing_on_rank_one(text: str) -> str:
 
 def killed_once(text: str) -> str:
     """Rank 1 is killed (SIGKILL, as the OOM killer does) in epoch 1 of torchrun's first attempt only, once rank 0
-    has saved epoch 0's snapshot (the tutorial has no barrier after its save: without the wait, the kill can stop
-    rank 0 before it saves, and the restart begins from nothing)."""
+    has saved epoch 0's snapshot whole, that is once torch can load it (the tutorial has no barrier after its
+    save: without the wait, the kill can stop rank 0 before it saves, and the restart begins from nothing)."""
     text = _edit(text, "import argparse\n", "import argparse\nimport signal\nimport time\n")
     return _edit(
         text,
         "    def _run_epoch(self, epoch):\n",
         "    def _run_epoch(self, epoch):\n"
         '        if self.global_rank == 1 and epoch == 1 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":\n'
-        "            while not os.path.exists(self.snapshot_path):\n"
-        "                time.sleep(0.05)\n"
-        "            time.sleep(1.0)  # the save is whole\n"
+        "            while True:\n"
+        "                try:\n"
+        '                    torch.load(self.snapshot_path, map_location="cpu")\n'
+        "                    break\n"
+        "                except Exception:  # not there yet, or half written\n"
+        "                    time.sleep(0.05)\n"
         "            os.kill(os.getpid(), signal.SIGKILL)\n",
     )
 
